@@ -1,0 +1,216 @@
+"""Configuration of the Mula model family (dense and Mixture-of-Experts decoders).
+
+This file imports only `transformers` (and the standard library) so that a saved checkpoint folder
+carrying it loads with `trust_remote_code=True` where ds_optimus is not installed.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, ClassVar
+
+from transformers.configuration_utils import PreTrainedConfig
+
+# ---------------------------------------------------------------------------------------------
+# Presets.
+#
+# mula-1b and mula-7b-a1b take the published shapes of OLMo-1B and OLMoE-1B-7B. Their names
+# follow those models' own rounding: OLMoE-1B-7B has 6.9B total and 1.3B active parameters,
+# OLMo-1B has 1.18B (embeddings included in both), so "A1B" and "1B" are not within 5 % of
+# the counts; the published counts are what the tests hold them to.
+#
+# The larger three are fixed by their names only (total, active). Their shapes are derived as one
+# family that keeps OLMoE's recipe (fine-grained SwiGLU experts, top-8 softmax routing, QK-norm,
+# head_dim 128, untied 50304-token embeddings) and grows it the way the public MoE families do:
+#   * active parameters set width and depth: per MoE layer, attention costs 2*H*(nh+nkv)*128 and
+#     the 8 routed experts cost 8*3*H*I; embeddings cost 2*V*H;
+#   * the total/active ratio (10x, 14x, 22x) sets the expert count E, since experts hold almost
+#     all parameters and only k/E of them run per token.
+# mula-20b-a2b: OLMoE's width (2048) at twice the depth (32) with twice the experts, each made
+#   finer (I=768): 20.08B total, 1.96B active.
+# mula-100b-a7b: width 4096 (32 heads, GQA with 4 KV heads to keep the KV cache small at this
+#   width), 48 layers, 160 experts of I=1024 (H/4): 98.89B total, 7.09B active. 160 experts
+#   divide evenly over EP sizes 1, 2, 4, 5, 8, 10, 16, 20, 32, 40, 80 and 160.
+# mula-220b-a10b: the same width and expert size, deeper (68 layers) and 256 experts:
+#   222.09B total, 9.90B active. 256 experts divide over every power-of-two EP size up to 256.
+# `count_parameters` in ds_optimus.hf_models.mula computes these figures from a config.
+# ---------------------------------------------------------------------------------------------
+
+_OLMO_VOCAB = dict(vocab_size=50304, pad_token_id=1, eos_token_id=50279, bos_token_id=None)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "mula-1b": dict(
+        **_OLMO_VOCAB, hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
+        intermediate_size=8192, num_experts=0, tie_word_embeddings=True,
+    ),
+    "mula-7b-a1b": dict(
+        **_OLMO_VOCAB, hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
+        num_experts=64, num_experts_per_tok=8, moe_intermediate_size=1024,
+    ),
+    "mula-20b-a2b": dict(
+        **_OLMO_VOCAB, hidden_size=2048, num_hidden_layers=32, num_attention_heads=16,
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+    ),
+    "mula-100b-a7b": dict(
+        **_OLMO_VOCAB, hidden_size=4096, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, num_experts=160, num_experts_per_tok=8, moe_intermediate_size=1024,
+    ),
+    "mula-220b-a10b": dict(
+        **_OLMO_VOCAB, hidden_size=4096, num_hidden_layers=68, num_attention_heads=32,
+        num_key_value_heads=4, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=1024,
+    ),
+    # CPU-sized models for tests, examples and the tiny pretraining run.
+    "mula-tiny-dense": dict(
+        vocab_size=4096, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=384, num_experts=0, tie_word_embeddings=True,
+        max_position_embeddings=1024, pad_token_id=0, eos_token_id=1,
+    ),
+    "mula-tiny-moe": dict(
+        vocab_size=4096, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=384, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=128, max_position_embeddings=1024, pad_token_id=0, eos_token_id=1,
+    ),
+}
+
+
+class MulaConfig(PreTrainedConfig):
+    r"""Configuration of a Mula decoder: dense when `num_experts == 0`, Mixture-of-Experts otherwise.
+
+    Architecture: RMSNorm pre-norm decoder layers, optional QK-norm (over the full q and k width, as
+    OLMoE does), RoPE, grouped-query attention, SwiGLU feed-forward. MoE layers route each token to
+    `num_experts_per_tok` of `num_experts` SwiGLU experts whose weights are stacked
+    (`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`, gate rows before up rows).
+
+    MoE-specific fields:
+        num_experts: routed experts per MoE layer; 0 makes every layer dense.
+        num_experts_per_tok: top-k.
+        moe_intermediate_size: intermediate size of one expert.
+        moe_layer_freq: every `moe_layer_freq`-th layer is MoE (layer i is MoE when
+            `(i + 1) % moe_layer_freq == 0`), the others use the dense FFN of `intermediate_size`.
+        router_scoring_func: "softmax" (OLMoE, Mixtral) or "sigmoid" (DeepSeek-V3).
+        norm_topk_prob: renormalise the k selected routing weights to sum to 1.
+        router_aux_loss_coef: weight of the load-balancing loss added to the LM loss.
+        router_z_loss_coef: weight of the router z-loss added to the LM loss.
+        router_bias_update_rate: > 0 enables DeepSeek-V3-style auxiliary-loss-free balancing: a
+            per-expert bias steers top-k selection (not the weights) and is moved by this rate
+            towards balance by `MulaForCausalLM.update_router_bias()`.
+    """
+
+    model_type: ClassVar[str] = "mula"
+    keys_to_ignore_at_inference: ClassVar[list[str]] = ["past_key_values"]
+    attribute_map: ClassVar[dict[str, str]] = {"num_local_experts": "num_experts"}
+
+    vocab_size: int = 50304
+    hidden_size: int = 2048
+    intermediate_size: int = 8192
+    num_hidden_layers: int = 16
+    num_attention_heads: int = 16
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 4096
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-5
+    use_cache: bool = True
+    pad_token_id: int | None = 1
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = 50279
+    tie_word_embeddings: bool = False
+    rope_parameters: dict | None = None
+    attention_bias: bool = False
+    attention_dropout: float = 0.0
+    qk_norm: bool = True
+    clip_qkv: float | None = None
+    # Mixture of Experts
+    num_experts: int = 64
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 1024
+    moe_layer_freq: int = 1
+    router_scoring_func: str = "softmax"
+    norm_topk_prob: bool = False
+    router_aux_loss_coef: float = 0.01
+    router_z_loss_coef: float = 0.001
+    router_bias_update_rate: float = 0.0
+    output_router_logits: bool = False
+
+    def __post_init__(self, **kwargs):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None and self.num_attention_heads and self.hidden_size % self.num_attention_heads == 0:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        super().__post_init__(**kwargs)
+        self.check()
+
+    # -- validation --------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise `ValueError` with a one-line message naming the first invalid field."""
+
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(f"invalid MulaConfig: {message}")
+
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "max_position_embeddings"):
+            value = getattr(self, name)
+            need(isinstance(value, int) and value > 0, f"{name} must be a positive integer, got {value!r}")
+        need(self.hidden_size % self.num_attention_heads == 0 or self.head_dim is not None,
+             f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
+             f"({self.num_attention_heads}); set head_dim explicitly")
+        need(isinstance(self.head_dim, int) and self.head_dim > 0 and self.head_dim % 2 == 0,
+             f"head_dim must be a positive even integer (RoPE rotates pairs), got {self.head_dim!r}")
+        need(self.num_attention_heads % self.num_key_value_heads == 0,
+             f"num_attention_heads ({self.num_attention_heads}) is not divisible by "
+             f"num_key_value_heads ({self.num_key_value_heads})")
+        need(isinstance(self.num_experts, int) and self.num_experts >= 0,
+             f"num_experts must be an integer >= 0, got {self.num_experts!r}")
+        dense_layers = self.num_experts == 0 or self.moe_layer_freq > 1
+        if dense_layers:
+            need(isinstance(self.intermediate_size, int) and self.intermediate_size > 0,
+                 f"intermediate_size must be a positive integer, got {self.intermediate_size!r}")
+        if self.num_experts > 0:
+            need(isinstance(self.num_experts_per_tok, int) and self.num_experts_per_tok >= 1,
+                 f"num_experts_per_tok must be >= 1, got {self.num_experts_per_tok!r}")
+            need(self.num_experts_per_tok <= self.num_experts,
+                 f"num_experts_per_tok ({self.num_experts_per_tok}) is larger than num_experts "
+                 f"({self.num_experts})")
+            need(isinstance(self.moe_intermediate_size, int) and self.moe_intermediate_size > 0,
+                 f"moe_intermediate_size must be a positive integer, got {self.moe_intermediate_size!r}")
+            need(isinstance(self.moe_layer_freq, int) and 1 <= self.moe_layer_freq <= self.num_hidden_layers,
+                 f"moe_layer_freq must be an integer in [1, num_hidden_layers={self.num_hidden_layers}], "
+                 f"got {self.moe_layer_freq!r}")
+            need(self.router_scoring_func in ("softmax", "sigmoid"),
+                 f"router_scoring_func must be 'softmax' or 'sigmoid', got {self.router_scoring_func!r}")
+            for name in ("router_aux_loss_coef", "router_z_loss_coef", "router_bias_update_rate"):
+                value = getattr(self, name)
+                need(isinstance(value, (int, float)) and value >= 0, f"{name} must be >= 0, got {value!r}")
+        need(self.hidden_act == "silu" or self.hidden_act in _known_activations(),
+             f"hidden_act {self.hidden_act!r} is not a known activation")
+        need(self.rms_norm_eps > 0, f"rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+
+    # -- derived -----------------------------------------------------------------------------
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether decoder layer `layer_idx` uses routed experts (else the dense SwiGLU FFN)."""
+        return self.num_experts > 0 and (layer_idx + 1) % self.moe_layer_freq == 0
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Indices of the MoE decoder layers."""
+        return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> MulaConfig:
+        """Build the config of a named preset (see `PRESETS`), with keyword overrides."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown Mula preset {name!r}; choose one of: {', '.join(PRESETS)}")
+        values = copy.deepcopy(PRESETS[name])
+        values.update(overrides)
+        return cls(**values)
+
+
+def _known_activations() -> set[str]:
+    from transformers.activations import ACT2CLS
+
+    return set(ACT2CLS)
+
+
+__all__ = ["MulaConfig", "PRESETS"]

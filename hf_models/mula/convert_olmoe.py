@@ -1,0 +1,290 @@
+"""Convert between Transformers OLMoE checkpoints and Mula checkpoints.
+
+    python -m ds_optimus.hf_models.mula.convert_olmoe INPUT OUTPUT             # OLMoE -> Mula
+    python -m ds_optimus.hf_models.mula.convert_olmoe INPUT OUTPUT --to-olmoe  # Mula -> OLMoE
+
+OLMoE input may store experts stacked (`mlp.experts.gate_up_proj [E, 2I, H]`, Transformers v5) or
+one module per expert (`mlp.experts.{e}.gate_proj.weight`, Transformers v4 and the Hub files).
+Mula uses the stacked layout with the same tensor names, so conversion is a config translation
+plus stacking. OLMoE output is written per expert by default (loads in Transformers v4 and v5);
+`--layout stacked` writes the v5 layout. Tensors keep their dtype.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+from .configuration_mula import MulaConfig
+
+_PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# Buffers some older checkpoints saved; they are recomputed from the config.
+_IGNORED = re.compile(r"(rotary_emb\.inv_freq|rotary_emb\.original_inv_freq)$")
+
+
+class ConversionError(ValueError):
+    """A checkpoint that cannot be converted; the message names the problem in one line."""
+
+
+# -- reading ------------------------------------------------------------------------------------
+def read_config(folder: Path) -> dict:
+    """The parsed config.json of a checkpoint folder."""
+    if not folder.is_dir():
+        raise ConversionError(f"{folder} is not a folder")
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ConversionError(f"{folder} is not a checkpoint folder: it has no config.json")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConversionError(f"{path} is not valid JSON: {err}") from None
+
+
+def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint folder (safetensors or PyTorch .bin, single file or sharded)."""
+    from safetensors.torch import load_file
+
+    def load_bin(path: Path) -> dict[str, torch.Tensor]:
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+    for single, index, loader in (
+        ("model.safetensors", "model.safetensors.index.json", load_file),
+        ("pytorch_model.bin", "pytorch_model.bin.index.json", load_bin),
+    ):
+        if (folder / single).is_file():
+            files = [folder / single]
+        elif (folder / index).is_file():
+            weight_map = json.loads((folder / index).read_text()).get("weight_map", {})
+            files = [folder / name for name in sorted(set(weight_map.values()))]
+        else:
+            continue
+        tensors: dict[str, torch.Tensor] = {}
+        for file in files:
+            if not file.is_file():
+                raise ConversionError(f"weight shard {file.name} listed in the index is missing from {folder}")
+            try:
+                tensors.update(loader(file))
+            except Exception as err:  # corrupt or truncated files surface here
+                raise ConversionError(f"cannot read {file}: {str(err).splitlines()[0]}") from None
+        return tensors
+    raise ConversionError(f"{folder} has no weights (model.safetensors or pytorch_model.bin, single or sharded)")
+
+
+# -- configs ------------------------------------------------------------------------------------
+_SHARED_KEYS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "hidden_act", "max_position_embeddings", "initializer_range", "rms_norm_eps", "use_cache",
+    "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings", "attention_bias",
+    "attention_dropout", "clip_qkv", "num_experts_per_tok", "num_experts", "router_aux_loss_coef",
+    "norm_topk_prob",
+)
+
+
+def _rope_parameters(cfg: dict) -> dict:
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    rope.setdefault("rope_type", rope.pop("type", "default"))
+    rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    return rope
+
+
+def olmoe_to_mula_config(cfg: dict) -> MulaConfig:
+    """Translate an OLMoE config.json dict into the equivalent MulaConfig."""
+    values = {key: cfg[key] for key in _SHARED_KEYS if key in cfg}
+    if "num_experts" not in values and "num_local_experts" in cfg:
+        values["num_experts"] = cfg["num_local_experts"]
+    if "intermediate_size" not in cfg:
+        raise ConversionError("OLMoE config.json has no intermediate_size")
+    values["moe_intermediate_size"] = cfg["intermediate_size"]
+    values["intermediate_size"] = cfg["intermediate_size"]  # unused: every OLMoE layer is MoE
+    values.update(qk_norm=True, moe_layer_freq=1, router_scoring_func="softmax",
+                  rope_parameters=_rope_parameters(cfg))
+    if cfg.get("torch_dtype") or cfg.get("dtype"):
+        values["dtype"] = cfg.get("dtype") or cfg.get("torch_dtype")
+    return MulaConfig(**values)
+
+
+def mula_to_olmoe_config(config: MulaConfig):
+    """Translate a MulaConfig into an OlmoeConfig; refuse features OLMoE cannot express."""
+    from transformers import OlmoeConfig
+
+    unsupported = []
+    if config.num_experts == 0 or config.moe_layer_freq != 1:
+        unsupported.append("dense FFN layers (OLMoE has MoE in every layer)")
+    if not config.qk_norm:
+        unsupported.append("qk_norm=False")
+    if config.router_scoring_func != "softmax":
+        unsupported.append(f"router_scoring_func={config.router_scoring_func!r}")
+    if config.router_bias_update_rate > 0:
+        unsupported.append("router bias balancing (router_bias_update_rate > 0)")
+    if config.head_dim * config.num_attention_heads != config.hidden_size:
+        unsupported.append("head_dim * num_attention_heads != hidden_size")
+    if unsupported:
+        raise ConversionError("OLMoE cannot express this Mula model: " + "; ".join(unsupported))
+    values = {key: getattr(config, key) for key in _SHARED_KEYS}
+    values.update(intermediate_size=config.moe_intermediate_size, rope_parameters=dict(config.rope_parameters))
+    return OlmoeConfig(**values)
+
+
+# -- tensors ------------------------------------------------------------------------------------
+def stack_experts(tensors: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
+    """Replace per-expert gate/up/down weights by stacked gate_up_proj [E, 2I, H] and down_proj [E, H, I]."""
+    per_layer: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
+    out = {}
+    for name, tensor in tensors.items():
+        match = _PER_EXPERT.match(name)
+        if match:
+            layer, expert, kind = int(match[1]), int(match[2]), match[3]
+            per_layer.setdefault(layer, {}).setdefault(expert, {})[kind] = tensor
+        else:
+            out[name] = tensor
+    for layer, experts in sorted(per_layer.items()):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        if sorted(experts) != list(range(num_experts)):
+            missing = sorted(set(range(num_experts)) - set(experts))
+            extra = sorted(set(experts) - set(range(num_experts)))
+            what = f"missing experts {missing}" if missing else f"experts {extra} beyond num_experts={num_experts}"
+            raise ConversionError(f"layer {layer}: {what}")
+        for expert, parts in experts.items():
+            for kind in ("gate_proj", "up_proj", "down_proj"):
+                if kind not in parts:
+                    raise ConversionError(f"missing tensor {prefix}.{expert}.{kind}.weight")
+            shapes = {tuple(p.shape) for p in (parts["gate_proj"], parts["up_proj"])}
+            if len(shapes) != 1:
+                raise ConversionError(f"{prefix}.{expert}: gate_proj and up_proj shapes differ ({sorted(shapes)})")
+        ordered = [experts[e] for e in range(num_experts)]
+        try:
+            out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([p["gate_proj"], p["up_proj"]]) for p in ordered])
+            out[f"{prefix}.down_proj"] = torch.stack([p["down_proj"] for p in ordered])
+        except RuntimeError:
+            raise ConversionError(f"{prefix}: experts of layer {layer} have different shapes") from None
+    return out
+
+
+def unstack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of `stack_experts`: one gate/up/down weight per expert."""
+    out = {}
+    for name, tensor in tensors.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            prefix = name[: -len("gate_up_proj")]
+            for e, w in enumerate(tensor):
+                gate, up = w.chunk(2, dim=0)
+                out[f"{prefix}{e}.gate_proj.weight"] = gate.contiguous()
+                out[f"{prefix}{e}.up_proj.weight"] = up.contiguous()
+        elif name.endswith(".mlp.experts.down_proj"):
+            prefix = name[: -len("down_proj")]
+            for e, w in enumerate(tensor):
+                out[f"{prefix}{e}.down_proj.weight"] = w.contiguous()
+        else:
+            out[name] = tensor
+    return out
+
+
+def _load_into_meta_model(model_cls, config, tensors: dict[str, torch.Tensor]):
+    """Build `model_cls(config)` without allocating, check every tensor's name and shape, and assign."""
+    with torch.device("meta"):
+        model = model_cls(config)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    tied = "lm_head.weight" if config.tie_word_embeddings else None
+    tensors = {k: v for k, v in tensors.items() if not _IGNORED.search(k) and k != tied}
+    for name, shape in expected.items():
+        if name == tied:
+            continue
+        if name not in tensors:
+            raise ConversionError(f"missing tensor {name} (expected shape {list(shape)})")
+        if tuple(tensors[name].shape) != shape:
+            raise ConversionError(
+                f"tensor {name} has shape {list(tensors[name].shape)}, the config implies {list(shape)}"
+            )
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise ConversionError(f"unexpected tensor {unexpected[0]}{more} for this config")
+    dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    if len(dtypes) == 1:
+        config.dtype = dtypes.pop()
+    model.load_state_dict(tensors, strict=False, assign=True)
+    if tied:
+        model.tie_weights()
+    return model
+
+
+# -- the two directions -------------------------------------------------------------------------
+def convert_olmoe_to_mula(input_dir: str | Path, output_dir: str | Path) -> Path:
+    """Write a Mula checkpoint folder equivalent to the OLMoE checkpoint in `input_dir`."""
+    from .modeling_mula import MulaForCausalLM
+
+    input_dir, output_dir = Path(input_dir), Path(output_dir)
+    cfg = read_config(input_dir)
+    if cfg.get("model_type") != "olmoe":
+        raise ConversionError(f"{input_dir} is not an OLMoE checkpoint (model_type={cfg.get('model_type')!r})")
+    try:
+        config = olmoe_to_mula_config(cfg)
+    except ConversionError:
+        raise
+    except (ValueError, TypeError) as err:
+        raise ConversionError(str(err).splitlines()[0]) from None
+    tensors = stack_experts(read_tensors(input_dir), config.num_experts)
+    model = _load_into_meta_model(MulaForCausalLM, config, tensors)
+    _save(model, output_dir)
+    return output_dir
+
+
+def convert_mula_to_olmoe(input_dir: str | Path, output_dir: str | Path, layout: str = "per-expert") -> Path:
+    """Write an OLMoE checkpoint folder equivalent to the Mula checkpoint in `input_dir`."""
+    from transformers import OlmoeForCausalLM
+
+    input_dir, output_dir = Path(input_dir), Path(output_dir)
+    cfg = read_config(input_dir)
+    if cfg.get("model_type") != "mula":
+        raise ConversionError(f"{input_dir} is not a Mula checkpoint (model_type={cfg.get('model_type')!r})")
+    known = {k: v for k, v in cfg.items() if k not in ("auto_map", "architectures", "transformers_version")}
+    try:
+        config = MulaConfig(**known)
+    except (ValueError, TypeError) as err:
+        raise ConversionError(str(err).splitlines()[0]) from None
+    olmoe_config = mula_to_olmoe_config(config)
+    tensors = read_tensors(input_dir)
+    if any(_PER_EXPERT.match(name) for name in tensors):
+        tensors = stack_experts(tensors, config.num_experts)
+    model = _load_into_meta_model(OlmoeForCausalLM, olmoe_config, tensors)
+    _save(model, output_dir, save_original_format=(layout == "per-expert"))
+    return output_dir
+
+
+def _save(model, output_dir: Path, **kwargs) -> None:
+    if output_dir.exists() and any(output_dir.iterdir()):
+        raise ConversionError(f"output folder {output_dir} exists and is not empty")
+    output_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(output_dir, **kwargs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m ds_optimus.hf_models.mula.convert_olmoe",
+        description="Convert a Transformers OLMoE checkpoint folder to a Mula folder, or back with --to-olmoe.",
+    )
+    parser.add_argument("input", help="checkpoint folder to read")
+    parser.add_argument("output", help="folder to write (must not exist or be empty)")
+    parser.add_argument("--to-olmoe", action="store_true", help="convert Mula -> OLMoE instead")
+    parser.add_argument("--layout", choices=("per-expert", "stacked"), default="per-expert",
+                        help="expert layout of OLMoE output (default: per-expert, readable by Transformers v4 and v5)")
+    args = parser.parse_args(argv)
+    try:
+        if args.to_olmoe:
+            out = convert_mula_to_olmoe(args.input, args.output, args.layout)
+        else:
+            out = convert_olmoe_to_mula(args.input, args.output)
+    except ConversionError as err:
+        print(f"convert_olmoe: error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

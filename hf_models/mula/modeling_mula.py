@@ -1,0 +1,626 @@
+"""Mula: dense and Mixture-of-Experts decoder language models as Hugging Face Transformers classes.
+
+This file imports only `torch` and `transformers` at module level, so a saved checkpoint folder that
+carries it (with `auto_map` in config.json) loads with `trust_remote_code=True` where ds_optimus is
+not installed. With ds_optimus installed, `import ds_optimus` registers these classes with the Auto
+classes and faster experts implementations with Transformers' experts interface.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.integrations import use_experts_implementation
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+
+from .configuration_mula import MulaConfig
+
+
+class MulaRMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, scaled by a learned weight."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        x = hidden_states.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(input_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+class MulaRotaryEmbedding(nn.Module):
+    """Rotary position embedding: cos/sin tables for the given positions."""
+
+    def __init__(self, config: MulaConfig):
+        super().__init__()
+        self.config = config
+        self.max_seq_len_cached = config.max_position_embeddings
+        self.original_max_seq_len = config.max_position_embeddings
+        self.rope_type = config.rope_parameters.get("rope_type", "default")
+        if self.rope_type == "default":
+            inv_freq, self.attention_scaling = self.compute_default_rope_parameters(config)
+        else:
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[self.rope_type](config)
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
+
+    @staticmethod
+    def compute_default_rope_parameters(config: MulaConfig, **kwargs) -> tuple[torch.Tensor, float]:
+        """Inverse frequencies theta^(-2i/d) of plain RoPE, and a scaling of 1."""
+        dim = config.head_dim
+        exponent = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim
+        return 1.0 / (config.rope_parameters["rope_theta"] ** exponent), 1.0
+
+    @torch.no_grad()
+    @dynamic_rope_update
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """Map the halves (a, b) of the last dimension to (-b, a)."""
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim: int = 1):
+    """Rotate query and key states [B, heads, S, D] by the position tables cos/sin [B, S, D]."""
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Plain softmax attention with grouped-query heads; returns (output [B, S, h, D], weights)."""
+    groups = module.num_key_value_groups
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    out = torch.matmul(weights, value).transpose(1, 2).contiguous()
+    return out, weights
+
+
+class MulaAttention(nn.Module):
+    """Grouped-query self-attention with optional QK-norm over the full q/k width and RoPE."""
+
+    def __init__(self, config: MulaConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.num_key_value_groups = self.num_heads // self.num_kv_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        if config.qk_norm:
+            self.q_norm = MulaRMSNorm(self.num_heads * self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = MulaRMSNorm(self.num_kv_heads * self.head_dim, eps=config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        q = self.q_proj(hidden_states)
+        k = self.k_proj(hidden_states)
+        v = self.v_proj(hidden_states)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.config.clip_qkv is not None:
+            bound = self.config.clip_qkv
+            q, k, v = q.clamp(-bound, bound), k.clamp(-bound, bound), v.clamp(-bound, bound)
+        q = q.view(hidden_shape).transpose(1, 2)
+        k = k.view(hidden_shape).transpose(1, 2)
+        v = v.view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        out, weights = attention_interface(
+            self, q, k, v, attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        out = self.o_proj(out.reshape(*input_shape, -1).contiguous())
+        return out, weights
+
+
+class MulaMLP(nn.Module):
+    """Dense SwiGLU feed-forward: down(act(gate(x)) * up(x))."""
+
+    def __init__(self, config: MulaConfig, intermediate_size: int | None = None):
+        super().__init__()
+        inter = intermediate_size or config.intermediate_size
+        self.gate_proj = nn.Linear(config.hidden_size, inter, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, inter, bias=False)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MulaTopKRouter(nn.Module):
+    """Top-k router: softmax (or sigmoid) scores over experts, optional DeepSeek-V3 selection bias.
+
+    Returns raw router logits [T, E] (for the auxiliary losses), the routing weights [T, k] and the
+    chosen expert indices [T, k]. The selection bias only changes which experts are chosen; the
+    weights come from the unbiased scores, as in DeepSeek-V3's auxiliary-loss-free balancing.
+    """
+
+    def __init__(self, config: MulaConfig):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.num_experts = config.num_experts
+        self.norm_topk_prob = config.norm_topk_prob
+        self.scoring_func = config.router_scoring_func
+        self.weight = nn.Parameter(torch.zeros(self.num_experts, config.hidden_size))
+        self.uses_bias = config.router_bias_update_rate > 0
+        if self.uses_bias:
+            # Persistent: the bias is training state and must survive save/load.
+            self.expert_bias = nn.Buffer(torch.zeros(self.num_experts, dtype=torch.float32))
+            # Token-slot counts since the last bias update (not saved: a step-local statistic).
+            self.load_since_update = nn.Buffer(torch.zeros(self.num_experts, dtype=torch.float32), persistent=False)
+
+    def scores(self, router_logits: torch.Tensor) -> torch.Tensor:
+        """Per-expert affinities in float32 from router logits."""
+        if self.scoring_func == "sigmoid":
+            return torch.sigmoid(router_logits.float())
+        return F.softmax(router_logits, dim=-1, dtype=torch.float32)
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        router_logits = F.linear(hidden_states, self.weight)
+        scores = self.scores(router_logits)
+        if self.uses_bias:
+            _, top_k_index = torch.topk(scores + self.expert_bias, self.top_k, dim=-1)
+            top_k_weights = scores.gather(-1, top_k_index)
+            if self.training:
+                with torch.no_grad():
+                    self.load_since_update += torch.bincount(
+                        top_k_index.reshape(-1), minlength=self.num_experts
+                    ).to(self.load_since_update.dtype)
+        else:
+            top_k_weights, top_k_index = torch.topk(scores, self.top_k, dim=-1)
+        if self.norm_topk_prob or self.scoring_func == "sigmoid":
+            # Sigmoid scores do not sum to one, so they are always renormalised over the chosen k.
+            top_k_weights = top_k_weights / top_k_weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+        return router_logits, top_k_weights.to(router_logits.dtype), top_k_index
+
+    @torch.no_grad()
+    def update_bias(self, rate: float, group=None) -> None:
+        """Move the selection bias by `rate` towards balance: up for under-loaded experts, down for
+        over-loaded ones. With `group`, the loads are first summed over that process group."""
+        load = self.load_since_update
+        if group is not None:
+            torch.distributed.all_reduce(load, group=group)
+        if load.sum() > 0:
+            self.expert_bias += rate * torch.sign(load.mean() - load)
+        load.zero_()
+
+
+@use_experts_implementation
+class MulaExperts(nn.Module):
+    """The experts of one MoE layer as stacked tensors: gate_up_proj [E, 2I, H], down_proj [E, H, I].
+
+    `forward` here is the reference implementation (sort token slots by expert, one matmul pair per
+    expert that received tokens, weighted sum over the k slots of each token in float32). The
+    decorator dispatches to `config._experts_implementation` when set: Transformers' "grouped_mm" and
+    "batched_mm", or the kernels that ds_optimus registers.
+    """
+
+    def __init__(self, config: MulaConfig):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.hidden_dim = config.hidden_size
+        self.intermediate_dim = config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        num_tokens, top_k = top_k_index.shape
+        flat_experts = top_k_index.reshape(-1)
+        order = torch.argsort(flat_experts, stable=True)  # slot ids grouped by expert
+        token_of_slot = order // top_k
+        counts = torch.bincount(flat_experts, minlength=self.num_experts).tolist()
+        rows_by_expert = hidden_states[token_of_slot].split(counts)
+        outputs = []
+        for expert, rows in enumerate(rows_by_expert):
+            if rows.shape[0] == 0:
+                continue
+            gate, up = F.linear(rows, self.gate_up_proj[expert]).chunk(2, dim=-1)
+            outputs.append(F.linear(self.act_fn(gate) * up, self.down_proj[expert]))
+        final = hidden_states.new_zeros(num_tokens, self.hidden_dim, dtype=torch.float32)
+        if outputs:
+            weighted = torch.cat(outputs).float() * top_k_weights.reshape(-1)[order, None].float()
+            final = final.index_add(0, token_of_slot, weighted)
+        return final.to(hidden_states.dtype)
+
+
+class MulaSparseMoeBlock(nn.Module):
+    """Router plus experts; returns (output, router_logits, top_k_index)."""
+
+    def __init__(self, config: MulaConfig):
+        super().__init__()
+        self.gate = MulaTopKRouter(config)
+        self.experts = MulaExperts(config)
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        shape = hidden_states.shape
+        flat = hidden_states.reshape(-1, shape[-1])
+        router_logits, top_k_weights, top_k_index = self.gate(flat)
+        out = self.experts(flat, top_k_index, top_k_weights)
+        return out.reshape(shape), router_logits, top_k_index
+
+
+class MulaDecoderLayer(GradientCheckpointingLayer):
+    """Pre-norm decoder layer: x + attn(norm(x)), then + ffn(norm(x)) with a dense or MoE FFN.
+
+    Returns (hidden_states, router_logits, top_k_index); the last two are None in dense layers.
+    Router outputs are returned rather than recorded by hooks so that the auxiliary losses keep
+    their gradients under both reentrant and non-reentrant activation checkpointing.
+    """
+
+    def __init__(self, config: MulaConfig, layer_idx: int):
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.self_attn = MulaAttention(config, layer_idx)
+        self.is_moe = config.is_moe_layer(layer_idx)
+        self.mlp = MulaSparseMoeBlock(config) if self.is_moe else MulaMLP(config)
+        self.input_layernorm = MulaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = MulaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        residual = hidden_states
+        attn_out, _ = self.self_attn(
+            self.input_layernorm(hidden_states),
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = residual + attn_out
+        residual = hidden_states
+        normed = self.post_attention_layernorm(hidden_states)
+        if self.is_moe:
+            ffn_out, router_logits, top_k_index = self.mlp(normed)
+        else:
+            ffn_out, router_logits, top_k_index = self.mlp(normed), None, None
+        return residual + ffn_out, router_logits, top_k_index
+
+
+class MulaPreTrainedModel(PreTrainedModel):
+    config_class = MulaConfig
+    config: MulaConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["MulaDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _can_compile_fullgraph = False  # the reference experts path syncs on token counts
+    _can_record_outputs = {
+        "hidden_states": OutputRecorder(MulaDecoderLayer, index=0),
+        "attentions": OutputRecorder(MulaAttention, index=1),
+    }
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            module.weight.normal_(mean=0.0, std=std)
+            if module.bias is not None:
+                module.bias.zero_()
+        elif isinstance(module, nn.Embedding):
+            module.weight.normal_(mean=0.0, std=std)
+            if module.padding_idx is not None:
+                module.weight[module.padding_idx].zero_()
+        elif isinstance(module, MulaRMSNorm):
+            module.weight.fill_(1.0)
+        elif isinstance(module, MulaExperts):
+            module.gate_up_proj.normal_(mean=0.0, std=std)
+            module.down_proj.normal_(mean=0.0, std=std)
+        elif isinstance(module, MulaTopKRouter):
+            module.weight.normal_(mean=0.0, std=std)
+            if module.uses_bias:
+                module.expert_bias.zero_()
+                module.load_since_update.zero_()
+        elif isinstance(module, MulaRotaryEmbedding):
+            inv_freq, _ = (
+                module.compute_default_rope_parameters(module.config)
+                if module.rope_type == "default"
+                else ROPE_INIT_FUNCTIONS[module.rope_type](module.config)
+            )
+            module.inv_freq.copy_(inv_freq)
+            module.original_inv_freq.copy_(inv_freq)
+
+
+class MulaModel(MulaPreTrainedModel):
+    """The Mula decoder stack without a language-model head."""
+
+    def __init__(self, config: MulaConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList([MulaDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = MulaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = MulaRotaryEmbedding(config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> MulaModelOutputWithPast:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if position_ids is None:
+            past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen).unsqueeze(0)
+
+        causal_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+        )
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        router_logits, router_indices = [], []
+        for layer in self.layers[: self.config.num_hidden_layers]:
+            hidden_states, layer_logits, layer_index = layer(
+                hidden_states,
+                attention_mask=causal_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                position_embeddings=position_embeddings,
+                **kwargs,
+            )
+            if layer_logits is not None:
+                router_logits.append(layer_logits)
+                router_indices.append(layer_index)
+        hidden_states = self.norm(hidden_states)
+        return MulaModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            past_key_values=past_key_values,
+            router_logits=tuple(router_logits) or None,
+            router_indices=tuple(router_indices) or None,
+        )
+
+
+@dataclass
+class MulaModelOutputWithPast(MoeModelOutputWithPast):
+    """`MoeModelOutputWithPast` plus the experts each MoE layer chose (`router_indices`, [T, k] each)."""
+
+    router_indices: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class MulaCausalLMOutputWithPast(MoeCausalLMOutputWithPast):
+    """`MoeCausalLMOutputWithPast` with the loss split into its parts.
+
+    loss = lm_loss + router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss (when labels are
+    given). `aux_loss` is the load-balancing loss (1.0 at perfect balance), `z_loss` the router
+    z-loss, both averaged over MoE layers; `tokens_per_expert` [moe_layers, E] counts token slots.
+    """
+
+    lm_loss: torch.Tensor | None = None
+    z_loss: torch.Tensor | None = None
+    tokens_per_expert: torch.Tensor | None = None
+
+
+def router_losses(
+    router_logits: tuple[torch.Tensor, ...],
+    router_indices: tuple[torch.Tensor, ...],
+    num_experts: int,
+    scoring_func: str = "softmax",
+    token_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Load-balancing loss, router z-loss (both averaged over layers) and token-slot counts per layer.
+
+    Load balance (Switch/OLMoE form, normalised to 1.0 when balanced):
+    E * sum_e f_e * p_e, where f_e is the fraction of token slots sent to expert e and p_e the mean
+    router probability of e. Z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2.
+    `token_mask` [T] (1 = real token) leaves padding out of all three.
+    """
+    balance, zloss, counts = [], [], []
+    for logits, index in zip(router_logits, router_indices):
+        logits = logits.float()
+        top_k = index.shape[-1]
+        if scoring_func == "sigmoid":
+            probs = torch.sigmoid(logits)
+            probs = probs / probs.sum(-1, keepdim=True)
+        else:
+            probs = torch.softmax(logits, dim=-1)
+        one_hot_slots = F.one_hot(index, num_experts).sum(1).float()  # [T, E]
+        lse_sq = torch.logsumexp(logits, dim=-1).pow(2)
+        if token_mask is not None:
+            mask = token_mask.to(logits.device, torch.float32)
+            denom = mask.sum().clamp_min(1.0)
+            slot_frac = (one_hot_slots * mask[:, None]).sum(0) / (denom * top_k)
+            mean_prob = (probs * mask[:, None]).sum(0) / denom
+            zloss.append((lse_sq * mask).sum() / denom)
+            counts.append((one_hot_slots * mask[:, None]).sum(0).detach())
+        else:
+            slot_frac = one_hot_slots.mean(0) / top_k
+            mean_prob = probs.mean(0)
+            zloss.append(lse_sq.mean())
+            counts.append(one_hot_slots.sum(0).detach())
+        balance.append(num_experts * (slot_frac.detach() * mean_prob).sum())
+    return torch.stack(balance).mean(), torch.stack(zloss).mean(), torch.stack(counts)
+
+
+class MulaForCausalLM(MulaPreTrainedModel, GenerationMixin):
+    """Mula decoder with a language-model head; adds the router losses to the LM loss."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+    def __init__(self, config: MulaConfig):
+        super().__init__(config)
+        self.model = MulaModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_router_logits: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> MulaCausalLMOutputWithPast | tuple:
+        config = self.config
+        output_router_logits = config.output_router_logits if output_router_logits is None else output_router_logits
+        outputs: MulaModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            return_dict=True,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
+            hidden_states = hidden_states[:, -logits_to_keep:, :]
+        elif isinstance(logits_to_keep, torch.Tensor):
+            hidden_states = hidden_states[:, logits_to_keep, :]
+        logits = self.lm_head(hidden_states)
+
+        loss = lm_loss = aux_loss = z_loss = tokens_per_expert = None
+        if labels is not None:
+            lm_loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
+            loss = lm_loss
+        if outputs.router_logits is not None and (labels is not None or output_router_logits):
+            token_mask = None
+            if attention_mask is not None and attention_mask.numel() == outputs.router_logits[0].shape[0]:
+                token_mask = attention_mask.reshape(-1)  # padding-aware only when the mask covers these tokens
+            aux_loss, z_loss, tokens_per_expert = router_losses(
+                outputs.router_logits, outputs.router_indices, config.num_experts,
+                config.router_scoring_func, token_mask,
+            )
+            if loss is not None:
+                if config.router_aux_loss_coef:
+                    loss = loss + config.router_aux_loss_coef * aux_loss.to(loss.device)
+                if config.router_z_loss_coef:
+                    loss = loss + config.router_z_loss_coef * z_loss.to(loss.device)
+
+        result = MulaCausalLMOutputWithPast(
+            loss=loss,
+            lm_loss=lm_loss,
+            aux_loss=aux_loss,
+            z_loss=z_loss,
+            tokens_per_expert=tokens_per_expert,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            router_logits=outputs.router_logits if output_router_logits else None,
+        )
+        return_dict = config.return_dict if return_dict is None else return_dict
+        return result if return_dict else result.to_tuple()
+
+    def update_router_bias(self, group=None) -> None:
+        """Apply one auxiliary-loss-free balancing update to every MoE router (call once per
+        optimizer step; `group` sums the expert loads over a data-parallel process group first)."""
+        rate = self.config.router_bias_update_rate
+        if rate <= 0:
+            raise ValueError("update_router_bias needs config.router_bias_update_rate > 0")
+        for module in self.modules():
+            if isinstance(module, MulaTopKRouter):
+                module.update_bias(rate, group)
+
+
+__all__ = [
+    "MulaForCausalLM",
+    "MulaModel",
+    "MulaPreTrainedModel",
+    "MulaCausalLMOutputWithPast",
+    "MulaModelOutputWithPast",
+    "router_losses",
+]

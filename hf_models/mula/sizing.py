@@ -1,0 +1,36 @@
+"""Parameter counts of a Mula config, without building the model."""
+
+from __future__ import annotations
+
+from .configuration_mula import MulaConfig
+
+
+def count_parameters(config: MulaConfig) -> tuple[int, int]:
+    """Return (total, active) parameter counts of `MulaForCausalLM(config)`.
+
+    Active parameters are those one token uses in a forward pass: everything except the
+    (num_experts - num_experts_per_tok) experts a token is not routed to in each MoE layer.
+    Embeddings and the LM head count (once when tied), as in the OLMoE and OLMo papers.
+    """
+    h, v = config.hidden_size, config.vocab_size
+    q_width = config.num_attention_heads * config.head_dim
+    kv_width = config.num_key_value_heads * config.head_dim
+    bias = config.attention_bias
+    attention = h * (2 * q_width + 2 * kv_width) + (q_width + 2 * kv_width + h if bias else 0)
+    if config.qk_norm:
+        attention += q_width + kv_width
+    layer_norms = 2 * h
+    dense_ffn = 3 * h * config.intermediate_size
+
+    total = active = 0
+    for layer in range(config.num_hidden_layers):
+        if config.is_moe_layer(layer):
+            expert = 3 * h * config.moe_intermediate_size
+            router = config.num_experts * h
+            total += attention + layer_norms + router + config.num_experts * expert
+            active += attention + layer_norms + router + config.num_experts_per_tok * expert
+        else:
+            total += attention + layer_norms + dense_ffn
+            active += attention + layer_norms + dense_ffn
+    embeddings = v * h * (1 if config.tie_word_embeddings else 2) + h  # + final norm
+    return total + embeddings, active + embeddings

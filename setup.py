@@ -1,0 +1,45 @@
+"""Install metadata of ds_optimus.
+
+`ops/` and `hf_models/` sit at the repository root and install as `ds_optimus.ops` and
+`ds_optimus.hf_models`.
+"""
+
+from setuptools import find_packages, setup
+
+packages = ["ds_optimus"] + [f"ds_optimus.{p}" for p in find_packages("ds_optimus")]
+packages += ["ds_optimus.ops"] + [f"ds_optimus.ops.{p}" for p in find_packages("ops")]
+packages += ["ds_optimus.hf_models"] + [f"ds_optimus.hf_models.{p}" for p in find_packages("hf_models")]
+
+setup(
+    name="ds_optimus",
+    version="0.1.0",
+    description="A DeepSpeed extension for pretraining Mixture-of-Experts language models (the Mula family)",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=packages,
+    package_dir={
+        "ds_optimus": "ds_optimus",
+        "ds_optimus.ops": "ops",
+        "ds_optimus.hf_models": "hf_models",
+    },
+    install_requires=[
+        # Any torch >= 2.6 works; on CPU-only machines install torch==2.13.0 first (see README).
+        "torch>=2.6",
+        # The EP-aware optimizer touches DeepSpeed internals: pinned to the tested minor version.
+        "deepspeed>=0.19.8,<0.20",
+        "transformers>=5.0,<6",
+        "accelerate>=1.0",
+        "datasets>=3.0",
+        "safetensors>=0.4",
+        "tokenizers>=0.21",
+        "wandb>=0.18",
+        "tqdm>=4.60",
+        "numpy>=1.24",
+    ],
+    extras_require={
+        "dev": ["pytest>=8", "ruff>=0.8"],
+        "triton": ["triton>=3.2"],
+    },
+    entry_points={"console_scripts": []},
+)
