@@ -28,7 +28,7 @@ setup(
         "torch>=2.6",
         # The EP-aware optimizer touches DeepSpeed internals: pinned to the tested minor version.
         "deepspeed>=0.19.8,<0.20",
-        "transformers>=5.0,<6",
+        "transformers>=5.17,<6",
         "accelerate>=1.0",
         "datasets>=3.0",
         "safetensors>=0.4",

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import initialization as hf_init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
@@ -366,33 +367,25 @@ class MulaPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
+        # `transformers.initialization` functions skip tensors already loaded from a checkpoint.
+        PreTrainedModel._init_weights(self, module)
         std = self.config.initializer_range
-        if isinstance(module, nn.Linear):
-            module.weight.normal_(mean=0.0, std=std)
-            if module.bias is not None:
-                module.bias.zero_()
-        elif isinstance(module, nn.Embedding):
-            module.weight.normal_(mean=0.0, std=std)
-            if module.padding_idx is not None:
-                module.weight[module.padding_idx].zero_()
-        elif isinstance(module, MulaRMSNorm):
-            module.weight.fill_(1.0)
-        elif isinstance(module, MulaExperts):
-            module.gate_up_proj.normal_(mean=0.0, std=std)
-            module.down_proj.normal_(mean=0.0, std=std)
+        if isinstance(module, MulaExperts):
+            hf_init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            hf_init.normal_(module.down_proj, mean=0.0, std=std)
         elif isinstance(module, MulaTopKRouter):
-            module.weight.normal_(mean=0.0, std=std)
+            hf_init.normal_(module.weight, mean=0.0, std=std)
             if module.uses_bias:
-                module.expert_bias.zero_()
-                module.load_since_update.zero_()
+                hf_init.zeros_(module.expert_bias)
+                hf_init.zeros_(module.load_since_update)
         elif isinstance(module, MulaRotaryEmbedding):
             inv_freq, _ = (
                 module.compute_default_rope_parameters(module.config)
                 if module.rope_type == "default"
                 else ROPE_INIT_FUNCTIONS[module.rope_type](module.config)
             )
-            module.inv_freq.copy_(inv_freq)
-            module.original_inv_freq.copy_(inv_freq)
+            hf_init.copy_(module.inv_freq, inv_freq)
+            hf_init.copy_(module.original_inv_freq, inv_freq)
 
 
 class MulaModel(MulaPreTrainedModel):
@@ -499,7 +492,7 @@ def router_losses(
     `token_mask` [T] (1 = real token) leaves padding out of all three.
     """
     balance, zloss, counts = [], [], []
-    for logits, index in zip(router_logits, router_indices):
+    for logits, index in zip(router_logits, router_indices, strict=True):
         logits = logits.float()
         top_k = index.shape[-1]
         if scoring_func == "sigmoid":
