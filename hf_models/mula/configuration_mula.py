@@ -136,7 +136,11 @@ class MulaConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
-        if self.head_dim is None and self.num_attention_heads and self.hidden_size % self.num_attention_heads == 0:
+        if (
+            self.head_dim is None
+            and all(isinstance(v, int) and v > 0 for v in (self.hidden_size, self.num_attention_heads))
+            and self.hidden_size % self.num_attention_heads == 0
+        ):
             self.head_dim = self.hidden_size // self.num_attention_heads
         super().__post_init__(**kwargs)
         self.check()

@@ -40,9 +40,12 @@ def read_config(folder: Path) -> dict:
     if not path.is_file():
         raise ConversionError(f"{folder} is not a checkpoint folder: it has no config.json")
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ConversionError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(config, dict):
+        raise ConversionError(f"{path} is not a JSON object")
+    return config
 
 
 def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -157,11 +160,15 @@ def stack_experts(tensors: dict[str, torch.Tensor], num_experts: int) -> dict[st
             if len(shapes) != 1:
                 raise ConversionError(f"{prefix}.{expert}: gate_proj and up_proj shapes differ ({sorted(shapes)})")
         ordered = [experts[e] for e in range(num_experts)]
-        try:
-            out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([p["gate_proj"], p["up_proj"]]) for p in ordered])
-            out[f"{prefix}.down_proj"] = torch.stack([p["down_proj"] for p in ordered])
-        except RuntimeError:
-            raise ConversionError(f"{prefix}: experts of layer {layer} have different shapes") from None
+        for expert, parts in enumerate(ordered):
+            for kind in ("gate_proj", "down_proj"):
+                want, got = tuple(ordered[0][kind].shape), tuple(parts[kind].shape)
+                if got != want:
+                    raise ConversionError(
+                        f"tensor {prefix}.{expert}.{kind}.weight has shape {list(got)}, expert 0 has {list(want)}"
+                    )
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([p["gate_proj"], p["up_proj"]]) for p in ordered])
+        out[f"{prefix}.down_proj"] = torch.stack([p["down_proj"] for p in ordered])
     return out
 
 
@@ -220,6 +227,7 @@ def convert_olmoe_to_mula(input_dir: str | Path, output_dir: str | Path) -> Path
 
     input_dir, output_dir = Path(input_dir), Path(output_dir)
     cfg = read_config(input_dir)
+    _check_output(output_dir)
     if cfg.get("model_type") != "olmoe":
         raise ConversionError(f"{input_dir} is not an OLMoE checkpoint (model_type={cfg.get('model_type')!r})")
     try:
@@ -240,6 +248,7 @@ def convert_mula_to_olmoe(input_dir: str | Path, output_dir: str | Path, layout:
 
     input_dir, output_dir = Path(input_dir), Path(output_dir)
     cfg = read_config(input_dir)
+    _check_output(output_dir)
     if cfg.get("model_type") != "mula":
         raise ConversionError(f"{input_dir} is not a Mula checkpoint (model_type={cfg.get('model_type')!r})")
     known = {k: v for k, v in cfg.items() if k not in ("auto_map", "architectures", "transformers_version")}
@@ -256,9 +265,16 @@ def convert_mula_to_olmoe(input_dir: str | Path, output_dir: str | Path, layout:
     return output_dir
 
 
-def _save(model, output_dir: Path, **kwargs) -> None:
-    if output_dir.exists() and any(output_dir.iterdir()):
+def _check_output(output_dir: Path) -> None:
+    """Refuse an output path that is a file or a non-empty folder, before any work is done."""
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ConversionError(f"output {output_dir} exists and is not a folder")
+    if output_dir.is_dir() and any(output_dir.iterdir()):
         raise ConversionError(f"output folder {output_dir} exists and is not empty")
+
+
+def _save(model, output_dir: Path, **kwargs) -> None:
+    _check_output(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(output_dir, **kwargs)
 

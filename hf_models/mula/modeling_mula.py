@@ -365,6 +365,15 @@ class MulaPreTrainedModel(PreTrainedModel):
         "attentions": OutputRecorder(MulaAttention, index=1),
     }
 
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Save as usual; when the classes are registered for the Auto classes (as `import ds_optimus`
+        does), `auto_map` also names the base model, so AutoModel loads the folder as remote code too."""
+        if getattr(self, "_auto_class", None) is not None:
+            auto_map = dict(getattr(self.config, "auto_map", None) or {})
+            auto_map.setdefault("AutoModel", "modeling_mula.MulaModel")
+            self.config.auto_map = auto_map
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         # `transformers.initialization` functions skip tensors already loaded from a checkpoint.

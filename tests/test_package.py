@@ -1,0 +1,116 @@
+"""The installed package: import names, registration, remote-code loading without ds_optimus."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+import ds_optimus
+from ds_optimus.hf_models.mula import MulaConfig, MulaForCausalLM, MulaModel
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Makes `import ds_optimus` fail inside a subprocess, as on a machine where it is not installed.
+HIDE_DS_OPTIMUS = textwrap.dedent(
+    """
+    import importlib.abc, sys
+    class _Hide(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "ds_optimus" or name.startswith("ds_optimus."):
+                raise ImportError("ds_optimus is hidden in this test")
+    sys.meta_path.insert(0, _Hide())
+    """
+)
+
+
+def _run(code: str, env_extra: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **(env_extra or {}))
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
+
+
+def test_import_registers_mula_with_the_auto_classes():
+    values = MulaConfig.from_preset("mula-tiny-moe").to_dict()
+    values.pop("model_type")
+    config = AutoConfig.for_model("mula", **values)
+    assert isinstance(config, MulaConfig)
+    assert type(AutoModel.from_config(config)) is MulaModel
+    assert type(AutoModelForCausalLM.from_config(config)) is MulaForCausalLM
+    assert ds_optimus.__version__
+
+
+def test_import_needs_neither_deepspeed_nor_triton():
+    result = _run(
+        "import sys, ds_optimus, ds_optimus.ops, ds_optimus.hf_models.mula\n"
+        "print(sorted(m for m in ('deepspeed', 'triton') if m in sys.modules))"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_saved_folder_loads_with_remote_code_where_ds_optimus_is_missing(tmp_path):
+    model = MulaForCausalLM(MulaConfig.from_preset("mula-tiny-moe", router_bias_update_rate=0.001)).eval()
+    folder = tmp_path / "mula"
+    model.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["auto_map"] == {
+        "AutoConfig": "configuration_mula.MulaConfig",
+        "AutoModel": "modeling_mula.MulaModel",
+        "AutoModelForCausalLM": "modeling_mula.MulaForCausalLM",
+    }
+    x = torch.randint(2, 4096, (2, 9))
+    torch.save({"x": x, "logits": model(x).logits}, tmp_path / "expected.pt")
+    code = HIDE_DS_OPTIMUS + textwrap.dedent(
+        f"""
+        import torch
+        from transformers import AutoModel, AutoModelForCausalLM
+        try:
+            import ds_optimus
+            raise SystemExit("ds_optimus was importable")
+        except ImportError:
+            pass
+        model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True).eval()
+        expected = torch.load({str(tmp_path / "expected.pt")!r})
+        diff = (model(expected["x"]).logits - expected["logits"]).abs().max().item()
+        gen = model.generate(expected["x"][:1], max_new_tokens=4, do_sample=False)
+        base = AutoModel.from_pretrained({str(folder)!r}, trust_remote_code=True)
+        assert type(base).__name__ == "MulaModel", type(base)
+        print(type(model).__module__, type(model).__name__, diff, gen.shape[1], "ds_optimus" in sys.modules)
+        """
+    )
+    result = _run(code, {"HF_MODULES_CACHE": str(tmp_path / "modules")}, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    module, name, diff, length, imported = result.stdout.strip().splitlines()[-1].split()
+    assert module.startswith("transformers_modules") and name == "MulaForCausalLM"
+    assert float(diff) <= 1e-5 and int(length) == 13 and imported == "False"
+
+
+@pytest.mark.slow
+def test_non_editable_install_provides_all_import_names(tmp_path):
+    target = tmp_path / "site"
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--quiet",
+         "--target", str(target), str(ROOT)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert build.returncode == 0, build.stderr[-3000:]
+    code = HIDE_DS_OPTIMUS.replace("sys.meta_path.insert(0, _Hide())", "") + textwrap.dedent(
+        f"""
+        sys.path = [p for p in sys.path if "__editable__" not in p]
+        sys.meta_path = [f for f in sys.meta_path if "editable" not in type(f).__module__.lower()]
+        sys.path.insert(0, {str(target)!r})
+        import ds_optimus, ds_optimus.ops, ds_optimus.hf_models.mula.convert_olmoe
+        from ds_optimus.hf_models.mula import MulaConfig
+        print(ds_optimus.__file__, ds_optimus.ops.__file__, MulaConfig.from_preset("mula-tiny-dense").model_type)
+        """
+    )
+    result = _run(code, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    pkg, ops, model_type = result.stdout.strip().splitlines()[-1].split()
+    assert pkg.startswith(str(target)) and ops.startswith(str(target)) and model_type == "mula"
+    assert (target / "ds_optimus" / "hf_models" / "mula" / "modeling_mula.py").is_file()
