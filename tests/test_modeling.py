@@ -289,7 +289,10 @@ def test_gradient_checkpointing_gives_the_same_gradients(reentrant):
         torch.manual_seed(3)
         model = MulaForCausalLM(config).train()
         if checkpointing:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+            if hasattr(model, "activation_checkpointing_enable"):  # Transformers >= 5.2x
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
             assert all(layer.gradient_checkpointing for layer in model.model.layers)
         out = model(x, labels=x)
         out.loss.backward()
