@@ -26,6 +26,13 @@ def model_for(config, implementation=None) -> MulaForCausalLM:
     return model
 
 
+def enable_checkpointing(model, reentrant: bool) -> None:
+    if hasattr(model, "activation_checkpointing_enable"):  # Transformers >= 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+
+
 def ids(batch=2, length=10):
     return torch.randint(2, VOCAB, (batch, length))
 
@@ -33,7 +40,7 @@ def ids(batch=2, length=10):
 # -- losses -----------------------------------------------------------------------------------------
 def test_loss_is_lm_plus_weighted_router_losses():
     config = tiny(router_aux_loss_coef=0.01, router_z_loss_coef=0.001)
-    model = model_for(config)
+    model = model_for(config).train()
     x = ids()
     out = model(x, labels=x)
     expected_lm = F.cross_entropy(out.logits[:, :-1].reshape(-1, VOCAB), x[:, 1:].reshape(-1))
@@ -44,6 +51,28 @@ def test_loss_is_lm_plus_weighted_router_losses():
     # token-slot counts per MoE layer: every token sends exactly k slots
     assert out.tokens_per_expert.shape == (2, 4)
     assert torch.equal(out.tokens_per_expert.sum(-1), torch.full((2,), 2 * 10 * 2.0))
+
+
+def test_eval_loss_is_the_lm_loss():
+    model = model_for(tiny())
+    x = ids()
+    out = model(x, labels=x)
+    assert out.aux_loss is not None and out.z_loss is not None
+    assert torch.equal(out.loss, out.lm_loss)
+
+
+def test_router_losses_take_their_share_under_trainer_token_normalisation():
+    # With num_items_in_batch (Transformers' Trainer, gradient accumulation over several ranks) the LM
+    # loss is a sum over this micro-batch divided by the whole batch's label count; the router terms
+    # are weighted by this micro-batch's share of those labels.
+    model = model_for(tiny(router_aux_loss_coef=0.01, router_z_loss_coef=0.001)).train()
+    x = ids(2, 10)
+    local = 2 * 9
+    out = model(x, labels=x, num_items_in_batch=torch.tensor(4 * local))
+    router = 0.01 * out.aux_loss + 0.001 * out.z_loss
+    torch.testing.assert_close(out.loss, out.lm_loss + router / 4)
+    plain = model(x, labels=x)
+    torch.testing.assert_close(out.lm_loss * 4, plain.lm_loss)  # the LM part follows the same rule
 
 
 def test_router_losses_match_their_definitions():
@@ -232,13 +261,12 @@ def test_bias_updates_balance_the_load():
 
     def imbalance():
         counts = torch.bincount(router(x)[2].reshape(-1), minlength=8).float()
-        router.load_since_update.zero_()
         return (counts.max() / counts.mean()).item()
 
     before = imbalance()
     history = []
     for _ in range(200):
-        router(x)
+        router.record_load(router(x)[2])
         router.update_bias(config.router_bias_update_rate)
         history.append(imbalance())
     assert before > 1.5
@@ -255,10 +283,39 @@ def test_router_bias_is_saved_and_loaded(tmp_path):
     biases = [layer.mlp.gate.expert_bias.clone() for layer in model.model.layers]
     assert any(b.abs().sum() > 0 for b in biases)
     assert all(layer.mlp.gate.load_since_update.sum() == 0 for layer in model.model.layers)
+    assert "load_since_update" not in str(list(model.state_dict()))
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     for layer, bias in zip(loaded.model.layers, biases, strict=True):
         torch.testing.assert_close(layer.mlp.gate.expert_bias, bias)
+
+
+def test_load_is_counted_once_per_forward_under_checkpointing():
+    model = MulaForCausalLM(tiny(router_bias_update_rate=0.001)).train()
+    enable_checkpointing(model, reentrant=False)
+    x = ids(2, 10)
+    model(x, labels=x).loss.backward()  # the backward pass recomputes each layer's forward
+    for layer in model.model.layers:
+        assert layer.mlp.gate.load_since_update.sum() == 2 * 10 * 2
+    model.eval()
+    model(x)  # evaluation does not count
+    assert model.model.layers[0].mlp.gate.load_since_update.sum() == 2 * 10 * 2
+
+
+def test_router_bias_stays_float32_in_a_bfloat16_model(tmp_path):
+    model = model_for(tiny(router_bias_update_rate=0.001))
+    for layer in model.model.layers:
+        layer.mlp.gate.expert_bias.fill_(0.7)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    gate = loaded.model.layers[0].mlp.gate
+    assert gate.weight.dtype == torch.bfloat16 and gate.expert_bias.dtype == torch.float32
+    loaded.train()
+    loaded(ids())
+    before = gate.expert_bias.clone()
+    loaded.update_router_bias()
+    steps = (gate.expert_bias - before).abs()
+    torch.testing.assert_close(steps, torch.full_like(steps, 0.001))  # below bf16's resolution near 0.7
 
 
 def test_update_router_bias_requires_a_rate():
@@ -289,10 +346,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(reentrant):
         torch.manual_seed(3)
         model = MulaForCausalLM(config).train()
         if checkpointing:
-            if hasattr(model, "activation_checkpointing_enable"):  # Transformers >= 5.2x
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
-            else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+            enable_checkpointing(model, reentrant)
             assert all(layer.gradient_checkpointing for layer in model.model.layers)
         out = model(x, labels=x)
         out.loss.backward()

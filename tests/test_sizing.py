@@ -38,7 +38,7 @@ def test_count_parameters_matches_meta_model_exactly(name):
 @pytest.mark.parametrize(
     "overrides",
     [dict(moe_layer_freq=2), dict(num_experts=0), dict(tie_word_embeddings=True, qk_norm=False),
-     dict(attention_bias=True, router_bias_update_rate=0.001)],
+     dict(attention_bias=True, router_bias_update_rate=0.001), dict(intermediate_size=None)],
 )
 def test_count_parameters_matches_meta_model_for_variants(overrides):
     config = MulaConfig.from_preset("mula-tiny-moe", **overrides)

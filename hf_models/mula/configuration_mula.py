@@ -97,7 +97,10 @@ class MulaConfig(PreTrainedConfig):
     """
 
     model_type: ClassVar[str] = "mula"
-    keys_to_ignore_at_inference: ClassVar[list[str]] = ["past_key_values"]
+    # Outputs the Trainer leaves out of predictions, so compute_metrics sees the logits first.
+    keys_to_ignore_at_inference: ClassVar[list[str]] = [
+        "past_key_values", "lm_loss", "aux_loss", "z_loss", "tokens_per_expert", "router_logits",
+    ]
     attribute_map: ClassVar[dict[str, str]] = {"num_local_experts": "num_experts"}
 
     vocab_size: int = 50304
@@ -167,7 +170,7 @@ class MulaConfig(PreTrainedConfig):
              f"num_key_value_heads ({self.num_key_value_heads})")
         need(isinstance(self.num_experts, int) and self.num_experts >= 0,
              f"num_experts must be an integer >= 0, got {self.num_experts!r}")
-        dense_layers = self.num_experts == 0 or self.moe_layer_freq > 1
+        dense_layers = self.num_experts == 0 or not isinstance(self.moe_layer_freq, int) or self.moe_layer_freq > 1
         if dense_layers:
             need(isinstance(self.intermediate_size, int) and self.intermediate_size > 0,
                  f"intermediate_size must be a positive integer, got {self.intermediate_size!r}")
@@ -186,10 +189,23 @@ class MulaConfig(PreTrainedConfig):
                  f"router_scoring_func must be 'softmax' or 'sigmoid', got {self.router_scoring_func!r}")
             for name in ("router_aux_loss_coef", "router_z_loss_coef", "router_bias_update_rate"):
                 value = getattr(self, name)
-                need(isinstance(value, (int, float)) and value >= 0, f"{name} must be >= 0, got {value!r}")
+                need(_is_number(value) and value >= 0, f"{name} must be a number >= 0, got {value!r}")
         need(self.hidden_act == "silu" or self.hidden_act in _known_activations(),
              f"hidden_act {self.hidden_act!r} is not a known activation")
-        need(self.rms_norm_eps > 0, f"rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+        need(_is_number(self.rms_norm_eps) and self.rms_norm_eps > 0,
+             f"rms_norm_eps must be a number > 0, got {self.rms_norm_eps!r}")
+        need(self.clip_qkv is None or (_is_number(self.clip_qkv) and self.clip_qkv > 0),
+             f"clip_qkv must be None or a number > 0, got {self.clip_qkv!r}")
+        for name in ("pad_token_id", "bos_token_id"):
+            value = getattr(self, name)
+            need(value is None or (isinstance(value, int) and 0 <= value < self.vocab_size),
+                 f"{name} must be None or a token id below vocab_size ({self.vocab_size}), got {value!r}")
+        rope_type = (self.rope_parameters or {}).get("rope_type", "default")
+        need(rope_type in _known_rope_types(), f"rope_parameters: unknown rope_type {rope_type!r}")
+        try:
+            self.validate_rope()
+        except (KeyError, ValueError, TypeError) as err:
+            need(False, f"rope_parameters: {str(err).strip(chr(34)).splitlines()[0]}")
 
     # -- derived -----------------------------------------------------------------------------
     def is_moe_layer(self, layer_idx: int) -> bool:
@@ -209,6 +225,16 @@ class MulaConfig(PreTrainedConfig):
         values = copy.deepcopy(PRESETS[name])
         values.update(overrides)
         return cls(**values)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _known_rope_types() -> set[str]:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    return {"default", *ROPE_INIT_FUNCTIONS}
 
 
 def _known_activations() -> set[str]:

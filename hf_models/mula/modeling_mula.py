@@ -203,10 +203,13 @@ class MulaTopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.num_experts, config.hidden_size))
         self.uses_bias = config.router_bias_update_rate > 0
         if self.uses_bias:
-            # Persistent: the bias is training state and must survive save/load.
+            # Persistent: the bias is training state and must survive save/load. Kept in float32 under
+            # bf16/fp16 training (`_keep_in_fp32_modules_strict`): its updates are smaller than bf16's
+            # resolution near typical bias values.
             self.expert_bias = nn.Buffer(torch.zeros(self.num_experts, dtype=torch.float32))
-            # Token-slot counts since the last bias update (not saved: a step-local statistic).
-            self.load_since_update = nn.Buffer(torch.zeros(self.num_experts, dtype=torch.float32), persistent=False)
+        # Token-slot counts since the last bias update: a plain tensor, not a buffer, so that neither
+        # DDP's buffer broadcast nor a dtype cast of the module touches it.
+        self.load_since_update: torch.Tensor | None = None
 
     def scores(self, router_logits: torch.Tensor) -> torch.Tensor:
         """Per-expert affinities in float32 from router logits."""
@@ -220,11 +223,6 @@ class MulaTopKRouter(nn.Module):
         if self.uses_bias:
             _, top_k_index = torch.topk(scores + self.expert_bias, self.top_k, dim=-1)
             top_k_weights = scores.gather(-1, top_k_index)
-            if self.training:
-                with torch.no_grad():
-                    self.load_since_update += torch.bincount(
-                        top_k_index.reshape(-1), minlength=self.num_experts
-                    ).to(self.load_since_update.dtype)
         else:
             top_k_weights, top_k_index = torch.topk(scores, self.top_k, dim=-1)
         if self.norm_topk_prob or self.scoring_func == "sigmoid":
@@ -233,14 +231,28 @@ class MulaTopKRouter(nn.Module):
         return router_logits, top_k_weights.to(router_logits.dtype), top_k_index
 
     @torch.no_grad()
+    def record_load(self, top_k_index: torch.Tensor) -> None:
+        """Add the experts chosen in one forward pass to the load counted since the last bias update.
+        Called by `MulaModel` outside the decoder layer, so activation checkpointing's recomputation
+        does not count a pass twice."""
+        if self.load_since_update is None or self.load_since_update.device != top_k_index.device:
+            self.load_since_update = torch.zeros(self.num_experts, dtype=torch.float32, device=top_k_index.device)
+        flat = top_k_index.reshape(-1)
+        self.load_since_update.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
+
+    @torch.no_grad()
     def update_bias(self, rate: float, group=None) -> None:
         """Move the selection bias by `rate` towards balance: up for under-loaded experts, down for
         over-loaded ones. With `group`, the loads are first summed over that process group."""
         load = self.load_since_update
+        if load is None:
+            return
         if group is not None:
             torch.distributed.all_reduce(load, group=group)
         if load.sum() > 0:
-            self.expert_bias += rate * torch.sign(load.mean() - load)
+            step = rate * torch.sign(load.mean() - load)
+            updated = self.expert_bias.float() + step.to(self.expert_bias.device)
+            self.expert_bias.copy_(updated.to(self.expert_bias.dtype))
         load.zero_()
 
 
@@ -360,6 +372,7 @@ class MulaPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     _supports_attention_backend = True
     _can_compile_fullgraph = False  # the reference experts path syncs on token counts
+    _keep_in_fp32_modules_strict = ["expert_bias"]  # honoured by from_pretrained and DeepSpeed's engine
     _can_record_outputs = {
         "hidden_states": OutputRecorder(MulaDecoderLayer, index=0),
         "attentions": OutputRecorder(MulaAttention, index=1),
@@ -386,7 +399,6 @@ class MulaPreTrainedModel(PreTrainedModel):
             hf_init.normal_(module.weight, mean=0.0, std=std)
             if module.uses_bias:
                 hf_init.zeros_(module.expert_bias)
-                hf_init.zeros_(module.load_since_update)
         elif isinstance(module, MulaRotaryEmbedding):
             inv_freq, _ = (
                 module.compute_default_rope_parameters(module.config)
@@ -456,6 +468,8 @@ class MulaModel(MulaPreTrainedModel):
             if layer_logits is not None:
                 router_logits.append(layer_logits)
                 router_indices.append(layer_index)
+                if self.training and layer.mlp.gate.uses_bias:
+                    layer.mlp.gate.record_load(layer_index)
         hidden_states = self.norm(hidden_states)
         return MulaModelOutputWithPast(
             last_hidden_state=hidden_states,
@@ -476,9 +490,10 @@ class MulaModelOutputWithPast(MoeModelOutputWithPast):
 class MulaCausalLMOutputWithPast(MoeCausalLMOutputWithPast):
     """`MoeCausalLMOutputWithPast` with the loss split into its parts.
 
-    loss = lm_loss + router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss (when labels are
-    given). `aux_loss` is the load-balancing loss (1.0 at perfect balance), `z_loss` the router
-    z-loss, both averaged over MoE layers; `tokens_per_expert` [moe_layers, E] counts token slots.
+    loss = lm_loss + router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss (with labels, in
+    training mode; in eval mode loss = lm_loss). `aux_loss` is the load-balancing loss (1.0 at perfect
+    balance), `z_loss` the router z-loss, both averaged over MoE layers; `tokens_per_expert`
+    [moe_layers, E] counts token slots.
     """
 
     lm_loss: torch.Tensor | None = None
@@ -524,7 +539,12 @@ def router_losses(
             zloss.append(lse_sq.mean())
             counts.append(one_hot_slots.sum(0).detach())
         balance.append(num_experts * (slot_frac.detach() * mean_prob).sum())
-    return torch.stack(balance).mean(), torch.stack(zloss).mean(), torch.stack(counts)
+    device = router_logits[0].device  # layers may sit on different devices under a device_map
+    return (
+        torch.stack([t.to(device) for t in balance]).mean(),
+        torch.stack([t.to(device) for t in zloss]).mean(),
+        torch.stack([t.to(device) for t in counts]),
+    )
 
 
 class MulaForCausalLM(MulaPreTrainedModel, GenerationMixin):
@@ -586,11 +606,18 @@ class MulaForCausalLM(MulaPreTrainedModel, GenerationMixin):
                 outputs.router_logits, outputs.router_indices, config.num_experts,
                 config.router_scoring_func, token_mask,
             )
-            if loss is not None:
-                if config.router_aux_loss_coef:
-                    loss = loss + config.router_aux_loss_coef * aux_loss.to(loss.device)
-                if config.router_z_loss_coef:
-                    loss = loss + config.router_z_loss_coef * z_loss.to(loss.device)
+            if loss is not None and self.training:
+                # Evaluation reports the LM loss alone, so eval loss and perplexity stay comparable.
+                router_loss = config.router_aux_loss_coef * aux_loss + config.router_z_loss_coef * z_loss
+                num_items = kwargs.get("num_items_in_batch")
+                if num_items is not None:
+                    # The LM loss is then a sum over this micro-batch divided by the label count of the
+                    # whole (accumulated, all-rank) batch, and the Trainer neither averages micro-batches
+                    # nor ranks; weight the per-micro-batch router means by this micro-batch's share.
+                    shifted = kwargs.get("shift_labels")
+                    shifted = labels[..., 1:] if shifted is None else shifted
+                    router_loss = router_loss * ((shifted != -100).sum() / num_items)
+                loss = loss + router_loss.to(loss.device)
 
         result = MulaCausalLMOutputWithPast(
             loss=loss,
@@ -609,10 +636,13 @@ class MulaForCausalLM(MulaPreTrainedModel, GenerationMixin):
 
     def update_router_bias(self, group=None) -> None:
         """Apply one auxiliary-loss-free balancing update to every MoE router (call once per
-        optimizer step; `group` sums the expert loads over a data-parallel process group first)."""
+        optimizer step). Expert loads are first summed over `group`, by default every rank when
+        torch.distributed is initialised, so all replicas of a router move their bias alike."""
         rate = self.config.router_bias_update_rate
         if rate <= 0:
             raise ValueError("update_router_bias needs config.router_bias_update_rate > 0")
+        if group is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+            group = torch.distributed.group.WORLD  # replicated routers must see the same global load
         for module in self.modules():
             if isinstance(module, MulaTopKRouter):
                 module.update_bias(rate, group)

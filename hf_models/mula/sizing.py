@@ -20,7 +20,6 @@ def count_parameters(config: MulaConfig) -> tuple[int, int]:
     if config.qk_norm:
         attention += q_width + kv_width
     layer_norms = 2 * h
-    dense_ffn = 3 * h * config.intermediate_size
 
     total = active = 0
     for layer in range(config.num_hidden_layers):
@@ -30,6 +29,7 @@ def count_parameters(config: MulaConfig) -> tuple[int, int]:
             total += attention + layer_norms + router + config.num_experts * expert
             active += attention + layer_norms + router + config.num_experts_per_tok * expert
         else:
+            dense_ffn = 3 * h * config.intermediate_size
             total += attention + layer_norms + dense_ffn
             active += attention + layer_norms + dense_ffn
     embeddings = v * h * (1 if config.tie_word_embeddings else 2) + h  # + final norm
