@@ -526,18 +526,16 @@ def router_losses(
             probs = torch.softmax(logits, dim=-1)
         one_hot_slots = F.one_hot(index, num_experts).sum(1).float()  # [T, E]
         lse_sq = torch.logsumexp(logits, dim=-1).pow(2)
-        if token_mask is not None:
-            mask = token_mask.to(logits.device, torch.float32)
-            denom = mask.sum().clamp_min(1.0)
-            slot_frac = (one_hot_slots * mask[:, None]).sum(0) / (denom * top_k)
-            mean_prob = (probs * mask[:, None]).sum(0) / denom
-            zloss.append((lse_sq * mask).sum() / denom)
-            counts.append((one_hot_slots * mask[:, None]).sum(0).detach())
+        if token_mask is None:
+            mask = torch.ones(logits.shape[0], device=logits.device)
         else:
-            slot_frac = one_hot_slots.mean(0) / top_k
-            mean_prob = probs.mean(0)
-            zloss.append(lse_sq.mean())
-            counts.append(one_hot_slots.sum(0).detach())
+            mask = token_mask.to(logits.device, torch.float32)
+        denom = mask.sum().clamp_min(1.0)
+        slots = (one_hot_slots * mask[:, None]).sum(0)
+        slot_frac = slots / (denom * top_k)
+        mean_prob = (probs * mask[:, None]).sum(0) / denom
+        zloss.append((lse_sq * mask).sum() / denom)
+        counts.append(slots.detach())
         balance.append(num_experts * (slot_frac.detach() * mean_prob).sum())
     device = router_logits[0].device  # layers may sit on different devices under a device_map
     return (
