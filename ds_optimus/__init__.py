@@ -1,7 +1,8 @@
 """ds_optimus: pretraining Mixture-of-Experts language models on DeepSpeed.
 
-Importing the package registers the Mula models with Transformers' Auto classes. It imports neither
-DeepSpeed nor Triton, so the models and kernels load on machines that have only PyTorch.
+Importing the package registers the Mula models with Transformers' Auto classes and the dropless
+MoE layer with Transformers' experts interface (as "ds_optimus", the Mula default). It imports
+neither DeepSpeed nor Triton, so the models and kernels load on machines that have only PyTorch.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ def _register_with_transformers() -> None:
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     from .hf_models.mula import MulaConfig, MulaForCausalLM, MulaModel
+    from .moe.layer import register_experts_implementation
 
     AutoConfig.register(MulaConfig.model_type, MulaConfig, exist_ok=True)
     AutoModel.register(MulaConfig, MulaModel, exist_ok=True)
@@ -22,6 +24,7 @@ def _register_with_transformers() -> None:
     MulaConfig.register_for_auto_class("AutoConfig")
     MulaModel.register_for_auto_class("AutoModel")
     MulaForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+    register_experts_implementation()
 
 
 _register_with_transformers()

@@ -146,6 +146,7 @@ def test_olmoe_to_mula_matches_logits_and_generation(tmp_path, name, layout):
     ids = random_ids()
     ref = logits(olmoe, ids)
     assert ref.abs().max() > 0.5  # the comparison below is not between near-zero numbers
+    assert mula.config._experts_implementation == "ds_optimus"  # the library's dropless MoE layer
     assert (logits(mula, ids) - ref).abs().max().item() <= ATOL
     mula.set_experts_implementation("eager")
     assert mula.config._experts_implementation == "eager"

@@ -200,7 +200,7 @@ def _rel_err(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
 
 
-@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("implementation", ["ds_optimus", "grouped_mm", "batched_mm"])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("routing", ["random", "empty_and_hot"])
 def test_experts_implementations_agree_with_the_reference(implementation, dtype, tol, routing):
@@ -221,7 +221,7 @@ def test_whole_model_agrees_across_experts_implementations():
     config = tiny(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=3)
     x = ids(3, 16)
     results = []
-    for impl in ("eager", "grouped_mm", "batched_mm"):
+    for impl in ("eager", "ds_optimus", "grouped_mm", "batched_mm"):
         torch.manual_seed(1)
         model = model_for(config, impl).train()
         out = model(x, labels=x)
@@ -233,9 +233,11 @@ def test_whole_model_agrees_across_experts_implementations():
             torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_default_experts_implementation_is_not_the_python_loop():
-    model = MulaForCausalLM(tiny())
-    assert model.config._experts_implementation == "grouped_mm"
+def test_default_experts_implementation_is_the_ds_optimus_layer():
+    model = MulaForCausalLM(tiny())  # ds_optimus is imported, so its layer is registered
+    assert model.config._experts_implementation == "ds_optimus"
+    explicit = MulaForCausalLM._from_config(tiny(), experts_implementation="grouped_mm")
+    assert explicit.config._experts_implementation == "grouped_mm"
 
 
 # -- DeepSeek-V3 style bias balancing --------------------------------------------------------------------

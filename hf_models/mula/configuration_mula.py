@@ -91,6 +91,11 @@ class MulaConfig(PreTrainedConfig):
         norm_topk_prob: renormalise the k selected routing weights to sum to 1.
         router_aux_loss_coef: weight of the load-balancing loss added to the LM loss.
         router_z_loss_coef: weight of the router z-loss added to the LM loss.
+        router_aux_loss_scope: "micro_batch" computes the load-balancing loss's expert loads over each
+            rank's micro-batch; "global_batch" sums them over all data-parallel ranks first (one small
+            all-reduce per step), which balances the global batch and lets micro-batches specialise.
+        moe_capacity_factor: None (default) is dropless. A number caps each expert at
+            ceil(factor * tokens * k / experts) token slots per rank; the excess slots are dropped.
         router_bias_update_rate: > 0 enables DeepSeek-V3-style auxiliary-loss-free balancing: a
             per-expert bias steers top-k selection (not the weights) and is moved by this rate
             towards balance by `MulaForCausalLM.update_router_bias()`.
@@ -134,6 +139,8 @@ class MulaConfig(PreTrainedConfig):
     router_aux_loss_coef: float = 0.01
     router_z_loss_coef: float = 0.001
     router_bias_update_rate: float = 0.0
+    router_aux_loss_scope: str = "micro_batch"
+    moe_capacity_factor: float | None = None
     output_router_logits: bool = False
 
     def __post_init__(self, **kwargs):
@@ -190,6 +197,11 @@ class MulaConfig(PreTrainedConfig):
             for name in ("router_aux_loss_coef", "router_z_loss_coef", "router_bias_update_rate"):
                 value = getattr(self, name)
                 need(_is_number(value) and value >= 0, f"{name} must be a number >= 0, got {value!r}")
+            need(self.router_aux_loss_scope in ("micro_batch", "global_batch"),
+                 f"router_aux_loss_scope must be 'micro_batch' or 'global_batch', got {self.router_aux_loss_scope!r}")
+            factor = self.moe_capacity_factor
+            need(factor is None or (_is_number(factor) and factor > 0),
+                 f"moe_capacity_factor must be None (dropless) or a number > 0, got {self.moe_capacity_factor!r}")
         need(self.hidden_act == "silu" or self.hidden_act in _known_activations(),
              f"hidden_act {self.hidden_act!r} is not a known activation")
         need(_is_number(self.rms_norm_eps) and self.rms_norm_eps > 0,

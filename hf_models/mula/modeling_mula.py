@@ -378,6 +378,16 @@ class MulaPreTrainedModel(PreTrainedModel):
         "attentions": OutputRecorder(MulaAttention, index=1),
     }
 
+    def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
+        """Default to ds_optimus' dropless expert-parallel layer when it is registered (`import
+        ds_optimus` does that), else to Transformers' choice."""
+        if requested_experts is None:
+            from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+            if "ds_optimus" in ALL_EXPERTS_FUNCTIONS:
+                requested_experts = "ds_optimus"
+        return super().get_correct_experts_implementation(requested_experts)
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save as usual; when the classes are registered for the Auto classes (as `import ds_optimus`
         does), `auto_map` also names the base model, so AutoModel loads the folder as remote code too."""
@@ -507,13 +517,17 @@ def router_losses(
     num_experts: int,
     scoring_func: str = "softmax",
     token_mask: torch.Tensor | None = None,
+    group=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Load-balancing loss, router z-loss (both averaged over layers) and token-slot counts per layer.
 
     Load balance (Switch/OLMoE form, normalised to 1.0 when balanced):
     E * sum_e f_e * p_e, where f_e is the fraction of token slots sent to expert e and p_e the mean
     router probability of e. Z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2.
-    `token_mask` [T] (1 = real token) leaves padding out of all three.
+    `token_mask` [T] (1 = real token) leaves padding out of all three. With a process `group`, f_e is
+    computed over the tokens of every rank in it (global-batch balancing: one all-reduce of the
+    per-layer slot counts, which carry no gradient); p_e stays local, so averaging the loss over
+    ranks gives the global-batch loss.
     """
     balance, zloss, counts = [], [], []
     for logits, index in zip(router_logits, router_indices, strict=True):
@@ -532,11 +546,16 @@ def router_losses(
             mask = token_mask.to(logits.device, torch.float32)
         denom = mask.sum().clamp_min(1.0)
         slots = (one_hot_slots * mask[:, None]).sum(0)
-        slot_frac = slots / (denom * top_k)
         mean_prob = (probs * mask[:, None]).sum(0) / denom
         zloss.append((lse_sq * mask).sum() / denom)
         counts.append(slots.detach())
-        balance.append(num_experts * (slot_frac.detach() * mean_prob).sum())
+        balance_slots, balance_tokens = slots.detach(), denom.detach()
+        if group is not None:
+            both = torch.cat([balance_slots, balance_tokens.reshape(1)])
+            torch.distributed.all_reduce(both, group=group)
+            balance_slots, balance_tokens = both[:-1], both[-1].clamp_min(1.0)
+        slot_frac = balance_slots / (balance_tokens * top_k)
+        balance.append(num_experts * (slot_frac * mean_prob).sum())
     device = router_logits[0].device  # layers may sit on different devices under a device_map
     return (
         torch.stack([t.to(device) for t in balance]).mean(),
@@ -602,7 +621,7 @@ class MulaForCausalLM(MulaPreTrainedModel, GenerationMixin):
                 token_mask = attention_mask.reshape(-1)  # padding-aware only when the mask covers these tokens
             aux_loss, z_loss, tokens_per_expert = router_losses(
                 outputs.router_logits, outputs.router_indices, config.num_experts,
-                config.router_scoring_func, token_mask,
+                config.router_scoring_func, token_mask, self._router_loss_group(),
             )
             if loss is not None and self.training:
                 # Evaluation reports the LM loss alone, so eval loss and perplexity stay comparable.
@@ -631,6 +650,16 @@ class MulaForCausalLM(MulaPreTrainedModel, GenerationMixin):
         )
         return_dict = config.return_dict if return_dict is None else return_dict
         return result if return_dict else result.to_tuple()
+
+    def _router_loss_group(self):
+        """The group over which expert loads are summed for the load-balancing loss, or None."""
+        if getattr(self.config, "router_aux_loss_scope", "micro_batch") != "global_batch" or not self.training:
+            return None
+        if getattr(self, "router_loss_group", None) is not None:
+            return self.router_loss_group  # set by the trainer when data parallelism is not the world
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.group.WORLD
+        return None
 
     def update_router_bias(self, group=None) -> None:
         """Apply one auxiliary-loss-free balancing update to every MoE router (call once per

@@ -1,0 +1,206 @@
+"""Grouped SwiGLU experts over stacked weights, through a backend chosen per device and dtype.
+
+Every backend computes, for rows `x [S, H]` already sorted by expert with `counts [E]` rows each,
+`y = down_e(act(gate_e(x)) * up_e(x))` using `gate_up [E, 2I, H]` (gate rows first) and
+`down [E, H, I]`:
+
+- ``reference``: one plain autograd matmul pair per expert. Obviously correct; the test oracle.
+- ``grouped_mm``: `torch.nn.functional.grouped_mm` (or `torch._grouped_mm`) for the forward and for
+  both gradients (the weight gradient is a grouped GEMM with ragged K), with a hand-written backward
+  that recomputes the activation from the saved pre-activation instead of keeping it.
+- ``looped``: the same hand-written forward/backward with a loop of dense matmuls over experts, for
+  devices and dtypes that have no grouped GEMM kernel (e.g. float32 on CUDA).
+- further backends (the Triton kernels) register with `register_backend`.
+
+`DS_OPTIMUS_EXPERTS_BACKEND=<name>` forces a backend everywhere (e.g. ``reference`` to debug).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, str], torch.Tensor]
+
+
+@dataclass
+class Backend:
+    name: str
+    fn: ExpertsFn
+    supports: Callable[[torch.device, torch.dtype], bool]
+    priority: int  # the highest-priority backend that supports the device and dtype is chosen
+
+
+_BACKENDS: dict[str, Backend] = {}
+ENV_VAR = "DS_OPTIMUS_EXPERTS_BACKEND"
+
+
+def register_backend(name: str, fn: ExpertsFn, supports: Callable[[torch.device, torch.dtype], bool],
+                     priority: int = 0) -> None:
+    """Make `fn(x, gate_up, down, counts, act)` available as experts backend `name`."""
+    _BACKENDS[name] = Backend(name, fn, supports, priority)
+
+
+def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[str]:
+    """Names of the backends that run on `device` with `dtype`, best first."""
+    device = torch.device(device)
+    usable = [b for b in _BACKENDS.values() if b.supports(device, dtype)]
+    return [b.name for b in sorted(usable, key=lambda b: -b.priority)]
+
+
+def select_backend(device: torch.device | str, dtype: torch.dtype, requested: str | None = None) -> str:
+    """The backend to use: `requested`, else $DS_OPTIMUS_EXPERTS_BACKEND, else the best available."""
+    requested = requested or os.environ.get(ENV_VAR) or None
+    if requested is not None and requested != "auto":
+        if requested not in _BACKENDS:
+            raise ValueError(f"unknown experts backend {requested!r}; registered: {', '.join(_BACKENDS)}")
+        if not _BACKENDS[requested].supports(torch.device(device), dtype):
+            raise ValueError(f"experts backend {requested!r} does not support {dtype} on {torch.device(device)}")
+        return requested
+    return available_backends(device, dtype)[0]
+
+
+def grouped_swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor,
+                   act: str = "silu", backend: str | None = None) -> torch.Tensor:
+    """SwiGLU experts on expert-sorted rows `x [S, H]` (`counts [E]` rows per expert); returns [S, H]."""
+    name = select_backend(x.device, x.dtype, backend)
+    return _BACKENDS[name].fn(x, gate_up, down, counts, act)
+
+
+# -- activation ---------------------------------------------------------------------------------
+
+def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    from transformers.activations import ACT2FN
+
+    return F.silu if name == "silu" else ACT2FN[name]
+
+
+def _swiglu(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return _activation(act)(gate) * up
+
+
+def _swiglu_backward(gate_up: torch.Tensor, grad_h: torch.Tensor, act: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d gate_up, h) for h = act(gate) * up, recomputing h from the pre-activation."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if act == "silu":
+        # Closed form in float32: silu'(g) = s * (1 + g * (1 - s)), s = sigmoid(g).
+        g32 = gate.float()
+        s = torch.sigmoid(g32)
+        silu = g32 * s
+        d_gate = grad_h.float() * up.float() * (s * (1 + g32 * (1 - s)))
+        d_up = grad_h.float() * silu
+        h = (silu.to(gate.dtype)) * up
+        return torch.cat([d_gate, d_up], dim=-1).to(gate_up.dtype), h
+    with torch.enable_grad():
+        g = gate.detach().requires_grad_()
+        u = up.detach().requires_grad_()
+        h = _activation(act)(g) * u
+        d_gate, d_up = torch.autograd.grad(h, (g, u), grad_h)
+    return torch.cat([d_gate, d_up], dim=-1), h.detach()
+
+
+# -- grouped GEMM primitives ----------------------------------------------------------------------
+
+_GMM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def _gmm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows of `a [S, K]` in expert groups times `b [E, K, N]` -> [S, N]."""
+    return _GMM(a, b, offs=offsets)
+
+
+def _gmm_weight(a_t: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Per-expert `a_t[:, group] @ b[group, :]` for `a_t [M, S]`, `b [S, N]` -> [E, M, N] (ragged K)."""
+    return _GMM(a_t, b, offs=offsets)
+
+
+def _loop_mm(a: torch.Tensor, b: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    out = a.new_empty(a.shape[0], b.shape[-1])
+    start = 0
+    for e, n in enumerate(sizes):
+        if n:
+            torch.mm(a[start:start + n], b[e], out=out[start:start + n])
+            start += n
+    return out
+
+
+def _loop_mm_weight(a_t: torch.Tensor, b: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    out = a_t.new_zeros(len(sizes), a_t.shape[0], b.shape[-1])
+    start = 0
+    for e, n in enumerate(sizes):
+        if n:
+            torch.mm(a_t[:, start:start + n], b[start:start + n], out=out[e])
+            start += n
+    return out
+
+
+class _GroupedSwiGLU(torch.autograd.Function):
+    """Forward and backward of the SwiGLU experts written out, over a grouped-GEMM primitive pair."""
+
+    @staticmethod
+    def forward(ctx, x, gate_up, down, groups, act, mm, mm_weight):
+        gu = mm(x, gate_up.transpose(-2, -1), groups)  # [S, 2I]
+        y = mm(_swiglu(gu, act), down.transpose(-2, -1), groups)  # [S, H]
+        ctx.save_for_backward(x, gate_up, down, gu)  # h is recomputed from gu in backward
+        ctx.groups, ctx.act, ctx.mm, ctx.mm_weight = groups, act, mm, mm_weight
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, gate_up, down, gu = ctx.saved_tensors
+        groups, mm, mm_weight = ctx.groups, ctx.mm, ctx.mm_weight
+        grad_y = grad_y.contiguous()
+        grad_h = mm(grad_y, down, groups)  # [S, I]
+        grad_gu, h = _swiglu_backward(gu, grad_h, ctx.act)
+        grad_down = mm_weight(grad_y.t(), h, groups) if ctx.needs_input_grad[2] else None  # [E, H, I]
+        grad_gate_up = mm_weight(grad_gu.t(), x, groups) if ctx.needs_input_grad[1] else None  # [E, 2I, H]
+        grad_x = mm(grad_gu, gate_up, groups) if ctx.needs_input_grad[0] else None  # [S, H]
+        return grad_x, grad_gate_up, grad_down, None, None, None, None
+
+
+def _grouped_mm_backend(x, gate_up, down, counts, act):
+    if not _gmm_aligned(x, gate_up, down):
+        return _looped_backend(x, gate_up, down, counts, act)
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    return _GroupedSwiGLU.apply(x, gate_up, down, offsets, act, _gmm, _gmm_weight)
+
+
+def _looped_backend(x, gate_up, down, counts, act):
+    return _GroupedSwiGLU.apply(x, gate_up, down, counts.tolist(), act, _loop_mm, _loop_mm_weight)
+
+
+def _reference_backend(x, gate_up, down, counts, act):
+    fn = _activation(act)
+    outputs = []
+    for e, rows in enumerate(x.split(counts.tolist())):
+        gate, up = F.linear(rows, gate_up[e]).chunk(2, dim=-1)
+        outputs.append(F.linear(fn(gate) * up, down[e]))
+    return torch.cat(outputs) if outputs else x.new_zeros(0, down.shape[1])
+
+
+def _gmm_aligned(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    # The grouped GEMM kernels need 16-byte aligned row strides and base pointers.
+    size = x.element_size()
+    dims_ok = all((d * size) % 16 == 0 for d in (gate_up.shape[-1], down.shape[-1]))
+    return dims_ok and all(t.data_ptr() % 16 == 0 for t in (x, gate_up, down))
+
+
+def _grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    if _GMM is None or dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    if device.type == "cpu":
+        return True
+    if device.type == "cuda":
+        # CUDA's grouped GEMM takes bf16 only, on compute capability 8.0 and newer.
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (8, 0)
+    return False
+
+
+register_backend("reference", _reference_backend, lambda device, dtype: True, priority=0)
+register_backend("looped", _looped_backend, lambda device, dtype: dtype.is_floating_point, priority=10)
+register_backend("grouped_mm", _grouped_mm_backend, _grouped_mm_supported, priority=20)

@@ -1,0 +1,117 @@
+"""The dropless MoE layer: permute, grouped experts (optionally across ranks), combine.
+
+`moe_experts_forward` is registered with Transformers' experts interface as ``"ds_optimus"``, so
+the Mula MoE block (and any Transformers model whose experts use `@use_experts_implementation`
+with stacked gate/up weights) runs through it with no second model definition. `import ds_optimus`
+registers it and makes it the Mula default.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .experts import grouped_swiglu
+from .permute import RoutingPlan, permute_tokens, plan_routing, unpermute_combine
+
+IMPLEMENTATION_NAME = "ds_optimus"
+
+
+def _capacity_keep(plan: RoutingPlan, top_k_index: torch.Tensor, capacity_factor: float):
+    """Sorted positions that fit in each expert's capacity, and the clamped counts."""
+    num_experts = plan.counts.numel()
+    capacity = max(1, math.ceil(capacity_factor * plan.num_slots / num_experts))
+    expert_of_sorted = top_k_index.reshape(-1).index_select(0, plan.order)
+    starts = torch.cumsum(plan.counts, 0) - plan.counts
+    position_in_expert = torch.arange(plan.num_slots, device=plan.order.device) - starts[expert_of_sorted]
+    keep = torch.nonzero(position_in_expert < capacity).squeeze(1)
+    return keep, plan.counts.clamp(max=capacity)
+
+
+def moe_experts_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """Experts of one MoE layer on `hidden_states [T, H]` routed by `top_k_index`/`top_k_weights [T, k]`.
+
+    Dropless unless `config.moe_capacity_factor` is set. When `apply_expert_parallel` has sharded the
+    module, the sorted rows travel to the ranks that own their experts and back (all-to-all).
+    """
+    config = self.config
+    act = getattr(config, "hidden_act", "silu")
+    backend = getattr(self, "experts_backend", None)
+    plan = plan_routing(top_k_index, self.num_experts)
+    x_sorted = permute_tokens(hidden_states, plan)
+    counts = plan.counts
+    capacity_factor = getattr(config, "moe_capacity_factor", None)
+    keep = None
+    if capacity_factor is not None:
+        keep, counts = _capacity_keep(plan, top_k_index, capacity_factor)
+        x_sorted = x_sorted.index_select(0, keep)
+
+    def experts(rows: torch.Tensor, rows_per_expert: torch.Tensor) -> torch.Tensor:
+        return grouped_swiglu(rows, self.gate_up_proj, self.down_proj, rows_per_expert, act, backend)
+
+    dispatcher = getattr(self, "expert_parallel", None)
+    y_sorted = experts(x_sorted, counts) if dispatcher is None else dispatcher(x_sorted, counts, experts)
+    if keep is not None:  # dropped slots contribute nothing
+        y_sorted = y_sorted.new_zeros(plan.num_slots, y_sorted.shape[-1]).index_copy(0, keep, y_sorted)
+    return unpermute_combine(y_sorted, top_k_weights, plan).to(hidden_states.dtype)
+
+
+def register_experts_implementation() -> None:
+    """Register `moe_experts_forward` with Transformers' experts interface as "ds_optimus"."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(IMPLEMENTATION_NAME, moe_experts_forward)
+
+
+class MoELayer(nn.Module):
+    """A standalone MoE feed-forward layer (router + SwiGLU experts) on this library's experts path.
+
+    The same modules as a Mula MoE block (`MulaTopKRouter`, `MulaExperts`), built from keyword
+    arguments. `forward(x [..., H])` returns `(out, aux)` with `aux` holding the router logits, the
+    chosen experts, the load-balancing and z losses, and per-expert token counts.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
+                 scoring_func: str = "softmax", norm_topk_prob: bool = False, hidden_act: str = "silu",
+                 capacity_factor: float | None = None, initializer_range: float = 0.02,
+                 experts_backend: str | None = None) -> None:
+        super().__init__()
+        from ..hf_models.mula import MulaConfig
+        from ..hf_models.mula.modeling_mula import MulaSparseMoeBlock
+
+        config = MulaConfig(
+            vocab_size=1, pad_token_id=None, eos_token_id=None, hidden_size=hidden_size,
+            num_hidden_layers=1, num_attention_heads=1, head_dim=2, hidden_act=hidden_act,
+            num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=intermediate_size,
+            router_scoring_func=scoring_func, norm_topk_prob=norm_topk_prob,
+            moe_capacity_factor=capacity_factor,
+        )
+        config._experts_implementation = IMPLEMENTATION_NAME
+        self.config = config
+        self.block = MulaSparseMoeBlock(config)
+        self.block.experts.experts_backend = experts_backend
+        with torch.no_grad():
+            for p in (self.block.gate.weight, self.block.experts.gate_up_proj, self.block.experts.down_proj):
+                p.normal_(0.0, initializer_range)
+
+    @property
+    def gate(self) -> nn.Module:
+        return self.block.gate
+
+    @property
+    def experts(self) -> nn.Module:
+        return self.block.experts
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        from ..hf_models.mula.modeling_mula import router_losses
+
+        out, router_logits, top_k_index = self.block(hidden_states)
+        aux_loss, z_loss, counts = router_losses(
+            (router_logits,), (top_k_index,), self.config.num_experts, self.config.router_scoring_func
+        )
+        return out, {"router_logits": router_logits, "top_k_index": top_k_index, "aux_loss": aux_loss,
+                     "z_loss": z_loss, "tokens_per_expert": counts[0]}

@@ -1,0 +1,56 @@
+"""The one module that touches DeepSpeed's private API, pinned to the tested DeepSpeed versions.
+
+- `register_expert_groups`: puts ds_optimus' EP/EDP process groups into DeepSpeed's group registry
+  (`deepspeed.utils.groups`) under DeepSpeed's name ``ep_size_{P}``, which is what ZeRO looks up
+  through a parameter's `group_name`.
+- `install_engine_hook`: DeepSpeed's engine enables its MoE gradient handling only when the model
+  contains its own `deepspeed.moe.layer.MoE` modules; the hook also enables it for models that
+  `apply_expert_parallel` has sharded, so ZeRO-1/2 reduce expert gradients over the EDP group.
+"""
+
+from __future__ import annotations
+
+import deepspeed
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.utils import groups as ds_groups
+
+TESTED_VERSIONS = ("0.19.",)
+
+
+def check_version(version: str | None = None) -> None:
+    """Raise RuntimeError unless DeepSpeed's version is one this module was tested with."""
+    version = version or deepspeed.__version__
+    if not version.startswith(TESTED_VERSIONS):
+        raise RuntimeError(
+            f"ds_optimus supports DeepSpeed {', '.join(v + 'x' for v in TESTED_VERSIONS)}, found {version}; "
+            "install a supported version (pip install 'deepspeed>=0.19.8,<0.20')"
+        )
+
+
+def register_expert_groups(groups) -> None:
+    """Register an `ExpertParallelGroups` layout with DeepSpeed's group registry."""
+    check_version()
+    ds_groups._EXPERT_PARALLEL_GROUP[groups.name] = groups.ep_group
+    ds_groups._EXPERT_PARALLEL_GROUP_RANKS[groups.name] = list(groups.ep_ranks)
+    ds_groups._EXPERT_DATA_PARALLEL_GROUP[groups.name] = groups.edp_group
+    ds_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[groups.name] = list(groups.edp_ranks)
+    install_engine_hook()
+
+
+_ORIGINAL_CONFIGURE = DeepSpeedEngine._configure_distributed_model
+
+
+def _configure_distributed_model(self, model):
+    _ORIGINAL_CONFIGURE(self, model)
+    experts = [m for m in self.module.modules() if getattr(m, "expert_parallel", None) is not None]
+    if experts and not self.has_moe_layers:
+        self.has_moe_layers = True
+        self.num_experts.extend(m.num_experts for m in experts)
+        self.expert_parallel_group = ds_groups._get_expert_parallel_group_dict()
+        self.expert_data_parallel_group = ds_groups._get_expert_data_parallel_group_dict()
+
+
+def install_engine_hook() -> None:
+    """Make DeepSpeed's engine treat ds_optimus expert-parallel experts as MoE layers (idempotent)."""
+    check_version()
+    DeepSpeedEngine._configure_distributed_model = _configure_distributed_model

@@ -1,0 +1,26 @@
+"""Expert parallelism: DP/EP/EDP process groups, all-to-all dispatch/combine (flat and
+hierarchical), sharding a model's experts, and DeepSpeed-ready param groups."""
+
+from .all_to_all import ExpertParallelDispatcher, all_to_all, all_to_all_autograd
+from .expert_parallel import apply_expert_parallel, is_expert_param, moe_param_groups
+from .groups import (
+    ExpertParallelGroups,
+    LayoutError,
+    check_layout,
+    destroy_expert_parallel_groups,
+    init_expert_parallel_groups,
+)
+
+__all__ = [
+    "ExpertParallelDispatcher",
+    "ExpertParallelGroups",
+    "LayoutError",
+    "all_to_all",
+    "all_to_all_autograd",
+    "apply_expert_parallel",
+    "check_layout",
+    "destroy_expert_parallel_groups",
+    "init_expert_parallel_groups",
+    "is_expert_param",
+    "moe_param_groups",
+]

@@ -1,0 +1,96 @@
+"""Shard a model's stacked experts over an expert-parallel group and mark them for DeepSpeed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .all_to_all import ExpertParallelDispatcher
+from .groups import ExpertParallelGroups, LayoutError, init_expert_parallel_groups
+
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+
+
+def _experts_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules()
+            if all(isinstance(getattr(m, w, None), nn.Parameter) for w in EXPERT_WEIGHTS) and hasattr(m, "num_experts")]
+
+
+def is_expert_param(param: torch.Tensor) -> bool:
+    """Whether `param` is a sharded expert weight (what `deepspeed.moe.utils.is_moe_param` checks)."""
+    return getattr(param, "allreduce", True) is False
+
+
+def apply_expert_parallel(model: nn.Module, ep_size: int | ExpertParallelGroups,
+                          node_size: int | None = None) -> ExpertParallelGroups:
+    """Keep this rank's slice of every MoE layer's stacked experts and route tokens to their owners.
+
+    `ep_size` ranks share each layer's experts (rank i of an EP group keeps experts
+    [i*E/P, (i+1)*E/P)); `node_size` selects the hierarchical exchange with nodes of that many ranks.
+    Expert weights are marked for DeepSpeed (`allreduce=False`, `group_name`) so ZeRO reduces their
+    gradients over the expert-data-parallel group. Every rank must start from the same weights.
+    Collective; returns the process groups.
+    """
+    experts = _experts_modules(model)
+    if not experts:
+        raise ValueError("apply_expert_parallel: the model has no stacked experts (gate_up_proj/down_proj)")
+    groups = ep_size if isinstance(ep_size, ExpertParallelGroups) else init_expert_parallel_groups(ep_size, node_size)
+    for module in experts:
+        if getattr(module, "expert_parallel", None) is not None:
+            raise ValueError("apply_expert_parallel: the model is already expert-parallel")
+        if module.num_experts % groups.ep_size:
+            raise LayoutError(f"expert parallel size {groups.ep_size} does not divide the number of experts "
+                              f"{module.num_experts}")
+        local = module.num_experts // groups.ep_size
+        start = groups.ep_rank * local
+        for name in EXPERT_WEIGHTS:
+            full = getattr(module, name)
+            shard = nn.Parameter(full.detach()[start:start + local].clone(), requires_grad=full.requires_grad)
+            shard.allreduce = False  # deepspeed.moe.utils.is_moe_param
+            shard.group_name = groups.name  # DeepSpeed's name for the EDP group of this EP size
+            setattr(module, name, shard)
+        module.num_local_experts = local
+        module.expert_parallel = ExpertParallelDispatcher(groups, local)
+    _use_ds_optimus_experts(model)
+    return groups
+
+
+def _use_ds_optimus_experts(model: nn.Module) -> None:
+    from ..moe.layer import IMPLEMENTATION_NAME, register_experts_implementation
+
+    register_experts_implementation()
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "_experts_implementation", None) == IMPLEMENTATION_NAME:
+        return
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation(IMPLEMENTATION_NAME)
+    else:
+        config._experts_implementation = IMPLEMENTATION_NAME
+
+
+def moe_param_groups(model: nn.Module, weight_decay: float = 0.0, **options: Any) -> list[dict[str, Any]]:
+    """Optimizer param groups as DeepSpeed's MoE support expects them.
+
+    Dense parameters go to "dense" (weight decay) and "dense_no_decay" (norms, biases and other 1-D
+    parameters: the usual rule); expert weights to one group per EP layout, named by its DeepSpeed
+    group name with `moe=True`. `options` (lr, betas, ...) are copied into every group.
+    """
+    dense, no_decay, experts = [], [], {}
+    for param in model.parameters():
+        if not param.requires_grad:
+            continue
+        if is_expert_param(param):
+            experts.setdefault(param.group_name, []).append(param)
+        elif param.ndim < 2:
+            no_decay.append(param)
+        else:
+            dense.append(param)
+    param_groups = [
+        {"name": "dense", "params": dense, "weight_decay": weight_decay, **options},
+        {"name": "dense_no_decay", "params": no_decay, "weight_decay": 0.0, **options},
+    ]
+    for name, params in experts.items():
+        param_groups.append({"name": name, "moe": True, "params": params, "weight_decay": weight_decay, **options})
+    return [g for g in param_groups if g["params"]]

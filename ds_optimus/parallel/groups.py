@@ -1,0 +1,123 @@
+"""Process groups for data parallel (DP), expert parallel (EP) and expert-data parallel (EDP).
+
+Layout (DeepSpeed's, so its ZeRO finds the same groups under the same name): with world size W and
+EP size P, the EP groups are consecutive ranks [0..P-1], [P..2P-1], ...; the EDP groups join the
+ranks that hold the same experts, {i, i+P, i+2P, ...}; dense parameters are data-parallel over all
+W ranks. For the hierarchical exchange, EP groups are cut into nodes of `node_size` consecutive
+ranks: an intra-node group per node and an inter-node group per local rank index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+
+class LayoutError(ValueError):
+    """An impossible parallel layout (sizes that do not divide)."""
+
+
+@dataclass
+class ExpertParallelGroups:
+    """This rank's view of the DP/EP/EDP layout; groups are torch.distributed process groups."""
+
+    world_size: int
+    rank: int
+    ep_size: int
+    ep_rank: int
+    ep_ranks: list[int]
+    ep_group: object
+    edp_ranks: list[int]
+    edp_group: object
+    dp_group: object
+    node_size: int | None = None
+    intra_node_group: object = None
+    inter_node_group: object = None
+    name: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.name = f"ep_size_{self.ep_size}"  # DeepSpeed's group name for this EP size
+
+    @property
+    def edp_size(self) -> int:
+        return len(self.edp_ranks)
+
+    @property
+    def hierarchical(self) -> bool:
+        return self.node_size is not None and 1 < self.node_size < self.ep_size
+
+
+def check_layout(world_size: int, ep_size: int, num_experts: int | None = None,
+                 node_size: int | None = None) -> None:
+    """Raise `LayoutError` (one line naming the problem) unless the sizes fit together."""
+    if not isinstance(ep_size, int) or ep_size < 1:
+        raise LayoutError(f"expert parallel size must be a positive integer, got {ep_size!r}")
+    if world_size % ep_size:
+        raise LayoutError(f"expert parallel size {ep_size} does not divide the world size {world_size}")
+    if num_experts is not None and num_experts % ep_size:
+        raise LayoutError(f"expert parallel size {ep_size} does not divide the number of experts {num_experts}")
+    if node_size is not None:
+        if not isinstance(node_size, int) or node_size < 1:
+            raise LayoutError(f"node size must be a positive integer, got {node_size!r}")
+        if ep_size % node_size:
+            raise LayoutError(f"node size {node_size} does not divide the expert parallel size {ep_size}")
+
+
+_CACHE: dict[tuple[int, int | None], ExpertParallelGroups] = {}
+
+
+def init_expert_parallel_groups(ep_size: int, node_size: int | None = None) -> ExpertParallelGroups:
+    """Create (once per layout) the EP/EDP groups of `ep_size` and return this rank's view.
+
+    Collective: every rank must call it with the same arguments. When DeepSpeed is installed the
+    EP/EDP groups are also registered with it under ``ep_size_{P}``, so ZeRO reduces expert
+    gradients over the EDP group.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("expert parallelism needs torch.distributed to be initialised first")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    check_layout(world, ep_size, node_size=node_size)
+    key = (ep_size, node_size)
+    if key in _CACHE:
+        return _CACHE[key]
+
+    mine: dict[str, tuple[list[int], object]] = {}
+
+    def new_group(kind: str, ranks: list[int]) -> None:
+        group = dist.new_group(ranks)  # collective over the world: every rank creates every group
+        if rank in ranks:
+            mine[kind] = (ranks, group)
+
+    for start in range(0, world, ep_size):
+        new_group("ep", list(range(start, start + ep_size)))
+    for i in range(ep_size):
+        new_group("edp", list(range(i, world, ep_size)))
+    if node_size is not None and 1 < node_size < ep_size:
+        for start in range(0, world, node_size):
+            new_group("intra", list(range(start, start + node_size)))
+        for ep_start in range(0, world, ep_size):
+            for local in range(node_size):
+                new_group("inter", list(range(ep_start + local, ep_start + ep_size, node_size)))
+
+    ep_ranks, ep_group = mine["ep"]
+    edp_ranks, edp_group = mine["edp"]
+    groups = ExpertParallelGroups(
+        world_size=world, rank=rank, ep_size=ep_size, ep_rank=ep_ranks.index(rank), ep_ranks=ep_ranks,
+        ep_group=ep_group, edp_ranks=edp_ranks, edp_group=edp_group, dp_group=dist.group.WORLD,
+        node_size=node_size, intra_node_group=mine.get("intra", (None, None))[1],
+        inter_node_group=mine.get("inter", (None, None))[1],
+    )
+    try:
+        from ..optim.deepspeed_compat import register_expert_groups
+    except ImportError:  # DeepSpeed not installed: the groups still work for EP on their own
+        pass
+    else:
+        register_expert_groups(groups)
+    _CACHE[key] = groups
+    return groups
+
+
+def destroy_expert_parallel_groups() -> None:
+    """Forget the cached layouts (call before `dist.destroy_process_group`)."""
+    _CACHE.clear()
