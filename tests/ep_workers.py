@@ -10,10 +10,10 @@ from ds_optimus.hf_models.mula import MulaConfig, MulaForCausalLM
 from ds_optimus.parallel import apply_expert_parallel, is_expert_param
 
 
-def tiny_moe(seed: int = 0, **overrides) -> MulaForCausalLM:
+def tiny_moe(seed: int = 0, dtype: str = "float32", **overrides) -> MulaForCausalLM:
     torch.manual_seed(seed)
     config = MulaConfig.from_preset("mula-tiny-moe", **overrides)
-    return MulaForCausalLM(config).float()
+    return MulaForCausalLM(config).to(getattr(torch, dtype))
 
 
 def global_batch(seed: int, batch: int, seq: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,7 +34,7 @@ def ep_forward_backward(rank: int, world: int, ep_size: int, node_size: int | No
     per_rank = batch // world
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
     logits = model(ids[mine]).logits
-    (logits * probe[mine]).sum().backward()
+    (logits.float() * probe[mine]).sum().backward()
     grads = {}
     for name, p in model.named_parameters():
         g = p.grad if p.grad is not None else torch.zeros_like(p)
@@ -56,3 +56,94 @@ def reference_forward_backward(overrides: dict, batch: int = 8, seq: int = 12):
     logits = model(ids).logits
     (logits * probe).sum().backward()
     return {"logits": logits.detach(), "grads": {n: p.grad for n, p in model.named_parameters()}}
+
+
+def _gather_full(model, groups) -> dict[str, torch.Tensor]:
+    """Every parameter as a full tensor (expert shards concatenated over the EP group)."""
+    full = {}
+    for name, p in model.named_parameters():
+        value = p.detach().contiguous()
+        if is_expert_param(p):
+            parts = [torch.empty_like(value) for _ in range(groups.ep_size)]
+            dist.all_gather(parts, value, group=groups.ep_group)
+            value = torch.cat(parts)
+        full[name] = value
+    return full
+
+
+def global_batch_aux_loss(rank: int, world: int, batch: int = 8, seq: int = 12):
+    """Global-batch load balancing: the aux loss and router gradients of rank-local micro-batches."""
+    model = tiny_moe(router_aux_loss_scope="global_batch").train()
+    ids, _ = global_batch(2, batch, seq, model.config.vocab_size)
+    per_rank = batch // world
+    out = model(ids[rank * per_rank:(rank + 1) * per_rank], labels=ids[rank * per_rank:(rank + 1) * per_rank])
+    out.aux_loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if "gate.weight" in n}
+    for g in grads.values():
+        dist.all_reduce(g)
+        g /= world
+    aux = out.aux_loss.detach().clone()
+    dist.all_reduce(aux)
+    return {"aux": aux / world, "grads": grads}
+
+
+def reference_aux_loss(batch: int = 8, seq: int = 12):
+    model = tiny_moe().train()
+    ids, _ = global_batch(2, batch, seq, model.config.vocab_size)
+    out = model(ids, labels=ids)
+    out.aux_loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if "gate.weight" in n}
+    return {"aux": out.aux_loss.detach(), "grads": grads}
+
+
+DS_LR = 0.5
+
+
+def deepspeed_sgd_step(rank: int, world: int, ep_size: int, stage: int, batch: int = 8, seq: int = 12):
+    """One ZeRO-`stage` step of plain SGD through DeepSpeed's engine on an expert-parallel model, each
+    rank training on its own micro-batch; returns the updated parameters, reassembled."""
+    import deepspeed
+
+    from ds_optimus.parallel import moe_param_groups
+
+    model = tiny_moe().train()
+    groups = apply_expert_parallel(model, ep_size)
+    optimizer = torch.optim.SGD(moe_param_groups(model), lr=DS_LR)
+    config = {
+        "train_micro_batch_size_per_gpu": batch // world,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0,  # DeepSpeed 0.19 clips at 1.0 unless told otherwise
+    }
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    ids, _ = global_batch(3, batch, seq, model.config.vocab_size)
+    mine = ids[rank * (batch // world):(rank + 1) * (batch // world)]
+    loss = engine(mine, labels=mine).loss
+    engine.backward(loss)
+    engine.step()
+    return {"params": _gather_full(engine.module, groups), "has_moe_layers": engine.has_moe_layers}
+
+
+def reference_sgd_step(world: int, batch: int = 8, seq: int = 12):
+    """The same step on one process: the mean of the per-rank micro-batch losses, then SGD."""
+    model = tiny_moe().train()
+    model.set_experts_implementation("eager")
+    ids, _ = global_batch(3, batch, seq, model.config.vocab_size)
+    per_rank = batch // world
+    loss = sum(model(ids[r * per_rank:(r + 1) * per_rank], labels=ids[r * per_rank:(r + 1) * per_rank]).loss
+               for r in range(world)) / world
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= DS_LR * p.grad
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def bad_layout(rank: int, world: int, ep_size: int, overrides: dict):
+    """Returns the error message `apply_expert_parallel` raises (or None)."""
+    try:
+        apply_expert_parallel(tiny_moe(**overrides), ep_size)
+    except ValueError as err:
+        return str(err)
+    return None

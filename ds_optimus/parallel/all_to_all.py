@@ -22,9 +22,9 @@ from .groups import ExpertParallelGroups
 
 
 def _wire(x: torch.Tensor, group) -> torch.Tensor:
-    # Gloo has no bfloat16/float16 all-to-all; the exchange is bitwise, so send them as int16.
+    # Gloo has no bfloat16/float16 (nor int16) all-to-all; the exchange is bitwise, so send bytes.
     if x.dtype in (torch.bfloat16, torch.float16) and dist.get_backend(group) == "gloo":
-        return x.view(torch.int16)
+        return x.view(torch.uint8)
     return x
 
 

@@ -1,0 +1,89 @@
+"""Expert parallelism on several CPU processes (gloo): EP=1/2/4 and the hierarchical exchange give
+the single-process outputs and gradients; global-batch load balancing; DeepSpeed ZeRO reduces expert
+gradients over the expert-data-parallel group; layout errors are one line."""
+
+import pytest
+import torch
+from distributed import run_distributed
+from ep_workers import (
+    bad_layout,
+    deepspeed_sgd_step,
+    ep_forward_backward,
+    global_batch_aux_loss,
+    reference_aux_loss,
+    reference_forward_backward,
+    reference_sgd_step,
+)
+
+from ds_optimus.parallel import check_layout
+
+pytestmark = pytest.mark.slow
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_forward_backward({})
+
+
+def _check_against_reference(results, ref, tol):
+    for r in results:
+        assert rel(r["logits"], ref["logits"][r["rows"]]) <= tol
+        assert set(r["grads"]) == set(ref["grads"])
+        for name, grad in r["grads"].items():
+            assert rel(grad, ref["grads"][name]) <= tol, name
+
+
+@pytest.mark.parametrize("world, ep_size", [(2, 1), (2, 2), (4, 2), (4, 4)])
+def test_expert_parallel_matches_single_process(world, ep_size, reference):
+    results = run_distributed(ep_forward_backward, world, ep_size, None, {})
+    _check_against_reference(results, reference, 1e-5)
+
+
+def test_hierarchical_exchange_equals_flat(reference):
+    flat = run_distributed(ep_forward_backward, 4, 4, None, {})
+    hier = run_distributed(ep_forward_backward, 4, 4, 2, {})  # two "nodes" of two ranks
+    _check_against_reference(hier, reference, 1e-5)
+    for f, h in zip(flat, hier, strict=True):  # same rows in the same order: bitwise the same
+        assert torch.equal(f["logits"], h["logits"])
+        assert all(torch.equal(f["grads"][n], h["grads"][n]) for n in f["grads"])
+
+
+def test_bfloat16_expert_parallel_tracks_float32(reference):
+    results = run_distributed(ep_forward_backward, 2, 2, None, {"dtype": "bfloat16"})
+    for r in results:
+        assert r["logits"].dtype == torch.bfloat16
+        assert rel(r["logits"].float(), reference["logits"][r["rows"]]) <= 2e-2
+
+
+def test_global_batch_load_balancing_over_ranks():
+    ref = reference_aux_loss()
+    results = run_distributed(global_batch_aux_loss, 2)
+    for r in results:
+        torch.testing.assert_close(r["aux"], ref["aux"], rtol=1e-5, atol=1e-7)
+        for name, grad in r["grads"].items():
+            assert rel(grad, ref["grads"][name]) <= 1e-5, name
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_deepspeed_zero_reduces_expert_gradients_over_edp(stage):
+    """4 ranks at EP=2: ZeRO must average dense gradients over all ranks and expert gradients over the
+    expert-data-parallel pairs {0,2} and {1,3}; one SGD step then equals the single-process step."""
+    ref = reference_sgd_step(world=4)
+    results = run_distributed(deepspeed_sgd_step, 4, 2, stage)
+    for r in results:
+        assert r["has_moe_layers"]
+        for name, value in r["params"].items():
+            assert rel(value, ref[name]) <= 1e-5, name
+
+
+def test_layout_errors_are_one_line():
+    with pytest.raises(ValueError, match=r"^expert parallel size 3 does not divide the world size 4$"):
+        check_layout(4, 3)
+    with pytest.raises(ValueError, match=r"^node size 3 does not divide the expert parallel size 4$"):
+        check_layout(4, 4, node_size=3)
+    messages = run_distributed(bad_layout, 4, 4, {"num_experts": 6})
+    assert messages == ["expert parallel size 4 does not divide the number of experts 6"] * 4
