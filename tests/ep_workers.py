@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import ds_optimus  # noqa: F401  (registers the experts implementation)
 from ds_optimus.hf_models.mula import MulaConfig, MulaForCausalLM
-from ds_optimus.parallel import apply_expert_parallel, is_expert_param
+from ds_optimus.parallel import apply_expert_parallel, is_expert_param, setup_moe
 
 
 def tiny_moe(seed: int = 0, dtype: str = "float32", **overrides) -> MulaForCausalLM:
@@ -29,7 +29,10 @@ def ep_forward_backward(rank: int, world: int, ep_size: int, node_size: int | No
     and the gradients summed the way data parallelism sums them (dense over all ranks, experts
     over the expert-data-parallel group), with the experts' full tensors reassembled."""
     model = tiny_moe(**overrides)
-    groups = apply_expert_parallel(model, ep_size, node_size=node_size)
+    if isinstance(ep_size, dict):  # a DeepSpeed config with an "optimus" section
+        groups = setup_moe(model, ep_size)
+    else:
+        groups = apply_expert_parallel(model, ep_size, node_size=node_size)
     ids, probe = global_batch(1, batch, seq, model.config.vocab_size)
     per_rank = batch // world
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
@@ -147,3 +150,12 @@ def bad_layout(rank: int, world: int, ep_size: int, overrides: dict):
     except ValueError as err:
         return str(err)
     return None
+
+
+def save_expert_parallel(rank: int, world: int, ep_size: int, folder: str):
+    """Save an EP-sharded model with save_pretrained (collective); return its logits on a fixed batch."""
+    model = tiny_moe().eval()
+    apply_expert_parallel(model, ep_size)
+    model.save_pretrained(folder)
+    ids, _ = global_batch(4, 2, 10, model.config.vocab_size)
+    return model(ids).logits.detach()

@@ -45,7 +45,8 @@ def test_expert_parallel_matches_single_process(world, ep_size, reference):
 
 def test_hierarchical_exchange_equals_flat(reference):
     flat = run_distributed(ep_forward_backward, 4, 4, None, {})
-    hier = run_distributed(ep_forward_backward, 4, 4, 2, {})  # two "nodes" of two ranks
+    config = {"optimus": {"expert_parallel": {"size": 4, "node_size": 2}}}  # two "nodes" of two ranks
+    hier = run_distributed(ep_forward_backward, 4, config, None, {})
     _check_against_reference(hier, reference, 1e-5)
     for f, h in zip(flat, hier, strict=True):  # same rows in the same order: bitwise the same
         assert torch.equal(f["logits"], h["logits"])
@@ -87,3 +88,15 @@ def test_layout_errors_are_one_line():
         check_layout(4, 4, node_size=3)
     messages = run_distributed(bad_layout, 4, 4, {"num_experts": 6})
     assert messages == ["expert parallel size 4 does not divide the number of experts 6"] * 4
+
+
+def test_save_pretrained_of_an_expert_parallel_model_writes_the_full_experts(tmp_path):
+    from ep_workers import global_batch, save_expert_parallel
+    from transformers import AutoModelForCausalLM
+
+    logits = run_distributed(save_expert_parallel, 2, 2, str(tmp_path))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.model.layers[0].mlp.experts.gate_up_proj.shape[0] == loaded.config.num_experts == 8
+    ids, _ = global_batch(4, 2, 10, loaded.config.vocab_size)
+    torch.testing.assert_close(loaded(ids).logits, logits[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits[1], logits[0])

@@ -81,21 +81,22 @@ def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def _swiglu(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
-    return _activation(act)(gate) * up
+    return _activation(act)(gate).mul_(up)  # one [S, I] temporary: these tensors are the big ones
 
 
 def _swiglu_backward(gate_up: torch.Tensor, grad_h: torch.Tensor, act: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(d gate_up, h) for h = act(gate) * up, recomputing h from the pre-activation."""
     gate, up = gate_up.chunk(2, dim=-1)
     if act == "silu":
-        # Closed form in float32: silu'(g) = s * (1 + g * (1 - s)), s = sigmoid(g).
-        g32 = gate.float()
-        s = torch.sigmoid(g32)
-        silu = g32 * s
-        d_gate = grad_h.float() * up.float() * (s * (1 + g32 * (1 - s)))
-        d_up = grad_h.float() * silu
-        h = (silu.to(gate.dtype)) * up
-        return torch.cat([d_gate, d_up], dim=-1).to(gate_up.dtype), h
+        # Written into the halves of one buffer by fused kernels (silu_backward computes in float32
+        # internally), so the backward allocates one [S, I] temporary instead of a dozen.
+        grad_gate_up = torch.empty_like(gate_up)
+        d_gate, d_up = grad_gate_up.chunk(2, dim=-1)
+        h = F.silu(gate)
+        torch.mul(grad_h, h, out=d_up)
+        torch.mul(grad_h, up, out=d_gate)
+        torch.ops.aten.silu_backward.grad_input(d_gate, gate, grad_input=d_gate)  # elementwise, in place
+        return grad_gate_up, h.mul_(up)
     with torch.enable_grad():
         g = gate.detach().requires_grad_()
         u = up.detach().requires_grad_()

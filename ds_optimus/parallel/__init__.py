@@ -1,8 +1,14 @@
 """Expert parallelism: DP/EP/EDP process groups, all-to-all dispatch/combine (flat and
 hierarchical), sharding a model's experts, and DeepSpeed-ready param groups."""
 
-from .all_to_all import ExpertParallelDispatcher, all_to_all, all_to_all_autograd
-from .expert_parallel import apply_expert_parallel, is_expert_param, moe_param_groups
+from .dispatch import ExpertParallelDispatcher, all_to_all, all_to_all_autograd
+from .expert_parallel import (
+    apply_expert_parallel,
+    full_state_dict,
+    is_expert_param,
+    moe_param_groups,
+    setup_moe,
+)
 from .groups import (
     ExpertParallelGroups,
     LayoutError,
@@ -20,7 +26,9 @@ __all__ = [
     "apply_expert_parallel",
     "check_layout",
     "destroy_expert_parallel_groups",
+    "full_state_dict",
     "init_expert_parallel_groups",
     "is_expert_param",
     "moe_param_groups",
+    "setup_moe",
 ]

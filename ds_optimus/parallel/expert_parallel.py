@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .all_to_all import ExpertParallelDispatcher
+from .dispatch import ExpertParallelDispatcher
 from .groups import ExpertParallelGroups, LayoutError, init_expert_parallel_groups
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
@@ -54,7 +54,55 @@ def apply_expert_parallel(model: nn.Module, ep_size: int | ExpertParallelGroups,
         module.num_local_experts = local
         module.expert_parallel = ExpertParallelDispatcher(groups, local)
     _use_ds_optimus_experts(model)
+    if hasattr(model, "save_pretrained"):
+        _save_full_experts(model, groups)
     return groups
+
+
+def full_state_dict(model: nn.Module, groups: ExpertParallelGroups) -> dict[str, torch.Tensor]:
+    """The model's state dict with every expert-parallel weight gathered to its full [E, ...] shape
+    (collective over the EP group; every rank gets the whole dict)."""
+    state = model.state_dict()
+    sharded = [name for name, p in model.named_parameters() if is_expert_param(p)]  # same order on every rank
+    for name in sharded:
+        local = state[name].contiguous()
+        parts = [torch.empty_like(local) for _ in range(groups.ep_size)]
+        torch.distributed.all_gather(parts, local, group=groups.ep_group)
+        state[name] = torch.cat(parts)
+    return state
+
+
+def _save_full_experts(model: nn.Module, groups: ExpertParallelGroups) -> None:
+    """Make `model.save_pretrained` write the full experts (a folder any single process can load),
+    from global rank 0 only. It becomes collective: call it on every rank."""
+    original = model.save_pretrained
+
+    def save_pretrained(save_directory, *args, **kwargs):
+        kwargs.setdefault("state_dict", full_state_dict(model, groups))
+        kwargs.setdefault("is_main_process", groups.rank == 0)
+        result = original(save_directory, *args, **kwargs)
+        torch.distributed.barrier()  # the folder is complete when any rank returns
+        return result
+
+    model.save_pretrained = save_pretrained
+
+
+def setup_moe(model: nn.Module, config) -> ExpertParallelGroups | None:
+    """Apply the MoE settings of an `OptimusConfig` (or a DeepSpeed config dict/path carrying an
+    "optimus" section): the experts backend of every MoE layer, and expert parallelism when
+    `expert_parallel.size > 1`. Returns the EP groups, or None without expert parallelism."""
+    from ..config import OptimusConfig
+
+    if not isinstance(config, OptimusConfig):
+        config = OptimusConfig.from_ds_config(config)
+    backend = None if config.moe.experts_backend == "auto" else config.moe.experts_backend
+    for module in _experts_modules(model):
+        module.experts_backend = backend
+    _use_ds_optimus_experts(model)
+    ep = config.expert_parallel
+    if ep.size == 1:
+        return None
+    return apply_expert_parallel(model, ep.size, node_size=ep.node_size)
 
 
 def _use_ds_optimus_experts(model: nn.Module) -> None:

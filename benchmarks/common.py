@@ -1,0 +1,71 @@
+"""Shared helpers of the benchmark scripts: interleaved timing, machine description, JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def synchronize(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def interleaved_medians(contestants: dict[str, Callable[[], object]], repeats: int, warmup: int,
+                        device: str = "cpu") -> dict[str, dict[str, float]]:
+    """Run every contestant `warmup` times, then `repeats` rounds in which each runs once (in turn,
+    so slow drifts of the machine hit all alike); returns median/min/max seconds per contestant."""
+    for _ in range(warmup):
+        for fn in contestants.values():
+            fn()
+    synchronize(device)
+    times: dict[str, list[float]] = {name: [] for name in contestants}
+    for _ in range(repeats):
+        for name, fn in contestants.items():
+            synchronize(device)
+            start = time.perf_counter()
+            fn()
+            synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    return {n: {"median_s": statistics.median(t), "min_s": min(t), "max_s": max(t)} for n, t in times.items()}
+
+
+def machine() -> dict[str, object]:
+    info: dict[str, object] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpu": _cpu_name(),
+        "threads": torch.get_num_threads(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def write_result(name: str, payload: dict) -> Path:
+    """Write `payload` (plus the machine) to benchmarks/results/<name>.json (or $BENCH_RESULTS)."""
+    out_dir = Path(os.environ.get("BENCH_RESULTS", RESULTS))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps({"machine": machine(), **payload}, indent=2) + "\n")
+    return path

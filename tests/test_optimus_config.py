@@ -1,0 +1,60 @@
+"""The "optimus" section of a DeepSpeed config and `setup_moe` on one process."""
+
+import json
+
+import pytest
+import torch
+
+from ds_optimus.config import ConfigError, OptimusConfig
+from ds_optimus.hf_models.mula import MulaConfig, MulaForCausalLM
+from ds_optimus.parallel import setup_moe
+
+
+def test_defaults_without_a_section():
+    config = OptimusConfig.from_ds_config({"train_batch_size": 8})
+    assert config.expert_parallel.size == 1 and config.expert_parallel.node_size is None
+    assert config.moe.experts_backend == "auto"
+
+
+def test_reads_a_json_file(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"optimus": {"expert_parallel": {"size": 8, "node_size": 4}}}))
+    config = OptimusConfig.from_ds_config(path)
+    assert (config.expert_parallel.size, config.expert_parallel.node_size) == (8, 4)
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"expert_parallel": {"sise": 2}}, r"^optimus\.expert_parallel: unknown key 'sise' \(known: size, node_size\)$"),
+    ({"expert_parallel": {"size": 0}}, r"^optimus\.expert_parallel\.size must be a positive integer, got 0$"),
+    ({"expert_parallel": {"size": True}}, r"^optimus\.expert_parallel\.size must be a positive integer"),
+    ({"expert_parallel": {"size": 4, "node_size": 3}}, r"^optimus\.expert_parallel\.node_size 3 does not divide"),
+    ({"moe": {"experts_backend": "fast"}}, r"^optimus\.moe\.experts_backend must be one of auto, .*got 'fast'$"),
+    ({"layout": {}}, r"^optimus: unknown key 'layout'"),
+    ({"moe": []}, r"^optimus\.moe must be a JSON object, got list$"),
+])
+def test_bad_values_are_one_line_errors_naming_the_key(section, message):
+    with pytest.raises(ConfigError, match=message):
+        OptimusConfig.from_ds_config({"optimus": section})
+
+
+def test_unreadable_and_invalid_files(tmp_path):
+    with pytest.raises(ConfigError, match=r"^cannot read config .*missing\.json"):
+        OptimusConfig.from_ds_config(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match=r"^config .*bad\.json is not valid JSON"):
+        OptimusConfig.from_ds_config(bad)
+
+
+def test_setup_moe_sets_the_backend_of_every_moe_layer():
+    model = MulaForCausalLM(MulaConfig.from_preset("mula-tiny-moe"))
+    model.set_experts_implementation("eager")
+    assert setup_moe(model, {"optimus": {"moe": {"experts_backend": "looped"}}}) is None  # size 1: no EP
+    assert model.config._experts_implementation == "ds_optimus"
+    experts = [layer.mlp.experts for layer in model.model.layers]
+    assert {e.experts_backend for e in experts} == {"looped"}
+    x = torch.randint(2, 100, (2, 8))
+    looped = model(x).logits
+    setup_moe(model, {})
+    assert {e.experts_backend for e in experts} == {None}  # auto
+    torch.testing.assert_close(model(x).logits, looped, rtol=1e-5, atol=1e-5)
