@@ -37,7 +37,9 @@ HIDDEN, INTER, EXPERTS, TOP_K = 512, 256, 64, 8
 
 def build_contestants(tokens: int, dtype: torch.dtype, with_deepspeed: bool):
     torch.manual_seed(0)
-    ours = MoELayer(HIDDEN, INTER, EXPERTS, TOP_K).to(dtype)
+    # Top-k weights renormalised everywhere: DeepSpeed's gate always does it, so every contestant
+    # computes the same function and the outputs can be checked against each other.
+    ours = MoELayer(HIDDEN, INTER, EXPERTS, TOP_K, norm_topk_prob=True).to(dtype)
     x = torch.randn(1, tokens, HIDDEN, dtype=dtype)
     grad = torch.randn(1, tokens, HIDDEN, dtype=dtype)
 
@@ -55,7 +57,7 @@ def build_contestants(tokens: int, dtype: torch.dtype, with_deepspeed: bool):
     from transformers.models.olmoe.modeling_olmoe import OlmoeConfig, OlmoeSparseMoeBlock
 
     cfg = OlmoeConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
-                      norm_topk_prob=False)
+                      norm_topk_prob=True)
     for impl in ("eager", "grouped_mm", "batched_mm"):
         c = copy.deepcopy(cfg)
         c._experts_implementation = impl

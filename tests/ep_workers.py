@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import tempfile
+
 import torch
 import torch.distributed as dist
 
 import ds_optimus  # noqa: F401  (registers the experts implementation)
 from ds_optimus.hf_models.mula import MulaConfig, MulaForCausalLM
-from ds_optimus.parallel import apply_expert_parallel, is_expert_param, setup_moe
+from ds_optimus.parallel import apply_expert_parallel, full_state_dict, is_expert_param, setup_moe
 
 
 def tiny_moe(seed: int = 0, dtype: str = "float32", **overrides) -> MulaForCausalLM:
@@ -61,19 +63,6 @@ def reference_forward_backward(overrides: dict, batch: int = 8, seq: int = 12):
     return {"logits": logits.detach(), "grads": {n: p.grad for n, p in model.named_parameters()}}
 
 
-def _gather_full(model, groups) -> dict[str, torch.Tensor]:
-    """Every parameter as a full tensor (expert shards concatenated over the EP group)."""
-    full = {}
-    for name, p in model.named_parameters():
-        value = p.detach().contiguous()
-        if is_expert_param(p):
-            parts = [torch.empty_like(value) for _ in range(groups.ep_size)]
-            dist.all_gather(parts, value, group=groups.ep_group)
-            value = torch.cat(parts)
-        full[name] = value
-    return full
-
-
 def global_batch_aux_loss(rank: int, world: int, batch: int = 8, seq: int = 12):
     """Global-batch load balancing: the aux loss and router gradients of rank-local micro-batches."""
     model = tiny_moe(router_aux_loss_scope="global_batch").train()
@@ -125,7 +114,14 @@ def deepspeed_sgd_step(rank: int, world: int, ep_size: int, stage: int, batch: i
     loss = engine(mine, labels=mine).loss
     engine.backward(loss)
     engine.step()
-    return {"params": _gather_full(engine.module, groups), "has_moe_layers": engine.has_moe_layers}
+    params = {n: t for n, t in full_state_dict(engine.module, groups).items() if n in dict(model.named_parameters())}
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            engine.save_checkpoint(folder)
+        refused = None
+    except NotImplementedError as err:
+        refused = str(err)
+    return {"params": params, "has_moe_layers": engine.has_moe_layers, "checkpoint_refused": refused}
 
 
 def reference_sgd_step(world: int, batch: int = 8, seq: int = 12):

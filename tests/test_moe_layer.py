@@ -1,5 +1,6 @@
 """The dropless MoE layer: routing plan, permutation, experts backends against the reference,
-capacity dropping, backend selection, the standalone layer and global-batch load balancing."""
+capacity dropping, backend selection and the standalone layer (global-batch load balancing and
+expert parallelism are in test_expert_parallel.py)."""
 
 import math
 
@@ -109,6 +110,51 @@ def test_backend_matches_reference(backend, dtype, device, shape):
         got = _backend_case(backend, device, dtype, *shape, seed)
         for name, a, b in zip(("output", "d_rows", "d_gate_up", "d_down"), got, ref, strict=True):
             assert rel(a, b) <= TOL[dtype], (name, rel(a, b))
+
+
+@pytest.mark.parametrize("backend", ["grouped_mm", "looped"])
+@pytest.mark.parametrize("act", ["gelu", "relu", "linear"])
+def test_other_activations_match_reference(backend, act):
+    """Non-SiLU activations take the generic backward (autograd on the recomputed activation); an
+    activation that returns its input ("linear") must not be overwritten in place."""
+    gen = torch.Generator().manual_seed(0)
+    index = routing("random", 19, 4, 2, gen)
+    plan = plan_routing(index, 4)
+    weights = [torch.randn(19, 32, generator=gen), torch.randn(4, 48, 32, generator=gen) / 6,
+               torch.randn(4, 32, 24, generator=gen) / 5]
+    probe = torch.randn(38, 32, generator=gen)
+    results = []
+    for name in ("reference", backend):
+        leaves = [w.clone().requires_grad_() for w in weights]
+        y = grouped_swiglu(permute_tokens(leaves[0], plan), leaves[1], leaves[2], plan.counts, act, name)
+        (y * probe).sum().backward()
+        results.append([y.detach(), *(leaf.grad for leaf in leaves)])
+    for a, b in zip(*results, strict=True):
+        assert rel(a, b) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", ["grouped_mm", "looped", "reference"])
+def test_no_rows_gives_zero_output_and_gradients(backend):
+    """An expert-parallel rank may receive no rows at all."""
+    x = torch.zeros(0, 32, requires_grad=True)
+    gate_up = torch.randn(4, 48, 32, requires_grad=True)
+    down = torch.randn(4, 32, 24, requires_grad=True)
+    y = grouped_swiglu(x, gate_up, down, torch.zeros(4, dtype=torch.long), "silu", backend)
+    assert y.shape == (0, 32)
+    y.sum().backward()
+    assert gate_up.grad is None or not gate_up.grad.any()
+    assert down.grad is None or not down.grad.any()
+
+
+def test_grouped_mm_backend_runs_the_grouped_gemm(monkeypatch):
+    import ds_optimus.moe.experts as experts
+
+    calls = []
+    real = experts._GMM
+    monkeypatch.setattr(experts, "_GMM", lambda *a, **k: calls.append(a[1].dim()) or real(*a, **k))
+    out, _ = MoELayer(32, 16, 4, 2, experts_backend="grouped_mm")(torch.randn(7, 32, requires_grad=True))
+    out.sum().backward()
+    assert len(calls) == 6  # 2 forward GEMMs, 2 activation-gradient GEMMs, 2 ragged-K weight gradients
 
 
 def _layer_case(impl, dtype, device, tokens, hidden, inter, experts, k, kind, seed, **config):

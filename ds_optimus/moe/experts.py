@@ -12,7 +12,8 @@ Every backend computes, for rows `x [S, H]` already sorted by expert with `count
   devices and dtypes that have no grouped GEMM kernel (e.g. float32 on CUDA).
 - further backends (the Triton kernels) register with `register_backend`.
 
-`DS_OPTIMUS_EXPERTS_BACKEND=<name>` forces a backend everywhere (e.g. ``reference`` to debug).
+`DS_OPTIMUS_EXPERTS_BACKEND=<name>` forces a backend everywhere, over any per-layer or config
+choice (e.g. ``reference`` to debug).
 """
 
 from __future__ import annotations
@@ -53,8 +54,9 @@ def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[s
 
 
 def select_backend(device: torch.device | str, dtype: torch.dtype, requested: str | None = None) -> str:
-    """The backend to use: `requested`, else $DS_OPTIMUS_EXPERTS_BACKEND, else the best available."""
-    requested = requested or os.environ.get(ENV_VAR) or None
+    """The backend to use: $DS_OPTIMUS_EXPERTS_BACKEND if set (it overrides everything, for
+    debugging), else `requested`, else the best available."""
+    requested = os.environ.get(ENV_VAR) or requested or None
     if requested is not None and requested != "auto":
         if requested not in _BACKENDS:
             raise ValueError(f"unknown experts backend {requested!r}; registered: {', '.join(_BACKENDS)}")
@@ -81,7 +83,9 @@ def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def _swiglu(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
-    return _activation(act)(gate).mul_(up)  # one [S, I] temporary: these tensors are the big ones
+    if act == "silu":
+        return F.silu(gate).mul_(up)  # one [S, I] temporary: these tensors are the big ones
+    return _activation(act)(gate) * up  # an activation may return its input: never write in place
 
 
 def _swiglu_backward(gate_up: torch.Tensor, grad_h: torch.Tensor, act: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,13 +115,10 @@ _GMM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 def _gmm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Rows of `a [S, K]` in expert groups times `b [E, K, N]` -> [S, N]."""
+    """Grouped GEMM. With `a [S, K]` and `b [E, K, N]`: expert groups of rows of `a` times their
+    expert's matrix -> [S, N]. With `a [M, S]` and `b [S, N]`: per expert `a[:, group] @ b[group]`
+    -> [E, M, N] (ragged K, the weight gradient)."""
     return _GMM(a, b, offs=offsets)
-
-
-def _gmm_weight(a_t: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Per-expert `a_t[:, group] @ b[group, :]` for `a_t [M, S]`, `b [S, N]` -> [E, M, N] (ragged K)."""
-    return _GMM(a_t, b, offs=offsets)
 
 
 def _loop_mm(a: torch.Tensor, b: torch.Tensor, sizes: list[int]) -> torch.Tensor:
@@ -155,6 +156,8 @@ class _GroupedSwiGLU(torch.autograd.Function):
     def backward(ctx, grad_y):
         x, gate_up, down, gu = ctx.saved_tensors
         groups, mm, mm_weight = ctx.groups, ctx.mm, ctx.mm_weight
+        if x.shape[0] == 0:  # no rows (e.g. an EP rank that received none): zero gradients
+            return torch.zeros_like(x), torch.zeros_like(gate_up), torch.zeros_like(down), None, None, None, None
         grad_y = grad_y.contiguous()
         grad_h = mm(grad_y, down, groups)  # [S, I]
         grad_gu, h = _swiglu_backward(gu, grad_h, ctx.act)
@@ -168,7 +171,7 @@ def _grouped_mm_backend(x, gate_up, down, counts, act):
     if not _gmm_aligned(x, gate_up, down):
         return _looped_backend(x, gate_up, down, counts, act)
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-    return _GroupedSwiGLU.apply(x, gate_up, down, offsets, act, _gmm, _gmm_weight)
+    return _GroupedSwiGLU.apply(x, gate_up, down, offsets, act, _gmm, _gmm)
 
 
 def _looped_backend(x, gate_up, down, counts, act):
@@ -191,14 +194,18 @@ def _gmm_aligned(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> 
     return dims_ok and all(t.data_ptr() % 16 == 0 for t in (x, gate_up, down))
 
 
+_TORCH_2_9 = torch.torch_version.TorchVersion(torch.__version__) >= (2, 9)
+
+
 def _grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     if _GMM is None or dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
     if device.type == "cpu":
-        return True
+        return _TORCH_2_9  # PyTorch 2.8's grouped GEMM has no CPU kernel
     if device.type == "cuda":
-        # CUDA's grouped GEMM takes bf16 only, on compute capability 8.0 and newer.
-        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (8, 0)
+        # CUDA's grouped GEMM takes bf16 only: sm80 and newer from PyTorch 2.9, Hopper only before.
+        capability = torch.cuda.get_device_capability(device)
+        return dtype == torch.bfloat16 and (capability >= (8, 0) if _TORCH_2_9 else capability[0] == 9)
     return False
 
 

@@ -1,9 +1,10 @@
 """The dropless MoE layer: permute, grouped experts (optionally across ranks), combine.
 
 `moe_experts_forward` is registered with Transformers' experts interface as ``"ds_optimus"``, so
-the Mula MoE block (and any Transformers model whose experts use `@use_experts_implementation`
-with stacked gate/up weights) runs through it with no second model definition. `import ds_optimus`
-registers it and makes it the Mula default.
+the Mula MoE block runs through it with no second model definition; `import ds_optimus` registers it
+and makes it the Mula default. Other Transformers experts modules with the same layout (gated,
+gate and up concatenated in `gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`, no biases, not
+transposed: OLMoE, Qwen-MoE, Mixtral in Transformers 5) can use it too; other layouts are refused.
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ def moe_experts_forward(
     module, the sorted rows travel to the ranks that own their experts and back (all-to-all).
     """
     config = self.config
+    layout = {"has_gate": True, "is_concatenated": True, "is_transposed": False, "has_bias": False,
+              "has_post_expert_norm": False}
+    wrong = [k for k, v in layout.items() if getattr(self, k, v) != v]
+    if wrong:
+        raise ValueError(f"the ds_optimus experts implementation does not support {type(self).__name__} "
+                         f"({', '.join(f'{k}={getattr(self, k)}' for k in wrong)})")
     act = getattr(config, "hidden_act", "silu")
     backend = getattr(self, "experts_backend", None)
     plan = plan_routing(top_k_index, self.num_experts)

@@ -23,17 +23,13 @@ class RoutingPlan:
     inverse: torch.Tensor  # [S] int64
     token_of_sorted: torch.Tensor  # [S] int64: the token whose row sits at sorted position p
     counts: torch.Tensor  # [E] int64
+    inverse_by_slot: torch.Tensor  # [k, T] int64: row j holds the sorted positions of every token's j-th slot
     num_tokens: int
     top_k: int
 
     @property
     def num_slots(self) -> int:
         return self.num_tokens * self.top_k
-
-    @property
-    def inverse_by_slot(self) -> torch.Tensor:
-        """[k, T]: row j holds the sorted positions of every token's j-th slot."""
-        return self.inverse.view(self.num_tokens, self.top_k).t().contiguous()
 
 
 def plan_routing(top_k_index: torch.Tensor, num_experts: int) -> RoutingPlan:
@@ -44,7 +40,8 @@ def plan_routing(top_k_index: torch.Tensor, num_experts: int) -> RoutingPlan:
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     counts = torch.bincount(flat, minlength=num_experts)
-    return RoutingPlan(order, inverse, order // top_k, counts, num_tokens, top_k)
+    by_slot = inverse.view(num_tokens, top_k).t().contiguous()
+    return RoutingPlan(order, inverse, order // top_k, counts, by_slot, num_tokens, top_k)
 
 
 def _accumulator(like: torch.Tensor, rows: int) -> torch.Tensor:

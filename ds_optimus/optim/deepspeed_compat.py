@@ -37,20 +37,44 @@ def register_expert_groups(groups) -> None:
     install_engine_hook()
 
 
-_ORIGINAL_CONFIGURE = DeepSpeedEngine._configure_distributed_model
+_ORIGINAL = {
+    "configure": DeepSpeedEngine._configure_distributed_model,
+    "save": DeepSpeedEngine.save_checkpoint,
+    "load": DeepSpeedEngine.load_checkpoint,
+}
 
 
 def _configure_distributed_model(self, model):
-    _ORIGINAL_CONFIGURE(self, model)
-    experts = [m for m in self.module.modules() if getattr(m, "expert_parallel", None) is not None]
+    _ORIGINAL["configure"](self, model)
+    # Experts sharded by apply_expert_parallel carry DeepSpeed's MoE marks (allreduce=False).
+    experts = [m for m in self.module.modules() if hasattr(m, "num_local_experts")
+               and any(getattr(p, "allreduce", True) is False for p in m.parameters(recurse=False))]
+    self._ds_optimus_expert_parallel = bool(experts)
     if experts and not self.has_moe_layers:
         self.has_moe_layers = True
         self.num_experts.extend(m.num_experts for m in experts)
-        self.expert_parallel_group = ds_groups._get_expert_parallel_group_dict()
-        self.expert_data_parallel_group = ds_groups._get_expert_data_parallel_group_dict()
+
+
+def _refuse_expert_parallel_checkpoints(name):
+    original = _ORIGINAL[name]
+
+    def method(self, *args, **kwargs):
+        if getattr(self, "_ds_optimus_expert_parallel", False):
+            # DeepSpeed's MoE checkpoint code only knows its own MoE modules: it would write one
+            # rank's expert shard for all and load it into every rank without an error.
+            raise NotImplementedError(
+                "DeepSpeed checkpoints of a ds_optimus expert-parallel model are not supported yet; "
+                "save the model with model.save_pretrained() on every rank"
+            )
+        return original(self, *args, **kwargs)
+
+    return method
 
 
 def install_engine_hook() -> None:
-    """Make DeepSpeed's engine treat ds_optimus expert-parallel experts as MoE layers (idempotent)."""
+    """Make DeepSpeed's engine treat ds_optimus expert-parallel experts as MoE layers, and refuse its
+    checkpoints of them until they are supported (idempotent)."""
     check_version()
     DeepSpeedEngine._configure_distributed_model = _configure_distributed_model
+    DeepSpeedEngine.save_checkpoint = _refuse_expert_parallel_checkpoints("save")
+    DeepSpeedEngine.load_checkpoint = _refuse_expert_parallel_checkpoints("load")

@@ -23,7 +23,9 @@ from .groups import ExpertParallelGroups
 
 def _wire(x: torch.Tensor, group) -> torch.Tensor:
     # Gloo has no bfloat16/float16 (nor int16) all-to-all; the exchange is bitwise, so send bytes.
-    if x.dtype in (torch.bfloat16, torch.float16) and dist.get_backend(group) == "gloo":
+    # CPU tensors go through gloo also under a mixed backend such as "cpu:gloo,cuda:nccl".
+    if x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu" and "gloo" in str(
+            dist.get_backend(group)):
         return x.view(torch.uint8)
     return x
 
@@ -101,7 +103,12 @@ class ExpertParallelDispatcher:
         # Counts, step 2 (between nodes): to node b, what this node's ranks send to (b, my local rank).
         c2_in = c1.transpose(0, 1).contiguous()  # [b, l, e]
         c2 = all_to_all(c2_in.reshape(-1), [n * el] * nodes, [n * el] * nodes, g.inter_node_group).view(nodes * n, el)
-        send_l, c1_l, recv_l = send.tolist(), c1.sum(-1).tolist(), c2.tolist()
+        sizes = torch.cat([send.reshape(-1), c1.sum(-1).reshape(-1), c2.reshape(-1)]).tolist()  # one host sync
+        send_l = [sizes[r * el:(r + 1) * el] for r in range(g.ep_size)]
+        sizes = sizes[g.ep_size * el:]
+        c1_l = [sizes[m * nodes:(m + 1) * nodes] for m in range(n)]
+        sizes = sizes[n * nodes:]
+        recv_l = [sizes[r * el:(r + 1) * el] for r in range(g.ep_size)]
 
         s = [[sum(send_l[b * n + m]) for m in range(n)] for b in range(nodes)]  # rows to (b, m)
         in1 = [sum(s[b][m] for b in range(nodes)) for m in range(n)]

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .dispatch import ExpertParallelDispatcher
-from .groups import ExpertParallelGroups, LayoutError, init_expert_parallel_groups
+from .groups import ExpertParallelGroups, check_layout, init_expert_parallel_groups
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 
@@ -36,13 +36,12 @@ def apply_expert_parallel(model: nn.Module, ep_size: int | ExpertParallelGroups,
     experts = _experts_modules(model)
     if not experts:
         raise ValueError("apply_expert_parallel: the model has no stacked experts (gate_up_proj/down_proj)")
+    if any(hasattr(m, "num_local_experts") for m in experts):
+        raise ValueError("apply_expert_parallel: the model is already expert-parallel")
     groups = ep_size if isinstance(ep_size, ExpertParallelGroups) else init_expert_parallel_groups(ep_size, node_size)
+    for module in experts:  # every layer is checked before any is changed
+        check_layout(groups.world_size, groups.ep_size, module.num_experts, groups.node_size)
     for module in experts:
-        if getattr(module, "expert_parallel", None) is not None:
-            raise ValueError("apply_expert_parallel: the model is already expert-parallel")
-        if module.num_experts % groups.ep_size:
-            raise LayoutError(f"expert parallel size {groups.ep_size} does not divide the number of experts "
-                              f"{module.num_experts}")
         local = module.num_experts // groups.ep_size
         start = groups.ep_rank * local
         for name in EXPERT_WEIGHTS:
@@ -52,7 +51,8 @@ def apply_expert_parallel(model: nn.Module, ep_size: int | ExpertParallelGroups,
             shard.group_name = groups.name  # DeepSpeed's name for the EDP group of this EP size
             setattr(module, name, shard)
         module.num_local_experts = local
-        module.expert_parallel = ExpertParallelDispatcher(groups, local)
+        # EP size 1 keeps every expert: nothing to exchange.
+        module.expert_parallel = ExpertParallelDispatcher(groups, local) if groups.ep_size > 1 else None
     _use_ds_optimus_experts(model)
     if hasattr(model, "save_pretrained"):
         _save_full_experts(model, groups)
@@ -78,7 +78,15 @@ def _save_full_experts(model: nn.Module, groups: ExpertParallelGroups) -> None:
     original = model.save_pretrained
 
     def save_pretrained(save_directory, *args, **kwargs):
-        kwargs.setdefault("state_dict", full_state_dict(model, groups))
+        given = kwargs.get("state_dict")
+        if given is not None:  # e.g. the HF Trainer's, on the main process only: no collective here
+            for name, p in model.named_parameters():
+                if is_expert_param(p) and name in given and given[name].shape == p.shape and groups.ep_size > 1:
+                    raise ValueError(f"save_pretrained: state_dict holds this rank's expert shard of {name}; "
+                                     "pass ds_optimus.parallel.full_state_dict(model, groups) or call "
+                                     "save_pretrained on every rank without a state_dict")
+            return original(save_directory, *args, **kwargs)
+        kwargs["state_dict"] = full_state_dict(model, groups)
         kwargs.setdefault("is_main_process", groups.rank == 0)
         result = original(save_directory, *args, **kwargs)
         torch.distributed.barrier()  # the folder is complete when any rank returns

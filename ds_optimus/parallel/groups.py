@@ -9,6 +9,7 @@ ranks: an intra-node group per node and an inter-node group per local rank index
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -110,10 +111,12 @@ def init_expert_parallel_groups(ep_size: int, node_size: int | None = None) -> E
     )
     try:
         from ..optim.deepspeed_compat import register_expert_groups
-    except ImportError:  # DeepSpeed not installed: the groups still work for EP on their own
-        pass
-    else:
+
         register_expert_groups(groups)
+    except ImportError:  # DeepSpeed not installed: the groups work for EP on their own
+        pass
+    except RuntimeError as err:  # an untested DeepSpeed version: EP works, its engine is not hooked
+        warnings.warn(f"expert parallel groups not registered with DeepSpeed: {err}", stacklevel=2)
     _CACHE[key] = groups
     return groups
 

@@ -92,8 +92,9 @@ class MulaConfig(PreTrainedConfig):
         router_aux_loss_coef: weight of the load-balancing loss added to the LM loss.
         router_z_loss_coef: weight of the router z-loss added to the LM loss.
         router_aux_loss_scope: "micro_batch" computes the load-balancing loss's expert loads over each
-            rank's micro-batch; "global_batch" sums them over all data-parallel ranks first (one small
-            all-reduce per step), which balances the global batch and lets micro-batches specialise.
+            rank's micro-batch; "global_batch" sums them over all data-parallel ranks' concurrent
+            micro-batches first (one all-reduce of E+1 numbers per MoE layer, all layers in one call
+            per forward), which balances across ranks and lets micro-batches specialise.
         moe_capacity_factor: None (default) is dropless. A number caps each expert at
             ceil(factor * tokens * k / experts) token slots per rank; the excess slots are dropped.
         router_bias_update_rate: > 0 enables DeepSeek-V3-style auxiliary-loss-free balancing: a

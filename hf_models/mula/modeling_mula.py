@@ -525,14 +525,14 @@ def router_losses(
     E * sum_e f_e * p_e, where f_e is the fraction of token slots sent to expert e and p_e the mean
     router probability of e. Z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2.
     `token_mask` [T] (1 = real token) leaves padding out of all three. With a process `group`, f_e is
-    computed over the tokens of every rank in it (global-batch balancing: one all-reduce of the
-    per-layer slot counts, which carry no gradient); p_e stays local, so averaging the loss over
-    ranks gives the global-batch loss.
+    computed over the tokens that all ranks of the group process in this step (global-batch
+    balancing: one all-reduce of every layer's slot and token counts, which carry no gradient); p_e
+    stays local, so the mean of the ranks' losses is the global-batch loss when the ranks have equal
+    token counts.
     """
-    balance, zloss, counts = [], [], []
+    zloss, counts, mean_probs, tokens = [], [], [], []
     for logits, index in zip(router_logits, router_indices, strict=True):
         logits = logits.float()
-        top_k = index.shape[-1]
         if scoring_func == "sigmoid":
             probs = torch.sigmoid(logits)
             probs = probs / probs.sum(-1, keepdim=True)
@@ -544,18 +544,22 @@ def router_losses(
             mask = torch.ones(logits.shape[0], device=logits.device)
         else:
             mask = token_mask.to(logits.device, torch.float32)
-        denom = mask.sum().clamp_min(1.0)
-        slots = (one_hot_slots * mask[:, None]).sum(0)
-        mean_prob = (probs * mask[:, None]).sum(0) / denom
+        real = mask.sum()
+        denom = real.clamp_min(1.0)
+        mean_probs.append((probs * mask[:, None]).sum(0) / denom)
         zloss.append((lse_sq * mask).sum() / denom)
-        counts.append(slots.detach())
-        balance_slots, balance_tokens = slots.detach(), denom.detach()
-        if group is not None:
-            both = torch.cat([balance_slots, balance_tokens.reshape(1)])
-            torch.distributed.all_reduce(both, group=group)
-            balance_slots, balance_tokens = both[:-1], both[-1].clamp_min(1.0)
-        slot_frac = balance_slots / (balance_tokens * top_k)
-        balance.append(num_experts * (slot_frac * mean_prob).sum())
+        counts.append((one_hot_slots * mask[:, None]).sum(0).detach())
+        tokens.append(real.detach().reshape(1))
+    top_k = router_indices[0].shape[-1]
+    # Slot and token counts of every layer: summed over the group in one all-reduce when balancing
+    # the global batch, and unclamped until then, so ranks without real tokens add nothing.
+    loads = [torch.cat([c, t]) for c, t in zip(counts, tokens, strict=True)]
+    if group is not None:
+        flat = torch.cat([load.to(loads[0].device) for load in loads])
+        torch.distributed.all_reduce(flat, group=group)
+        loads = [part.to(load.device) for part, load in zip(flat.split(num_experts + 1), loads, strict=True)]
+    balance = [num_experts * (load[:-1] / (load[-1].clamp_min(1.0) * top_k) * p).sum()
+               for load, p in zip(loads, mean_probs, strict=True)]
     device = router_logits[0].device  # layers may sit on different devices under a device_map
     return (
         torch.stack([t.to(device) for t in balance]).mean(),
