@@ -10,7 +10,7 @@ Contestants (identical weights, one run, interleaved, median of repeats):
 Then, with 2 processes at EP=2, the share of the layer's time spent in dispatch/combine (the
 all-to-all exchanges and the regrouping around them).
 
-    python benchmarks/moe_layer.py [--tokens 4096] [--repeats 7] [--dtypes float32,bfloat16]
+    python benchmarks/moe_layer.py [--tokens 4096] [--repeats 7] [--dtypes float32,bfloat16] [--profile]
 """
 
 from __future__ import annotations
@@ -188,6 +188,22 @@ def ep_share(tokens, dtype_name, repeats):
     return max(r["share"] for r in results), max(r["layer_s"] for r in results)
 
 
+def profile_contestant(label: str, run, repeats: int) -> None:
+    """Self CPU time per operator, averaged over `repeats` runs after two warm-up runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    run()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(repeats):
+            run()
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in events) / repeats / 1e3
+    print(f"\n{label}: {total:.0f} ms per forward+backward (profiled)")
+    for e in events[:8]:
+        print(f"  {e.key[:44]:<44}{e.self_cpu_time_total / repeats / 1e3:8.1f} ms  {e.count // repeats:>4} calls")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096)
@@ -196,7 +212,15 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--no-deepspeed", action="store_true")
     parser.add_argument("--no-ep", action="store_true", help="skip the EP=2 dispatch/combine measurement")
+    parser.add_argument("--profile", action="store_true",
+                        help="instead of timing, print where ours and the floor spend their time, per operator")
     args = parser.parse_args()
+    if args.profile:
+        for dtype_name in args.dtypes.split(","):
+            contestants, _, _ = build_contestants(args.tokens, getattr(torch, dtype_name), False)
+            for name in ("ours", "floor"):
+                profile_contestant(f"{dtype_name} {name}", contestants[name], args.repeats)
+        return
 
     flops = 3 * 2 * args.tokens * TOP_K * (HIDDEN * 2 * INTER + INTER * HIDDEN)
     payload = {"shape": dict(tokens=args.tokens, hidden=HIDDEN, intermediate=INTER, experts=EXPERTS, top_k=TOP_K),
