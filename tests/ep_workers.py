@@ -30,7 +30,11 @@ def ep_forward_backward(rank: int, world: int, ep_size: int, node_size: int | No
     """Each rank runs its share of the global batch through the EP model; returns its logits slice
     and the gradients summed the way data parallelism sums them (dense over all ranks, experts
     over the expert-data-parallel group), with the experts' full tensors reassembled."""
+    checkpointing = overrides.pop("checkpointing", None)
     model = tiny_moe(**overrides)
+    if checkpointing is not None:  # recomputation in backward repeats the all-to-alls
+        model.train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing})
     if isinstance(ep_size, dict):  # a DeepSpeed config with an "optimus" section
         groups = setup_moe(model, ep_size)
     else:

@@ -43,6 +43,12 @@ def test_expert_parallel_matches_single_process(world, ep_size, reference):
     _check_against_reference(results, reference, 1e-5)
 
 
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_expert_parallel_under_activation_checkpointing(reentrant, reference):
+    results = run_distributed(ep_forward_backward, 2, 2, None, {"checkpointing": reentrant})
+    _check_against_reference(results, reference, 1e-5)
+
+
 def test_hierarchical_exchange_equals_flat(reference):
     flat = run_distributed(ep_forward_backward, 4, 4, None, {})
     config = {"optimus": {"expert_parallel": {"size": 4, "node_size": 2}}}  # two "nodes" of two ranks
