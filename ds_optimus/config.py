@@ -37,9 +37,9 @@ class MoEConfig:
     experts_backend: str = "auto"
 
     def check(self, where: str) -> None:
-        from .moe.experts import _BACKENDS
+        from .moe.experts import registered_backends
 
-        known = ["auto", *_BACKENDS]
+        known = ["auto", *registered_backends()]
         _need(self.experts_backend in known,
               f"{where}.experts_backend must be one of {', '.join(known)}, got {self.experts_backend!r}")
 

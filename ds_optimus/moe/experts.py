@@ -46,6 +46,11 @@ def register_backend(name: str, fn: ExpertsFn, supports: Callable[[torch.device,
     _BACKENDS[name] = Backend(name, fn, supports, priority)
 
 
+def registered_backends() -> list[str]:
+    """Names of every registered backend, whatever the device."""
+    return list(_BACKENDS)
+
+
 def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[str]:
     """Names of the backends that run on `device` with `dtype`, best first."""
     device = torch.device(device)
