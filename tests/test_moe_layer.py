@@ -267,3 +267,35 @@ def test_sigmoid_router_runs_through_the_layer():
     layer = MoELayer(32, 16, num_experts=8, top_k=3, scoring_func="sigmoid")
     out, aux = layer(torch.randn(10, 32))
     assert torch.isfinite(out).all() and aux["top_k_index"].shape == (10, 3)
+
+
+@pytest.mark.parametrize("backend", ["grouped_mm", "looped"])
+def test_frozen_expert_weights_get_no_gradient(backend):
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randn(40, 32, generator=gen, requires_grad=True)
+    gate_up = torch.randn(4, 48, 32, generator=gen) / 6
+    down = torch.randn(4, 32, 24, generator=gen, requires_grad=True)
+    counts = torch.tensor([10, 0, 25, 5])
+    grouped_swiglu(rows, gate_up, down, counts, "silu", backend).sum().backward()
+    ref_rows, ref_down = rows.detach().clone().requires_grad_(), down.detach().clone().requires_grad_()
+    grouped_swiglu(ref_rows, gate_up, ref_down, counts, "silu", "reference").sum().backward()
+    assert gate_up.grad is None
+    assert rel(rows.grad, ref_rows.grad) <= 1e-5 and rel(down.grad, ref_down.grad) <= 1e-5
+    assert not down.grad[1].any()  # the expert without rows
+
+
+def test_looped_backend_rejects_counts_that_do_not_cover_the_rows():
+    with pytest.raises(ValueError, match="counts sum to 9"):
+        grouped_swiglu(torch.randn(10, 32), torch.randn(2, 48, 32), torch.randn(2, 32, 24),
+                       torch.tensor([4, 5]), "silu", "looped")
+
+
+def test_rowwise_dot_in_blocks_matches_float64():
+    from ds_optimus.moe.permute import _rowwise_dot
+
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(2, 5000, 64, generator=gen)  # more rows than one block
+    for dtype in (torch.float32, torch.bfloat16):
+        got = _rowwise_dot(a.to(dtype), b.to(dtype), chunk_rows=512)
+        want = (a.to(dtype).double() * b.to(dtype).double()).sum(-1)
+        assert got.shape == (5000,) and rel(got.double(), want) <= TOL[dtype]

