@@ -1,0 +1,64 @@
+"""Tokenizers: any Hugging Face tokenizer by name or folder, or the embedded default.
+
+The default is a byte-level BPE of 4096 tokens trained on the embedded corpus and shipped with the
+package (`default_tokenizer.json`, rebuilt by `python -m ds_optimus.data.tokenizer`), with
+`<pad>` = 0 and `<eos>` = 1, matching the tiny Mula presets. It needs no download.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+DEFAULT_TOKENIZER_FILE = Path(__file__).with_name("default_tokenizer.json")
+DEFAULT_VOCAB_SIZE = 4096
+PAD, EOS = "<pad>", "<eos>"
+
+
+def train_default_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE):
+    """Train the default byte-level BPE on the embedded corpus (a `tokenizers.Tokenizer`)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from .corpus import embedded_documents
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD, EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(embedded_documents(), trainer)
+    return tokenizer
+
+
+def load_tokenizer(name_or_path: str | None = None):
+    """A `PreTrainedTokenizerFast`: the embedded default for None/"default", else
+    `AutoTokenizer.from_pretrained(name_or_path)` (a local folder, or a Hub name)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if name_or_path in (None, "default"):
+        return PreTrainedTokenizerFast(tokenizer_file=str(DEFAULT_TOKENIZER_FILE), eos_token=EOS, pad_token=PAD)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"cannot load tokenizer {name_or_path!r}: {first}") from None
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"tokenizer {name_or_path!r} has no end-of-text token; documents could not be separated")
+    return tokenizer
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A hash of everything that decides how the tokenizer encodes text."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    state = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
+    return hashlib.sha256(f"{state}|eos={tokenizer.eos_token_id}".encode()).hexdigest()
+
+
+def main() -> None:
+    tokenizer = train_default_tokenizer()
+    tokenizer.save(str(DEFAULT_TOKENIZER_FILE))
+    print(f"wrote {DEFAULT_TOKENIZER_FILE} ({tokenizer.get_vocab_size()} tokens)")
+
+
+if __name__ == "__main__":
+    main()
