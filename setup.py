@@ -42,5 +42,5 @@ setup(
         "dev": ["pytest>=8", "ruff>=0.8"],
         "triton": ["triton>=3.2"],
     },
-    entry_points={"console_scripts": []},
+    entry_points={"console_scripts": ["ds-optimus-train = ds_optimus.train.cli:main"]},
 )

@@ -2,9 +2,20 @@
 validated up front. An unknown key or a bad value is a one-line `ConfigError` naming the key.
 
     "optimus": {
+      "model": {"preset": "mula-tiny-moe", "path": null, "overrides": {}},
       "expert_parallel": {"size": 4, "node_size": 2},   # EP size; node_size selects the hierarchical exchange
-      "moe": {"experts_backend": "auto"}                 # or "grouped_mm", "looped", "reference", ...
+      "moe": {"experts_backend": "auto"},                # or "grouped_mm", "looped", "reference", ...
+      "data": {"sources": ["embedded"], "tokenizer": null, "seq_len": 256, "val_fraction": 0.02,
+               "cache_dir": "data_cache"},
+      "train": {"steps": 100, "seed": 0, "output_dir": "runs/mula", "eval_interval": 50, "eval_batches": 8,
+                "log_interval": 1, "peak_tflops": null, "warmup_steps": 0, "min_lr_ratio": 0.1,
+                "sample_prompt": "...", "sample_tokens": 48},
+      "checkpoint": {"interval": 0, "keep_last": 2, "dir": null, "resume": true},
+      "wandb": {"mode": null, "project": "ds_optimus", "name": null, "entity": null}
     }
+
+Every section and key is optional; the defaults are above (`mode: null` means online when
+WANDB_API_KEY is set, offline otherwise).
 """
 
 from __future__ import annotations
@@ -45,21 +56,114 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class ModelConfig:
+    preset: str | None = "mula-tiny-moe"
+    path: str | None = None  # an HF folder: its config (and weights, if it has them)
+    overrides: dict = field(default_factory=dict)  # MulaConfig fields over the preset's or folder's
+
+    def check(self, where: str) -> None:
+        from .hf_models.mula import PRESETS
+
+        _need((self.preset is None) != (self.path is None),
+              f"{where}: give exactly one of preset and path, got preset={self.preset!r} path={self.path!r}")
+        _need(self.preset is None or self.preset in PRESETS,
+              f"{where}.preset {self.preset!r} is not one of {', '.join(PRESETS)}")
+        _need(isinstance(self.overrides, dict), f"{where}.overrides must be a JSON object")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    sources: list = field(default_factory=lambda: ["embedded"])
+    tokenizer: str | None = None  # an HF tokenizer name or folder; null: the embedded default
+    seq_len: int = 256
+    val_fraction: float = 0.02
+    cache_dir: str = "data_cache"
+
+    def check(self, where: str) -> None:
+        from .data.corpus import DataError, parse_source
+
+        _need(isinstance(self.sources, list) and len(self.sources) > 0, f"{where}.sources must be a non-empty list")
+        for i, spec in enumerate(self.sources):
+            try:
+                parse_source(spec)
+            except DataError as err:
+                raise ConfigError(f"{where}.sources[{i}]: {err}") from None
+        _need(_positive_int(self.seq_len) and self.seq_len >= 8, f"{where}.seq_len must be an integer >= 8")
+        _need(_number(self.val_fraction) and 0 <= self.val_fraction < 0.5,
+              f"{where}.val_fraction must be in [0, 0.5), got {self.val_fraction!r}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100
+    seed: int = 0
+    output_dir: str = "runs/mula"
+    eval_interval: int = 50  # 0: evaluate only at the end
+    eval_batches: int = 8
+    log_interval: int = 1
+    peak_tflops: float | None = None  # per device, for model FLOPs utilisation; null: not reported
+    # The LR schedule when the DeepSpeed config has no "scheduler" section: linear warm-up to the
+    # optimizer's lr over warmup_steps, then cosine decay to min_lr_ratio x lr at the last step.
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+    sample_prompt: str = "The with statement"
+    sample_tokens: int = 48
+
+    def check(self, where: str) -> None:
+        _need(_positive_int(self.steps), f"{where}.steps must be a positive integer, got {self.steps!r}")
+        _need(isinstance(self.seed, int), f"{where}.seed must be an integer, got {self.seed!r}")
+        _need(_number(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1,
+              f"{where}.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        for key in ("eval_interval", "sample_tokens", "warmup_steps"):
+            value = getattr(self, key)
+            _need(isinstance(value, int) and value >= 0, f"{where}.{key} must be an integer >= 0, got {value!r}")
+        for key in ("eval_batches", "log_interval"):
+            value = getattr(self, key)
+            _need(_positive_int(value), f"{where}.{key} must be a positive integer, got {value!r}")
+        _need(self.peak_tflops is None or (_number(self.peak_tflops) and self.peak_tflops > 0),
+              f"{where}.peak_tflops must be null or a positive number, got {self.peak_tflops!r}")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    interval: int = 0  # every N steps, and always at the end; 0: only at the end
+    keep_last: int = 2
+    dir: str | None = None  # null: <train.output_dir>/checkpoints
+    resume: bool = True  # continue from the latest complete checkpoint in dir, if there is one
+
+    def check(self, where: str) -> None:
+        _need(isinstance(self.interval, int) and self.interval >= 0,
+              f"{where}.interval must be an integer >= 0, got {self.interval!r}")
+        _need(_positive_int(self.keep_last), f"{where}.keep_last must be a positive integer, got {self.keep_last!r}")
+        _need(isinstance(self.resume, bool), f"{where}.resume must be true or false, got {self.resume!r}")
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    mode: str | None = None  # online | offline | disabled; null: online with WANDB_API_KEY, else offline
+    project: str = "ds_optimus"
+    name: str | None = None
+    entity: str | None = None
+
+    def check(self, where: str) -> None:
+        _need(self.mode in (None, "online", "offline", "disabled"),
+              f"{where}.mode must be online, offline, disabled or null, got {self.mode!r}")
+
+
+@dataclass(frozen=True)
 class OptimusConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
     expert_parallel: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
     @classmethod
     def from_ds_config(cls, config: dict[str, Any] | str | Path) -> OptimusConfig:
         """Parse the "optimus" section of a DeepSpeed config (a dict or a JSON file's path)."""
-        if not isinstance(config, dict):
-            path = Path(config)
-            try:
-                config = json.loads(path.read_text())
-            except OSError as err:
-                raise ConfigError(f"cannot read config {path}: {err.strerror}") from None
-            except json.JSONDecodeError as err:
-                raise ConfigError(f"config {path} is not valid JSON: {err.msg} (line {err.lineno})") from None
+        config = load_json_config(config)
         section = config.get("optimus", {})
         return _build(cls, section, "optimus")
 
@@ -82,6 +186,48 @@ def _build(cls, values: Any, where: str):
 
 def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def load_json_config(config: dict[str, Any] | str | Path) -> dict[str, Any]:
+    """A DeepSpeed config as a dict (a copy), from a dict or a JSON file's path."""
+    if isinstance(config, dict):
+        return json.loads(json.dumps(config))
+    path = Path(config)
+    try:
+        loaded = json.loads(path.read_text())
+    except OSError as err:
+        raise ConfigError(f"cannot read config {path}: {err.strerror}") from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"config {path} is not valid JSON: {err.msg} (line {err.lineno})") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config {path} must hold a JSON object")
+    return loaded
+
+
+def apply_overrides(config: dict[str, Any], assignments: list[str]) -> dict[str, Any]:
+    """Set dotted keys from `KEY=VALUE` strings (`optimus.train.steps=20`); a VALUE that parses as
+    JSON is used as such (numbers, true/false/null, lists, objects), anything else as a string."""
+    for assignment in assignments:
+        key, sep, raw = assignment.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"--set expects KEY=VALUE with a dotted KEY, got {assignment!r}")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        node = config
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {key}: {'.'.join(parts[:i + 1])} is not an object")
+            node = child
+        node[parts[-1]] = value
+    return config
 
 
 def _need(ok: bool, message: str) -> None:

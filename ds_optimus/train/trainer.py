@@ -1,0 +1,301 @@
+"""The pretraining loop behind `deepspeed -m ds_optimus.train --config ds_configs/NAME.json`.
+
+One function, `pretrain(ds_config)`: build the model (a preset or an HF folder), apply the MoE
+settings and expert parallelism of the `optimus` section, tokenize and pack the data (rank 0, once,
+cached), initialise DeepSpeed (ZeRO, bf16, accumulation, clipping, optimizer and LR schedule from
+the config), resume from the latest checkpoint, train with metrics every step, evaluate on the
+held-out split, checkpoint, and export a Hugging Face folder that `AutoModelForCausalLM` loads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..config import ConfigError, OptimusConfig, load_json_config
+from .metrics import MetricsSink, expert_imbalance, model_flops_per_token, reduce_mean, reduce_sum_tensor
+
+
+def init_distributed() -> None:
+    """torch.distributed through DeepSpeed: from the launcher's environment, or as a single
+    process when run without a launcher. gloo on CPU unless oneCCL is installed."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:  # plain `python -m ds_optimus.train`: a world of one
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    accelerator = get_accelerator()
+    backend = accelerator.communication_backend_name()
+    if accelerator.device_name() == "cpu" and backend == "ccl":
+        try:
+            import oneccl_bindings_for_pytorch  # noqa: F401
+        except ImportError:
+            backend = "gloo"
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+
+
+def resolve_batch_sizes(ds_config: dict[str, Any], world_size: int) -> tuple[int, int]:
+    """(micro-batch per rank, accumulation steps), made consistent with train_batch_size; a
+    one-line ConfigError when they cannot be."""
+    micro = ds_config.get("train_micro_batch_size_per_gpu")
+    accumulation = ds_config.get("gradient_accumulation_steps")
+    total = ds_config.get("train_batch_size")
+    for key, value in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", accumulation),
+                       ("train_batch_size", total)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+    if micro is None and total is None:
+        raise ConfigError("the config needs train_micro_batch_size_per_gpu or train_batch_size")
+    accumulation = accumulation or 1
+    if micro is None:
+        if total % (accumulation * world_size):
+            raise ConfigError(f"train_batch_size {total} does not divide by gradient_accumulation_steps "
+                              f"{accumulation} x {world_size} ranks")
+        micro = total // (accumulation * world_size)
+    if total is not None and total != micro * accumulation * world_size:
+        raise ConfigError(f"train_batch_size {total} is not train_micro_batch_size_per_gpu {micro} x "
+                          f"gradient_accumulation_steps {accumulation} x {world_size} ranks")
+    ds_config.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accumulation,
+                     train_batch_size=micro * accumulation * world_size)
+    return micro, accumulation
+
+
+def build_model(opt: OptimusConfig, tokenizer):
+    """The Mula model of the config (random weights from the seed, or an HF folder's weights)."""
+    from ..hf_models.mula import MulaConfig, MulaForCausalLM
+
+    if opt.model.path is not None:
+        folder = Path(opt.model.path)
+        if not (folder / "config.json").exists():
+            raise ConfigError(f"optimus.model.path {str(folder)!r} has no config.json")
+        config = MulaConfig.from_pretrained(folder, **opt.model.overrides)
+        has_weights = any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))
+    else:
+        try:
+            config = MulaConfig.from_preset(opt.model.preset, **opt.model.overrides)
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"optimus.model.overrides: {str(err).splitlines()[0]}") from None
+        has_weights = False
+    if len(tokenizer) > config.vocab_size:
+        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens, more than the model's vocab_size "
+                          f"{config.vocab_size} (set optimus.model.overrides.vocab_size)")
+    config.eos_token_id = tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if has_weights:
+        return MulaForCausalLM.from_pretrained(folder, config=config, dtype=torch.float32)
+    return MulaForCausalLM(config)
+
+
+def _scheduler_defaults(ds_config: dict[str, Any], steps: int) -> None:
+    scheduler = ds_config.get("scheduler")
+    if scheduler and scheduler.get("type") in ("WarmupCosineLR", "WarmupDecayLR"):
+        scheduler.setdefault("params", {}).setdefault("total_num_steps", steps)
+
+
+def warmup_cosine(steps: int, warmup_steps: int, min_lr_ratio: float):
+    """`optimizer -> LambdaLR`: linear warm-up over `warmup_steps` optimizer steps (the first step
+    already at lr/warmup, not 0), then cosine decay to `min_lr_ratio` x lr at step `steps`."""
+
+    def factor(done: int) -> float:  # `done` optimizer steps taken before this one
+        if done < warmup_steps:
+            return (done + 1) / warmup_steps
+        span = max(1, steps - warmup_steps - 1)
+        progress = min(1.0, (done - warmup_steps) / span)
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def pretrain(ds_config: dict[str, Any] | str | Path, *, log_every_rank: bool = False) -> dict[str, Any]:
+    """Run the pretraining job of a DeepSpeed config with an `optimus` section; returns a summary
+    (first and last loss, evaluations, the exported folder) on every rank."""
+    import deepspeed
+
+    from ..data import DataError, eval_batches, load_tokenizer, parse_source, prepare
+    from ..data.loader import TokenBatches
+    from ..parallel.expert_parallel import moe_param_groups, setup_moe
+    from ..parallel.groups import check_layout
+    from ..reliability import CheckpointManager
+
+    ds_config = load_json_config(ds_config)
+    opt = OptimusConfig.from_ds_config(ds_config)
+    if "optimizer" not in ds_config:
+        raise ConfigError("the config needs an optimizer section (e.g. {\"type\": \"AdamW\", \"params\": {...}})")
+    init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    micro, accumulation = resolve_batch_sizes(ds_config, world)
+    _scheduler_defaults(ds_config, opt.train.steps)
+    _seed_everything(opt.train.seed)  # the same initial weights on every rank
+
+    tokenizer = load_tokenizer(opt.data.tokenizer)
+    model = build_model(opt, tokenizer)
+    if model.config.num_experts:
+        check_layout(world, opt.expert_parallel.size, model.config.num_experts, opt.expert_parallel.node_size)
+    elif opt.expert_parallel.size > 1:
+        raise ConfigError("optimus.expert_parallel.size > 1 needs an MoE model (num_experts > 0)")
+    groups = setup_moe(model, opt)
+
+    output_dir = Path(opt.train.output_dir)
+    sources = [parse_source(s) for s in opt.data.sources]
+    seq_len = opt.data.seq_len
+    if rank == 0:
+        packed = prepare(sources, tokenizer, opt.data.cache_dir, opt.data.val_fraction, progress=True)
+    dist.barrier()
+    if rank != 0:
+        packed = prepare(sources, tokenizer, opt.data.cache_dir, opt.data.val_fraction, progress=False)
+    train_loader = TokenBatches(packed.tokens("train"), seq_len, micro, rank, world, seed=opt.train.seed)
+    try:
+        held_out = eval_batches(packed.tokens("val"), seq_len, micro, rank, world, opt.train.eval_batches)
+    except DataError:
+        held_out = []
+
+    weight_decay = ds_config["optimizer"].get("params", {}).get("weight_decay", 0.0)
+    schedule = None
+    if "scheduler" not in ds_config:
+        schedule = warmup_cosine(opt.train.steps, opt.train.warmup_steps, opt.train.min_lr_ratio)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=moe_param_groups(model, weight_decay=weight_decay), lr_scheduler=schedule,
+        config={k: v for k, v in ds_config.items() if k != "optimus"})
+    device = engine.device
+
+    checkpoints = CheckpointManager(opt.checkpoint.dir or output_dir / "checkpoints", opt.checkpoint.keep_last, groups)
+    start = 0
+    resumed_from = None
+    latest = checkpoints.latest() if opt.checkpoint.resume else None
+    if latest is not None:
+        start, extra = checkpoints.load(latest, engine)
+        train_loader.load_state_dict(extra["loader"])
+        resumed_from = str(latest)
+
+    sink = MetricsSink(output_dir, opt.train.steps, start, opt.wandb, ds_config, enabled=rank == 0 or log_every_rank)
+    if packed.documents and rank == 0:
+        sink.message(f"data: {packed.train_tokens:,} train / {packed.val_tokens:,} held-out tokens "
+                     f"from {packed.documents:,} documents ({packed.root})")
+    if resumed_from:
+        sink.message(f"resumed from {resumed_from} at step {start}")
+    if not held_out:
+        sink.message("held-out split too small for one evaluation batch on every rank: evaluation skipped")
+
+    flops_per_token = model_flops_per_token(model.config, seq_len)
+    tokens_per_step = micro * accumulation * world * seq_len
+    summary: dict[str, Any] = {"rank": rank, "start_step": start, "resumed_from": resumed_from,
+                               "losses": {}, "evals": {}}
+
+    def evaluate() -> float | None:
+        if not held_out:
+            return None
+        engine.eval()
+        total = torch.zeros(())
+        with torch.no_grad():
+            for batch in held_out:
+                batch = batch.to(device)
+                total += engine(input_ids=batch, labels=batch).lm_loss.float().cpu()
+        engine.train()
+        return reduce_mean({"loss": total.item() / len(held_out)})["loss"]
+
+    engine.train()
+    for step in range(start + 1, opt.train.steps + 1):
+        began = time.perf_counter()
+        lr = engine.get_lr()[0]
+        sums = {"loss": 0.0, "lm_loss": 0.0, "aux_loss": 0.0, "z_loss": 0.0}
+        loads = None
+        for _ in range(accumulation):
+            batch = train_loader.next_batch().to(device)
+            out = engine(input_ids=batch, labels=batch)
+            engine.backward(out.loss)
+            engine.step()
+            for key in sums:
+                value = getattr(out, key, None)
+                if value is not None:
+                    sums[key] += float(value.detach()) / accumulation
+            if out.tokens_per_expert is not None:
+                counts = out.tokens_per_expert.detach().float().cpu()
+                loads = counts if loads is None else loads + counts
+        metrics = reduce_mean(sums)
+        seconds = time.perf_counter() - began
+        grad_norm = engine.get_global_grad_norm()
+        metrics.update(lr=lr, grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+                       tokens_per_s=tokens_per_step / seconds, step_seconds=seconds,
+                       tokens=step * tokens_per_step)
+        if opt.train.peak_tflops:
+            metrics["mfu"] = flops_per_token * tokens_per_step / seconds / (opt.train.peak_tflops * 1e12 * world)
+        if loads is not None:
+            per_layer = expert_imbalance(reduce_sum_tensor(loads))
+            metrics["expert_imbalance_max"] = max(per_layer)
+            metrics.update({f"expert_imbalance/layer_{i}": v for i, v in enumerate(per_layer)})
+        if not model.config.num_experts:
+            for key in ("aux_loss", "z_loss"):
+                metrics.pop(key, None)
+        if not math.isfinite(metrics["loss"]):
+            sink.message(f"step {step}: loss is {metrics['loss']}")
+        summary["losses"][step] = metrics["loss"]
+        if step % opt.train.log_interval == 0 or step == opt.train.steps:
+            sink.log(step, metrics)
+        last = step == opt.train.steps
+        if (opt.train.eval_interval and step % opt.train.eval_interval == 0) or last:
+            held_out_loss = evaluate()
+            if held_out_loss is not None:
+                summary["evals"][step] = held_out_loss
+                sink.log(step, {"eval_loss": held_out_loss}, progress=False)
+                sink.message(f"step {step}: held-out loss {held_out_loss:.4f}")
+        if (opt.checkpoint.interval and step % opt.checkpoint.interval == 0) or last:
+            path = checkpoints.save(step, engine, {"loader": train_loader.state_dict()})
+            sink.message(f"step {step}: checkpoint {path}")
+
+    hf_dir = output_dir / "hf"
+    export(engine.module, tokenizer, hf_dir, groups)
+    summary["hf_dir"] = str(hf_dir)
+    if rank == 0 and opt.train.sample_tokens:
+        summary["sample"] = sample(hf_dir, opt.train.sample_prompt, opt.train.sample_tokens)
+        sink.message(f"sample from {hf_dir}:\n{summary['sample']}")
+    if rank == 0:
+        (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    sink.close()
+    dist.barrier()
+    return summary
+
+
+def export(model, tokenizer, folder: Path, groups) -> None:
+    """Write an HF folder (full experts gathered under expert parallelism; collective)."""
+    rank = dist.get_rank()
+    if groups is not None:
+        model.save_pretrained(folder)  # gathers every expert; rank 0 writes
+    elif rank == 0:
+        model.save_pretrained(folder)
+    if rank == 0:
+        tokenizer.save_pretrained(folder)
+    dist.barrier()
+
+
+def sample(folder: Path, prompt: str, new_tokens: int) -> str:
+    """Greedy continuation of `prompt` by the model loaded back from `folder` with the Auto classes."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(out[0], skip_special_tokens=True)
