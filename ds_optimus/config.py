@@ -106,6 +106,9 @@ class TrainConfig:
     # optimizer's lr over warmup_steps, then cosine decay to min_lr_ratio x lr at the last step.
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1
+    # End this invocation cleanly (with a checkpoint) after this many steps, e.g. to fit a job's
+    # time limit; the next invocation resumes. null: run to `steps`.
+    stop_after_steps: int | None = None
     sample_prompt: str = "The with statement"
     sample_tokens: int = 48
 
@@ -120,6 +123,8 @@ class TrainConfig:
         for key in ("eval_batches", "log_interval"):
             value = getattr(self, key)
             _need(_positive_int(value), f"{where}.{key} must be a positive integer, got {value!r}")
+        _need(self.stop_after_steps is None or _positive_int(self.stop_after_steps),
+              f"{where}.stop_after_steps must be null or a positive integer, got {self.stop_after_steps!r}")
         _need(self.peak_tflops is None or (_number(self.peak_tflops) and self.peak_tflops > 0),
               f"{where}.peak_tflops must be null or a positive number, got {self.peak_tflops!r}")
 

@@ -38,5 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     losses = list(summary["losses"].values())
     if losses and summary.get("rank", 0) == 0:
         print(f"trained steps {summary['start_step'] + 1}-{summary['start_step'] + len(losses)}: "
-              f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; model saved to {summary['hf_dir']}", flush=True)
+              f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; "
+              + (f"model saved to {summary['hf_dir']}" if summary["finished"] else "stopped early, resumable"),
+              flush=True)
     return 0

@@ -216,7 +216,11 @@ def pretrain(ds_config: dict[str, Any] | str | Path, *, log_every_rank: bool = F
         return reduce_mean({"loss": total.item() / len(held_out)})["loss"]
 
     engine.train()
-    for step in range(start + 1, opt.train.steps + 1):
+    end = opt.train.steps
+    if opt.train.stop_after_steps is not None:
+        end = min(end, start + opt.train.stop_after_steps)
+    summary["finished"] = end == opt.train.steps
+    for step in range(start + 1, end + 1):
         began = time.perf_counter()
         lr = engine.get_lr()[0]
         sums = {"loss": 0.0, "lm_loss": 0.0, "aux_loss": 0.0, "z_loss": 0.0}
@@ -260,10 +264,15 @@ def pretrain(ds_config: dict[str, Any] | str | Path, *, log_every_rank: bool = F
                 summary["evals"][step] = held_out_loss
                 sink.log(step, {"eval_loss": held_out_loss}, progress=False)
                 sink.message(f"step {step}: held-out loss {held_out_loss:.4f}")
-        if (opt.checkpoint.interval and step % opt.checkpoint.interval == 0) or last:
+        if (opt.checkpoint.interval and step % opt.checkpoint.interval == 0) or step == end:
             path = checkpoints.save(step, engine, {"loader": train_loader.state_dict()})
             sink.message(f"step {step}: checkpoint {path}")
 
+    if not summary["finished"]:
+        sink.message(f"stopped after step {end} of {opt.train.steps} (train.stop_after_steps); run again to resume")
+        sink.close()
+        dist.barrier()
+        return summary
     hf_dir = output_dir / "hf"
     export(engine.module, tokenizer, hf_dir, groups)
     summary["hf_dir"] = str(hf_dir)

@@ -1,0 +1,143 @@
+"""The pretraining entry point: exact resume, checkpoints, metrics, export, errors, the launcher."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import run_distributed
+from train_workers import cli_errors_worker, pretrain_worker
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_config(tmp_path: Path, cache: Path, **optimus) -> dict:
+    config = json.loads((ROOT / "ds_configs" / "mula-tiny-moe-cpu.json").read_text())
+    config["train_micro_batch_size_per_gpu"] = 4
+    config["optimus"].update(
+        model={"preset": "mula-tiny-moe"},
+        expert_parallel={"size": 1},
+        data={"sources": ["embedded"], "seq_len": 32, "val_fraction": 0.05, "cache_dir": str(cache)},
+        train={"steps": 8, "seed": 0, "output_dir": str(tmp_path / "run"), "eval_interval": 4, "eval_batches": 2,
+               "warmup_steps": 2, "sample_tokens": 0},
+        checkpoint={"interval": 4, "keep_last": 2},
+        wandb={"mode": "disabled"},
+    )
+    for section, values in optimus.items():
+        config["optimus"].setdefault(section, {}).update(values)
+    return config
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("data_cache")
+
+
+def _losses(summary: dict) -> list[float]:
+    return [summary["losses"][s] for s in sorted(summary["losses"])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,ep,zero", [(1, 1, 0), (2, 2, 1), (2, 1, 2)],
+                         ids=["1proc", "2proc-ep2-zero1", "2proc-zero2"])
+def test_stopped_and_resumed_run_has_the_same_losses_bitwise(tmp_path, cache, world, ep, zero):
+    whole = tiny_config(tmp_path / "whole", cache, expert_parallel={"size": ep})
+    whole["zero_optimization"] = {"stage": zero}
+    straight = run_distributed(pretrain_worker, world, whole)[0]
+
+    parts = copy.deepcopy(whole)
+    parts["optimus"]["train"]["output_dir"] = str(tmp_path / "parts" / "run")
+    parts["optimus"]["train"]["stop_after_steps"] = 3  # stops at 3, then at 6 (resuming twice), then 8
+    first = run_distributed(pretrain_worker, world, parts)[0]
+    second = run_distributed(pretrain_worker, world, parts)[0]
+    third = run_distributed(pretrain_worker, world, parts)[0]
+    assert (first["start_step"], second["start_step"], third["start_step"]) == (0, 3, 6)
+    assert not first["finished"] and third["finished"] and second["resumed_from"].endswith("step_00000003")
+    resumed = _losses(first) + _losses(second) + _losses(third)
+    assert resumed == _losses(straight)  # bitwise: float32 on CPU
+    assert {**second["evals"], **third["evals"]} == straight["evals"]
+    assert _losses(straight)[-1] < _losses(straight)[0]
+
+
+@pytest.mark.slow
+def test_checkpoints_metrics_wandb_and_export(tmp_path, cache):
+    config = tiny_config(tmp_path, cache, train={"steps": 8, "peak_tflops": 0.05, "sample_tokens": 8},
+                         checkpoint={"interval": 2, "keep_last": 2}, wandb={"mode": "offline"},
+                         expert_parallel={"size": 2})
+    summary = run_distributed(pretrain_worker, 2, config)[0]
+    run = Path(config["optimus"]["train"]["output_dir"])
+
+    checkpoints = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert checkpoints == ["step_00000006", "step_00000008"]  # keep_last 2, nothing half-written
+    meta = json.loads((run / "checkpoints" / "step_00000008" / "meta.json").read_text())
+    assert meta["world_size"] == 2 and meta["ep_size"] == 2
+    assert set(meta["files"]) == {"model.pt", "experts_ep000.pt", "experts_ep001.pt", "rank00000.pt", "rank00001.pt"}
+
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 9))
+    for key in ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm", "lr", "tokens_per_s", "mfu",
+                "expert_imbalance_max", "expert_imbalance/layer_3"):
+        assert all(key in r for r in steps), key
+    assert all(r["expert_imbalance_max"] >= 1.0 and 0 < r["mfu"] < 1 for r in steps)
+    assert steps[0]["lr"] == pytest.approx(3e-3 / 2)  # warm-up: the first step is not at lr 0
+    assert [r["step"] for r in records if "eval_loss" in r] == [4, 8]
+
+    offline = list((run / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(offline) == 1 and offline[0].stat().st_size > 0
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(run / "hf")
+    tokenizer = AutoTokenizer.from_pretrained(run / "hf")
+    assert model.config.num_experts == 8 and model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 8
+    ids = tokenizer(["The with statement is used to wrap the execution of a block"], return_tensors="pt").input_ids
+    with torch.no_grad():
+        loss = model(ids, labels=ids).lm_loss.item()
+    assert loss < 8.0  # trained (random weights give ln(4096) = 8.3)
+    assert summary["sample"].startswith("The with statement") and len(summary["sample"]) > len("The with statement")
+
+
+@pytest.mark.slow
+def test_bad_input_fails_with_one_line(tmp_path, cache):
+    good = tiny_config(tmp_path, cache)
+    cases = [
+        (good, ["optimus.train.stepz=3"], "optimus.train: unknown key 'stepz'"),
+        (good, [f"optimus.data.sources=[\"{tmp_path}/nope.jsonl\"]"], "does not exist"),
+        (good, ["train_batch_size=7"], "train_batch_size 7 is not train_micro_batch_size_per_gpu 4"),
+        (good, ["optimus.expert_parallel.size=3"], "expert parallel size 3 does not divide the world size 1"),
+        (good, ["optimus.model.overrides={\"vocab_size\": 1000}"], "the tokenizer has 4096 tokens"),
+        (good, ["optimus.model.preset=\"mula-3b\""], "optimus.model.preset 'mula-3b' is not one of"),
+        ({k: v for k, v in good.items() if k != "optimizer"}, [], "needs an optimizer section"),
+    ]
+    results = run_distributed(cli_errors_worker, 1, [(c, o) for c, o, _ in cases], str(tmp_path))[0]
+    for (_, overrides, message), (status, stderr) in zip(cases, results, strict=True):
+        assert status == 2, (overrides, stderr)
+        lines = [line for line in stderr.splitlines() if line.startswith("ds_optimus.train: error:")]
+        assert len(lines) == 1 and message in lines[0], (overrides, stderr)
+        assert "Traceback" not in stderr
+
+
+@pytest.mark.slow
+def test_deepspeed_launcher_runs_the_tiny_moe_job(tmp_path, cache):
+    """The README's main job, shortened: the real `deepspeed` launcher, 2 processes, EP=2."""
+    config = tiny_config(tmp_path, cache, expert_parallel={"size": 2})
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    launcher = Path(sys.executable).with_name("deepspeed")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([str(launcher), "--num_gpus", "2", "--module", "ds_optimus.train", "--config", str(path),
+                           "--set", "optimus.train.steps=6"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = Path(config["optimus"]["train"]["output_dir"])
+    summary = json.loads((run / "summary.json").read_text())
+    assert sorted(map(int, summary["losses"])) == list(range(1, 7))
+    assert (run / "hf" / "config.json").exists() and (run / "hf" / "tokenizer.json").exists()
+    assert proc.stdout.count("trained steps 1-6") == 1  # printed by rank 0 only
