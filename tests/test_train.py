@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def tiny_config(tmp_path: Path, cache: Path, **optimus) -> dict:
     config = json.loads((ROOT / "ds_configs" / "mula-tiny-moe-cpu.json").read_text())
     config["train_micro_batch_size_per_gpu"] = 4
+    del config["train_batch_size"]  # the tests run it on 1 and 2 processes
     config["optimus"].update(
         model={"preset": "mula-tiny-moe"},
         expert_parallel={"size": 1},
@@ -141,3 +142,22 @@ def test_deepspeed_launcher_runs_the_tiny_moe_job(tmp_path, cache):
     assert sorted(map(int, summary["losses"])) == list(range(1, 7))
     assert (run / "hf" / "config.json").exists() and (run / "hf" / "tokenizer.json").exists()
     assert proc.stdout.count("trained steps 1-6") == 1  # printed by rank 0 only
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "ds_configs").glob("*.json")), ids=lambda p: p.stem)
+def test_shipped_configs_are_valid_for_the_world_size_they_assume(path):
+    from ds_optimus.config import OptimusConfig
+    from ds_optimus.hf_models.mula import MulaConfig
+    from ds_optimus.parallel.groups import check_layout
+    from ds_optimus.train import resolve_batch_sizes
+
+    config = json.loads(path.read_text())
+    opt = OptimusConfig.from_ds_config(config)
+    world = config["train_batch_size"] // (config["train_micro_batch_size_per_gpu"]
+                                           * config["gradient_accumulation_steps"])
+    assert resolve_batch_sizes(dict(config), world) == (config["train_micro_batch_size_per_gpu"],
+                                                       config["gradient_accumulation_steps"])
+    model = MulaConfig.from_preset(opt.model.preset)
+    if model.num_experts:
+        check_layout(world, opt.expert_parallel.size, model.num_experts, opt.expert_parallel.node_size)
+    assert path.stem.startswith(opt.model.preset)

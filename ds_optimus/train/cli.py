@@ -1,7 +1,6 @@
 """Command line of the pretraining entry point.
 
-    deepspeed --num_gpus N -m ds_optimus.train --config ds_configs/NAME.json [--set KEY=VALUE ...]
-    deepspeed --num_nodes 1 --num_gpus 2 --bind_cores_to_rank -m ds_optimus.train --config ...   # CPU
+    deepspeed --num_gpus N --module ds_optimus.train --config ds_configs/NAME.json [--set KEY=VALUE ...]
     ds-optimus-train --config ds_configs/mula-tiny-moe-cpu.json         # one process, no launcher
 
 `--set optimus.train.steps=20 --set train_micro_batch_size_per_gpu=4` overrides config keys

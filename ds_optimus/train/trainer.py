@@ -1,4 +1,4 @@
-"""The pretraining loop behind `deepspeed -m ds_optimus.train --config ds_configs/NAME.json`.
+"""The pretraining loop behind `deepspeed --module ds_optimus.train --config ds_configs/NAME.json`.
 
 One function, `pretrain(ds_config)`: build the model (a preset or an HF folder), apply the MoE
 settings and expert parallelism of the `optimus` section, tokenize and pack the data (rank 0, once,
@@ -298,13 +298,19 @@ def export(model, tokenizer, folder: Path, groups) -> None:
     dist.barrier()
 
 
-def sample(folder: Path, prompt: str, new_tokens: int) -> str:
-    """Greedy continuation of `prompt` by the model loaded back from `folder` with the Auto classes."""
+def sample(folder: Path, prompt: str, new_tokens: int, seed: int = 0) -> str:
+    """A continuation of `prompt` by the model loaded back from `folder` with the Auto classes
+    (top-k sampling at temperature 0.8 with a repetition penalty, from a fixed seed: a small model
+    decoded greedily mostly repeats one token)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    generator_state = torch.get_rng_state()
+    torch.manual_seed(seed)
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=True, top_k=40, temperature=0.8,
+                             repetition_penalty=1.3, pad_token_id=tokenizer.pad_token_id)
+    torch.set_rng_state(generator_state)
     return tokenizer.decode(out[0], skip_special_tokens=True)
