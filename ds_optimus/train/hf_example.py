@@ -1,0 +1,82 @@
+"""Pretrain a Mula model with the Hugging Face `Trainer` and DeepSpeed, from the same config as
+the `ds_optimus.train` entry point (its `optimus` section gives the model, expert parallelism,
+data, steps, seed and output folder; the optimizer settings come from its "optimizer" section):
+
+    deepspeed --num_gpus 2 --module ds_optimus.train.hf_example --config ds_configs/mula-tiny-moe-cpu.json
+
+Writes `<output_dir>/hf-trainer/` (the model and tokenizer) and `trainer_summary.json` (losses).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ds_optimus.train.hf_example", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    import torch
+    from transformers import TrainingArguments
+
+    import ds_optimus  # noqa: F401
+    from ds_optimus.config import ConfigError, OptimusConfig, apply_overrides, load_json_config
+    from ds_optimus.data import DataError, load_tokenizer, parse_source, prepare
+    from ds_optimus.train.hf_trainer import MulaTrainer, PackedSequences, prepare_model, save_model, trainer_ds_config
+    from ds_optimus.train.trainer import build_model, resolve_batch_sizes
+
+    try:
+        config = apply_overrides(load_json_config(args.config), args.overrides)
+        opt = OptimusConfig.from_ds_config(config)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        micro, accumulation = resolve_batch_sizes(config, world)
+        tokenizer = load_tokenizer(opt.data.tokenizer)
+        out = Path(opt.train.output_dir)
+        optimizer = config.get("optimizer", {}).get("params", {})
+        betas = optimizer.get("betas", [0.9, 0.999])
+        training_args = TrainingArguments(
+            output_dir=str(out / "hf-trainer-run"), deepspeed=trainer_ds_config(config), max_steps=opt.train.steps,
+            per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
+            learning_rate=optimizer.get("lr", 1e-3), weight_decay=optimizer.get("weight_decay", 0.0),
+            adam_beta1=betas[0], adam_beta2=betas[1], adam_epsilon=optimizer.get("eps", 1e-8),
+            max_grad_norm=config.get("gradient_clipping", 1.0), lr_scheduler_type="cosine",
+            warmup_steps=opt.train.warmup_steps, logging_steps=1, save_strategy="no", report_to=[],
+            seed=opt.train.seed, bf16=bool(config.get("bf16", {}).get("enabled", False)),
+            use_cpu=not torch.cuda.is_available(), dataloader_drop_last=True, disable_tqdm=False,
+        )
+        torch.manual_seed(opt.train.seed)  # the same initial weights on every rank
+        model = build_model(opt, tokenizer)
+        groups = prepare_model(model, config)  # after TrainingArguments: torch.distributed is up
+        import torch.distributed as dist
+
+        sources = [parse_source(s) for s in opt.data.sources]
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            packed = prepare(sources, tokenizer, opt.data.cache_dir, opt.data.val_fraction)
+        if dist.is_initialized():
+            dist.barrier()
+        packed = prepare(sources, tokenizer, opt.data.cache_dir, opt.data.val_fraction, progress=False)
+    except (ConfigError, DataError, ValueError) as err:
+        print(f"ds_optimus.train.hf_example: error: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 2
+
+    trainer = MulaTrainer(model=model, args=training_args,
+                          train_dataset=PackedSequences(packed.tokens("train"), opt.data.seq_len))
+    trainer.train()
+    save_model(trainer, out / "hf-trainer", groups)
+    if trainer.is_world_process_zero():
+        tokenizer.save_pretrained(out / "hf-trainer")
+        losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+        (out / "trainer_summary.json").write_text(json.dumps({"losses": losses}, indent=2))
+        print(f"Trainer: loss {losses[0]:.4f} -> {losses[-1]:.4f}; model saved to {out / 'hf-trainer'}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

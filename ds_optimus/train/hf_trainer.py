@@ -1,0 +1,92 @@
+"""The Mula model, expert parallelism and MoE param groups under the Hugging Face `Trainer`.
+
+With DeepSpeed on, the Trainer discards an optimizer instance passed to it and builds DeepSpeed's
+optimizer from a flat parameter list when the DeepSpeed config has an "optimizer" section, which
+breaks expert parallelism (DeepSpeed needs expert parameters in their own `moe` groups). So:
+
+- `trainer_ds_config(ds_config)` drops the "optimizer", "scheduler" and "optimus" sections and
+  lets the Trainer fill batch sizes ("auto");
+- `MulaTrainer.create_optimizer` builds AdamW over `moe_param_groups` (what the Trainer's
+  DeepSpeed integration calls when the config has no optimizer), with the Trainer's lr, betas,
+  eps and weight decay (none on norms and biases);
+- `prepare_model(model, ds_config)` applies the `optimus` MoE settings and expert parallelism;
+  call it after creating `TrainingArguments` (which initialises torch.distributed).
+
+With expert parallelism, save the model with `save_model(trainer, folder)` on every rank (the
+experts are gathered from their ranks); DeepSpeed's own checkpoints of EP models are refused, so
+use `save_strategy="no"` with expert parallelism for now.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import Trainer
+
+
+def trainer_ds_config(ds_config: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a ds_optimus DeepSpeed config for `TrainingArguments(deepspeed=...)`."""
+    from ..config import load_json_config
+
+    config = load_json_config(ds_config)
+    for key in ("optimizer", "scheduler", "optimus"):
+        config.pop(key, None)
+    config.update(train_batch_size="auto", train_micro_batch_size_per_gpu="auto",
+                  gradient_accumulation_steps="auto", gradient_clipping="auto")
+    if "bf16" in config:
+        config["bf16"]["enabled"] = "auto"
+    return config
+
+
+def prepare_model(model: torch.nn.Module, ds_config: dict[str, Any] | str | Path):
+    """Apply the config's `optimus.moe` and `optimus.expert_parallel` settings to `model`; returns
+    the EP groups (None without expert parallelism)."""
+    from ..parallel.expert_parallel import setup_moe
+
+    return setup_moe(model, ds_config)
+
+
+class MulaTrainer(Trainer):
+    """`transformers.Trainer` whose optimizer keeps expert parameters in DeepSpeed's MoE groups."""
+
+    def create_optimizer(self, model=None):
+        from ..parallel.expert_parallel import moe_param_groups
+
+        if self.optimizer is None:
+            args = self.args
+            groups = moe_param_groups(model or self.model, weight_decay=args.weight_decay)
+            self.optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                                               eps=args.adam_epsilon)
+        return self.optimizer
+
+
+class PackedSequences(torch.utils.data.Dataset):
+    """Fixed-length sequences of a packed token file as Trainer examples (`input_ids`, `labels`)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int) -> None:
+        self.tokens, self.seq_len = tokens, seq_len
+
+    def __len__(self) -> int:
+        return len(self.tokens) // self.seq_len
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        start = index * self.seq_len
+        ids = torch.from_numpy(np.asarray(self.tokens[start:start + self.seq_len], dtype=np.int64))
+        return {"input_ids": ids, "labels": ids}
+
+
+def save_model(trainer: Trainer, folder: str | Path, groups=None) -> None:
+    """Save the trained model as an HF folder. With expert parallelism (`groups` from
+    `prepare_model`) it is collective: every rank calls it, the experts are gathered, rank 0 writes."""
+    import torch.distributed as dist
+
+    model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    if groups is not None:
+        model.save_pretrained(folder)
+    elif trainer.is_world_process_zero():
+        model.save_pretrained(folder)
+    if dist.is_initialized():
+        dist.barrier()
