@@ -184,3 +184,44 @@ def test_hf_trainer_example_with_expert_parallelism_through_the_launcher(tmp_pat
 
     model = AutoModelForCausalLM.from_pretrained(run / "hf-trainer")
     assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 8  # gathered from both EP ranks
+
+
+def test_model_from_an_hf_folder_with_and_without_weights(tmp_path):
+    from ds_optimus.config import OptimusConfig
+    from ds_optimus.data import load_tokenizer
+    from ds_optimus.hf_models.mula import MulaConfig, MulaForCausalLM
+    from ds_optimus.train import build_model
+
+    tokenizer = load_tokenizer()
+    torch.manual_seed(1)
+    trained = MulaForCausalLM(MulaConfig.from_preset("mula-tiny-moe"))
+    trained.save_pretrained(tmp_path / "weights")
+    MulaConfig.from_preset("mula-tiny-moe", num_hidden_layers=1).save_pretrained(tmp_path / "config-only")
+
+    def build(path, **overrides):
+        opt = OptimusConfig.from_ds_config({"optimus": {"model": {"preset": None, "path": str(path),
+                                                                  "overrides": overrides}}})
+        return build_model(opt, tokenizer)
+
+    loaded = build(tmp_path / "weights")
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), trained.state_dict().values(),
+                                                 strict=True))
+    fresh = build(tmp_path / "config-only", num_experts=4)
+    assert fresh.config.num_hidden_layers == 1 and fresh.config.num_experts == 4
+    from ds_optimus.config import ConfigError
+
+    with pytest.raises(ConfigError, match="has no config.json"):
+        build(tmp_path / "missing")
+
+
+def test_overrides_parse_json_values_and_reject_bad_assignments():
+    from ds_optimus.config import ConfigError, apply_overrides
+
+    config = apply_overrides({"optimus": {"train": {"steps": 1}}},
+                             ["optimus.train.steps=20", "optimus.data.sources=[\"a.txt\"]", "optimus.wandb.name=run 7",
+                              "bf16.enabled=true"])
+    assert config["optimus"]["train"]["steps"] == 20 and config["optimus"]["data"]["sources"] == ["a.txt"]
+    assert config["optimus"]["wandb"]["name"] == "run 7" and config["bf16"] == {"enabled": True}
+    for bad in ["steps", "=3", "optimus..steps=1", "optimus.train.steps.x=1"]:
+        with pytest.raises(ConfigError):
+            apply_overrides({"optimus": {"train": {"steps": 1}}}, [bad])
