@@ -35,6 +35,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--experts-implementation", default=None, help="default: Transformers' choice")
     parser.add_argument("--local_rank", type=int, default=None)
     args = parser.parse_args()
     config = json.loads(open(args.config).read())
@@ -49,6 +50,8 @@ def main() -> None:
     )
     torch.manual_seed(0)
     model = OlmoeForCausalLM(OlmoeConfig(**json.loads(args.model)))
+    if args.experts_implementation:
+        model.set_experts_implementation(args.experts_implementation)
     timer = StepTimes()
     trainer = Trainer(model=model, args=training_args, callbacks=[timer],
                       train_dataset=PackedSequences(PackedData.open(args.data).tokens("train"), args.seq_len))

@@ -5,7 +5,9 @@ batch, sequence length and packed tokens), both through the `deepspeed` launcher
 Contestants, run in turn (interleaved) for `--repeats` rounds of `--steps` steps each:
   ours_ep1   python -m ds_optimus.train, data parallel only
   ours_ep2   the same with expert parallelism 2
-  hf_trainer Trainer + OlmoeForCausalLM (Transformers' default experts implementation)
+  hf_trainer Trainer + OlmoeForCausalLM (Transformers' default experts implementation: grouped_mm
+             with PyTorch >= 2.9)
+  hf_trainer_eager  the same with experts_implementation="eager" (Transformers' loop over experts)
 Tokens/s is from the median step time after `--warmup` steps; the figure is the median over rounds.
 
     python benchmarks/train_throughput.py [--steps 30] [--warmup 8] [--repeats 3]
@@ -69,7 +71,7 @@ def run_ours(work: Path, ep: int, steps: int) -> list[float]:
     return [r["step_seconds"] for r in records if "step_seconds" in r]
 
 
-def run_trainer(work: Path, steps: int, data: Path) -> tuple[list[float], str | None]:
+def run_trainer(work: Path, steps: int, data: Path, impl: str | None = None) -> tuple[list[float], str | None]:
     from transformers import OlmoeConfig
 
     config = ds_config(work, 1, steps)
@@ -79,7 +81,7 @@ def run_trainer(work: Path, steps: int, data: Path) -> tuple[list[float], str | 
     out = work / "hf_times.json"
     launch([str(ROOT / "benchmarks" / "_trainer_baseline.py"), "--config", str(path), "--model",
             json.dumps(olmoe.to_diff_dict()), "--data", str(data), "--seq-len", str(SEQ_LEN), "--steps", str(steps),
-            "--out", str(out)], work)
+            "--out", str(out), *(["--experts-implementation", impl] if impl else [])], work)
     result = json.loads(out.read_text())
     return result["step_seconds"], result.get("experts_implementation")
 
@@ -96,12 +98,14 @@ def main() -> None:
         # tokenize once (the first run of ours builds the cache the baseline reads too)
         run_ours(work, 1, 2)
         data = next(p for p in (work / "cache").iterdir() if (p / "meta.json").exists())
-        rounds: dict[str, list[float]] = {"ours_ep1": [], "ours_ep2": [], "hf_trainer": []}
+        rounds: dict[str, list[float]] = {"ours_ep1": [], "ours_ep2": [], "hf_trainer": [], "hf_trainer_eager": []}
         impl = None
         for r in range(args.repeats):
             for name in rounds:
                 if name == "hf_trainer":
                     times, impl = run_trainer(work, args.steps, data)
+                elif name == "hf_trainer_eager":
+                    times, _ = run_trainer(work, args.steps, data, "eager")
                 else:
                     times = run_ours(work, int(name[-1]), args.steps)
                 step = statistics.median(times[args.warmup:])
