@@ -126,6 +126,15 @@ def test_bad_input_fails_with_one_line(tmp_path, cache):
 
 
 @pytest.mark.slow
+def test_a_data_error_on_rank_zero_stops_every_rank(tmp_path, cache):
+    """Rank 0 alone tokenizes; its error must reach the other ranks instead of leaving them waiting."""
+    config = tiny_config(tmp_path, cache)
+    cases = [(config, [f"optimus.data.sources=[\"{tmp_path}/gone/\"]"])]
+    for status, stderr in (r[0] for r in run_distributed(cli_errors_worker, 2, cases, str(tmp_path))):
+        assert status == 2 and "does not exist" in stderr
+
+
+@pytest.mark.slow
 def test_deepspeed_launcher_runs_the_tiny_moe_job(tmp_path, cache):
     """The README's main job, shortened: the real `deepspeed` launcher, 2 processes, EP=2."""
     config = tiny_config(tmp_path, cache, expert_parallel={"size": 2})

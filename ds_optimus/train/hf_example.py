@@ -28,9 +28,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import ds_optimus  # noqa: F401
     from ds_optimus.config import ConfigError, OptimusConfig, apply_overrides, load_json_config
-    from ds_optimus.data import DataError, load_tokenizer, parse_source, prepare
+    from ds_optimus.data import DataError, load_tokenizer, parse_source
     from ds_optimus.train.hf_trainer import MulaTrainer, PackedSequences, prepare_model, save_model, trainer_ds_config
-    from ds_optimus.train.trainer import build_model, resolve_batch_sizes
+    from ds_optimus.train.trainer import build_model, prepare_on_rank_zero, resolve_batch_sizes
 
     try:
         config = apply_overrides(load_json_config(args.config), args.overrides)
@@ -54,14 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.manual_seed(opt.train.seed)  # the same initial weights on every rank
         model = build_model(opt, tokenizer)
         groups = prepare_model(model, config)  # after TrainingArguments: torch.distributed is up
-        import torch.distributed as dist
 
         sources = [parse_source(s) for s in opt.data.sources]
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            packed = prepare(sources, tokenizer, opt.data.cache_dir, opt.data.val_fraction)
-        if dist.is_initialized():
-            dist.barrier()
-        packed = prepare(sources, tokenizer, opt.data.cache_dir, opt.data.val_fraction, progress=False)
+        packed = prepare_on_rank_zero(sources, tokenizer, opt.data.cache_dir, opt.data.val_fraction)
     except (ConfigError, DataError, ValueError) as err:
         print(f"ds_optimus.train.hf_example: error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2

@@ -122,6 +122,25 @@ def warmup_cosine(steps: int, warmup_steps: int, min_lr_ratio: float):
     return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def prepare_on_rank_zero(sources, tokenizer, cache_dir, val_fraction):
+    """Tokenize and pack on rank 0 (with progress) while the others wait, then open the cache on
+    every rank. A data error on rank 0 is raised on every rank, so none is left waiting."""
+    from ..data import DataError, prepare
+
+    if not dist.is_initialized():
+        return prepare(sources, tokenizer, cache_dir, val_fraction, progress=True)
+    failure = [None]
+    if dist.get_rank() == 0:
+        try:
+            prepare(sources, tokenizer, cache_dir, val_fraction, progress=True)
+        except DataError as err:
+            failure[0] = str(err)
+    dist.broadcast_object_list(failure, src=0)
+    if failure[0] is not None:
+        raise DataError(failure[0])
+    return prepare(sources, tokenizer, cache_dir, val_fraction, progress=False)
+
+
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -133,7 +152,7 @@ def pretrain(ds_config: dict[str, Any] | str | Path, *, log_every_rank: bool = F
     (first and last loss, evaluations, the exported folder) on every rank."""
     import deepspeed
 
-    from ..data import DataError, eval_batches, load_tokenizer, parse_source, prepare
+    from ..data import DataError, eval_batches, load_tokenizer, parse_source
     from ..data.loader import TokenBatches
     from ..parallel.expert_parallel import moe_param_groups, setup_moe
     from ..parallel.groups import check_layout
@@ -160,11 +179,7 @@ def pretrain(ds_config: dict[str, Any] | str | Path, *, log_every_rank: bool = F
     output_dir = Path(opt.train.output_dir)
     sources = [parse_source(s) for s in opt.data.sources]
     seq_len = opt.data.seq_len
-    if rank == 0:
-        packed = prepare(sources, tokenizer, opt.data.cache_dir, opt.data.val_fraction, progress=True)
-    dist.barrier()
-    if rank != 0:
-        packed = prepare(sources, tokenizer, opt.data.cache_dir, opt.data.val_fraction, progress=False)
+    packed = prepare_on_rank_zero(sources, tokenizer, opt.data.cache_dir, opt.data.val_fraction)
     train_loader = TokenBatches(packed.tokens("train"), seq_len, micro, rank, world, seed=opt.train.seed)
     try:
         held_out = eval_batches(packed.tokens("val"), seq_len, micro, rank, world, opt.train.eval_batches)
