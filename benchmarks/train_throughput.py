@@ -91,6 +91,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--only", default=None, help="comma-separated contestants (default: all)")
     args = parser.parse_args()
     tokens_per_step = MICRO_BATCH * 2 * SEQ_LEN
     with tempfile.TemporaryDirectory() as tmp:
@@ -98,7 +99,8 @@ def main() -> None:
         # tokenize once (the first run of ours builds the cache the baseline reads too)
         run_ours(work, 1, 2)
         data = next(p for p in (work / "cache").iterdir() if (p / "meta.json").exists())
-        rounds: dict[str, list[float]] = {"ours_ep1": [], "ours_ep2": [], "hf_trainer": [], "hf_trainer_eager": []}
+        names = args.only.split(",") if args.only else ["ours_ep1", "ours_ep2", "hf_trainer", "hf_trainer_eager"]
+        rounds: dict[str, list[float]] = {name: [] for name in names}
         impl = None
         for r in range(args.repeats):
             for name in rounds:
@@ -113,6 +115,8 @@ def main() -> None:
                 print(f"round {r + 1}: {name:<11} {tokens_per_step / step:9.0f} tokens/s", flush=True)
     results = {name: {"tokens_per_s_median": statistics.median(v), "tokens_per_s_rounds": v}
                for name, v in rounds.items()}
+    if "hf_trainer" not in results:
+        return
     base = results["hf_trainer"]["tokens_per_s_median"]
     print(f"\n{'contestant':<12}{'tokens/s':>10}{'vs Trainer+OLMoE':>18}")
     for name, v in results.items():

@@ -234,3 +234,21 @@ def test_overrides_parse_json_values_and_reject_bad_assignments():
     for bad in ["steps", "=3", "optimus..steps=1", "optimus.train.steps.x=1"]:
         with pytest.raises(ConfigError):
             apply_overrides({"optimus": {"train": {"steps": 1}}}, [bad])
+
+
+def test_cpu_ranks_share_the_cores(monkeypatch):
+    from ds_optimus.train.trainer import cpu_threads_per_rank
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+        assert cpu_threads_per_rank() == 4 and torch.get_num_threads() == 4
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+        assert cpu_threads_per_rank() == 1
+        torch.set_num_threads(3)
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's setting wins
+        assert cpu_threads_per_rank() == 3
+    finally:
+        torch.set_num_threads(before)

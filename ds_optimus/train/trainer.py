@@ -48,6 +48,28 @@ def init_distributed() -> None:
         except ImportError:
             backend = "gloo"
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    if accelerator.device_name() == "cpu":
+        cpu_threads_per_rank()
+
+
+def cpu_threads_per_rank() -> int:
+    """On CPU, give each local rank its share of the cores (the deepspeed launcher leaves every rank
+    at all cores, so N ranks run N x cores threads and slow each other down). OMP_NUM_THREADS, when
+    set, wins. Returns the thread count."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or _local_world_size())
+    threads = max(1, cores // max(1, local))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def _local_world_size() -> int:
+    # ranks on this host: those sharing its hostname (one small all-gather at start-up)
+    names = [None] * dist.get_world_size()
+    dist.all_gather_object(names, socket.gethostname())
+    return names.count(socket.gethostname())
 
 
 def resolve_batch_sizes(ds_config: dict[str, Any], world_size: int) -> tuple[int, int]:
