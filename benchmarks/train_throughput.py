@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -64,6 +65,7 @@ def launch(args: list[str], work: Path) -> None:
 
 def run_ours(work: Path, ep: int, steps: int) -> list[float]:
     config = ds_config(work, ep, steps)
+    shutil.rmtree(config["optimus"]["train"]["output_dir"], ignore_errors=True)  # a fresh run each round
     path = work / f"ours_ep{ep}.json"
     path.write_text(json.dumps(config))
     launch(["--module", "ds_optimus.train", "--config", str(path)], work)

@@ -166,3 +166,20 @@ def test_packed_data_reopens(tmp_path, tokenizer):
     again = PackedData.open(packed.root)
     assert again.train_tokens == packed.train_tokens > 100_000
     assert np.array_equal(again.tokens("val")[:50], packed.tokens("val")[:50])
+
+
+def test_null_text_is_skipped_and_non_strings_refused(tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    path.write_text('{"text": "kept"}\n{"text": null}\n{"text": "also kept"}\n')
+    assert list(iter_documents(parse_source(str(path)))) == ["kept", "also kept"]
+    path.write_text('{"text": 42}\n')
+    with pytest.raises(DataError, match="holds a int, not a string"):
+        list(iter_documents(parse_source(str(path))))
+
+
+def test_a_failed_tokenization_leaves_no_partial_cache(tmp_path, tokenizer):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "fine"}\n{"other": 1}\n')
+    with pytest.raises(DataError):
+        prepare([parse_source(str(path))], tokenizer, tmp_path / "cache", progress=False)
+    assert list((tmp_path / "cache").iterdir()) == []

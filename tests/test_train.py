@@ -63,6 +63,8 @@ def test_stopped_and_resumed_run_has_the_same_losses_bitwise(tmp_path, cache, wo
     resumed = _losses(first) + _losses(second) + _losses(third)
     assert resumed == _losses(straight)  # bitwise: float32 on CPU
     assert {**second["evals"], **third["evals"]} == straight["evals"]
+    records = (tmp_path / "parts" / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in records if "loss" in json.loads(r)] == list(range(1, 9))
     assert _losses(straight)[-1] < _losses(straight)[0]
 
 
@@ -115,8 +117,15 @@ def test_bad_input_fails_with_one_line(tmp_path, cache):
         (good, ["optimus.expert_parallel.size=3"], "expert parallel size 3 does not divide the world size 1"),
         (good, ["optimus.model.overrides={\"vocab_size\": 1000}"], "the tokenizer has 4096 tokens"),
         (good, ["optimus.model.preset=\"mula-3b\""], "optimus.model.preset 'mula-3b' is not one of"),
+        (good, [f"optimus.data.tokenizer=\"{tmp_path}/no-tokenizer\""], "optimus.data.tokenizer: cannot load"),
+        (good, ["zero_optimization.stage=3"], "zero_optimization.stage 3 is not supported"),
+        (good, [f"optimus.train.output_dir=\"{tmp_path}/old\"", "optimus.checkpoint.resume=false"],
+         "checkpoint.resume is false but"),
         ({k: v for k, v in good.items() if k != "optimizer"}, [], "needs an optimizer section"),
     ]
+    old_checkpoint = tmp_path / "old" / "checkpoints" / "step_00000004"
+    old_checkpoint.mkdir(parents=True)
+    (old_checkpoint / "meta.json").write_text("{}")
     results = run_distributed(cli_errors_worker, 1, [(c, o) for c, o, _ in cases], str(tmp_path))[0]
     for (_, overrides, message), (status, stderr) in zip(cases, results, strict=True):
         assert status == 2, (overrides, stderr)
@@ -252,3 +261,20 @@ def test_cpu_ranks_share_the_cores(monkeypatch):
         assert cpu_threads_per_rank() == 3
     finally:
         torch.set_num_threads(before)
+
+
+def test_batch_sizes_are_completed_the_way_deepspeed_does():
+    from ds_optimus.config import ConfigError
+    from ds_optimus.train import resolve_batch_sizes
+
+    config = {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8}
+    assert resolve_batch_sizes(config, 2) == (8, 4) and config["gradient_accumulation_steps"] == 4
+    assert resolve_batch_sizes({"train_batch_size": 64, "gradient_accumulation_steps": 2}, 4) == (8, 2)
+    assert resolve_batch_sizes({"train_micro_batch_size_per_gpu": 3}, 5) == (3, 1)
+    bad = [({"train_batch_size": 60, "train_micro_batch_size_per_gpu": 8}, 2, "does not divide"),
+           ({"train_batch_size": 7, "gradient_accumulation_steps": 2}, 2, "does not divide"),
+           ({"gradient_accumulation_steps": 2}, 2, "needs train_micro_batch_size_per_gpu"),
+           ({"train_micro_batch_size_per_gpu": 0}, 1, "positive integer")]
+    for config, world, message in bad:
+        with pytest.raises(ConfigError, match=message):
+            resolve_batch_sizes(config, world)

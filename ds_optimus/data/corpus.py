@@ -137,7 +137,7 @@ def _file_documents(path: Path, text_field: str) -> Iterator[str]:
     if suffix in TEXT_SUFFIXES:
         yield path.read_text(encoding="utf-8", errors="replace")
     elif suffix in JSON_SUFFIXES:
-        with path.open(encoding="utf-8") as f:
+        with path.open(encoding="utf-8", errors="replace") as f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -147,7 +147,7 @@ def _file_documents(path: Path, text_field: str) -> Iterator[str]:
                     raise DataError(f"{path}:{lineno}: not a JSON record ({err.msg})") from None
                 if not isinstance(record, dict) or text_field not in record:
                     raise DataError(f"{path}:{lineno}: record has no {text_field!r} field")
-                yield str(record[text_field])
+                yield from _text(record[text_field], f"{path}:{lineno}")
     else:
         import pyarrow.parquet as pq
 
@@ -155,7 +155,17 @@ def _file_documents(path: Path, text_field: str) -> Iterator[str]:
         if text_field not in parquet.schema_arrow.names:
             raise DataError(f"{path}: no {text_field!r} column (columns: {', '.join(parquet.schema_arrow.names)})")
         for batch in parquet.iter_batches(columns=[text_field], batch_size=1024):
-            yield from (str(t) for t in batch.column(0).to_pylist() if t is not None)
+            for text in batch.column(0).to_pylist():
+                yield from _text(text, str(path))
+
+
+def _text(value, where: str) -> Iterator[str]:
+    """A record's text: nothing for a null, a one-line error for anything but a string."""
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise DataError(f"{where}: the text field holds a {type(value).__name__}, not a string")
+    yield value
 
 
 def _hf_documents(source: Source) -> Iterator[str]:
@@ -172,7 +182,7 @@ def _hf_documents(source: Source) -> Iterator[str]:
         if source.text_field not in record:
             raise DataError(f"dataset {source.target!r}: records have no {source.text_field!r} field "
                             f"(fields: {', '.join(record)})")
-        yield str(record[source.text_field])
+        yield from _text(record[source.text_field], f"dataset {source.target!r}")
 
 
 def describe(source: Source) -> dict[str, Any]:

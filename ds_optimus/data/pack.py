@@ -92,13 +92,37 @@ def prepare(sources: list[Source], tokenizer, cache_dir: str | Path, val_fractio
     every = None if val_fraction == 0 else max(2, round(1 / val_fraction))
     backend = tokenizer.backend_tokenizer
     counts = {"train": 0, "val": 0}
-    documents = 0
     started = time.time()
     bar = None
     if progress:
         from tqdm import tqdm
 
         bar = tqdm(desc="tokenizing", unit=" docs", dynamic_ncols=True)
+    try:
+        documents = _tokenize_into(tmp, sources, backend, eos, dtype, every, counts, bar)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays behind
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    if documents == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise DataError(f"the data sources hold no documents: {', '.join(map(str, sources))}")
+    meta = {"format": FORMAT_VERSION, "fingerprint": key, "dtype": dtype.name, "eos_id": eos,
+            "vocab_size": len(tokenizer), "documents": documents, "train_tokens": counts["train"],
+            "val_tokens": counts["val"], "sources": [str(s) for s in sources],
+            "seconds": round(time.time() - started, 2)}
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+    try:
+        os.replace(tmp, root)
+    except OSError:  # another process finished the same cache first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return PackedData.open(root)
+
+
+def _tokenize_into(tmp: Path, sources, backend, eos, dtype, every, counts, bar) -> int:
+    documents = 0
     with open(tmp / "train.bin", "wb") as train_f, open(tmp / "val.bin", "wb") as val_f:
         for source in sources:
             batch: list[str] = []
@@ -116,20 +140,7 @@ def prepare(sources: list[Source], tokenizer, cache_dir: str | Path, val_fractio
                     bar.update(len(batch))
     if bar is not None:
         bar.set_postfix(tokens=f"{counts['train'] + counts['val']:,}")
-        bar.close()
-    if documents == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise DataError(f"the data sources hold no documents: {', '.join(map(str, sources))}")
-    meta = {"format": FORMAT_VERSION, "fingerprint": key, "dtype": dtype.name, "eos_id": eos,
-            "vocab_size": len(tokenizer), "documents": documents, "train_tokens": counts["train"],
-            "val_tokens": counts["val"], "sources": [str(s) for s in sources],
-            "seconds": round(time.time() - started, 2)}
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-    try:
-        os.replace(tmp, root)
-    except OSError:  # another process finished the same cache first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return PackedData.open(root)
+    return documents
 
 
 def _write_batch(texts, backend, eos, dtype, first_index, every, train_f, val_f, counts) -> int:

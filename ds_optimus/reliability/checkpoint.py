@@ -10,9 +10,10 @@ sees):
     meta.json             step, layout and file list, written last
 
 Every file is written under a temporary name and renamed; the folder itself is assembled as
-`step_N.tmp` and renamed by rank 0 after every rank has finished, then `latest` is replaced. A
-crash at any point leaves either the previous checkpoints or a complete new one, never a folder
-that looks complete and is not. Loading needs the same world size and EP size as saving.
+`step_N.tmp` and renamed by rank 0 after every rank has finished (stale `.tmp` folders of a crash
+are removed by the next save). A crash at any point leaves either the previous checkpoints or a
+complete new one, never a folder that looks complete and is not. Loading needs the same world
+size and EP size as saving.
 """
 
 from __future__ import annotations
@@ -103,6 +104,14 @@ class CheckpointManager:
         done = self.complete()
         return done[-1] if done else None
 
+    def latest_agreed(self) -> Path | None:
+        """Rank 0's `latest()`, on every rank (so no rank resumes from a different step because its
+        view of the directory differs)."""
+        choice = [str(self.latest()) if self.rank == 0 and self.latest() is not None else None]
+        if dist.is_initialized() and self.world_size > 1:
+            dist.broadcast_object_list(choice, src=0)
+        return Path(choice[0]) if choice[0] is not None else None
+
     # -- saving -----------------------------------------------------------------------------------
 
     def _expert_names(self, model: torch.nn.Module) -> set[str]:
@@ -120,7 +129,8 @@ class CheckpointManager:
         final = self.directory / f"{STEP_PREFIX}{step:08d}"
         tmp = self.directory / f"{final.name}.tmp"
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            for stale in self.directory.glob(f"{STEP_PREFIX}*.tmp"):  # left by a crash mid-save
+                shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
         state = model.state_dict()
@@ -164,7 +174,11 @@ class CheckpointManager:
         if self._expert_names(model):
             state.update(torch.load(path / f"experts_ep{self.groups.ep_rank:03d}.pt", map_location="cpu",
                                     weights_only=True))
-        model.load_state_dict(state, strict=True)
+        try:
+            model.load_state_dict(state, strict=True)
+        except RuntimeError as err:
+            first = str(err).strip().splitlines()[0]
+            raise CheckpointError(f"{path} does not fit this model ({first}); was the model config changed?") from None
         own = torch.load(path / f"rank{self.rank:05d}.pt", map_location="cpu", weights_only=False)
         load_engine_state(engine, own["engine"])
         set_rng_state(own["rng"])

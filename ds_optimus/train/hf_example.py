@@ -64,9 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     trainer = MulaTrainer(model=model, args=training_args,
                           train_dataset=PackedSequences(packed.tokens("train"), opt.data.seq_len))
     trainer.train()
-    save_model(trainer, out / "hf-trainer", groups)
+    save_model(trainer, out / "hf-trainer", groups, tokenizer)
     if trainer.is_world_process_zero():
-        tokenizer.save_pretrained(out / "hf-trainer")
         losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
         (out / "trainer_summary.json").write_text(json.dumps({"losses": losses}, indent=2))
         print(f"Trainer: loss {losses[0]:.4f} -> {losses[-1]:.4f}; model saved to {out / 'hf-trainer'}", flush=True)

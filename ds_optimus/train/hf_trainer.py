@@ -78,15 +78,9 @@ class PackedSequences(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-def save_model(trainer: Trainer, folder: str | Path, groups=None) -> None:
-    """Save the trained model as an HF folder. With expert parallelism (`groups` from
-    `prepare_model`) it is collective: every rank calls it, the experts are gathered, rank 0 writes."""
-    import torch.distributed as dist
+def save_model(trainer: Trainer, folder: str | Path, groups=None, tokenizer=None) -> None:
+    """Save the trained model (and `tokenizer`) as an HF folder. With expert parallelism (`groups`
+    from `prepare_model`) it is collective: every rank calls it, the experts are gathered."""
+    from .trainer import export
 
-    model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
-    if groups is not None:
-        model.save_pretrained(folder)
-    elif trainer.is_world_process_zero():
-        model.save_pretrained(folder)
-    if dist.is_initialized():
-        dist.barrier()
+    export(trainer.accelerator.unwrap_model(trainer.model_wrapped), tokenizer, Path(folder), groups)

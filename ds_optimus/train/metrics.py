@@ -19,7 +19,8 @@ def model_flops_per_token(config, seq_len: int) -> float:
     from ..hf_models.mula import count_parameters
 
     _, active = count_parameters(config)
-    embedding = config.vocab_size * config.hidden_size  # a lookup, not a matmul
+    # The input embedding is a lookup, not a matmul; tied, its one copy is also the LM head.
+    embedding = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
     attention = 12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * seq_len
     return 6.0 * (active - embedding) + attention
 
@@ -60,9 +61,9 @@ class MetricsSink:
         if not enabled:
             return
         output_dir.mkdir(parents=True, exist_ok=True)
-        if start_step and self.path.exists():  # a resumed run: drop lines past the checkpoint
+        if self.path.exists():  # resumed: keep the lines up to the checkpoint; a fresh start: none
             kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= start_step]
+                    if start_step and line.strip() and json.loads(line).get("step", 0) <= start_step]
             self.path.write_text("".join(line + "\n" for line in kept))
         from tqdm import tqdm
 

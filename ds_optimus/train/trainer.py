@@ -84,6 +84,11 @@ def resolve_batch_sizes(ds_config: dict[str, Any], world_size: int) -> tuple[int
             raise ConfigError(f"{key} must be a positive integer, got {value!r}")
     if micro is None and total is None:
         raise ConfigError("the config needs train_micro_batch_size_per_gpu or train_batch_size")
+    if accumulation is None and micro is not None and total is not None:
+        if total % (micro * world_size):
+            raise ConfigError(f"train_batch_size {total} does not divide by train_micro_batch_size_per_gpu "
+                              f"{micro} x {world_size} ranks")
+        accumulation = total // (micro * world_size)
     accumulation = accumulation or 1
     if micro is None:
         if total % (accumulation * world_size):
@@ -155,11 +160,13 @@ def prepare_on_rank_zero(sources, tokenizer, cache_dir, val_fraction):
     if dist.get_rank() == 0:
         try:
             prepare(sources, tokenizer, cache_dir, val_fraction, progress=True)
-        except DataError as err:
-            failure[0] = str(err)
+        except Exception as err:  # any failure must reach the ranks waiting below
+            failure[0] = (isinstance(err, DataError), f"{err}" if isinstance(err, DataError)
+                          else f"preparing the data failed: {type(err).__name__}: {err}")
     dist.broadcast_object_list(failure, src=0)
     if failure[0] is not None:
-        raise DataError(failure[0])
+        is_data_error, message = failure[0]
+        raise DataError(message) if is_data_error else RuntimeError(message)
     return prepare(sources, tokenizer, cache_dir, val_fraction, progress=False)
 
 
@@ -182,6 +189,9 @@ def pretrain(ds_config: dict[str, Any] | str | Path, *, log_every_rank: bool = F
 
     ds_config = load_json_config(ds_config)
     opt = OptimusConfig.from_ds_config(ds_config)
+    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+    if stage not in (0, 1, 2):
+        raise ConfigError(f"zero_optimization.stage {stage!r} is not supported by ds_optimus.train (use 0, 1 or 2)")
     if "optimizer" not in ds_config:
         raise ConfigError("the config needs an optimizer section (e.g. {\"type\": \"AdamW\", \"params\": {...}})")
     init_distributed()
@@ -190,7 +200,10 @@ def pretrain(ds_config: dict[str, Any] | str | Path, *, log_every_rank: bool = F
     _scheduler_defaults(ds_config, opt.train.steps)
     _seed_everything(opt.train.seed)  # the same initial weights on every rank
 
-    tokenizer = load_tokenizer(opt.data.tokenizer)
+    try:
+        tokenizer = load_tokenizer(opt.data.tokenizer)
+    except ValueError as err:
+        raise ConfigError(f"optimus.data.tokenizer: {err}") from None
     model = build_model(opt, tokenizer)
     if model.config.num_experts:
         check_layout(world, opt.expert_parallel.size, model.config.num_experts, opt.expert_parallel.node_size)
@@ -220,7 +233,10 @@ def pretrain(ds_config: dict[str, Any] | str | Path, *, log_every_rank: bool = F
     checkpoints = CheckpointManager(opt.checkpoint.dir or output_dir / "checkpoints", opt.checkpoint.keep_last, groups)
     start = 0
     resumed_from = None
-    latest = checkpoints.latest() if opt.checkpoint.resume else None
+    latest = checkpoints.latest_agreed()
+    if latest is not None and not opt.checkpoint.resume:
+        raise ConfigError(f"checkpoint.resume is false but {checkpoints.directory} holds checkpoints of an earlier "
+                          "run; remove them or point checkpoint.dir elsewhere")
     if latest is not None:
         start, extra = checkpoints.load(latest, engine)
         train_loader.load_state_dict(extra["loader"])
@@ -324,15 +340,17 @@ def pretrain(ds_config: dict[str, Any] | str | Path, *, log_every_rank: bool = F
 
 
 def export(model, tokenizer, folder: Path, groups) -> None:
-    """Write an HF folder (full experts gathered under expert parallelism; collective)."""
-    rank = dist.get_rank()
+    """Write an HF folder, with the tokenizer when given (full experts gathered under expert
+    parallelism; collective)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
     if groups is not None:
         model.save_pretrained(folder)  # gathers every expert; rank 0 writes
     elif rank == 0:
         model.save_pretrained(folder)
-    if rank == 0:
+    if rank == 0 and tokenizer is not None:
         tokenizer.save_pretrained(folder)
-    dist.barrier()
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def sample(folder: Path, prompt: str, new_tokens: int, seed: int = 0) -> str:
