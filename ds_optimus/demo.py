@@ -25,9 +25,9 @@ BYTE_OFFSET = 2
 
 def embedded_corpus() -> bytes:
     """The Python reference manual shipped with CPython, as UTF-8 bytes."""
-    from pydoc_data.topics import topics
+    from .data.corpus import embedded_documents
 
-    return "\n\n".join(topics[key] for key in sorted(topics)).encode("utf-8")
+    return "\n\n".join(embedded_documents()).encode("utf-8")
 
 
 def encode(data: bytes) -> torch.Tensor:

@@ -17,6 +17,12 @@ import torch
 from .corpus import DataError
 
 
+def sequence(tokens: np.ndarray, seq_len: int, index: int) -> torch.Tensor:
+    """The `index`-th sequence of `seq_len` tokens of a packed token stream, as int64."""
+    start = index * seq_len
+    return torch.from_numpy(np.asarray(tokens[start:start + seq_len], dtype=np.int64))
+
+
 class TokenBatches:
     """Micro-batches `[micro_batch_size, seq_len]` (int64) for one data-parallel rank."""
 
@@ -58,12 +64,10 @@ class TokenBatches:
     def next_batch(self) -> torch.Tensor:
         """This rank's next micro-batch; every rank advances by one global micro-batch."""
         first = self.position + self.dp_rank * self.micro_batch_size
-        rows = []
-        for p in range(first, first + self.micro_batch_size):
-            start = self._sequence_index(p) * self.seq_len
-            rows.append(np.asarray(self.tokens[start:start + self.seq_len], dtype=np.int64))
+        rows = [sequence(self.tokens, self.seq_len, self._sequence_index(p))
+                for p in range(first, first + self.micro_batch_size)]
         self.position += self.micro_batch_size * self.dp_size
-        return torch.from_numpy(np.stack(rows))
+        return torch.stack(rows)
 
     def __iter__(self):
         while True:

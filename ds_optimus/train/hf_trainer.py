@@ -73,8 +73,9 @@ class PackedSequences(torch.utils.data.Dataset):
         return len(self.tokens) // self.seq_len
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        start = index * self.seq_len
-        ids = torch.from_numpy(np.asarray(self.tokens[start:start + self.seq_len], dtype=np.int64))
+        from ..data.loader import sequence
+
+        ids = sequence(self.tokens, self.seq_len, index)
         return {"input_ids": ids, "labels": ids}
 
 
