@@ -1,8 +1,11 @@
 """ds_optimus: pretraining Mixture-of-Experts language models on DeepSpeed.
 
 Importing the package registers the Mula models with Transformers' Auto classes and the dropless
-MoE layer with Transformers' experts interface (as "ds_optimus", the Mula default). It imports
-neither DeepSpeed nor Triton, so the models and kernels load on machines that have only PyTorch.
+MoE layer with Transformers' experts interface (as "ds_optimus", the Mula default). Where DeepSpeed
+is installed it also hooks DeepSpeed's engine (`ds_optimus.optim.deepspeed_compat`), so a config
+with `optimus.sharded_optimizer` gets the EP-aware sharded optimizer from `deepspeed.initialize`,
+including under the Hugging Face Trainer. Without DeepSpeed (and without Triton) the models and
+kernels still load.
 """
 
 from __future__ import annotations
@@ -27,4 +30,19 @@ def _register_with_transformers() -> None:
     register_experts_implementation()
 
 
+def _hook_deepspeed() -> None:
+    import importlib.util
+    import warnings
+
+    if importlib.util.find_spec("deepspeed") is None:
+        return
+    try:
+        from .optim.deepspeed_compat import install_engine_hook
+
+        install_engine_hook()
+    except Exception as err:  # an untested DeepSpeed version, or one that fails to import here
+        warnings.warn(f"ds_optimus: DeepSpeed's engine is not hooked ({err})", stacklevel=2)
+
+
 _register_with_transformers()
+_hook_deepspeed()

@@ -11,7 +11,9 @@ validated up front. An unknown key or a bad value is a one-line `ConfigError` na
                 "log_interval": 1, "peak_tflops": null, "warmup_steps": 0, "min_lr_ratio": 0.1,
                 "sample_prompt": "...", "sample_tokens": 48},
       "checkpoint": {"interval": 0, "keep_last": 2, "dir": null, "resume": true},
-      "wandb": {"mode": null, "project": "ds_optimus", "name": null, "entity": null}
+      "wandb": {"mode": null, "project": "ds_optimus", "name": null, "entity": null},
+      "sharded_optimizer": {"enabled": false, "bucket_size": 50000000, "reduce_dtype": null,
+                            "overlap_comm": true}
     }
 
 Every section and key is optional; the defaults are above (`mode: null` means online when
@@ -156,6 +158,26 @@ class WandbConfig:
 
 
 @dataclass(frozen=True)
+class ShardedOptimizerConfig:
+    """The EP-aware sharded optimizer (`ds_optimus.optim`), in place of DeepSpeed's ZeRO stage 1/2
+    optimizer; the stage is DeepSpeed's `zero_optimization.stage`."""
+
+    enabled: bool = False
+    bucket_size: int = 50_000_000  # elements per reduce-scatter / all-gather bucket
+    reduce_dtype: str | None = None  # fp32 | bf16 | fp16; null: DeepSpeed's grad accumulation dtype
+    overlap_comm: bool = True  # reduce buckets while the backward pass goes on
+
+    def check(self, where: str) -> None:
+        _need(isinstance(self.enabled, bool), f"{where}.enabled must be true or false, got {self.enabled!r}")
+        _need(_positive_int(self.bucket_size),
+              f"{where}.bucket_size must be a positive integer, got {self.bucket_size!r}")
+        _need(self.reduce_dtype in (None, "fp32", "bf16", "fp16"),
+              f"{where}.reduce_dtype must be fp32, bf16, fp16 or null, got {self.reduce_dtype!r}")
+        _need(isinstance(self.overlap_comm, bool),
+              f"{where}.overlap_comm must be true or false, got {self.overlap_comm!r}")
+
+
+@dataclass(frozen=True)
 class OptimusConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     expert_parallel: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)
@@ -164,6 +186,7 @@ class OptimusConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    sharded_optimizer: ShardedOptimizerConfig = field(default_factory=ShardedOptimizerConfig)
 
     @classmethod
     def from_ds_config(cls, config: dict[str, Any] | str | Path) -> OptimusConfig:

@@ -6,6 +6,11 @@
 - `install_engine_hook`: DeepSpeed's engine enables its MoE gradient handling only when the model
   contains its own `deepspeed.moe.layer.MoE` modules; the hook also enables it for models that
   `apply_expert_parallel` has sharded, so ZeRO-1/2 reduce expert gradients over the EDP group.
+- `ZeROOptimizerBase` and the builders installed by `install_engine_hook`: when the config's
+  `optimus.sharded_optimizer.enabled` is true, the engine builds `ds_optimus.optim.ShardedOptimizer`
+  where it would build its ZeRO stage 1/2 (or BF16) optimizer, and `engine.save_checkpoint` /
+  `engine.load_checkpoint` write and read ds_optimus' layout-independent checkpoints
+  (`ds_optimus.optim.checkpointing`).
 - `engine_state` / `load_engine_state`: this rank's optimizer partition (through the ZeRO and BF16
   optimizers' list-of-ranks `load_state_dict`), LR scheduler and the engine's step counters, for
   ds_optimus' own per-rank checkpoints (`ds_optimus.reliability.checkpoint`).
@@ -14,6 +19,8 @@
 from __future__ import annotations
 
 import deepspeed
+import torch
+from deepspeed.runtime.base_optimizer import ZeROOptimizer as ZeROOptimizerBase  # noqa: F401  (sharded.py)
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import groups as ds_groups
 
@@ -44,7 +51,71 @@ _ORIGINAL = {
     "configure": DeepSpeedEngine._configure_distributed_model,
     "save": DeepSpeedEngine.save_checkpoint,
     "load": DeepSpeedEngine.load_checkpoint,
+    "zero": DeepSpeedEngine._configure_zero_optimizer,
+    "bf16": DeepSpeedEngine._configure_bf16_optimizer,
 }
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def sharded_optimizer_settings(engine):
+    """The `optimus.sharded_optimizer` section of the engine's config when enabled, else None
+    (the whole `optimus` section is validated: a bad key is a one-line ConfigError)."""
+    from ..config import OptimusConfig
+
+    settings = OptimusConfig.from_ds_config(engine._config._param_dict).sharded_optimizer
+    return settings if settings.enabled else None
+
+
+def build_sharded_optimizer(engine, basic_optimizer, settings):
+    """The engine's `ShardedOptimizer` over `basic_optimizer`'s param groups."""
+    import torch.distributed as dist
+
+    from ..config import ConfigError
+    from .sharded import LossScaler, ShardedOptimizer
+
+    stage = int(engine.zero_optimization_stage())
+    if stage not in (1, 2):
+        raise ConfigError(f"optimus.sharded_optimizer needs zero_optimization.stage 1 or 2, got {stage}")
+    if engine.zero_offload_optimizer() is not None and engine.zero_use_cpu_optimizer():
+        raise ConfigError("optimus.sharded_optimizer does not offload optimizer state; remove "
+                          "zero_optimization.offload_optimizer or disable the sharded optimizer")
+    group = engine.seq_data_parallel_group
+    if engine.mpu is not None or dist.get_world_size(group=group) != dist.get_world_size():
+        raise ConfigError("optimus.sharded_optimizer supports data and expert parallelism only "
+                          "(no tensor, pipeline or sequence parallelism)")
+    if settings.reduce_dtype is not None:
+        reduce_dtype = _DTYPES[settings.reduce_dtype]
+    elif engine._config.communication_data_type is not None:
+        reduce_dtype = engine._config.communication_data_type
+    else:
+        reduce_dtype = engine.get_data_types()[1]
+    scaler = None
+    if engine.fp16_enabled():
+        if engine.dynamic_loss_scale():
+            args = engine.dynamic_loss_scale_args()
+            scaler = LossScaler(args["init_scale"], dynamic=True, window=args["scale_window"],
+                                hysteresis=args["delayed_shift"], min_scale=args["min_scale"])
+        else:
+            scaler = LossScaler(engine.loss_scale())
+    return ShardedOptimizer(basic_optimizer, param_names=dict(engine.param_names), stage=stage, dense_group=group,
+                            clip_grad=engine.gradient_clipping(), bucket_size=settings.bucket_size,
+                            reduce_dtype=reduce_dtype, overlap_comm=settings.overlap_comm, loss_scaler=scaler)
+
+
+def _configure_zero_optimizer(self, optimizer):
+    settings = sharded_optimizer_settings(self)
+    if settings is None:
+        return _ORIGINAL["zero"](self, optimizer)
+    return build_sharded_optimizer(self, optimizer, settings)
+
+
+def _configure_bf16_optimizer(self, optimizer):
+    # DeepSpeed picks its BF16 optimizer for ZeRO-1 with bf16 weights and fp32 accumulation.
+    settings = sharded_optimizer_settings(self) if self.zero_optimization() else None
+    if settings is None:
+        return _ORIGINAL["bf16"](self, optimizer)
+    return build_sharded_optimizer(self, optimizer, settings)
 
 
 def _configure_distributed_model(self, model):
@@ -58,16 +129,22 @@ def _configure_distributed_model(self, model):
         self.num_experts.extend(m.num_experts for m in experts)
 
 
-def _refuse_expert_parallel_checkpoints(name):
+def _checkpoint_method(name):
     original = _ORIGINAL[name]
 
     def method(self, *args, **kwargs):
+        from . import checkpointing
+        from .sharded import ShardedOptimizer
+
+        if isinstance(self.optimizer, ShardedOptimizer):
+            ours = checkpointing.save_checkpoint if name == "save" else checkpointing.load_checkpoint
+            return ours(self, *args, **kwargs)
         if getattr(self, "_ds_optimus_expert_parallel", False):
             # DeepSpeed's MoE checkpoint code only knows its own MoE modules: it would write one
             # rank's expert shard for all and load it into every rank without an error.
             raise NotImplementedError(
-                "DeepSpeed checkpoints of a ds_optimus expert-parallel model are not supported yet; "
-                "save the model with model.save_pretrained() on every rank"
+                "DeepSpeed's own checkpoints cannot hold a ds_optimus expert-parallel model; enable "
+                "optimus.sharded_optimizer (its checkpoints can), or save with model.save_pretrained() on every rank"
             )
         return original(self, *args, **kwargs)
 
@@ -75,12 +152,15 @@ def _refuse_expert_parallel_checkpoints(name):
 
 
 def install_engine_hook() -> None:
-    """Make DeepSpeed's engine treat ds_optimus expert-parallel experts as MoE layers, and refuse its
-    checkpoints of them until they are supported (idempotent)."""
+    """Make DeepSpeed's engine treat ds_optimus expert-parallel experts as MoE layers, build the
+    sharded optimizer when the config enables it, route its checkpoints to ds_optimus, and refuse
+    DeepSpeed's own checkpoints of expert-parallel models (idempotent)."""
     check_version()
     DeepSpeedEngine._configure_distributed_model = _configure_distributed_model
-    DeepSpeedEngine.save_checkpoint = _refuse_expert_parallel_checkpoints("save")
-    DeepSpeedEngine.load_checkpoint = _refuse_expert_parallel_checkpoints("load")
+    DeepSpeedEngine._configure_zero_optimizer = _configure_zero_optimizer
+    DeepSpeedEngine._configure_bf16_optimizer = _configure_bf16_optimizer
+    DeepSpeedEngine.save_checkpoint = _checkpoint_method("save")
+    DeepSpeedEngine.load_checkpoint = _checkpoint_method("load")
 
 
 _ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")

@@ -121,6 +121,14 @@ def init_expert_parallel_groups(ep_size: int, node_size: int | None = None) -> E
     return groups
 
 
+def expert_parallel_groups(name: str) -> ExpertParallelGroups | None:
+    """The layout created under DeepSpeed's group `name` (``ep_size_{P}``) on this rank, or None."""
+    for groups in _CACHE.values():
+        if groups.name == name:
+            return groups
+    return None
+
+
 def destroy_expert_parallel_groups() -> None:
     """Forget the cached layouts (call before `dist.destroy_process_group`)."""
     _CACHE.clear()

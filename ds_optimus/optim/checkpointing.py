@@ -1,0 +1,185 @@
+"""`engine.save_checkpoint` / `engine.load_checkpoint` for engines running the sharded optimizer.
+
+A checkpoint is the folder `<save_dir>/<tag>/` (tag `global_step<N>` by default, as DeepSpeed
+names it, so the Hugging Face Trainer finds it), and `<save_dir>/latest` names the newest tag:
+
+    model_dense.pt         dense weights and buffers (rank 0)
+    model_experts_ep003.pt the expert weights of EP rank 3, with their place in the full weights
+    optim_rank00005.pt     rank 5's optimizer shard: each run named by parameter and element
+                           range of the full parameter (`ShardedOptimizer.state_dict`)
+    engine.pt              LR scheduler, step counters (rank 0)
+    client_rank00005.pt    rank 5's `client_state`
+    meta.json              layout and file list, written last
+
+Every piece of state is keyed by parameter name and global element range, never by rank, so a
+checkpoint loads on any layout: another world size, EP size, ZeRO stage or bucket size. Files go
+through a temporary name and the folder is renamed in complete; `latest` is replaced atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..parallel.expert_parallel import is_expert_param
+
+ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
+
+
+class CheckpointLoadError(RuntimeError):
+    """A checkpoint folder this engine cannot load; the message says why in one line."""
+
+
+def _write(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + ".partial")
+    torch.save(obj, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _expert_layout(engine):
+    """The `ExpertParallelGroups` of the engine's expert-parallel model, or None."""
+    from ..parallel.groups import expert_parallel_groups
+
+    for p in engine.module.parameters():
+        if is_expert_param(p):
+            groups = expert_parallel_groups(p.group_name)
+            return groups
+    return None
+
+
+def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                    exclude_frozen_parameters: bool = False) -> bool:
+    """Write a checkpoint of `engine` (collective: every rank calls it)."""
+    if not save_dir:
+        raise ValueError(f"save_dir must be a non-empty path, got {save_dir!r}")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
+    root = Path(save_dir)
+    final, tmp = root / tag, root / f"{tag}.tmp"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    tags = [None] * world
+    dist.all_gather_object(tags, tag)
+    if len(set(tags)) != 1:
+        raise ValueError(f"save_checkpoint: ranks passed different tags ({', '.join(sorted(set(map(str, tags))))})")
+    module = engine.module
+    frozen = {n for n, p in module.named_parameters() if not p.requires_grad} if exclude_frozen_parameters else set()
+    experts = {n for n, p in module.named_parameters() if is_expert_param(p)}
+    state = {k: v.detach().cpu() for k, v in module.state_dict().items() if k not in frozen}
+    groups = _expert_layout(engine)
+    if rank == 0:
+        _write({k: v for k, v in state.items() if k not in experts}, tmp / "model_dense.pt")
+    if experts and groups is not None and rank == groups.edp_ranks[0]:
+        local = {k: v for k, v in state.items() if k in experts}
+        _write({"ep_size": groups.ep_size, "ep_rank": groups.ep_rank, "weights": local},
+               tmp / f"model_experts_ep{groups.ep_rank:03d}.pt")
+    _write(engine.optimizer.state_dict(), tmp / f"optim_rank{rank:05d}.pt")
+    _write(client_state or {}, tmp / f"client_rank{rank:05d}.pt")
+    if rank == 0:
+        scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+        _write({"lr_scheduler": scheduler, "counters": {k: getattr(engine, k) for k in ENGINE_COUNTERS}},
+               tmp / "engine.pt")
+    dist.barrier()
+    if rank == 0:
+        meta = {"format": "ds_optimus.checkpoint/1", "tag": tag, "world_size": world,
+                "ep_size": groups.ep_size if groups is not None else 1, "zero_stage": engine.optimizer.stage,
+                "time": time.time(), "files": sorted(p.name for p in tmp.iterdir())}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        if save_latest:
+            latest = root / "latest.partial"
+            latest.write_text(tag)
+            os.replace(latest, root / "latest")
+    dist.barrier()
+    return True
+
+
+def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
+                    load_lr_scheduler_states: bool = True, load_module_only: bool = False, custom_load_fn=None):
+    """Load a checkpoint written by `save_checkpoint` on any layout; returns (path, client_state),
+    or (None, None) when `load_dir` has no `latest` and no tag is given (as DeepSpeed does)."""
+    if custom_load_fn is not None:
+        raise NotImplementedError("custom_load_fn is not supported with the sharded optimizer")
+    root = Path(load_dir)
+    if tag is None:
+        latest = root / "latest"
+        if not latest.is_file():
+            return None, None
+        tag = latest.read_text().strip()
+    path = root / str(tag)
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointLoadError(f"{path} is not a complete ds_optimus checkpoint ({type(err).__name__})") from None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    module = engine.module
+
+    state = torch.load(path / "model_dense.pt", map_location="cpu", weights_only=True)
+    state.update(_expert_weights(engine, path, meta, state))
+    try:
+        module.load_state_dict(state, strict=load_module_strict)
+    except RuntimeError as err:
+        first = str(err).strip().splitlines()[0]
+        raise CheckpointLoadError(f"{path} does not fit this model ({first})") from None
+
+    optimizer = engine.optimizer
+    if load_optimizer_states and not load_module_only:
+        shards = [torch.load(path / f"optim_rank{r:05d}.pt", map_location="cpu", weights_only=False, mmap=True)
+                  for r in range(meta["world_size"])]
+        optimizer.load_shards(shards)
+    else:
+        optimizer.refresh_master_from_params()
+    if not load_module_only:
+        saved = torch.load(path / "engine.pt", map_location="cpu", weights_only=False)
+        if load_lr_scheduler_states and saved["lr_scheduler"] is not None and engine.lr_scheduler is not None:
+            engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
+        for key, value in saved["counters"].items():
+            setattr(engine, key, value)
+        engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
+    # A rank's own client state when the world size is unchanged, rank 0's otherwise.
+    source = rank if meta["world_size"] == world else 0
+    client = torch.load(path / f"client_rank{source:05d}.pt", map_location="cpu", weights_only=False)
+    return str(path), client
+
+
+def _expert_weights(engine, path: Path, meta: dict, dense: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's slice of every expert weight, cut from the saved weights of any EP size (an EP-1
+    run keeps its experts among the dense weights)."""
+    groups = _expert_layout(engine)
+    params = dict(engine.module.named_parameters())
+    if groups is not None:
+        wanted = {n: (groups.ep_rank * p.shape[0], (groups.ep_rank + 1) * p.shape[0])
+                  for n, p in params.items() if is_expert_param(p)}
+    else:  # every expert here; those the checkpoint keeps in its EP shards
+        wanted = {n: (0, p.shape[0]) for n, p in params.items() if n not in dense and meta["ep_size"] > 1}
+    files: dict[int, dict] = {}
+    out = {}
+    for name, (lo, hi) in wanted.items():
+        if name in dense:
+            out[name] = dense.pop(name)[lo:hi].clone()
+            continue
+        pieces = []
+        for q in range(meta["ep_size"]):
+            if q not in files:
+                files[q] = torch.load(path / f"model_experts_ep{q:03d}.pt", map_location="cpu", weights_only=True,
+                                      mmap=True)["weights"]
+            if name not in files[q]:
+                raise CheckpointLoadError(f"{path} has no expert weight {name}; was the model changed?")
+            per = files[q][name].shape[0]
+            a, b = max(lo, q * per), min(hi, (q + 1) * per)
+            if a < b:
+                pieces.append(files[q][name][a - q * per:b - q * per])
+        out[name] = torch.cat(pieces).clone()
+    return out

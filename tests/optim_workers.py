@@ -1,0 +1,112 @@
+"""Functions run on every rank by the sharded-optimizer tests, and the single-process reference."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+import ds_optimus  # noqa: F401  (hooks DeepSpeed's engine)
+from ds_optimus.hf_models.mula import MulaConfig, MulaForCausalLM
+from ds_optimus.parallel import moe_param_groups, setup_moe
+
+SEQ = 16
+LR, WEIGHT_DECAY, BETAS, EPS = 3e-3, 0.1, (0.9, 0.95), 1e-8
+
+
+def tiny_model(seed: int = 0, **overrides) -> MulaForCausalLM:
+    torch.manual_seed(seed)
+    config = MulaConfig.from_preset("mula-tiny-moe", **{"hidden_size": 64, "num_hidden_layers": 2,
+                                                         "moe_intermediate_size": 64, "intermediate_size": 128,
+                                                         "vocab_size": 512, **overrides})
+    return MulaForCausalLM(config)
+
+
+def chunks(step: int, count: int, micro: int, vocab: int) -> list[torch.Tensor]:
+    """The step's global batch as `count` micro-batches of `micro` sequences (the same for any layout)."""
+    g = torch.Generator().manual_seed(1000 + step % 3)  # three batches, seen again and again: the loss falls
+    ids = torch.randint(2, vocab, (count * micro, SEQ), generator=g)
+    return list(ids.split(micro))
+
+
+def ds_config(spec: dict) -> dict:
+    config = {
+        "train_micro_batch_size_per_gpu": spec["micro"],
+        "gradient_accumulation_steps": spec["gas"],
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
+                                                  "weight_decay": WEIGHT_DECAY, "torch_adam": True}},
+        "zero_optimization": {"stage": spec["stage"], **spec.get("zero", {})},
+        "gradient_clipping": spec.get("clip", 0.0),
+        "steps_per_print": 10 ** 9,
+        "optimus": {"expert_parallel": {"size": spec["ep"]}, "moe": {"experts_backend": "looped"},
+                    "sharded_optimizer": {"enabled": spec["sharded"], "bucket_size": spec.get("bucket", 20000),
+                                          **spec.get("sharded_options", {})}},
+    }
+    if spec.get("dtype") == "bf16":
+        config["bf16"] = {"enabled": True}
+    if spec.get("dtype") == "fp16":
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2}
+    return config
+
+
+def train(rank: int, world: int, spec: dict) -> dict:
+    """Train `spec["steps"]` steps through `deepspeed.initialize`; returns the global mean loss per
+    step and what the optimizer reports."""
+    import deepspeed
+
+    model = tiny_model(**spec.get("model", {}))
+    config = ds_config(spec)
+    setup_moe(model, config)
+    engine, *_ = deepspeed.initialize(model=model, config=config,
+                                      model_parameters=moe_param_groups(model, weight_decay=WEIGHT_DECAY))
+    start = 0
+    if spec.get("load"):
+        path, client = engine.load_checkpoint(spec["load"])
+        start = client["step"]
+    losses, norms = {}, {}
+    vocab = model.config.vocab_size
+    for step in range(start + 1, spec["steps"] + 1):
+        batches = chunks(step, world * spec["gas"], spec["micro"], vocab)
+        total = torch.zeros(())
+        for a in range(spec["gas"]):
+            ids = batches[a * world + rank]
+            loss = engine(input_ids=ids, labels=ids).loss
+            if spec.get("nan_at") == step and rank == spec.get("nan_rank", 0) and a == 0:
+                loss = loss * float("nan")
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float()
+        dist.all_reduce(total)
+        losses[step] = total.item() / (world * spec["gas"])
+        norms[step] = engine.get_global_grad_norm()
+        if spec.get("save_at") == step:
+            engine.save_checkpoint(spec["save_dir"], client_state={"step": step})
+    result = {"losses": losses, "norms": norms, "optimizer": type(engine.optimizer).__name__,
+              "skipped_steps": engine.skipped_steps}
+    if hasattr(engine.optimizer, "state_bytes"):
+        result["state_bytes"] = engine.optimizer.state_bytes()
+    result["params"] = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    return result
+
+
+def reference(spec: dict, world: int) -> dict:
+    """The same run in one process, without DeepSpeed: the mean of every micro-batch's loss over
+    the global batch, torch AdamW, clipping by the true global norm."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    model = tiny_model(**spec.get("model", {}))
+    setup_moe(model, {"optimus": {"moe": {"experts_backend": "looped"}}})
+    optimizer = torch.optim.AdamW(moe_param_groups(model, weight_decay=WEIGHT_DECAY), lr=LR, betas=BETAS, eps=EPS)
+    losses, norms = {}, {}
+    count = world * spec["gas"]
+    for step in range(1, spec["steps"] + 1):
+        optimizer.zero_grad()
+        total = 0.0
+        for ids in chunks(step, count, spec["micro"], model.config.vocab_size):
+            loss = model(input_ids=ids, labels=ids).loss / count
+            loss.backward()
+            total += loss.item()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.get("clip") or float("inf"))
+        optimizer.step()
+        losses[step], norms[step] = total, norm.item()
+    return {"losses": losses, "norms": norms}
