@@ -1,14 +1,18 @@
 """ds_optimus: pretraining Mixture-of-Experts language models on DeepSpeed.
 
 Importing the package registers the Mula models with Transformers' Auto classes and the dropless
-MoE layer with Transformers' experts interface (as "ds_optimus", the Mula default). Where DeepSpeed
-is installed it also hooks DeepSpeed's engine (`ds_optimus.optim.deepspeed_compat`), so a config
-with `optimus.sharded_optimizer` gets the EP-aware sharded optimizer from `deepspeed.initialize`,
-including under the Hugging Face Trainer. Without DeepSpeed (and without Triton) the models and
-kernels still load.
+MoE layer with Transformers' experts interface (as "ds_optimus", the Mula default). It imports
+neither DeepSpeed nor Triton, so the models and kernels load on machines that have only PyTorch;
+but once DeepSpeed is imported (before or after), its engine is hooked
+(`ds_optimus.optim.deepspeed_compat`), so a config with `optimus.sharded_optimizer` gets the
+EP-aware sharded optimizer from `deepspeed.initialize`, also under the Hugging Face Trainer.
 """
 
 from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import sys
 
 __version__ = "0.1.0"
 
@@ -30,18 +34,43 @@ def _register_with_transformers() -> None:
     register_experts_implementation()
 
 
-def _hook_deepspeed() -> None:
-    import importlib.util
+def _install_engine_hook() -> None:
     import warnings
 
-    if importlib.util.find_spec("deepspeed") is None:
-        return
     try:
-        from .optim.deepspeed_compat import install_engine_hook
-
-        install_engine_hook()
+        # The module hooks the engine when its import completes (this may run while it is being
+        # imported: deepspeed_compat's own `import deepspeed` brings us here).
+        importlib.import_module(f"{__name__}.optim.deepspeed_compat")
     except Exception as err:  # an untested DeepSpeed version, or one that fails to import here
         warnings.warn(f"ds_optimus: DeepSpeed's engine is not hooked ({err})", stacklevel=2)
+
+
+class _AfterDeepSpeedImport(importlib.abc.MetaPathFinder):
+    """Hooks DeepSpeed's engine right after `import deepspeed` completes, so importing ds_optimus
+    does not import DeepSpeed (slow, and absent on some machines) but every engine is hooked."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "deepspeed":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _install_engine_hook()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _hook_deepspeed() -> None:
+    if "deepspeed" in sys.modules:
+        _install_engine_hook()
+    elif not any(isinstance(f, _AfterDeepSpeedImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterDeepSpeedImport())
 
 
 _register_with_transformers()

@@ -110,3 +110,56 @@ def reference(spec: dict, world: int) -> dict:
         optimizer.step()
         losses[step], norms[step] = total, norm.item()
     return {"losses": losses, "norms": norms}
+
+
+def bad_settings(rank: int, world: int) -> list[str]:
+    """The one-line messages of settings the sharded optimizer refuses."""
+    import deepspeed
+
+    from ds_optimus.config import ConfigError
+    from ds_optimus.optim.sharded import ShardedOptimizerError
+
+    messages = []
+    base = dict(ep=2, stage=2, sharded=True, micro=1, gas=1)
+    for change in ({"stage": 0}, {"stage": 3}, {"sgd": True}, {"sharded_options": {"bucket_size": 0}}):
+        spec = {**base, **change}
+        model = tiny_model()
+        config = ds_config(spec)
+        if spec.get("sgd"):
+            config["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
+            config["zero_allow_untested_optimizer"] = True
+        setup_moe(model, {"optimus": {"expert_parallel": {"size": 2}}})
+        try:
+            deepspeed.initialize(model=model, config=config, model_parameters=moe_param_groups(model))
+            messages.append("accepted")
+        except (ConfigError, ShardedOptimizerError) as err:
+            messages.append(str(err))
+    return messages
+
+
+def fp16_direct(rank: int, world: int) -> dict:
+    """fp16 with dynamic loss scaling, the optimizer driven directly (DeepSpeed's CPU accelerator
+    refuses fp16): an infinite loss on one rank at step 3 is skipped everywhere, the scale halves."""
+    from ds_optimus.optim.sharded import LossScaler, ShardedOptimizer
+
+    model = tiny_model()
+    setup_moe(model, {"optimus": {"expert_parallel": {"size": 2}, "moe": {"experts_backend": "looped"}}})
+    model.half()
+    inner = torch.optim.AdamW(moe_param_groups(model, weight_decay=WEIGHT_DECAY), lr=LR, betas=BETAS, eps=1e-4)
+    optimizer = ShardedOptimizer(inner, param_names={p: n for n, p in model.named_parameters()}, stage=2,
+                                 clip_grad=1.0, bucket_size=20000,
+                                 loss_scaler=LossScaler(2.0 ** 10, dynamic=True, window=2, hysteresis=1))
+    losses, scales = {}, {}
+    for step in range(1, 9):
+        ids = chunks(step, world, 1, model.config.vocab_size)[rank]
+        loss = model(input_ids=ids, labels=ids).loss.float()
+        if step == 3 and rank == 1:
+            loss = loss * float("inf")
+        optimizer.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses[step], scales[step] = total.item() / world, optimizer.cur_scale
+    return {"losses": losses, "scales": scales, "skipped": optimizer.skipped_steps,
+            "params": {n: p.detach().float().clone() for n, p in model.named_parameters()}}

@@ -53,6 +53,19 @@ def test_import_needs_neither_deepspeed_nor_triton():
     assert result.stdout.strip().splitlines()[-1] == "[]"
 
 
+@pytest.mark.parametrize("imports", ["import ds_optimus, deepspeed", "import deepspeed, ds_optimus",
+                                     "import ds_optimus.optim.layout; from ds_optimus.optim.sharded import LossScaler"])
+def test_deepspeed_engine_is_hooked_whatever_the_import_order(imports):
+    result = _run(
+        "import warnings; warnings.simplefilter('error', UserWarning)\n"
+        f"{imports}\n"
+        "from deepspeed.runtime.engine import DeepSpeedEngine as E\n"
+        "print(E._configure_zero_optimizer.__module__, E.save_checkpoint.__module__)"
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "ds_optimus.optim.deepspeed_compat ds_optimus.optim.deepspeed_compat"
+
+
 def test_saved_folder_loads_with_remote_code_where_ds_optimus_is_missing(tmp_path):
     model = MulaForCausalLM(MulaConfig.from_preset("mula-tiny-moe", router_bias_update_rate=0.001)).eval()
     folder = tmp_path / "mula"

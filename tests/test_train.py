@@ -185,7 +185,8 @@ def test_shipped_configs_are_valid_for_the_world_size_they_assume(path):
 def test_hf_trainer_example_with_expert_parallelism_through_the_launcher(tmp_path, cache):
     """MulaTrainer (MoE param groups surviving the Trainer's DeepSpeed integration) with EP=2 on
     2 processes: the loss falls and the saved folder holds every expert."""
-    config = tiny_config(tmp_path, cache, expert_parallel={"size": 2}, train={"steps": 12, "warmup_steps": 2})
+    config = tiny_config(tmp_path, cache, expert_parallel={"size": 2}, train={"steps": 12, "warmup_steps": 2},
+                         checkpoint={"interval": 6, "keep_last": 2}, sharded_optimizer={"enabled": True})
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     launcher = Path(sys.executable).with_name("deepspeed")
@@ -195,8 +196,16 @@ def test_hf_trainer_example_with_expert_parallelism_through_the_launcher(tmp_pat
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = Path(config["optimus"]["train"]["output_dir"])
-    losses = json.loads((run / "trainer_summary.json").read_text())["losses"]
+    summary = json.loads((run / "trainer_summary.json").read_text())
+    losses = summary["losses"]
     assert len(losses) == 12 and sum(losses[-3:]) / 3 < losses[0] - 0.5
+    assert summary["optimizer"] == "ShardedOptimizer"  # from the config alone, through accelerate
+    # The Trainer's checkpoints go through engine.save_checkpoint, and its saved models hold all experts.
+    for step in (6, 12):
+        saved = run / "hf-trainer-run" / f"checkpoint-{step}"
+        meta = json.loads((saved / f"global_step{step}" / "meta.json").read_text())
+        assert (meta["world_size"], meta["ep_size"]) == (2, 2)
+        assert json.loads((saved / "config.json").read_text())["num_experts"] == 8
 
     from transformers import AutoModelForCausalLM
 

@@ -119,6 +119,12 @@ def _configure_bf16_optimizer(self, optimizer):
 
 
 def _configure_distributed_model(self, model):
+    from ..config import ConfigError
+
+    settings = sharded_optimizer_settings(self)
+    if settings is not None and int(self.zero_optimization_stage()) not in (1, 2):
+        raise ConfigError("optimus.sharded_optimizer needs zero_optimization.stage 1 or 2, "
+                          f"got {int(self.zero_optimization_stage())}")
     _ORIGINAL["configure"](self, model)
     # Experts sharded by apply_expert_parallel carry DeepSpeed's MoE marks (allreduce=False).
     experts = [m for m in self.module.modules() if hasattr(m, "num_local_experts")
@@ -202,3 +208,7 @@ def load_engine_state(engine, state: dict) -> None:
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
     for name, value in state["counters"].items():
         setattr(engine, name, value)
+
+
+# Importing this module hooks the engine (`import ds_optimus` imports it right after `import deepspeed`).
+install_engine_hook()

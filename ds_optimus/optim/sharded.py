@@ -95,6 +95,7 @@ class _Bucket:
         self.complete = False
         self.work = None
         self.out: torch.Tensor | None = None
+        self.received: torch.Tensor | None = None  # pairwise reduce-scatter: every rank's copy of my shard
         self.direct = False  # the reduce-scatter writes straight into the fp32 shard
 
 
@@ -112,6 +113,9 @@ class _Space:
         self.dtype = params[0].dtype
         self.device = params[0].device
         self.reduce_dtype = reduce_dtype
+        # gloo's reduce_scatter is slower than its all_reduce; a pairwise exchange (all_to_all) and a
+        # local sum moves the same bytes as an ideal reduce-scatter (half an all-reduce's).
+        self.pairwise = dist.get_backend(group) == "gloo"
         numels = [p.numel() for p in params]
         self.buckets: list[_Bucket] = []
         self.bucket_of: dict[int, _Bucket] = {}
@@ -283,8 +287,15 @@ class ShardedOptimizer(ZeROOptimizerBase):
         view = space.grad[bucket.shard_offset:bucket.shard_offset + bucket.shard]
         bucket.direct = space.reduce_dtype == torch.float32 and (self.stage == 1 or self._reduced_this_step == 0)
         bucket.out = view if bucket.direct else torch.empty(bucket.shard, dtype=space.reduce_dtype, device=space.device)
-        bucket.work = dist.reduce_scatter_tensor(bucket.out, bucket.grad, group=space.group,
+        if space.group_size == 1:  # nothing to exchange
+            bucket.received = bucket.grad
+        elif space.pairwise:
+            bucket.received = torch.empty_like(bucket.grad)
+            bucket.work = dist.all_to_all_single(bucket.received, bucket.grad, group=space.group,
                                                  async_op=self.overlap_comm)
+        else:
+            bucket.work = dist.reduce_scatter_tensor(bucket.out, bucket.grad, group=space.group,
+                                                     async_op=self.overlap_comm)
 
     def _finish_reduction(self) -> None:
         """Launch what is left of this micro-step's reduction and wait for all of it."""
@@ -298,6 +309,9 @@ class ShardedOptimizer(ZeROOptimizerBase):
             for bucket in space.buckets:
                 if bucket.work is not None:
                     bucket.work.wait()
+                if bucket.received is not None:
+                    torch.sum(bucket.received.view(space.group_size, bucket.shard), 0, out=bucket.out)
+                    bucket.received = None
                 if not bucket.direct:
                     view = space.grad[bucket.shard_offset:bucket.shard_offset + bucket.shard]
                     if self._reduced_this_step == 0:

@@ -47,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
             learning_rate=optimizer.get("lr", 1e-3), weight_decay=optimizer.get("weight_decay", 0.0),
             adam_beta1=betas[0], adam_beta2=betas[1], adam_epsilon=optimizer.get("eps", 1e-8),
             max_grad_norm=config.get("gradient_clipping", 1.0), lr_scheduler_type="cosine",
-            warmup_steps=opt.train.warmup_steps, logging_steps=1, save_strategy="no", report_to=[],
+            warmup_steps=opt.train.warmup_steps, logging_steps=1, report_to=[],
+            save_strategy="steps" if opt.checkpoint.interval else "no", save_steps=opt.checkpoint.interval or 500,
+            save_total_limit=opt.checkpoint.keep_last, save_only_model=False,
             seed=opt.train.seed, bf16=bool(config.get("bf16", {}).get("enabled", False)),
             use_cpu=not torch.cuda.is_available(), dataloader_drop_last=True, disable_tqdm=False,
         )
@@ -67,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     save_model(trainer, out / "hf-trainer", groups, tokenizer)
     if trainer.is_world_process_zero():
         losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
-        (out / "trainer_summary.json").write_text(json.dumps({"losses": losses}, indent=2))
+        summary = {"losses": losses, "optimizer": type(trainer.model_wrapped.optimizer).__name__}
+        (out / "trainer_summary.json").write_text(json.dumps(summary, indent=2))
         print(f"Trainer: loss {losses[0]:.4f} -> {losses[-1]:.4f}; model saved to {out / 'hf-trainer'}", flush=True)
     return 0
 

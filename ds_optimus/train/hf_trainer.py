@@ -12,9 +12,12 @@ breaks expert parallelism (DeepSpeed needs expert parameters in their own `moe` 
 - `prepare_model(model, ds_config)` applies the `optimus` MoE settings and expert parallelism;
   call it after creating `TrainingArguments` (which initialises torch.distributed).
 
-With expert parallelism, save the model with `save_model(trainer, folder)` on every rank (the
-experts are gathered from their ranks); DeepSpeed's own checkpoints of EP models are refused, so
-use `save_strategy="no"` with expert parallelism for now.
+With `optimus.sharded_optimizer` enabled in the config, DeepSpeed's engine runs ds_optimus' EP-aware
+sharded optimizer (nothing to call: `import ds_optimus` hooks the engine), and the Trainer's
+checkpoints go through it (`checkpoint-N/global_stepN/`, loadable on another layout). With expert
+parallelism, `MulaTrainer.save_model` gathers the experts from their ranks (collective, as the
+Trainer calls it on every rank); DeepSpeed's own optimizers cannot checkpoint an EP model, so use
+the sharded optimizer or `save_strategy="no"` there.
 """
 
 from __future__ import annotations
@@ -28,11 +31,12 @@ from transformers import Trainer
 
 
 def trainer_ds_config(ds_config: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a ds_optimus DeepSpeed config for `TrainingArguments(deepspeed=...)`."""
+    """A copy of a ds_optimus DeepSpeed config for `TrainingArguments(deepspeed=...)` (the `optimus`
+    section stays: DeepSpeed's engine reads `optimus.sharded_optimizer` from it)."""
     from ..config import load_json_config
 
     config = load_json_config(ds_config)
-    for key in ("optimizer", "scheduler", "optimus"):
+    for key in ("optimizer", "scheduler"):
         config.pop(key, None)
     config.update(train_batch_size="auto", train_micro_batch_size_per_gpu="auto",
                   gradient_accumulation_steps="auto", gradient_clipping="auto")
@@ -50,7 +54,17 @@ def prepare_model(model: torch.nn.Module, ds_config: dict[str, Any] | str | Path
 
 
 class MulaTrainer(Trainer):
-    """`transformers.Trainer` whose optimizer keeps expert parameters in DeepSpeed's MoE groups."""
+    """`transformers.Trainer` whose optimizer keeps expert parameters in DeepSpeed's MoE groups and
+    whose saved models hold every expert."""
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        groups = _expert_groups(self.model)
+        if groups is None:
+            return super().save_model(output_dir, _internal_call)
+        from .trainer import export
+
+        export(self.accelerator.unwrap_model(self.model_wrapped), self.processing_class,
+               Path(output_dir or self.args.output_dir), groups)
 
     def create_optimizer(self, model=None):
         from ..parallel.expert_parallel import moe_param_groups
@@ -77,6 +91,16 @@ class PackedSequences(torch.utils.data.Dataset):
 
         ids = sequence(self.tokens, self.seq_len, index)
         return {"input_ids": ids, "labels": ids}
+
+
+def _expert_groups(model: torch.nn.Module):
+    from ..parallel.expert_parallel import is_expert_param
+    from ..parallel.groups import expert_parallel_groups
+
+    for p in model.parameters():
+        if is_expert_param(p):
+            return expert_parallel_groups(p.group_name)
+    return None
 
 
 def save_model(trainer: Trainer, folder: str | Path, groups=None, tokenizer=None) -> None:

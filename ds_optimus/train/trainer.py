@@ -227,7 +227,7 @@ def pretrain(ds_config: dict[str, Any] | str | Path, *, log_every_rank: bool = F
         schedule = warmup_cosine(opt.train.steps, opt.train.warmup_steps, opt.train.min_lr_ratio)
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=moe_param_groups(model, weight_decay=weight_decay), lr_scheduler=schedule,
-        config={k: v for k, v in ds_config.items() if k != "optimus"})
+        config=ds_config)  # the "optimus" section reaches the engine: optimus.sharded_optimizer
     device = engine.device
 
     checkpoints = CheckpointManager(opt.checkpoint.dir or output_dir / "checkpoints", opt.checkpoint.keep_last, groups)

@@ -1,0 +1,179 @@
+"""The EP-aware sharded optimizer: layouts, agreement with a single-process AdamW reference and with
+DeepSpeed's ZeRO, checkpoints resumed on other layouts, mixed precision, guards and errors."""
+
+from __future__ import annotations
+
+import json
+
+import optim_workers as W
+import pytest
+import torch
+from distributed import run_distributed
+
+from ds_optimus.optim.layout import chunked_runs, flat_runs, merge_copies, padding, split_buckets
+
+WORLD = 4
+
+
+def _covered(runs, numels):
+    seen = [torch.zeros(n, dtype=torch.int) for n in numels]
+    for r in runs:
+        seen[r.param][r.start:r.start + r.length] += 1
+    return seen
+
+
+@pytest.mark.parametrize("make", [flat_runs, chunked_runs])
+@pytest.mark.parametrize("numels,group", [([10, 3, 7], 4), ([1], 3), ([12, 12], 2), ([5, 100, 1, 64], 8)])
+def test_layouts_hold_every_element_exactly_once_in_equal_shards(make, numels, group):
+    runs, size = make(numels, group)
+    assert size % group == 0
+    assert all((s == 1).all() for s in _covered(runs, numels))
+    shard = size // group
+    for r in runs:  # a run lies inside its owner's shard
+        assert r.owner * shard <= r.offset and r.offset + r.length <= (r.owner + 1) * shard
+    holes = sum(n for _, n in padding(runs, size))
+    assert holes == size - sum(numels)
+    assert sum(n for copies in merge_copies(runs).values() for _, _, n in copies) == sum(numels)
+
+
+def test_chunked_layout_gives_each_rank_whole_experts():
+    local_experts, rows = 8, 6  # a stacked [8, 6] expert weight and a [8, 3] one, over 4 EDP ranks
+    runs, _ = chunked_runs([local_experts * rows, local_experts * 3], 4)
+    for r in runs:
+        per_expert = rows if r.param == 0 else 3
+        assert r.start % per_expert == 0 and r.length == 2 * per_expert  # two whole experts each
+
+
+def test_buckets_close_at_their_size_and_never_split_a_parameter():
+    assert split_buckets([5, 5, 5, 20, 1], 10) == [[0, 1], [2, 3], [4]]
+
+
+def _rel(a: dict, b: dict) -> float:
+    return max(abs(a[k] - b[k]) / abs(b[k]) for k in b)
+
+
+SPECS = {
+    "EP=2 ZeRO-2": dict(ep=2, stage=2, micro=1, gas=1),
+    "EP=4 ZeRO-2": dict(ep=4, stage=2, micro=1, gas=1),
+    "EP=2 ZeRO-1, accumulation 2, clipping": dict(ep=2, stage=1, micro=1, gas=2, clip=0.5),
+    "EP=4 ZeRO-2, accumulation 2, clipping, small buckets": dict(ep=4, stage=2, micro=1, gas=2, clip=0.5, bucket=3000),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SPECS))
+def test_tracks_a_single_process_adamw_reference(name):
+    """4 processes, 20 steps: the per-step global loss and the gradient norm agree with one process
+    running torch AdamW on the whole batch (losses within 1e-5 relative in float32)."""
+    spec = dict(SPECS[name], sharded=True, steps=20)
+    ours = run_distributed(W.train, WORLD, spec)
+    ref = W.reference(spec, WORLD)
+    assert {r["optimizer"] for r in ours} == {"ShardedOptimizer"}
+    assert ref["losses"][20] < ref["losses"][1] - 0.5  # the run learns: the comparison means something
+    assert _rel(ours[0]["losses"], ref["losses"]) < 1e-5
+    assert _rel(ours[0]["norms"], ref["norms"]) < 1e-4
+    for r in ours[1:]:  # dense weights agree on every rank
+        for n, p in r["params"].items():
+            if "experts" not in n:
+                assert torch.equal(p, ours[0]["params"][n]), n
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2])
+def test_tracks_deepspeed_zero_with_moe_param_groups(stage):
+    spec = dict(ep=2, stage=stage, micro=1, gas=2, clip=0.5, steps=20)
+    ours = run_distributed(W.train, WORLD, dict(spec, sharded=True))[0]
+    theirs = run_distributed(W.train, WORLD, dict(spec, sharded=False))[0]
+    assert theirs["optimizer"] == "DeepSpeedZeroOptimizer"
+    assert _rel(ours["losses"], theirs["losses"]) < 1e-5
+    norms = {k: float(v) for k, v in theirs["norms"].items()}
+    assert _rel(ours["norms"], norms) < 1e-4
+
+
+@pytest.mark.slow
+def test_checkpoint_resumes_on_other_layouts(tmp_path):
+    """Saved by 4 ranks at EP=2 (ZeRO-2) at step 5; resumed by 2 ranks at EP=2 (twice the
+    accumulation), by 4 ranks at EP=4 in ZeRO-1 mode, and by 1 process: steps 6-10 give the losses of
+    the run that never stopped."""
+    save = tmp_path / "ckpt"
+    full = run_distributed(W.train, WORLD, dict(ep=2, stage=2, sharded=True, micro=1, gas=1, steps=10,
+                                                save_at=5, save_dir=str(save)))[0]["losses"]
+    assert (save / "latest").read_text() == "global_step5"
+    meta = json.loads((save / "global_step5" / "meta.json").read_text())
+    assert (meta["world_size"], meta["ep_size"]) == (4, 2)
+    assert {"model_dense.pt", "model_experts_ep000.pt", "model_experts_ep001.pt", "optim_rank00003.pt",
+            "engine.pt"} <= set(meta["files"])
+    for world, spec in [(4, dict(ep=2, stage=2, gas=1)), (2, dict(ep=2, stage=2, gas=2)),
+                        (4, dict(ep=4, stage=1, gas=1)), (1, dict(ep=1, stage=2, gas=4))]:
+        resumed = run_distributed(W.train, world, dict(spec, sharded=True, micro=1, steps=10, load=str(save)))
+        losses = resumed[0]["losses"]
+        assert sorted(losses) == [6, 7, 8, 9, 10]
+        assert _rel(losses, {k: full[k] for k in losses}) < 1e-6, (world, spec)
+
+
+@pytest.mark.slow
+def test_optimizer_state_is_sharded_exactly():
+    """fp32 master + two moments: dense elements split over 4 ranks, expert elements over the EDP
+    group of 2 (EP=2), and nothing else."""
+    ours = run_distributed(W.train, WORLD, dict(ep=2, stage=2, sharded=True, micro=1, gas=1, steps=1))
+    model = W.tiny_model()
+    expert = sum(p.numel() for n, p in model.named_parameters() if "experts" in n)
+    dense = sum(p.numel() for p in model.parameters()) - expert
+    per_rank = [r["state_bytes"]["optimizer_state"] for r in ours]
+    assert sum(per_rank) == 12 * (dense + expert)  # every element once, no padding at these sizes
+    assert max(per_rank) - min(per_rank) <= 12 * 64  # balanced up to a few rows
+    assert all(r["state_bytes"]["gradient_buckets"] == 0 for r in ours)  # ZeRO-2 keeps no full buckets
+
+
+@pytest.mark.slow
+def test_bf16_weights_with_fp32_master_track_fp32():
+    spec = dict(ep=2, stage=2, sharded=True, micro=1, gas=1, steps=10)
+    fp32 = run_distributed(W.train, WORLD, spec)[0]["losses"]
+    bf16 = run_distributed(W.train, WORLD, dict(spec, dtype="bf16"))
+    assert {r["optimizer"] for r in bf16} == {"ShardedOptimizer"}
+    losses = bf16[0]["losses"]
+    assert _rel(losses, fp32) < 2e-2 and losses[10] < losses[1] - 0.3
+
+
+@pytest.mark.slow
+def test_fp16_overflow_is_skipped_on_every_rank_and_the_scale_halves():
+    runs = run_distributed(W.fp16_direct, 2)
+    assert [r["skipped"] for r in runs] == [1, 1]
+    scales = runs[0]["scales"]
+    assert scales[3] == scales[2] / 2 and scales[8] > scales[3]  # halved at the overflow, grown after
+    assert runs[0]["losses"][8] < runs[0]["losses"][1]
+    for n, p in runs[1]["params"].items():
+        assert torch.isfinite(p).all(), n
+        if "experts" not in n:
+            assert torch.equal(p, runs[0]["params"][n]), n
+
+
+def test_loss_scaler_window_and_hysteresis():
+    from ds_optimus.optim.sharded import LossScaler
+
+    scaler = LossScaler(2.0 ** 8, dynamic=True, window=3, hysteresis=2)
+    for overflow, expected in [(False, 256), (True, 256), (True, 128), (False, 128), (False, 128), (False, 256)]:
+        scaler.update(overflow)
+        assert scaler.cur_scale == expected
+    static = LossScaler(4.0)
+    static.update(True)
+    assert static.cur_scale == 4.0 and static.scale_loss(torch.tensor(2.0)).item() == 8.0
+
+
+@pytest.mark.slow
+def test_a_non_finite_gradient_skips_the_step_on_every_rank():
+    spec = dict(ep=2, stage=1, sharded=True, micro=1, gas=2, steps=6, nan_at=3, nan_rank=2)
+    runs = run_distributed(W.train, WORLD, spec)
+    assert [r["skipped_steps"] for r in runs] == [1] * WORLD
+    assert all(torch.isfinite(p).all() for r in runs for p in r["params"].values())
+
+
+@pytest.mark.slow
+def test_bad_settings_are_one_line_errors():
+    errors = run_distributed(W.bad_settings, 2)
+    assert errors[0] == errors[1]
+    stage0, stage3, sgd, bucket = errors[0]
+    assert stage0 == "optimus.sharded_optimizer needs zero_optimization.stage 1 or 2, got 0"
+    assert stage3 == "optimus.sharded_optimizer needs zero_optimization.stage 1 or 2, got 3"
+    assert sgd == "the sharded optimizer runs Adam or AdamW; the config's optimizer is SGD"
+    assert bucket.startswith("optimus.sharded_optimizer.bucket_size must be a positive integer")
