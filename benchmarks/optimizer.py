@@ -40,13 +40,14 @@ SHAPE = dict(vocab_size=2048, hidden_size=256, num_hidden_layers=4, num_attentio
              intermediate_size=512, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=256,
              max_position_embeddings=512, pad_token_id=0, eos_token_id=1)
 MICRO, SEQ = 2, 64
-CONTESTANTS = {"ours_zero2": (True, 2), "ours_zero1": (True, 1), "deepspeed_zero2": (False, 2),
-               "deepspeed_zero1": (False, 1)}
+# name: (sharded optimizer, ZeRO stage, overlap_comm of the sharded optimizer; None: its default)
+CONTESTANTS = {"ours_zero2": (True, 2, None), "ours_zero2_overlap": (True, 2, True), "ours_zero1": (True, 1, None),
+               "deepspeed_zero2": (False, 2, None), "deepspeed_zero1": (False, 1, None)}
 COLLECTIVES = ("all_reduce", "reduce", "reduce_scatter_tensor", "reduce_scatter", "all_gather_into_tensor",
                "all_gather", "broadcast", "all_to_all_single", "all_to_all")
 
 
-def ds_config(sharded: bool, stage: int) -> dict:
+def ds_config(sharded: bool, stage: int, overlap: bool | None = None) -> dict:
     return {
         "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
         "steps_per_print": 10**9,
@@ -54,7 +55,7 @@ def ds_config(sharded: bool, stage: int) -> dict:
                                                   "torch_adam": True}},
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 5_000_000, "allgather_bucket_size": 5_000_000},
         "optimus": {"expert_parallel": {"size": EP}, "moe": {"experts_backend": "looped"},
-                    "sharded_optimizer": {"enabled": sharded, "bucket_size": 5_000_000}},
+                    "sharded_optimizer": {"enabled": sharded, "bucket_size": 5_000_000, "overlap_comm": overlap}},
     }
 
 
@@ -130,9 +131,12 @@ def try_autoep() -> str:
     model = build_model()
     config = ds_config(False, 2)
     config.pop("optimus")
-    config["expert_parallel"] = {"enabled": True, "autoep_size": EP, "preset_model": "olmoe"}
+    # qwen3_moe: the preset whose stacked experts (gate_up_proj [E, 2I, H], down_proj) match Mula's
+    config["expert_parallel"] = {"enabled": True, "autoep_size": EP, "preset_model": "qwen3_moe"}
     try:
-        deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        ids = torch.randint(2, SHAPE["vocab_size"], (MICRO, SEQ))
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
     except Exception as err:  # the outcome is the figure here
         return f"refused: {type(err).__name__}: {str(err).splitlines()[0][:300]}"
     return "accepted"
@@ -149,9 +153,9 @@ def worker(rank: int, port: int, out: str, rounds: int, warmup: int) -> None:
     from ds_optimus.parallel import moe_param_groups, setup_moe
 
     engines = {}
-    for name, (sharded, stage) in CONTESTANTS.items():
+    for name, (sharded, stage, overlap) in CONTESTANTS.items():
         model = build_model()
-        config = ds_config(sharded, stage)
+        config = ds_config(sharded, stage, overlap)
         setup_moe(model, config)
         engines[name], *_ = deepspeed.initialize(model=model, config=config,
                                                  model_parameters=moe_param_groups(model, weight_decay=0.1))
@@ -191,7 +195,10 @@ def worker(rank: int, port: int, out: str, rounds: int, warmup: int) -> None:
             b, s = run_engine(engine)
             times[name]["backward_engine"].append(b)
             times[name]["step"].append(s)
-    messages = {}
+    counter.active = True
+    run_plain()  # the MoE dispatch alone, the same in every contestant: subtracted below
+    counter.active = False
+    messages = {"plain": counter.take()}
     for name, engine in engines.items():
         counter.active = True
         run_engine(engine)
@@ -205,7 +212,7 @@ def worker(rank: int, port: int, out: str, rounds: int, warmup: int) -> None:
                            "gradient_buffers": b["gradient_shard"] + b["gradient_buckets"]}
         else:
             state[name] = deepspeed_state_bytes(engine)
-    autoep = try_autoep() if rank == 0 else None
+    autoep = try_autoep()  # collective: every rank tries
     torch.save({"times": times, "messages": messages, "state": state, "autoep": autoep,
                 "params": sum(p.numel() for p in plain.parameters())}, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
@@ -230,9 +237,10 @@ def main() -> None:
         engine_bwd, step = statistics.median(t["backward_engine"]), statistics.median(t["step"])
         per_round = [b + s - p for b, s, p in zip(t["backward_engine"], t["step"], zero["times"]["plain"]["backward"],
                                                    strict=True)]
-        msgs = zero["messages"][name]
-        comm = {k: v for k, v in msgs["calls"].items() if not k.startswith("all_to_all")}
-        comm_bytes = {k: v for k, v in msgs["bytes"].items() if not k.startswith("all_to_all")}
+        msgs, moe = zero["messages"][name], zero["messages"]["plain"]
+        comm = {k: v - moe["calls"].get(k, 0) for k, v in msgs["calls"].items()}
+        comm = {k: v for k, v in comm.items() if v}
+        comm_bytes = {k: msgs["bytes"][k] - moe["bytes"].get(k, 0) for k in comm}
         rows[name] = {
             "backward_s": backward, "reduction_s": engine_bwd - backward, "update_s": step,
             "reduction_plus_update_s": statistics.median(per_round),

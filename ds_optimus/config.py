@@ -13,7 +13,7 @@ validated up front. An unknown key or a bad value is a one-line `ConfigError` na
       "checkpoint": {"interval": 0, "keep_last": 2, "dir": null, "resume": true},
       "wandb": {"mode": null, "project": "ds_optimus", "name": null, "entity": null},
       "sharded_optimizer": {"enabled": false, "bucket_size": 50000000, "reduce_dtype": null,
-                            "overlap_comm": true}
+                            "overlap_comm": null}
     }
 
 Every section and key is optional; the defaults are above (`mode: null` means online when
@@ -165,7 +165,9 @@ class ShardedOptimizerConfig:
     enabled: bool = False
     bucket_size: int = 50_000_000  # elements per reduce-scatter / all-gather bucket
     reduce_dtype: str | None = None  # fp32 | bf16 | fp16; null: DeepSpeed's grad accumulation dtype
-    overlap_comm: bool = True  # reduce buckets while the backward pass goes on
+    # reduce buckets while the backward pass goes on; null: yes, except on gloo (CPU), where the
+    # collectives' threads compete with the backward pass for the same cores
+    overlap_comm: bool | None = None
 
     def check(self, where: str) -> None:
         _need(isinstance(self.enabled, bool), f"{where}.enabled must be true or false, got {self.enabled!r}")
@@ -173,8 +175,8 @@ class ShardedOptimizerConfig:
               f"{where}.bucket_size must be a positive integer, got {self.bucket_size!r}")
         _need(self.reduce_dtype in (None, "fp32", "bf16", "fp16"),
               f"{where}.reduce_dtype must be fp32, bf16, fp16 or null, got {self.reduce_dtype!r}")
-        _need(isinstance(self.overlap_comm, bool),
-              f"{where}.overlap_comm must be true or false, got {self.overlap_comm!r}")
+        _need(self.overlap_comm is None or isinstance(self.overlap_comm, bool),
+              f"{where}.overlap_comm must be true, false or null, got {self.overlap_comm!r}")
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,9 @@ def ds_config(spec: dict) -> dict:
                     "sharded_optimizer": {"enabled": spec["sharded"], "bucket_size": spec.get("bucket", 20000),
                                           **spec.get("sharded_options", {})}},
     }
+    if spec.get("scheduler"):  # the learning rate changes every step: it must come back with a checkpoint
+        config["scheduler"] = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR,
+                                                                   "warmup_num_steps": 3, "total_num_steps": 12}}
     if spec.get("dtype") == "bf16":
         config["bf16"] = {"enabled": True}
     if spec.get("dtype") == "fp16":
@@ -64,11 +67,12 @@ def train(rank: int, world: int, spec: dict) -> dict:
     if spec.get("load"):
         path, client = engine.load_checkpoint(spec["load"])
         start = client["step"]
-    losses, norms = {}, {}
+    losses, norms, lrs = {}, {}, {}
     vocab = model.config.vocab_size
     for step in range(start + 1, spec["steps"] + 1):
         batches = chunks(step, world * spec["gas"], spec["micro"], vocab)
         total = torch.zeros(())
+        lrs[step] = engine.get_lr()[0]
         for a in range(spec["gas"]):
             ids = batches[a * world + rank]
             loss = engine(input_ids=ids, labels=ids).loss
@@ -82,7 +86,7 @@ def train(rank: int, world: int, spec: dict) -> dict:
         norms[step] = engine.get_global_grad_norm()
         if spec.get("save_at") == step:
             engine.save_checkpoint(spec["save_dir"], client_state={"step": step})
-    result = {"losses": losses, "norms": norms, "optimizer": type(engine.optimizer).__name__,
+    result = {"losses": losses, "norms": norms, "lrs": lrs, "optimizer": type(engine.optimizer).__name__,
               "skipped_steps": engine.skipped_steps}
     if hasattr(engine.optimizer, "state_bytes"):
         result["state_bytes"] = engine.optimizer.state_bytes()

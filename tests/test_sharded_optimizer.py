@@ -94,9 +94,9 @@ def test_tracks_deepspeed_zero_with_moe_param_groups(stage):
 def test_checkpoint_resumes_on_other_layouts(tmp_path):
     """Saved by 4 ranks at EP=2 (ZeRO-2) at step 5; resumed by 2 ranks at EP=2 (twice the
     accumulation), by 4 ranks at EP=4 in ZeRO-1 mode, and by 1 process: steps 6-10 give the losses of
-    the run that never stopped."""
+    the run that never stopped (with an LR schedule that changes the rate every step)."""
     save = tmp_path / "ckpt"
-    full = run_distributed(W.train, WORLD, dict(ep=2, stage=2, sharded=True, micro=1, gas=1, steps=10,
+    full = run_distributed(W.train, WORLD, dict(ep=2, stage=2, sharded=True, micro=1, gas=1, steps=10, scheduler=True,
                                                 save_at=5, save_dir=str(save)))[0]["losses"]
     assert (save / "latest").read_text() == "global_step5"
     meta = json.loads((save / "global_step5" / "meta.json").read_text())
@@ -105,7 +105,8 @@ def test_checkpoint_resumes_on_other_layouts(tmp_path):
             "engine.pt"} <= set(meta["files"])
     for world, spec in [(4, dict(ep=2, stage=2, gas=1)), (2, dict(ep=2, stage=2, gas=2)),
                         (4, dict(ep=4, stage=1, gas=1)), (1, dict(ep=1, stage=2, gas=4))]:
-        resumed = run_distributed(W.train, world, dict(spec, sharded=True, micro=1, steps=10, load=str(save)))
+        resumed = run_distributed(W.train, world, dict(spec, sharded=True, micro=1, steps=10, scheduler=True,
+                                                       load=str(save)))
         losses = resumed[0]["losses"]
         assert sorted(losses) == [6, 7, 8, 9, 10]
         assert _rel(losses, {k: full[k] for k in losses}) < 1e-6, (world, spec)

@@ -48,7 +48,9 @@ def _losses(summary: dict) -> list[float]:
 @pytest.mark.parametrize("world,ep,zero", [(1, 1, 0), (2, 2, 1), (2, 1, 2)],
                          ids=["1proc", "2proc-ep2-zero1", "2proc-zero2"])
 def test_stopped_and_resumed_run_has_the_same_losses_bitwise(tmp_path, cache, world, ep, zero):
-    whole = tiny_config(tmp_path / "whole", cache, expert_parallel={"size": ep})
+    # stage 0 takes DeepSpeed's own optimizer (and the per-rank checkpoint format); 1 and 2 the sharded one
+    whole = tiny_config(tmp_path / "whole", cache, expert_parallel={"size": ep},
+                        sharded_optimizer={"enabled": zero > 0})
     whole["zero_optimization"] = {"stage": zero}
     straight = run_distributed(pretrain_worker, world, whole)[0]
 
@@ -69,6 +71,26 @@ def test_stopped_and_resumed_run_has_the_same_losses_bitwise(tmp_path, cache, wo
 
 
 @pytest.mark.slow
+def test_run_with_the_sharded_optimizer_resumes_on_another_layout(tmp_path, cache):
+    """Stopped at step 4 by 2 processes at EP=2, resumed by 1 process with twice the accumulation
+    (the same global batch): steps 5-8 give the losses of the run that never stopped."""
+    whole = tiny_config(tmp_path / "whole", cache, expert_parallel={"size": 2})
+    straight = run_distributed(pretrain_worker, 2, whole)[0]
+    parts = copy.deepcopy(whole)
+    parts["optimus"]["train"]["output_dir"] = str(tmp_path / "parts" / "run")
+    parts["optimus"]["train"]["stop_after_steps"] = 4
+    first = run_distributed(pretrain_worker, 2, parts)[0]
+    one = copy.deepcopy(parts)
+    one["optimus"]["expert_parallel"] = {"size": 1}
+    one["optimus"]["train"]["stop_after_steps"] = None
+    one["gradient_accumulation_steps"] = 2
+    second = run_distributed(pretrain_worker, 1, one)[0]
+    assert (first["start_step"], second["start_step"]) == (0, 4) and second["finished"]
+    expected, got = _losses(straight)[4:], _losses(second)
+    assert len(got) == 4 and max(abs(a - b) / b for a, b in zip(got, expected, strict=True)) < 1e-5
+
+
+@pytest.mark.slow
 def test_checkpoints_metrics_wandb_and_export(tmp_path, cache):
     config = tiny_config(tmp_path, cache, train={"steps": 8, "peak_tflops": 0.05, "sample_tokens": 8},
                          checkpoint={"interval": 2, "keep_last": 2}, wandb={"mode": "offline"},
@@ -80,7 +102,8 @@ def test_checkpoints_metrics_wandb_and_export(tmp_path, cache):
     assert checkpoints == ["step_00000006", "step_00000008"]  # keep_last 2, nothing half-written
     meta = json.loads((run / "checkpoints" / "step_00000008" / "meta.json").read_text())
     assert meta["world_size"] == 2 and meta["ep_size"] == 2
-    assert set(meta["files"]) == {"model.pt", "experts_ep000.pt", "experts_ep001.pt", "rank00000.pt", "rank00001.pt"}
+    assert {"model_dense.pt", "model_experts_ep000.pt", "model_experts_ep001.pt", "optim_rank00000.pt",
+            "optim_rank00001.pt", "client_rank00001.pt", "engine.pt"} <= set(meta["files"])
 
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
@@ -121,6 +144,7 @@ def test_bad_input_fails_with_one_line(tmp_path, cache):
         (good, ["zero_optimization.stage=3"], "zero_optimization.stage 3 is not supported"),
         (good, [f"optimus.train.output_dir=\"{tmp_path}/old\"", "optimus.checkpoint.resume=false"],
          "checkpoint.resume is false but"),
+        (good, [f"optimus.train.output_dir=\"{tmp_path}/old\""], "was saved without the sharded optimizer; set"),
         ({k: v for k, v in good.items() if k != "optimizer"}, [], "needs an optimizer section"),
     ]
     old_checkpoint = tmp_path / "old" / "checkpoints" / "step_00000004"

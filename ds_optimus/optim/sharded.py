@@ -155,7 +155,7 @@ class ShardedOptimizer(ZeROOptimizerBase):
 
     def __init__(self, init_optimizer, *, param_names: dict[torch.nn.Parameter, str], stage: int,
                  dense_group=None, clip_grad: float = 0.0, bucket_size: int = 50_000_000,
-                 reduce_dtype: torch.dtype | None = None, overlap_comm: bool = True,
+                 reduce_dtype: torch.dtype | None = None, overlap_comm: bool | None = None,
                  loss_scaler: LossScaler | None = None) -> None:
         super().__init__()
         if stage not in (1, 2):
@@ -167,10 +167,12 @@ class ShardedOptimizer(ZeROOptimizerBase):
             raise ShardedOptimizerError("the sharded optimizer does not implement amsgrad")
         self.stage = stage
         self.clip_grad = float(clip_grad or 0.0)
-        self.overlap_comm = overlap_comm
         self.dense_group = dense_group if dense_group is not None else dist.group.WORLD
         self.dp_process_group = self.dense_group  # what DeepSpeed's engine reads
         self.world_size = dist.get_world_size(group=self.dense_group)
+        if overlap_comm is None:  # on gloo the collectives' threads would share the backward pass's cores
+            overlap_comm = dist.get_backend(self.dense_group) != "gloo"
+        self.overlap_comm = overlap_comm
         self.loss_scaler = loss_scaler
         self.dynamic_loss_scale = bool(loss_scaler and loss_scaler.dynamic)
         self.custom_loss_scaler = False
@@ -457,13 +459,14 @@ class ShardedOptimizer(ZeROOptimizerBase):
     def load_state_dict(self, state_dict, load_optimizer_states: bool = True, **kwargs) -> None:
         """Load one state dict of `state_dict()` (this rank's, same layout) or a list of all ranks'
         (any layout)."""
-        sources = state_dict if isinstance(state_dict, (list, tuple)) else [state_dict]
+        sources = list(state_dict) if isinstance(state_dict, (list, tuple)) else [state_dict]
         self.load_shards(sources)
 
     @torch.no_grad()
     def load_shards(self, sources: Iterable[dict[str, Any]]) -> None:
         """Fill this rank's shard from the `state_dict()`s of a run on any layout (every rank's, or
         at least those holding this rank's elements), then set the parameters from it."""
+        sources = list(sources)
         wanted: dict[str, list[tuple[int, int, _Space, int]]] = {}
         for space in self.spaces:
             for i, start, length, pos in space.own_runs():
@@ -493,7 +496,24 @@ class ShardedOptimizer(ZeROOptimizerBase):
                                         f"(and {len(missing) - 1} more); was the model changed?")
         if step is not None:
             self._step.fill_(step)
+        if sources and sources[0].get("param_groups"):
+            self._restore_hyperparameters(sources[0]["param_groups"])
         self._gather_params()
+
+    def _restore_hyperparameters(self, saved_groups: list[dict[str, Any]]) -> None:
+        """As torch's `load_state_dict` does, bring back the param groups' hyper-parameters (the
+        learning rate an LR scheduler last set, ...): matched by group name, else by position; a
+        group the checkpoint lacks (e.g. the expert group of an EP run resuming a run without EP)
+        takes the learning rate of the first saved group."""
+        by_name = {g.get("name"): g for g in saved_groups if g.get("name") is not None}
+        for i, group in enumerate(self.param_groups):
+            saved = by_name.get(group.get("name"))
+            if saved is None and len(saved_groups) == len(self.param_groups) and not by_name:
+                saved = saved_groups[i]
+            if saved is not None:
+                group.update({k: v for k, v in saved.items() if k != "params"})
+            else:
+                group.update({k: saved_groups[0][k] for k in ("lr", "initial_lr") if k in saved_groups[0]})
 
     def refresh_master_from_params(self) -> None:
         """Set the fp32 master shard from the current parameters (after loading weights only)."""

@@ -14,6 +14,11 @@ Every file is written under a temporary name and renamed; the folder itself is a
 are removed by the next save). A crash at any point leaves either the previous checkpoints or a
 complete new one, never a folder that looks complete and is not. Loading needs the same world
 size and EP size as saving.
+
+With the EP-aware sharded optimizer (`optimus.sharded_optimizer`), a checkpoint is instead the
+engine's own (`ds_optimus.optim.checkpointing`: weights and optimizer state named by parameter and
+element range, not by rank), with the RNG states and the caller's extra state as client state; it
+resumes on any world size and EP size.
 """
 
 from __future__ import annotations
@@ -77,6 +82,12 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _sharded(engine) -> bool:
+    from ..optim.sharded import ShardedOptimizer
+
+    return isinstance(engine.optimizer, ShardedOptimizer)
+
+
 class CheckpointManager:
     """Save and find checkpoints of `engine` (whose module may be expert-parallel) in `directory`."""
 
@@ -131,8 +142,16 @@ class CheckpointManager:
         if self.rank == 0:
             for stale in self.directory.glob(f"{STEP_PREFIX}*.tmp"):  # left by a crash mid-save
                 shutil.rmtree(stale, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            if not _sharded(engine):
+                tmp.mkdir(parents=True)
         _barrier()
+        if _sharded(engine):
+            from ..optim import checkpointing
+
+            checkpointing.save_checkpoint(engine, self.directory, tag=final.name, save_latest=False,
+                                          client_state={"rng": rng_state(), "extra": extra or {}})
+            self._prune()
+            return final
         state = model.state_dict()
         experts = self._expert_names(model)
         if self.rank == 0:
@@ -148,10 +167,14 @@ class CheckpointManager:
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
+        self._prune()
+        return final
+
+    def _prune(self) -> None:
+        if self.rank == 0:
             for old in self.complete()[:-self.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
         _barrier()
-        return final
 
     # -- loading ----------------------------------------------------------------------------------
 
@@ -165,6 +188,20 @@ class CheckpointManager:
             meta = json.loads((path / "meta.json").read_text())
         except (OSError, json.JSONDecodeError) as err:
             raise CheckpointError(f"{path} is not a complete checkpoint ({err})") from None
+        engine_format = meta.get("format", "").startswith("ds_optimus.checkpoint/")
+        if engine_format != _sharded(engine):
+            raise CheckpointError(f"{path} was saved {'with' if engine_format else 'without'} the sharded optimizer; "
+                                  f"set optimus.sharded_optimizer.enabled to {str(engine_format).lower()} to resume it")
+        if engine_format:
+            from ..optim import checkpointing
+
+            try:
+                _, client = checkpointing.load_checkpoint(engine, self.directory, tag=path.name)
+            except checkpointing.CheckpointLoadError as err:
+                raise CheckpointError(str(err)) from None
+            if meta["world_size"] == self.world_size:  # on another layout the generators stay as seeded
+                set_rng_state(client["rng"])
+            return int(path.name[len(STEP_PREFIX):]), client["extra"]
         if (meta["world_size"], meta["ep_size"]) != (self.world_size, self.ep_size):
             raise CheckpointError(
                 f"{path} was saved by {meta['world_size']} ranks at EP {meta['ep_size']}; this run has "
