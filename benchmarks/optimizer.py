@@ -43,8 +43,9 @@ MICRO, SEQ = 2, 64
 # name: (sharded optimizer, ZeRO stage, overlap_comm of the sharded optimizer; None: its default)
 CONTESTANTS = {"ours_zero2": (True, 2, None), "ours_zero2_overlap": (True, 2, True), "ours_zero1": (True, 1, None),
                "deepspeed_zero2": (False, 2, None), "deepspeed_zero1": (False, 1, None)}
-COLLECTIVES = ("all_reduce", "reduce", "reduce_scatter_tensor", "reduce_scatter", "all_gather_into_tensor",
-               "all_gather", "broadcast", "all_to_all_single", "all_to_all")
+COLLECTIVES = ("all_reduce", "reduce", "reduce_scatter_tensor", "reduce_scatter", "reduce_scatter_single",
+               "all_gather_into_tensor", "all_gather", "all_gather_single", "broadcast", "all_to_all_single",
+               "all_to_all")
 
 
 def ds_config(sharded: bool, stage: int, overlap: bool | None = None) -> dict:
@@ -89,7 +90,8 @@ class Counter:
                 values = list(args) + list(kwargs.values())
                 tensors = [a for a in values if isinstance(a, torch.Tensor)]
                 lists = [a for a in values if isinstance(a, list)]
-                if name in ("all_gather_into_tensor", "reduce_scatter_tensor") and len(tensors) >= 2:
+                if name.endswith(("_into_tensor", "_tensor", "_single")) and name != "all_to_all_single" \
+                        and len(tensors) >= 2:
                     size = tensors[1].numel() * tensors[1].element_size()  # (output, input)
                 elif tensors:
                     size = tensors[0].numel() * tensors[0].element_size()

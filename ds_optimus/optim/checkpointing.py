@@ -144,7 +144,9 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
     if not load_module_only:
         saved = torch.load(path / "engine.pt", map_location="cpu", weights_only=False)
         if load_lr_scheduler_states and saved["lr_scheduler"] is not None and engine.lr_scheduler is not None:
-            engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
+            first = torch.load(path / "optim_rank00000.pt", map_location="cpu", weights_only=False, mmap=True)
+            engine.lr_scheduler.load_state_dict(
+                _fit_scheduler_state(saved["lr_scheduler"], first["param_groups"], optimizer.param_groups))
         for key, value in saved["counters"].items():
             setattr(engine, key, value)
         engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
@@ -183,3 +185,19 @@ def _expert_weights(engine, path: Path, meta: dict, dense: dict[str, torch.Tenso
                 pieces.append(files[q][name][a - q * per:b - q * per])
         out[name] = torch.cat(pieces).clone()
     return out
+
+
+def _fit_scheduler_state(state, saved_groups: list[dict], groups: list[dict]):
+    """A torch LR scheduler's state keeps one value per param group (`base_lrs`, `_last_lr`); on a
+    layout with other groups (an EP run has an expert group, a run without EP none) each group
+    takes the value of the saved group of its name, or of the first."""
+    if not isinstance(state, dict) or len(saved_groups) == len(groups):
+        return state
+    names = [g.get("name") for g in saved_groups]
+    source = [names.index(g.get("name")) if g.get("name") in names else 0 for g in groups]
+    state = dict(state)
+    for key in ("base_lrs", "_last_lr", "lr_lambdas"):
+        values = state.get(key)
+        if isinstance(values, list) and len(values) == len(saved_groups):
+            state[key] = [values[i] for i in source]
+    return state

@@ -296,8 +296,8 @@ class ShardedOptimizer(ZeROOptimizerBase):
             bucket.work = dist.all_to_all_single(bucket.received, bucket.grad, group=space.group,
                                                  async_op=self.overlap_comm)
         else:
-            bucket.work = dist.reduce_scatter_tensor(bucket.out, bucket.grad, group=space.group,
-                                                     async_op=self.overlap_comm)
+            bucket.work = _collective("reduce_scatter")(bucket.out, bucket.grad, group=space.group,
+                                                        async_op=self.overlap_comm)
 
     def _finish_reduction(self) -> None:
         """Launch what is left of this micro-step's reduction and wait for all of it."""
@@ -414,7 +414,7 @@ class ShardedOptimizer(ZeROOptimizerBase):
                 buf = torch.empty(bucket.size, dtype=space.dtype, device=space.device)
                 own = buf[space.rank * bucket.shard:(space.rank + 1) * bucket.shard]
                 own.copy_(space.master[bucket.shard_offset:bucket.shard_offset + bucket.shard])
-                work = dist.all_gather_into_tensor(buf, own, group=space.group, async_op=True)
+                work = _collective("all_gather")(buf, own, group=space.group, async_op=True)
                 pending.append((space, bucket, buf, work))
                 if len(pending) > 1:
                     self._scatter_into_params(*pending.pop(0))
@@ -526,6 +526,13 @@ class ShardedOptimizer(ZeROOptimizerBase):
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+
+
+def _collective(kind: str):
+    """torch.distributed's single-tensor reduce-scatter / all-gather (`*_single` from PyTorch 2.13,
+    `*_tensor` before), looked up at call time."""
+    fallback = {"reduce_scatter": "reduce_scatter_tensor", "all_gather": "all_gather_into_tensor"}[kind]
+    return getattr(dist, f"{kind}_single", None) or getattr(dist, fallback)
 
 
 def _adam_kind(optimizer) -> tuple[bool, bool]:
