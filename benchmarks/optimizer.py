@@ -8,9 +8,12 @@ them in turn (interleaved rounds, after warm-up); per contestant, on rank 0:
   backward   autograd alone: the same model, forward + backward in plain PyTorch (no DeepSpeed)
   reduction  engine.backward minus that: gradient copies and the communication not hidden
   update     engine.step: clipping, Adam, parameter all-gather
-  messages   collectives per step (the MoE all-to-alls, the same for all, left out) and their bytes
-  state      per-rank optimizer-state bytes, exact: fp32 master weights + Adam moments, and the
-             gradient buffers kept between micro-steps
+  messages   collectives per step (the MoE all-to-alls, the same for all, left out), the bytes of
+             their inputs ("MB in") and what each rank sends with the bandwidth-optimal algorithm
+             ("MB sent": an all-reduce sends 2(N-1)/N of its input, a reduce-scatter (N-1)/N)
+  state      per-rank optimizer-state bytes, exact: fp32 master weights + Adam moments; and the
+             gradient buffers: the reduced shard, full gradients kept between micro-steps (ZeRO-1),
+             and the buckets gradients are copied into for communication
 
 DeepSpeed's AutoEP is tried on the same model and reported as refused when it does not accept it.
 
@@ -77,6 +80,7 @@ class Counter:
 
         self.calls: dict[str, int] = {}
         self.bytes: dict[str, int] = {}
+        self.wire: dict[str, float] = {}
         self.active = False
         self.depth = 0
         for namespace in (dist, deepspeed.comm, deepspeed.comm.comm):
@@ -98,8 +102,13 @@ class Counter:
                 else:
                     size = sum(t.numel() * t.element_size() for lst in lists[-1:] for t in lst
                                if isinstance(t, torch.Tensor))
+                groups = [a for a in values if isinstance(a, dist.ProcessGroup)]  # by keyword or position
+                n = dist.get_world_size(groups[0]) if groups else dist.get_world_size()
+                # what a rank sends with the bandwidth-optimal algorithm (ring / pairwise)
+                factor = {"all_reduce": 2 * (n - 1) / n}.get(name, (n - 1) if "gather" in name else (n - 1) / n)
                 self.calls[name] = self.calls.get(name, 0) + 1
                 self.bytes[name] = self.bytes.get(name, 0) + size
+                self.wire[name] = self.wire.get(name, 0) + size * factor
             self.depth += 1
             try:
                 return original(*args, **kwargs)
@@ -109,8 +118,8 @@ class Counter:
         return wrapped
 
     def take(self) -> dict[str, dict[str, int]]:
-        out = {"calls": dict(self.calls), "bytes": dict(self.bytes)}
-        self.calls, self.bytes = {}, {}
+        out = {"calls": dict(self.calls), "bytes": dict(self.bytes), "wire": dict(self.wire)}
+        self.calls, self.bytes, self.wire = {}, {}, {}
         return out
 
 
@@ -122,8 +131,11 @@ def deepspeed_state_bytes(engine) -> dict[str, int]:
     grads = 0
     if engine.zero_optimization_stage() == 1:  # full gradients stay on the parameters until the step
         grads = sum(p.numel() * p.element_size() for p in engine.module.parameters() if p.requires_grad)
-    else:  # the reduced partition (kept in the parameters' dtype) plus the reduce bucket
+    else:  # the reduced partition (kept in the parameters' dtype)
         grads = sum(p.numel() * p.element_size() for p in opt.single_partition_of_fp32_groups)
+    # plus the reduce buckets the gradients are copied into (ZeRO-2)
+    grads += sum(t.numel() * t.element_size() for b in getattr(opt, "ipg_buckets", {}).values()
+                 for t in getattr(b, "buffer", []))
     return {"optimizer_state": master + moments, "gradient_buffers": grads}
 
 
@@ -211,7 +223,7 @@ def worker(rank: int, port: int, out: str, rounds: int, warmup: int) -> None:
         if CONTESTANTS[name][0]:
             b = engine.optimizer.state_bytes()
             state[name] = {"optimizer_state": b["optimizer_state"],
-                           "gradient_buffers": b["gradient_shard"] + b["gradient_buckets"]}
+                           "gradient_buffers": b["gradient_shard"] + b["gradient_buckets"] + b["communication_buffers"]}
         else:
             state[name] = deepspeed_state_bytes(engine)
     autoep = try_autoep()  # collective: every rank tries
@@ -243,10 +255,12 @@ def main() -> None:
         comm = {k: v - moe["calls"].get(k, 0) for k, v in msgs["calls"].items()}
         comm = {k: v for k, v in comm.items() if v}
         comm_bytes = {k: msgs["bytes"][k] - moe["bytes"].get(k, 0) for k in comm}
+        wire = sum(msgs["wire"][k] - moe["wire"].get(k, 0) for k in comm)
         rows[name] = {
             "backward_s": backward, "reduction_s": engine_bwd - backward, "update_s": step,
             "reduction_plus_update_s": statistics.median(per_round),
             "messages_per_step": sum(comm.values()), "message_bytes_per_step": sum(comm_bytes.values()),
+            "wire_bytes_per_step": wire,
             "collectives": comm,
             "optimizer_state_bytes_per_rank": [r["state"][name]["optimizer_state"] for r in ranks],
             "gradient_buffer_bytes_per_rank": [r["state"][name]["gradient_buffers"] for r in ranks],
@@ -255,15 +269,15 @@ def main() -> None:
                   rows["deepspeed_zero2"]["optimizer_state_bytes_per_rank"][0])
     speedup = rows["deepspeed_zero2"]["reduction_plus_update_s"] / rows["ours_zero2"]["reduction_plus_update_s"]
     print(f"{zero['params'] / 1e6:.1f}M parameters, {WORLD} processes, EP {EP}; medians of {args.rounds} rounds\n")
-    head = f"{'contestant':<17}{'reduce+update ms':>17}{'reduction ms':>13}{'update ms':>10}{'messages':>9}" \
-           f"{'MB sent':>8}{'state MB/rank':>14}{'grad MB/rank':>13}"
+    head = f"{'contestant':<19}{'reduce+update ms':>17}{'reduction ms':>13}{'update ms':>10}{'messages':>9}" \
+           f"{'MB in':>7}{'MB sent':>8}{'state MB/rank':>14}{'grad MB/rank':>13}"
     print(head)
     for name, r in rows.items():
         state_mb = max(r["optimizer_state_bytes_per_rank"]) / 1e6
         grad_mb = max(r["gradient_buffer_bytes_per_rank"]) / 1e6
-        print(f"{name:<17}{r['reduction_plus_update_s'] * 1e3:>17.1f}{r['reduction_s'] * 1e3:>13.1f}"
-              f"{r['update_s'] * 1e3:>10.1f}{r['messages_per_step']:>9}{r['message_bytes_per_step'] / 1e6:>8.1f}"
-              f"{state_mb:>14.2f}{grad_mb:>13.2f}")
+        print(f"{name:<19}{r['reduction_plus_update_s'] * 1e3:>17.1f}{r['reduction_s'] * 1e3:>13.1f}"
+              f"{r['update_s'] * 1e3:>10.1f}{r['messages_per_step']:>9}{r['message_bytes_per_step'] / 1e6:>7.1f}"
+              f"{r['wire_bytes_per_step'] / 1e6:>8.1f}{state_mb:>14.2f}{grad_mb:>13.2f}")
     print(f"\nbackward alone: {backward * 1e3:.1f} ms")
     print(f"reduction + update, DeepSpeed ZeRO-2 / ours ZeRO-2: {speedup:.2f}x (target >= 1.5x)")
     ours_state = max(rows["ours_zero2"]["optimizer_state_bytes_per_rank"])

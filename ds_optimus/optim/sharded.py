@@ -78,6 +78,35 @@ class LossScaler:
         vars(self).update(state)
 
 
+class _BufferPool:
+    """Reused communication buffers on CPU. There a fresh tensor of tens of MB costs a page fault
+    per 4 KiB the first time it is written (glibc hands large blocks back to the system), as much
+    as the copy itself; so buffers are kept and handed out again, the smallest free one that is
+    large enough (as a view of its first elements). Holds about as many buckets as are filled at
+    once during the backward pass, plus one. Accelerators' caching allocators already reuse
+    memory: there the pool just allocates."""
+
+    def __init__(self) -> None:
+        self.free: list[torch.Tensor] = []
+        self.allocated = 0  # bytes held by the pool
+
+    def get(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+        device = torch.device(device)
+        if device.type != "cpu":
+            return torch.empty(numel, dtype=dtype, device=device)
+        fits = [i for i, t in enumerate(self.free) if t.dtype == dtype and t.device == device and t.numel() >= numel]
+        if fits:
+            base = self.free.pop(min(fits, key=lambda i: self.free[i].numel()))
+        else:
+            base = torch.empty(numel, dtype=dtype, device=device)
+            self.allocated += base.numel() * base.element_size()
+        return base[:numel]
+
+    def put(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type == "cpu":
+            self.free.append(tensor._base if tensor._base is not None else tensor)
+
+
 class _Bucket:
     """One reduce-scatter / all-gather unit of a space."""
 
@@ -97,6 +126,7 @@ class _Bucket:
         self.out: torch.Tensor | None = None
         self.received: torch.Tensor | None = None  # pairwise reduce-scatter: every rank's copy of my shard
         self.direct = False  # the reduce-scatter writes straight into the fp32 shard
+        self.pending = False  # launched, not yet added to the shard
 
 
 class _Space:
@@ -183,6 +213,7 @@ class ShardedOptimizer(ZeROOptimizerBase):
         self._step = torch.zeros((), dtype=torch.float32)
         self._reduced_this_step = 0  # micro-steps whose gradients reached the shard (ZeRO-2)
         self._finished = True
+        self._pool = _BufferPool()
         self.spaces = self._build_spaces(param_names, bucket_size, reduce_dtype)
         self._num_params = sum(len(s.params) for s in self.spaces)
         self._segments = self._adam_segments()
@@ -245,7 +276,10 @@ class ShardedOptimizer(ZeROOptimizerBase):
         return self.stage == 2 or self.is_gradient_accumulation_boundary()
 
     def _bucket_buffer(self, space: _Space, bucket: _Bucket) -> torch.Tensor:
-        buf = torch.empty(bucket.size, dtype=space.reduce_dtype, device=space.device)
+        if self.stage == 1:  # kept between micro-steps: its own memory
+            buf = torch.empty(bucket.size, dtype=space.reduce_dtype, device=space.device)
+        else:
+            buf = self._pool.get(bucket.size, space.reduce_dtype, space.device)
         for offset, length in bucket.padding:
             buf[offset:offset + length].zero_()
         return buf
@@ -288,16 +322,42 @@ class ShardedOptimizer(ZeROOptimizerBase):
                     bucket.grad[offset:offset + length].zero_()
         view = space.grad[bucket.shard_offset:bucket.shard_offset + bucket.shard]
         bucket.direct = space.reduce_dtype == torch.float32 and (self.stage == 1 or self._reduced_this_step == 0)
-        bucket.out = view if bucket.direct else torch.empty(bucket.shard, dtype=space.reduce_dtype, device=space.device)
+        bucket.out = view if bucket.direct else self._pool.get(bucket.shard, space.reduce_dtype, space.device)
         if space.group_size == 1:  # nothing to exchange
             bucket.received = bucket.grad
         elif space.pairwise:
-            bucket.received = torch.empty_like(bucket.grad)
+            bucket.received = self._pool.get(bucket.size, space.reduce_dtype, space.device)
             bucket.work = dist.all_to_all_single(bucket.received, bucket.grad, group=space.group,
                                                  async_op=self.overlap_comm)
         else:
             bucket.work = _collective("reduce_scatter")(bucket.out, bucket.grad, group=space.group,
                                                         async_op=self.overlap_comm)
+        bucket.pending = True
+        if not self.overlap_comm:  # done already: free its buffers for the next bucket
+            self._complete(space, bucket)
+
+    def _complete(self, space: _Space, bucket: _Bucket) -> None:
+        """Wait for a bucket's reduction and add its result to the fp32 shard."""
+        if bucket.work is not None:
+            bucket.work.wait()
+        if bucket.received is not None:
+            torch.sum(bucket.received.view(space.group_size, bucket.shard), 0, out=bucket.out)
+            if bucket.received is not bucket.grad:
+                self._pool.put(bucket.received)
+        if not bucket.direct:
+            view = space.grad[bucket.shard_offset:bucket.shard_offset + bucket.shard]
+            if self._reduced_this_step == 0:
+                view.copy_(bucket.out)
+            else:
+                view.add_(bucket.out)
+            self._pool.put(bucket.out)
+        bucket.work = bucket.out = bucket.received = None
+        bucket.written.clear()
+        bucket.arrived.clear()
+        if self.stage == 2:  # ZeRO-2 keeps only the reduced shard
+            self._pool.put(bucket.grad)
+            bucket.grad = None
+        bucket.pending = False
 
     def _finish_reduction(self) -> None:
         """Launch what is left of this micro-step's reduction and wait for all of it."""
@@ -309,23 +369,9 @@ class ShardedOptimizer(ZeROOptimizerBase):
             self._launch_ready(space)
         for space in self.spaces:
             for bucket in space.buckets:
-                if bucket.work is not None:
-                    bucket.work.wait()
-                if bucket.received is not None:
-                    torch.sum(bucket.received.view(space.group_size, bucket.shard), 0, out=bucket.out)
-                    bucket.received = None
-                if not bucket.direct:
-                    view = space.grad[bucket.shard_offset:bucket.shard_offset + bucket.shard]
-                    if self._reduced_this_step == 0:
-                        view.copy_(bucket.out)
-                    else:
-                        view.add_(bucket.out)
-                bucket.work = bucket.out = None
+                if bucket.pending:
+                    self._complete(space, bucket)
                 bucket.complete = False
-                bucket.written.clear()
-                bucket.arrived.clear()
-                if self.stage == 2:
-                    bucket.grad = None  # ZeRO-2 keeps only the reduced shard
             space.next_launch = 0
         self._reduced_this_step += 1
         self._finished = True
@@ -411,7 +457,7 @@ class ShardedOptimizer(ZeROOptimizerBase):
         pending = []
         for space in self.spaces:
             for bucket in space.buckets:
-                buf = torch.empty(bucket.size, dtype=space.dtype, device=space.device)
+                buf = self._pool.get(bucket.size, space.dtype, space.device)
                 own = buf[space.rank * bucket.shard:(space.rank + 1) * bucket.shard]
                 own.copy_(space.master[bucket.shard_offset:bucket.shard_offset + bucket.shard])
                 work = _collective("all_gather")(buf, own, group=space.group, async_op=True)
@@ -421,26 +467,28 @@ class ShardedOptimizer(ZeROOptimizerBase):
         for item in pending:
             self._scatter_into_params(*item)
 
-    @staticmethod
-    def _scatter_into_params(space: _Space, bucket: _Bucket, buf: torch.Tensor, work) -> None:
+    def _scatter_into_params(self, space: _Space, bucket: _Bucket, buf: torch.Tensor, work) -> None:
         work.wait()
         for i, copies in bucket.copies.items():
             flat = space.params[i].data.view(-1)
             for start, offset, length in copies:
                 flat[start:start + length].copy_(buf[offset:offset + length])
+        self._pool.put(buf)
 
     # -- state ------------------------------------------------------------------------------------
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for the optimizer: fp32 master and moments, the reduced gradient
-        shard, and (ZeRO-1) the full-size gradient buckets kept between micro-steps."""
+        shard, (ZeRO-1) the full-size gradient buckets kept between micro-steps, and the reused
+        communication buffers (about two buckets' worth)."""
         state = sum(t.numel() * t.element_size() for s in self.spaces for t in (s.master, s.exp_avg, s.exp_avg_sq))
         grad_shard = sum(s.grad.numel() * s.grad.element_size() for s in self.spaces)
         buckets = 0
         if self.stage == 1:
             buckets = sum(b.size * torch.empty((), dtype=s.reduce_dtype).element_size()
                           for s in self.spaces for b in s.buckets)
-        return {"optimizer_state": state, "gradient_shard": grad_shard, "gradient_buckets": buckets}
+        return {"optimizer_state": state, "gradient_shard": grad_shard, "gradient_buckets": buckets,
+                "communication_buffers": self._pool.allocated}
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the optimizer state, with each run named by its parameter and its
