@@ -23,26 +23,18 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..parallel.expert_parallel import is_expert_param
+from ..reliability.checkpoint import atomic_save
 
 ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
 
 
 class CheckpointLoadError(RuntimeError):
     """A checkpoint folder this engine cannot load; the message says why in one line."""
-
-
-def _write(obj: Any, path: Path) -> None:
-    tmp = path.with_name(path.name + ".partial")
-    torch.save(obj, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _expert_layout(engine):
@@ -79,16 +71,16 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     state = {k: v.detach().cpu() for k, v in module.state_dict().items() if k not in frozen}
     groups = _expert_layout(engine)
     if rank == 0:
-        _write({k: v for k, v in state.items() if k not in experts}, tmp / "model_dense.pt")
+        atomic_save({k: v for k, v in state.items() if k not in experts}, tmp / "model_dense.pt")
     if experts and groups is not None and rank == groups.edp_ranks[0]:
         local = {k: v for k, v in state.items() if k in experts}
-        _write({"ep_size": groups.ep_size, "ep_rank": groups.ep_rank, "weights": local},
+        atomic_save({"ep_size": groups.ep_size, "ep_rank": groups.ep_rank, "weights": local},
                tmp / f"model_experts_ep{groups.ep_rank:03d}.pt")
-    _write(engine.optimizer.state_dict(), tmp / f"optim_rank{rank:05d}.pt")
-    _write(client_state or {}, tmp / f"client_rank{rank:05d}.pt")
+    atomic_save(engine.optimizer.state_dict(), tmp / f"optim_rank{rank:05d}.pt")
+    atomic_save(client_state or {}, tmp / f"client_rank{rank:05d}.pt")
     if rank == 0:
         scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
-        _write({"lr_scheduler": scheduler, "counters": {k: getattr(engine, k) for k in ENGINE_COUNTERS}},
+        atomic_save({"lr_scheduler": scheduler, "counters": {k: getattr(engine, k) for k in ENGINE_COUNTERS}},
                tmp / "engine.pt")
     dist.barrier()
     if rank == 0:

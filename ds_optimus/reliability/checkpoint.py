@@ -69,7 +69,8 @@ def _accelerator():
     return None if accelerator.device_name() == "cpu" else accelerator
 
 
-def _save(obj: Any, path: Path) -> None:
+def atomic_save(obj: Any, path: Path) -> None:
+    """`torch.save` to a temporary name, fsync, then rename: `path` is complete or absent."""
     tmp = path.with_name(path.name + ".partial")
     torch.save(obj, tmp)
     with open(tmp, "rb") as f:
@@ -155,10 +156,11 @@ class CheckpointManager:
         state = model.state_dict()
         experts = self._expert_names(model)
         if self.rank == 0:
-            _save({k: v for k, v in state.items() if k not in experts}, tmp / "model.pt")
+            atomic_save({k: v for k, v in state.items() if k not in experts}, tmp / "model.pt")
         if experts and self.rank == self.groups.edp_ranks[0]:
-            _save({k: v for k, v in state.items() if k in experts}, tmp / f"experts_ep{self.groups.ep_rank:03d}.pt")
-        _save({"engine": engine_state(engine), "rng": rng_state(), "extra": extra or {}},
+            atomic_save({k: v for k, v in state.items() if k in experts},
+                        tmp / f"experts_ep{self.groups.ep_rank:03d}.pt")
+        atomic_save({"engine": engine_state(engine), "rng": rng_state(), "extra": extra or {}},
               tmp / f"rank{self.rank:05d}.pt")
         _barrier()
         if self.rank == 0:
