@@ -48,6 +48,8 @@ def ds_config(spec: dict) -> dict:
                                                                    "warmup_num_steps": 3, "total_num_steps": 12}}
     if spec.get("dtype") == "bf16":
         config["bf16"] = {"enabled": True}
+    if spec.get("grad_accum_dtype"):  # with bf16 and ZeRO-1, DeepSpeed would build its BF16 optimizer
+        config["data_types"] = {"grad_accum_dtype": spec["grad_accum_dtype"]}
     if spec.get("dtype") == "fp16":
         config["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2}
     return config
@@ -78,7 +80,10 @@ def train(rank: int, world: int, spec: dict) -> dict:
             loss = engine(input_ids=ids, labels=ids).loss
             if spec.get("nan_at") == step and rank == spec.get("nan_rank", 0) and a == 0:
                 loss = loss * float("nan")
-            engine.backward(loss)
+            if spec.get("torch_backward"):  # PyTorch-style: the engine's hooks do what backward() does
+                loss.backward()
+            else:
+                engine.backward(loss)
             engine.step()
             total += loss.detach().float()
         dist.all_reduce(total)

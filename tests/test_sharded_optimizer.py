@@ -93,6 +93,19 @@ def test_tracks_deepspeed_zero_with_moe_param_groups(stage):
 
 
 @pytest.mark.slow
+def test_pytorch_style_backward_drives_it_as_it_drives_deepspeeds_zero():
+    """`loss.backward()` instead of `engine.backward(loss)`: the engine's hooks run our reduction.
+    (The engine scales the gradient of every output tensor by 1/accumulation, and Mula's outputs
+    include the loss's own parts, so this path differs slightly from engine.backward, for
+    DeepSpeed's ZeRO exactly as for ours.)"""
+    spec = dict(ep=2, stage=1, micro=1, gas=2, steps=6, torch_backward=True)
+    ours = run_distributed(W.train, WORLD, dict(spec, sharded=True))[0]
+    theirs = run_distributed(W.train, WORLD, dict(spec, sharded=False))[0]
+    assert ours["optimizer"] == "ShardedOptimizer"
+    assert _rel(ours["losses"], theirs["losses"]) < 1e-6 and ours["losses"][6] < ours["losses"][1] - 0.3
+
+
+@pytest.mark.slow
 def test_checkpoint_resumes_on_other_layouts(tmp_path):
     """Saved by 4 ranks at EP=2 (ZeRO-2) at step 5; resumed by 2 ranks at EP=2 (twice the
     accumulation), by 4 ranks at EP=4 in ZeRO-1 mode, and by 1 process: steps 6-10 give the losses of
@@ -136,6 +149,10 @@ def test_bf16_weights_with_fp32_master_track_fp32():
     assert {r["optimizer"] for r in bf16} == {"ShardedOptimizer"}
     losses = bf16[0]["losses"]
     assert _rel(losses, fp32) < 2e-2 and losses[10] < losses[1] - 0.3
+    # ZeRO-1, bf16 weights, fp32 accumulation: where DeepSpeed builds its BF16 optimizer, ours is built
+    zero1 = run_distributed(W.train, WORLD, dict(spec, stage=1, gas=2, dtype="bf16", grad_accum_dtype="fp32"))
+    assert {r["optimizer"] for r in zero1} == {"ShardedOptimizer"}
+    assert zero1[0]["losses"][10] < zero1[0]["losses"][1] - 0.3
 
 
 @pytest.mark.slow
