@@ -49,17 +49,26 @@ class _AfterDeepSpeedImport(importlib.abc.MetaPathFinder):
     """Hooks DeepSpeed's engine right after `import deepspeed` completes, so importing ds_optimus
     does not import DeepSpeed (slow, and absent on some machines) but every engine is hooked."""
 
+    # It stays registered until DeepSpeed's import has run: `importlib.util.find_spec("deepspeed")`
+    # (transformers and accelerate probe with it) asks here too but imports nothing.
+    busy = False
+
     def find_spec(self, name, path=None, target=None):
-        if name != "deepspeed":
+        if name != "deepspeed" or self.busy:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
+        self.busy = True
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self.busy = False
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         run = spec.loader.exec_module
 
         def exec_module(module):
             run(module)
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
             _install_engine_hook()
 
         spec.loader.exec_module = exec_module

@@ -172,3 +172,51 @@ def fp16_direct(rank: int, world: int) -> dict:
         losses[step], scales[step] = total.item() / world, optimizer.cur_scale
     return {"losses": losses, "scales": scales, "skipped": optimizer.skipped_steps,
             "params": {n: p.detach().float().clone() for n, p in model.named_parameters()}}
+
+
+def direct_optimizer(stage: int, model: torch.nn.Module, **options):
+    from ds_optimus.optim.sharded import ShardedOptimizer
+
+    inner = torch.optim.AdamW(model.parameters(), lr=LR)
+    return ShardedOptimizer(inner, param_names={p: n for n, p in model.named_parameters()}, stage=stage,
+                            bucket_size=options.pop("bucket_size", 1000), **options)
+
+
+def two_backwards(rank: int, world: int, stage: int) -> list[torch.Tensor]:
+    """Two backward passes before one step (two losses on a boundary) against one backward of their
+    sum: the same update."""
+    out = []
+    for split in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+        optimizer = direct_optimizer(stage, model)
+        g = torch.Generator().manual_seed(rank)
+        x1, x2 = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
+        if split:
+            optimizer.backward(model(x1).square().mean())
+            optimizer.backward(model(x2).square().mean())
+        else:
+            optimizer.backward(model(x1).square().mean() + model(x2).square().mean())
+        optimizer.step()
+        out.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    return out
+
+
+def reentrant_twice(rank: int, world: int) -> str:
+    """A parameter used in two reentrant-checkpointed regions gets two gradients in one backward."""
+    from torch.utils.checkpoint import checkpoint
+
+    from ds_optimus.optim.sharded import ShardedOptimizer, ShardedOptimizerError
+
+    torch.manual_seed(0)
+    shared = torch.nn.Linear(8, 8)
+    optimizer = direct_optimizer(2, shared)
+    assert isinstance(optimizer, ShardedOptimizer)
+    x = torch.randn(4, 8, requires_grad=True)
+    y = checkpoint(shared, x, use_reentrant=True)
+    y = checkpoint(shared, y, use_reentrant=True)
+    try:
+        optimizer.backward(y.sum())
+    except ShardedOptimizerError as err:
+        return str(err)
+    return "accepted"

@@ -54,6 +54,9 @@ def test_import_needs_neither_deepspeed_nor_triton():
 
 
 @pytest.mark.parametrize("imports", ["import ds_optimus, deepspeed", "import deepspeed, ds_optimus",
+                                     # transformers and accelerate probe for DeepSpeed before importing it
+                                     "import ds_optimus, importlib.util; importlib.util.find_spec('deepspeed'); "
+                                     "import deepspeed",
                                      "import ds_optimus.optim.layout; from ds_optimus.optim.sharded import LossScaler"])
 def test_deepspeed_engine_is_hooked_whatever_the_import_order(imports):
     result = _run(

@@ -197,3 +197,16 @@ def test_bad_settings_are_one_line_errors():
     assert stage3 == "optimus.sharded_optimizer needs zero_optimization.stage 1 or 2, got 3"
     assert sgd == "the sharded optimizer runs Adam or AdamW; the config's optimizer is SGD"
     assert bucket.startswith("optimus.sharded_optimizer.bucket_size must be a positive integer")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2])
+def test_two_backward_passes_before_a_step_add_up(stage):
+    for split, joint in run_distributed(W.two_backwards, 2, stage):
+        assert torch.allclose(split, joint, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_a_second_gradient_after_its_bucket_was_reduced_is_a_clear_error():
+    message = run_distributed(W.reentrant_twice, 1)[0]
+    assert "got a second gradient in one backward pass" in message and "use_reentrant" in message

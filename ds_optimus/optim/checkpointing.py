@@ -88,11 +88,18 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
                 "ep_size": groups.ep_size if groups is not None else 1, "zero_stage": engine.optimizer.stage,
                 "time": time.time(), "files": sorted(p.name for p in tmp.iterdir())}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-        shutil.rmtree(final, ignore_errors=True)
+        old = root / f"{tag}.old"
+        if final.exists():  # the same tag saved again: set the old one aside until the new is in place
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
         os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
         if save_latest:
             latest = root / "latest.partial"
-            latest.write_text(tag)
+            with open(latest, "w") as f:
+                f.write(tag)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(latest, root / "latest")
     dist.barrier()
     return True
@@ -157,7 +164,8 @@ def _expert_weights(engine, path: Path, meta: dict, dense: dict[str, torch.Tenso
         wanted = {n: (groups.ep_rank * p.shape[0], (groups.ep_rank + 1) * p.shape[0])
                   for n, p in params.items() if is_expert_param(p)}
     else:  # every expert here; those the checkpoint keeps in its EP shards
-        wanted = {n: (0, p.shape[0]) for n, p in params.items() if n not in dense and meta["ep_size"] > 1}
+        shards = any(f.startswith("model_experts_") for f in meta["files"])
+        wanted = {n: (0, p.shape[0]) for n, p in params.items() if n not in dense and shards}
     files: dict[int, dict] = {}
     out = {}
     for name, (lo, hi) in wanted.items():

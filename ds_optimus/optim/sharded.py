@@ -59,12 +59,12 @@ class LossScaler:
     def update(self, overflow: bool) -> None:
         if not self.dynamic:
             return
-        if overflow:
+        if overflow:  # tolerated `hysteresis` - 1 times, then the scale halves at every overflow
             self.good_steps = 0
-            self.bad_left -= 1
-            if self.bad_left <= 0:
+            if self.bad_left <= 1:
                 self.cur_scale = max(self.cur_scale / 2, self.min_scale)
-                self.bad_left = self.hysteresis
+            else:
+                self.bad_left -= 1
         else:
             self.good_steps += 1
             if self.good_steps % self.window == 0:
@@ -127,6 +127,7 @@ class _Bucket:
         self.received: torch.Tensor | None = None  # pairwise reduce-scatter: every rank's copy of my shard
         self.direct = False  # the reduce-scatter writes straight into the fp32 shard
         self.pending = False  # launched, not yet added to the shard
+        self.launched = False  # reduced in this micro-step
 
 
 class _Space:
@@ -164,7 +165,6 @@ class _Space:
         self.exp_avg = torch.zeros(shard_pos, **f32)
         self.exp_avg_sq = torch.zeros(shard_pos, **f32)
         self.grad = torch.zeros(shard_pos, **f32)
-        self.next_launch = 0
         with torch.no_grad():
             for bucket in self.buckets:
                 for run in bucket.mine:
@@ -210,11 +210,19 @@ class ShardedOptimizer(ZeROOptimizerBase):
         self.overflow = False
         self._global_grad_norm: float | None = None
         self.skipped_steps = 0
-        self._step = torch.zeros((), dtype=torch.float32)
-        self._reduced_this_step = 0  # micro-steps whose gradients reached the shard (ZeRO-2)
+        self._reduced_this_step = 0  # reductions added to the shard since the last step
         self._finished = True
         self._pool = _BufferPool()
         self.spaces = self._build_spaces(param_names, bucket_size, reduce_dtype)
+        device = self.spaces[0].device if self.spaces else torch.device("cpu")
+        self._step = torch.zeros((), dtype=torch.float32, device=device)  # the fused kernels read it on device
+        # One launch order over all spaces (latest-defined parameters first, as backward produces
+        # them): every rank issues the same collectives in the same sequence, across the dense and
+        # expert groups too, even when a parameter gets no gradient on some ranks.
+        self._order = sorted(((s, b) for s in self.spaces for b in s.buckets),
+                             key=lambda sb: -max(self._position[id(sb[0].params[i])] for i in sb[1].params))
+        self._next = 0
+        self._in_flight: list[tuple[_Space, _Bucket]] = []
         self._num_params = sum(len(s.params) for s in self.spaces)
         self._segments = self._adam_segments()
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, space, i))
@@ -226,6 +234,7 @@ class ShardedOptimizer(ZeROOptimizerBase):
         from ..parallel.groups import expert_parallel_groups
 
         self._group_of: dict[int, int] = {}
+        self._position: dict[int, int] = {}
         members: dict[tuple[str, torch.dtype], list[torch.nn.Parameter]] = {}
         seen = set()
         for g, group in enumerate(self.param_groups):
@@ -233,6 +242,7 @@ class ShardedOptimizer(ZeROOptimizerBase):
                 if not p.requires_grad or id(p) in seen:
                     continue
                 seen.add(id(p))
+                self._position[id(p)] = len(self._position)
                 if not p.is_contiguous():
                     raise ShardedOptimizerError(f"parameter {param_names.get(p, '?')} is not contiguous")
                 self._group_of[id(p)] = g
@@ -291,6 +301,11 @@ class ShardedOptimizer(ZeROOptimizerBase):
             return
         self._finished = False
         bucket = space.bucket_of[i]
+        if bucket.launched:
+            raise ShardedOptimizerError(
+                f"{space.names[i]} got a second gradient in one backward pass after its bucket was reduced "
+                "(a parameter used in two reentrant activation-checkpointed regions?); use non-reentrant "
+                "checkpointing (gradient_checkpointing_kwargs={'use_reentrant': False})")
         if bucket.grad is None:
             bucket.grad = self._bucket_buffer(space, bucket)
         flat = grad.reshape(-1)
@@ -303,15 +318,15 @@ class ShardedOptimizer(ZeROOptimizerBase):
         param.grad = None  # the bucket holds it now
         if self._reducing() and len(bucket.arrived) == len(bucket.params):
             bucket.complete = True
-            self._launch_ready(space)
+            self._launch_ready()
         self.update_hook_state_and_maybe_run_epilogue(self._num_params)
 
-    def _launch_ready(self, space: _Space) -> None:
-        # Buckets are launched strictly in order, so every rank issues the same collectives in the
-        # same sequence even if a parameter is unused on some rank.
-        while space.next_launch < len(space.buckets) and space.buckets[space.next_launch].complete:
-            self._launch(space, space.buckets[space.next_launch])
-            space.next_launch += 1
+    def _launch_ready(self) -> None:
+        """Launch complete buckets, strictly in the one launch order."""
+        while self._next < len(self._order) and self._order[self._next][1].complete:
+            space, bucket = self._order[self._next]
+            self._launch(space, bucket)
+            self._next += 1
 
     def _launch(self, space: _Space, bucket: _Bucket) -> None:
         if bucket.grad is None:
@@ -321,7 +336,7 @@ class ShardedOptimizer(ZeROOptimizerBase):
                 for _, offset, length in bucket.copies[i]:
                     bucket.grad[offset:offset + length].zero_()
         view = space.grad[bucket.shard_offset:bucket.shard_offset + bucket.shard]
-        bucket.direct = space.reduce_dtype == torch.float32 and (self.stage == 1 or self._reduced_this_step == 0)
+        bucket.direct = space.reduce_dtype == torch.float32 and self._reduced_this_step == 0
         bucket.out = view if bucket.direct else self._pool.get(bucket.shard, space.reduce_dtype, space.device)
         if space.group_size == 1:  # nothing to exchange
             bucket.received = bucket.grad
@@ -332,9 +347,12 @@ class ShardedOptimizer(ZeROOptimizerBase):
         else:
             bucket.work = _collective("reduce_scatter")(bucket.out, bucket.grad, group=space.group,
                                                         async_op=self.overlap_comm)
-        bucket.pending = True
-        if not self.overlap_comm:  # done already: free its buffers for the next bucket
-            self._complete(space, bucket)
+        bucket.pending = bucket.launched = True
+        self._in_flight.append((space, bucket))
+        # Without overlap it is done already; with it, at most two buckets in flight, so that ZeRO-2
+        # never holds more than a few buckets of full gradients.
+        while len(self._in_flight) > (2 if self.overlap_comm else 0):
+            self._complete(*self._in_flight.pop(0))
 
     def _complete(self, space: _Space, bucket: _Bucket) -> None:
         """Wait for a bucket's reduction and add its result to the fp32 shard."""
@@ -363,18 +381,21 @@ class ShardedOptimizer(ZeROOptimizerBase):
         """Launch what is left of this micro-step's reduction and wait for all of it."""
         if self._finished or not self._reducing():
             return
-        for space in self.spaces:
-            for bucket in space.buckets:
-                bucket.complete = True
-            self._launch_ready(space)
-        for space in self.spaces:
-            for bucket in space.buckets:
-                if bucket.pending:
-                    self._complete(space, bucket)
-                bucket.complete = False
-            space.next_launch = 0
+        for _, bucket in self._order:
+            bucket.complete = True
+        self._launch_ready()
+        while self._in_flight:
+            self._complete(*self._in_flight.pop(0))
+        for _, bucket in self._order:
+            bucket.complete = bucket.launched = False
+        self._next = 0
         self._reduced_this_step += 1
         self._finished = True
+
+    def finalize_gradient_accumulation_boundary(self) -> None:
+        """What DeepSpeed's engine calls at step() with unmanaged gradient accumulation."""
+        self.set_gradient_accumulation_boundary(True)
+        self._finish_reduction()
 
     # -- the calls DeepSpeed's engine makes -------------------------------------------------------
 
