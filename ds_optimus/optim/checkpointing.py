@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..parallel.expert_parallel import is_expert_param
+from ..parallel.expert_parallel import expert_groups_of, is_expert_param
 from ..reliability.checkpoint import atomic_save
 
 ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
@@ -35,17 +35,6 @@ ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
 
 class CheckpointLoadError(RuntimeError):
     """A checkpoint folder this engine cannot load; the message says why in one line."""
-
-
-def _expert_layout(engine):
-    """The `ExpertParallelGroups` of the engine's expert-parallel model, or None."""
-    from ..parallel.groups import expert_parallel_groups
-
-    for p in engine.module.parameters():
-        if is_expert_param(p):
-            groups = expert_parallel_groups(p.group_name)
-            return groups
-    return None
 
 
 def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True,
@@ -69,7 +58,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     frozen = {n for n, p in module.named_parameters() if not p.requires_grad} if exclude_frozen_parameters else set()
     experts = {n for n, p in module.named_parameters() if is_expert_param(p)}
     state = {k: v.detach().cpu() for k, v in module.state_dict().items() if k not in frozen}
-    groups = _expert_layout(engine)
+    groups = expert_groups_of(engine.module)
     if rank == 0:
         atomic_save({k: v for k, v in state.items() if k not in experts}, tmp / "model_dense.pt")
     if experts and groups is not None and rank == groups.edp_ranks[0]:
@@ -158,7 +147,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
 def _expert_weights(engine, path: Path, meta: dict, dense: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """This rank's slice of every expert weight, cut from the saved weights of any EP size (an EP-1
     run keeps its experts among the dense weights)."""
-    groups = _expert_layout(engine)
+    groups = expert_groups_of(engine.module)
     params = dict(engine.module.named_parameters())
     if groups is not None:
         wanted = {n: (groups.ep_rank * p.shape[0], (groups.ep_rank + 1) * p.shape[0])

@@ -545,7 +545,8 @@ class ShardedOptimizer(ZeROOptimizerBase):
         for source in sources:
             if source.get("format") != STATE_FORMAT:
                 raise ShardedOptimizerError(f"not a sharded-optimizer state (format {source.get('format')!r})")
-            step = source["step"] if step is None else step
+            if step is None:
+                step, self.skipped_steps = source["step"], source.get("skipped_steps", 0)
             if source.get("loss_scaler") and self.loss_scaler is not None:
                 self.loss_scaler.load_state_dict(source["loss_scaler"])
             for saved in source["spaces"]:

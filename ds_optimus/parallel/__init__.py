@@ -4,6 +4,7 @@ hierarchical), sharding a model's experts, and DeepSpeed-ready param groups."""
 from .dispatch import ExpertParallelDispatcher, all_to_all, all_to_all_autograd
 from .expert_parallel import (
     apply_expert_parallel,
+    expert_groups_of,
     full_state_dict,
     is_expert_param,
     moe_param_groups,
@@ -26,6 +27,7 @@ __all__ = [
     "apply_expert_parallel",
     "check_layout",
     "destroy_expert_parallel_groups",
+    "expert_groups_of",
     "full_state_dict",
     "init_expert_parallel_groups",
     "is_expert_param",

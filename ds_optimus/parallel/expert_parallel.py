@@ -59,6 +59,16 @@ def apply_expert_parallel(model: nn.Module, ep_size: int | ExpertParallelGroups,
     return groups
 
 
+def expert_groups_of(model: nn.Module) -> ExpertParallelGroups | None:
+    """The layout `apply_expert_parallel` gave `model` (on this rank), or None if it has none."""
+    from .groups import expert_parallel_groups
+
+    for p in model.parameters():
+        if is_expert_param(p):
+            return expert_parallel_groups(p.group_name)
+    return None
+
+
 def full_state_dict(model: nn.Module, groups: ExpertParallelGroups) -> dict[str, torch.Tensor]:
     """The model's state dict with every expert-parallel weight gathered to its full [E, ...] shape
     (collective over the EP group; every rank gets the whole dict)."""

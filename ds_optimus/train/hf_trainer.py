@@ -58,7 +58,9 @@ class MulaTrainer(Trainer):
     whose saved models hold every expert."""
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        groups = _expert_groups(self.model)
+        from ..parallel.expert_parallel import expert_groups_of
+
+        groups = expert_groups_of(self.model)
         if groups is None:
             return super().save_model(output_dir, _internal_call)
         from .trainer import export
@@ -91,16 +93,6 @@ class PackedSequences(torch.utils.data.Dataset):
 
         ids = sequence(self.tokens, self.seq_len, index)
         return {"input_ids": ids, "labels": ids}
-
-
-def _expert_groups(model: torch.nn.Module):
-    from ..parallel.expert_parallel import is_expert_param
-    from ..parallel.groups import expert_parallel_groups
-
-    for p in model.parameters():
-        if is_expert_param(p):
-            return expert_parallel_groups(p.group_name)
-    return None
 
 
 def save_model(trainer: Trainer, folder: str | Path, groups=None, tokenizer=None) -> None:
