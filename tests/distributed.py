@@ -26,6 +26,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: 
     try:
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # no rank tears its connections down while another still uses them
     finally:
         from ds_optimus.parallel import destroy_expert_parallel_groups
 
