@@ -12,6 +12,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Without a GPU the Triton kernels run in Triton's CPU interpreter (read when they are first imported).
+if not torch.cuda.is_available() and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import ds_optimus  # noqa: E402,F401  (registers Mula with the Auto classes)
 
 

@@ -11,7 +11,10 @@ Every backend computes, for rows `x [S, H]` already sorted by expert with `count
 - ``looped``: a hand-written forward/backward with one dense matmul per expert writing into
   preallocated outputs, for devices and dtypes that have no grouped GEMM kernel (e.g. float32 on
   CUDA) and for sizes the grouped kernels cannot take.
-- further backends (the Triton kernels) register with `register_backend`.
+- ``triton``: the Triton kernels of `ds_optimus.ops` (GPUs with Triton installed; chosen
+  automatically there). With no expert parallelism and no capacity limit the layer runs its fused
+  form, gather + experts + weighted combine in one op (`Backend.fused`).
+- further backends register with `register_backend`.
 
 `DS_OPTIMUS_EXPERTS_BACKEND=<name>` forces a backend everywhere, over any per-layer or config
 choice (e.g. ``reference`` to debug).
@@ -29,12 +32,19 @@ import torch.nn.functional as F
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, str], torch.Tensor]
 
 
+# fused(x [T, H], gate_up, down, plan, top_k_weights [T, k], act) -> [T, H], or None where it
+# cannot take the call (the layer then runs permute, `fn`, combine).
+FusedFn = Callable[..., "torch.Tensor | None"]
+
+
 @dataclass
 class Backend:
     name: str
     fn: ExpertsFn
     supports: Callable[[torch.device, torch.dtype], bool]
     priority: int  # the highest-priority backend that supports the device and dtype is chosen
+    automatic: Callable[[torch.device], bool] = lambda device: True  # may "auto" pick it here?
+    fused: FusedFn | None = None
 
 
 _BACKENDS: dict[str, Backend] = {}
@@ -42,9 +52,16 @@ ENV_VAR = "DS_OPTIMUS_EXPERTS_BACKEND"
 
 
 def register_backend(name: str, fn: ExpertsFn, supports: Callable[[torch.device, torch.dtype], bool],
-                     priority: int = 0) -> None:
-    """Make `fn(x, gate_up, down, counts, act)` available as experts backend `name`."""
-    _BACKENDS[name] = Backend(name, fn, supports, priority)
+                     priority: int = 0, *, automatic: Callable[[torch.device], bool] | None = None,
+                     fused: FusedFn | None = None) -> None:
+    """Make `fn(x, gate_up, down, counts, act)` available as experts backend `name`; `automatic`
+    says on which devices the "auto" choice may pick it, `fused` is its optional fused form."""
+    _BACKENDS[name] = Backend(name, fn, supports, priority, automatic or (lambda device: True), fused)
+
+
+def get_backend(name: str) -> Backend:
+    """The registered backend `name`."""
+    return _BACKENDS[name]
 
 
 def registered_backends() -> list[str]:
@@ -67,9 +84,11 @@ def select_backend(device: torch.device | str, dtype: torch.dtype, requested: st
         if requested not in _BACKENDS:
             raise ValueError(f"unknown experts backend {requested!r}; registered: {', '.join(_BACKENDS)}")
         if not _BACKENDS[requested].supports(torch.device(device), dtype):
-            raise ValueError(f"experts backend {requested!r} does not support {dtype} on {torch.device(device)}")
+            why = " (Triton is not installed)" if requested == "triton" and not _triton_installed() else ""
+            raise ValueError(f"experts backend {requested!r} does not support {dtype} on {torch.device(device)}{why}")
         return requested
-    return available_backends(device, dtype)[0]
+    device = torch.device(device)
+    return next(name for name in available_backends(device, dtype) if _BACKENDS[name].automatic(device))
 
 
 def grouped_swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor,
@@ -288,6 +307,43 @@ def _grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return False
 
 
+def _triton_installed() -> bool:
+    from ..ops import moe  # ds_optimus.ops: needs neither Triton nor DeepSpeed to import
+
+    return moe.triton_available()
+
+
+def _triton_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    from ..ops import moe
+
+    return dtype in (torch.float32, torch.bfloat16, torch.float16) and moe.triton_runs_on(device)
+
+
+def _triton_backend(x, gate_up, down, counts, act):
+    if act != "silu":  # the kernels fuse SiLU; other gated activations take the grouped GEMM path
+        return _grouped_mm_or_looped(x, gate_up, down, counts, act)
+    from ..ops import swiglu_experts
+
+    return swiglu_experts(x, gate_up, down, counts)
+
+
+def _triton_fused(x, gate_up, down, plan, weights, act):
+    if act != "silu":
+        return None
+    from ..ops import moe_swiglu
+
+    return moe_swiglu(x, gate_up, down, plan.counts, plan.token_of_sorted, plan.order, weights)
+
+
+def _grouped_mm_or_looped(x, gate_up, down, counts, act):
+    if _grouped_mm_supported(x.device, x.dtype):
+        return _grouped_mm_backend(x, gate_up, down, counts, act)
+    return _looped_backend(x, gate_up, down, counts, act)
+
+
 register_backend("reference", _reference_backend, lambda device, dtype: True, priority=0)
 register_backend("looped", _looped_backend, lambda device, dtype: dtype.is_floating_point, priority=10)
 register_backend("grouped_mm", _grouped_mm_backend, _grouped_mm_supported, priority=20)
+# On the CPU the kernels only run in Triton's interpreter (for tests): never picked automatically.
+register_backend("triton", _triton_backend, _triton_supported, priority=30,
+                 automatic=lambda device: device.type != "cpu", fused=_triton_fused)

@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from .experts import grouped_swiglu
+from .experts import get_backend, grouped_swiglu, select_backend
 from .permute import RoutingPlan, permute_tokens, plan_routing, unpermute_combine
 
 IMPLEMENTATION_NAME = "ds_optimus"
@@ -49,9 +49,16 @@ def moe_experts_forward(
     act = getattr(config, "hidden_act", "silu")
     backend = getattr(self, "experts_backend", None)
     plan = plan_routing(top_k_index, self.num_experts)
+    capacity_factor = getattr(config, "moe_capacity_factor", None)
+    dispatcher = getattr(self, "expert_parallel", None)
+    if dispatcher is None and capacity_factor is None:
+        # A backend with a fused form does gather, experts and combine in one go.
+        fused = get_backend(select_backend(hidden_states.device, hidden_states.dtype, backend)).fused
+        out = fused(hidden_states, self.gate_up_proj, self.down_proj, plan, top_k_weights, act) if fused else None
+        if out is not None:
+            return out.to(hidden_states.dtype)
     x_sorted = permute_tokens(hidden_states, plan)
     counts = plan.counts
-    capacity_factor = getattr(config, "moe_capacity_factor", None)
     keep = None
     if capacity_factor is not None:
         keep, counts = _capacity_keep(plan, top_k_index, capacity_factor)
@@ -60,7 +67,6 @@ def moe_experts_forward(
     def experts(rows: torch.Tensor, rows_per_expert: torch.Tensor) -> torch.Tensor:
         return grouped_swiglu(rows, self.gate_up_proj, self.down_proj, rows_per_expert, act, backend)
 
-    dispatcher = getattr(self, "expert_parallel", None)
     y_sorted = experts(x_sorted, counts) if dispatcher is None else dispatcher(x_sorted, counts, experts)
     if keep is not None:  # dropped slots contribute nothing
         y_sorted = y_sorted.new_zeros(plan.num_slots, y_sorted.shape[-1]).index_copy(0, keep, y_sorted)

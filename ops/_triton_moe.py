@@ -1,0 +1,418 @@
+"""Triton kernels of the SwiGLU experts: grouped GEMMs over expert-sorted rows, with the token
+gather, the SwiGLU, the routing weights and the scatter to slot order fused in.
+
+Imported only when Triton is installed. Portable Triton only (`tl.dot`, masked loads and stores):
+no CUDA-specific intrinsics, so the same source runs on NVIDIA, AMD and Intel GPUs, and on the CPU
+under `TRITON_INTERPRET=1` (the CI's correctness tests).
+
+Notation. The rows are sorted by expert: expert e owns sorted positions `[starts[e], ends[e])`.
+Sorted position p reads input row `src[p]` (the token; identity without `src`) and writes output row
+`dst[p]` (its slot t*k + j; identity without `dst`), scaled by `weights[dst[p]]` when weights are
+given. Weights are `gate_up [E, 2I, H]` (gate rows first) and `down [E, H, I]`.
+
+Row-tile kernels (forward GEMMs, the input gradient, the gradient of the SwiGLU) map the first grid
+axis to (expert, tile of BLOCK_M of its rows) through a table built on the device, so nothing waits
+for the host: the grid has cdiv(S, BLOCK_M) + E row tiles, the most any routing can need, and the
+spare ones exit at once. Weight-gradient kernels (ragged K: the reduction runs over an expert's
+rows) take one expert per program along the first axis, and write zeros for experts without rows.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# -- device helpers -------------------------------------------------------------------------------
+
+@triton.jit
+def _mma(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    # Triton's interpreter multiplies bfloat16 tiles as raw integers (numpy has no bfloat16), so it
+    # gets them as float32: the products of 16-bit floats are exact in float32, so the result is
+    # the one the GPU's 16-bit MMA with float32 accumulation gives.
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _row_tile(tile_expert_ptr, starts_ptr, ends_ptr, first_tile_ptr, pid, BLOCK_M: tl.constexpr):
+    """(expert, sorted positions of this tile, their mask); expert is -1 for a spare tile."""
+    e = tl.load(tile_expert_ptr + pid)
+    e_safe = tl.maximum(e, 0)
+    start = tl.load(starts_ptr + e_safe)
+    end = tl.load(ends_ptr + e_safe)
+    first = tl.load(first_tile_ptr + e_safe)
+    rows = start + (pid - first) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return e, rows, rows < end
+
+
+# -- forward --------------------------------------------------------------------------------------
+
+@triton.jit
+def _gate_up_fwd_kernel(
+    x_ptr, src_ptr, w_ptr, gu_ptr, h_ptr,
+    tile_expert_ptr, starts_ptr, ends_ptr, first_tile_ptr,
+    H, INTER, stride_x, stride_w0, stride_w1, stride_w2, stride_gu, stride_h,
+    HAS_SRC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """gu[p] = x[src[p]] @ gate_up[e].T (pre-activation) and h[p] = silu(gate) * up."""
+    e, rows, row_mask = _row_tile(tile_expert_ptr, starts_ptr, ends_ptr, first_tile_ptr,
+                                  tl.program_id(0), BLOCK_M)
+    if e < 0:
+        return
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < INTER
+    if HAS_SRC:
+        src = tl.load(src_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    else:
+        src = rows.to(tl.int64)
+    w_base = w_ptr + e.to(tl.int64) * stride_w0
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < H
+        a = tl.load(x_ptr + src[:, None] * stride_x + ks[None, :],
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b_mask = k_mask[:, None] & col_mask[None, :]
+        b_gate = tl.load(w_base + cols[None, :] * stride_w1 + ks[:, None] * stride_w2, mask=b_mask, other=0.0)
+        b_up = tl.load(w_base + (cols[None, :] + INTER) * stride_w1 + ks[:, None] * stride_w2,
+                       mask=b_mask, other=0.0)
+        acc_gate = _mma(a, b_gate, acc_gate, UPCAST, PRECISION)
+        acc_up = _mma(a, b_up, acc_up, UPCAST, PRECISION)
+    out_dtype = gu_ptr.dtype.element_ty
+    gate = acc_gate.to(out_dtype)
+    up = acc_up.to(out_dtype)
+    mask = row_mask[:, None] & col_mask[None, :]
+    gu_rows = gu_ptr + rows.to(tl.int64)[:, None] * stride_gu
+    tl.store(gu_rows + cols[None, :], gate, mask=mask)
+    tl.store(gu_rows + INTER + cols[None, :], up, mask=mask)
+    # h from the rounded pre-activation, as the backward recomputes it.
+    g32 = gate.to(tl.float32)
+    h = g32 * tl.sigmoid(g32) * up.to(tl.float32)
+    tl.store(h_ptr + rows.to(tl.int64)[:, None] * stride_h + cols[None, :], h.to(out_dtype), mask=mask)
+
+
+@triton.jit
+def _down_fwd_kernel(
+    h_ptr, w_ptr, y_ptr, dst_ptr, rw_ptr,
+    tile_expert_ptr, starts_ptr, ends_ptr, first_tile_ptr,
+    H, INTER, stride_h, stride_w0, stride_w1, stride_w2, stride_y,
+    HAS_DST: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """y[dst[p]] = weights[dst[p]] * (h[p] @ down[e].T)."""
+    e, rows, row_mask = _row_tile(tile_expert_ptr, starts_ptr, ends_ptr, first_tile_ptr,
+                                  tl.program_id(0), BLOCK_M)
+    if e < 0:
+        return
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < H
+    w_base = w_ptr + e.to(tl.int64) * stride_w0
+    h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < INTER
+        a = tl.load(h_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w_base + cols[None, :] * stride_w1 + ks[:, None] * stride_w2,
+                    mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        acc = _mma(a, b, acc, UPCAST, PRECISION)
+    if HAS_DST:
+        dst = tl.load(dst_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    else:
+        dst = rows.to(tl.int64)
+    if HAS_WEIGHTS:
+        acc = acc * tl.load(rw_ptr + dst, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+    tl.store(y_ptr + dst[:, None] * stride_y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & col_mask[None, :])
+
+
+# -- backward -------------------------------------------------------------------------------------
+
+@triton.jit
+def _down_bwd_kernel(
+    g_ptr, gsrc_ptr, w_ptr, gu_ptr, dst_ptr, rw_ptr, dgu_ptr, hw_ptr, gw_ptr,
+    tile_expert_ptr, starts_ptr, ends_ptr, first_tile_ptr,
+    H, INTER, stride_g, stride_w0, stride_w1, stride_w2, stride_gu, stride_dgu, stride_hw, stride_gw,
+    HAS_GSRC: tl.constexpr, HAS_DST: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """The gradient through the down projection and the SwiGLU, from the saved pre-activation:
+    a = g[gsrc[p]] @ down[e] (dL/dh before the routing weight), then d gate and d up into dgu,
+    w * h into hw (the other factor of the down weight's gradient), and this column block's part
+    of the routing-weight gradient sum(a * h) into gw[p, block]."""
+    e, rows, row_mask = _row_tile(tile_expert_ptr, starts_ptr, ends_ptr, first_tile_ptr,
+                                  tl.program_id(0), BLOCK_M)
+    if e < 0:
+        return
+    pid_n = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < INTER
+    if HAS_GSRC:
+        gsrc = tl.load(gsrc_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    else:
+        gsrc = rows.to(tl.int64)
+    w_base = w_ptr + e.to(tl.int64) * stride_w0
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < H
+        a = tl.load(g_ptr + gsrc[:, None] * stride_g + ks[None, :],
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w_base + ks[:, None] * stride_w1 + cols[None, :] * stride_w2,
+                    mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        acc = _mma(a, b, acc, UPCAST, PRECISION)
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows64 = rows.to(tl.int64)
+    gu_rows = gu_ptr + rows64[:, None] * stride_gu
+    gate = tl.load(gu_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gu_rows + INTER + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(gate)
+    act = gate * sig
+    h = act * up
+    if HAS_WEIGHTS:
+        if HAS_DST:
+            dst = tl.load(dst_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+        else:
+            dst = rows64
+        w = tl.load(rw_ptr + dst, mask=row_mask, other=0.0).to(tl.float32)
+        tl.store(gw_ptr + rows64 * stride_gw + pid_n, tl.sum(acc * h, axis=1), mask=row_mask)
+        acc = acc * w[:, None]
+        h = h * w[:, None]
+    d_up = acc * act
+    d_gate = acc * up * sig * (1.0 + gate * (1.0 - sig))
+    out_dtype = dgu_ptr.dtype.element_ty
+    dgu_rows = dgu_ptr + rows64[:, None] * stride_dgu
+    tl.store(dgu_rows + cols[None, :], d_gate.to(out_dtype), mask=mask)
+    tl.store(dgu_rows + INTER + cols[None, :], d_up.to(out_dtype), mask=mask)
+    tl.store(hw_ptr + rows64[:, None] * stride_hw + cols[None, :], h.to(out_dtype), mask=mask)
+
+
+@triton.jit
+def _dx_kernel(
+    dgu_ptr, w_ptr, dx_ptr, dst_ptr,
+    tile_expert_ptr, starts_ptr, ends_ptr, first_tile_ptr,
+    H, K2, stride_dgu, stride_w0, stride_w1, stride_w2, stride_dx,
+    HAS_DST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """dx[dst[p]] = dgu[p] @ gate_up[e] (the input gradient of one slot)."""
+    e, rows, row_mask = _row_tile(tile_expert_ptr, starts_ptr, ends_ptr, first_tile_ptr,
+                                  tl.program_id(0), BLOCK_M)
+    if e < 0:
+        return
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < H
+    w_base = w_ptr + e.to(tl.int64) * stride_w0
+    dgu_rows = dgu_ptr + rows.to(tl.int64)[:, None] * stride_dgu
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K2, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K2
+        a = tl.load(dgu_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w_base + ks[:, None] * stride_w1 + cols[None, :] * stride_w2,
+                    mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        acc = _mma(a, b, acc, UPCAST, PRECISION)
+    if HAS_DST:
+        dst = tl.load(dst_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    else:
+        dst = rows.to(tl.int64)
+    tl.store(dx_ptr + dst[:, None] * stride_dx + cols[None, :], acc.to(dx_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _weight_grad_kernel(
+    a_ptr, asrc_ptr, b_ptr, bsrc_ptr, out_ptr, starts_ptr, ends_ptr,
+    M, N, stride_a, stride_b, stride_o0, stride_o1,
+    HAS_ASRC: tl.constexpr, HAS_BSRC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """out[e] = a[asrc[rows of e]].T @ b[bsrc[rows of e]]: a weight gradient, a GEMM whose
+    reduction runs over the expert's rows (ragged K). Zeros for an expert without rows."""
+    e = tl.program_id(0)
+    start = tl.load(starts_ptr + e)
+    end = tl.load(ends_ptr + e)
+    ms = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ns = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = ms < M
+    n_mask = ns < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(start, end, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < end
+        if HAS_ASRC:
+            ra = tl.load(asrc_ptr + ks, mask=k_mask, other=0).to(tl.int64)
+        else:
+            ra = ks.to(tl.int64)
+        if HAS_BSRC:
+            rb = tl.load(bsrc_ptr + ks, mask=k_mask, other=0).to(tl.int64)
+        else:
+            rb = ks.to(tl.int64)
+        a = tl.load(a_ptr + ra[None, :] * stride_a + ms[:, None], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptr + rb[:, None] * stride_b + ns[None, :], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = _mma(a, b, acc, UPCAST, PRECISION)
+    out = out_ptr + e.to(tl.int64) * stride_o0 + ms[:, None] * stride_o1 + ns[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+# -- launchers ------------------------------------------------------------------------------------
+
+# Tile sizes: a starting point for 16-bit data on current GPUs (tuned on the GPU benchmark); tests
+# pass small blocks to exercise ragged tiles.
+DEFAULT_BLOCKS = {
+    "gate_up": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3),
+    "down": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+    "down_bwd": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3),
+    "dx": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+    "weight_grad": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+}
+
+
+def _blocks(name: str, blocks: dict | None) -> dict:
+    cfg = dict(DEFAULT_BLOCKS[name])
+    if blocks and name in blocks:
+        cfg.update(blocks[name])
+    if INTERPRET:  # launch options mean nothing to the interpreter
+        cfg.pop("num_warps", None)
+        cfg.pop("num_stages", None)
+    return cfg
+
+
+def _numerics(dtype: torch.dtype) -> dict:
+    if dtype == torch.float32:
+        tf32 = torch.backends.cuda.matmul.allow_tf32 and not INTERPRET
+        return dict(UPCAST=False, PRECISION="tf32" if tf32 else "ieee")
+    return dict(UPCAST=INTERPRET, PRECISION="ieee" if INTERPRET else "tf32")
+
+
+class _Schedule:
+    """Where each expert's rows are, and the row-tile table of one tile height."""
+
+    def __init__(self, counts: torch.Tensor, num_rows: int):
+        counts = counts.to(torch.int64)
+        self.num_experts = counts.numel()
+        self.ends = torch.cumsum(counts, 0)
+        self.starts = self.ends - counts
+        self.counts = counts
+        self.num_rows = num_rows
+        self._tiles: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+
+    def tiles(self, block_m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(expert of each row tile or -1, first tile of each expert, number of tiles to launch)."""
+        if block_m not in self._tiles:
+            per_expert = (self.counts + block_m - 1) // block_m
+            cum = torch.cumsum(per_expert, 0)
+            grid = triton.cdiv(self.num_rows, block_m) + self.num_experts  # an upper bound
+            ids = torch.arange(grid, device=self.counts.device)
+            expert = torch.searchsorted(cum, ids, right=True)
+            expert = torch.where(expert < self.num_experts, expert, -1).to(torch.int32)
+            self._tiles[block_m] = (expert, cum - per_expert, grid)
+        return self._tiles[block_m]
+
+    def row_tile_args(self, block_m: int) -> tuple:
+        expert, first, _ = self.tiles(block_m)
+        return expert, self.starts, self.ends, first
+
+
+def forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor,
+            src: torch.Tensor | None, dst: torch.Tensor | None, weights: torch.Tensor | None,
+            out_rows: int, blocks: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y [out_rows, H] written at rows dst, pre-activation gu [S, 2I]) for the sorted rows."""
+    num_sorted = src.numel() if src is not None else x.shape[0]
+    inter, hidden = down.shape[-1], down.shape[1]
+    x = x.contiguous()
+    gu = x.new_empty(num_sorted, 2 * inter)
+    y = x.new_empty(out_rows, hidden)
+    if num_sorted == 0:
+        return y.zero_(), gu
+    sched = _Schedule(counts, num_sorted)
+    num = _numerics(x.dtype)
+    h = x.new_empty(num_sorted, inter)
+    cfg = _blocks("gate_up", blocks)
+    grid = (sched.tiles(cfg["BLOCK_M"])[2], triton.cdiv(inter, cfg["BLOCK_N"]))
+    _gate_up_fwd_kernel[grid](
+        x, src if src is not None else x, gate_up, gu, h, *sched.row_tile_args(cfg["BLOCK_M"]),
+        hidden, inter, x.stride(0), *gate_up.stride(), gu.stride(0), h.stride(0),
+        HAS_SRC=src is not None, **cfg, **num,
+    )
+    cfg = _blocks("down", blocks)
+    grid = (sched.tiles(cfg["BLOCK_M"])[2], triton.cdiv(hidden, cfg["BLOCK_N"]))
+    _down_fwd_kernel[grid](
+        h, down, y, dst if dst is not None else h, weights if weights is not None else h,
+        *sched.row_tile_args(cfg["BLOCK_M"]),
+        hidden, inter, h.stride(0), *down.stride(), y.stride(0),
+        HAS_DST=dst is not None, HAS_WEIGHTS=weights is not None, **cfg, **num,
+    )
+    return y, gu
+
+
+def backward(grad: torch.Tensor, grad_src: torch.Tensor | None, x: torch.Tensor, gate_up: torch.Tensor,
+                  down: torch.Tensor, counts: torch.Tensor, src: torch.Tensor | None, dst: torch.Tensor | None,
+                  weights: torch.Tensor | None, gu: torch.Tensor, dx_rows: int, blocks: dict | None = None):
+    """Gradients of `forward`. Sorted position p's output gradient is row grad_src[p] of `grad`
+    (identity without grad_src: `grad` is then in sorted order). Returns (dx [dx_rows, H] with sorted
+    position p's input gradient at row dst[p], d gate_up, d down, the routing-weight gradient per
+    sorted position or None)."""
+    num_sorted = gu.shape[0]
+    inter, hidden = down.shape[-1], down.shape[1]
+    grad = grad.contiguous()
+    x = x.contiguous()
+    d_gate_up = gate_up.new_empty(gate_up.shape)  # contiguous, whatever the weights' strides
+    d_down = down.new_empty(down.shape)
+    dx = x.new_empty(dx_rows, hidden)
+    if num_sorted == 0:
+        gw = grad.new_zeros(0, dtype=torch.float32) if weights is not None else None
+        return dx.zero_(), d_gate_up.zero_(), d_down.zero_(), gw
+    sched = _Schedule(counts, num_sorted)
+    num = _numerics(x.dtype)
+    dgu = torch.empty_like(gu)
+    hw = gu.new_empty(num_sorted, inter)
+
+    cfg = _blocks("down_bwd", blocks)
+    n_blocks = triton.cdiv(inter, cfg["BLOCK_N"])
+    gw_parts = torch.empty(num_sorted, n_blocks, device=gu.device, dtype=torch.float32) if weights is not None else hw
+    _down_bwd_kernel[(sched.tiles(cfg["BLOCK_M"])[2], n_blocks)](
+        grad, grad_src if grad_src is not None else grad, down, gu,
+        dst if dst is not None else gu, weights if weights is not None else gu, dgu, hw, gw_parts,
+        *sched.row_tile_args(cfg["BLOCK_M"]),
+        hidden, inter, grad.stride(0), *down.stride(), gu.stride(0), dgu.stride(0), hw.stride(0),
+        gw_parts.stride(0),
+        HAS_GSRC=grad_src is not None, HAS_DST=dst is not None, HAS_WEIGHTS=weights is not None, **cfg, **num,
+    )
+
+    cfg = _blocks("weight_grad", blocks)
+    # d down[e] = g[grad_src].T @ (w * h)   ([H, I], reduction over the expert's rows)
+    grid = (sched.num_experts, triton.cdiv(hidden, cfg["BLOCK_M"]), triton.cdiv(inter, cfg["BLOCK_N"]))
+    _weight_grad_kernel[grid](
+        grad, grad_src if grad_src is not None else grad, hw, hw, d_down, sched.starts, sched.ends,
+        hidden, inter, grad.stride(0), hw.stride(0), d_down.stride(0), d_down.stride(1),
+        HAS_ASRC=grad_src is not None, HAS_BSRC=False, **cfg, **num,
+    )
+    # d gate_up[e] = dgu.T @ x[src]   ([2I, H])
+    grid = (sched.num_experts, triton.cdiv(2 * inter, cfg["BLOCK_M"]), triton.cdiv(hidden, cfg["BLOCK_N"]))
+    _weight_grad_kernel[grid](
+        dgu, dgu, x, src if src is not None else x, d_gate_up, sched.starts, sched.ends,
+        2 * inter, hidden, dgu.stride(0), x.stride(0), d_gate_up.stride(0), d_gate_up.stride(1),
+        HAS_ASRC=False, HAS_BSRC=src is not None, **cfg, **num,
+    )
+    cfg = _blocks("dx", blocks)
+    _dx_kernel[(sched.tiles(cfg["BLOCK_M"])[2], triton.cdiv(hidden, cfg["BLOCK_N"]))](
+        dgu, gate_up, dx, dst if dst is not None else dgu, *sched.row_tile_args(cfg["BLOCK_M"]),
+        hidden, 2 * inter, dgu.stride(0), *gate_up.stride(), dx.stride(0),
+        HAS_DST=dst is not None, **cfg, **num,
+    )
+    gw = gw_parts.sum(1) if weights is not None else None
+    return dx, d_gate_up, d_down, gw
