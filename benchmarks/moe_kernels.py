@@ -4,11 +4,13 @@ Transformers' experts implementations and the measured dense bf16 matmul rate (t
 Shape: hidden 2048, expert intermediate 1024, 64 experts, top-8, bfloat16; 8192 and 16384 tokens.
 Contestants (identical weights, interleaved, median of repeats):
   ours_<backend>   ds_optimus' layer with each experts backend available on the device
+                   (ours_triton: the Triton kernels of ds_optimus.ops, fused permute and combine)
   hf_grouped_mm    Transformers' OlmoeSparseMoeBlock, experts_implementation="grouped_mm"
   hf_eager         ... "eager"
   dense            the same matmul FLOPs as one dense chain
 TFLOP/s counts the expert matmuls only (forward 2 GEMMs, backward 4), so every contestant is
-measured against the same useful work. Needs no DeepSpeed.
+measured against the same useful work. Targets of the Triton kernels: at least 1.2x the speed of
+ours_grouped_mm (the layer on torch's grouped GEMM) and 50 % of the dense rate. Needs no DeepSpeed.
 
     python benchmarks/moe_kernels.py [--tokens 8192,16384] [--repeats 20]
 """
@@ -97,7 +99,12 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("moe_kernels.py measures on a GPU; none is visible")
     device, dtype = "cuda", torch.bfloat16
-    payload = {"shape": dict(hidden=HIDDEN, intermediate=INTER, experts=EXPERTS, top_k=TOP_K, dtype="bfloat16"),
+    try:
+        import triton
+        versions = {"triton": triton.__version__}
+    except ImportError:
+        versions = {"triton": None}
+    payload = {**versions, "shape": dict(hidden=HIDDEN, intermediate=INTER, experts=EXPERTS, top_k=TOP_K, dtype="bfloat16"),
                "repeats": args.repeats, "results": {}}
     for tokens in map(int, args.tokens.split(",")):
         runs, outputs = contestants_for(tokens, device, dtype)
@@ -113,8 +120,14 @@ def main() -> None:
             t["fraction_of_dense"] = t["tflops"] * 1e12 / dense_rate
             diff = f"{agree[name]:.1e}" if name in agree else "-"
             print(f"{name:<20}{t['median_s'] * 1e3:>10.2f}{t['tflops']:>9.0f}{t['fraction_of_dense']:>9.0%}{diff:>23}")
-        payload["results"][str(tokens)] = {"matmul_flops_fwd_bwd": flops, "times": times,
-                                           "output_rel_diff_vs_hf_eager": agree}
+        result = {"matmul_flops_fwd_bwd": flops, "times": times, "output_rel_diff_vs_hf_eager": agree}
+        if "ours_triton" in times and "ours_grouped_mm" in times:
+            speedup = times["ours_grouped_mm"]["median_s"] / times["ours_triton"]["median_s"]
+            share = times["ours_triton"]["fraction_of_dense"]
+            result["triton_targets"] = {"speedup_vs_grouped_mm": speedup, "fraction_of_dense": share,
+                                        "met": speedup >= 1.2 and share >= 0.5}
+            print(f"triton: {speedup:.2f}x ours_grouped_mm (target 1.2x), {share:.0%} of dense (target 50 %)")
+        payload["results"][str(tokens)] = result
     print(f"\nwrote {write_result('moe_kernels_' + torch.cuda.get_device_name().replace(' ', '_'), payload)}")
 
 

@@ -10,16 +10,20 @@ Sorted position p reads input row `src[p]` (the token; identity without `src`) a
 `dst[p]` (its slot t*k + j; identity without `dst`), scaled by `weights[dst[p]]` when weights are
 given. Weights are `gate_up [E, 2I, H]` (gate rows first) and `down [E, H, I]`.
 
-Row-tile kernels (forward GEMMs, the input gradient, the gradient of the SwiGLU) map the first grid
+Row-tile kernels (forward GEMMs, the input gradient, the gradient of the SwiGLU) map the second grid
 axis to (expert, tile of BLOCK_M of its rows) through a table built on the device, so nothing waits
 for the host: the grid has cdiv(S, BLOCK_M) + E row tiles, the most any routing can need, and the
-spare ones exit at once. Weight-gradient kernels (ragged K: the reduction runs over an expert's
-rows) take one expert per program along the first axis, and write zeros for experts without rows.
+spare ones exit at once. Column tiles are the first (fastest) grid axis, so the programs running at
+once share their row tiles and their expert's weights in L2. Weight-gradient kernels (ragged K:
+the reduction runs over an expert's rows) take the expert on the last (slowest) axis, so the
+programs running at once read the same expert's rows, and write zeros for experts without rows.
 """
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import torch
 import triton
@@ -65,10 +69,10 @@ def _gate_up_fwd_kernel(
 ):
     """gu[p] = x[src[p]] @ gate_up[e].T (pre-activation) and h[p] = silu(gate) * up."""
     e, rows, row_mask = _row_tile(tile_expert_ptr, starts_ptr, ends_ptr, first_tile_ptr,
-                                  tl.program_id(0), BLOCK_M)
+                                  tl.program_id(1), BLOCK_M)
     if e < 0:
         return
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < INTER
     if HAS_SRC:
         src = tl.load(src_ptr + rows, mask=row_mask, other=0).to(tl.int64)
@@ -112,10 +116,10 @@ def _down_fwd_kernel(
 ):
     """y[dst[p]] = weights[dst[p]] * (h[p] @ down[e].T)."""
     e, rows, row_mask = _row_tile(tile_expert_ptr, starts_ptr, ends_ptr, first_tile_ptr,
-                                  tl.program_id(0), BLOCK_M)
+                                  tl.program_id(1), BLOCK_M)
     if e < 0:
         return
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < H
     w_base = w_ptr + e.to(tl.int64) * stride_w0
     h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h
@@ -153,10 +157,10 @@ def _down_bwd_kernel(
     w * h into hw (the other factor of the down weight's gradient), and this column block's part
     of the routing-weight gradient sum(a * h) into gw[p, block]."""
     e, rows, row_mask = _row_tile(tile_expert_ptr, starts_ptr, ends_ptr, first_tile_ptr,
-                                  tl.program_id(0), BLOCK_M)
+                                  tl.program_id(1), BLOCK_M)
     if e < 0:
         return
-    pid_n = tl.program_id(1)
+    pid_n = tl.program_id(0)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < INTER
     if HAS_GSRC:
@@ -209,10 +213,10 @@ def _dx_kernel(
 ):
     """dx[dst[p]] = dgu[p] @ gate_up[e] (the input gradient of one slot)."""
     e, rows, row_mask = _row_tile(tile_expert_ptr, starts_ptr, ends_ptr, first_tile_ptr,
-                                  tl.program_id(0), BLOCK_M)
+                                  tl.program_id(1), BLOCK_M)
     if e < 0:
         return
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < H
     w_base = w_ptr + e.to(tl.int64) * stride_w0
     dgu_rows = dgu_ptr + rows.to(tl.int64)[:, None] * stride_dgu
@@ -242,11 +246,11 @@ def _weight_grad_kernel(
 ):
     """out[e] = a[asrc[rows of e]].T @ b[bsrc[rows of e]]: a weight gradient, a GEMM whose
     reduction runs over the expert's rows (ragged K). Zeros for an expert without rows."""
-    e = tl.program_id(0)
+    e = tl.program_id(2)
     start = tl.load(starts_ptr + e)
     end = tl.load(ends_ptr + e)
     ms = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    ns = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = ms < M
     n_mask = ns < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -270,8 +274,9 @@ def _weight_grad_kernel(
 
 # -- launchers ------------------------------------------------------------------------------------
 
-# Tile sizes: a starting point for 16-bit data on current GPUs (tuned on the GPU benchmark); tests
-# pass small blocks to exercise ragged tiles.
+# Tile sizes: a starting point for 16-bit data on current GPUs. `benchmarks/tune_moe_kernels.py
+# --write` measures better ones per GPU into tuned_blocks.json (looked up by device name); tests pass
+# small blocks to exercise ragged tiles.
 DEFAULT_BLOCKS = {
     "gate_up": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3),
     "down": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
@@ -279,10 +284,28 @@ DEFAULT_BLOCKS = {
     "dx": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
     "weight_grad": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
 }
+_TUNED_FILE = Path(__file__).with_name("tuned_blocks.json")
+_tuned: dict | None = None
 
 
-def _blocks(name: str, blocks: dict | None) -> dict:
+def _device_name(device: torch.device) -> str | None:
+    module = getattr(torch, device.type, None)  # torch.cuda (NVIDIA and AMD), torch.xpu
+    try:
+        return module.get_device_name(device) if module is not None else None
+    except (AssertionError, RuntimeError, AttributeError):
+        return None
+
+
+def resolve_blocks(name: str, device: torch.device | str, blocks: dict | None = None) -> dict:
+    """Tile sizes and launch options of kernel `name` on `device`: defaults, then this GPU's tuned
+    entry, then `blocks[name]`."""
+    global _tuned
+    if _tuned is None:
+        _tuned = json.loads(_TUNED_FILE.read_text()) if _TUNED_FILE.exists() else {}
     cfg = dict(DEFAULT_BLOCKS[name])
+    device = torch.device(device)
+    if device.type != "cpu":
+        cfg.update(_tuned.get(_device_name(device) or "", {}).get(name, {}))
     if blocks and name in blocks:
         cfg.update(blocks[name])
     if INTERPRET:  # launch options mean nothing to the interpreter
@@ -322,9 +345,69 @@ class _Schedule:
             self._tiles[block_m] = (expert, cum - per_expert, grid)
         return self._tiles[block_m]
 
-    def row_tile_args(self, block_m: int) -> tuple:
-        expert, first, _ = self.tiles(block_m)
-        return expert, self.starts, self.ends, first
+    def row_grid(self, cfg: dict, columns: int) -> tuple[tuple[int, int], tuple]:
+        """(grid, row-tile table arguments) of a row-tile kernel over `columns` output columns."""
+        expert, first, tiles = self.tiles(cfg["BLOCK_M"])
+        return (triton.cdiv(columns, cfg["BLOCK_N"]), tiles), (expert, self.starts, self.ends, first)
+
+
+def _or(t: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
+    # An absent optional tensor: the kernel never reads it (its HAS_* flag is off).
+    return t if t is not None else placeholder
+
+
+def launch_gate_up(x, src, gate_up, gu, h, sched: _Schedule, cfg: dict, num: dict) -> None:
+    """gu = x[src] @ gate_up[e].T per expert, h = silu(gate) * up."""
+    inter, hidden = gate_up.shape[1] // 2, gate_up.shape[2]
+    grid, table = sched.row_grid(cfg, inter)
+    _gate_up_fwd_kernel[grid](
+        x, _or(src, x), gate_up, gu, h, *table, hidden, inter, x.stride(0), *gate_up.stride(),
+        gu.stride(0), h.stride(0), HAS_SRC=src is not None, **cfg, **num,
+    )
+
+
+def launch_down(h, down, y, dst, weights, sched: _Schedule, cfg: dict, num: dict) -> None:
+    """y[dst] = weights[dst] * (h @ down[e].T) per expert."""
+    hidden, inter = down.shape[1], down.shape[2]
+    grid, table = sched.row_grid(cfg, hidden)
+    _down_fwd_kernel[grid](
+        h, down, y, _or(dst, h), _or(weights, h), *table, hidden, inter, h.stride(0), *down.stride(),
+        y.stride(0), HAS_DST=dst is not None, HAS_WEIGHTS=weights is not None, **cfg, **num,
+    )
+
+
+def launch_down_bwd(grad, grad_src, down, gu, dst, weights, dgu, hw, gw_parts, sched: _Schedule, cfg: dict,
+                    num: dict) -> None:
+    """dgu, hw = w * h and the routing-weight gradient parts from the output gradient grad[grad_src]."""
+    hidden, inter = down.shape[1], down.shape[2]
+    grid, table = sched.row_grid(cfg, inter)
+    gw_parts = _or(gw_parts, hw)
+    _down_bwd_kernel[grid](
+        grad, _or(grad_src, grad), down, gu, _or(dst, gu), _or(weights, gu), dgu, hw, gw_parts, *table,
+        hidden, inter, grad.stride(0), *down.stride(), gu.stride(0), dgu.stride(0), hw.stride(0),
+        gw_parts.stride(0), HAS_GSRC=grad_src is not None, HAS_DST=dst is not None,
+        HAS_WEIGHTS=weights is not None, **cfg, **num,
+    )
+
+
+def launch_weight_grad(a, asrc, b, bsrc, out, sched: _Schedule, cfg: dict, num: dict) -> None:
+    """out[e] = a[asrc[rows of e]].T @ b[bsrc[rows of e]] for every expert (out [E, M, N] contiguous)."""
+    m, n = out.shape[1], out.shape[2]
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), sched.num_experts)
+    _weight_grad_kernel[grid](
+        a, _or(asrc, a), b, _or(bsrc, b), out, sched.starts, sched.ends, m, n, a.stride(0), b.stride(0),
+        out.stride(0), out.stride(1), HAS_ASRC=asrc is not None, HAS_BSRC=bsrc is not None, **cfg, **num,
+    )
+
+
+def launch_dx(dgu, gate_up, dx, dst, sched: _Schedule, cfg: dict, num: dict) -> None:
+    """dx[dst] = dgu @ gate_up[e] per expert."""
+    hidden = gate_up.shape[2]
+    grid, table = sched.row_grid(cfg, hidden)
+    _dx_kernel[grid](
+        dgu, gate_up, dx, _or(dst, dgu), *table, hidden, gate_up.shape[1], dgu.stride(0), *gate_up.stride(),
+        dx.stride(0), HAS_DST=dst is not None, **cfg, **num,
+    )
 
 
 def forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor,
@@ -341,27 +424,14 @@ def forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: 
     sched = _Schedule(counts, num_sorted)
     num = _numerics(x.dtype)
     h = x.new_empty(num_sorted, inter)
-    cfg = _blocks("gate_up", blocks)
-    grid = (sched.tiles(cfg["BLOCK_M"])[2], triton.cdiv(inter, cfg["BLOCK_N"]))
-    _gate_up_fwd_kernel[grid](
-        x, src if src is not None else x, gate_up, gu, h, *sched.row_tile_args(cfg["BLOCK_M"]),
-        hidden, inter, x.stride(0), *gate_up.stride(), gu.stride(0), h.stride(0),
-        HAS_SRC=src is not None, **cfg, **num,
-    )
-    cfg = _blocks("down", blocks)
-    grid = (sched.tiles(cfg["BLOCK_M"])[2], triton.cdiv(hidden, cfg["BLOCK_N"]))
-    _down_fwd_kernel[grid](
-        h, down, y, dst if dst is not None else h, weights if weights is not None else h,
-        *sched.row_tile_args(cfg["BLOCK_M"]),
-        hidden, inter, h.stride(0), *down.stride(), y.stride(0),
-        HAS_DST=dst is not None, HAS_WEIGHTS=weights is not None, **cfg, **num,
-    )
+    launch_gate_up(x, src, gate_up, gu, h, sched, resolve_blocks("gate_up", x.device, blocks), num)
+    launch_down(h, down, y, dst, weights, sched, resolve_blocks("down", x.device, blocks), num)
     return y, gu
 
 
 def backward(grad: torch.Tensor, grad_src: torch.Tensor | None, x: torch.Tensor, gate_up: torch.Tensor,
-                  down: torch.Tensor, counts: torch.Tensor, src: torch.Tensor | None, dst: torch.Tensor | None,
-                  weights: torch.Tensor | None, gu: torch.Tensor, dx_rows: int, blocks: dict | None = None):
+             down: torch.Tensor, counts: torch.Tensor, src: torch.Tensor | None, dst: torch.Tensor | None,
+             weights: torch.Tensor | None, gu: torch.Tensor, dx_rows: int, blocks: dict | None = None):
     """Gradients of `forward`. Sorted position p's output gradient is row grad_src[p] of `grad`
     (identity without grad_src: `grad` is then in sorted order). Returns (dx [dx_rows, H] with sorted
     position p's input gradient at row dst[p], d gate_up, d down, the routing-weight gradient per
@@ -380,39 +450,13 @@ def backward(grad: torch.Tensor, grad_src: torch.Tensor | None, x: torch.Tensor,
     num = _numerics(x.dtype)
     dgu = torch.empty_like(gu)
     hw = gu.new_empty(num_sorted, inter)
-
-    cfg = _blocks("down_bwd", blocks)
-    n_blocks = triton.cdiv(inter, cfg["BLOCK_N"])
-    gw_parts = torch.empty(num_sorted, n_blocks, device=gu.device, dtype=torch.float32) if weights is not None else hw
-    _down_bwd_kernel[(sched.tiles(cfg["BLOCK_M"])[2], n_blocks)](
-        grad, grad_src if grad_src is not None else grad, down, gu,
-        dst if dst is not None else gu, weights if weights is not None else gu, dgu, hw, gw_parts,
-        *sched.row_tile_args(cfg["BLOCK_M"]),
-        hidden, inter, grad.stride(0), *down.stride(), gu.stride(0), dgu.stride(0), hw.stride(0),
-        gw_parts.stride(0),
-        HAS_GSRC=grad_src is not None, HAS_DST=dst is not None, HAS_WEIGHTS=weights is not None, **cfg, **num,
-    )
-
-    cfg = _blocks("weight_grad", blocks)
-    # d down[e] = g[grad_src].T @ (w * h)   ([H, I], reduction over the expert's rows)
-    grid = (sched.num_experts, triton.cdiv(hidden, cfg["BLOCK_M"]), triton.cdiv(inter, cfg["BLOCK_N"]))
-    _weight_grad_kernel[grid](
-        grad, grad_src if grad_src is not None else grad, hw, hw, d_down, sched.starts, sched.ends,
-        hidden, inter, grad.stride(0), hw.stride(0), d_down.stride(0), d_down.stride(1),
-        HAS_ASRC=grad_src is not None, HAS_BSRC=False, **cfg, **num,
-    )
-    # d gate_up[e] = dgu.T @ x[src]   ([2I, H])
-    grid = (sched.num_experts, triton.cdiv(2 * inter, cfg["BLOCK_M"]), triton.cdiv(hidden, cfg["BLOCK_N"]))
-    _weight_grad_kernel[grid](
-        dgu, dgu, x, src if src is not None else x, d_gate_up, sched.starts, sched.ends,
-        2 * inter, hidden, dgu.stride(0), x.stride(0), d_gate_up.stride(0), d_gate_up.stride(1),
-        HAS_ASRC=False, HAS_BSRC=src is not None, **cfg, **num,
-    )
-    cfg = _blocks("dx", blocks)
-    _dx_kernel[(sched.tiles(cfg["BLOCK_M"])[2], triton.cdiv(hidden, cfg["BLOCK_N"]))](
-        dgu, gate_up, dx, dst if dst is not None else dgu, *sched.row_tile_args(cfg["BLOCK_M"]),
-        hidden, 2 * inter, dgu.stride(0), *gate_up.stride(), dx.stride(0),
-        HAS_DST=dst is not None, **cfg, **num,
-    )
-    gw = gw_parts.sum(1) if weights is not None else None
-    return dx, d_gate_up, d_down, gw
+    cfg = resolve_blocks("down_bwd", x.device, blocks)
+    gw_parts = None
+    if weights is not None:  # one partial sum per column tile: summed below, no atomics
+        gw_parts = torch.empty(num_sorted, triton.cdiv(inter, cfg["BLOCK_N"]), device=gu.device, dtype=torch.float32)
+    launch_down_bwd(grad, grad_src, down, gu, dst, weights, dgu, hw, gw_parts, sched, cfg, num)
+    cfg = resolve_blocks("weight_grad", x.device, blocks)
+    launch_weight_grad(grad, grad_src, hw, None, d_down, sched, cfg, num)  # g[grad_src].T @ (w * h)
+    launch_weight_grad(dgu, None, x, src, d_gate_up, sched, cfg, num)  # dgu.T @ x[src]
+    launch_dx(dgu, gate_up, dx, dst, sched, resolve_blocks("dx", x.device, blocks), num)
+    return dx, d_gate_up, d_down, (gw_parts.sum(1) if gw_parts is not None else None)

@@ -33,7 +33,10 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 def triton_available() -> bool:
     """Whether Triton is installed (it is an optional dependency)."""
-    return importlib.util.find_spec("triton") is not None
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def interpreting() -> bool:
