@@ -104,7 +104,8 @@ def main() -> None:
         versions = {"triton": triton.__version__}
     except ImportError:
         versions = {"triton": None}
-    payload = {**versions, "shape": dict(hidden=HIDDEN, intermediate=INTER, experts=EXPERTS, top_k=TOP_K, dtype="bfloat16"),
+    shape = dict(hidden=HIDDEN, intermediate=INTER, experts=EXPERTS, top_k=TOP_K, dtype="bfloat16")
+    payload = {**versions, "shape": shape,
                "repeats": args.repeats, "results": {}}
     for tokens in map(int, args.tokens.split(",")):
         runs, outputs = contestants_for(tokens, device, dtype)
