@@ -10,10 +10,13 @@ validated up front. An unknown key or a bad value is a one-line `ConfigError` na
       "train": {"steps": 100, "seed": 0, "output_dir": "runs/mula", "eval_interval": 50, "eval_batches": 8,
                 "log_interval": 1, "peak_tflops": null, "warmup_steps": 0, "min_lr_ratio": 0.1,
                 "sample_prompt": "...", "sample_tokens": 48},
-      "checkpoint": {"interval": 0, "keep_last": 2, "dir": null, "resume": true},
+      "checkpoint": {"interval": 0, "keep_last": 2, "dir": null, "resume": true, "async_save": false},
       "wandb": {"mode": null, "project": "ds_optimus", "name": null, "entity": null},
       "sharded_optimizer": {"enabled": false, "bucket_size": 50000000, "reduce_dtype": null,
-                            "overlap_comm": null}
+                            "overlap_comm": null},
+      "guards": {"enabled": true, "window": 100, "min_window": 20, "sigmas": 6.0, "skip_spikes": true,
+                 "rollback_after": 3},
+      "watchdog": {"step_timeout_s": 900, "first_step_timeout_s": 3600, "checkpoint_timeout_s": 3600}
     }
 
 Every section and key is optional; the defaults are above (`mode: null` means online when
@@ -137,12 +140,14 @@ class CheckpointConfig:
     keep_last: int = 2
     dir: str | None = None  # null: <train.output_dir>/checkpoints
     resume: bool = True  # continue from the latest complete checkpoint in dir, if there is one
+    async_save: bool = False  # write checkpoints in a background thread while training goes on
 
     def check(self, where: str) -> None:
         _need(isinstance(self.interval, int) and self.interval >= 0,
               f"{where}.interval must be an integer >= 0, got {self.interval!r}")
         _need(_positive_int(self.keep_last), f"{where}.keep_last must be a positive integer, got {self.keep_last!r}")
         _need(isinstance(self.resume, bool), f"{where}.resume must be true or false, got {self.resume!r}")
+        _need(isinstance(self.async_save, bool), f"{where}.async_save must be true or false, got {self.async_save!r}")
 
 
 @dataclass(frozen=True)
@@ -180,6 +185,45 @@ class ShardedOptimizerConfig:
 
 
 @dataclass(frozen=True)
+class GuardsConfig:
+    """Numerical guards (`ds_optimus.reliability.guards`; they act through the sharded optimizer)."""
+
+    enabled: bool = True
+    window: int = 100  # accepted steps in the rolling loss and gradient-norm statistics
+    min_window: int = 20  # spikes are judged once the window holds this many steps
+    sigmas: float = 6.0  # a loss or gradient norm this many standard deviations above the mean is a spike
+    skip_spikes: bool = True  # skip spiking steps (non-finite ones are always skipped)
+    rollback_after: int = 3  # consecutive bad steps before rolling back to the last checkpoint; 0: never
+
+    def check(self, where: str) -> None:
+        for key in ("enabled", "skip_spikes"):
+            _need(isinstance(getattr(self, key), bool), f"{where}.{key} must be true or false, "
+                                                        f"got {getattr(self, key)!r}")
+        _need(_positive_int(self.window), f"{where}.window must be a positive integer, got {self.window!r}")
+        _need(_positive_int(self.min_window) and self.min_window <= self.window,
+              f"{where}.min_window must be a positive integer <= window, got {self.min_window!r}")
+        _need(_number(self.sigmas) and self.sigmas > 0,
+              f"{where}.sigmas must be a positive number, got {self.sigmas!r}")
+        _need(isinstance(self.rollback_after, int) and not isinstance(self.rollback_after, bool)
+              and self.rollback_after >= 0,
+              f"{where}.rollback_after must be an integer >= 0, got {self.rollback_after!r}")
+
+
+@dataclass(frozen=True)
+class WatchdogConfig:
+    """Hang watchdog (`ds_optimus.reliability.watchdog`); a time-out of 0 turns that check off."""
+
+    step_timeout_s: float = 900.0
+    first_step_timeout_s: float = 3600.0  # the first step after a (re)start also compiles and warms up
+    checkpoint_timeout_s: float = 3600.0  # a synchronous save, an evaluation or the final export
+
+    def check(self, where: str) -> None:
+        for key in ("step_timeout_s", "first_step_timeout_s", "checkpoint_timeout_s"):
+            value = getattr(self, key)
+            _need(_number(value) and value >= 0, f"{where}.{key} must be a number >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
 class OptimusConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     expert_parallel: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)
@@ -189,6 +233,8 @@ class OptimusConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     sharded_optimizer: ShardedOptimizerConfig = field(default_factory=ShardedOptimizerConfig)
+    guards: GuardsConfig = field(default_factory=GuardsConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
 
     @classmethod
     def from_ds_config(cls, config: dict[str, Any] | str | Path) -> OptimusConfig:

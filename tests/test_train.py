@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import subprocess
@@ -12,27 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed import run_distributed
-from train_workers import cli_errors_worker, pretrain_worker
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def tiny_config(tmp_path: Path, cache: Path, **optimus) -> dict:
-    config = json.loads((ROOT / "ds_configs" / "mula-tiny-moe-cpu.json").read_text())
-    config["train_micro_batch_size_per_gpu"] = 4
-    del config["train_batch_size"]  # the tests run it on 1 and 2 processes
-    config["optimus"].update(
-        model={"preset": "mula-tiny-moe"},
-        expert_parallel={"size": 1},
-        data={"sources": ["embedded"], "seq_len": 32, "val_fraction": 0.05, "cache_dir": str(cache)},
-        train={"steps": 8, "seed": 0, "output_dir": str(tmp_path / "run"), "eval_interval": 4, "eval_batches": 2,
-               "warmup_steps": 2, "sample_tokens": 0},
-        checkpoint={"interval": 4, "keep_last": 2},
-        wandb={"mode": "disabled"},
-    )
-    for section, values in optimus.items():
-        config["optimus"].setdefault(section, {}).update(values)
-    return config
+from train_workers import ROOT, cli_errors_worker, pretrain_worker, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -99,9 +80,13 @@ def test_checkpoints_metrics_wandb_and_export(tmp_path, cache):
     run = Path(config["optimus"]["train"]["output_dir"])
 
     checkpoints = sorted(p.name for p in (run / "checkpoints").iterdir())
-    assert checkpoints == ["step_00000006", "step_00000008"]  # keep_last 2, nothing half-written
+    assert checkpoints == ["latest", "step_00000006", "step_00000008"]  # keep_last 2, nothing half-written
+    assert (run / "checkpoints" / "latest").read_text() == "step_00000008"
     meta = json.loads((run / "checkpoints" / "step_00000008" / "meta.json").read_text())
-    assert meta["world_size"] == 2 and meta["ep_size"] == 2
+    assert meta["world_size"] == 2 and meta["ep_size"] == 2 and meta["step"] == 8
+    for name, record in meta["files"].items():  # the manifest: every file's size and checksum
+        data = (run / "checkpoints" / "step_00000008" / name).read_bytes()
+        assert record == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     assert {"model_dense.pt", "model_experts_ep000.pt", "model_experts_ep001.pt", "optim_rank00000.pt",
             "optim_rank00001.pt", "client_rank00001.pt", "engine.pt"} <= set(meta["files"])
 

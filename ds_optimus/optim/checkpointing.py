@@ -13,28 +13,63 @@ names it, so the Hugging Face Trainer finds it), and `<save_dir>/latest` names t
 
 Every piece of state is keyed by parameter name and global element range, never by rank, so a
 checkpoint loads on any layout: another world size, EP size, ZeRO stage or bucket size. Files go
-through a temporary name and the folder is renamed in complete; `latest` is replaced atomically.
+through a temporary name and the folder is renamed in complete; `meta.json` is the manifest (each
+file's size and SHA-256); `latest` is replaced atomically (`ds_optimus.reliability.CheckpointWriter`).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..parallel.expert_parallel import expert_groups_of, is_expert_param
-from ..reliability.checkpoint import atomic_save
+from ..reliability.checkpoint import CheckpointWriter, copy_to_cpu
 
 ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
 
 
 class CheckpointLoadError(RuntimeError):
     """A checkpoint folder this engine cannot load; the message says why in one line."""
+
+
+def checkpoint_files(engine, client_state=None, exclude_frozen_parameters: bool = False,
+                     copy: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """This rank's files of a checkpoint of `engine` ({file name: object}) and the manifest fields
+    (collective-free). `copy` snapshots every tensor, for a save that runs while training goes on."""
+    rank = dist.get_rank()
+    module = engine.module
+    frozen = {n for n, p in module.named_parameters() if not p.requires_grad} if exclude_frozen_parameters else set()
+    experts = {n for n, p in module.named_parameters() if is_expert_param(p)}
+    state = {k: v.detach() for k, v in module.state_dict().items() if k not in frozen}
+    groups = expert_groups_of(engine.module)
+    files: dict[str, Any] = {}
+    if rank == 0:
+        files["model_dense.pt"] = {k: v for k, v in state.items() if k not in experts}
+    if experts and groups is not None and rank == groups.edp_ranks[0]:
+        files[f"model_experts_ep{groups.ep_rank:03d}.pt"] = {
+            "ep_size": groups.ep_size, "ep_rank": groups.ep_rank,
+            "weights": {k: v for k, v in state.items() if k in experts}}
+    files[f"optim_rank{rank:05d}.pt"] = engine.optimizer.state_dict()
+    files[f"client_rank{rank:05d}.pt"] = client_state or {}
+    if rank == 0:
+        scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+        files["engine.pt"] = {"lr_scheduler": scheduler, "counters": {k: getattr(engine, k) for k in ENGINE_COUNTERS}}
+    files = copy_to_cpu(files) if copy else {k: _on_cpu(v) for k, v in files.items()}
+    meta = {"format": "ds_optimus.checkpoint/1", "world_size": dist.get_world_size(),
+            "ep_size": groups.ep_size if groups is not None else 1, "zero_stage": engine.optimizer.stage}
+    return files, meta
+
+
+def _on_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: _on_cpu(v) for k, v in obj.items()}
+    return obj
 
 
 def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True,
@@ -44,53 +79,15 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
         raise ValueError(f"save_dir must be a non-empty path, got {save_dir!r}")
     rank, world = dist.get_rank(), dist.get_world_size()
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
-    root = Path(save_dir)
-    final, tmp = root / tag, root / f"{tag}.tmp"
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
     tags = [None] * world
     dist.all_gather_object(tags, tag)
     if len(set(tags)) != 1:
         raise ValueError(f"save_checkpoint: ranks passed different tags ({', '.join(sorted(set(map(str, tags))))})")
-    module = engine.module
-    frozen = {n for n, p in module.named_parameters() if not p.requires_grad} if exclude_frozen_parameters else set()
-    experts = {n for n, p in module.named_parameters() if is_expert_param(p)}
-    state = {k: v.detach().cpu() for k, v in module.state_dict().items() if k not in frozen}
-    groups = expert_groups_of(engine.module)
-    if rank == 0:
-        atomic_save({k: v for k, v in state.items() if k not in experts}, tmp / "model_dense.pt")
-    if experts and groups is not None and rank == groups.edp_ranks[0]:
-        local = {k: v for k, v in state.items() if k in experts}
-        atomic_save({"ep_size": groups.ep_size, "ep_rank": groups.ep_rank, "weights": local},
-               tmp / f"model_experts_ep{groups.ep_rank:03d}.pt")
-    atomic_save(engine.optimizer.state_dict(), tmp / f"optim_rank{rank:05d}.pt")
-    atomic_save(client_state or {}, tmp / f"client_rank{rank:05d}.pt")
-    if rank == 0:
-        scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
-        atomic_save({"lr_scheduler": scheduler, "counters": {k: getattr(engine, k) for k in ENGINE_COUNTERS}},
-               tmp / "engine.pt")
-    dist.barrier()
-    if rank == 0:
-        meta = {"format": "ds_optimus.checkpoint/1", "tag": tag, "world_size": world,
-                "ep_size": groups.ep_size if groups is not None else 1, "zero_stage": engine.optimizer.stage,
-                "time": time.time(), "files": sorted(p.name for p in tmp.iterdir())}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-        old = root / f"{tag}.old"
-        if final.exists():  # the same tag saved again: set the old one aside until the new is in place
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-        if save_latest:
-            latest = root / "latest.partial"
-            with open(latest, "w") as f:
-                f.write(tag)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(latest, root / "latest")
-    dist.barrier()
+    root = Path(save_dir)
+    writer = CheckpointWriter(rank, world)
+    writer.prepare(root, tag)
+    files, meta = checkpoint_files(engine, client_state, exclude_frozen_parameters)
+    writer.write(root, tag, files, {**meta, "tag": tag}, save_latest=save_latest)
     return True
 
 

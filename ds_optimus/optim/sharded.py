@@ -210,6 +210,7 @@ class ShardedOptimizer(ZeROOptimizerBase):
         self.overflow = False
         self._global_grad_norm: float | None = None
         self.skipped_steps = 0
+        self.step_filter = None  # optional callable(global grad norm) -> decision with .skip
         self._reduced_this_step = 0  # reductions added to the shard since the last step
         self._finished = True
         self._pool = _BufferPool()
@@ -453,6 +454,10 @@ class ShardedOptimizer(ZeROOptimizerBase):
         if self.loss_scaler is not None:
             self.loss_scaler.update(self.overflow)
         self._reduced_this_step = 0
+        # A numerical guard (ds_optimus.reliability.guards) may veto the update; an fp16 overflow that
+        # the dynamic loss scale answers is not a data problem and does not reach it.
+        if self.step_filter is not None and not (self.overflow and self.dynamic_loss_scale):
+            self.overflow = self.step_filter(norm).skip or self.overflow
         if self.overflow:
             self.skipped_steps += 1
             return

@@ -1,5 +1,5 @@
-"""Reliability for long runs: atomic per-rank checkpoints with exact resume."""
+"""Reliability for long runs: verified, optionally asynchronous checkpoints with exact resume."""
 
-from .checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
+from .checkpoint import CheckpointError, CheckpointManager, CheckpointWriter, rng_state, set_rng_state, verify
 
-__all__ = ["CheckpointError", "CheckpointManager", "rng_state", "set_rng_state"]
+__all__ = ["CheckpointError", "CheckpointManager", "CheckpointWriter", "rng_state", "set_rng_state", "verify"]

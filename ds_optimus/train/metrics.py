@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,7 @@ def expert_imbalance(tokens_per_expert: torch.Tensor) -> list[float]:
 
 
 class MetricsSink:
-    """Rank 0's outputs: a progress bar, `metrics.jsonl` (always) and wandb (if enabled)."""
+    """Rank 0's outputs: a progress bar, `metrics.jsonl` and `log.txt` (always) and wandb (if enabled)."""
 
     def __init__(self, output_dir: Path, total_steps: int, start_step: int, wandb_config, run_config: dict,
                  enabled: bool) -> None:
@@ -90,8 +91,12 @@ class MetricsSink:
             self.bar.update(step - self.bar.n)
 
     def message(self, text: str) -> None:
+        """Show `text` and append it, timestamped, to `log.txt` beside the metrics (skipped steps,
+        rollbacks, damaged checkpoints stay on record)."""
         if not self.enabled:
             return
+        with self.path.with_name("log.txt").open("a") as f:
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n")
         if self.bar is not None:
             self.bar.write(text, file=sys.stderr)
         else:

@@ -23,6 +23,10 @@ import torch
 import torch.distributed as dist
 
 from ..config import ConfigError, OptimusConfig, load_json_config
+from ..reliability import faults
+from ..reliability.checkpoint import write_text_atomic
+from ..reliability.signals import EXIT_PREEMPTED, PreemptionHandler
+from ..reliability.watchdog import Watchdog
 from .metrics import MetricsSink, expert_imbalance, model_flops_per_token, reduce_mean, reduce_sum_tensor
 
 
@@ -233,10 +237,11 @@ def pretrain(ds_config: dict[str, Any] | str | Path, *, log_every_rank: bool = F
     checkpoints = CheckpointManager(opt.checkpoint.dir or output_dir / "checkpoints", opt.checkpoint.keep_last, groups)
     start = 0
     resumed_from = None
-    latest = checkpoints.latest_agreed()
-    if latest is not None and not opt.checkpoint.resume:
+    if not opt.checkpoint.resume and checkpoints.has_checkpoints():
         raise ConfigError(f"checkpoint.resume is false but {checkpoints.directory} holds checkpoints of an earlier "
                           "run; remove them or point checkpoint.dir elsewhere")
+    notes: list[str] = []  # shown once the metrics sink exists
+    latest = checkpoints.latest_good(report=notes.append)
     if latest is not None:
         start, extra = checkpoints.load(latest, engine)
         train_loader.load_state_dict(extra["loader"])
@@ -246,6 +251,8 @@ def pretrain(ds_config: dict[str, Any] | str | Path, *, log_every_rank: bool = F
     if packed.documents and rank == 0:
         sink.message(f"data: {packed.train_tokens:,} train / {packed.val_tokens:,} held-out tokens "
                      f"from {packed.documents:,} documents ({packed.root})")
+    for note in notes:
+        sink.message(note)
     if resumed_from:
         sink.message(f"resumed from {resumed_from} at step {start}")
     if not held_out:
@@ -273,58 +280,114 @@ def pretrain(ds_config: dict[str, Any] | str | Path, *, log_every_rank: bool = F
     if opt.train.stop_after_steps is not None:
         end = min(end, start + opt.train.stop_after_steps)
     summary["finished"] = end == opt.train.steps
-    for step in range(start + 1, end + 1):
-        began = time.perf_counter()
-        lr = engine.get_lr()[0]
-        sums = {"loss": 0.0, "lm_loss": 0.0, "aux_loss": 0.0, "z_loss": 0.0}
-        loads = None
-        for _ in range(accumulation):
-            batch = train_loader.next_batch().to(device)
-            out = engine(input_ids=batch, labels=batch)
-            engine.backward(out.loss)
-            engine.step()
-            for key in sums:
-                value = getattr(out, key, None)
-                if value is not None:
-                    sums[key] += float(value.detach()) / accumulation
-            if out.tokens_per_expert is not None:
-                counts = out.tokens_per_expert.detach().float().cpu()
-                loads = counts if loads is None else loads + counts
-        metrics = reduce_mean(sums)
-        seconds = time.perf_counter() - began
-        grad_norm = engine.get_global_grad_norm()
-        metrics.update(lr=lr, grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-                       tokens_per_s=tokens_per_step / seconds, step_seconds=seconds,
-                       tokens=step * tokens_per_step)
-        if opt.train.peak_tflops:
-            metrics["mfu"] = flops_per_token * tokens_per_step / seconds / (opt.train.peak_tflops * 1e12 * world)
-        if loads is not None:
-            per_layer = expert_imbalance(reduce_sum_tensor(loads))
-            metrics["expert_imbalance_max"] = max(per_layer)
-            metrics.update({f"expert_imbalance/layer_{i}": v for i, v in enumerate(per_layer)})
-        if not model.config.num_experts:
-            for key in ("aux_loss", "z_loss"):
-                metrics.pop(key, None)
-        if not math.isfinite(metrics["loss"]):
-            sink.message(f"step {step}: loss is {metrics['loss']}")
-        summary["losses"][step] = metrics["loss"]
-        if step % opt.train.log_interval == 0 or step == opt.train.steps:
-            sink.log(step, metrics)
-        last = step == opt.train.steps
-        if (opt.train.eval_interval and step % opt.train.eval_interval == 0) or last:
-            held_out_loss = evaluate()
-            if held_out_loss is not None:
-                summary["evals"][step] = held_out_loss
-                sink.log(step, {"eval_loss": held_out_loss}, progress=False)
-                sink.message(f"step {step}: held-out loss {held_out_loss:.4f}")
-        if (opt.checkpoint.interval and step % opt.checkpoint.interval == 0) or step == end:
-            path = checkpoints.save(step, engine, {"loader": train_loader.state_dict()})
-            sink.message(f"step {step}: checkpoint {path}")
+    guard = _install_guard(opt, engine, sink)
+    if guard is not None and latest is not None:
+        guard.load_state_dict(extra.get("guard", {}))
+    preemption = PreemptionHandler()
+    timeouts = opt.watchdog
+    watchdog = Watchdog(rank)
+    progress = output_dir / "progress.json"
+    rollbacks = 0
+    step = start
+    try:
+        while step < end:
+            step += 1
+            watchdog.beat(timeouts.first_step_timeout_s if step == start + 1 else timeouts.step_timeout_s,
+                          f"step {step}")
+            faults.at_step_start(step)
+            began = time.perf_counter()
+            lr = engine.get_lr()[0]
+            sums = {"loss": 0.0, "lm_loss": 0.0, "aux_loss": 0.0, "z_loss": 0.0}
+            loads = None
+            for micro in range(accumulation):
+                batch = train_loader.next_batch().to(device)
+                out = engine(input_ids=batch, labels=batch)
+                loss = out.loss * faults.loss_factor(step) if micro == 0 else out.loss
+                for key in sums:
+                    value = loss if key == "loss" else getattr(out, key, None)
+                    if value is not None:
+                        sums[key] += float(value.detach()) / accumulation
+                if out.tokens_per_expert is not None:
+                    counts = out.tokens_per_expert.detach().float().cpu()
+                    loads = counts if loads is None else loads + counts
+                if micro == accumulation - 1:
+                    # One all-reduce before the update: the loss the guard judges, and whether a rank
+                    # was asked to stop (a signal may reach only some ranks).
+                    sums["preempt"] = 1.0 if preemption.received else 0.0
+                    metrics = reduce_mean(sums)
+                    if guard is not None:
+                        guard.observe_loss(metrics["loss"])
+                faults.inside_step(step)
+                engine.backward(loss)
+                engine.step()
+            preempt = metrics.pop("preempt") > 0
+            seconds = time.perf_counter() - began
+            grad_norm = engine.get_global_grad_norm()
+            metrics.update(lr=lr, grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+                           tokens_per_s=tokens_per_step / seconds, step_seconds=seconds,
+                           tokens=step * tokens_per_step, skipped_steps=engine.skipped_steps)
+            if opt.train.peak_tflops:
+                metrics["mfu"] = flops_per_token * tokens_per_step / seconds / (opt.train.peak_tflops * 1e12 * world)
+            if loads is not None:
+                per_layer = expert_imbalance(reduce_sum_tensor(loads))
+                metrics["expert_imbalance_max"] = max(per_layer)
+                metrics.update({f"expert_imbalance/layer_{i}": v for i, v in enumerate(per_layer)})
+            if not model.config.num_experts:
+                for key in ("aux_loss", "z_loss"):
+                    metrics.pop(key, None)
+            if guard is not None and guard.last.skip:
+                sink.message(f"step {step}: update skipped on every rank ({guard.last.reason})")
+            elif not math.isfinite(metrics["loss"]):
+                sink.message(f"step {step}: loss is {metrics['loss']}")
+            summary["losses"][step] = metrics["loss"]
+            if step % opt.train.log_interval == 0 or step == opt.train.steps:
+                sink.log(step, metrics)
+            if rank == 0:
+                write_text_atomic(progress, json.dumps({"step": step, "time": time.time()}), fsync=False)
+            if guard is not None and guard.wants_rollback:
+                step = _roll_back(checkpoints, engine, train_loader, guard, step, sink)
+                rollbacks += 1
+                continue
+            last = step == opt.train.steps
+            if (opt.train.eval_interval and step % opt.train.eval_interval == 0) or last:
+                watchdog.beat(timeouts.checkpoint_timeout_s, f"evaluation after step {step}")
+                held_out_loss = evaluate()
+                if held_out_loss is not None:
+                    summary["evals"][step] = held_out_loss
+                    sink.log(step, {"eval_loss": held_out_loss}, progress=False)
+                    sink.message(f"step {step}: held-out loss {held_out_loss:.4f}")
+            if (opt.checkpoint.interval and step % opt.checkpoint.interval == 0) or step == end or preempt:
+                watchdog.beat(timeouts.checkpoint_timeout_s, f"checkpoint of step {step}")
+                # The last save of a run is waited for anyway; so is one before exiting on a signal.
+                background = opt.checkpoint.async_save and step != end and not preempt
+                state = {"loader": train_loader.state_dict(), "guard": guard.state_dict() if guard else {}}
+                path = checkpoints.save(step, engine, state, background=background)
+                sink.message(f"step {step}: checkpoint {path}" + (" (writing in the background)" if background else ""))
+            if preempt:
+                sink.message(f"step {step}: {preemption.received or 'a signal on another rank'}: checkpoint written, "
+                             f"exiting with status {EXIT_PREEMPTED} (run again to resume)")
+                summary.update(finished=False, preempted=True)
+                break
+        watchdog.beat(timeouts.checkpoint_timeout_s, "the end of the run")
+        checkpoints.wait()
+    except BaseException:
+        watchdog.close()  # the process may live on (a notebook, a test): no dump later
+        sink.close()  # ends the progress bar's line, so an error message starts on its own
+        raise
+    finally:
+        preemption.close()
+    summary.update(skipped_steps=engine.skipped_steps, rollbacks=rollbacks,
+                   weights_fingerprint=_dense_fingerprint(engine.module))
 
     if not summary["finished"]:
-        sink.message(f"stopped after step {end} of {opt.train.steps} (train.stop_after_steps); run again to resume")
+        if not summary.get("preempted"):
+            sink.message(f"stopped after step {end} of {opt.train.steps} (train.stop_after_steps); "
+                         "run again to resume")
         sink.close()
         dist.barrier()
+        watchdog.close()
+        if summary.get("preempted"):
+            raise Preempted(summary)
         return summary
     hf_dir = output_dir / "hf"
     export(engine.module, tokenizer, hf_dir, groups)
@@ -336,7 +399,64 @@ def pretrain(ds_config: dict[str, Any] | str | Path, *, log_every_rank: bool = F
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     sink.close()
     dist.barrier()
+    watchdog.close()
     return summary
+
+
+class Preempted(SystemExit):
+    """Raised by `pretrain` after the checkpoint a SIGTERM/SIGUSR1 asked for: the process exits with
+    `EXIT_PREEMPTED`; `.summary` holds the run's summary."""
+
+    def __init__(self, summary: dict[str, Any]) -> None:
+        from ..reliability.signals import EXIT_PREEMPTED
+
+        super().__init__(EXIT_PREEMPTED)
+        self.summary = summary
+
+
+def _install_guard(opt: OptimusConfig, engine, sink):
+    """The run's numerical guard, plugged into the sharded optimizer's step (None when off)."""
+    from ..optim.sharded import ShardedOptimizer
+    from ..reliability.guards import StepGuard
+
+    if not opt.guards.enabled:
+        return None
+    if not isinstance(engine.optimizer, ShardedOptimizer):
+        sink.message("numerical guards act through the sharded optimizer (optimus.sharded_optimizer.enabled); "
+                     "they are off for this run")
+        return None
+    g = opt.guards
+    guard = StepGuard(g.window, g.min_window, g.sigmas, g.rollback_after, g.skip_spikes)
+    engine.optimizer.step_filter = guard.decide
+    return guard
+
+
+def _roll_back(checkpoints, engine, train_loader, guard, step: int, sink) -> int:
+    """Load the last intact checkpoint after `guard.rollback_after` bad steps in a row, keeping the data
+    loader where it is (the batches since the checkpoint, those that went wrong, are not seen again);
+    returns the step to continue after."""
+    from ..reliability import CheckpointError
+
+    checkpoints.wait()  # a save in flight finishes first
+    target = checkpoints.latest_good(report=sink.message)
+    if target is None:
+        raise CheckpointError(f"step {step}: {guard.bad_in_a_row} bad steps in a row and no checkpoint to roll "
+                              "back to (set optimus.checkpoint.interval)")
+    position = train_loader.state_dict()
+    resumed, _ = checkpoints.load(target, engine)
+    train_loader.load_state_dict(position)
+    sink.message(f"step {step}: {guard.bad_in_a_row} bad steps in a row ({guard.last.reason}); rolled back to "
+                 f"{target.name} and skipping the data read since")
+    guard.reset_after_rollback()
+    return resumed
+
+
+def _dense_fingerprint(model) -> float:
+    """The sum of every replicated (non-expert) weight: equal on every rank unless replicas diverged."""
+    from ..parallel.expert_parallel import is_expert_param
+
+    with torch.no_grad():
+        return float(sum(p.detach().double().sum() for p in model.parameters() if not is_expert_param(p)))
 
 
 def export(model, tokenizer, folder: Path, groups) -> None:

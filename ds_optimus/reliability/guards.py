@@ -1,0 +1,88 @@
+"""Numerical guards: skip updates whose loss or gradient norm is not finite or spikes, on every rank
+alike, and ask for a rollback after too many bad steps in a row.
+
+The decision is taken inside the sharded optimizer's step, after the all-reduce of the gradient
+norm, from numbers every rank holds identically (the all-reduced loss and norm): so every rank
+skips or updates together and no replica diverges. A skipped step changes no weight, no optimizer
+moment and no LR-schedule position; DeepSpeed counts it in `engine.skipped_steps`.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass
+class GuardDecision:
+    skip: bool
+    reason: str | None = None
+
+
+class StepGuard:
+    """Rolling statistics of accepted steps' loss and gradient norm; a step is bad when either is not
+    finite, or (once `min_window` steps are in the window) lies more than `sigmas` standard
+    deviations above the window's mean."""
+
+    def __init__(self, window: int = 100, min_window: int = 20, sigmas: float = 6.0, rollback_after: int = 3,
+                 skip_spikes: bool = True) -> None:
+        self.losses: deque[float] = deque(maxlen=window)
+        self.norms: deque[float] = deque(maxlen=window)
+        self.min_window, self.sigmas, self.rollback_after = min_window, sigmas, rollback_after
+        self.skip_spikes = skip_spikes
+        self.loss: float | None = None  # the all-reduced loss of the step being taken
+        self.bad_in_a_row = 0
+        self.skipped = 0
+        self.last: GuardDecision = GuardDecision(False)
+
+    def observe_loss(self, loss: float) -> None:
+        """The step's loss, reduced over ranks, before the optimizer step."""
+        self.loss = loss
+
+    def _spike(self, values: deque[float], value: float) -> float | None:
+        if not self.skip_spikes or len(values) < self.min_window:
+            return None
+        mean, std = statistics.fmean(values), statistics.pstdev(values)
+        z = (value - mean) / max(std, 1e-12 * max(1.0, abs(mean)))
+        return z if z > self.sigmas else None
+
+    def decide(self, grad_norm: float) -> GuardDecision:
+        """Whether to skip this update (called by the optimizer with the global gradient norm)."""
+        loss = self.loss
+        if loss is not None and not math.isfinite(loss):
+            decision = GuardDecision(True, f"loss is {loss}")
+        elif not math.isfinite(grad_norm):
+            decision = GuardDecision(True, f"gradient norm is {grad_norm}")
+        elif loss is not None and (z := self._spike(self.losses, loss)) is not None:
+            decision = GuardDecision(True, f"loss {loss:.4g} is {z:.1f} standard deviations above the last "
+                                           f"{len(self.losses)} steps")
+        elif (z := self._spike(self.norms, grad_norm)) is not None:
+            decision = GuardDecision(True, f"gradient norm {grad_norm:.4g} is {z:.1f} standard deviations above "
+                                           f"the last {len(self.norms)} steps")
+        else:
+            decision = GuardDecision(False)
+            if loss is not None:
+                self.losses.append(loss)
+            self.norms.append(grad_norm)
+        self.bad_in_a_row = self.bad_in_a_row + 1 if decision.skip else 0
+        self.skipped += decision.skip
+        self.loss = None
+        self.last = decision
+        return decision
+
+    @property
+    def wants_rollback(self) -> bool:
+        return self.rollback_after > 0 and self.bad_in_a_row >= self.rollback_after
+
+    def reset_after_rollback(self) -> None:
+        self.bad_in_a_row = 0
+
+    def state_dict(self) -> dict:
+        return {"losses": list(self.losses), "norms": list(self.norms), "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.losses.extend(state.get("losses", []))
+        self.norms.extend(state.get("norms", []))
+        self.skipped = state.get("skipped", 0)

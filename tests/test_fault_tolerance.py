@@ -1,0 +1,316 @@
+"""Fault injection: killed ranks, kills during a checkpoint write, damaged checkpoint files, NaN
+gradients on one rank, a hung rank, preemption signals and a full disk, each run for real (the
+`deepspeed` launcher with 2 processes where it matters), and the pieces they rely on."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import run_distributed
+from train_workers import ROOT, pretrain_worker, tiny_config
+
+from ds_optimus.reliability import CheckpointError, CheckpointManager, verify
+from ds_optimus.reliability.checkpoint import CheckpointWriter, atomic_save
+from ds_optimus.reliability.guards import StepGuard
+from ds_optimus.reliability.signals import EXIT_PREEMPTED
+from ds_optimus.reliability.supervise import supervise
+from ds_optimus.reliability.watchdog import EXIT_HUNG
+
+LAUNCHER = Path(sys.executable).with_name("deepspeed")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("data_cache")
+
+
+def fault_config(tmp_path: Path, cache: Path, **optimus) -> dict:
+    """8 steps, checkpoints every 2, EP 2 on 2 processes, one evaluation at the end (the tiny MoE preset)."""
+    sections = {"train": {"eval_interval": 0, "eval_batches": 1}, "checkpoint": {"interval": 2, "keep_last": 2},
+                "expert_parallel": {"size": 2}}
+    for name, values in optimus.items():
+        sections[name] = {**sections.get(name, {}), **values}
+    return tiny_config(tmp_path, cache, **sections)
+
+
+def write_config(tmp_path: Path, config: dict) -> Path:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def env_with(faults: list[dict] | None = None) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("DS_OPTIMUS_FAULTS", None)
+    if faults:
+        env["DS_OPTIMUS_FAULTS"] = json.dumps(faults)
+    return env
+
+
+def launch_command(config_path: Path, procs: int = 2) -> list[str]:
+    with socket.socket() as s:  # a port of its own: other launches may run beside (29500 is the default)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [str(LAUNCHER), "--num_gpus", str(procs), "--master_port", str(port), "--module", "ds_optimus.train",
+            "--config", str(config_path)]
+
+
+def launch(config_path: Path, faults=None, procs: int = 2, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(launch_command(config_path, procs), cwd=config_path.parent, env=env_with(faults),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def step_losses(run: Path) -> dict[int, float]:
+    """Each step's loss from metrics.jsonl; a step logged again (after a restart) keeps its last value."""
+    losses = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            losses[record["step"]] = record["loss"]
+    return losses
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cache):
+    """Per-step losses of the uninterrupted 2-process run every recovered run must reproduce."""
+    tmp = tmp_path_factory.mktemp("reference")
+    config = fault_config(tmp, cache)
+    proc = launch(write_config(tmp, config))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    losses = step_losses(Path(config["optimus"]["train"]["output_dir"]))
+    assert sorted(losses) == list(range(1, 9))
+    return losses
+
+
+# -- the pieces ---------------------------------------------------------------------------------------
+
+def test_manifest_checks_size_checksum_and_presence(tmp_path):
+    writer = CheckpointWriter(0, 1)
+    writer.prepare(tmp_path, "step_00000001")
+    writer.write(tmp_path, "step_00000001", {"a.pt": {"w": torch.arange(1000.0)}, "b.pt": [1, 2]}, {"step": 1})
+    folder = tmp_path / "step_00000001"
+    assert verify(folder) is None and (tmp_path / "latest").read_text() == "step_00000001"
+    data = bytearray((folder / "a.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (folder / "a.pt").write_bytes(bytes(data))
+    assert verify(folder) == "a.pt fails its SHA-256 checksum"
+    (folder / "a.pt").write_bytes(bytes(data[:-10]))
+    assert verify(folder) == f"a.pt has {len(data) - 10} bytes, the manifest says {len(data)}"
+    (folder / "a.pt").unlink()
+    assert verify(folder) == "a.pt is missing"
+    (folder / "meta.json").write_text("{")
+    assert verify(folder) == "its manifest meta.json is unreadable (JSONDecodeError)"
+
+
+def test_atomic_save_records_what_it_wrote_and_leaves_nothing_on_failure(tmp_path):
+    import hashlib
+
+    record = atomic_save({"x": torch.ones(10)}, tmp_path / "f.pt")
+    data = (tmp_path / "f.pt").read_bytes()
+    assert record == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        atomic_save({"x": Unpicklable()}, tmp_path / "g.pt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.pt"]
+
+
+def test_latest_good_falls_back_and_says_when_nothing_is_intact(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    for step in (2, 4):
+        manager.writer.prepare(tmp_path, f"step_{step:08d}")
+        manager.writer.write(tmp_path, f"step_{step:08d}", {"rank00000.pt": {"step": step}}, {"step": step},
+                             keep=manager._prune)
+    (tmp_path / "step_00000004" / "rank00000.pt").write_bytes(b"garbage")
+    size = (tmp_path / "step_00000002" / "rank00000.pt").stat().st_size  # the same object, the same size
+    notes = []
+    assert manager.latest_good(notes.append) == tmp_path / "step_00000002"
+    assert notes == [f"checkpoint step_00000004 is damaged: rank00000.pt has 7 bytes, the manifest says {size}; "
+                     "falling back to the previous one"]
+    assert (tmp_path / "step_00000004.corrupt").is_dir()
+    (tmp_path / "step_00000002" / "meta.json").unlink()  # no longer a complete checkpoint
+    assert manager.latest_good(notes.append) is None
+    manager.writer.prepare(tmp_path, "step_00000006")
+    manager.writer.write(tmp_path, "step_00000006", {"rank00000.pt": {}}, {"step": 6})
+    (tmp_path / "step_00000006" / "rank00000.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"^none of the 1 checkpoints in .* is intact"):
+        manager.latest_good(notes.append)
+
+
+def test_guard_skips_non_finite_and_spiking_steps_and_asks_for_rollback():
+    guard = StepGuard(window=50, min_window=10, sigmas=4.0, rollback_after=2)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        guard.observe_loss(3.0 + 0.01 * torch.randn((), generator=gen).item())
+        assert not guard.decide(1.0 + 0.05 * torch.rand((), generator=gen).item()).skip
+    guard.observe_loss(float("nan"))
+    assert guard.decide(1.0).reason == "loss is nan" and not guard.wants_rollback
+    guard.observe_loss(3.0)
+    assert "gradient norm 50 is" in guard.decide(50.0).reason and guard.wants_rollback
+    guard.reset_after_rollback()
+    guard.observe_loss(9.0)
+    assert "loss 9 is" in guard.decide(1.0).reason
+    guard.observe_loss(2.5)  # a drop is no spike
+    assert not guard.decide(1.02).skip and guard.bad_in_a_row == 0 and guard.skipped == 3
+
+
+def test_supervisor_stops_without_progress_and_passes_preemption_on(tmp_path):
+    progress = tmp_path / "progress.json"
+    progress.write_text(json.dumps({"step": 7}))
+    log = []
+    failing = [sys.executable, "-c", "import sys; sys.exit(1)"]
+    assert supervise(failing, max_restarts=5, backoff=0, progress=progress, log=log.append) == 3
+    assert log[-1] == "supervise: two failures in a row after step 7 without progress; giving up"
+    assert sum("failed with status 1" in line for line in log) == 2
+    counting = [sys.executable, "-c", f"import json, os, sys; p = {str(progress)!r}; "
+                "s = json.load(open(p))['step'] + 1; json.dump({'step': s}, open(p, 'w')); "
+                "sys.exit(0 if os.environ['DS_OPTIMUS_ATTEMPT'] == '2' else 1)"]
+    log.clear()
+    assert supervise(counting, max_restarts=5, backoff=0, progress=progress, log=log.append) == 0
+    assert [line for line in log if "restart" in line] == ["supervise: restart 1 of 5 in 0 s",
+                                                          "supervise: restart 2 of 5 in 0 s"]
+    preempted = [sys.executable, "-c", f"import sys; sys.exit({EXIT_PREEMPTED})"]
+    assert supervise(preempted, max_restarts=5, backoff=0, progress=progress, log=log.append) == EXIT_PREEMPTED
+
+
+# -- the fault-injection runs -------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_killed_rank_is_restarted_by_the_supervisor_with_identical_losses(tmp_path, cache, reference):
+    config = fault_config(tmp_path, cache)
+    path = write_config(tmp_path, config)
+    env = env_with([{"kind": "kill", "step": 5, "rank": 1}])  # SIGKILL on the first attempt only
+    command = [sys.executable, "-m", "ds_optimus.reliability.supervise", "--backoff", "0", "--", *launch_command(path)]
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # the launcher passes the killed rank's -9 on as sys.exit(-9): status 247
+    assert "supervise: attempt 0 failed with status 247 after step 4" in proc.stderr
+    assert "resumed from" in proc.stderr and "step_00000004 at step 4" in proc.stderr
+    assert step_losses(Path(config["optimus"]["train"]["output_dir"])) == reference
+
+
+@pytest.mark.slow
+def test_kill_during_a_checkpoint_write_resumes_from_the_previous_checkpoint(tmp_path, cache):
+    config = fault_config(tmp_path, cache, expert_parallel={"size": 1})
+    path = write_config(tmp_path, config)
+    command = [sys.executable, "-m", "ds_optimus.train", "--config", str(path)]
+    killed = subprocess.run(command, cwd=tmp_path, env=env_with([{"kind": "kill_in_save", "step": 4}]),
+                            capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -signal.SIGKILL
+    checkpoints = Path(config["optimus"]["train"]["output_dir"]) / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_00000002", "step_00000004.tmp"]
+    resumed = subprocess.run(command, cwd=tmp_path, env=env_with(), capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step_00000002 at step 2" in resumed.stderr
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_00000006", "step_00000008"]
+
+
+@pytest.mark.slow
+def test_damaged_checkpoint_is_detected_and_the_previous_one_used(tmp_path, cache):
+    config = fault_config(tmp_path, cache, expert_parallel={"size": 1}, train={"steps": 4})
+    first = run_distributed(pretrain_worker, 1, config)[0]
+    checkpoints = Path(config["optimus"]["train"]["output_dir"]) / "checkpoints"
+    target = checkpoints / "step_00000004" / "optim_rank00000.pt"
+    data = bytearray(target.read_bytes())
+    data[len(data) // 3:len(data) // 3 + 8] = b"\x00" * 8  # bytes flipped on disk
+    target.write_bytes(bytes(data))
+    config["optimus"]["train"]["steps"] = 6
+    second = run_distributed(pretrain_worker, 1, config)[0]
+    assert second["start_step"] == 2 and second["resumed_from"].endswith("step_00000002")
+    assert (checkpoints / "step_00000004.corrupt").is_dir()
+    assert [second["losses"][s] for s in (3, 4)] == [first["losses"][s] for s in (3, 4)]  # exact resume
+    log = (Path(config["optimus"]["train"]["output_dir"]) / "log.txt").read_text()
+    assert "checkpoint step_00000004 is damaged: optim_rank00000.pt fails its SHA-256 checksum; falling back" in log
+
+
+@pytest.mark.slow
+def test_nan_on_one_rank_is_skipped_everywhere_and_repeated_ones_roll_back(tmp_path, cache, monkeypatch):
+    faults = [{"kind": "nan_loss", "step": 3, "rank": 1},
+              {"kind": "nan_loss", "step": 5, "rank": 0}, {"kind": "nan_loss", "step": 6, "rank": 1}]
+    monkeypatch.setenv("DS_OPTIMUS_FAULTS", json.dumps(faults))
+    config = fault_config(tmp_path, cache, guards={"rollback_after": 2})
+    summaries = run_distributed(pretrain_worker, 2, config)
+    run = Path(config["optimus"]["train"]["output_dir"])
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    by_step = {}
+    for r in steps:
+        by_step.setdefault(r["step"], []).append(r)
+    assert math.isnan(by_step[3][0]["loss"]) and by_step[3][0]["skipped_steps"] == 1
+    assert by_step[2][0]["skipped_steps"] == 0 and by_step[4][0]["skipped_steps"] == 1
+    # steps 5 and 6 went bad, the run went back to the checkpoint of step 4 and ran 5-8 again
+    assert [len(by_step[s]) for s in range(1, 9)] == [1, 1, 1, 1, 2, 2, 1, 1]
+    assert all(math.isfinite(r["loss"]) for s in (5, 6, 7, 8) for r in by_step[s][-1:])
+    assert summaries[0]["rollbacks"] == summaries[1]["rollbacks"] == 1
+    assert summaries[0]["weights_fingerprint"] == summaries[1]["weights_fingerprint"]  # no rank diverged
+    log = (run / "log.txt").read_text()
+    assert "step 3: update skipped on every rank (loss is nan)" in log
+    assert "step 6: 2 bad steps in a row (loss is nan); rolled back to step_00000004" in log
+
+
+@pytest.mark.slow
+def test_watchdog_stops_a_hung_run_with_stack_dumps(tmp_path, cache):
+    config = fault_config(tmp_path, cache, watchdog={"step_timeout_s": 5, "first_step_timeout_s": 120})
+    began = time.monotonic()
+    proc = launch(write_config(tmp_path, config), faults=[{"kind": "sleep", "step": 3, "rank": 1, "seconds": 300}])
+    elapsed = time.monotonic() - began
+    assert proc.returncode == EXIT_HUNG, proc.stdout[-2000:] + proc.stderr[-2000:]
+    output = proc.stdout + proc.stderr
+    assert "[ds_optimus watchdog] rank 1: step 3 exceeded its 5 s time-out" in output
+    assert "in inside_step" in output and "Thread 0x" in output  # the stacks of the hung rank
+    assert elapsed < 120
+
+
+@pytest.mark.slow
+def test_sigterm_writes_a_checkpoint_exits_75_and_resumes_exactly(tmp_path, cache, reference):
+    config = fault_config(tmp_path, cache)
+    path = write_config(tmp_path, config)
+    stopped = launch(path, faults=[{"kind": "signal", "step": 5, "rank": 1, "signal": "SIGTERM"}])
+    assert stopped.returncode == EXIT_PREEMPTED, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    run = Path(config["optimus"]["train"]["output_dir"])
+    assert (run / "checkpoints" / "latest").read_text() == "step_00000005"
+    # rank 0 writes the messages; the signal reached rank 1 only
+    assert "step 5: a signal on another rank: checkpoint written, exiting with status 75" in stopped.stderr
+    resumed = launch(path)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "step_00000005 at step 5" in resumed.stderr
+    assert step_losses(run) == reference
+
+
+@pytest.mark.slow
+def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path, cache):
+    checkpoints = tmp_path / "small_disk"
+    checkpoints.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(checkpoints)],
+                             capture_output=True).returncode == 0
+    if not mounted:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        # room for one checkpoint of the tiny model (about 45 MB), not for two
+        config = fault_config(tmp_path, cache, expert_parallel={"size": 1}, checkpoint={"dir": str(checkpoints)})
+        path = write_config(tmp_path, config)
+        command = [sys.executable, "-m", "ds_optimus.train", "--config", str(path)]
+        proc = subprocess.run(command, cwd=tmp_path, env=env_with(), capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        error = proc.stderr.strip().splitlines()[-1]
+        assert error.startswith("ds_optimus.train: error: saving checkpoint step_00000004 failed (rank 0: [Errno 28] "
+                                "No space left on device")
+        assert error.endswith("the previous checkpoints are untouched")
+        assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_00000002"]  # no .tmp left
+        assert verify(checkpoints / "step_00000002") is None  # the previous checkpoint is intact
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(checkpoints)], check=False)
