@@ -146,7 +146,8 @@ def test_latest_good_falls_back_and_says_when_nothing_is_intact(tmp_path):
     manager.writer.prepare(tmp_path, "step_00000006")
     manager.writer.write(tmp_path, "step_00000006", {"rank00000.pt": {}}, {"step": 6})
     (tmp_path / "step_00000006" / "rank00000.pt").unlink()
-    with pytest.raises(CheckpointError, match=r"^none of the 1 checkpoints in .* is intact"):
+    with pytest.raises(CheckpointError, match=r"^none of the 1 checkpoints in .* is intact \(step_00000006: "
+                                              r"rank00000.pt is missing\); move them away to start over$"):
         manager.latest_good(notes.append)
 
 
@@ -314,3 +315,20 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path, cache):
     finally:
         if mounted:
             subprocess.run(["umount", str(checkpoints)], check=False)
+
+
+@pytest.mark.slow
+def test_asynchronous_saves_resume_exactly(tmp_path, cache):
+    """Checkpoints written by background threads (2 ranks: rank 0's thread waits for rank 1's marker)
+    are complete, verified, and resume to the same losses as saving synchronously."""
+    sync = fault_config(tmp_path / "sync", cache)
+    straight = run_distributed(pretrain_worker, 2, sync)[0]
+    config = fault_config(tmp_path / "async", cache, checkpoint={"async_save": True}, train={"stop_after_steps": 5})
+    first = run_distributed(pretrain_worker, 2, config)[0]
+    checkpoints = Path(config["optimus"]["train"]["output_dir"]) / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_00000004", "step_00000005"]
+    assert all(verify(checkpoints / name) is None for name in ("step_00000004", "step_00000005"))
+    assert not list(checkpoints.glob("*/done_rank*"))  # the markers are folded into the manifest
+    second = run_distributed(pretrain_worker, 2, config)[0]
+    assert second["start_step"] == 5
+    assert {**first["losses"], **second["losses"]} == straight["losses"]

@@ -134,7 +134,7 @@ def test_bad_input_fails_with_one_line(tmp_path, cache):
     ]
     old_checkpoint = tmp_path / "old" / "checkpoints" / "step_00000004"
     old_checkpoint.mkdir(parents=True)
-    (old_checkpoint / "meta.json").write_text("{}")
+    (old_checkpoint / "meta.json").write_text('{"files": {}}')  # a manifest of no files: intact
     results = run_distributed(cli_errors_worker, 1, [(c, o) for c, o, _ in cases], str(tmp_path))[0]
     for (_, overrides, message), (status, stderr) in zip(cases, results, strict=True):
         assert status == 2, (overrides, stderr)

@@ -417,10 +417,12 @@ class CheckpointManager:
         if dist.is_initialized() and self.world_size > 1:
             dist.broadcast_object_list(listed, src=0)
         candidates = [Path(p) for p in listed[0]]
+        problems = []
         for path in candidates:
             problem = verify(path, self.rank, self.world_size)
             if problem is None:
                 return path
+            problems.append(f"{path.name}: {problem}")
             report(f"checkpoint {path.name} is damaged: {problem}; falling back to the previous one")
             _barrier()  # every rank is done reading it
             if self.rank == 0:
@@ -428,7 +430,7 @@ class CheckpointManager:
                 os.replace(path, path.with_name(path.name + ".corrupt"))
         if candidates:
             raise CheckpointError(f"none of the {len(candidates)} checkpoints in {self.directory} is intact "
-                                  "(see the messages above); move them away to start over")
+                                  f"({'; '.join(problems)}); move them away to start over")
         return None
 
     # -- saving -----------------------------------------------------------------------------------
