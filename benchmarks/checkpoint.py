@@ -1,15 +1,18 @@
 """Checkpoint save and load: ds_optimus' verified checkpoints (synchronous and asynchronous)
-against DeepSpeed's own `save_checkpoint`, and the disk's raw write rate, in one process.
+against DeepSpeed's own `save_checkpoint`, and the disk's raw write rate, in one process. The
+writers take turns in a rotating order (each comes first, second, ... in turn), since a write slows
+the one after it while the disk flushes.
 
-A Mula MoE model of about 25 M parameters (float32; the checkpoint, weights plus fp32 master weights
+A Mula MoE model of about 31 M parameters (float32; the checkpoint, weights plus fp32 master weights
 and Adam moments, is a few hundred MB) trained by two DeepSpeed engines built from the same weights:
 ours (ZeRO-1 with the EP-aware sharded optimizer, `CheckpointManager`) and DeepSpeed's ZeRO-1. Per
 round, interleaved, after a warm-up round:
 
-  ours sync      CheckpointManager.save: write, fsync, SHA-256 manifest, rename, `latest`
+  ours sync      CheckpointManager.save: write, fsync, CRC-32 manifest, rename, `latest`
   ours async     the time the training loop is blocked (state copied to CPU memory), and the time the
                  background thread takes to finish the checkpoint
-  deepspeed      engine.save_checkpoint of the DeepSpeed ZeRO-1 engine
+  deepspeed      engine.save_checkpoint of the DeepSpeed ZeRO-1 engine (it returns before its files
+                 reach the disk: no fsync), and the same followed by an fsync of each of its files
   raw write      the same number of bytes written to one file and fsynced: the disk's floor
   load           CheckpointManager.latest_good (checksums) + load, and DeepSpeed's load_checkpoint
 
@@ -38,7 +41,7 @@ from common import write_result  # noqa: E402
 import ds_optimus  # noqa: E402,F401  (hooks DeepSpeed's engine before it is imported)
 
 MODEL = dict(vocab_size=8192, hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-             intermediate_size=1536, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=512,
+             intermediate_size=1536, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=384,
              max_position_embeddings=512, pad_token_id=0, eos_token_id=1)
 MICRO, SEQ = 2, 128
 
@@ -103,47 +106,69 @@ def main() -> None:
         train_step(engine, gen)  # optimizer state exists
     manager = CheckpointManager(root / "ours", keep_last=2)
     times: dict[str, list[float]] = {k: [] for k in ("ours_sync", "ours_async_blocking", "ours_async_total",
-                                                     "deepspeed_save", "raw_write", "ours_load", "deepspeed_load")}
-    size = ds_size = 0
-    step = 0
-    for round_ in range(args.rounds + 1):  # round 0 is the warm-up
-        record = round_ > 0
-        step += 1
-        began = time.perf_counter()
-        path = manager.save(step, ours, {"round": round_})
-        t_sync = time.perf_counter() - began
-        size = folder_bytes(path)
-        step += 1
-        began = time.perf_counter()
-        manager.save(step, ours, {"round": round_}, background=True)
-        t_block = time.perf_counter() - began
-        manager.wait()
-        t_total = manager.writer.last_seconds
-        began = time.perf_counter()
-        peer.save_checkpoint(str(root / "deepspeed"), tag=f"r{round_}")
-        t_ds = time.perf_counter() - began
-        ds_size = folder_bytes(root / "deepspeed" / f"r{round_}")
+                                                     "deepspeed_save", "deepspeed_save_fsync", "raw_write",
+                                                     "ours_load", "deepspeed_load")}
+    size = ds_size = 500_000_000  # until measured
+    state = {"step": 0}
+
+    def raw():
         began = time.perf_counter()
         raw_write(root / "raw.bin", size)
-        t_raw = time.perf_counter() - began
         (root / "raw.bin").unlink()
+        return {"raw_write": time.perf_counter() - began}
+
+    def ours_sync():
+        nonlocal size
+        state["step"] += 1
+        began = time.perf_counter()
+        path = manager.save(state["step"], ours, {})
+        took = time.perf_counter() - began
+        size = folder_bytes(path)
+        return {"ours_sync": took}
+
+    def ours_async():
+        state["step"] += 1
+        began = time.perf_counter()
+        manager.save(state["step"], ours, {}, background=True)
+        blocked = time.perf_counter() - began
+        manager.wait()
+        return {"ours_async_blocking": blocked, "ours_async_total": manager.writer.last_seconds}
+
+    def deepspeed_save():
+        nonlocal ds_size
+        shutil.rmtree(root / "deepspeed", ignore_errors=True)
+        began = time.perf_counter()
+        peer.save_checkpoint(str(root / "deepspeed"), tag="t")
+        saved = time.perf_counter() - began
+        for file in (root / "deepspeed" / "t").rglob("*"):
+            if file.is_file():
+                with open(file, "rb") as f:
+                    os.fsync(f.fileno())
+        ds_size = folder_bytes(root / "deepspeed" / "t")
+        return {"deepspeed_save": saved, "deepspeed_save_fsync": time.perf_counter() - began}
+
+    def loads():
         began = time.perf_counter()
         manager.load(manager.latest_good(report=print), ours)
-        t_load = time.perf_counter() - began
+        ours_s = time.perf_counter() - began
         began = time.perf_counter()
-        peer.load_checkpoint(str(root / "deepspeed"), tag=f"r{round_}")
-        t_ds_load = time.perf_counter() - began
-        shutil.rmtree(root / "deepspeed" / f"r{round_}")
-        if record:
-            for key, value in zip(times, (t_sync, t_block, t_total, t_ds, t_raw, t_load, t_ds_load), strict=True):
-                times[key].append(value)
+        peer.load_checkpoint(str(root / "deepspeed"), tag="t")
+        return {"ours_load": ours_s, "deepspeed_load": time.perf_counter() - began}
+
+    writers = [raw, ours_sync, ours_async, deepspeed_save]
+    for round_ in range(args.rounds + 1):  # round 0 is the warm-up
+        k = round_ % len(writers)  # each contestant takes each place in the order in turn
+        for contestant in [*writers[k:], *writers[:k], loads]:
+            for key, value in contestant().items():
+                if round_ > 0:
+                    times[key].append(value)
 
     # Step-time overhead of asynchronous saves: steps with a save being written vs steps without.
     quiet, busy = [], []
     for _ in range(args.rounds):
         quiet += [train_step(ours, gen) for _ in range(args.steps)]
-        step += 1
-        manager.save(step, ours, {}, background=True)
+        state["step"] += 1
+        manager.save(state["step"], ours, {}, background=True)
         while manager.writer.busy:
             busy.append(train_step(ours, gen))
         manager.wait()
@@ -155,8 +180,9 @@ def main() -> None:
           f"{ds_size / 1e6:.0f} MB; {args.rounds} rounds, medians")
     print(f"{'':<28}{'seconds':>9}{'GB/s':>8}{'vs raw':>8}")
     rows = [("ours, synchronous save", "ours_sync", size), ("ours, async: loop blocked", "ours_async_blocking", size),
-            ("ours, async: until written", "ours_async_total", size), ("DeepSpeed save_checkpoint", "deepspeed_save",
-                                                                        ds_size),
+            ("ours, async: until written", "ours_async_total", size),
+            ("DeepSpeed save_checkpoint", "deepspeed_save", ds_size),
+            ("DeepSpeed save + fsync", "deepspeed_save_fsync", ds_size),
             ("raw write + fsync", "raw_write", size), ("ours, verify + load", "ours_load", size),
             ("DeepSpeed load_checkpoint", "deepspeed_load", ds_size)]
     for label, key, nbytes in rows:

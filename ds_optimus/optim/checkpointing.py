@@ -14,7 +14,7 @@ names it, so the Hugging Face Trainer finds it), and `<save_dir>/latest` names t
 Every piece of state is keyed by parameter name and global element range, never by rank, so a
 checkpoint loads on any layout: another world size, EP size, ZeRO stage or bucket size. Files go
 through a temporary name and the folder is renamed in complete; `meta.json` is the manifest (each
-file's size and SHA-256); `latest` is replaced atomically (`ds_optimus.reliability.CheckpointWriter`).
+file's size and CRC-32); `latest` is replaced atomically (`ds_optimus.reliability.CheckpointWriter`).
 """
 
 from __future__ import annotations

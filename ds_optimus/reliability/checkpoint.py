@@ -12,7 +12,7 @@ DeepSpeed's own optimizers it holds per-rank files and resumes on the same layou
     rank00000.pt ...      each rank's optimizer partition, LR scheduler, engine counters, RNG
                           states and the caller's extra state
 
-Both kinds end with `meta.json`, the manifest: layout, step, and every file's size and SHA-256.
+Both kinds end with `meta.json`, the manifest: layout, step, and every file's size and CRC-32.
 Every file is written under a temporary name, fsynced and renamed; the folder is assembled as
 `step_N.tmp` and renamed by rank 0 once every rank's files are in; the `latest` file then names it
 (replaced atomically). A crash at any point leaves the previous checkpoints and at most a `.tmp`
@@ -23,13 +23,13 @@ Saves can run in a background thread (`background=True`) while training goes on.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
 import shutil
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -79,7 +79,7 @@ class _HashingWriter:
     """A file wrapper that counts and hashes what `torch.save` writes through it."""
 
     def __init__(self, f) -> None:
-        self.f, self.size, self.hash = f, 0, hashlib.sha256()
+        self.f, self.size, self.crc = f, 0, 0
         self.error: OSError | None = None
 
     def write(self, data) -> int:
@@ -93,7 +93,7 @@ class _HashingWriter:
         except OSError as err:
             self.error = err
             raise
-        self.hash.update(view)
+        self.crc = zlib.crc32(view, self.crc)
         self.size += len(view)
         return len(view)
 
@@ -103,13 +103,13 @@ class _HashingWriter:
 
 def atomic_save(obj: Any, path: Path) -> dict[str, Any]:
     """`torch.save` to a temporary name, fsync, then rename: `path` is complete or absent. Returns
-    its manifest record: size and SHA-256, computed while writing."""
+    its manifest record: size and CRC-32, computed while writing."""
     tmp = path.with_name(path.name + ".partial")
     writer = None
     try:
         with open(tmp, "wb", buffering=0) as f:
             writer = _HashingWriter(f)
-            torch.save(obj, writer)
+            _save_without_zip_crc(obj, writer)
             os.fsync(f.fileno())
     except BaseException as err:
         tmp.unlink(missing_ok=True)  # a half-written file would only take space (the disk may be full)
@@ -117,17 +117,32 @@ def atomic_save(obj: Any, path: Path) -> dict[str, Any]:
             raise writer.error from None  # the OS's reason, not the serializer's echo of it
         raise
     os.replace(tmp, path)
-    return {"bytes": writer.size, "sha256": writer.hash.hexdigest()}
+    return {"bytes": writer.size, "crc32": f"{writer.crc:08x}"}
+
+
+def _save_without_zip_crc(obj: Any, f) -> None:
+    # torch.save also computes a CRC-32 per zip record; the manifest's covers the whole file, so that
+    # second pass over every byte is skipped (torch.load does not need it).
+    setter = getattr(torch.serialization, "set_crc32_options", None)
+    if setter is None:
+        torch.save(obj, f)
+        return
+    previous = torch.serialization.get_crc32_options()
+    setter(False)
+    try:
+        torch.save(obj, f)
+    finally:
+        setter(previous)
 
 
 def file_record(path: Path, chunk: int = 1 << 24) -> dict[str, Any]:
-    """Size and SHA-256 of a file, read in chunks."""
-    digest, size = hashlib.sha256(), 0
+    """Size and CRC-32 of a file, read in chunks."""
+    crc, size = 0, 0
     with open(path, "rb") as f:
         while block := f.read(chunk):
-            digest.update(block)
+            crc = zlib.crc32(block, crc)
             size += len(block)
-    return {"bytes": size, "sha256": digest.hexdigest()}
+    return {"bytes": size, "crc32": f"{crc:08x}"}
 
 
 def write_text_atomic(path: Path, text: str, fsync: bool = True) -> None:
@@ -180,7 +195,7 @@ def copy_to_cpu(obj: Any) -> Any:
 
 def verify(path: Path, rank: int = 0, world: int = 1) -> str | None:
     """Check checkpoint folder `path` against its manifest (`meta.json`: every file's size and
-    SHA-256); None if it is intact, else what is wrong, in one line. Collective when `world` > 1:
+    CRC-32); None if it is intact, else what is wrong, in one line. Collective when `world` > 1:
     the files are hashed by the ranks in turn, each read once."""
     problem = None
     try:
@@ -198,8 +213,8 @@ def verify(path: Path, rank: int = 0, world: int = 1) -> str | None:
         elif record is not None:  # checkpoints from before manifests list names only
             if target.stat().st_size != record["bytes"]:
                 problem = f"{name} has {target.stat().st_size} bytes, the manifest says {record['bytes']}"
-            elif file_record(target)["sha256"] != record["sha256"]:
-                problem = f"{name} fails its SHA-256 checksum"
+            elif file_record(target)["crc32"] != record["crc32"]:
+                problem = f"{name} fails its CRC-32 checksum"
         if problem:
             break
     if world > 1 and dist.is_initialized():
@@ -211,7 +226,7 @@ def verify(path: Path, rank: int = 0, world: int = 1) -> str | None:
 
 class CheckpointWriter:
     """Writes checkpoints: every rank its own files into `<root>/<name>.tmp/`, then rank 0 the
-    manifest (`meta.json`, with every file's size and SHA-256), the rename to `<root>/<name>`, the
+    manifest (`meta.json`, with every file's size and CRC-32), the rename to `<root>/<name>`, the
     `latest` pointer and the pruning of old checkpoints.
 
     Synchronous saves agree on success through a collective, so a failure on one rank (a full disk)
@@ -223,6 +238,7 @@ class CheckpointWriter:
     def __init__(self, rank: int, world: int, timeout_s: float = 3600.0) -> None:
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
         self._thread: threading.Thread | None = None
+        self._pruner: threading.Thread | None = None
         self._error: str | None = None
         self.last_seconds: float | None = None  # how long the last save took to write
 
@@ -233,6 +249,9 @@ class CheckpointWriter:
     def prepare(self, root: Path, name: str) -> Path:
         """Create `<root>/<name>.tmp/` (rank 0, after removing what a crashed save left); collective."""
         tmp = root / f"{name}.tmp"
+        if self._pruner is not None:
+            self._pruner.join()
+            self._pruner = None
         if self.rank == 0:
             root.mkdir(parents=True, exist_ok=True)
             for stale in root.glob("*.tmp"):
@@ -280,6 +299,9 @@ class CheckpointWriter:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._pruner is not None:
+            self._pruner.join()
+            self._pruner = None
         error, self._error = self._error, None
         errors = [e for e in _all_gather(self.world, error) if e]
         if errors:
@@ -340,8 +362,9 @@ class CheckpointWriter:
         if save_latest:
             write_text_atomic(root / LATEST, name)
             _fsync_dir(root)
-        if keep is not None:
-            keep(root)
+        if keep is not None:  # deleting old checkpoints need not hold up training
+            self._pruner = threading.Thread(target=keep, args=(root,), name="ds_optimus-prune", daemon=True)
+            self._pruner.start()
 
 
 def _all_gather(world: int, value: Any) -> list[Any]:
