@@ -57,6 +57,23 @@ def _row_tile(tile_expert_ptr, starts_ptr, ends_ptr, first_tile_ptr, pid, BLOCK_
     return e, rows, rows < end
 
 
+@triton.jit
+def _rows_times_weight(a_rows, row_mask, w_base, stride_wk, stride_wn, cols, col_mask, K,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """acc[m, n] = sum_k a_rows[m][k] * w_base[k * stride_wk + cols[n] * stride_wn], in float32, with
+    `a_rows` one pointer per row (so a gathered row costs nothing extra)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        a = tl.load(a_rows[:, None] + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w_base + ks[:, None] * stride_wk + cols[None, :] * stride_wn,
+                    mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        acc = _mma(a, b, acc, UPCAST, PRECISION)
+    return acc
+
+
 # -- forward --------------------------------------------------------------------------------------
 
 @triton.jit
@@ -106,31 +123,25 @@ def _gate_up_fwd_kernel(
 
 
 @triton.jit
-def _down_fwd_kernel(
-    h_ptr, w_ptr, y_ptr, dst_ptr, rw_ptr,
+def _rows_gemm_scatter_kernel(
+    a_ptr, w_ptr, y_ptr, dst_ptr, rw_ptr,
     tile_expert_ptr, starts_ptr, ends_ptr, first_tile_ptr,
-    H, INTER, stride_h, stride_w0, stride_w1, stride_w2, stride_y,
+    N, K, stride_a, stride_w0, stride_wk, stride_wn, stride_y,
     HAS_DST: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """y[dst[p]] = weights[dst[p]] * (h[p] @ down[e].T)."""
+    """y[dst[p], n] = weights[dst[p]] * sum_k a[p, k] * w[e, k, n] (strides as given): the down
+    projection (a = h, w = down[e].T, weighted) and the input gradient (a = dgu, w = gate_up[e])."""
     e, rows, row_mask = _row_tile(tile_expert_ptr, starts_ptr, ends_ptr, first_tile_ptr,
                                   tl.program_id(1), BLOCK_M)
     if e < 0:
         return
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < H
+    col_mask = cols < N
     w_base = w_ptr + e.to(tl.int64) * stride_w0
-    h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, INTER, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < INTER
-        a = tl.load(h_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(w_base + cols[None, :] * stride_w1 + ks[:, None] * stride_w2,
-                    mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        acc = _mma(a, b, acc, UPCAST, PRECISION)
+    acc = _rows_times_weight(a_ptr + rows.to(tl.int64) * stride_a, row_mask, w_base, stride_wk, stride_wn,
+                             cols, col_mask, K, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
     if HAS_DST:
         dst = tl.load(dst_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     else:
@@ -168,15 +179,8 @@ def _down_bwd_kernel(
     else:
         gsrc = rows.to(tl.int64)
     w_base = w_ptr + e.to(tl.int64) * stride_w0
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < H
-        a = tl.load(g_ptr + gsrc[:, None] * stride_g + ks[None, :],
-                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(w_base + ks[:, None] * stride_w1 + cols[None, :] * stride_w2,
-                    mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        acc = _mma(a, b, acc, UPCAST, PRECISION)
+    acc = _rows_times_weight(g_ptr + gsrc * stride_g, row_mask, w_base, stride_w1, stride_w2,
+                             cols, col_mask, H, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
     mask = row_mask[:, None] & col_mask[None, :]
     rows64 = rows.to(tl.int64)
     gu_rows = gu_ptr + rows64[:, None] * stride_gu
@@ -201,39 +205,6 @@ def _down_bwd_kernel(
     tl.store(dgu_rows + cols[None, :], d_gate.to(out_dtype), mask=mask)
     tl.store(dgu_rows + INTER + cols[None, :], d_up.to(out_dtype), mask=mask)
     tl.store(hw_ptr + rows64[:, None] * stride_hw + cols[None, :], h.to(out_dtype), mask=mask)
-
-
-@triton.jit
-def _dx_kernel(
-    dgu_ptr, w_ptr, dx_ptr, dst_ptr,
-    tile_expert_ptr, starts_ptr, ends_ptr, first_tile_ptr,
-    H, K2, stride_dgu, stride_w0, stride_w1, stride_w2, stride_dx,
-    HAS_DST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """dx[dst[p]] = dgu[p] @ gate_up[e] (the input gradient of one slot)."""
-    e, rows, row_mask = _row_tile(tile_expert_ptr, starts_ptr, ends_ptr, first_tile_ptr,
-                                  tl.program_id(1), BLOCK_M)
-    if e < 0:
-        return
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < H
-    w_base = w_ptr + e.to(tl.int64) * stride_w0
-    dgu_rows = dgu_ptr + rows.to(tl.int64)[:, None] * stride_dgu
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K2, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < K2
-        a = tl.load(dgu_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(w_base + ks[:, None] * stride_w1 + cols[None, :] * stride_w2,
-                    mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        acc = _mma(a, b, acc, UPCAST, PRECISION)
-    if HAS_DST:
-        dst = tl.load(dst_ptr + rows, mask=row_mask, other=0).to(tl.int64)
-    else:
-        dst = rows.to(tl.int64)
-    tl.store(dx_ptr + dst[:, None] * stride_dx + cols[None, :], acc.to(dx_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit
@@ -370,9 +341,10 @@ def launch_down(h, down, y, dst, weights, sched: _Schedule, cfg: dict, num: dict
     """y[dst] = weights[dst] * (h @ down[e].T) per expert."""
     hidden, inter = down.shape[1], down.shape[2]
     grid, table = sched.row_grid(cfg, hidden)
-    _down_fwd_kernel[grid](
-        h, down, y, _or(dst, h), _or(weights, h), *table, hidden, inter, h.stride(0), *down.stride(),
-        y.stride(0), HAS_DST=dst is not None, HAS_WEIGHTS=weights is not None, **cfg, **num,
+    _rows_gemm_scatter_kernel[grid](
+        h, down, y, _or(dst, h), _or(weights, h), *table, hidden, inter, h.stride(0), down.stride(0),
+        down.stride(2), down.stride(1), y.stride(0), HAS_DST=dst is not None, HAS_WEIGHTS=weights is not None,
+        **cfg, **num,
     )
 
 
@@ -404,9 +376,10 @@ def launch_dx(dgu, gate_up, dx, dst, sched: _Schedule, cfg: dict, num: dict) -> 
     """dx[dst] = dgu @ gate_up[e] per expert."""
     hidden = gate_up.shape[2]
     grid, table = sched.row_grid(cfg, hidden)
-    _dx_kernel[grid](
-        dgu, gate_up, dx, _or(dst, dgu), *table, hidden, gate_up.shape[1], dgu.stride(0), *gate_up.stride(),
-        dx.stride(0), HAS_DST=dst is not None, **cfg, **num,
+    _rows_gemm_scatter_kernel[grid](
+        dgu, gate_up, dx, _or(dst, dgu), dgu, *table, hidden, gate_up.shape[1], dgu.stride(0), gate_up.stride(0),
+        gate_up.stride(1), gate_up.stride(2), dx.stride(0), HAS_DST=dst is not None, HAS_WEIGHTS=False,
+        **cfg, **num,
     )
 
 
