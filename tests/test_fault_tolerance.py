@@ -127,6 +127,24 @@ def test_atomic_save_records_what_it_wrote_and_leaves_nothing_on_failure(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.pt"]
 
 
+def test_a_failed_save_is_one_error_and_leaves_no_folder(tmp_path):
+    class Broken:
+        def __reduce__(self):
+            raise ValueError("cannot pickle this")
+
+    writer = CheckpointWriter(0, 1)
+    writer.prepare(tmp_path, "step_00000003")
+    with pytest.raises(CheckpointError, match=r"^saving checkpoint step_00000003 failed \(rank 0: ValueError: "
+                                              r"cannot pickle this\); the previous checkpoints are untouched$"):
+        writer.write(tmp_path, "step_00000003", {"a.pt": {"x": Broken()}}, {"step": 3})
+    assert list(tmp_path.iterdir()) == []
+    writer.prepare(tmp_path, "step_00000004")
+    writer.write(tmp_path, "step_00000004", {"a.pt": {"x": Broken()}}, {"step": 4}, background=True)
+    with pytest.raises(CheckpointError, match=r"^an asynchronous checkpoint save failed \(rank 0: ValueError"):
+        writer.wait()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_latest_good_falls_back_and_says_when_nothing_is_intact(tmp_path):
     manager = CheckpointManager(tmp_path)
     for step in (2, 4):

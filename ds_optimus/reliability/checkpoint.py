@@ -276,16 +276,16 @@ class CheckpointWriter:
         error = None
         try:
             records = _write_files(tmp, files, (meta or {}).get("step"))
-        except OSError as err:
-            error, records = f"rank {self.rank}: {err}", {}
+        except Exception as err:  # whatever it is, every rank must hear of it (none may wait forever)
+            error, records = f"rank {self.rank}: {_describe(err)}", {}
         gathered = _all_gather(self.world, (error, records))
         errors = [e for e, _ in gathered if e]
         if not errors and self.rank == 0:
             try:
                 self._finish(root, name, tmp, {k: v for _, r in gathered for k, v in r.items()}, meta or {},
                              save_latest, keep)
-            except OSError as err:
-                errors.append(f"rank 0: {err}")
+            except Exception as err:
+                errors.append(f"rank 0: {_describe(err)}")
         errors = [e for e in _all_gather(self.world, errors[0] if errors else None) if e]
         if errors:
             if self.rank == 0:
@@ -313,8 +313,11 @@ class CheckpointWriter:
         try:
             records = _write_files(tmp, files, (meta or {}).get("step"))
             write_text_atomic(tmp / f"done_rank{self.rank:05d}.json", json.dumps(records))
-        except OSError as err:
-            self._error = f"rank {self.rank}: {err}"
+        except Exception as err:
+            self._error = f"rank {self.rank}: {_describe(err)}"
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # the other ranks' writes fail too and say so
+                return
             try:
                 (tmp / f"failed_rank{self.rank:05d}").touch()
             except OSError:
@@ -326,8 +329,8 @@ class CheckpointWriter:
         try:
             merged = self._collect_markers(tmp)
             self._finish(root, name, tmp, merged, meta or {}, save_latest, keep)
-        except (OSError, CheckpointError) as err:
-            self._error = f"rank 0: {err}"
+        except Exception as err:
+            self._error = f"rank 0: {_describe(err)}"
             shutil.rmtree(tmp, ignore_errors=True)
             return
         self.last_seconds = time.perf_counter() - began
@@ -365,6 +368,11 @@ class CheckpointWriter:
         if keep is not None:  # deleting old checkpoints need not hold up training
             self._pruner = threading.Thread(target=keep, args=(root,), name="ds_optimus-prune", daemon=True)
             self._pruner.start()
+
+
+def _describe(err: Exception) -> str:
+    # An OSError says what happened itself ("[Errno 28] No space left on device: ..."); others get their type.
+    return str(err) if isinstance(err, (OSError, CheckpointError)) else f"{type(err).__name__}: {err}"
 
 
 def _all_gather(world: int, value: Any) -> list[Any]:
