@@ -185,6 +185,18 @@ def test_guard_skips_non_finite_and_spiking_steps_and_asks_for_rollback():
     assert not guard.decide(1.02).skip and guard.bad_in_a_row == 0 and guard.skipped == 3
 
 
+def test_preemption_handler_records_the_signal_and_restores_handlers():
+    from ds_optimus.reliability.signals import PreemptionHandler
+
+    before = signal.getsignal(signal.SIGUSR1)
+    handler = PreemptionHandler()
+    assert not handler.requested()
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert handler.received == "SIGUSR1" and handler.requested()
+    handler.close()
+    assert signal.getsignal(signal.SIGUSR1) is before
+
+
 def test_supervisor_stops_without_progress_and_passes_preemption_on(tmp_path):
     progress = tmp_path / "progress.json"
     progress.write_text(json.dumps({"step": 7}))
