@@ -58,18 +58,10 @@ def checkpoint_files(engine, client_state=None, exclude_frozen_parameters: bool 
     if rank == 0:
         scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
         files["engine.pt"] = {"lr_scheduler": scheduler, "counters": {k: getattr(engine, k) for k in ENGINE_COUNTERS}}
-    files = copy_to_cpu(files) if copy else {k: _on_cpu(v) for k, v in files.items()}
+    files = copy_to_cpu(files, copy)
     meta = {"format": "ds_optimus.checkpoint/1", "world_size": dist.get_world_size(),
             "ep_size": groups.ep_size if groups is not None else 1, "zero_stage": engine.optimizer.stage}
     return files, meta
-
-
-def _on_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.cpu()
-    if isinstance(obj, dict):
-        return {k: _on_cpu(v) for k, v in obj.items()}
-    return obj
 
 
 def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True,

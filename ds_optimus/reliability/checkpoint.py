@@ -179,17 +179,17 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def copy_to_cpu(obj: Any) -> Any:
-    """`obj` with every tensor replaced by a CPU copy (containers rebuilt): a snapshot that training
-    can run on from while a background thread writes it."""
+def copy_to_cpu(obj: Any, copy: bool = True) -> Any:
+    """`obj` with every tensor moved to the CPU (containers rebuilt). With `copy`, CPU tensors are
+    copied too: a snapshot that training can run on from while a background thread writes it."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        return obj.detach().to("cpu", copy=copy)
     if isinstance(obj, dict):
-        return {k: copy_to_cpu(v) for k, v in obj.items()}
+        return {k: copy_to_cpu(v, copy) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [copy_to_cpu(v) for v in obj]
+        return [copy_to_cpu(v, copy) for v in obj]
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(copy_to_cpu(v) for v in obj)
+        return tuple(copy_to_cpu(v, copy) for v in obj)
     return obj
 
 
@@ -416,11 +416,6 @@ class CheckpointManager:
                  if p.is_dir() and p.name.startswith(STEP_PREFIX) and p.name[len(STEP_PREFIX):].isdigit()
                  and (p / "meta.json").exists()]
         return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX):]))
-
-    def latest(self) -> Path | None:
-        """The newest complete checkpoint, or None."""
-        done = self.complete()
-        return done[-1] if done else None
 
     def has_checkpoints(self) -> bool:
         """Whether rank 0 sees a complete checkpoint here, on every rank (collective)."""
