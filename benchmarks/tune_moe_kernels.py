@@ -87,17 +87,23 @@ def main() -> None:
         parts = torch.empty(s, -(-inter // cfg["BLOCK_N"]), device=dev, dtype=torch.float32)
         k.launch_down_bwd(grad, src, down, gu, dst, w, dgu, hw, parts, sched, cfg, num)
 
-    a_big, b_big = torch.randn(s, hidden, device=dev, dtype=dt), torch.randn(hidden, 2 * inter, device=dev, dtype=dt)
-    kernels = {  # name: (matmul FLOPs, launch(cfg), the dense matmul of the same FLOPs)
+    # Dense matmuls with each kernel's shapes and FLOPs (contiguous operands), the ceiling per kernel.
+    def rand(*shape):
+        return torch.randn(*shape, device=dev, dtype=dt)
+
+    rows_h, rows_i, rows_2i = rand(s, hidden), rand(s, inter), rand(s, 2 * inter)
+    w_h_2i, w_i_h = rand(hidden, 2 * inter), rand(inter, hidden)
+    w_h_i, w_2i_h = rand(hidden, inter), rand(2 * inter, hidden)
+    kernels = {  # name: (matmul FLOPs, launch(cfg), the dense matmul of the same shapes)
         "gate_up": (2 * s * hidden * 2 * inter, lambda c: k.launch_gate_up(x, src, gate_up, gu, h, sched, c, num),
-                    lambda: torch.mm(a_big, b_big)),
+                    lambda: torch.mm(rows_h, w_h_2i)),
         "down": (2 * s * inter * hidden, lambda c: k.launch_down(h, down, y, dst, w, sched, c, num),
-                 lambda: torch.mm(a_big[:, :inter], b_big[:inter, :hidden])),
-        "down_bwd": (2 * s * hidden * inter, down_bwd, lambda: torch.mm(a_big, b_big[:, :inter])),
+                 lambda: torch.mm(rows_i, w_i_h)),
+        "down_bwd": (2 * s * hidden * inter, down_bwd, lambda: torch.mm(rows_h, w_h_i)),
         "weight_grad": (2 * s * hidden * 3 * inter, weight_grads,
-                        lambda: (torch.mm(a_big.t(), a_big[:, :inter]), torch.mm(b_big.t(), a_big))),
+                        lambda: (torch.mm(rows_h.t(), rows_i), torch.mm(rows_2i.t(), rows_h))),
         "dx": (2 * s * 2 * inter * hidden, lambda c: k.launch_dx(dgu, gate_up, dx, dst, sched, c, num),
-               lambda: torch.mm(a_big, b_big)),
+               lambda: torch.mm(rows_2i, w_2i_h)),
     }
     k.launch_gate_up(x, src, gate_up, gu, h, sched, k.resolve_blocks("gate_up", dev), num)  # real gu for backward
     gpu = torch.cuda.get_device_name()
