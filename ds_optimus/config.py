@@ -9,7 +9,8 @@ validated up front. An unknown key or a bad value is a one-line `ConfigError` na
                "cache_dir": "data_cache"},
       "train": {"steps": 100, "seed": 0, "output_dir": "runs/mula", "eval_interval": 50, "eval_batches": 8,
                 "log_interval": 1, "peak_tflops": null, "warmup_steps": 0, "min_lr_ratio": 0.1,
-                "sample_prompt": "...", "sample_tokens": 48},
+                "sample_prompt": "...", "sample_tokens": 48, "activation_checkpointing": false,
+                "measure_memory_steps": 0},
       "checkpoint": {"interval": 0, "keep_last": 2, "dir": null, "resume": true, "async_save": false},
       "wandb": {"mode": null, "project": "ds_optimus", "name": null, "entity": null},
       "sharded_optimizer": {"enabled": false, "bucket_size": 50000000, "reduce_dtype": null,
@@ -116,8 +117,19 @@ class TrainConfig:
     stop_after_steps: int | None = None
     sample_prompt: str = "The with statement"
     sample_tokens: int = 48
+    # Recompute each decoder layer's activations in the backward pass instead of keeping them.
+    activation_checkpointing: bool = False
+    # Record each rank's peak tensor memory over the first `measure_memory_steps` steps into the
+    # summary (on CPU through the profiler's allocation events, which slows those steps; on
+    # accelerators from the allocator's statistics). 0: off.
+    measure_memory_steps: int = 0
 
     def check(self, where: str) -> None:
+        _need(isinstance(self.activation_checkpointing, bool),
+              f"{where}.activation_checkpointing must be true or false, got {self.activation_checkpointing!r}")
+        _need(isinstance(self.measure_memory_steps, int) and not isinstance(self.measure_memory_steps, bool)
+              and self.measure_memory_steps >= 0,
+              f"{where}.measure_memory_steps must be an integer >= 0, got {self.measure_memory_steps!r}")
         _need(_positive_int(self.steps), f"{where}.steps must be a positive integer, got {self.steps!r}")
         _need(isinstance(self.seed, int), f"{where}.seed must be an integer, got {self.seed!r}")
         _need(_number(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1,

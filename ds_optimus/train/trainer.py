@@ -27,6 +27,7 @@ from ..reliability import faults
 from ..reliability.checkpoint import write_text_atomic
 from ..reliability.signals import EXIT_PREEMPTED, PreemptionHandler
 from ..reliability.watchdog import Watchdog
+from .memory import MemoryMeter
 from .metrics import MetricsSink, expert_imbalance, model_flops_per_token, reduce_mean, reduce_sum_tensor
 
 
@@ -180,10 +181,21 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def enable_activation_checkpointing(model) -> None:
+    """Recompute each decoder layer in the backward pass, non-reentrant (the sharded optimizer's
+    gradient hooks then fire once per parameter)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # the name since Transformers 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def pretrain(ds_config: dict[str, Any] | str | Path, *, log_every_rank: bool = False) -> dict[str, Any]:
     """Run the pretraining job of a DeepSpeed config with an `optimus` section; returns a summary
     (first and last loss, evaluations, the exported folder) on every rank."""
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
 
     from ..data import DataError, eval_batches, load_tokenizer, parse_source
     from ..data.loader import TokenBatches
@@ -208,7 +220,12 @@ def pretrain(ds_config: dict[str, Any] | str | Path, *, log_every_rank: bool = F
         tokenizer = load_tokenizer(opt.data.tokenizer)
     except ValueError as err:
         raise ConfigError(f"optimus.data.tokenizer: {err}") from None
+    meter = MemoryMeter(get_accelerator().current_device_name()) if opt.train.measure_memory_steps else None
+    if meter is not None:
+        meter.start()
     model = build_model(opt, tokenizer)
+    if opt.train.activation_checkpointing:
+        enable_activation_checkpointing(model)
     if model.config.num_experts:
         check_layout(world, opt.expert_parallel.size, model.config.num_experts, opt.expert_parallel.node_size)
     elif opt.expert_parallel.size > 1:
@@ -233,6 +250,8 @@ def pretrain(ds_config: dict[str, Any] | str | Path, *, log_every_rank: bool = F
         model=model, model_parameters=moe_param_groups(model, weight_decay=weight_decay), lr_scheduler=schedule,
         config=ds_config)  # the "optimus" section reaches the engine: optimus.sharded_optimizer
     device = engine.device
+    if meter is not None:
+        meter.mark("initialized")
 
     checkpoints = CheckpointManager(opt.checkpoint.dir or output_dir / "checkpoints", opt.checkpoint.keep_last, groups)
     start = 0
@@ -261,7 +280,7 @@ def pretrain(ds_config: dict[str, Any] | str | Path, *, log_every_rank: bool = F
     flops_per_token = model_flops_per_token(model.config, seq_len)
     tokens_per_step = micro * accumulation * world * seq_len
     summary: dict[str, Any] = {"rank": rank, "start_step": start, "resumed_from": resumed_from,
-                               "losses": {}, "evals": {}}
+                               "losses": {}, "evals": {}, "step_seconds": {}}
 
     def evaluate() -> float | None:
         if not held_out:
@@ -322,6 +341,14 @@ def pretrain(ds_config: dict[str, Any] | str | Path, *, log_every_rank: bool = F
                 engine.step()
             preempt = metrics.pop("preempt") > 0
             seconds = time.perf_counter() - began
+            summary["step_seconds"][step] = seconds
+            if meter is not None and meter.running and step >= start + opt.train.measure_memory_steps:
+                per_rank = [None] * world
+                dist.all_gather_object(per_rank, meter.stop())
+                summary["memory"] = per_rank  # every rank's {"peak_bytes", "marks"}
+                peaks = [m["peak_bytes"] / 2**20 for m in per_rank]
+                sink.message(f"memory: peak tensor memory per rank over steps {start + 1}-{step}: "
+                             f"max {max(peaks):.1f} MiB, min {min(peaks):.1f} MiB")
             grad_norm = engine.get_global_grad_norm()
             metrics.update(lr=lr, grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
                            tokens_per_s=tokens_per_step / seconds, step_seconds=seconds,
