@@ -39,8 +39,10 @@ setup(
         "numpy>=1.24",
     ],
     extras_require={
-        "dev": ["pytest>=8", "ruff>=0.8"],
+        "dev": ["pytest>=8", "ruff>=0.8", "matplotlib>=3.7"],
         "triton": ["triton>=3.2"],
+        "plan": ["matplotlib>=3.7"],  # the planner's scaling plot (--png)
     },
-    entry_points={"console_scripts": ["ds-optimus-train = ds_optimus.train.cli:main"]},
+    entry_points={"console_scripts": ["ds-optimus-train = ds_optimus.train.cli:main",
+                                      "ds-optimus-plan = ds_optimus.plan.__main__:main"]},
 )

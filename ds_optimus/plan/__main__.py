@@ -1,0 +1,200 @@
+"""Command line of the layout planner: `python -m ds_optimus.plan --help`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .cluster import BUILTIN, ClusterError, get_cluster
+from .configs import layout_config, template_for, write_config
+from .layout import LayoutError
+from .memory import gib
+from .model import ModelShape
+from .scaling import ScalingError, device_counts, format_scaling, plot_scaling, scaling
+from .search import OPTIMIZERS, format_table, search
+
+EPILOG = """examples:
+  python -m ds_optimus.plan --model mula-7b-a1b --cluster h100 --devices 64 --write ds_configs/mula-7b-a1b-64xh100.json
+  python -m ds_optimus.plan --model mula-220b-a10b --cluster aurora --devices 384 --scale 384:12288 --png scaling.png
+  python -m ds_optimus.plan --model mula-tiny-moe --cluster local --devices 2 --measure 4
+  python -m ds_optimus.plan --list-clusters
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ds_optimus.plan", epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                description="Predict per-rank memory and step time of a Mula model under each "
+                                            "parallel layout on a cluster, rank the layouts, write the best as a "
+                                            "DeepSpeed config.")
+    p.add_argument("--model", default="mula-7b-a1b", help="Mula preset (default: mula-7b-a1b)")
+    p.add_argument("--cluster", default="h100",
+                   help=f"built-in cluster ({', '.join(BUILTIN)}), 'local' (this machine, measured) or a JSON file")
+    p.add_argument("--devices", type=int, default=None, help="ranks (GPUs, GPU tiles or GCDs); default: one node")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="sequences per optimizer step (default: the preset's shipped config)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the shipped config's)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
+                   help="training dtype (default: bf16 on accelerators, fp32 on a CPU cluster)")
+    p.add_argument("--pipeline", action="store_true", help="also plan pipeline-parallel layouts (planned only)")
+    p.add_argument("--optimizer", choices=("all", "sharded", "deepspeed"), default="all",
+                   help="the EP-aware sharded optimizer, DeepSpeed's ZeRO, or both (default)")
+    p.add_argument("--no-checkpointing", action="store_true", help="never use activation checkpointing")
+    p.add_argument("--expert-imbalance", type=float, default=1.0,
+                   help="rows the busiest rank's experts receive over the mean (default 1.0)")
+    p.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
+    p.add_argument("--write", metavar="PATH", help="write the best layout as a DeepSpeed JSON config")
+    p.add_argument("--json", metavar="PATH", help="write everything shown as JSON")
+    p.add_argument("--measure", type=int, metavar="K", default=0,
+                   help="run the top K layouts for a few steps on this machine and compare")
+    p.add_argument("--measure-steps", type=int, default=6, help="steps per measured layout (default 6)")
+    p.add_argument("--scale", metavar="N:M", help="scaling report from N to M devices (doubling)")
+    p.add_argument("--strong", action="store_true", help="scaling at a fixed global batch (default: weak scaling, "
+                                                         "a fixed batch per device)")
+    p.add_argument("--png", metavar="PATH", help="plot the scaling report to this PNG")
+    p.add_argument("--reference-efficiency", type=float, default=None,
+                   help="a measured efficiency at M devices to mark on the plot (e.g. 0.9)")
+    p.add_argument("--list-clusters", action="store_true", help="print the built-in clusters and exit")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except (ClusterError, LayoutError, ScalingError, ValueError, OSError) as err:
+        print(f"error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.list_clusters:
+        for name, c in BUILTIN.items():
+            print(f"{name:9s} {c.device}: {c.devices_per_node}/node, {c.memory_gib:.0f} GiB, {c.peak_tflops:g} TFLOPS, "
+                  f"{c.intra_node_gbps:g} GB/s in node, {c.inter_node_gbps:.1f} GB/s between nodes ({c.notes})")
+        return 0
+    cluster = get_cluster(args.cluster)
+    model = ModelShape.from_preset(args.model)
+    template = template_for(args.model)
+    seq_len = args.seq_len or template.get("optimus", {}).get("data", {}).get("seq_len", 4096)
+    devices = args.devices or cluster.devices_per_node
+    global_batch = args.global_batch or template.get("train_batch_size") or devices
+    dtype = args.dtype or ("fp32" if cluster.shared_compute else "bf16")
+    for name, value in (("--devices", devices), ("--global-batch", global_batch), ("--seq-len", seq_len),
+                        ("--top", args.top)):
+        if value < 1:
+            raise ValueError(f"{name} must be positive, got {value}")
+    if args.expert_imbalance < 1:
+        raise ValueError(f"--expert-imbalance must be at least 1, got {args.expert_imbalance}")
+    optimizers = {"all": OPTIMIZERS, "sharded": tuple(o for o in OPTIMIZERS if o[1]),
+                  "deepspeed": tuple(o for o in OPTIMIZERS if not o[1])}[args.optimizer]
+    options = dict(dtype=dtype, pipeline=args.pipeline, optimizers=optimizers,
+                   checkpointing=(False,) if args.no_checkpointing else (False, True),
+                   expert_imbalance=args.expert_imbalance)
+    report: dict = {"model": args.model, "cluster": cluster.to_json(), "dtype": dtype, "seq_len": seq_len}
+
+    print(f"{args.model}: {_count(model.total_params)} parameters ({_count(model.expert_params)} in experts), "
+          f"{_count(model.active_params)} active; {model.flops_per_token(seq_len) / 1e9:.3g} GFLOP per token")
+    print(f"{cluster.name}: {cluster.device}, {cluster.devices_per_node} per node, {cluster.memory_gib:.0f} GiB "
+          f"({gib(cluster.usable_bytes):.0f} usable), {cluster.peak_tflops:g} TFLOPS x "
+          f"{cluster.compute_efficiency:.0%}")
+
+    if args.scale:
+        return _scale(args, model, cluster, seq_len, global_batch, devices, options, report)
+
+    plans, tried = search(model, cluster, devices, global_batch, seq_len, **options)
+    print(f"{devices} devices, {global_batch} x {seq_len} tokens per step ({dtype}): {tried} layouts tried, "
+          f"{len(plans)} fit in memory\n")
+    if not plans:
+        raise LayoutError(f"no layout of {args.model} fits on {devices} {cluster.device} devices; add devices, "
+                          "lower --global-batch or allow --pipeline")
+    print(format_table(plans, args.top))
+    report["devices"], report["global_batch"] = devices, global_batch
+    report["plans"] = [p.as_dict() for p in plans[: args.top]]
+    runnable = [p for p in plans if p.layout.pp == 1]
+    if args.write:
+        if not runnable:
+            raise LayoutError("every fitting layout needs pipeline parallelism, which ds_optimus.train does not run")
+        best = runnable[0]
+        path = write_config(layout_config(best.layout, args.model, cluster, base=template), args.write)
+        print(f"\nwrote {path} ({best.layout.describe()}; run it with: deepspeed --num_nodes "
+              f"{-(-devices // cluster.devices_per_node)} --num_gpus {min(devices, cluster.devices_per_node)} "
+              f"--module ds_optimus.train --config {path})")
+    if args.measure:
+        report["measured"] = _measure(args, runnable[: args.measure], model)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def _measure(args, plans, model) -> list[dict]:
+    from .measure import MeasureError, measure_layout
+
+    print(f"\nmeasuring {len(plans)} layouts on this machine, {args.measure_steps} steps each "
+          f"(memory from the first 2, time from the rest):")
+    rows = []
+    for i, plan in enumerate(plans, 1):
+        print(f"  [{i}/{len(plans)}] {plan.layout.describe()} ...", flush=True)
+        try:
+            m = measure_layout(plan.layout, args.model, steps=args.measure_steps, memory_steps=2)
+        except MeasureError as err:
+            print(f"    failed: {err}")
+            continue
+        rows.append({"layout": plan.layout.describe(), "predicted_peak_bytes": plan.memory.peak,
+                     "measured_peak_bytes": max(m.peak_bytes), "measured_peak_bytes_per_rank": m.peak_bytes,
+                     "predicted_step_s": plan.time.step, "measured_step_s": m.step_seconds})
+    if not rows:
+        return rows
+    by_pred = sorted(range(len(rows)), key=lambda i: rows[i]["predicted_step_s"])
+    by_meas = sorted(range(len(rows)), key=lambda i: rows[i]["measured_step_s"])
+    for rank, i in enumerate(by_pred, 1):
+        rows[i]["predicted_rank"] = rank
+    for rank, i in enumerate(by_meas, 1):
+        rows[i]["measured_rank"] = rank
+    print("\n  layout                          peak MiB pred/meas (err)    step s pred/meas   rank pred/meas")
+    for r in rows:
+        err = r["predicted_peak_bytes"] / r["measured_peak_bytes"] - 1
+        peaks = f"{r['predicted_peak_bytes'] / 2**20:7.1f} / {r['measured_peak_bytes'] / 2**20:7.1f}"
+        print(f"  {r['layout']:30s}  {peaks} "
+              f"({err:+.1%})   {r['predicted_step_s']:7.3f} / {r['measured_step_s']:7.3f}   "
+              f"{r['predicted_rank']:4d} / {r['measured_rank']}")
+    return rows
+
+
+def _scale(args, model, cluster, seq_len, global_batch, devices, options, report) -> int:
+    try:
+        first, last = (int(x) for x in args.scale.split(":"))
+    except ValueError:
+        raise ScalingError(f"--scale takes N:M (two device counts), got {args.scale!r}") from None
+    counts = device_counts(first, last, cluster.devices_per_node)
+    per_device = global_batch / devices
+    kind = "strong scaling, global batch " + str(global_batch) if args.strong else \
+        f"weak scaling, {per_device:g} sequences per device per step"
+    print(f"scaling from {first} to {last} devices ({kind}):")
+    points = scaling(model, cluster, counts, per_device, seq_len, weak=not args.strong, global_batch=global_batch,
+                     progress=lambda p: print(f"  {p.devices} devices: {p.tried} layouts", file=sys.stderr),
+                     **options)
+    print(format_scaling(points))
+    from .scaling import efficiency
+
+    effs = efficiency(points)
+    report["scaling"] = [{"devices": p.devices, "plan": p.plan.as_dict() if p.plan else None, "efficiency": e}
+                         for p, e in zip(points, effs, strict=True)]
+    if args.png:
+        path = plot_scaling(points, args.png, f"{args.model} on {cluster.name}: {kind}", args.reference_efficiency)
+        print(f"wrote {path}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

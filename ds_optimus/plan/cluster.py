@@ -1,0 +1,228 @@
+"""Descriptions of the machines a layout is planned for.
+
+Bandwidths are per device and per direction, in GB/s (1e9 bytes/s): what one device can push into
+the fabric at once. Inside a node that is its share of the GPU-GPU links; between nodes, the node's
+NIC bandwidth divided by its devices. Peak rates are dense (no sparsity) bf16 matmul TFLOPS.
+Users describe their own machine in JSON with the same keys (`Cluster.from_json`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+
+class ClusterError(ValueError):
+    """A cluster description that cannot be used; one line naming the key."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    device: str
+    devices_per_node: int
+    memory_gib: float  # per device
+    peak_tflops: float  # per device, dense bf16 (or the dtype the run trains in)
+    intra_node_gbps: float  # per device and direction, to the other devices of its node
+    inter_node_gbps: float  # per device and direction, to other nodes (the node's NICs shared)
+    intra_node_latency_us: float = 5.0
+    inter_node_latency_us: float = 10.0
+    nodes: int | None = None  # the machine's size, if it has one
+    # Fraction of peak the model's matmuls reach; the planner's one compute calibration figure.
+    compute_efficiency: float = 0.45
+    # Fraction of a collective's bandwidth reached in practice (protocol, congestion).
+    comm_efficiency: float = 0.7
+    # Memory kept free of the planner's estimate: the allocator's caching and fragmentation, the
+    # framework's workspaces, the communication library's own buffers.
+    memory_reserve_gib: float = 4.0
+    # Rate of the MoE experts (permutation, grouped GEMMs, combine) relative to dense matmuls of the
+    # same FLOPs: what the expert kernels reach (benchmarks/moe_kernels.py measures it).
+    expert_efficiency: float = 0.45
+    # Fixed costs of one micro-batch's forward and backward beyond its FLOPs (kernel launches, Python,
+    # the engine's hooks): per micro-batch, and per layer.
+    overhead_per_micro_batch_s: float = 5e-3
+    overhead_per_layer_s: float = 2e-4
+    # Network above the node: traffic between nodes of different groups (dragonfly groups,
+    # fat-tree pods) of `group_nodes` nodes gets `global_bandwidth_fraction` of inter_node_gbps.
+    group_nodes: int | None = None
+    global_bandwidth_fraction: float = 1.0
+    # Run-to-run variation of a rank's step time (relative standard deviation): every synchronising
+    # step waits for the slowest of the ranks, about sigma x sqrt(2 ln N) above the mean.
+    step_jitter: float = 0.0
+    # CPU: the ranks of a node share the node's cores, so peak_tflops is the node's and is divided.
+    shared_compute: bool = False
+    notes: str = ""
+
+    def check(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("name", "device", "notes"):
+                if not isinstance(value, str):
+                    raise ClusterError(f"cluster {f.name} must be a string, got {value!r}")
+            elif f.name == "shared_compute":
+                if not isinstance(value, bool):
+                    raise ClusterError(f"cluster shared_compute must be true or false, got {value!r}")
+            elif f.name in ("nodes", "group_nodes"):
+                if value is not None and (not isinstance(value, int) or value < 1):
+                    raise ClusterError(f"cluster {f.name} must be null or a positive integer, got {value!r}")
+            elif f.name == "devices_per_node":
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    raise ClusterError(f"cluster devices_per_node must be a positive integer, got {value!r}")
+            elif not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (
+                    value == 0 and f.name not in ("memory_reserve_gib", "overhead_per_layer_s", "step_jitter",
+                                                  "overhead_per_micro_batch_s",
+                                                  "intra_node_latency_us", "inter_node_latency_us")):
+                raise ClusterError(f"cluster {f.name} must be a positive number, got {value!r}")
+        for key in ("compute_efficiency", "comm_efficiency", "global_bandwidth_fraction", "expert_efficiency"):
+            if not 0 < getattr(self, key) <= 1:
+                raise ClusterError(f"cluster {key} must be in (0, 1], got {getattr(self, key)!r}")
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gib * 2**30
+
+    @property
+    def usable_bytes(self) -> float:
+        return max(0.0, (self.memory_gib - self.memory_reserve_gib) * 2**30)
+
+    def rate(self, ranks_on_node: int) -> float:
+        """Matmul FLOP/s one rank reaches."""
+        share = self.peak_tflops / max(1, ranks_on_node) if self.shared_compute else self.peak_tflops
+        return share * 1e12 * self.compute_efficiency
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any] | str | Path) -> Cluster:
+        """A cluster from a dict or a JSON file with `Cluster`'s keys."""
+        if not isinstance(data, dict):
+            path = Path(data)
+            try:
+                data = json.loads(path.read_text())
+            except FileNotFoundError:
+                raise ClusterError(f"no cluster named {str(data)!r} and no such file; built in: "
+                                   f"{', '.join(BUILTIN)}") from None
+            except json.JSONDecodeError as err:
+                raise ClusterError(f"{path}: not valid JSON ({err})") from None
+            if not isinstance(data, dict):
+                raise ClusterError(f"{path}: a cluster description is a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ClusterError(f"unknown cluster key {unknown[0]!r}; known keys: {', '.join(sorted(known))}")
+        missing = [k for k in ("name", "device", "devices_per_node", "memory_gib", "peak_tflops",
+                               "intra_node_gbps", "inter_node_gbps") if k not in data]
+        if missing:
+            raise ClusterError(f"cluster description lacks {missing[0]!r}")
+        cluster = cls(**data)
+        cluster.check()
+        return cluster
+
+
+# -- built-in clusters --------------------------------------------------------------------------
+
+BUILTIN: dict[str, Cluster] = {
+    # Aurora (ALCF): a node has 6 Intel Data Center GPU Max 1550 of 2 tiles each, 12 tiles; each
+    # tile is one rank with 64 GB of HBM2e (ALCF Aurora machine overview). bf16 XMX peak of a 1550 is
+    # about 839 TFLOPS (128 Xe cores x 4096 bf16 ops per clock x 1.6 GHz, Intel's product brief), so
+    # about 419 per tile. Network: 8 HPE Slingshot-11 NICs per node at 200 Gb/s = 200 GB/s per node,
+    # 16.7 GB/s per tile. Inside the node, the GPUs are all-to-all connected by Xe Link; with the
+    # tile-to-tile MDFI link faster still, we take 50 GB/s per tile and direction as the practical
+    # figure for collectives spanning the node (an assumption: ALCF quotes links, not collectives).
+    # 10,624 nodes. The Slingshot fabric is a dragonfly; we take groups of 64 nodes and, for traffic
+    # between groups, half the injection bandwidth (global links are tapered relative to the NICs;
+    # both figures are assumptions to be replaced by measured ones), and a 3 % step-time jitter.
+    "aurora": Cluster(
+        name="aurora", device="Intel Max 1550 tile", devices_per_node=12, memory_gib=64 * 1e9 / 2**30,
+        peak_tflops=419.0, intra_node_gbps=50.0, inter_node_gbps=200.0 / 12, intra_node_latency_us=8.0,
+        inter_node_latency_us=15.0, nodes=10624, compute_efficiency=0.35, comm_efficiency=0.6,
+        memory_reserve_gib=6.0, overhead_per_layer_s=4e-4, group_nodes=64, global_bandwidth_fraction=0.5,
+        step_jitter=0.03, expert_efficiency=0.35,  # not measured there: below the H100's 0.45
+        notes="ALCF Aurora: 6 x Intel Max 1550 (12 tiles) per node, 8 x Slingshot-11 200 Gb/s NICs"),
+    # Frontier (OLCF): 4 AMD MI250X per node, each two GCDs, 8 GCD ranks per node with 64 GB HBM2e
+    # each (OLCF Frontier user guide). MI250X peak dense bf16 383 TFLOPS, 191.5 per GCD (AMD data
+    # sheet). Infinity Fabric between GCDs: 200 GB/s inside an MI250X, 50-100 GB/s between packages
+    # (user guide); we take 50 GB/s per GCD for node-wide collectives. 4 Slingshot-11 NICs at
+    # 200 Gb/s = 100 GB/s per node, 12.5 GB/s per GCD. 9,408 nodes; a dragonfly of 74 groups of
+    # 128 nodes (OLCF), global links taken at half the injection bandwidth (assumed), 3 % jitter.
+    "frontier": Cluster(
+        name="frontier", device="AMD MI250X GCD", devices_per_node=8, memory_gib=64 * 1e9 / 2**30,
+        peak_tflops=191.5, intra_node_gbps=50.0, inter_node_gbps=100.0 / 8, intra_node_latency_us=8.0,
+        inter_node_latency_us=15.0, nodes=9408, compute_efficiency=0.35, comm_efficiency=0.6,
+        memory_reserve_gib=6.0, overhead_per_layer_s=4e-4, group_nodes=128, global_bandwidth_fraction=0.5,
+        step_jitter=0.03, expert_efficiency=0.35,  # not measured there: below the H100's 0.45
+        notes="OLCF Frontier: 4 x MI250X (8 GCDs) per node, 4 x Slingshot-11 200 Gb/s NICs"),
+    # A DGX H100-style cluster: 8 H100 SXM5 80 GB per node, 989 TFLOPS dense bf16 each (NVIDIA H100
+    # data sheet); NVLink 4 through NVSwitch, 900 GB/s bidirectional = 450 GB/s per direction; one
+    # 400 Gb/s ConnectX-7 InfiniBand NIC per GPU = 50 GB/s. 128 nodes as the default size, on a
+    # non-blocking fat tree (no taper), 2 % jitter.
+    "h100": Cluster(
+        name="h100", device="NVIDIA H100 SXM5 80GB", devices_per_node=8, memory_gib=80 * 1e9 / 2**30,
+        peak_tflops=989.0, intra_node_gbps=450.0, inter_node_gbps=50.0, intra_node_latency_us=5.0,
+        inter_node_latency_us=10.0, nodes=128, compute_efficiency=0.45, comm_efficiency=0.75,
+        memory_reserve_gib=5.0, overhead_per_layer_s=2e-4, step_jitter=0.02,
+        # the grouped-GEMM experts of an OLMoE-shaped layer ran at 43-46 % of the dense rate on one
+        # H100 (benchmarks/results/moe_kernels_NVIDIA_H100_80GB_HBM3.json)
+        expert_efficiency=0.45,
+        notes="DGX H100: 8 x H100 SXM5 per node, NVLink 4 / NVSwitch, 8 x ConnectX-7 400 Gb/s"),
+}
+
+
+def get_cluster(name_or_path: str | Cluster) -> Cluster:
+    """A built-in cluster by name, `local` for this machine (measured), or a JSON file."""
+    if isinstance(name_or_path, Cluster):
+        return name_or_path
+    if name_or_path in BUILTIN:
+        return BUILTIN[name_or_path]
+    if name_or_path == "local":
+        return local_cluster()
+    return Cluster.from_json(name_or_path)
+
+
+EXPERT_EFFICIENCY_CPU = 0.3
+
+
+def local_cluster(efficiency: float = 0.5) -> Cluster:
+    """This machine as a one-node cluster for CPU runs: its cores shared by the ranks, its float32
+    matmul rate measured now, gloo over loopback for communication."""
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cores)
+    try:
+        n = 512
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        for _ in range(3):
+            a @ b
+        times = []
+        for _ in range(5):
+            began = time.perf_counter()
+            for _ in range(4):
+                a @ b
+            times.append((time.perf_counter() - began) / 4)
+        tflops = 2 * n**3 / min(times) / 1e12  # the best: other tenants of a shared machine only slow it
+    finally:
+        torch.set_num_threads(threads)
+    try:
+        import psutil
+
+        memory = psutil.virtual_memory().total / 2**30
+    except ImportError:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return Cluster(
+        name="local", device=f"CPU ({cores} cores)", devices_per_node=cores, memory_gib=memory,
+        # gloo over loopback: a collective costs about 1.5 ms before any byte moves (calibrated below)
+        peak_tflops=tflops, intra_node_gbps=2.0, inter_node_gbps=1.0, intra_node_latency_us=1500.0,
+        inter_node_latency_us=100.0, nodes=1, compute_efficiency=efficiency, comm_efficiency=1.0,
+        # gloo on loopback, the engine's per-micro-batch work, and the experts (routing, sorting,
+        # grouped GEMMs) on the CPU: calibrated once on a 2-core machine against mula-tiny-dense and
+        # mula-tiny-moe runs (benchmarks/plan_validation.py), then used for every other layout
+        memory_reserve_gib=1.0, overhead_per_micro_batch_s=1e-2, overhead_per_layer_s=5e-4,
+        expert_efficiency=EXPERT_EFFICIENCY_CPU, shared_compute=True,
+        notes=f"this machine, float32 matmul {tflops * 1e3:.0f} GFLOPS on {cores} cores (measured)")

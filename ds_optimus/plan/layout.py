@@ -1,0 +1,104 @@
+"""A parallel layout: how a run spreads over its ranks, and the batch it trains on."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+class LayoutError(ValueError):
+    """A layout that cannot run; one line saying why."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    world: int  # ranks (devices)
+    ep: int = 1  # expert-parallel size
+    pp: int = 1  # pipeline stages (planned only: ds_optimus.train has no pipeline engine)
+    zero: int = 1  # ZeRO stage 0, 1 or 2
+    sharded: bool = True  # the EP-aware sharded optimizer (stage 1/2) instead of DeepSpeed's
+    micro: int = 1  # sequences per rank per micro-batch
+    accumulation: int = 1
+    checkpointing: bool = False  # activation checkpointing of every decoder layer
+    hierarchical: bool = False  # EP exchange inside nodes first, then between them
+    seq_len: int = 4096
+    dtype: str = "bf16"
+    reduce_dtype: str | None = None  # gradient reduction dtype; null: the parameters' dtype
+    bucket_size: int = 50_000_000  # elements per communication bucket
+    overlap_comm: bool = True  # reduce gradient buckets while the backward pass goes on (not on gloo)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size (ranks holding one pipeline stage)."""
+        return self.world // self.pp
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: the replicas of each expert."""
+        return self.dp // self.ep
+
+    @property
+    def param_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def reduce_bytes(self) -> int:
+        return DTYPE_BYTES[self.reduce_dtype or self.dtype]
+
+    @property
+    def tokens_per_micro(self) -> int:
+        """Tokens one rank processes per micro-batch."""
+        return self.micro * self.seq_len
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step."""
+        return self.micro * self.accumulation * self.dp
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+    def check(self, experts: int = 0, layers: int | None = None) -> None:
+        """A one-line LayoutError when the layout is impossible for a model."""
+        for key in ("world", "ep", "pp", "micro", "accumulation", "seq_len", "bucket_size"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise LayoutError(f"{key} must be a positive integer, got {value!r}")
+        if self.world % self.pp:
+            raise LayoutError(f"pipeline size {self.pp} does not divide world size {self.world}")
+        if self.dp % self.ep:
+            raise LayoutError(f"expert-parallel size {self.ep} does not divide the data-parallel size {self.dp}")
+        if experts and experts % self.ep:
+            raise LayoutError(f"expert-parallel size {self.ep} does not divide the {experts} experts")
+        if not experts and self.ep > 1:
+            raise LayoutError("expert parallelism needs an MoE model")
+        if layers is not None and layers % self.pp:
+            raise LayoutError(f"pipeline size {self.pp} does not divide the {layers} layers")
+        if self.zero not in (0, 1, 2):
+            raise LayoutError(f"ZeRO stage must be 0, 1 or 2, got {self.zero!r}")
+        if self.sharded and self.zero == 0:
+            raise LayoutError("the sharded optimizer is ZeRO stage 1 or 2")
+        if self.dtype not in DTYPE_BYTES or (self.reduce_dtype or self.dtype) not in DTYPE_BYTES:
+            raise LayoutError(f"dtype must be one of {', '.join(DTYPE_BYTES)}")
+
+    def describe(self) -> str:
+        """A short label: `ep8 zero1(opt) mb2x4 ckpt`."""
+        parts = [f"dp{self.dp}", f"ep{self.ep}"]
+        if self.pp > 1:
+            parts.append(f"pp{self.pp}")
+        parts.append(f"zero{self.zero}" + ("+opt" if self.sharded else ""))
+        parts.append(f"mb{self.micro}x{self.accumulation}")
+        if self.checkpointing:
+            parts.append("ckpt")
+        if self.hierarchical:
+            parts.append("hier")
+        return " ".join(parts)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def with_(self, **changes: Any) -> Layout:
+        return replace(self, **changes)

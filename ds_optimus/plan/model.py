@@ -1,0 +1,164 @@
+"""What the planner needs to know about a Mula model: parameter counts split into dense and expert
+parts, training FLOPs per token, and the bytes each token's activations hold for the backward pass.
+
+The activation figures count the tensors autograd saves in `MulaForCausalLM` as written (eager
+PyTorch, SDPA attention, the grouped-GEMM experts path), tensor by tensor; `tests/test_plan.py`
+checks them against the saved tensors of a real forward pass in float32 and bfloat16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+# bytes of the int64 index tensors the router and the token permutation save, per routed slot
+_INDEX_BYTES_PER_SLOT = 32
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a Mula model that memory and time depend on."""
+
+    name: str
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int  # dense FFN
+    experts: int  # 0: dense model
+    top_k: int
+    expert_intermediate: int
+    moe_layers: int
+    qk_norm: bool
+    tied: bool
+
+    @classmethod
+    def from_config(cls, config: Any, name: str | None = None) -> ModelShape:
+        """From a `MulaConfig`."""
+        moe_layers = sum(1 for i in range(config.num_hidden_layers) if config.is_moe_layer(i))
+        return cls(
+            name=name or getattr(config, "name_or_path", "") or "mula", vocab=config.vocab_size,
+            hidden=config.hidden_size, layers=config.num_hidden_layers, heads=config.num_attention_heads,
+            kv_heads=config.num_key_value_heads, head_dim=config.head_dim, intermediate=config.intermediate_size,
+            experts=config.num_experts if moe_layers else 0, top_k=config.num_experts_per_tok if moe_layers else 0,
+            expert_intermediate=config.moe_intermediate_size, moe_layers=moe_layers, qk_norm=bool(config.qk_norm),
+            tied=bool(config.tie_word_embeddings))
+
+    @classmethod
+    def from_preset(cls, preset: str, **overrides: Any) -> ModelShape:
+        """From a Mula preset name (`mula-7b-a1b`, ...)."""
+        from ..hf_models.mula import MulaConfig
+
+        return cls.from_config(MulaConfig.from_preset(preset, **overrides), name=preset)
+
+    # -- parameters -------------------------------------------------------------------------------
+
+    @property
+    def q_width(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @cached_property
+    def attention_params(self) -> int:
+        h = self.hidden
+        norms = (self.q_width + self.kv_width) if self.qk_norm else 0
+        return h * (2 * self.q_width + 2 * self.kv_width) + norms + 2 * h  # + the layer's two RMSNorms
+
+    @property
+    def expert_params_per_layer(self) -> int:
+        """All experts of one MoE layer (gate, up and down of each)."""
+        return self.experts * 3 * self.hidden * self.expert_intermediate
+
+    @cached_property
+    def expert_params(self) -> int:
+        return self.moe_layers * self.expert_params_per_layer
+
+    @cached_property
+    def dense_params(self) -> int:
+        """Everything that is not an expert weight: attention, norms, routers, dense FFNs, embeddings."""
+        h = self.hidden
+        dense_ffn = (self.layers - self.moe_layers) * 3 * h * self.intermediate
+        routers = self.moe_layers * self.experts * h
+        embeddings = self.vocab * h * (1 if self.tied else 2) + h
+        return self.layers * self.attention_params + dense_ffn + routers + embeddings
+
+    @property
+    def total_params(self) -> int:
+        return self.dense_params + self.expert_params
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token uses (its top-k experts, not all of them)."""
+        per_expert = 3 * self.hidden * self.expert_intermediate
+        return self.dense_params + self.moe_layers * self.top_k * per_expert
+
+    @property
+    def largest_dense_param(self) -> int:
+        """Elements of the largest dense parameter (the embedding or the LM head)."""
+        dense_ffn = self.hidden * self.intermediate if self.moe_layers < self.layers else 0  # gate, up or down
+        return max(self.vocab * self.hidden, dense_ffn)
+
+    # -- FLOPs ------------------------------------------------------------------------------------
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward and backward), as the trainer's MFU counts them: 6 x the
+        active matmul parameters plus 12 x layers x attention width x sequence length."""
+        embedding = 0 if self.tied else self.vocab * self.hidden  # a lookup, not a matmul
+        return 6.0 * (self.active_params - embedding) + 12.0 * self.layers * self.q_width * seq_len
+
+    # -- activations ------------------------------------------------------------------------------
+
+    def _norm(self, width: int, a: int) -> int:
+        # RMSNorm computes in float32: saves its float32 input, the normalised value in the input's
+        # dtype (for the weight's gradient; the same tensor in float32) and one float32 scale a row
+        return width * (4 + a) + 4
+
+    def attention_bytes(self, a: int) -> int:
+        """Bytes one token's attention block saves (input norm through the post-attention norm)."""
+        q, kv = self.q_width, self.kv_width
+        qk = self._norm(q, a) + self._norm(kv, a) if self.qk_norm else 0
+        sdpa = a * (2 * q + 2 * kv) + 4 * self.heads  # q, k, v, output; float32 log-sum-exp per head
+        return self._norm(self.hidden, a) + a * self.hidden + qk + sdpa + self._norm(self.hidden, a)
+
+    def ffn_bytes(self, a: int, moe: bool, imbalance: float = 1.0) -> float:
+        """Bytes one token's feed-forward block saves; `imbalance` scales the routed part (the most
+        loaded rank receives that many times the mean number of rows)."""
+        h = self.hidden
+        if not moe:
+            return a * (h + 4 * self.intermediate)  # input, gate and up outputs, SiLU(gate), the down input
+        k, i = self.top_k, self.expert_intermediate
+        router = a * h + 4 * self.experts + a * k  # input, float32 logits, routing weights
+        routed = k * (a * (h + 3 * i) + _INDEX_BYTES_PER_SLOT)  # permuted rows, gate|up, SwiGLU out
+        return router + imbalance * routed
+
+    def layer_bytes(self, a: int, moe: bool, imbalance: float = 1.0) -> float:
+        return self.attention_bytes(a) + self.ffn_bytes(a, moe, imbalance)
+
+    def head_bytes(self, a: int) -> int:
+        """The final norm, the LM head's input, the float32 log-softmax over the vocabulary, the
+        labels, and the router logits the auxiliary losses keep."""
+        aux = self.moe_layers * 4 * (2 * self.experts + 2)
+        return self._norm(self.hidden, a) + a * self.hidden + 4 * self.vocab + 8 + aux + 8  # + input ids
+
+    def saved_bytes_per_token(self, a: int, checkpointing: bool = False, imbalance: float = 1.0) -> float:
+        """Activation bytes per token held from the end of the forward pass into the backward pass."""
+        if checkpointing:  # only each layer's input is kept
+            return self.layers * a * self.hidden + self.head_bytes(a)
+        moe_layers = self.moe_layers
+        return (moe_layers * self.layer_bytes(a, True, imbalance)
+                + (self.layers - moe_layers) * self.layer_bytes(a, False) + self.head_bytes(a))
+
+    def loss_transient_bytes_per_token(self, a: int) -> int:
+        """Extra bytes at the start of the backward pass, the usual peak: the logits the output still
+        holds, and the float32 gradients of the log-softmax and of the logits."""
+        return self.vocab * (a + 8)
+
+    def recompute_bytes_per_token(self, a: int, imbalance: float = 1.0) -> float:
+        """With activation checkpointing, one layer's activations rebuilt during the backward pass."""
+        return self.layer_bytes(a, self.moe_layers > 0, imbalance)

@@ -1,0 +1,127 @@
+"""Scaling report: the best predicted layout of a model at each device count from N to M, its
+tokens per second, and the scaling efficiency against N, as a table, JSON and a PNG plot."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .cluster import Cluster
+from .model import ModelShape
+from .search import Plan, search, text_table
+
+
+class ScalingError(ValueError):
+    """A scaling request that cannot be answered; one line saying why."""
+
+
+@dataclass(frozen=True)
+class ScalingPoint:
+    devices: int
+    plan: Plan | None  # None: nothing fits
+    tried: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.plan.tokens_per_s if self.plan else 0.0
+
+
+def device_counts(first: int, last: int, per_node: int) -> list[int]:
+    """`first`, doubling, up to `last` (both included), each a whole number of nodes when `first` is."""
+    if first < 1 or last < first:
+        raise ScalingError(f"the device range {first}:{last} is empty")
+    counts, d = [], first
+    while d < last:
+        counts.append(d)
+        d *= 2
+    counts.append(last)
+    return counts
+
+
+def scaling(model: ModelShape, cluster: Cluster, counts: list[int], seqs_per_device: float, seq_len: int, *,
+            weak: bool = True, global_batch: int | None = None, progress=None, **kwargs: Any) -> list[ScalingPoint]:
+    """The best plan at each device count. Weak scaling keeps `seqs_per_device` sequences per device
+    per step (the global batch grows with the run); strong scaling keeps `global_batch`."""
+    points = []
+    for devices in counts:
+        batch = round(seqs_per_device * devices) if weak else global_batch
+        if batch is None or batch < 1:
+            raise ScalingError("strong scaling needs a global batch")
+        plans, tried = search(model, cluster, devices, batch, seq_len, **kwargs)
+        points.append(ScalingPoint(devices, plans[0] if plans else None, tried))
+        if progress is not None:
+            progress(points[-1])
+    return points
+
+
+def efficiency(points: list[ScalingPoint]) -> list[float]:
+    """Tokens/s per device at each count over that at the first count."""
+    base = points[0].tokens_per_s / points[0].devices if points and points[0].plan else 0.0
+    return [(p.tokens_per_s / p.devices / base) if base else 0.0 for p in points]
+
+
+def format_scaling(points: list[ScalingPoint]) -> str:
+    effs = efficiency(points)
+    header = ("devices", "best layout", "tokens/s", "per device", "MFU", "a2a %", "grad %", "efficiency")
+    rows = []
+    for point, eff in zip(points, effs, strict=True):
+        if point.plan is None:
+            rows.append((str(point.devices), "nothing fits", "-", "-", "-", "-", "-", "-"))
+            continue
+        t = point.plan.time
+        rows.append((str(point.devices), point.plan.layout.describe(), f"{point.tokens_per_s:,.0f}",
+                     f"{point.tokens_per_s / point.devices:,.0f}", f"{point.plan.mfu:.1%}",
+                     f"{t.all_to_all / t.step:.0%}", f"{(t.grad_reduce + t.param_gather) / t.step:.0%}", f"{eff:.1%}"))
+    return text_table(header, rows)
+
+
+def plot_scaling(points: list[ScalingPoint], path: str | Path, title: str, reference: float | None = None) -> Path:
+    """Tokens/s against devices (log-log, with the ideal line from the first point) and the
+    scaling efficiency, to a PNG. `reference`: an efficiency to mark at the last count."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ScalingError("the PNG needs matplotlib: pip install matplotlib (or ds_optimus[plan])") from None
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = [p for p in points if p.plan is not None]
+    if not pts:
+        raise ScalingError("no device count has a layout that fits: nothing to plot")
+    devices = [p.devices for p in pts]
+    tps = [p.tokens_per_s for p in pts]
+    ideal = [tps[0] * d / devices[0] for d in devices]
+    effs = [e for p, e in zip(points, efficiency(points), strict=True) if p.plan is not None]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ax.loglog(devices, ideal, "--", color="grey", label="linear from the first point")
+    ax.loglog(devices, tps, "o-", color="C0", label="predicted")
+    ax.set_xlabel("devices")
+    ax.set_ylabel("tokens / s")
+    ax.set_xticks(devices)
+    ax.set_xticklabels([str(d) for d in devices], rotation=45)
+    ax.minorticks_off()
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend()
+    ax.set_title("throughput")
+    ax2.semilogx(devices, [100 * e for e in effs], "o-", color="C1", label="predicted")
+    if reference is not None:
+        ax2.plot([devices[-1]], [100 * reference], "s", color="C3", markersize=9,
+                 label=f"reference measurement ({reference:.0%})")
+    ax2.set_xticks(devices)
+    ax2.set_xticklabels([str(d) for d in devices], rotation=45)
+    ax2.minorticks_off()
+    ax2.set_ylim(0, 105)
+    ax2.set_xlabel("devices")
+    ax2.set_ylabel("scaling efficiency (%)")
+    ax2.grid(True, alpha=0.3)
+    ax2.legend(loc="lower left")
+    ax2.set_title("efficiency against the first point")
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,134 @@
+"""Search over layouts: every combination of data/expert(/pipeline) parallel sizes, optimizer and
+ZeRO stage, micro-batch and accumulation, and activation checkpointing that fits in memory, ranked
+by predicted tokens per second."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .cluster import Cluster
+from .layout import Layout
+from .memory import MemoryEstimate, estimate_memory
+from .model import ModelShape
+from .timing import TimeEstimate, estimate_time
+
+TIE_BAND = 0.02  # predicted step times closer than this are ranked as a tie
+
+# (ZeRO stage, EP-aware sharded optimizer)
+OPTIMIZERS = ((1, True), (2, True), (0, False), (1, False), (2, False))
+
+
+@dataclass(frozen=True)
+class Plan:
+    layout: Layout
+    memory: MemoryEstimate
+    time: TimeEstimate
+    cluster: Cluster
+    model: ModelShape
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.layout.tokens_per_step / self.time.step
+
+    @property
+    def mfu(self) -> float:
+        flops = self.model.flops_per_token(self.layout.seq_len) * self.tokens_per_s
+        peak = self.cluster.peak_tflops * 1e12 * (1 if self.cluster.shared_compute else self.layout.world)
+        return flops / peak
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.peak <= self.cluster.usable_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"layout": self.layout.to_json(), "describe": self.layout.describe(),
+                "memory_bytes": self.memory.as_dict(), "time_s": self.time.as_dict(),
+                "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "fits": self.fits}
+
+
+def evaluate(model: ModelShape, layout: Layout, cluster: Cluster, expert_imbalance: float = 1.0) -> Plan:
+    """The memory and time predictions of one layout."""
+    layout.check(model.experts, model.layers)
+    return Plan(layout=layout, memory=estimate_memory(model, layout, expert_imbalance),
+                time=estimate_time(model, layout, cluster, expert_imbalance), cluster=cluster, model=model)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(model: ModelShape, cluster: Cluster, devices: int, global_batch: int, seq_len: int, *,
+                      dtype: str = "bf16", pipeline: bool = False, optimizers=OPTIMIZERS,
+                      checkpointing: tuple[bool, ...] = (False, True), max_ep: int | None = None,
+                      reduce_dtype: str | None = None, bucket_size: int = 50_000_000) -> list[Layout]:
+    """Every layout of `devices` ranks that trains `global_batch` sequences per step."""
+    overlap = not cluster.shared_compute  # gloo: no overlap
+    layouts = []
+    for pp in ([p for p in _divisors(devices) if p <= 16 and model.layers % p == 0] if pipeline else [1]):
+        dp = devices // pp
+        if global_batch % dp:
+            continue
+        per_rank = global_batch // dp
+        eps = [e for e in _divisors(dp) if model.experts % e == 0 and (max_ep is None or e <= max_ep)] \
+            if model.experts else [1]
+        for ep in eps:
+            for zero, sharded in optimizers:
+                for micro in _divisors(per_rank):
+                    for ckpt in checkpointing:
+                        hierarchies = (False, True) if ep > cluster.devices_per_node and \
+                            ep % cluster.devices_per_node == 0 else (False,)
+                        for hier in hierarchies:
+                            # ZeRO-1 buckets add up the micro-batches' gradients: in fp32 when the
+                            # weights are 16-bit, as the shipped configs do
+                            reduce = reduce_dtype or ("fp32" if sharded and zero == 1 and dtype != "fp32"
+                                                      else None)
+                            layouts.append(Layout(
+                                world=devices, ep=ep, pp=pp, zero=zero, sharded=sharded, micro=micro,
+                                accumulation=per_rank // micro, checkpointing=ckpt, hierarchical=hier,
+                                seq_len=seq_len, dtype=dtype, reduce_dtype=reduce, bucket_size=bucket_size,
+                                overlap_comm=overlap))
+    return layouts
+
+
+def search(model: ModelShape, cluster: Cluster, devices: int, global_batch: int, seq_len: int, *,
+           expert_imbalance: float = 1.0, **kwargs: Any) -> tuple[list[Plan], int]:
+    """(the layouts that fit, best first; how many were tried)."""
+    layouts = candidate_layouts(model, cluster, devices, global_batch, seq_len, **kwargs)
+    plans = [evaluate(model, layout, cluster, expert_imbalance) for layout in layouts]
+    fitting = [plan for plan in plans if plan.fits]
+    # fastest first, in bands of 2 % (finer than the model can tell apart); within a band the EP-aware
+    # sharded optimizer first (its checkpoints reshard, the step guards act through it), then the
+    # faster, then the smaller
+    fastest = min((plan.time.step for plan in fitting), default=1.0)
+    fitting.sort(key=lambda plan: (math.floor((plan.time.step / fastest - 1) / TIE_BAND + 1e-9),
+                                   not plan.layout.sharded, plan.time.step, plan.memory.peak))
+    return fitting, len(plans)
+
+
+def format_table(plans: list[Plan], top: int = 10) -> str:
+    """A text table of the first `top` plans."""
+    small = plans and max(p.memory.peak for p in plans[:top]) < 2**30
+    unit, scale = ("MiB", 2**20) if small else ("GiB", 2**30)
+    header = ("#", "layout", f"peak {unit}", "states", "activ.", "step s", "tokens/s", "MFU", "comm %")
+    rows = []
+    for i, plan in enumerate(plans[:top], 1):
+        m, t = plan.memory, plan.time
+        states = m.weights + m.gradients_at_peak + m.optimizer_state + m.buffers
+        comm = (t.all_to_all + t.grad_reduce + t.param_gather) / t.step
+        rows.append((str(i), plan.layout.describe(), f"{m.peak / scale:.1f}", f"{states / scale:.1f}",
+                     f"{(m.activations + m.transient) / scale:.1f}", f"{t.step:.3g}", f"{plan.tokens_per_s:,.0f}",
+                     f"{plan.mfu:.1%}", f"{comm:.0%}"))
+    return text_table(header, rows)
+
+
+def text_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    """Columns padded to their widest cell, the second left-aligned, the others right-aligned."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells) -> str:
+        cells = [c.ljust(w) if j == 1 else c.rjust(w) for j, (c, w) in enumerate(zip(cells, widths, strict=True))]
+        return "  ".join(cells)
+
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
