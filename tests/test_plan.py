@@ -1,0 +1,311 @@
+"""The layout planner: its model of Mula against the real model, its memory model against real
+runs, the time model's rules, the search, the configs it writes, the scaling report, the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from distributed import run_distributed
+from train_workers import ROOT, pretrain_worker, tiny_config
+
+from ds_optimus.config import OptimusConfig
+from ds_optimus.hf_models.mula import PRESETS, MulaConfig, MulaForCausalLM, count_parameters
+from ds_optimus.plan import (
+    BUILTIN,
+    Cluster,
+    ClusterError,
+    Layout,
+    LayoutError,
+    ModelShape,
+    estimate_memory,
+    estimate_time,
+    evaluate,
+    get_cluster,
+    layout_config,
+    search,
+)
+from ds_optimus.plan.__main__ import main as plan_main
+from ds_optimus.plan.measure import measure_layout
+from ds_optimus.plan.scaling import device_counts, efficiency, scaling
+from ds_optimus.plan.timing import all_to_all_time
+from ds_optimus.train.trainer import enable_activation_checkpointing, resolve_batch_sizes
+
+TINY = dict(seq_len=128, dtype="fp32", overlap_comm=False)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("data_cache")
+
+
+# -- the model -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_parameter_counts_agree_with_the_model_code(preset):
+    shape = ModelShape.from_preset(preset)
+    total, active = count_parameters(MulaConfig.from_preset(preset))
+    assert (shape.total_params, shape.active_params) == (total, active)
+
+
+@pytest.mark.parametrize("preset", ["mula-tiny-moe", "mula-tiny-dense"])
+def test_dense_and_expert_split_is_the_real_models(preset):
+    model = MulaForCausalLM(MulaConfig.from_preset(preset))
+    expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    dense = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n)
+    shape = ModelShape.from_preset(preset)
+    assert (shape.dense_params, shape.expert_params) == (dense, expert)
+
+
+def _saved_bytes(preset: str, dtype: torch.dtype, checkpointing: bool, batch: int = 4, seq: int = 64) -> int:
+    """Bytes of the distinct non-parameter tensors autograd saves in one forward pass."""
+    torch.manual_seed(0)
+    model = MulaForCausalLM(MulaConfig.from_preset(preset)).to(dtype)
+    if checkpointing:
+        enable_activation_checkpointing(model)
+    model.train()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=ids)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("preset", ["mula-tiny-moe", "mula-tiny-dense"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["full", "ckpt"])
+def test_activation_bytes_match_the_tensors_autograd_saves(preset, dtype, checkpointing):
+    batch, seq = 4, 64
+    measured = _saved_bytes(preset, dtype, checkpointing, batch, seq)
+    shape = ModelShape.from_preset(preset)
+    a = torch.empty((), dtype=dtype).element_size()
+    predicted = batch * seq * shape.saved_bytes_per_token(a, checkpointing)
+    # routing at random init is not perfectly even, and RoPE tables are per position, not per token
+    assert abs(predicted / measured - 1) < 0.03, (predicted, measured)
+
+
+# -- memory against real runs --------------------------------------------------------------------
+
+MEMORY_RUNS = [
+    dict(world=1, ep=1, zero=0, sharded=False, micro=8),
+    dict(world=2, ep=2, zero=1, micro=8),
+    dict(world=2, ep=1, zero=2, micro=4, accumulation=2),
+    dict(world=2, ep=1, zero=1, sharded=False, micro=8, bucket_size=5_000_000),
+    dict(world=4, ep=4, zero=2, micro=8),
+    dict(world=4, ep=2, zero=1, micro=8, checkpointing=True),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", MEMORY_RUNS, ids=lambda s: Layout(**s).describe().replace(" ", "-"))
+def test_memory_model_matches_every_ranks_measured_peak(tmp_path, spec, cache):
+    os.environ["DS_OPTIMUS_MEASURE_CACHE"] = str(cache)
+    layout = Layout(**{**TINY, **spec})
+    measured = measure_layout(layout, "mula-tiny-moe", steps=3, memory_steps=2, workdir=tmp_path)
+    estimate = estimate_memory(ModelShape.from_preset("mula-tiny-moe"), layout)
+    assert len(measured.peak_bytes) == layout.world
+    for peak in measured.peak_bytes:
+        assert abs(estimate.peak / peak - 1) < 0.10, (estimate.as_dict(), measured.peak_bytes)
+    if layout.sharded:  # once the engine is built: the weights and the sharded optimizer's states
+        states = estimate.weights + estimate.optimizer_state
+        for held in measured.initialized_bytes:
+            assert abs(states / held - 1) < 0.05, (states, measured.initialized_bytes)
+
+
+def test_memory_model_follows_the_layout():
+    shape = ModelShape.from_preset("mula-7b-a1b")
+    base = Layout(world=64, ep=8, zero=1, micro=2, accumulation=8)
+    m = estimate_memory(shape, base)
+    # 16 bytes per parameter of fp32 master, moments and reduced gradient, sharded over DP and EDP
+    assert m.optimizer_state == pytest.approx(16 * (shape.dense_params / 64 + shape.expert_params / 8 / 8))
+    assert m.weights == pytest.approx(2 * (shape.dense_params + shape.expert_params / 8))
+    assert estimate_memory(shape, base.with_(ep=16)).static < m.static
+    assert estimate_memory(shape, base.with_(zero=2)).gradients < m.gradients  # no full-size buckets
+    assert estimate_memory(shape, base.with_(micro=4, accumulation=4)).activations == pytest.approx(2 * m.activations)
+    ckpt = estimate_memory(shape, base.with_(checkpointing=True))
+    assert ckpt.activations < m.activations / 3 and ckpt.peak < m.peak
+    # DeepSpeed ZeRO-0 keeps full fp32 master weights, moments and gradients on every rank
+    z0 = estimate_memory(shape, base.with_(zero=0, sharded=False))
+    assert z0.optimizer_state == pytest.approx(16 * (shape.dense_params + shape.expert_params / 8))
+
+
+# -- time ---------------------------------------------------------------------------------------
+
+def test_time_model_rules():
+    h100 = BUILTIN["h100"]
+    shape = ModelShape.from_preset("mula-7b-a1b")
+    base = Layout(world=64, ep=8, zero=1, micro=2, accumulation=8)
+    t = estimate_time(shape, base, h100)
+    assert estimate_time(shape, base.with_(ep=1), h100).all_to_all == 0.0
+    # recomputation: the layers' forward (a third of their FLOPs) once more, not the LM head's (7 % here)
+    extra = estimate_time(shape, base.with_(checkpointing=True), h100).compute / t.compute - 1
+    assert 0.28 < extra < 1 / 3
+    # ZeRO-2 reduces at every micro-batch, ZeRO-1 once per step
+    assert estimate_time(shape, base.with_(zero=2), h100).grad_reduce >= t.grad_reduce
+    # EP inside a node runs on NVLink; across nodes on the NICs
+    inside = all_to_all_time(1e9, 8, h100, False)
+    across = all_to_all_time(1e9, 16, h100, False)
+    assert across > 5 * inside
+    # the two-step exchange pays less latency when the group spans many nodes
+    many = all_to_all_time(1e6, 512, h100, False)
+    assert all_to_all_time(1e6, 512, h100, True) < many
+    # pipeline bubble: (pp - 1) micro-batch slots of fill and drain
+    pp = estimate_time(shape, base.with_(pp=4, ep=2), h100)
+    assert pp.bubble > 0 and pp.bubble >= 3 * pp.compute / 8
+
+
+# -- search -------------------------------------------------------------------------------------
+
+def test_search_returns_fitting_valid_layouts_fastest_first():
+    shape = ModelShape.from_preset("mula-7b-a1b")
+    cluster = BUILTIN["h100"]
+    plans, tried = search(shape, cluster, 64, 1024, 4096)
+    assert tried > len(plans) > 10
+    steps = [p.time.step for p in plans]
+    assert all(a <= b * 1.02 for a, b in zip(steps, steps[1:], strict=False))  # ordered, up to the 2 % tie band
+    assert steps[0] <= min(steps) * 1.02
+    for plan in plans:
+        lay = plan.layout
+        assert plan.memory.peak <= cluster.usable_bytes
+        assert shape.experts % lay.ep == 0 and lay.dp % lay.ep == 0 and lay.global_batch == 1024
+    # what did not fit is really too big: the full-state ZeRO-0 with everything replicated
+    z0 = evaluate(shape, Layout(world=64, ep=1, zero=0, sharded=False, micro=8, accumulation=2), cluster)
+    assert not z0.fits
+    assert all(p.layout != z0.layout for p in plans)
+
+
+def test_planned_config_is_a_valid_config_for_its_world_size():
+    shape = ModelShape.from_preset("mula-7b-a1b")
+    cluster = BUILTIN["h100"]
+    best = search(shape, cluster, 64, 1024, 4096)[0][0]
+    config = layout_config(best.layout, "mula-7b-a1b", cluster)
+    opt = OptimusConfig.from_ds_config(config)
+    assert opt.expert_parallel.size == best.layout.ep
+    assert opt.sharded_optimizer.enabled == best.layout.sharded
+    assert opt.train.activation_checkpointing == best.layout.checkpointing
+    assert config["zero_optimization"]["stage"] == best.layout.zero
+    micro, accumulation = resolve_batch_sizes(dict(config), 64)
+    assert (micro, accumulation) == (best.layout.micro, best.layout.accumulation)
+    with pytest.raises(LayoutError, match="pipeline"):
+        layout_config(best.layout.with_(pp=2), "mula-7b-a1b", cluster)
+
+
+def test_layout_and_cluster_errors_are_one_line(tmp_path):
+    with pytest.raises(LayoutError, match="does not divide the 64 experts"):
+        Layout(world=48, ep=48).check(experts=64)
+    with pytest.raises(LayoutError, match="sharded optimizer is ZeRO stage 1 or 2"):
+        Layout(world=2, zero=0, sharded=True).check()
+    bad = tmp_path / "c.json"
+    bad.write_text(json.dumps({**BUILTIN["h100"].to_json(), "nic": 3}))
+    with pytest.raises(ClusterError, match="unknown cluster key 'nic'"):
+        get_cluster(str(bad))
+    bad.write_text(json.dumps({**BUILTIN["h100"].to_json(), "comm_efficiency": 1.5}))
+    with pytest.raises(ClusterError, match="comm_efficiency"):
+        get_cluster(str(bad))
+    with pytest.raises(ClusterError, match="no cluster named 'dgx'"):
+        get_cluster("dgx")
+
+
+def test_user_cluster_from_json(tmp_path):
+    mine = {"name": "a100", "device": "A100 80GB", "devices_per_node": 8, "memory_gib": 80, "peak_tflops": 312,
+            "intra_node_gbps": 300, "inter_node_gbps": 25}
+    path = tmp_path / "a100.json"
+    path.write_text(json.dumps(mine))
+    cluster = get_cluster(str(path))
+    assert isinstance(cluster, Cluster) and cluster.peak_tflops == 312
+    shape = ModelShape.from_preset("mula-7b-a1b")
+    slower = search(shape, cluster, 64, 1024, 4096)[0][0]
+    faster = search(shape, BUILTIN["h100"], 64, 1024, 4096)[0][0]
+    assert slower.tokens_per_s < faster.tokens_per_s
+
+
+# -- scaling ------------------------------------------------------------------------------------
+
+def test_scaling_report_of_mula_220b_on_aurora(tmp_path):
+    shape = ModelShape.from_preset("mula-220b-a10b")
+    aurora = BUILTIN["aurora"]
+    counts = device_counts(384, 12288, aurora.devices_per_node)
+    assert counts == [384, 768, 1536, 3072, 6144, 12288]
+    points = scaling(shape, aurora, counts, 2, 4096)
+    effs = efficiency(points)
+    assert all(p.plan is not None for p in points) and effs[0] == 1.0
+    assert all(0.5 < e <= 1.0 for e in effs)
+    assert effs[-1] < 0.99  # tapered global links and stragglers cost something at 1,024 nodes
+    png, out = tmp_path / "s.png", tmp_path / "s.json"
+    code = plan_main(["--model", "mula-220b-a10b", "--cluster", "aurora", "--devices", "384", "--global-batch", "768",
+                      "--scale", "384:12288", "--png", str(png), "--json", str(out), "--reference-efficiency", "0.9"])
+    assert code == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    report = json.loads(out.read_text())
+    assert [row["devices"] for row in report["scaling"]] == counts
+    assert report["scaling"][-1]["efficiency"] == pytest.approx(effs[-1])
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+def test_cli_plans_7b_on_64_h100_and_writes_a_runnable_config(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    code = plan_main(["--model", "mula-7b-a1b", "--cluster", "h100", "--devices", "64", "--top", "5",
+                      "--write", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0
+    assert "layouts tried" in text and "tokens/s" in text and "MFU" in text
+    config = json.loads(out.read_text())
+    assert config["optimus"]["model"]["preset"] == "mula-7b-a1b"
+    assert config["train_batch_size"] == 1024
+    assert config["optimus"]["train"]["peak_tflops"] == 989.0
+    OptimusConfig.from_ds_config(config)
+
+
+def test_cli_errors_are_one_line():
+    for argv, message in [
+        (["--cluster", "nowhere"], "no cluster named 'nowhere'"),
+        (["--model", "mula-3b"], "unknown Mula preset 'mula-3b'"),
+        (["--model", "mula-220b-a10b", "--cluster", "h100", "--devices", "8"], "no layout of mula-220b-a10b fits"),
+        (["--scale", "64-128"], "--scale takes N:M"),
+    ]:
+        done = subprocess.run([sys.executable, "-m", "ds_optimus.plan", *argv], capture_output=True, text=True,
+                              cwd=ROOT, timeout=120)
+        assert done.returncode == 2, done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], done.stderr
+
+
+@pytest.mark.slow
+def test_cli_measure_runs_the_top_layout_on_this_machine(tmp_path, cache):
+    os.environ["DS_OPTIMUS_MEASURE_CACHE"] = str(cache)
+    out = tmp_path / "m.json"
+    code = plan_main(["--model", "mula-tiny-moe", "--cluster", "local", "--devices", "2", "--optimizer", "sharded",
+                      "--measure", "1", "--measure-steps", "3", "--json", str(out)])
+    assert code == 0
+    row = json.loads(out.read_text())["measured"][0]
+    assert abs(row["predicted_peak_bytes"] / row["measured_peak_bytes"] - 1) < 0.10
+    assert row["measured_step_s"] > 0 and len(row["measured_peak_bytes_per_rank"]) == 2
+
+
+# -- the training options the planner uses ----------------------------------------------------
+
+@pytest.mark.slow
+def test_activation_checkpointing_gives_the_same_losses(tmp_path, cache):
+    losses = []
+    for ckpt in (False, True):
+        config = tiny_config(tmp_path / str(ckpt), cache, expert_parallel={"size": 2},
+                             train={"steps": 3, "eval_interval": 0, "activation_checkpointing": ckpt,
+                                    "measure_memory_steps": 2})
+        config["optimus"]["checkpoint"] = {"interval": 0, "keep_last": 1}
+        summary = run_distributed(pretrain_worker, 2, config)[0]
+        losses.append([summary["losses"][s] for s in sorted(summary["losses"])])
+        assert [m["peak_bytes"] > m["marks"]["initialized"] > 0 for m in summary["memory"]] == [True, True]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
