@@ -27,6 +27,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: 
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()  # no rank tears its connections down while another still uses them
+        # DeepSpeed's CPU backend (if a worker started it) leaves a shared-memory file per rank
+        shm = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_{rank}"
+        if os.path.exists(shm):
+            os.unlink(shm)
     finally:
         from ds_optimus.parallel import destroy_expert_parallel_groups
 

@@ -15,6 +15,8 @@ import torch
 from distributed import run_distributed
 from train_workers import ROOT, cli_errors_worker, pretrain_worker, tiny_config
 
+from ds_optimus.plan.measure import free_port
+
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
@@ -160,10 +162,13 @@ def test_deepspeed_launcher_runs_the_tiny_moe_job(tmp_path, cache):
     path.write_text(json.dumps(config))
     launcher = Path(sys.executable).with_name("deepspeed")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([str(launcher), "--num_gpus", "2", "--module", "ds_optimus.train", "--config", str(path),
-                           "--set", "optimus.train.steps=6"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=600)
+    port = free_port()
+    proc = subprocess.run([str(launcher), "--num_gpus", "2", "--master_port", str(port), "--module", "ds_optimus.train",
+                           "--config", str(path), "--set", "optimus.train.steps=6"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # DeepSpeed's CPU backend creates a 69 MB shared-memory workspace per rank; none may outlive the run
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
     run = Path(config["optimus"]["train"]["output_dir"])
     summary = json.loads((run / "summary.json").read_text())
     assert sorted(map(int, summary["losses"])) == list(range(1, 7))

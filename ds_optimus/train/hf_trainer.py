@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 
 def trainer_ds_config(ds_config: dict[str, Any]) -> dict[str, Any]:
@@ -57,6 +57,10 @@ class MulaTrainer(Trainer):
     """`transformers.Trainer` whose optimizer keeps expert parameters in DeepSpeed's MoE groups and
     whose saved models hold every expert."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.add_callback(_ReleaseSharedMemory())
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         from ..parallel.expert_parallel import expert_groups_of
 
@@ -77,6 +81,16 @@ class MulaTrainer(Trainer):
             self.optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
                                                eps=args.adam_epsilon)
         return self.optimizer
+
+
+class _ReleaseSharedMemory(TrainerCallback):
+    """Once DeepSpeed's engine exists, drop the name of its CPU shared-memory workspace (see
+    `release_shm_workspace`), so that runs do not fill /dev/shm."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        from .trainer import release_shm_workspace
+
+        release_shm_workspace()
 
 
 class PackedSequences(torch.utils.data.Dataset):

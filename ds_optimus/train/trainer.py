@@ -57,6 +57,25 @@ def init_distributed() -> None:
         cpu_threads_per_rank()
 
 
+def release_shm_workspace() -> None:
+    """Remove the name of this rank's shared-memory workspace that DeepSpeed's CPU communication
+    backend creates when all ranks share a host (/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_
+    <port>_<rank>, 69 MB) and never removes: every run on a new port would leave one per rank behind,
+    until /dev/shm (RAM) is full. Every rank maps every other rank's workspace while the backend
+    starts, so after a barrier the names can go; the mappings stay valid. Collective; CPU only."""
+    from deepspeed.accelerator import get_accelerator
+
+    if not dist.is_initialized() or get_accelerator().device_name() != "cpu":
+        return
+    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}")
+    dist.barrier()
+    try:
+        os.unlink(name)
+    except FileNotFoundError:
+        pass
+
+
 def cpu_threads_per_rank() -> int:
     """On CPU, give each local rank its share of the cores (the deepspeed launcher leaves every rank
     at all cores, so N ranks run N x cores threads and slow each other down). OMP_NUM_THREADS, when
@@ -249,6 +268,7 @@ def pretrain(ds_config: dict[str, Any] | str | Path, *, log_every_rank: bool = F
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=moe_param_groups(model, weight_decay=weight_decay), lr_scheduler=schedule,
         config=ds_config)  # the "optimus" section reaches the engine: optimus.sharded_optimizer
+    release_shm_workspace()
     device = engine.device
     if meter is not None:
         meter.mark("initialized")
