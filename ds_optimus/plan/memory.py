@@ -85,10 +85,9 @@ def estimate_memory(model: ModelShape, layout: Layout, expert_imbalance: float =
     activations = tokens * ((saved - head) / layout.pp * in_flight + head)
     loss = tokens * model.loss_transient_bytes_per_token(p)
     recompute = tokens * model.recompute_bytes_per_token(p, expert_imbalance) if layout.checkpointing else 0.0
+    # (the all-to-all's send and receive rows live only inside a MoE layer's forward or backward,
+    # never at these moments)
     transient = max(loss, recompute) + grad_transient
-    if layout.ep > 1:
-        # the exchange's send and receive rows of one MoE layer, outside autograd's saved set
-        transient += 2 * tokens * model.top_k * model.hidden * p * expert_imbalance
 
     later, moment = 0.0, "start of backward"
     if layout.sharded:
