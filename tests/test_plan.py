@@ -3,6 +3,7 @@ runs, the time model's rules, the search, the configs it writes, the scaling rep
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -136,6 +137,13 @@ def test_memory_model_follows_the_layout():
     assert estimate_memory(shape, base.with_(micro=4, accumulation=4)).activations == pytest.approx(2 * m.activations)
     ckpt = estimate_memory(shape, base.with_(checkpointing=True))
     assert ckpt.activations < m.activations / 3 and ckpt.peak < m.peak
+    # with a small vocabulary the loss's gradients are small and the peak is inside the last MoE
+    # layer, where its all-to-all buffers (send and receive rows) sit on top of the activations
+    small = dataclasses.replace(shape, vocab=512)
+    inside = estimate_memory(small, base)
+    assert inside.moment == "all-to-all of the last MoE layer"
+    assert inside.all_to_all == 2 * 2 * 4096 * shape.top_k * shape.hidden * 2
+    assert inside.peak > inside.start_of_backward
     # DeepSpeed ZeRO-0 keeps full fp32 master weights, moments and gradients on every rank
     z0 = estimate_memory(shape, base.with_(zero=0, sharded=False))
     assert z0.optimizer_state == pytest.approx(16 * (shape.dense_params + shape.expert_params / 8))

@@ -24,6 +24,7 @@ class MemoryEstimate:
     buffers: float  # the optimizer's communication buffers, held throughout
     activations: float  # saved for the backward pass, all micro-batches in flight
     transient: float  # alive only around the peak (loss gradients, a layer's recomputation)
+    all_to_all: float  # one MoE layer's exchange buffers (alive inside that layer only)
     later: float  # bytes at the other candidate moment (gradients arriving, end of backward)
     moment: str  # which moment is the peak
 
@@ -41,9 +42,9 @@ class MemoryEstimate:
         return max(self.start_of_backward, self.later)
 
     def as_dict(self) -> dict[str, float | str]:
-        return {"weights": self.weights, "gradients": self.gradients, "gradients_at_peak": self.gradients_at_peak,
-                "optimizer_state": self.optimizer_state, "buffers": self.buffers, "activations": self.activations,
-                "transient": self.transient, "static": self.static, "peak": self.peak, "moment": self.moment}
+        keys = ("weights", "gradients", "gradients_at_peak", "optimizer_state", "buffers", "activations",
+                "transient", "all_to_all", "static", "peak", "moment")
+        return {key: getattr(self, key) for key in keys}
 
 
 def local_params(model: ModelShape, layout: Layout) -> tuple[float, float]:
@@ -85,9 +86,13 @@ def estimate_memory(model: ModelShape, layout: Layout, expert_imbalance: float =
     activations = tokens * ((saved - head) / layout.pp * in_flight + head)
     loss = tokens * model.loss_transient_bytes_per_token(p)
     recompute = tokens * model.recompute_bytes_per_token(p, expert_imbalance) if layout.checkpointing else 0.0
-    # (the all-to-all's send and receive rows live only inside a MoE layer's forward or backward,
-    # never at these moments)
     transient = max(loss, recompute) + grad_transient
+    # The all-to-all's send and receive rows (and, hierarchical, the rows between its two steps)
+    # live only inside a MoE layer: at most, inside the last one's forward, with every activation
+    # but the head's already saved.
+    all_to_all = 0.0
+    if layout.ep > 1 and model.moe_layers:
+        all_to_all = (3 if layout.hierarchical else 2) * tokens * model.top_k * model.hidden * p * expert_imbalance
 
     later, moment = 0.0, "start of backward"
     if layout.sharded:
@@ -129,9 +134,12 @@ def estimate_memory(model: ModelShape, layout: Layout, expert_imbalance: float =
             later, moment_later = max((first, "first gradient"), (end, "end of backward"))
         if later > 0 and later > weights + gradients_at_peak + optimizer_state + buffers + activations + transient:
             moment = moment_later
+    inside_moe = weights + gradients_at_peak + optimizer_state + buffers + activations - tokens * head + all_to_all
+    if inside_moe > max(later, weights + gradients_at_peak + optimizer_state + buffers + activations + transient):
+        later, moment = inside_moe, "all-to-all of the last MoE layer"
     return MemoryEstimate(weights=weights, gradients=gradients, gradients_at_peak=gradients_at_peak,
                           optimizer_state=optimizer_state, buffers=buffers, activations=activations,
-                          transient=transient, later=later, moment=moment)
+                          transient=transient, all_to_all=all_to_all, later=later, moment=moment)
 
 
 def gib(value: float) -> float:
