@@ -283,6 +283,7 @@ def test_cli_errors_are_one_line():
         (["--model", "mula-3b"], "unknown Mula preset 'mula-3b'"),
         (["--model", "mula-220b-a10b", "--cluster", "h100", "--devices", "8"], "no layout of mula-220b-a10b fits"),
         (["--scale", "64-128"], "--scale takes N:M"),
+        (["--devices", "64", "--measure", "2"], "--measure runs the layouts on this machine"),
     ]:
         done = subprocess.run([sys.executable, "-m", "ds_optimus.plan", *argv], capture_output=True, text=True,
                               cwd=ROOT, timeout=120)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -123,11 +124,24 @@ def _run(args: argparse.Namespace) -> int:
               f"{-(-devices // cluster.devices_per_node)} --num_gpus {min(devices, cluster.devices_per_node)} "
               f"--module ds_optimus.train --config {path})")
     if args.measure:
+        available = _local_ranks()
+        if devices > available:
+            raise ValueError(f"--measure runs the layouts on this machine, which runs at most {available} ranks; "
+                             f"{devices} devices asked (use --cluster local --devices {available})")
         report["measured"] = _measure(args, runnable[: args.measure], model)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
         print(f"wrote {args.json}")
     return 0
+
+
+def _local_ranks() -> int:
+    """Ranks this machine can run: its accelerators, or on a CPU-only machine two per core."""
+    import torch
+
+    if torch.accelerator.is_available():  # CUDA, ROCm, XPU, ...
+        return torch.accelerator.device_count()
+    return 2 * (os.cpu_count() or 1)
 
 
 def _count(n: float) -> str:
