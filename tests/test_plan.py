@@ -15,7 +15,7 @@ from distributed import run_distributed
 from train_workers import ROOT, pretrain_worker, tiny_config
 
 from ds_optimus.config import OptimusConfig
-from ds_optimus.hf_models.mula import PRESETS, MulaConfig, MulaForCausalLM, count_parameters
+from ds_optimus.hf_models.mula import PRESETS, MulaConfig, MulaForCausalLM
 from ds_optimus.plan import (
     BUILTIN,
     Cluster,
@@ -47,15 +47,9 @@ def cache(tmp_path_factory):
 # -- the model -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
-def test_parameter_counts_agree_with_the_model_code(preset):
-    shape = ModelShape.from_preset(preset)
-    total, active = count_parameters(MulaConfig.from_preset(preset))
-    assert (shape.total_params, shape.active_params) == (total, active)
-
-
-@pytest.mark.parametrize("preset", ["mula-tiny-moe", "mula-tiny-dense"])
 def test_dense_and_expert_split_is_the_real_models(preset):
-    model = MulaForCausalLM(MulaConfig.from_preset(preset))
+    with torch.device("meta"):  # the real module's parameters, without their memory
+        model = MulaForCausalLM(MulaConfig.from_preset(preset))
     expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     dense = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n)
     shape = ModelShape.from_preset(preset)
@@ -244,7 +238,7 @@ def test_user_cluster_from_json(tmp_path):
 def test_scaling_report_of_mula_220b_on_aurora(tmp_path):
     shape = ModelShape.from_preset("mula-220b-a10b")
     aurora = BUILTIN["aurora"]
-    counts = device_counts(384, 12288, aurora.devices_per_node)
+    counts = device_counts(384, 12288)
     assert counts == [384, 768, 1536, 3072, 6144, 12288]
     points = scaling(shape, aurora, counts, 2, 4096)
     effs = efficiency(points)
@@ -283,6 +277,7 @@ def test_cli_errors_are_one_line():
         (["--model", "mula-3b"], "unknown Mula preset 'mula-3b'"),
         (["--model", "mula-220b-a10b", "--cluster", "h100", "--devices", "8"], "no layout of mula-220b-a10b fits"),
         (["--scale", "64-128"], "--scale takes N:M"),
+        (["--devices", "48", "--global-batch", "1000"], "does not divide over the data-parallel ranks"),
         (["--devices", "64", "--measure", "2"], "--measure runs the layouts on this machine"),
     ]:
         done = subprocess.run([sys.executable, "-m", "ds_optimus.plan", *argv], capture_output=True, text=True,

@@ -108,6 +108,9 @@ def _run(args: argparse.Namespace) -> int:
     plans, tried = search(model, cluster, devices, global_batch, seq_len, **options)
     print(f"{devices} devices, {global_batch} x {seq_len} tokens per step ({dtype}): {tried} layouts tried, "
           f"{len(plans)} fit in memory\n")
+    if not tried:
+        raise LayoutError(f"a global batch of {global_batch} sequences does not divide over the data-parallel "
+                          f"ranks of any layout of {devices} devices; choose a multiple of {devices}")
     if not plans:
         raise LayoutError(f"no layout of {args.model} fits on {devices} {cluster.device} devices; add devices, "
                           "lower --global-batch or allow --pipeline")
@@ -187,7 +190,7 @@ def _scale(args, model, cluster, seq_len, global_batch, devices, options, report
         first, last = (int(x) for x in args.scale.split(":"))
     except ValueError:
         raise ScalingError(f"--scale takes N:M (two device counts), got {args.scale!r}") from None
-    counts = device_counts(first, last, cluster.devices_per_node)
+    counts = device_counts(first, last)
     per_device = global_batch / devices
     kind = "strong scaling, global batch " + str(global_batch) if args.strong else \
         f"weak scaling, {per_device:g} sequences per device per step"

@@ -9,7 +9,6 @@ checks them against the saved tensors of a real forward pass in float32 and bflo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
 # bytes of the int64 index tensors the router and the token permutation save, per routed slot
@@ -34,10 +33,15 @@ class ModelShape:
     moe_layers: int
     qk_norm: bool
     tied: bool
+    total_params: int  # from hf_models.mula.count_parameters
+    active_params: int  # parameters one token uses (its top-k experts, not all of them)
 
     @classmethod
     def from_config(cls, config: Any, name: str | None = None) -> ModelShape:
         """From a `MulaConfig`."""
+        from ..hf_models.mula import count_parameters
+
+        total, active = count_parameters(config)
         moe_layers = sum(1 for i in range(config.num_hidden_layers) if config.is_moe_layer(i))
         return cls(
             name=name or getattr(config, "name_or_path", "") or "mula", vocab=config.vocab_size,
@@ -45,7 +49,7 @@ class ModelShape:
             kv_heads=config.num_key_value_heads, head_dim=config.head_dim, intermediate=config.intermediate_size,
             experts=config.num_experts if moe_layers else 0, top_k=config.num_experts_per_tok if moe_layers else 0,
             expert_intermediate=config.moe_intermediate_size, moe_layers=moe_layers, qk_norm=bool(config.qk_norm),
-            tied=bool(config.tie_word_embeddings))
+            tied=bool(config.tie_word_embeddings), total_params=total, active_params=active)
 
     @classmethod
     def from_preset(cls, preset: str, **overrides: Any) -> ModelShape:
@@ -64,39 +68,19 @@ class ModelShape:
     def kv_width(self) -> int:
         return self.kv_heads * self.head_dim
 
-    @cached_property
-    def attention_params(self) -> int:
-        h = self.hidden
-        norms = (self.q_width + self.kv_width) if self.qk_norm else 0
-        return h * (2 * self.q_width + 2 * self.kv_width) + norms + 2 * h  # + the layer's two RMSNorms
-
     @property
     def expert_params_per_layer(self) -> int:
         """All experts of one MoE layer (gate, up and down of each)."""
         return self.experts * 3 * self.hidden * self.expert_intermediate
 
-    @cached_property
+    @property
     def expert_params(self) -> int:
         return self.moe_layers * self.expert_params_per_layer
 
-    @cached_property
+    @property
     def dense_params(self) -> int:
         """Everything that is not an expert weight: attention, norms, routers, dense FFNs, embeddings."""
-        h = self.hidden
-        dense_ffn = (self.layers - self.moe_layers) * 3 * h * self.intermediate
-        routers = self.moe_layers * self.experts * h
-        embeddings = self.vocab * h * (1 if self.tied else 2) + h
-        return self.layers * self.attention_params + dense_ffn + routers + embeddings
-
-    @property
-    def total_params(self) -> int:
-        return self.dense_params + self.expert_params
-
-    @property
-    def active_params(self) -> int:
-        """Parameters one token uses (its top-k experts, not all of them)."""
-        per_expert = 3 * self.hidden * self.expert_intermediate
-        return self.dense_params + self.moe_layers * self.top_k * per_expert
+        return self.total_params - self.expert_params
 
     @property
     def largest_dense_param(self) -> int:
@@ -107,7 +91,7 @@ class ModelShape:
     # -- FLOPs ------------------------------------------------------------------------------------
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (forward and backward), as the trainer's MFU counts them: 6 x the
+        """Training FLOPs per token (forward and backward), the figure the trainer's MFU uses: 6 x the
         active matmul parameters plus 12 x layers x attention width x sequence length."""
         embedding = 0 if self.tied else self.vocab * self.hidden  # a lookup, not a matmul
         return 6.0 * (self.active_params - embedding) + 12.0 * self.layers * self.q_width * seq_len

@@ -27,8 +27,8 @@ class ScalingPoint:
         return self.plan.tokens_per_s if self.plan else 0.0
 
 
-def device_counts(first: int, last: int, per_node: int) -> list[int]:
-    """`first`, doubling, up to `last` (both included), each a whole number of nodes when `first` is."""
+def device_counts(first: int, last: int) -> list[int]:
+    """`first`, doubling, up to `last` (both included)."""
     if first < 1 or last < first:
         raise ScalingError(f"the device range {first}:{last} is empty")
     counts, d = [], first

@@ -16,14 +16,11 @@ import torch.distributed as dist
 
 def model_flops_per_token(config, seq_len: int) -> float:
     """Training FLOPs per token: 6 x active parameters (forward + backward matmuls) plus the
-    attention score and value products, 12 x layers x attention width x sequence length."""
-    from ..hf_models.mula import count_parameters
+    attention score and value products, 12 x layers x attention width x sequence length (the
+    planner's figure, `ds_optimus.plan.ModelShape.flops_per_token`)."""
+    from ..plan.model import ModelShape
 
-    _, active = count_parameters(config)
-    # The input embedding is a lookup, not a matmul; tied, its one copy is also the LM head.
-    embedding = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
-    attention = 12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * seq_len
-    return 6.0 * (active - embedding) + attention
+    return ModelShape.from_config(config).flops_per_token(seq_len)
 
 
 def reduce_mean(values: dict[str, float], group=None) -> dict[str, float]:
