@@ -164,17 +164,18 @@ def worker(rank: int, port: int, out: str, rounds: int, warmup: int) -> None:
     import deepspeed
 
     import ds_optimus  # noqa: F401  (hooks DeepSpeed's engine)
+    from ds_optimus.config import OptimusConfig
     from ds_optimus.parallel import moe_param_groups, setup_moe
 
     engines = {}
     for name, (sharded, stage, overlap) in CONTESTANTS.items():
         model = build_model()
         config = ds_config(sharded, stage, overlap)
-        setup_moe(model, config)
+        setup_moe(model, OptimusConfig.from_ds_config(config))
         engines[name], *_ = deepspeed.initialize(model=model, config=config,
                                                  model_parameters=moe_param_groups(model, weight_decay=0.1))
     plain = build_model()
-    setup_moe(plain, ds_config(True, 2))
+    setup_moe(plain, OptimusConfig.from_ds_config(ds_config(True, 2)))
     g = torch.Generator().manual_seed(rank)
     ids = torch.randint(2, SHAPE["vocab_size"], (MICRO, SEQ), generator=g)
     counter = Counter()

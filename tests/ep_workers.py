@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 import ds_optimus  # noqa: F401  (registers the experts implementation)
+from ds_optimus.config import OptimusConfig
 from ds_optimus.hf_models.mula import MulaConfig, MulaForCausalLM
 from ds_optimus.parallel import apply_expert_parallel, full_state_dict, is_expert_param, setup_moe
 
@@ -36,7 +37,7 @@ def ep_forward_backward(rank: int, world: int, ep_size: int, node_size: int | No
         model.train()
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing})
     if isinstance(ep_size, dict):  # a DeepSpeed config with an "optimus" section
-        groups = setup_moe(model, ep_size)
+        groups = setup_moe(model, OptimusConfig.from_ds_config(ep_size))
     else:
         groups = apply_expert_parallel(model, ep_size, node_size=node_size)
     ids, probe = global_batch(1, batch, seq, model.config.vocab_size)

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 import ds_optimus  # noqa: F401  (hooks DeepSpeed's engine)
+from ds_optimus.config import OptimusConfig
 from ds_optimus.hf_models.mula import MulaConfig, MulaForCausalLM
 from ds_optimus.parallel import moe_param_groups, setup_moe
 
@@ -62,7 +63,7 @@ def train(rank: int, world: int, spec: dict) -> dict:
 
     model = tiny_model(**spec.get("model", {}))
     config = ds_config(spec)
-    setup_moe(model, config)
+    setup_moe(model, OptimusConfig.from_ds_config(config))
     engine, *_ = deepspeed.initialize(model=model, config=config,
                                       model_parameters=moe_param_groups(model, weight_decay=WEIGHT_DECAY))
     start = 0
@@ -104,7 +105,7 @@ def reference(spec: dict, world: int) -> dict:
     the global batch, torch AdamW, clipping by the true global norm."""
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     model = tiny_model(**spec.get("model", {}))
-    setup_moe(model, {"optimus": {"moe": {"experts_backend": "looped"}}})
+    setup_moe(model, OptimusConfig.from_ds_config({"optimus": {"moe": {"experts_backend": "looped"}}}))
     optimizer = torch.optim.AdamW(moe_param_groups(model, weight_decay=WEIGHT_DECAY), lr=LR, betas=BETAS, eps=EPS)
     losses, norms = {}, {}
     count = world * spec["gas"]
@@ -137,7 +138,7 @@ def bad_settings(rank: int, world: int) -> list[str]:
         if spec.get("sgd"):
             config["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
             config["zero_allow_untested_optimizer"] = True
-        setup_moe(model, {"optimus": {"expert_parallel": {"size": 2}}})
+        setup_moe(model, OptimusConfig.from_ds_config({"optimus": {"expert_parallel": {"size": 2}}}))
         try:
             deepspeed.initialize(model=model, config=config, model_parameters=moe_param_groups(model))
             messages.append("accepted")
@@ -152,7 +153,8 @@ def fp16_direct(rank: int, world: int) -> dict:
     from ds_optimus.optim.sharded import LossScaler, ShardedOptimizer
 
     model = tiny_model()
-    setup_moe(model, {"optimus": {"expert_parallel": {"size": 2}, "moe": {"experts_backend": "looped"}}})
+    options = {"optimus": {"expert_parallel": {"size": 2}, "moe": {"experts_backend": "looped"}}}
+    setup_moe(model, OptimusConfig.from_ds_config(options))
     model.half()
     inner = torch.optim.AdamW(moe_param_groups(model, weight_decay=WEIGHT_DECAY), lr=LR, betas=BETAS, eps=1e-4)
     optimizer = ShardedOptimizer(inner, param_names={p: n for n, p in model.named_parameters()}, stage=2,

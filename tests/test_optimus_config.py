@@ -49,12 +49,13 @@ def test_unreadable_and_invalid_files(tmp_path):
 def test_setup_moe_sets_the_backend_of_every_moe_layer():
     model = MulaForCausalLM(MulaConfig.from_preset("mula-tiny-moe"))
     model.set_experts_implementation("eager")
-    assert setup_moe(model, {"optimus": {"moe": {"experts_backend": "looped"}}}) is None  # size 1: no EP
+    looped_config = OptimusConfig.from_ds_config({"optimus": {"moe": {"experts_backend": "looped"}}})
+    assert setup_moe(model, looped_config) is None  # size 1: no EP
     assert model.config._experts_implementation == "ds_optimus"
     experts = [layer.mlp.experts for layer in model.model.layers]
     assert {e.experts_backend for e in experts} == {"looped"}
     x = torch.randint(2, 100, (2, 8))
     looped = model(x).logits
-    setup_moe(model, {})
+    setup_moe(model, OptimusConfig.from_ds_config({}))
     assert {e.experts_backend for e in experts} == {None}  # auto
     torch.testing.assert_close(model(x).logits, looped, rtol=1e-5, atol=1e-5)

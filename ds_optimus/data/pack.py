@@ -16,16 +16,40 @@ import os
 import shutil
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from .corpus import DataError, Source, describe, iter_documents
+from ..schema import ConfigError, Section, need, number, positive_int
+from .corpus import DataError, Source, describe, iter_documents, parse_source
 from .tokenizer import tokenizer_fingerprint
 
 FORMAT_VERSION = 1
 BATCH_DOCUMENTS = 256
+
+
+@dataclass(frozen=True)
+class DataConfig(Section):
+    """`optimus.data`: the corpora, the tokenizer (null: the embedded default), the sequence length,
+    the held-out fraction and the token cache folder."""
+
+    sources: list = field(default_factory=lambda: ["embedded"])
+    tokenizer: str | None = None  # an HF tokenizer name or folder; null: the embedded default
+    seq_len: int = 256
+    val_fraction: float = 0.02
+    cache_dir: str = "data_cache"
+
+    def check(self, where: str) -> None:
+        need(isinstance(self.sources, list) and len(self.sources) > 0, f"{where}.sources must be a non-empty list")
+        for i, spec in enumerate(self.sources):
+            try:
+                parse_source(spec)
+            except DataError as err:
+                raise ConfigError(f"{where}.sources[{i}]: {err}") from None
+        need(positive_int(self.seq_len) and self.seq_len >= 8, f"{where}.seq_len must be an integer >= 8")
+        need(number(self.val_fraction) and 0 <= self.val_fraction < 0.5,
+             f"{where}.val_fraction must be in [0, 0.5), got {self.val_fraction!r}")
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..schema import Section, need
+
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, str], torch.Tensor]
 
 
@@ -347,3 +349,16 @@ register_backend("grouped_mm", _grouped_mm_backend, _grouped_mm_supported, prior
 # On the CPU the kernels only run in Triton's interpreter (for tests): never picked automatically.
 register_backend("triton", _triton_backend, _triton_supported, priority=30,
                  automatic=lambda device: device.type != "cpu", fused=_triton_fused)
+
+
+@dataclass(frozen=True)
+class MoEConfig(Section):
+    """`optimus.moe`: which grouped-GEMM backend the MoE layers use ("auto": the best one for the
+    device and dtype)."""
+
+    experts_backend: str = "auto"
+
+    def check(self, where: str) -> None:
+        known = ["auto", *registered_backends()]
+        need(self.experts_backend in known,
+             f"{where}.experts_backend must be one of {', '.join(known)}, got {self.experts_backend!r}")

@@ -59,19 +59,26 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def sharded_optimizer_settings(engine):
-    """The `optimus.sharded_optimizer` section of the engine's config when enabled, else None
-    (the whole `optimus` section is validated: a bad key is a one-line ConfigError)."""
-    from ..config import OptimusConfig
+    """The `optimus.sharded_optimizer` section of the engine's config when enabled, else None (a
+    bad key or value there is a one-line ConfigError)."""
+    from ..schema import need
+    from .config import ShardedOptimizerConfig
 
-    settings = OptimusConfig.from_ds_config(engine._config._param_dict).sharded_optimizer
-    return settings if settings.enabled else None
+    cached = getattr(engine, "_ds_optimus_sharded_settings", False)
+    if cached is not False:
+        return cached
+    section = engine._config._param_dict.get("optimus", {})
+    need(isinstance(section, dict), f"optimus must be a JSON object, got {type(section).__name__}")
+    settings = ShardedOptimizerConfig.parse(section.get("sharded_optimizer", {}), "optimus.sharded_optimizer")
+    engine._ds_optimus_sharded_settings = settings if settings.enabled else None
+    return engine._ds_optimus_sharded_settings
 
 
 def build_sharded_optimizer(engine, basic_optimizer, settings):
     """The engine's `ShardedOptimizer` over `basic_optimizer`'s param groups."""
     import torch.distributed as dist
 
-    from ..config import ConfigError
+    from ..schema import ConfigError
     from .sharded import LossScaler, ShardedOptimizer
 
     stage = int(engine.zero_optimization_stage())
@@ -119,7 +126,7 @@ def _configure_bf16_optimizer(self, optimizer):
 
 
 def _configure_distributed_model(self, model):
-    from ..config import ConfigError
+    from ..schema import ConfigError
 
     settings = sharded_optimizer_settings(self)
     if settings is not None and int(self.zero_optimization_stage()) not in (1, 2):

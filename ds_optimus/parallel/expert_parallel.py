@@ -2,15 +2,32 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..schema import Section, need, positive_int
 from .dispatch import ExpertParallelDispatcher
 from .groups import ExpertParallelGroups, check_layout, init_expert_parallel_groups
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ExpertParallelConfig(Section):
+    """`optimus.expert_parallel`: the EP size; `node_size` selects the hierarchical exchange."""
+
+    size: int = 1
+    node_size: int | None = None
+
+    def check(self, where: str) -> None:
+        need(positive_int(self.size), f"{where}.size must be a positive integer, got {self.size!r}")
+        need(self.node_size is None or positive_int(self.node_size),
+             f"{where}.node_size must be null or a positive integer, got {self.node_size!r}")
+        need(self.node_size is None or self.size % self.node_size == 0,
+             f"{where}.node_size {self.node_size} does not divide {where}.size {self.size}")
 
 
 def _experts_modules(model: nn.Module) -> list[nn.Module]:
@@ -106,13 +123,10 @@ def _save_full_experts(model: nn.Module, groups: ExpertParallelGroups) -> None:
 
 
 def setup_moe(model: nn.Module, config) -> ExpertParallelGroups | None:
-    """Apply the MoE settings of an `OptimusConfig` (or a DeepSpeed config dict/path carrying an
-    "optimus" section): the experts backend of every MoE layer, and expert parallelism when
-    `expert_parallel.size > 1`. Returns the EP groups, or None without expert parallelism."""
-    from ..config import OptimusConfig
-
-    if not isinstance(config, OptimusConfig):
-        config = OptimusConfig.from_ds_config(config)
+    """Apply the MoE settings of a parsed `optimus` section (`ds_optimus.config.OptimusConfig`, or
+    anything with its `moe` and `expert_parallel` sections): the experts backend of every MoE layer,
+    and expert parallelism when `expert_parallel.size > 1`. Returns the EP groups, or None without
+    expert parallelism."""
     backend = None if config.moe.experts_backend == "auto" else config.moe.experts_backend
     for module in _experts_modules(model):
         module.experts_backend = backend

@@ -31,6 +31,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..schema import Section, check_flags, need, non_negative_int, positive_int
 from . import faults
 
 STEP_PREFIX = "step_"
@@ -555,3 +557,23 @@ class CheckpointManager:
         load_engine_state(engine, own["engine"])
         set_rng_state(own["rng"])
         return meta["step"], own["extra"]
+
+
+@dataclass(frozen=True)
+class CheckpointConfig(Section):
+    """`optimus.checkpoint`: when to save, how many to keep, where, and whether to resume."""
+
+    interval: int = 0  # every N steps, and always at the end; 0: only at the end
+    keep_last: int = 2
+    dir: str | None = None  # null: <train.output_dir>/checkpoints
+    resume: bool = True  # continue from the latest complete checkpoint in dir, if there is one
+    async_save: bool = False  # write checkpoints in a background thread while training goes on
+
+    def check(self, where: str) -> None:
+        need(non_negative_int(self.interval), f"{where}.interval must be an integer >= 0, got {self.interval!r}")
+        need(positive_int(self.keep_last), f"{where}.keep_last must be a positive integer, got {self.keep_last!r}")
+        check_flags(self, where, "resume", "async_save")
+
+    def build(self, output_dir: str | Path, groups=None) -> CheckpointManager:
+        """The run's checkpoint manager (`dir`, or `<output_dir>/checkpoints`); collective-free."""
+        return CheckpointManager(self.dir or Path(output_dir) / "checkpoints", self.keep_last, groups)

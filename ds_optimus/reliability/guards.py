@@ -14,6 +14,8 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
+from ..schema import Section, check_flags, need, non_negative_int, number, positive_int
+
 
 @dataclass
 class GuardDecision:
@@ -86,3 +88,30 @@ class StepGuard:
         self.losses.extend(state.get("losses", []))
         self.norms.extend(state.get("norms", []))
         self.skipped = state.get("skipped", 0)
+
+
+@dataclass(frozen=True)
+class GuardsConfig(Section):
+    """`optimus.guards`: the numerical guards (they act through the sharded optimizer)."""
+
+    enabled: bool = True
+    window: int = 100  # accepted steps in the rolling loss and gradient-norm statistics
+    min_window: int = 20  # spikes are judged once the window holds this many steps
+    sigmas: float = 6.0  # a loss or gradient norm this many standard deviations above the mean is a spike
+    skip_spikes: bool = True  # skip spiking steps (non-finite ones are always skipped)
+    rollback_after: int = 3  # consecutive bad steps before rolling back to the last checkpoint; 0: never
+
+    def check(self, where: str) -> None:
+        check_flags(self, where, "enabled", "skip_spikes")
+        need(positive_int(self.window), f"{where}.window must be a positive integer, got {self.window!r}")
+        need(positive_int(self.min_window) and self.min_window <= self.window,
+             f"{where}.min_window must be a positive integer <= window, got {self.min_window!r}")
+        need(number(self.sigmas) and self.sigmas > 0, f"{where}.sigmas must be a positive number, got {self.sigmas!r}")
+        need(non_negative_int(self.rollback_after),
+             f"{where}.rollback_after must be an integer >= 0, got {self.rollback_after!r}")
+
+    def build(self) -> StepGuard | None:
+        """The guard these settings describe, or None when they are off."""
+        if not self.enabled:
+            return None
+        return StepGuard(self.window, self.min_window, self.sigmas, self.rollback_after, self.skip_spikes)

@@ -28,17 +28,19 @@ from .faults import ATTEMPT_VAR
 from .signals import EXIT_PREEMPTED
 
 EXIT_GAVE_UP = 3
+DEFAULT_OUTPUT_DIR = "runs/mula"  # optimus.train.output_dir when a config does not set it
 
 
 def _progress_file(command: list[str]) -> Path | None:
     """`<optimus.train.output_dir>/progress.json` of the config the command trains (with its --set)."""
-    from ..config import OptimusConfig, apply_overrides, load_json_config
+    from ..schema import apply_overrides, load_json_config
 
     if "--config" not in command or command.index("--config") + 1 >= len(command):
         return None
     config = load_json_config(command[command.index("--config") + 1])
     overrides = [command[i + 1] for i, arg in enumerate(command[:-1]) if arg == "--set"]
-    return Path(OptimusConfig.from_ds_config(apply_overrides(config, overrides)).train.output_dir) / "progress.json"
+    train = apply_overrides(config, overrides).get("optimus", {}).get("train", {})
+    return Path(train.get("output_dir", DEFAULT_OUTPUT_DIR)) / "progress.json"
 
 
 def _step(progress: Path | None) -> int | None:

@@ -15,6 +15,9 @@ import os
 import sys
 import threading
 import time
+from dataclasses import dataclass
+
+from ..schema import Section, need, number
 
 EXIT_HUNG = 124  # as `timeout(1)` reports a command that ran past its limit
 
@@ -63,3 +66,21 @@ class Watchdog:
             self.log.flush()
         finally:
             os._exit(EXIT_HUNG)
+
+
+@dataclass(frozen=True)
+class WatchdogConfig(Section):
+    """`optimus.watchdog`: the hang watchdog's time-outs; 0 turns that check off."""
+
+    step_timeout_s: float = 900.0
+    first_step_timeout_s: float = 3600.0  # the first step after a (re)start also compiles and warms up
+    checkpoint_timeout_s: float = 3600.0  # a synchronous save, an evaluation or the final export
+
+    def check(self, where: str) -> None:
+        for key in ("step_timeout_s", "first_step_timeout_s", "checkpoint_timeout_s"):
+            value = getattr(self, key)
+            need(number(value) and value >= 0, f"{where}.{key} must be a number >= 0, got {value!r}")
+
+    def build(self, rank: int) -> Watchdog:
+        """This rank's watchdog (its thread starts; nothing is armed until the first `beat`)."""
+        return Watchdog(rank)

@@ -48,9 +48,10 @@ def trainer_ds_config(ds_config: dict[str, Any]) -> dict[str, Any]:
 def prepare_model(model: torch.nn.Module, ds_config: dict[str, Any] | str | Path):
     """Apply the config's `optimus.moe` and `optimus.expert_parallel` settings to `model`; returns
     the EP groups (None without expert parallelism)."""
+    from ..config import OptimusConfig
     from ..parallel.expert_parallel import setup_moe
 
-    return setup_moe(model, ds_config)
+    return setup_moe(model, OptimusConfig.from_ds_config(ds_config))
 
 
 class MulaTrainer(Trainer):

@@ -129,28 +129,7 @@ def resolve_batch_sizes(ds_config: dict[str, Any], world_size: int) -> tuple[int
 
 def build_model(opt: OptimusConfig, tokenizer):
     """The Mula model of the config (random weights from the seed, or an HF folder's weights)."""
-    from ..hf_models.mula import MulaConfig, MulaForCausalLM
-
-    if opt.model.path is not None:
-        folder = Path(opt.model.path)
-        if not (folder / "config.json").exists():
-            raise ConfigError(f"optimus.model.path {str(folder)!r} has no config.json")
-        config = MulaConfig.from_pretrained(folder, **opt.model.overrides)
-        has_weights = any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))
-    else:
-        try:
-            config = MulaConfig.from_preset(opt.model.preset, **opt.model.overrides)
-        except (TypeError, ValueError) as err:
-            raise ConfigError(f"optimus.model.overrides: {str(err).splitlines()[0]}") from None
-        has_weights = False
-    if len(tokenizer) > config.vocab_size:
-        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens, more than the model's vocab_size "
-                          f"{config.vocab_size} (set optimus.model.overrides.vocab_size)")
-    config.eos_token_id = tokenizer.eos_token_id
-    config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if has_weights:
-        return MulaForCausalLM.from_pretrained(folder, config=config, dtype=torch.float32)
-    return MulaForCausalLM(config)
+    return opt.model.build(tokenizer)
 
 
 def _scheduler_defaults(ds_config: dict[str, Any], steps: int) -> None:

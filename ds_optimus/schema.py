@@ -1,0 +1,110 @@
+"""Typed configuration sections: frozen dataclasses parsed from JSON objects, with one-line errors.
+
+Every component that takes settings from the `optimus` section of a DeepSpeed config declares them
+as a `Section` beside its own code (the guards' in `reliability/guards.py`, the sharded optimizer's
+in `optim/config.py`, ...), with `check()` for its rules and, where it has one, `build()` for the
+component; `ds_optimus.config.OptimusConfig` assembles them into the whole section. The JSON helpers
+(`load_json_config`, `apply_overrides`) live here too. This module imports nothing of ds_optimus, so
+any layer may use it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, dataclass, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A bad config value; the message names the key, in one line."""
+
+
+@dataclass(frozen=True)
+class Section:
+    """A config section: a frozen dataclass whose fields are its keys, with their defaults. A field
+    whose default factory is itself a `Section` is a nested section."""
+
+    def check(self, where: str) -> None:
+        """Raise ConfigError (naming `where.key`) for a value this section cannot work with."""
+
+    @classmethod
+    def parse(cls, values: Any, where: str):
+        """The section of JSON object `values` (found at `where`, e.g. "optimus.guards"): unknown
+        keys and bad values are one-line ConfigErrors."""
+        need(isinstance(values, dict), f"{where} must be a JSON object, got {type(values).__name__}")
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ConfigError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(known)})")
+        kwargs = {}
+        for name, value in values.items():
+            nested = known[name].default_factory
+            is_section = nested is not MISSING and is_dataclass(nested) and issubclass(nested, Section)
+            kwargs[name] = nested.parse(value, f"{where}.{name}") if is_section else value
+        section = cls(**kwargs)
+        section.check(where)
+        return section
+
+
+def need(ok: bool, message: str) -> None:
+    """Raise ConfigError(message) unless `ok`."""
+    if not ok:
+        raise ConfigError(message)
+
+
+def positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def non_negative_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_flags(section: Section, where: str, *names: str) -> None:
+    """Each named key of `section` must be true or false."""
+    for name in names:
+        value = getattr(section, name)
+        need(isinstance(value, bool), f"{where}.{name} must be true or false, got {value!r}")
+
+
+def load_json_config(config: dict[str, Any] | str | Path) -> dict[str, Any]:
+    """A DeepSpeed config as a dict (a copy), from a dict or a JSON file's path."""
+    if isinstance(config, dict):
+        return json.loads(json.dumps(config))
+    path = Path(config)
+    try:
+        loaded = json.loads(path.read_text())
+    except OSError as err:
+        raise ConfigError(f"cannot read config {path}: {err.strerror}") from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"config {path} is not valid JSON: {err.msg} (line {err.lineno})") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config {path} must hold a JSON object")
+    return loaded
+
+
+def apply_overrides(config: dict[str, Any], assignments: list[str]) -> dict[str, Any]:
+    """Set dotted keys from `KEY=VALUE` strings (`optimus.train.steps=20`); a VALUE that parses as
+    JSON is used as such (numbers, true/false/null, lists, objects), anything else as a string."""
+    for assignment in assignments:
+        key, sep, raw = assignment.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"--set expects KEY=VALUE with a dotted KEY, got {assignment!r}")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        node = config
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {key}: {'.'.join(parts[:i + 1])} is not an object")
+            node = child
+        node[parts[-1]] = value
+    return config
