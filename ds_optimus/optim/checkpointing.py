@@ -14,7 +14,11 @@ names it, so the Hugging Face Trainer finds it), and `<save_dir>/latest` names t
 Every piece of state is keyed by parameter name and global element range, never by rank, so a
 checkpoint loads on any layout: another world size, EP size, ZeRO stage or bucket size. Files go
 through a temporary name and the folder is renamed in complete; `meta.json` is the manifest (each
-file's size and CRC-32); `latest` is replaced atomically (`ds_optimus.reliability.CheckpointWriter`).
+file's size and CRC-32); `latest` is replaced atomically (`ds_optimus.checkpoint_io.CheckpointWriter`).
+Every file is read back through `checkpoint_io.load` (weights only: nothing in a file can run code).
+
+The engine's two entry points (`save_checkpoint`, `load_checkpoint`) look the model's expert-parallel
+groups up once; everything below them takes the groups as an argument.
 """
 
 from __future__ import annotations
@@ -26,26 +30,37 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..checkpoint_io import CheckpointError, CheckpointWriter, copy_to_cpu, load, numpy_array_types
 from ..parallel.expert_parallel import expert_groups_of, is_expert_param
-from ..reliability.checkpoint import CheckpointWriter, copy_to_cpu
 
 ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
 
 
-class CheckpointLoadError(RuntimeError):
+class CheckpointLoadError(CheckpointError):
     """A checkpoint folder this engine cannot load; the message says why in one line."""
 
 
-def checkpoint_files(engine, client_state=None, exclude_frozen_parameters: bool = False,
+def engine_state_types() -> list[Any]:
+    """The DeepSpeed classes in a per-rank engine state (`deepspeed_compat.engine_state`: DeepSpeed
+    0.19's ZeRO-1/2 and BF16 optimizers keep their loss scaler, stage and fragment addresses as objects);
+    the only ones besides tensors and containers that loading such a file may build."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def checkpoint_files(engine, groups, client_state=None, exclude_frozen_parameters: bool = False,
                      copy: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
-    """This rank's files of a checkpoint of `engine` ({file name: object}) and the manifest fields
+    """This rank's files of a checkpoint of `engine`, whose experts are sharded over `groups`
+    (`ExpertParallelGroups`, or None), as {file name: object}, and the manifest fields
     (collective-free). `copy` snapshots every tensor, for a save that runs while training goes on."""
     rank = dist.get_rank()
     module = engine.module
     frozen = {n for n, p in module.named_parameters() if not p.requires_grad} if exclude_frozen_parameters else set()
     experts = {n for n, p in module.named_parameters() if is_expert_param(p)}
     state = {k: v.detach() for k, v in module.state_dict().items() if k not in frozen}
-    groups = expert_groups_of(engine.module)
     files: dict[str, Any] = {}
     if rank == 0:
         files["model_dense.pt"] = {k: v for k, v in state.items() if k not in experts}
@@ -78,7 +93,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     root = Path(save_dir)
     writer = CheckpointWriter(rank, world)
     writer.prepare(root, tag)
-    files, meta = checkpoint_files(engine, client_state, exclude_frozen_parameters)
+    files, meta = checkpoint_files(engine, expert_groups_of(engine.module), client_state, exclude_frozen_parameters)
     writer.write(root, tag, files, {**meta, "tag": tag}, save_latest=save_latest)
     return True
 
@@ -96,15 +111,32 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
             return None, None
         tag = latest.read_text().strip()
     path = root / str(tag)
+    client = load_folder(engine, path, expert_groups_of(engine.module), load_module_strict=load_module_strict,
+                         load_optimizer_states=load_optimizer_states,
+                         load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+    return str(path), client
+
+
+def load_folder(engine, path: Path, groups, *, load_module_strict: bool = True, load_optimizer_states: bool = True,
+                load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> Any:
+    """Load checkpoint folder `path` into `engine`, whose experts are sharded over `groups`
+    (`ExpertParallelGroups`, or None); returns the client state. Raises CheckpointLoadError or, for a
+    file that is unreadable or holds more than tensors and containers, CheckpointError."""
+    path = Path(path)
     try:
         meta = json.loads((path / "meta.json").read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise CheckpointLoadError(f"{path} is not a complete ds_optimus checkpoint ({type(err).__name__})") from None
     rank, world = dist.get_rank(), dist.get_world_size()
     module = engine.module
+    # A rank's own client state when the world size is unchanged, rank 0's otherwise. The small files
+    # are read first: one that is refused leaves the engine untouched.
+    source = rank if meta["world_size"] == world else 0
+    client = load(path / f"client_rank{source:05d}.pt", allow=numpy_array_types())  # numpy: older RNG states
+    saved = None if load_module_only else load(path / "engine.pt")
 
-    state = torch.load(path / "model_dense.pt", map_location="cpu", weights_only=True)
-    state.update(_expert_weights(engine, path, meta, state))
+    state = load(path / "model_dense.pt")
+    state.update(_expert_weights(engine, path, meta, state, groups))
     try:
         module.load_state_dict(state, strict=load_module_strict)
     except RuntimeError as err:
@@ -112,31 +144,26 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
         raise CheckpointLoadError(f"{path} does not fit this model ({first})") from None
 
     optimizer = engine.optimizer
+    shards = []
     if load_optimizer_states and not load_module_only:
-        shards = [torch.load(path / f"optim_rank{r:05d}.pt", map_location="cpu", weights_only=False, mmap=True)
-                  for r in range(meta["world_size"])]
+        shards = [load(path / f"optim_rank{r:05d}.pt", mmap=True) for r in range(meta["world_size"])]
         optimizer.load_shards(shards)
     else:
         optimizer.refresh_master_from_params()
-    if not load_module_only:
-        saved = torch.load(path / "engine.pt", map_location="cpu", weights_only=False)
+    if saved is not None:
         if load_lr_scheduler_states and saved["lr_scheduler"] is not None and engine.lr_scheduler is not None:
-            first = torch.load(path / "optim_rank00000.pt", map_location="cpu", weights_only=False, mmap=True)
+            first = shards[0] if shards else load(path / "optim_rank00000.pt", mmap=True)
             engine.lr_scheduler.load_state_dict(
                 _fit_scheduler_state(saved["lr_scheduler"], first["param_groups"], optimizer.param_groups))
         for key, value in saved["counters"].items():
             setattr(engine, key, value)
         engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
-    # A rank's own client state when the world size is unchanged, rank 0's otherwise.
-    source = rank if meta["world_size"] == world else 0
-    client = torch.load(path / f"client_rank{source:05d}.pt", map_location="cpu", weights_only=False)
-    return str(path), client
+    return client
 
 
-def _expert_weights(engine, path: Path, meta: dict, dense: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """This rank's slice of every expert weight, cut from the saved weights of any EP size (an EP-1
-    run keeps its experts among the dense weights)."""
-    groups = expert_groups_of(engine.module)
+def _expert_weights(engine, path: Path, meta: dict, dense: dict[str, torch.Tensor], groups) -> dict[str, torch.Tensor]:
+    """This rank's slice of every expert weight (sharded over `groups`, or None), cut from the saved
+    weights of any EP size (an EP-1 run keeps its experts among the dense weights)."""
     params = dict(engine.module.named_parameters())
     if groups is not None:
         wanted = {n: (groups.ep_rank * p.shape[0], (groups.ep_rank + 1) * p.shape[0])
@@ -153,8 +180,7 @@ def _expert_weights(engine, path: Path, meta: dict, dense: dict[str, torch.Tenso
         pieces = []
         for q in range(meta["ep_size"]):
             if q not in files:
-                files[q] = torch.load(path / f"model_experts_ep{q:03d}.pt", map_location="cpu", weights_only=True,
-                                      mmap=True)["weights"]
+                files[q] = load(path / f"model_experts_ep{q:03d}.pt", mmap=True)["weights"]
             if name not in files[q]:
                 raise CheckpointLoadError(f"{path} has no expert weight {name}; was the model changed?")
             per = files[q][name].shape[0]

@@ -1,0 +1,439 @@
+"""Checkpoint file I/O, the lowest layer under both checkpoint formats (it imports nothing of ds_optimus).
+
+- `atomic_save`: `torch.save` through a temporary name, fsync and rename, hashing (size, CRC-32) while
+  writing; `file_record` hashes a file on disk; `write_text_atomic` replaces a small text file.
+- `CheckpointWriter`: assembles a checkpoint folder `<root>/<name>.tmp/` from every rank's files, writes
+  its manifest `meta.json` (every file's size and CRC-32), renames it to `<root>/<name>` and points
+  `<root>/latest` at it; synchronously or in a background thread. `file_hooks` see every file written.
+- `verify`: a checkpoint folder against its manifest.
+- `load`: the one way this library reads its own checkpoint files: `torch.load(weights_only=True)`, so a
+  file holding anything but tensors and plain containers (a planted pickle that would run code) is
+  refused with a one-line `CheckpointError` instead of being executed.
+- `copy_to_cpu`, `rng_state` / `set_rng_state`: what a checkpoint holds besides weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import re
+import shutil
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+LATEST = "latest"  # the file naming the newest checkpoint folder, replaced atomically after it is complete
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used by this run; the message says why, in one line."""
+
+
+# -- random generators ----------------------------------------------------------------------------
+
+def rng_state() -> dict[str, Any]:
+    """Every random generator a training step draws from, on this rank, as tensors and plain containers."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    # numpy's key array is kept as a tensor: the file then loads without allow-listing numpy internals
+    numpy_state = (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
+    accelerator = _accelerator()
+    if accelerator is not None:
+        state["accelerator"] = accelerator.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what `rng_state` returned (also the numpy arrays of checkpoints written before it kept tensors)."""
+    random.setstate(state["python"])
+    kind, keys, *rest = state["numpy"]
+    if isinstance(keys, torch.Tensor):
+        keys = keys.numpy().astype(np.uint32)
+    np.random.set_state((kind, keys, *rest))
+    torch.set_rng_state(state["torch"])
+    accelerator = _accelerator()
+    if accelerator is not None and "accelerator" in state:
+        accelerator.set_rng_state(state["accelerator"])
+
+
+def _accelerator():
+    try:
+        from deepspeed.accelerator import get_accelerator
+    except ImportError:
+        return None
+    accelerator = get_accelerator()
+    return None if accelerator.device_name() == "cpu" else accelerator
+
+
+# -- files ----------------------------------------------------------------------------------------
+
+class _HashingWriter:
+    """A file wrapper that counts and hashes what `torch.save` writes through it."""
+
+    def __init__(self, f) -> None:
+        self.f, self.size, self.crc = f, 0, 0
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        # Unbuffered, so a full disk fails here with its errno (torch's zip writer would otherwise
+        # report only a position mismatch when a buffered flush fails later).
+        view = memoryview(data).cast("B")
+        try:
+            done = 0
+            while done < len(view):
+                done += self.f.write(view[done:])
+        except OSError as err:
+            self.error = err
+            raise
+        self.crc = zlib.crc32(view, self.crc)
+        self.size += len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def atomic_save(obj: Any, path: Path) -> dict[str, Any]:
+    """`torch.save` to a temporary name, fsync, then rename: `path` is complete or absent. Returns
+    its manifest record: size and CRC-32, computed while writing."""
+    tmp = path.with_name(path.name + ".partial")
+    writer = None
+    try:
+        with open(tmp, "wb", buffering=0) as f:
+            writer = _HashingWriter(f)
+            _save_without_zip_crc(obj, writer)
+            os.fsync(f.fileno())
+    except BaseException as err:
+        tmp.unlink(missing_ok=True)  # a half-written file would only take space (the disk may be full)
+        if writer is not None and writer.error is not None and not isinstance(err, OSError):
+            raise writer.error from None  # the OS's reason, not the serializer's echo of it
+        raise
+    os.replace(tmp, path)
+    return {"bytes": writer.size, "crc32": f"{writer.crc:08x}"}
+
+
+def _save_without_zip_crc(obj: Any, f) -> None:
+    # torch.save also computes a CRC-32 per zip record; the manifest's covers the whole file, so that
+    # second pass over every byte is skipped (torch.load does not need it).
+    setter = getattr(torch.serialization, "set_crc32_options", None)
+    if setter is None:
+        torch.save(obj, f)
+        return
+    previous = torch.serialization.get_crc32_options()
+    setter(False)
+    try:
+        torch.save(obj, f)
+    finally:
+        setter(previous)
+
+
+def file_record(path: Path, chunk: int = 1 << 24) -> dict[str, Any]:
+    """Size and CRC-32 of a file, read in chunks."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+            size += len(block)
+    return {"bytes": size, "crc32": f"{crc:08x}"}
+
+
+def write_text_atomic(path: Path, text: str, fsync: bool = True) -> None:
+    """Replace `path` with `text` through a temporary file: readers see the old or the new text."""
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "w") as f:
+        f.write(text)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    # A rename is durable once its directory is synced (POSIX); not every file system allows it.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def copy_to_cpu(obj: Any, copy: bool = True) -> Any:
+    """`obj` with every tensor moved to the CPU (containers rebuilt). With `copy`, CPU tensors are
+    copied too: a snapshot that training can run on from while a background thread writes it."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=copy)
+    if isinstance(obj, dict):
+        return {k: copy_to_cpu(v, copy) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [copy_to_cpu(v, copy) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(copy_to_cpu(v, copy) for v in obj)
+    return obj
+
+
+def numpy_array_types() -> list[Any]:
+    """What a pickled numpy array needs beyond plain containers (RNG states of checkpoints written
+    before `rng_state` kept tensors): numpy's array constructor, under its numpy 1 and 2 names."""
+    core = getattr(np, "_core", None) or np.core  # numpy 2 warns on `np.core`: asked only for numpy 1
+    rebuild = core.multiarray._reconstruct
+    return [np.ndarray, np.dtype, type(np.dtype(np.uint32)),
+            (rebuild, "numpy._core.multiarray._reconstruct"), (rebuild, "numpy.core.multiarray._reconstruct")]
+
+
+def load(path: Path, allow: Iterable[Any] = (), mmap: bool = False) -> Any:
+    """`torch.load` of one of this library's checkpoint files onto the CPU, unpickling only tensors,
+    plain containers and the types in `allow`; anything else is a one-line CheckpointError."""
+    allowed = list(allow)
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except (pickle.UnpicklingError, OSError, RuntimeError, EOFError, ValueError) as err:
+        unsafe = [] if isinstance(err, OSError) else _unsafe_globals(path, allowed, str(err))
+        if unsafe:
+            raise CheckpointError(f"{path} holds objects that are not plain tensors or containers "
+                                  f"({', '.join(unsafe)}); refusing to unpickle it") from None
+        raise CheckpointError(f"{path} cannot be read ({_describe(err)})") from None
+
+
+def _unsafe_globals(path: Path, allowed: list[Any], message: str) -> list[str]:
+    # Named from a static read of the pickle (nothing in it runs), else from torch's message.
+    try:
+        with torch.serialization.safe_globals(allowed):
+            found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception:  # not a zip archive (legacy format), or unreadable: the message still names one
+        found = []
+    return sorted(found) or re.findall(r"Unsupported global: GLOBAL ([\w.]+)", message)[:1]
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err)
+    # torch wraps the unpickler's own reason in paragraphs of advice; the reason is what matters here
+    text = text.split("WeightsUnpickler error:", 1)[-1]
+    reason = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return f"{type(err).__name__}: {reason}" if reason else type(err).__name__
+
+
+def _describe(err: BaseException) -> str:
+    # An OSError says what happened itself ("[Errno 28] No space left on device: ..."); others get their type.
+    return str(err) if isinstance(err, (OSError, CheckpointError)) else _first_line(err)
+
+
+# -- checkpoint folders ---------------------------------------------------------------------------
+
+def verify(path: Path, rank: int = 0, world: int = 1) -> str | None:
+    """Check checkpoint folder `path` against its manifest (`meta.json`: every file's size and
+    CRC-32); None if it is intact, else what is wrong, in one line. Collective when `world` > 1:
+    the files are hashed by the ranks in turn, each read once."""
+    problem = None
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        files = meta["files"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        problem = f"its manifest meta.json is unreadable ({type(err).__name__})"
+        files = {}
+    names = sorted(files)
+    for name in names[rank::world] if problem is None else []:
+        record = files[name] if isinstance(files, dict) else None
+        target = path / name
+        if not target.is_file():
+            problem = f"{name} is missing"
+        elif record is not None:  # checkpoints from before manifests list names only
+            if target.stat().st_size != record["bytes"]:
+                problem = f"{name} has {target.stat().st_size} bytes, the manifest says {record['bytes']}"
+            elif file_record(target)["crc32"] != record["crc32"]:
+                problem = f"{name} fails its CRC-32 checksum"
+        if problem:
+            break
+    if world > 1 and dist.is_initialized():
+        found = [None] * world
+        dist.all_gather_object(found, problem)
+        problem = next((p for p in found if p), None)
+    return problem
+
+
+def gather(world: int, value: Any) -> list[Any]:
+    """`value` of every rank (collective when `world` > 1 and torch.distributed is initialized)."""
+    if world == 1 or not dist.is_initialized():
+        return [value]
+    out = [None] * world
+    dist.all_gather_object(out, value)
+    return out
+
+
+def barrier() -> None:
+    """`dist.barrier()` when torch.distributed is initialized, else nothing."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+class CheckpointWriter:
+    """Writes checkpoints: every rank its own files into `<root>/<name>.tmp/`, then rank 0 the
+    manifest (`meta.json`, with every file's size and CRC-32), the rename to `<root>/<name>`, the
+    `latest` pointer and the pruning of old checkpoints.
+
+    Synchronous saves agree on success through a collective, so a failure on one rank (a full disk)
+    is raised on every rank with the same message. Asynchronous saves run in a background thread
+    that uses no collectives: each rank leaves a `done_rankN.json` marker with its records, and rank
+    0's thread waits for all of them before it finishes the checkpoint. One save is in flight at a
+    time; `wait()` (collective) joins it and raises its error on every rank.
+
+    `file_hooks` are called after each of this rank's files is written (not the manifest), with the
+    file's path and the checkpoint's step (None if its meta has none); in the background thread for
+    background saves. A hook that raises fails the save."""
+
+    def __init__(self, rank: int, world: int, timeout_s: float = 3600.0) -> None:
+        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self.file_hooks: list[Callable[[Path, int | None], None]] = []
+        self._thread: threading.Thread | None = None
+        self._pruner: threading.Thread | None = None
+        self._error: str | None = None
+        self.last_seconds: float | None = None  # how long the last save took to write
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def prepare(self, root: Path, name: str) -> Path:
+        """Create `<root>/<name>.tmp/` (rank 0, after removing what a crashed save left); collective."""
+        tmp = root / f"{name}.tmp"
+        if self._pruner is not None:
+            self._pruner.join()
+            self._pruner = None
+        if self.rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            for stale in root.glob("*.tmp"):
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+        barrier()
+        return tmp
+
+    def write(self, root: Path, name: str, files: dict[str, Any], meta: dict[str, Any] | None, *,
+              background: bool = False, save_latest: bool = True, keep: Callable[[Path], None] | None = None) -> None:
+        """Write this rank's `files` ({file name: object}) of checkpoint `name` (collective; call
+        `prepare` first). `meta` (rank 0) goes into the manifest; `keep(root)` runs on rank 0 after
+        the checkpoint is in place (pruning)."""
+        tmp = root / f"{name}.tmp"
+        args = (root, name, tmp, files, meta, save_latest, keep)
+        if background:
+            self._thread = threading.Thread(target=self._background, args=args, name="ds_optimus-checkpoint",
+                                            daemon=True)
+            self._thread.start()
+            return
+        began = time.perf_counter()
+        error = None
+        try:
+            records = self._write_files(tmp, files, (meta or {}).get("step"))
+        except Exception as err:  # whatever it is, every rank must hear of it (none may wait forever)
+            error, records = f"rank {self.rank}: {_describe(err)}", {}
+        gathered = gather(self.world, (error, records))
+        errors = [e for e, _ in gathered if e]
+        if not errors and self.rank == 0:
+            try:
+                self._finish(root, name, tmp, {k: v for _, r in gathered for k, v in r.items()}, meta or {},
+                             save_latest, keep)
+            except Exception as err:
+                errors.append(f"rank 0: {_describe(err)}")
+        errors = [e for e in gather(self.world, errors[0] if errors else None) if e]
+        if errors:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"saving checkpoint {name} failed ({errors[0]}); the previous checkpoints are "
+                                  "untouched")
+        self.last_seconds = time.perf_counter() - began
+
+    def wait(self) -> None:
+        """Join the save in flight, if any; raise its failure on every rank (collective)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._pruner is not None:
+            self._pruner.join()
+            self._pruner = None
+        error, self._error = self._error, None
+        errors = [e for e in gather(self.world, error) if e]
+        if errors:
+            raise CheckpointError(f"an asynchronous checkpoint save failed ({errors[0]}); the previous "
+                                  "checkpoints are untouched")
+
+    def _write_files(self, folder: Path, files: dict[str, Any], step: int | None) -> dict[str, Any]:
+        records = {}
+        for name, obj in files.items():
+            records[name] = atomic_save(obj, folder / name)
+            for hook in self.file_hooks:
+                hook(folder / name, step)
+        return records
+
+    def _background(self, root, name, tmp, files, meta, save_latest, keep) -> None:
+        began = time.perf_counter()
+        try:
+            records = self._write_files(tmp, files, (meta or {}).get("step"))
+            write_text_atomic(tmp / f"done_rank{self.rank:05d}.json", json.dumps(records))
+        except Exception as err:
+            self._error = f"rank {self.rank}: {_describe(err)}"
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # the other ranks' writes fail too and say so
+                return
+            try:
+                (tmp / f"failed_rank{self.rank:05d}").touch()
+            except OSError:
+                pass  # rank 0 gives up at its time-out instead
+            return
+        if self.rank != 0:
+            self.last_seconds = time.perf_counter() - began
+            return
+        try:
+            merged = self._collect_markers(tmp)
+            self._finish(root, name, tmp, merged, meta or {}, save_latest, keep)
+        except Exception as err:
+            self._error = f"rank 0: {_describe(err)}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        self.last_seconds = time.perf_counter() - began
+
+    def _collect_markers(self, tmp: Path) -> dict[str, Any]:
+        deadline = time.monotonic() + self.timeout_s
+        markers = [tmp / f"done_rank{r:05d}.json" for r in range(self.world)]
+        while not all(m.exists() for m in markers):
+            if any(tmp.glob("failed_rank*")):
+                raise CheckpointError("another rank failed to write its files")
+            if time.monotonic() > deadline:
+                missing = [r for r, m in enumerate(markers) if not m.exists()]
+                raise CheckpointError(f"ranks {missing} did not finish writing within {self.timeout_s:.0f} s")
+            time.sleep(0.05)
+        merged: dict[str, Any] = {}
+        for marker in markers:
+            merged.update(json.loads(marker.read_text()))
+            marker.unlink()
+        return merged
+
+    def _finish(self, root, name, tmp, records, meta, save_latest, keep) -> None:
+        meta = {**meta, "time": time.time(), "files": dict(sorted(records.items()))}
+        write_text_atomic(tmp / "meta.json", json.dumps(meta, indent=1))
+        _fsync_dir(tmp)
+        final, old = root / name, root / f"{name}.old"
+        if final.exists():  # the same name saved again: set the old one aside until the new is in place
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+        _fsync_dir(root)
+        if save_latest:
+            write_text_atomic(root / LATEST, name)
+            _fsync_dir(root)
+        if keep is not None:  # deleting old checkpoints need not hold up training
+            self._pruner = threading.Thread(target=keep, args=(root,), name="ds_optimus-prune", daemon=True)
+            self._pruner.start()
