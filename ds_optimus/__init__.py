@@ -77,7 +77,8 @@ class _AfterDeepSpeedImport(importlib.abc.MetaPathFinder):
 
 def _hook_deepspeed() -> None:
     if "deepspeed" in sys.modules:
-        _install_engine_hook()
+        if sys.modules["deepspeed"] is not None:  # None marks DeepSpeed as absent: nothing to hook
+            _install_engine_hook()
     elif not any(isinstance(f, _AfterDeepSpeedImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _AfterDeepSpeedImport())
 

@@ -100,11 +100,13 @@ def deepspeed_sgd_step(rank: int, world: int, ep_size: int, stage: int, batch: i
     """One ZeRO-`stage` step of plain SGD through DeepSpeed's engine on an expert-parallel model, each
     rank training on its own micro-batch; returns the updated parameters, reassembled."""
     import deepspeed
+    from deepspeed.utils import groups as ds_groups
 
     from ds_optimus.parallel import moe_param_groups
 
     model = tiny_moe().train()
     groups = apply_expert_parallel(model, ep_size)
+    registered = [ds_groups._get_expert_data_parallel_group_dict().get(groups.name) is groups.edp_group]
     optimizer = torch.optim.SGD(moe_param_groups(model), lr=DS_LR)
     config = {
         "train_micro_batch_size_per_gpu": batch // world,
@@ -114,6 +116,7 @@ def deepspeed_sgd_step(rank: int, world: int, ep_size: int, stage: int, batch: i
         "gradient_clipping": 0.0,  # DeepSpeed 0.19 clips at 1.0 unless told otherwise
     }
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    registered.append(ds_groups._get_expert_data_parallel_group_dict().get(groups.name) is groups.edp_group)
     ids, _ = global_batch(3, batch, seq, model.config.vocab_size)
     mine = ids[rank * (batch // world):(rank + 1) * (batch // world)]
     loss = engine(mine, labels=mine).loss
@@ -126,7 +129,8 @@ def deepspeed_sgd_step(rank: int, world: int, ep_size: int, stage: int, batch: i
         refused = None
     except NotImplementedError as err:
         refused = str(err)
-    return {"params": params, "has_moe_layers": engine.has_moe_layers, "checkpoint_refused": refused}
+    return {"params": params, "has_moe_layers": engine.has_moe_layers, "checkpoint_refused": refused,
+            "registered": registered}
 
 
 def reference_sgd_step(world: int, batch: int = 8, seq: int = 12):
@@ -154,9 +158,22 @@ def bad_layout(rank: int, world: int, ep_size: int, overrides: dict):
 
 
 def save_expert_parallel(rank: int, world: int, ep_size: int, folder: str):
-    """Save an EP-sharded model with save_pretrained (collective); return its logits on a fixed batch."""
+    """Export an EP-sharded model with export_pretrained (collective); return its logits on a fixed
+    batch, whether the folder was complete when this rank returned, and what a plain save_pretrained
+    of the sharded model said."""
+    from pathlib import Path
+
+    from ds_optimus.parallel import export_pretrained
+
     model = tiny_moe().eval()
-    apply_expert_parallel(model, ep_size)
-    model.save_pretrained(folder)
+    groups = apply_expert_parallel(model, ep_size)
+    try:
+        model.save_pretrained(Path(folder) / f"plain{rank}")
+        refused = None
+    except ValueError as err:
+        refused = str(err)
+    export_pretrained(model, folder, groups)
+    complete = (Path(folder) / "config.json").is_file() and any(Path(folder).glob("*.safetensors"))
     ids, _ = global_batch(4, 2, 10, model.config.vocab_size)
-    return model(ids).logits.detach()
+    return {"logits": model(ids).logits.detach(), "complete": complete, "refused": refused,
+            "plain_written": (Path(folder) / f"plain{rank}").exists()}

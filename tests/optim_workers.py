@@ -154,11 +154,11 @@ def fp16_direct(rank: int, world: int) -> dict:
 
     model = tiny_model()
     options = {"optimus": {"expert_parallel": {"size": 2}, "moe": {"experts_backend": "looped"}}}
-    setup_moe(model, OptimusConfig.from_ds_config(options))
+    groups = setup_moe(model, OptimusConfig.from_ds_config(options))
     model.half()
     inner = torch.optim.AdamW(moe_param_groups(model, weight_decay=WEIGHT_DECAY), lr=LR, betas=BETAS, eps=1e-4)
     optimizer = ShardedOptimizer(inner, param_names={p: n for n, p in model.named_parameters()}, stage=2,
-                                 clip_grad=1.0, bucket_size=20000,
+                                 expert_groups=[groups], clip_grad=1.0, bucket_size=20000,
                                  loss_scaler=LossScaler(2.0 ** 10, dynamic=True, window=2, hysteresis=1))
     losses, scales = {}, {}
     for step in range(1, 9):

@@ -98,7 +98,8 @@ def test_deepspeed_zero_reduces_expert_gradients_over_edp(stage):
     ref = reference_sgd_step(world=4)
     results = run_distributed(deepspeed_sgd_step, 4, 2, stage)
     for r in results:
-        assert r["has_moe_layers"]
+        # the engine registers the EDP group the experts declare, when it meets the model
+        assert r["has_moe_layers"] and r["registered"] == [False, True]
         assert set(r["params"]) == set(ref)
         for name, value in r["params"].items():
             assert rel(value, ref[name]) <= 1e-5, name
@@ -115,13 +116,22 @@ def test_layout_errors_are_one_line():
     assert messages == ["expert parallel size 4 does not divide the number of experts 6"] * 4
 
 
-def test_save_pretrained_of_an_expert_parallel_model_writes_the_full_experts(tmp_path):
+def test_export_pretrained_of_an_expert_parallel_model_writes_the_full_experts(tmp_path):
+    """export_pretrained on every rank: one folder holding all 8 experts, complete when any rank
+    returns, reloading to the sharded model's logits; a plain save_pretrained of the sharded model is
+    a one-line refusal naming export_pretrained, and writes nothing."""
     from ep_workers import global_batch, save_expert_parallel
     from transformers import AutoModelForCausalLM
 
-    logits = run_distributed(save_expert_parallel, 2, 2, str(tmp_path))
+    results = run_distributed(save_expert_parallel, 2, 2, str(tmp_path))
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert loaded.model.layers[0].mlp.experts.gate_up_proj.shape[0] == loaded.config.num_experts == 8
     ids, _ = global_batch(4, 2, 10, loaded.config.vocab_size)
-    torch.testing.assert_close(loaded(ids).logits, logits[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(logits[1], logits[0])
+    torch.testing.assert_close(loaded(ids).logits, results[0]["logits"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(results[1]["logits"], results[0]["logits"])
+    assert [r["complete"] for r in results] == [True, True]
+    for r in results:
+        assert not r["plain_written"]
+        assert r["refused"] == ("save_pretrained: model.layers.0.mlp.experts holds 4 of its 8 experts "
+                                "(expert-parallel); export on every rank with "
+                                "ds_optimus.parallel.export_pretrained(model, folder)")

@@ -1,6 +1,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from ds_optimus.hf_models.mula import MulaConfig, MulaForCausalLM, MulaModel
@@ -323,6 +324,94 @@ def test_router_bias_stays_float32_in_a_bfloat16_model(tmp_path):
 def test_update_router_bias_requires_a_rate():
     with pytest.raises(ValueError, match="router_bias_update_rate"):
         model_for(tiny()).update_router_bias()
+
+
+def test_a_router_bias_rate_needs_moe_layers():
+    with pytest.raises(ValueError, match=r"^invalid MulaConfig: router_bias_update_rate 0.01 needs MoE layers, "
+                                         r"but num_experts is 0 \(nothing has a router bias\)$"):
+        tiny(num_experts=0, router_bias_update_rate=0.01)
+
+
+class _CountHostSyncs(TorchDispatchMode):
+    """Counts device-to-host reads of tensor values (`.item()`, `bool(tensor)`, `if tensor:` ...)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.syncs += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_update_router_bias_makes_no_host_sync_and_one_all_reduce(monkeypatch):
+    """Three MoE layers on a 1-process gloo group: one all-reduce carries every layer's load, nothing
+    reads a value back to the host, and the biases move as the per-layer rule says; an update after
+    nothing was counted leaves them where they are."""
+    import torch.distributed as dist
+
+    rate = 0.001
+    model = MulaForCausalLM(tiny(num_hidden_layers=3, router_bias_update_rate=rate)).train()
+    routers = [layer.mlp.gate for layer in model.model.layers]
+    model(ids(4, 12))
+    loads = [r.load_since_update.clone() for r in routers]
+    assert all(load.sum() == 4 * 12 * 2 for load in loads)
+    expected = [rate * torch.sign(load.mean() - load) for load in loads]
+
+    reductions, tolists = [], []
+    real_all_reduce, real_tolist = dist.all_reduce, torch.Tensor.tolist
+    monkeypatch.setattr(dist, "all_reduce",
+                        lambda t, *a, **k: reductions.append(t.numel()) or real_all_reduce(t, *a, **k))
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: tolists.append(1) or real_tolist(t))  # not dispatched
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with _CountHostSyncs() as counter:
+            model.update_router_bias()
+        after_first = [r.expert_bias.clone() for r in routers]
+        with _CountHostSyncs() as quiet:
+            model.update_router_bias()  # nothing counted since: no change
+        with _CountHostSyncs() as control:
+            bool(torch.ones(()) > 0)
+    finally:
+        dist.destroy_process_group()
+    assert control.syncs == 1  # the counter sees a host sync when there is one
+    assert counter.syncs == quiet.syncs == 0 and tolists == []
+    assert reductions == [3 * 4, 3 * 4]  # one all-reduce of the three layers' loads, per update
+    for router, bias, step in zip(routers, after_first, expected, strict=True):
+        torch.testing.assert_close(bias, step)
+        torch.testing.assert_close(router.expert_bias, bias)
+        assert router.load_since_update.sum() == 0
+
+
+def test_experts_declare_what_expert_parallelism_sets():
+    experts = MulaExperts(tiny())
+    assert (experts.num_local_experts, experts.expert_parallel, experts.expert_groups, experts.experts_backend) == (
+        4, None, None, None)
+    assert MulaForCausalLM(tiny()).router_loss_group is None
+
+
+def test_save_pretrained_refuses_experts_sharded_over_ranks(tmp_path):
+    """Experts cut to 2 of 4 (as expert parallelism over two ranks leaves them): saving would write
+    weights that do not match the config, so it is a one-line refusal, unless a state_dict with
+    every expert is given."""
+    model = model_for(tiny())
+    full = model.state_dict()
+    for layer in model.model.layers:
+        experts = layer.mlp.experts
+        experts.gate_up_proj = torch.nn.Parameter(experts.gate_up_proj.detach()[:2].clone())
+        experts.down_proj = torch.nn.Parameter(experts.down_proj.detach()[:2].clone())
+        experts.num_local_experts = 2
+    message = ("save_pretrained: model.layers.0.mlp.experts holds 2 of its 4 experts (expert-parallel); "
+               "export on every rank with ds_optimus.parallel.export_pretrained(model, folder)")
+    with pytest.raises(ValueError) as refused:
+        model.save_pretrained(tmp_path / "sharded")
+    assert str(refused.value) == message and not (tmp_path / "sharded").exists()
+    with pytest.raises(ValueError, match="holds 2 of its 4 experts"):
+        model.save_pretrained(tmp_path / "sharded", state_dict=model.state_dict())
+    model.save_pretrained(tmp_path / "full", state_dict=full)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "full")
+    assert loaded.model.layers[1].mlp.experts.gate_up_proj.shape[0] == 4
 
 
 # -- generation, checkpointing, dtype, save/load --------------------------------------------------------

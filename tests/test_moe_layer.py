@@ -194,6 +194,29 @@ def test_layer_is_deterministic():
     assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
 
 
+def test_other_transformers_experts_classes_run_on_the_layer():
+    """OLMoE's experts (same stacked layout, no expert-parallel attributes of their own) on the
+    ds_optimus implementation give their eager outputs; the attributes are declared at their defaults."""
+    from transformers import OlmoeConfig
+    from transformers.models.olmoe.modeling_olmoe import OlmoeExperts
+
+    torch.manual_seed(0)
+    cfg = OlmoeConfig(hidden_size=32, intermediate_size=16, num_experts=4, num_experts_per_tok=2)
+    cfg._experts_implementation = "eager"
+    module = OlmoeExperts(cfg)
+    torch.nn.init.normal_(module.gate_up_proj, std=0.2)
+    torch.nn.init.normal_(module.down_proj, std=0.2)
+    x = torch.randn(10, 32)
+    index = routing("random", 10, 4, 2, torch.Generator().manual_seed(1))
+    weights = torch.rand(10, 2)
+    eager = module(x, index, weights)
+    cfg._experts_implementation = "ds_optimus"
+    ours = module(x, index, weights)
+    assert rel(ours, eager) <= 1e-5
+    assert (module.num_local_experts, module.expert_parallel, module.expert_groups, module.experts_backend) == (
+        4, None, None, None)
+
+
 # -- capacity dropping (explicit option) ------------------------------------------------------------------
 def test_generous_capacity_equals_dropless():
     dropless = _layer_case("ds_optimus", torch.float32, "cpu", 40, 32, 16, 4, 2, "empty", seed=1)

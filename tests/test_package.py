@@ -61,6 +61,49 @@ def test_import_needs_neither_deepspeed_nor_triton():
     assert result.stdout.strip().splitlines()[-1] == "[] False grouped_mm (5, 16)"
 
 
+def test_sharded_optimizer_runs_without_deepspeed():
+    """With DeepSpeed unimportable, `ds_optimus.optim.sharded` imports and the optimizer, driven on its
+    own on a 1-process gloo group, trains an expert-parallel MoE layer exactly as torch AdamW does; it
+    refuses expert parameters whose layout it was not given."""
+    result = _run(
+        "import sys\n"
+        "sys.modules['deepspeed'] = None  # import fails, find_spec says absent\n"
+        "import copy, torch, torch.distributed as dist\n"
+        "from ds_optimus.optim.sharded import ShardedOptimizer, ShardedOptimizerError\n"
+        "from ds_optimus.moe import MoELayer\n"
+        "from ds_optimus.parallel import apply_expert_parallel, moe_param_groups\n"
+        "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "torch.manual_seed(0)\n"
+        "layer = MoELayer(16, 8, 4, 2)\n"
+        "reference = copy.deepcopy(layer)\n"
+        "start = [p.detach().clone() for p in layer.parameters()]\n"
+        "groups = apply_expert_parallel(layer, 1)\n"
+        "names = {p: n for n, p in layer.named_parameters()}\n"
+        "try:\n"
+        "    ShardedOptimizer(torch.optim.AdamW(moe_param_groups(layer), lr=0.01), param_names=names, stage=2)\n"
+        "except ShardedOptimizerError as err:\n"
+        "    print(err)\n"
+        "opt = ShardedOptimizer(torch.optim.AdamW(moe_param_groups(layer), lr=0.01), param_names=names, stage=2,\n"
+        "                       expert_groups=[groups], bucket_size=100)\n"
+        "ref = torch.optim.AdamW(reference.parameters(), lr=0.01, weight_decay=0.0)  # as moe_param_groups\n"
+        "x = torch.randn(12, 16)\n"
+        "for _ in range(3):\n"
+        "    opt.backward(layer(x)[0].square().mean()); opt.step(); opt.zero_grad()\n"
+        "    reference(x)[0].square().mean().backward(); ref.step(); ref.zero_grad()\n"
+        "diff = max((a - b).abs().max().item() for a, b in zip(layer.parameters(), reference.parameters()))\n"
+        "moved = min((a - b).abs().max().item() for a, b in zip(layer.parameters(), start))\n"
+        "print(sys.modules['deepspeed'], type(opt).__module__, opt.state_dict()['step'], diff, moved)\n"
+        "dist.destroy_process_group()\n"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    refusal, last = result.stdout.strip().splitlines()[-2:]
+    assert refusal == ("expert parameters of layout 'ep_size_1' but no such layout in expert_groups; "
+                       "pass the groups apply_expert_parallel returned")
+    deepspeed, module, step, diff, moved = last.split()
+    assert (deepspeed, module, step) == ("None", "ds_optimus.optim.sharded", "3")
+    assert float(diff) <= 1e-6 and float(moved) > 1e-3  # every parameter trained, as AdamW trains it
+
+
 @pytest.mark.parametrize("imports", ["import ds_optimus, deepspeed", "import deepspeed, ds_optimus",
                                      # transformers and accelerate probe for DeepSpeed before importing it
                                      "import ds_optimus, importlib.util; importlib.util.find_spec('deepspeed'); "

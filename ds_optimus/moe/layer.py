@@ -14,10 +14,23 @@ import math
 import torch
 from torch import nn
 
+from ..hf_models.mula.modeling_mula import MulaExperts
 from .experts import get_backend, grouped_swiglu, select_backend
 from .permute import RoutingPlan, permute_tokens, plan_routing, unpermute_combine
 
 IMPLEMENTATION_NAME = "ds_optimus"
+
+
+def declare_expert_attributes(module: nn.Module) -> nn.Module:
+    """Give an experts module the attributes expert parallelism sets, at their defaults (all experts
+    local, no dispatcher, no layout, automatic backend), unless it has them already; returns it.
+    `MulaExperts` declares them itself; other Transformers experts classes of the same layout do not."""
+    state = vars(module)
+    state.setdefault("num_local_experts", module.num_experts)
+    state.setdefault("expert_parallel", None)
+    state.setdefault("expert_groups", None)
+    state.setdefault("experts_backend", None)
+    return module
 
 
 def _capacity_keep(plan: RoutingPlan, top_k_index: torch.Tensor, capacity_factor: float):
@@ -47,10 +60,12 @@ def moe_experts_forward(
         raise ValueError(f"the ds_optimus experts implementation does not support {type(self).__name__} "
                          f"({', '.join(f'{k}={getattr(self, k)}' for k in wrong)})")
     act = getattr(config, "hidden_act", "silu")
-    backend = getattr(self, "experts_backend", None)
+    if not isinstance(self, MulaExperts):
+        declare_expert_attributes(self)  # e.g. OLMoE's experts, never seen by ds_optimus.parallel
+    backend = self.experts_backend
     plan = plan_routing(top_k_index, self.num_experts)
     capacity_factor = getattr(config, "moe_capacity_factor", None)
-    dispatcher = getattr(self, "expert_parallel", None)
+    dispatcher = self.expert_parallel
     if dispatcher is None and capacity_factor is None:
         # A backend with a fused form does gather, experts and combine in one go.
         fused = get_backend(select_backend(hidden_states.device, hidden_states.dtype, backend)).fused

@@ -1,3 +1,6 @@
-"""The EP-aware sharded optimizer (`sharded`, `layout`, `checkpointing`) and its registration with
-DeepSpeed's engine. Every touch of DeepSpeed's private API lives in `deepspeed_compat`, pinned to
-the tested DeepSpeed version. Needs DeepSpeed: import the submodules directly."""
+"""The EP-aware sharded optimizer and its registration with DeepSpeed's engine.
+
+`sharded` (the optimizer: buckets and shards in `spaces` and `layout`, its saved state in
+`shard_state`, fp16 loss scaling in `loss_scale`) and `config` need only PyTorch; `checkpointing`
+(the engine's layout-free checkpoints) and `deepspeed_compat` (every touch of DeepSpeed's private
+API, version-checked, and the engine adapter) need DeepSpeed. Import the submodules directly."""

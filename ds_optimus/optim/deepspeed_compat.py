@@ -1,14 +1,15 @@
 """The one module that touches DeepSpeed's private API, pinned to the tested DeepSpeed versions.
 
-- `register_expert_groups`: puts ds_optimus' EP/EDP process groups into DeepSpeed's group registry
-  (`deepspeed.utils.groups`) under DeepSpeed's name ``ep_size_{P}``, which is what ZeRO looks up
-  through a parameter's `group_name`.
 - `install_engine_hook`: DeepSpeed's engine enables its MoE gradient handling only when the model
-  contains its own `deepspeed.moe.layer.MoE` modules; the hook also enables it for models that
-  `apply_expert_parallel` has sharded, so ZeRO-1/2 reduce expert gradients over the EDP group.
-- `ZeROOptimizerBase` and the builders installed by `install_engine_hook`: when the config's
-  `optimus.sharded_optimizer.enabled` is true, the engine builds `ds_optimus.optim.ShardedOptimizer`
-  where it would build its ZeRO stage 1/2 (or BF16) optimizer, and `engine.save_checkpoint` /
+  contains its own `deepspeed.moe.layer.MoE` modules. When the engine meets the model, the hook
+  registers the EP/EDP groups that the model's expert modules declare (`expert_groups`, set by
+  `apply_expert_parallel`) in DeepSpeed's group registry (`register_expert_groups`, under DeepSpeed's
+  name ``ep_size_{P}``, which ZeRO looks up through a parameter's `group_name`) and enables the MoE
+  handling, so DeepSpeed's own ZeRO-1/2 reduce expert gradients over the EDP group.
+- `ShardedOptimizer` (the adapter) and the builders installed by `install_engine_hook`: when the
+  config's `optimus.sharded_optimizer.enabled` is true, the engine builds the EP-aware sharded
+  optimizer (`ds_optimus.optim.sharded`, pure PyTorch) as a DeepSpeed `ZeROOptimizer` where it would
+  build its ZeRO stage 1/2 (or BF16) optimizer, and `engine.save_checkpoint` /
   `engine.load_checkpoint` write and read ds_optimus' layout-independent checkpoints
   (`ds_optimus.optim.checkpointing`).
 - `engine_state` / `load_engine_state`: this rank's optimizer partition (through the ZeRO and BF16
@@ -20,9 +21,12 @@ from __future__ import annotations
 
 import deepspeed
 import torch
-from deepspeed.runtime.base_optimizer import ZeROOptimizer as ZeROOptimizerBase  # noqa: F401  (sharded.py)
+from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import groups as ds_groups
+
+from ..parallel.expert_parallel import expert_layouts, expert_parallel_modules
+from . import sharded
 
 TESTED_VERSIONS = ("0.19.",)
 
@@ -44,7 +48,31 @@ def register_expert_groups(groups) -> None:
     ds_groups._EXPERT_PARALLEL_GROUP_RANKS[groups.name] = list(groups.ep_ranks)
     ds_groups._EXPERT_DATA_PARALLEL_GROUP[groups.name] = groups.edp_group
     ds_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[groups.name] = list(groups.edp_ranks)
-    install_engine_hook()
+
+
+class ShardedOptimizer(sharded.ShardedOptimizer, ZeROOptimizer):
+    """The EP-aware sharded optimizer as DeepSpeed's engine drives it: a `ZeROOptimizer`, so the
+    engine runs its backward through it (`backward_prologue`/`epilogue`, PyTorch-style
+    `loss.backward()` through the backward-hook state manager) and every gradient hook reports to
+    that manager. It keeps the core's name: the engine's optimizer reports itself as "ShardedOptimizer"."""
+
+    def __init__(self, init_optimizer, **kwargs) -> None:
+        ZeROOptimizer.__init__(self)  # the backward-hook state manager and the boundary flag
+        # What DeepSpeed's `needs_scaler` reads besides `dynamic_loss_scale`: no other loss scaler here.
+        self.custom_loss_scaler = False
+        self.torch_autocast_gradscaler = None
+        sharded.ShardedOptimizer.__init__(self, init_optimizer, **kwargs)
+        self.dp_process_group = self.dense_group  # what the engine reads
+
+    def _backward_started(self) -> None:
+        self.enter_backward()
+
+    def _backward_ended(self) -> None:
+        self.exit_backward()
+
+    def _gradient_arrived(self) -> None:
+        # The engine's post-backward hook (PyTorch-style backward) runs once every gradient is in.
+        self.update_hook_state_and_maybe_run_epilogue(self._num_params)
 
 
 _ORIGINAL = {
@@ -74,12 +102,12 @@ def sharded_optimizer_settings(engine):
     return engine._ds_optimus_sharded_settings
 
 
-def build_sharded_optimizer(engine, basic_optimizer, settings):
-    """The engine's `ShardedOptimizer` over `basic_optimizer`'s param groups."""
+def build_sharded_optimizer(engine, basic_optimizer, settings) -> ShardedOptimizer:
+    """The engine's `ShardedOptimizer` over `basic_optimizer`'s param groups, sharding expert
+    parameters over the expert-parallel layouts the engine's model declares."""
     import torch.distributed as dist
 
     from ..schema import ConfigError
-    from .sharded import LossScaler, ShardedOptimizer
 
     stage = int(engine.zero_optimization_stage())
     if stage not in (1, 2):
@@ -101,11 +129,12 @@ def build_sharded_optimizer(engine, basic_optimizer, settings):
     if engine.fp16_enabled():
         if engine.dynamic_loss_scale():
             args = engine.dynamic_loss_scale_args()
-            scaler = LossScaler(args["init_scale"], dynamic=True, window=args["scale_window"],
-                                hysteresis=args["delayed_shift"], min_scale=args["min_scale"])
+            scaler = sharded.LossScaler(args["init_scale"], dynamic=True, window=args["scale_window"],
+                                        hysteresis=args["delayed_shift"], min_scale=args["min_scale"])
         else:
-            scaler = LossScaler(engine.loss_scale())
-    return ShardedOptimizer(basic_optimizer, param_names=dict(engine.param_names), stage=stage, dense_group=group,
+            scaler = sharded.LossScaler(engine.loss_scale())
+    return ShardedOptimizer(basic_optimizer, param_names=dict(engine.param_names), stage=stage,
+                            expert_groups=expert_layouts(engine.module), dense_group=group,
                             clip_grad=engine.gradient_clipping(), bucket_size=settings.bucket_size,
                             reduce_dtype=reduce_dtype, overlap_comm=settings.overlap_comm, loss_scaler=scaler)
 
@@ -132,10 +161,12 @@ def _configure_distributed_model(self, model):
     if settings is not None and int(self.zero_optimization_stage()) not in (1, 2):
         raise ConfigError("optimus.sharded_optimizer needs zero_optimization.stage 1 or 2, "
                           f"got {int(self.zero_optimization_stage())}")
+    # Before DeepSpeed reads its group registry (here) and builds its optimizer (after): the layouts
+    # the model's experts declare, so its ZeRO finds the EDP group under each parameter's group_name.
+    for groups in expert_layouts(model):
+        register_expert_groups(groups)
     _ORIGINAL["configure"](self, model)
-    # Experts sharded by apply_expert_parallel carry DeepSpeed's MoE marks (allreduce=False).
-    experts = [m for m in self.module.modules() if hasattr(m, "num_local_experts")
-               and any(getattr(p, "allreduce", True) is False for p in m.parameters(recurse=False))]
+    experts = expert_parallel_modules(self.module)
     self._ds_optimus_expert_parallel = bool(experts)
     if experts and not self.has_moe_layers:
         self.has_moe_layers = True
@@ -147,9 +178,8 @@ def _checkpoint_method(name):
 
     def method(self, *args, **kwargs):
         from . import checkpointing
-        from .sharded import ShardedOptimizer
 
-        if isinstance(self.optimizer, ShardedOptimizer):
+        if isinstance(self.optimizer, sharded.ShardedOptimizer):
             ours = checkpointing.save_checkpoint if name == "save" else checkpointing.load_checkpoint
             return ours(self, *args, **kwargs)
         if getattr(self, "_ds_optimus_expert_parallel", False):
@@ -157,7 +187,8 @@ def _checkpoint_method(name):
             # rank's expert shard for all and load it into every rank without an error.
             raise NotImplementedError(
                 "DeepSpeed's own checkpoints cannot hold a ds_optimus expert-parallel model; enable "
-                "optimus.sharded_optimizer (its checkpoints can), or save with model.save_pretrained() on every rank"
+                "optimus.sharded_optimizer (its checkpoints can), or export the model with "
+                "ds_optimus.parallel.export_pretrained() on every rank"
             )
         return original(self, *args, **kwargs)
 
@@ -165,9 +196,10 @@ def _checkpoint_method(name):
 
 
 def install_engine_hook() -> None:
-    """Make DeepSpeed's engine treat ds_optimus expert-parallel experts as MoE layers, build the
-    sharded optimizer when the config enables it, route its checkpoints to ds_optimus, and refuse
-    DeepSpeed's own checkpoints of expert-parallel models (idempotent)."""
+    """Make DeepSpeed's engine treat ds_optimus expert-parallel experts as MoE layers (registering the
+    groups they declare), build the sharded optimizer when the config enables it, route its
+    checkpoints to ds_optimus, and refuse DeepSpeed's own checkpoints of expert-parallel models
+    (idempotent)."""
     check_version()
     DeepSpeedEngine._configure_distributed_model = _configure_distributed_model
     DeepSpeedEngine._configure_zero_optimizer = _configure_zero_optimizer

@@ -1,13 +1,22 @@
-"""Shard a model's stacked experts over an expert-parallel group and mark them for DeepSpeed."""
+"""Shard a model's stacked experts over an expert-parallel group, mark them for DeepSpeed, and
+export an expert-parallel model as one Hugging Face folder.
+
+An experts module records its expert-parallel state in attributes that `MulaExperts` declares
+(`num_local_experts`, `expert_parallel`, `expert_groups`, `experts_backend`); this module sets
+them, and reads the layout a model was given from them (`expert_groups_of`, `expert_layouts`).
+"""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from ..moe.layer import IMPLEMENTATION_NAME, declare_expert_attributes, register_experts_implementation
 from ..schema import Section, need, positive_int
 from .dispatch import ExpertParallelDispatcher
 from .groups import ExpertParallelGroups, check_layout, init_expert_parallel_groups
@@ -31,7 +40,9 @@ class ExpertParallelConfig(Section):
 
 
 def _experts_modules(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules()
+    """The modules holding stacked experts, their expert-parallel attributes declared (another
+    Transformers experts class than MulaExperts gets them here, at their defaults)."""
+    return [declare_expert_attributes(m) for m in model.modules()
             if all(isinstance(getattr(m, w, None), nn.Parameter) for w in EXPERT_WEIGHTS) and hasattr(m, "num_experts")]
 
 
@@ -46,14 +57,15 @@ def apply_expert_parallel(model: nn.Module, ep_size: int | ExpertParallelGroups,
 
     `ep_size` ranks share each layer's experts (rank i of an EP group keeps experts
     [i*E/P, (i+1)*E/P)); `node_size` selects the hierarchical exchange with nodes of that many ranks.
-    Expert weights are marked for DeepSpeed (`allreduce=False`, `group_name`) so ZeRO reduces their
-    gradients over the expert-data-parallel group. Every rank must start from the same weights.
-    Collective; returns the process groups.
+    Every experts module records the layout in `expert_groups`. Expert weights are marked for
+    DeepSpeed (`allreduce=False`, `group_name`) so ZeRO reduces their gradients over the
+    expert-data-parallel group. Every rank must start from the same weights. Collective; returns the
+    process groups.
     """
     experts = _experts_modules(model)
     if not experts:
         raise ValueError("apply_expert_parallel: the model has no stacked experts (gate_up_proj/down_proj)")
-    if any(hasattr(m, "num_local_experts") for m in experts):
+    if any(m.expert_groups is not None for m in experts):
         raise ValueError("apply_expert_parallel: the model is already expert-parallel")
     groups = ep_size if isinstance(ep_size, ExpertParallelGroups) else init_expert_parallel_groups(ep_size, node_size)
     for module in experts:  # every layer is checked before any is changed
@@ -68,22 +80,31 @@ def apply_expert_parallel(model: nn.Module, ep_size: int | ExpertParallelGroups,
             shard.group_name = groups.name  # DeepSpeed's name for the EDP group of this EP size
             setattr(module, name, shard)
         module.num_local_experts = local
+        module.expert_groups = groups
         # EP size 1 keeps every expert: nothing to exchange.
         module.expert_parallel = ExpertParallelDispatcher(groups, local) if groups.ep_size > 1 else None
     _use_ds_optimus_experts(model)
-    if hasattr(model, "save_pretrained"):
-        _save_full_experts(model, groups)
     return groups
+
+
+def expert_parallel_modules(model: nn.Module) -> list[nn.Module]:
+    """The experts modules of `model` that `apply_expert_parallel` has sharded."""
+    return [m for m in _experts_modules(model) if m.expert_groups is not None]
+
+
+def expert_layouts(model: nn.Module) -> list[ExpertParallelGroups]:
+    """The distinct expert-parallel layouts `model`'s experts modules declare (empty without EP)."""
+    layouts: list[ExpertParallelGroups] = []
+    for module in expert_parallel_modules(model):
+        if not any(module.expert_groups is known for known in layouts):
+            layouts.append(module.expert_groups)
+    return layouts
 
 
 def expert_groups_of(model: nn.Module) -> ExpertParallelGroups | None:
     """The layout `apply_expert_parallel` gave `model` (on this rank), or None if it has none."""
-    from .groups import expert_parallel_groups
-
-    for p in model.parameters():
-        if is_expert_param(p):
-            return expert_parallel_groups(p.group_name)
-    return None
+    layouts = expert_layouts(model)
+    return layouts[0] if layouts else None
 
 
 def full_state_dict(model: nn.Module, groups: ExpertParallelGroups) -> dict[str, torch.Tensor]:
@@ -94,32 +115,31 @@ def full_state_dict(model: nn.Module, groups: ExpertParallelGroups) -> dict[str,
     for name in sharded:
         local = state[name].contiguous()
         parts = [torch.empty_like(local) for _ in range(groups.ep_size)]
-        torch.distributed.all_gather(parts, local, group=groups.ep_group)
+        dist.all_gather(parts, local, group=groups.ep_group)
         state[name] = torch.cat(parts)
     return state
 
 
-def _save_full_experts(model: nn.Module, groups: ExpertParallelGroups) -> None:
-    """Make `model.save_pretrained` write the full experts (a folder any single process can load),
-    from global rank 0 only. It becomes collective: call it on every rank."""
-    original = model.save_pretrained
+def export_pretrained(model: nn.Module, folder: str | os.PathLike, groups: ExpertParallelGroups | None = None,
+                      tokenizer=None) -> None:
+    """Write `model` (with every expert) and `tokenizer`, if given, as a Hugging Face folder.
 
-    def save_pretrained(save_directory, *args, **kwargs):
-        given = kwargs.get("state_dict")
-        if given is not None:  # e.g. the HF Trainer's, on the main process only: no collective here
-            for name, p in model.named_parameters():
-                if is_expert_param(p) and name in given and given[name].shape == p.shape and groups.ep_size > 1:
-                    raise ValueError(f"save_pretrained: state_dict holds this rank's expert shard of {name}; "
-                                     "pass ds_optimus.parallel.full_state_dict(model, groups) or call "
-                                     "save_pretrained on every rank without a state_dict")
-            return original(save_directory, *args, **kwargs)
-        kwargs["state_dict"] = full_state_dict(model, groups)
-        kwargs.setdefault("is_main_process", groups.rank == 0)
-        result = original(save_directory, *args, **kwargs)
-        torch.distributed.barrier()  # the folder is complete when any rank returns
-        return result
-
-    model.save_pretrained = save_pretrained
+    Every rank calls it: collective when torch.distributed is initialised. Under expert parallelism
+    (`groups`; by default the layout the model's experts declare) the experts are gathered over the
+    EP group; global rank 0 writes, and no rank returns before the folder is complete.
+    """
+    groups = groups if groups is not None else expert_groups_of(model)
+    distributed = dist.is_available() and dist.is_initialized()
+    full = full_state_dict(model, groups) if groups is not None and groups.ep_size > 1 else None
+    if not distributed or dist.get_rank() == 0:
+        if full is None:
+            model.save_pretrained(folder, is_main_process=True)
+        else:
+            model.save_pretrained(folder, state_dict=full, is_main_process=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+    if distributed:
+        dist.barrier()  # the folder is complete when any rank returns
 
 
 def setup_moe(model: nn.Module, config) -> ExpertParallelGroups | None:
@@ -138,8 +158,6 @@ def setup_moe(model: nn.Module, config) -> ExpertParallelGroups | None:
 
 
 def _use_ds_optimus_experts(model: nn.Module) -> None:
-    from ..moe.layer import IMPLEMENTATION_NAME, register_experts_implementation
-
     register_experts_implementation()
     config = getattr(model, "config", None)
     if config is None or getattr(config, "_experts_implementation", None) == IMPLEMENTATION_NAME:

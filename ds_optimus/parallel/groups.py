@@ -1,15 +1,16 @@
 """Process groups for data parallel (DP), expert parallel (EP) and expert-data parallel (EDP).
 
-Layout (DeepSpeed's, so its ZeRO finds the same groups under the same name): with world size W and
-EP size P, the EP groups are consecutive ranks [0..P-1], [P..2P-1], ...; the EDP groups join the
-ranks that hold the same experts, {i, i+P, i+2P, ...}; dense parameters are data-parallel over all
-W ranks. For the hierarchical exchange, EP groups are cut into nodes of `node_size` consecutive
-ranks: an intra-node group per node and an inter-node group per local rank index.
+Layout (DeepSpeed's): with world size W and EP size P, the EP groups are consecutive ranks
+[0..P-1], [P..2P-1], ...; the EDP groups join the ranks that hold the same experts,
+{i, i+P, i+2P, ...}; dense parameters are data-parallel over all W ranks. For the hierarchical
+exchange, EP groups are cut into nodes of `node_size` consecutive ranks: an intra-node group per node
+and an inter-node group per local rank index. Nothing here talks to DeepSpeed: its engine hook
+(`ds_optimus.optim.deepspeed_compat`) registers the layouts a model's experts declare, under
+DeepSpeed's name for them (``ep_size_{P}``), when the engine is built.
 """
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -39,6 +40,9 @@ class ExpertParallelGroups:
 
     def __post_init__(self) -> None:
         self.name = f"ep_size_{self.ep_size}"  # DeepSpeed's group name for this EP size
+
+    def __deepcopy__(self, memo) -> ExpertParallelGroups:
+        return self  # handles of process groups: a copied model shares its original's layout
 
     @property
     def edp_size(self) -> int:
@@ -71,9 +75,8 @@ _CACHE: dict[tuple[int, int | None], ExpertParallelGroups] = {}
 def init_expert_parallel_groups(ep_size: int, node_size: int | None = None) -> ExpertParallelGroups:
     """Create (once per layout) the EP/EDP groups of `ep_size` and return this rank's view.
 
-    Collective: every rank must call it with the same arguments. When DeepSpeed is installed the
-    EP/EDP groups are also registered with it under ``ep_size_{P}``, so ZeRO reduces expert
-    gradients over the EDP group.
+    Collective: every rank must call it with the same arguments. Creating groups is collective, so a
+    layout is created once and the same object returned again.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("expert parallelism needs torch.distributed to be initialised first")
@@ -109,24 +112,8 @@ def init_expert_parallel_groups(ep_size: int, node_size: int | None = None) -> E
         node_size=node_size, intra_node_group=mine.get("intra", (None, None))[1],
         inter_node_group=mine.get("inter", (None, None))[1],
     )
-    try:
-        from ..optim.deepspeed_compat import register_expert_groups
-
-        register_expert_groups(groups)
-    except ImportError:  # DeepSpeed not installed: the groups work for EP on their own
-        pass
-    except RuntimeError as err:  # an untested DeepSpeed version: EP works, its engine is not hooked
-        warnings.warn(f"expert parallel groups not registered with DeepSpeed: {err}", stacklevel=2)
     _CACHE[key] = groups
     return groups
-
-
-def expert_parallel_groups(name: str) -> ExpertParallelGroups | None:
-    """The layout created under DeepSpeed's group `name` (``ep_size_{P}``) on this rank, or None."""
-    for groups in _CACHE.values():
-        if groups.name == name:
-            return groups
-    return None
 
 
 def destroy_expert_parallel_groups() -> None:

@@ -178,6 +178,9 @@ class MulaConfig(PreTrainedConfig):
              f"num_key_value_heads ({self.num_key_value_heads})")
         need(isinstance(self.num_experts, int) and self.num_experts >= 0,
              f"num_experts must be an integer >= 0, got {self.num_experts!r}")
+        rate = self.router_bias_update_rate
+        need(self.num_experts > 0 or not (_is_number(rate) and rate > 0),
+             f"router_bias_update_rate {rate!r} needs MoE layers, but num_experts is 0 (nothing has a router bias)")
         dense_layers = self.num_experts == 0 or not isinstance(self.moe_layer_freq, int) or self.moe_layer_freq > 1
         if dense_layers:
             need(isinstance(self.intermediate_size, int) and self.intermediate_size > 0,

@@ -249,11 +249,18 @@ class MulaTopKRouter(nn.Module):
             return
         if group is not None:
             torch.distributed.all_reduce(load, group=group)
-        if load.sum() > 0:
-            step = rate * torch.sign(load.mean() - load)
-            updated = self.expert_bias.float() + step.to(self.expert_bias.device)
-            self.expert_bias.copy_(updated.to(self.expert_bias.dtype))
-        load.zero_()
+        self.update_bias_from(load, rate)
+
+    @torch.no_grad()
+    def update_bias_from(self, load: torch.Tensor, rate: float) -> None:
+        """One bias update from the summed `load` [E] (an empty load changes nothing), then start
+        counting afresh. Decided on the device: no host synchronisation."""
+        step = rate * torch.sign(load.mean() - load)
+        step = torch.where(load.sum() > 0, step, torch.zeros_like(step))
+        updated = self.expert_bias.float() + step.to(self.expert_bias.device)
+        self.expert_bias.copy_(updated.to(self.expert_bias.dtype))
+        if self.load_since_update is not None:
+            self.load_since_update.zero_()
 
 
 @use_experts_implementation
@@ -274,6 +281,15 @@ class MulaExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
         self.act_fn = ACT2FN[config.hidden_act]
+        # Set by expert parallelism (`ds_optimus.parallel.apply_expert_parallel`), declared here so that
+        # every reader finds them. Experts held on this rank (the first dimension of the weights above):
+        self.num_local_experts = self.num_experts
+        # The token exchange that sends rows to the ranks owning their experts; None: all experts local.
+        self.expert_parallel = None
+        # The process-group layout (ds_optimus.parallel.ExpertParallelGroups); None: no expert parallelism.
+        self.expert_groups = None
+        # The grouped-GEMM backend of ds_optimus' experts implementation; None: chosen automatically.
+        self.experts_backend: str | None = None
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -390,7 +406,17 @@ class MulaPreTrainedModel(PreTrainedModel):
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save as usual; when the classes are registered for the Auto classes (as `import ds_optimus`
-        does), `auto_map` also names the base model, so AutoModel loads the folder as remote code too."""
+        does), `auto_map` also names the base model, so AutoModel loads the folder as remote code too.
+        A model whose experts are sharded over ranks is refused unless `state_dict` holds every expert."""
+        state = kwargs.get("state_dict")
+        for name, module in self.named_modules():
+            if not isinstance(module, MulaExperts) or module.num_local_experts == module.num_experts:
+                continue
+            weights = [state.get(f"{name}.{w}") if state is not None else None for w in ("gate_up_proj", "down_proj")]
+            if any(w is None or w.shape[0] != module.num_experts for w in weights):
+                raise ValueError(
+                    f"save_pretrained: {name} holds {module.num_local_experts} of its {module.num_experts} experts "
+                    "(expert-parallel); export on every rank with ds_optimus.parallel.export_pretrained(model, folder)")
         if getattr(self, "_auto_class", None) is not None:
             auto_map = dict(getattr(self.config, "auto_map", None) or {})
             auto_map.setdefault("AutoModel", "modeling_mula.MulaModel")
@@ -538,7 +564,9 @@ def router_losses(
             probs = probs / probs.sum(-1, keepdim=True)
         else:
             probs = torch.softmax(logits, dim=-1)
-        one_hot_slots = F.one_hot(index, num_experts).sum(1).float()  # [T, E]
+        # slots per token and expert [T, E]; a scatter, since one_hot checks the ids' range on the host
+        one_hot_slots = torch.zeros(index.shape[0], num_experts, dtype=torch.float32, device=index.device)
+        one_hot_slots.scatter_add_(1, index, torch.ones(index.shape, dtype=torch.float32, device=index.device))
         lse_sq = torch.logsumexp(logits, dim=-1).pow(2)
         if token_mask is None:
             mask = torch.ones(logits.shape[0], device=logits.device)
@@ -580,6 +608,9 @@ class MulaForCausalLM(MulaPreTrainedModel, GenerationMixin):
         self.model = MulaModel(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # The process group over which global-batch load balancing sums expert loads; None: every rank.
+        # Set by a trainer whose data parallelism is not the whole world.
+        self.router_loss_group = None
         self.post_init()
 
     def forward(
@@ -659,24 +690,37 @@ class MulaForCausalLM(MulaPreTrainedModel, GenerationMixin):
         """The group over which expert loads are summed for the load-balancing loss, or None."""
         if getattr(self.config, "router_aux_loss_scope", "micro_batch") != "global_batch" or not self.training:
             return None
-        if getattr(self, "router_loss_group", None) is not None:
-            return self.router_loss_group  # set by the trainer when data parallelism is not the world
+        if self.router_loss_group is not None:
+            return self.router_loss_group
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             return torch.distributed.group.WORLD
         return None
 
+    @torch.no_grad()
     def update_router_bias(self, group=None) -> None:
         """Apply one auxiliary-loss-free balancing update to every MoE router (call once per
         optimizer step). Expert loads are first summed over `group`, by default every rank when
-        torch.distributed is initialised, so all replicas of a router move their bias alike."""
+        torch.distributed is initialised, so all replicas of a router move their bias alike: one
+        all-reduce for all layers, and no host synchronisation."""
         rate = self.config.router_bias_update_rate
         if rate <= 0:
             raise ValueError("update_router_bias needs config.router_bias_update_rate > 0")
         if group is None and torch.distributed.is_available() and torch.distributed.is_initialized():
             group = torch.distributed.group.WORLD  # replicated routers must see the same global load
-        for module in self.modules():
-            if isinstance(module, MulaTopKRouter):
-                module.update_bias(rate, group)
+        routers = [m for m in self.modules() if isinstance(m, MulaTopKRouter) and m.uses_bias]
+        if not routers:
+            return
+        # A router that counted nothing yet (e.g. this rank ran no forward pass) adds an empty load,
+        # so that every rank sends the same all-reduce.
+        loads = [r.load_since_update if r.load_since_update is not None
+                 else torch.zeros(r.num_experts, dtype=torch.float32, device=r.expert_bias.device) for r in routers]
+        if group is not None:
+            flat = torch.cat([load.to(loads[0].device) for load in loads])
+            torch.distributed.all_reduce(flat, group=group)
+            parts = flat.split([load.numel() for load in loads])
+            loads = [part.to(load.device) for part, load in zip(parts, loads, strict=True)]
+        for router, load in zip(routers, loads, strict=True):
+            router.update_bias_from(load, rate)
 
 
 __all__ = [

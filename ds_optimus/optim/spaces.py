@@ -1,0 +1,133 @@
+"""The sharded optimizer's data: spaces of parameters, their communication buckets, and the pool of
+reused communication buffers (pure PyTorch).
+
+A `Space` is a set of parameters reduced over one process group (the dense parameters over the
+data-parallel group, one EP layout's experts over its expert-data-parallel group) with this rank's
+shard of their fp32 master weights, Adam moments and reduced gradients. Its parameters are cut into
+`Bucket`s, each reduce-scattered and all-gathered with one collective; `layout.py` says which
+elements of which parameter lie where in a bucket and in which rank's shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from .layout import chunked_runs, flat_runs, merge_copies, padding, split_buckets
+
+
+class ShardedOptimizerError(RuntimeError):
+    """A setting or checkpoint the sharded optimizer cannot work with; one line saying why."""
+
+
+class BufferPool:
+    """Reused communication buffers on CPU. There a fresh tensor of tens of MB costs a page fault
+    per 4 KiB the first time it is written (glibc hands large blocks back to the system), as much
+    as the copy itself; so buffers are kept and handed out again, the smallest free one that is
+    large enough (as a view of its first elements). Holds about as many buckets as are filled at
+    once during the backward pass, plus one. Accelerators' caching allocators already reuse
+    memory: there the pool just allocates."""
+
+    def __init__(self) -> None:
+        self.free: list[torch.Tensor] = []
+        self.allocated = 0  # bytes held by the pool
+
+    def get(self, numel: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        """An uninitialised 1-D buffer of `numel` elements."""
+        device = torch.device(device)
+        if device.type != "cpu":
+            return torch.empty(numel, dtype=dtype, device=device)
+        fits = [i for i, t in enumerate(self.free) if t.dtype == dtype and t.device == device and t.numel() >= numel]
+        if fits:
+            base = self.free.pop(min(fits, key=lambda i: self.free[i].numel()))
+        else:
+            base = torch.empty(numel, dtype=dtype, device=device)
+            self.allocated += base.numel() * base.element_size()
+        return base[:numel]
+
+    def put(self, tensor: torch.Tensor) -> None:
+        """Hand a buffer of `get` back for reuse."""
+        if tensor.device.type == "cpu":
+            self.free.append(tensor._base if tensor._base is not None else tensor)
+
+
+class Bucket:
+    """One reduce-scatter / all-gather unit of a space, and its state within a step."""
+
+    def __init__(self, params: list[int], runs, size: int, group_size: int, rank: int, shard_offset: int) -> None:
+        self.params = params
+        self.size = size
+        self.shard = size // group_size
+        self.shard_offset = shard_offset  # where this bucket's shard starts in the space's shard
+        self.copies = merge_copies(runs)  # param -> [(start, offset, length)]
+        self.mine = [r for r in runs if r.owner == rank]
+        self.padding = padding(runs, size)
+        self.grad: torch.Tensor | None = None  # the full bucket of gradients (reduce dtype)
+        self.written: set[int] = set()  # params whose gradient is in `grad` (this accumulation)
+        self.arrived: set[int] = set()  # params whose gradient arrived this micro-step
+        self.complete = False
+        self.work = None
+        self.out: torch.Tensor | None = None
+        self.received: torch.Tensor | None = None  # pairwise reduce-scatter: every rank's copy of my shard
+        self.direct = False  # the reduce-scatter writes straight into the fp32 shard
+        self.pending = False  # launched, not yet added to the shard
+        self.launched = False  # reduced in this micro-step
+
+
+class Space:
+    """Parameters reduced over one process group: the dense ones, or one EP layout's experts."""
+
+    def __init__(self, key: str, params: list[torch.nn.Parameter], names: list[str], offsets: list[int],
+                 group, chunked: bool, bucket_size: int, reduce_dtype: torch.dtype) -> None:
+        self.key = key
+        self.params, self.names = params, names
+        self.offsets = offsets  # where each (local) parameter starts in the full parameter, flattened
+        self.group = group
+        self.group_size = dist.get_world_size(group=group)
+        self.rank = dist.get_rank(group=group)
+        self.dtype = params[0].dtype
+        self.device = params[0].device
+        self.reduce_dtype = reduce_dtype
+        # gloo's reduce_scatter is slower than its all_reduce; a pairwise exchange (all_to_all) and a
+        # local sum moves the same bytes as an ideal reduce-scatter (half an all-reduce's).
+        self.pairwise = dist.get_backend(group) == "gloo"
+        numels = [p.numel() for p in params]
+        self.buckets: list[Bucket] = []
+        self.bucket_of: dict[int, Bucket] = {}
+        shard_pos = 0
+        for members in split_buckets(numels, bucket_size):
+            make = chunked_runs if chunked else flat_runs
+            runs, size = make([numels[i] for i in members], self.group_size, first=members[0])
+            bucket = Bucket(members, runs, size, self.group_size, self.rank, shard_pos)
+            self.buckets.append(bucket)
+            for i in members:
+                self.bucket_of[i] = bucket
+            shard_pos += bucket.shard
+        self.shard_numel = shard_pos
+        f32 = dict(dtype=torch.float32, device=self.device)
+        self.master = torch.zeros(shard_pos, **f32)
+        self.exp_avg = torch.zeros(shard_pos, **f32)
+        self.exp_avg_sq = torch.zeros(shard_pos, **f32)
+        self.grad = torch.zeros(shard_pos, **f32)
+        self.refresh_master()
+
+    def own_runs(self) -> Iterable[tuple[int, int, int, int]]:
+        """(param index, start in the local parameter, length, position in the shard) of this rank."""
+        for bucket in self.buckets:
+            for run in bucket.mine:
+                yield run.param, run.start, run.length, bucket.shard_offset + run.offset - run.owner * bucket.shard
+
+    @torch.no_grad()
+    def refresh_master(self) -> None:
+        """Set this rank's fp32 master shard from the parameters."""
+        for i, start, length, pos in self.own_runs():
+            self.master[pos:pos + length].copy_(self.params[i].detach().reshape(-1)[start:start + length])
+
+
+def collective(kind: str):
+    """torch.distributed's single-tensor reduce-scatter / all-gather (`*_single` from PyTorch 2.13,
+    `*_tensor` before), looked up at call time."""
+    fallback = {"reduce_scatter": "reduce_scatter_tensor", "all_gather": "all_gather_into_tensor"}[kind]
+    return getattr(dist, f"{kind}_single", None) or getattr(dist, fallback)
