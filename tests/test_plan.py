@@ -34,7 +34,7 @@ from ds_optimus.plan.__main__ import main as plan_main
 from ds_optimus.plan.measure import measure_layout
 from ds_optimus.plan.scaling import device_counts, efficiency, scaling
 from ds_optimus.plan.timing import all_to_all_time
-from ds_optimus.train.trainer import enable_activation_checkpointing, resolve_batch_sizes
+from ds_optimus.train.components import enable_activation_checkpointing, resolve_batch_sizes
 
 TINY = dict(seq_len=128, dtype="fp32", overlap_comm=False)
 

@@ -133,6 +133,10 @@ def test_bad_input_fails_with_one_line(tmp_path, cache):
          "checkpoint.resume is false but"),
         (good, [f"optimus.train.output_dir=\"{tmp_path}/old\""], "was saved without the sharded optimizer; set"),
         ({k: v for k, v in good.items() if k != "optimizer"}, [], "needs an optimizer section"),
+        (good, ["optimizer.params.lr=0"], "optimizer.params.lr must be a positive number, got 0"),
+        (good, ["optimizer.params.betas=[0.9, 1.0]"], "optimizer.params.betas must be two numbers in [0, 1)"),
+        (good, ["optimus.model.overrides={\"num_experts\": 0, \"router_bias_update_rate\": 0.01}"],
+         "router_bias_update_rate 0.01 needs MoE layers"),
     ]
     old_checkpoint = tmp_path / "old" / "checkpoints" / "step_00000004"
     old_checkpoint.mkdir(parents=True)
@@ -269,7 +273,7 @@ def test_overrides_parse_json_values_and_reject_bad_assignments():
 
 
 def test_cpu_ranks_share_the_cores(monkeypatch):
-    from ds_optimus.train.trainer import cpu_threads_per_rank
+    from ds_optimus.train.components import cpu_threads_per_rank
 
     before = torch.get_num_threads()
     try:

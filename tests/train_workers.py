@@ -7,7 +7,10 @@ import io
 import json
 from pathlib import Path
 
-from ds_optimus.train import pretrain
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ds_optimus.train import Callback, Trainer, pretrain
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,3 +51,74 @@ def cli_errors_worker(rank: int, world: int, configs: list[tuple[dict, list[str]
             status = main(["--config", path, *sum((["--set", o] for o in overrides), [])])
         results.append((status, err.getvalue()))
     return results
+
+
+
+class _SyncMode(TorchDispatchMode):
+    """Records what makes the host wait for the device: `aten._local_scalar_dense` (`.item()`,
+    `float(t)`, `if t:`) and copies from an accelerator to the CPU."""
+
+    def __init__(self, syncs: list[str]) -> None:
+        super().__init__()
+        self.syncs = syncs
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.syncs.append("item")
+        elif func is torch.ops.aten._to_copy.default:
+            device = kwargs.get("device")
+            if args[0].device.type != "cpu" and device is not None and torch.device(device).type == "cpu":
+                self.syncs.append("to_host")
+        elif func is torch.ops.aten.copy_.default:
+            if args[1].device.type != "cpu" and args[0].device.type == "cpu":
+                self.syncs.append("to_host")
+        return func(*args, **kwargs)
+
+
+class HostSyncCounter(Callback):
+    """Counts host syncs per training step, from the step's `pre_step` to the end of every
+    callback's `post_step` (add it last): the dispatcher's `_local_scalar_dense` and device-to-host
+    copies, and `Tensor.tolist()`, which bypasses the dispatcher."""
+
+    def __init__(self) -> None:
+        self.per_step: dict[int, list[str]] = {}
+
+    def pre_step(self, step: int) -> None:
+        self.syncs: list[str] = []
+        self.mode = _SyncMode(self.syncs)
+        self.mode.__enter__()
+        self.original_tolist = original = torch.Tensor.tolist
+        syncs = self.syncs
+
+        def tolist(tensor):
+            syncs.append("tolist")
+            return original(tensor)
+
+        torch.Tensor.tolist = tolist
+
+    def post_step(self, step: int) -> None:
+        torch.Tensor.tolist = self.original_tolist
+        self.mode.__exit__(None, None, None)
+        self.per_step[step] = self.syncs
+
+
+def count_syncs_worker(rank: int, world: int, config: dict) -> dict:
+    """Train `config` with a `HostSyncCounter`; returns {step: [sync kinds]}."""
+    counter = HostSyncCounter()
+    Trainer(config, callbacks=[counter]).train()
+    return counter.per_step
+
+
+def metrics_worker(rank: int, world: int, config: dict) -> list[dict]:
+    """Train `config`; returns the records of its metrics.jsonl (rank 0) or []."""
+    pretrain(config)
+    path = Path(config["optimus"]["train"]["output_dir"]) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if rank == 0 else []
+
+
+def compiled_losses_worker(rank: int, world: int, config: dict) -> tuple[list[float], int]:
+    """Train `config`; returns the per-step losses and how many graphs torch.compile captured."""
+    summary = pretrain(config)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    return [summary["losses"][s] for s in sorted(summary["losses"])], graphs

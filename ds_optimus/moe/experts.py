@@ -145,7 +145,22 @@ def _gmm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tenso
     """Grouped GEMM. With `a [S, K]` and `b [E, K, N]`: expert groups of rows of `a` times their
     expert's matrix -> [S, N]. With `a [M, S]` and `b [S, N]`: per expert `a[:, group] @ b[group]`
     -> [E, M, N] (ragged K, the weight gradient)."""
+    return torch.ops.ds_optimus.grouped_mm(a, b, offsets)
+
+
+# A custom op, so that torch.compile treats the grouped GEMM as one opaque call with the shapes
+# below: PyTorch's own meta function for it accepts bf16 only, while the CPU kernel, which the
+# float32 runs use, also takes float32.
+@torch.library.custom_op("ds_optimus::grouped_mm", mutates_args=())
+def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return _GMM(a, b, offs=offsets)
+
+
+@_grouped_mm_op.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    if b.dim() == 3:
+        return a.new_empty(a.shape[0], b.shape[-1])
+    return a.new_empty(offsets.shape[0], a.shape[0], b.shape[-1])
 
 
 class _LoopedSwiGLU(torch.autograd.Function):

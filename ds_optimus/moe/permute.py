@@ -39,7 +39,10 @@ def plan_routing(top_k_index: torch.Tensor, num_experts: int) -> RoutingPlan:
     order = torch.argsort(flat, stable=True)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # Counts from the sorted ids: `bincount` sizes its output from the largest id, which on an
+    # accelerator makes the host wait for the device in every MoE layer.
+    bounds = torch.arange(num_experts + 1, device=flat.device, dtype=flat.dtype)
+    counts = torch.searchsorted(flat.index_select(0, order), bounds).diff()
     by_slot = inverse.view(num_tokens, top_k).t().contiguous()
     return RoutingPlan(order, inverse, order // top_k, counts, by_slot, num_tokens, top_k)
 

@@ -91,10 +91,12 @@ class ModelShape:
     # -- FLOPs ------------------------------------------------------------------------------------
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (forward and backward), the figure the trainer's MFU uses: 6 x the
-        active matmul parameters plus 12 x layers x attention width x sequence length."""
+        """Training FLOPs per token (forward and backward), the trainer's MFU figure
+        (`hf_models.mula.sizing`): the active matmul parameters and the attention products."""
+        from ..hf_models.mula.sizing import matmul_flops_per_token
+
         embedding = 0 if self.tied else self.vocab * self.hidden  # a lookup, not a matmul
-        return 6.0 * (self.active_params - embedding) + 12.0 * self.layers * self.q_width * seq_len
+        return matmul_flops_per_token(self.active_params - embedding, self.layers, self.q_width, seq_len)
 
     # -- activations ------------------------------------------------------------------------------
 

@@ -24,10 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-from .faults import ATTEMPT_VAR
 from .signals import EXIT_PREEMPTED
 
 EXIT_GAVE_UP = 3
+ATTEMPT_VAR = "DS_OPTIMUS_ATTEMPT"  # the restart count, in every attempt's environment
 DEFAULT_OUTPUT_DIR = "runs/mula"  # optimus.train.output_dir when a config does not set it
 
 

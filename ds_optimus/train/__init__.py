@@ -1,6 +1,15 @@
-"""Pretraining: the loop behind the `deepspeed` launcher (`python -m ds_optimus.train`), its
-metrics, and the Hugging Face export."""
+"""Pretraining: the `Trainer` behind the `deepspeed` launcher (`python -m ds_optimus.train`), its
+callbacks, the pieces it assembles, and the Hugging Face `Trainer` glue (`hf_trainer`)."""
 
-from .trainer import build_model, export, init_distributed, pretrain, resolve_batch_sizes, sample
+from .callbacks import Callback, default_callbacks
+from .components import export, init_distributed, resolve_batch_sizes, sample
+from .trainer import Preempted, Trainer, pretrain
 
-__all__ = ["build_model", "export", "init_distributed", "pretrain", "resolve_batch_sizes", "sample"]
+
+def build_model(opt, tokenizer):
+    """The Mula model of a parsed `optimus` section (`opt.model.build(tokenizer)`)."""
+    return opt.model.build(tokenizer)
+
+
+__all__ = ["Callback", "Preempted", "Trainer", "build_model", "default_callbacks", "export", "init_distributed",
+           "pretrain", "resolve_batch_sizes", "sample"]

@@ -29,8 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     import ds_optimus  # noqa: F401
     from ds_optimus.config import ConfigError, OptimusConfig, apply_overrides, load_json_config
     from ds_optimus.data import DataError, load_tokenizer, parse_source
+    from ds_optimus.train.components import prepare_on_rank_zero, resolve_batch_sizes
     from ds_optimus.train.hf_trainer import MulaTrainer, PackedSequences, prepare_model, save_model, trainer_ds_config
-    from ds_optimus.train.trainer import build_model, prepare_on_rank_zero, resolve_batch_sizes
 
     try:
         config = apply_overrides(load_json_config(args.config), args.overrides)
@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
             use_cpu=not torch.cuda.is_available(), dataloader_drop_last=True, disable_tqdm=False,
         )
         torch.manual_seed(opt.train.seed)  # the same initial weights on every rank
-        model = build_model(opt, tokenizer)
-        groups = prepare_model(model, config)  # after TrainingArguments: torch.distributed is up
+        model = opt.model.build(tokenizer)
+        groups = prepare_model(model, opt)  # after TrainingArguments: torch.distributed is up
 
         sources = [parse_source(s) for s in opt.data.sources]
         packed = prepare_on_rank_zero(sources, tokenizer, opt.data.cache_dir, opt.data.val_fraction)

@@ -10,7 +10,10 @@ breaks expert parallelism (DeepSpeed needs expert parameters in their own `moe` 
   DeepSpeed integration calls when the config has no optimizer), with the Trainer's lr, betas,
   eps and weight decay (none on norms and biases);
 - `prepare_model(model, ds_config)` applies the `optimus` MoE settings and expert parallelism;
-  call it after creating `TrainingArguments` (which initialises torch.distributed).
+  call it after creating `TrainingArguments` (which initialises torch.distributed);
+- `RouterBiasUpdate` moves a Mula model's router bias (auxiliary-loss-free balancing,
+  `router_bias_update_rate > 0`) once per optimizer step; `MulaTrainer` adds it itself, a plain
+  `Trainer` takes it in `callbacks=[...]`.
 
 With `optimus.sharded_optimizer` enabled in the config, DeepSpeed's engine runs ds_optimus' EP-aware
 sharded optimizer (nothing to call: `import ds_optimus` hooks the engine), and the Trainer's
@@ -45,13 +48,15 @@ def trainer_ds_config(ds_config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def prepare_model(model: torch.nn.Module, ds_config: dict[str, Any] | str | Path):
-    """Apply the config's `optimus.moe` and `optimus.expert_parallel` settings to `model`; returns
-    the EP groups (None without expert parallelism)."""
+def prepare_model(model: torch.nn.Module, ds_config):
+    """Apply the config's `optimus.moe` and `optimus.expert_parallel` settings to `model` (a
+    DeepSpeed config as a dict or path, or its already parsed `OptimusConfig`); returns the EP groups
+    (None without expert parallelism)."""
     from ..config import OptimusConfig
     from ..parallel.expert_parallel import setup_moe
 
-    return setup_moe(model, OptimusConfig.from_ds_config(ds_config))
+    opt = ds_config if isinstance(ds_config, OptimusConfig) else OptimusConfig.from_ds_config(ds_config)
+    return setup_moe(model, opt)
 
 
 class MulaTrainer(Trainer):
@@ -61,6 +66,8 @@ class MulaTrainer(Trainer):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.add_callback(_ReleaseSharedMemory())
+        if not any(isinstance(c, RouterBiasUpdate) for c in self.callback_handler.callbacks):
+            self.add_callback(RouterBiasUpdate())
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         from ..parallel.expert_parallel import expert_groups_of
@@ -68,7 +75,7 @@ class MulaTrainer(Trainer):
         groups = expert_groups_of(self.model)
         if groups is None:
             return super().save_model(output_dir, _internal_call)
-        from .trainer import export
+        from .components import export
 
         export(self.accelerator.unwrap_model(self.model_wrapped), self.processing_class,
                Path(output_dir or self.args.output_dir), groups)
@@ -89,9 +96,23 @@ class _ReleaseSharedMemory(TrainerCallback):
     `release_shm_workspace`), so that runs do not fill /dev/shm."""
 
     def on_train_begin(self, args, state, control, **kwargs):
-        from .trainer import release_shm_workspace
+        from .components import release_shm_workspace
 
         release_shm_workspace()
+
+
+class RouterBiasUpdate(TrainerCallback):
+    """Auxiliary-loss-free balancing under the Hugging Face `Trainer`: after every optimizer step,
+    each MoE router's bias moves towards balance from the loads counted since the last step, summed
+    over all ranks (`MulaForCausalLM.update_router_bias`: one all-reduce, no host sync). Does
+    nothing for models without a router bias."""
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        from .callbacks.router_bias import uses_router_bias
+
+        model = getattr(model, "module", model)  # the DeepSpeed engine wraps the model
+        if model is not None and uses_router_bias(model):
+            model.update_router_bias()
 
 
 class PackedSequences(torch.utils.data.Dataset):
@@ -113,6 +134,6 @@ class PackedSequences(torch.utils.data.Dataset):
 def save_model(trainer: Trainer, folder: str | Path, groups=None, tokenizer=None) -> None:
     """Save the trained model (and `tokenizer`) as an HF folder. With expert parallelism (`groups`
     from `prepare_model`) it is collective: every rank calls it, the experts are gathered."""
-    from .trainer import export
+    from .components import export
 
     export(trainer.accelerator.unwrap_model(trainer.model_wrapped), tokenizer, Path(folder), groups)

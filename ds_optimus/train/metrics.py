@@ -1,5 +1,4 @@
-"""Per-step training metrics: reduction over ranks, model FLOPs, and the sinks (progress bar,
-`metrics.jsonl`, wandb)."""
+"""Where a run's metrics and messages go: the progress bar, `metrics.jsonl`, `log.txt` and wandb."""
 
 from __future__ import annotations
 
@@ -11,40 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 
-def model_flops_per_token(config, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x active parameters (forward + backward matmuls) plus the
-    attention score and value products, 12 x layers x attention width x sequence length (the
-    planner's figure, `ds_optimus.plan.ModelShape.flops_per_token`)."""
-    from ..plan.model import ModelShape
-
-    return ModelShape.from_config(config).flops_per_token(seq_len)
-
-
-def reduce_mean(values: dict[str, float], group=None) -> dict[str, float]:
-    """The mean of each scalar over the ranks of `group` (one all-reduce)."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return dict(values)
-    packed = torch.tensor(list(values.values()), dtype=torch.float64)
-    dist.all_reduce(packed, group=group)
-    packed /= dist.get_world_size(group)
-    return dict(zip(values, packed.tolist(), strict=True))
-
-
-def reduce_sum_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        tensor = tensor.to(torch.float64)
-        dist.all_reduce(tensor)
-    return tensor
-
-
-def expert_imbalance(tokens_per_expert: torch.Tensor) -> list[float]:
-    """Max over mean tokens per expert, for each MoE layer (1.0 is perfect balance)."""
-    counts = tokens_per_expert.to(torch.float64)
-    mean = counts.mean(dim=-1).clamp_min(1e-9)
-    return (counts.max(dim=-1).values / mean).tolist()
+def expert_imbalance(tokens_per_expert) -> list[float]:
+    """Max over mean tokens per expert, for each MoE layer (1.0 is perfect balance), from per-layer
+    rows of counts (nested lists, or a tensor)."""
+    rows = tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor) else tokens_per_expert
+    return [max(row) / max(sum(row) / len(row), 1e-9) for row in rows]
 
 
 class MetricsSink:

@@ -7,7 +7,7 @@ from .modeling_mula import (
     MulaModel,
     MulaPreTrainedModel,
 )
-from .sizing import count_parameters
+from .sizing import count_parameters, flops_per_token
 
 __all__ = [
     "PRESETS",
@@ -17,4 +17,5 @@ __all__ = [
     "MulaModel",
     "MulaPreTrainedModel",
     "count_parameters",
+    "flops_per_token",
 ]

@@ -1,4 +1,4 @@
-"""Parameter counts of a Mula config, without building the model."""
+"""Parameter counts and training FLOPs of a Mula config, without building the model."""
 
 from __future__ import annotations
 
@@ -34,3 +34,19 @@ def count_parameters(config: MulaConfig) -> tuple[int, int]:
             active += attention + layer_norms + dense_ffn
     embeddings = v * h * (1 if config.tie_word_embeddings else 2) + h  # + final norm
     return total + embeddings, active + embeddings
+
+
+def matmul_flops_per_token(matmul_params: int, layers: int, attention_width: int, seq_len: int) -> float:
+    """Training FLOPs per token (forward and backward): 6 x the parameters a token multiplies with,
+    plus 12 x layers x attention width x sequence length for the attention scores and values."""
+    return 6.0 * matmul_params + 12.0 * layers * attention_width * seq_len
+
+
+def flops_per_token(config: MulaConfig, seq_len: int) -> float:
+    """Training FLOPs per token of `MulaForCausalLM(config)` at `seq_len`: its active parameters less
+    the input embedding (a lookup, not a matmul, unless tied to the LM head), through
+    `matmul_flops_per_token`. The trainer's MFU and the layout planner both use this figure."""
+    _, active = count_parameters(config)
+    embedding = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
+    width = config.num_attention_heads * config.head_dim
+    return matmul_flops_per_token(active - embedding, config.num_hidden_layers, width, seq_len)

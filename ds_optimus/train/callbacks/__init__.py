@@ -1,0 +1,49 @@
+"""Everything around the training step, one concern per callback (`Callback` lists the hooks).
+
+`default_callbacks(opt)` gives a run's callbacks in the order their hooks run: the watchdog first
+(it re-arms before anything else can hang), fault injection (only with `DS_OPTIMUS_FAULTS`), the
+memory meter, the router-bias update right after the optimizer step, metrics and the progress
+file, the guards (whose rollback ends the step's remaining callbacks), evaluation, preemption
+(which asks for the stop that the checkpoint callback, last, then saves for).
+"""
+
+from __future__ import annotations
+
+from .base import Callback
+from .checkpointing import CheckpointCallback
+from .evaluation import EvaluationCallback
+from .faults import FaultInjectionCallback
+from .logging import MetricsCallback, ProgressFileCallback
+from .memory import MemoryCallback
+from .reliability import GuardCallback, PreemptionCallback, WatchdogCallback
+from .router_bias import RouterBiasCallback, uses_router_bias
+
+__all__ = [
+    "Callback",
+    "CheckpointCallback",
+    "EvaluationCallback",
+    "FaultInjectionCallback",
+    "GuardCallback",
+    "MemoryCallback",
+    "MetricsCallback",
+    "PreemptionCallback",
+    "ProgressFileCallback",
+    "RouterBiasCallback",
+    "WatchdogCallback",
+    "default_callbacks",
+    "uses_router_bias",
+]
+
+
+def default_callbacks(opt) -> list[Callback]:
+    """The callbacks of a run of the parsed `optimus` section `opt`, in hook order."""
+    callbacks: list[Callback] = [WatchdogCallback(opt.watchdog)]
+    faults = FaultInjectionCallback.from_environment()
+    if faults is not None:
+        callbacks.append(faults)
+    if opt.train.measure_memory_steps:
+        callbacks.append(MemoryCallback(opt.train.measure_memory_steps))
+    callbacks += [RouterBiasCallback(), MetricsCallback(), ProgressFileCallback(), GuardCallback(opt.guards),
+                  EvaluationCallback(), PreemptionCallback(), CheckpointCallback()]
+    return callbacks
+

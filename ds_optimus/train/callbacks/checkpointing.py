@@ -1,0 +1,25 @@
+"""Checkpoints every `checkpoint.interval` steps, at the end of the run and before a stop."""
+
+from __future__ import annotations
+
+from .base import Callback
+
+
+class CheckpointCallback(Callback):
+    """Saves through the trainer's `CheckpointManager` (verified, atomic; in the background with
+    `checkpoint.async_save`, except the last save of an invocation, which is waited for anyway) and
+    waits for a save in flight when the loop ends."""
+
+    def post_step(self, step: int) -> None:
+        trainer = self.trainer
+        interval = trainer.opt.checkpoint.interval
+        stopping = trainer.stop_reason is not None
+        if not ((interval and step % interval == 0) or step == trainer.end_step or stopping):
+            return
+        background = trainer.opt.checkpoint.async_save and step != trainer.end_step and not stopping
+        path = trainer.checkpoints.save(step, trainer.engine, trainer.checkpoint_state(), background=background)
+        trainer.message(f"step {step}: checkpoint {path}" + (" (writing in the background)" if background else ""))
+        trainer.notify_checkpoint(step, path)
+
+    def post_train(self) -> None:
+        self.trainer.checkpoints.wait()

@@ -1,0 +1,94 @@
+"""Fault injection for testing recovery, installed only when `DS_OPTIMUS_FAULTS` holds a JSON list
+of faults, each `{"kind": ..., "step": N, "rank": R, "attempt": A}` (rank and attempt default to 0;
+the attempt is the supervisor's restart count, `DS_OPTIMUS_ATTEMPT`). Nothing of it runs otherwise.
+
+Kinds: `kill` (SIGKILL this process at the start of step N), `kill_in_save` (SIGKILL while the
+checkpoint of step N is being written, after its first file), `nan_loss` (this rank's loss of step
+N becomes NaN, so its gradients do), `sleep` (sleep `seconds` inside step N, before its
+collectives), `signal` (send this process `signal`, default SIGTERM, at the start of step N).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+from ...reliability.supervise import ATTEMPT_VAR
+from .base import Callback
+
+ENV_VAR = "DS_OPTIMUS_FAULTS"
+KINDS = ("kill", "kill_in_save", "nan_loss", "sleep", "signal")
+
+
+class FaultInjectionCallback(Callback):
+    """Strikes the planned faults of this rank and attempt, each once (a step run again after a
+    rollback does not meet its fault again)."""
+
+    def __init__(self, faults: list[dict]) -> None:
+        for fault in faults:
+            if not isinstance(fault, dict) or fault.get("kind") not in KINDS or not isinstance(fault.get("step"), int):
+                raise ValueError(f"{ENV_VAR}: each fault needs a kind ({', '.join(KINDS)}) and an integer step, "
+                                 f"got {fault!r}")
+        self.faults = list(faults)
+        self.fired: set[int] = set()
+
+    @classmethod
+    def from_environment(cls) -> FaultInjectionCallback | None:
+        text = os.environ.get(ENV_VAR)
+        return cls(json.loads(text)) if text else None
+
+    def due(self, kind: str, step: int | None) -> dict | None:
+        """The fault of `kind` planned for `step` on this rank and attempt, if it has not struck yet."""
+        rank, attempt = self.trainer.rank, int(os.environ.get(ATTEMPT_VAR, "0"))
+        for i, fault in enumerate(self.faults):
+            if (i not in self.fired and fault["kind"] == kind and fault["step"] == step
+                    and fault.get("rank", 0) == rank and fault.get("attempt", 0) == attempt):
+                self.fired.add(i)
+                return fault
+        return None
+
+    def pre_train(self) -> None:
+        self.trainer.checkpoints.writer.file_hooks.append(self._file_written)
+
+    def pre_step(self, step: int) -> None:
+        if self.due("kill", step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        fault = self.due("signal", step)
+        if fault:
+            os.kill(os.getpid(), getattr(signal, fault.get("signal", "SIGTERM")))
+        model = self.trainer.engine.module
+        fault = self.due("sleep", step)
+        if fault:
+            _once(model.register_forward_pre_hook, _sleeper(float(fault.get("seconds", 3600))))
+        if self.due("nan_loss", step):
+            _once(model.register_forward_hook, _poison_loss)
+
+    def _file_written(self, path: Path, step: int | None) -> None:
+        if step is not None and self.due("kill_in_save", step):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _sleeper(seconds: float):
+    def sleep_inside_step(module, args):  # the name the watchdog's stack dump shows
+        time.sleep(seconds)
+
+    return sleep_inside_step
+
+
+def _poison_loss(module, args, output):
+    output.loss = output.loss * float("nan")
+    return output
+
+
+def _once(register, hook) -> None:
+    """Register `hook` on a module for its next call only."""
+    handles = []
+
+    def run_once(*args):
+        handles[0].remove()
+        return hook(*args)
+
+    handles.append(register(run_once))

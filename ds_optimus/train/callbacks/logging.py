@@ -1,0 +1,64 @@
+"""Metrics every log interval (to the progress bar, `metrics.jsonl` and wandb) and the progress file
+the supervisor reads."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+from ...checkpoint_io import write_text_atomic
+from ...hf_models.mula.sizing import flops_per_token
+from ..metrics import expert_imbalance
+from .base import Callback
+
+
+class MetricsCallback(Callback):
+    """Every step: the loss into the run's summary. Every `train.log_interval` steps (and at the
+    last): learning rate, gradient norm, throughput and MFU over the interval, skipped steps and the
+    experts' load imbalance over the interval, written through the trainer's metrics sink."""
+
+    def pre_train(self) -> None:
+        trainer = self.trainer
+        self.flops_per_token = flops_per_token(trainer.engine.module.config, trainer.opt.data.seq_len)
+        self.window_seconds, self.window_steps = 0.0, 0
+
+    def post_step(self, step: int) -> None:
+        trainer = self.trainer
+        loss = trainer.metrics["loss"]
+        trainer.summary["losses"][step] = loss
+        trainer.summary["step_seconds"][step] = trainer.step_seconds
+        self.window_seconds += trainer.step_seconds
+        self.window_steps += 1
+        if not math.isfinite(loss) and not trainer.update_skipped:
+            trainer.message(f"step {step}: loss is {loss}")
+        if not trainer.is_log_step(step):
+            return
+        grad_norm = trainer.engine.get_global_grad_norm()
+        seconds = self.window_seconds / self.window_steps
+        metrics = {key: trainer.metrics[key] for key in ("loss", "lm_loss", "aux_loss", "z_loss")}
+        metrics.update(lr=trainer.lr, grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+                       tokens_per_s=trainer.tokens_per_step / seconds, step_seconds=seconds,
+                       tokens=step * trainer.tokens_per_step, skipped_steps=trainer.engine.skipped_steps)
+        peak = trainer.opt.train.peak_tflops
+        if peak:
+            metrics["mfu"] = self.flops_per_token * trainer.tokens_per_step / seconds / (peak * 1e12 * trainer.world)
+        if trainer.step_loads is not None:
+            per_layer = expert_imbalance(trainer.step_loads)
+            metrics["expert_imbalance_max"] = max(per_layer)
+            metrics.update({f"expert_imbalance/layer_{i}": v for i, v in enumerate(per_layer)})
+        if not trainer.engine.module.config.num_experts:
+            for key in ("aux_loss", "z_loss"):
+                metrics.pop(key)
+        trainer.sink.log(step, metrics)
+        self.window_seconds, self.window_steps = 0.0, 0
+
+
+class ProgressFileCallback(Callback):
+    """Rank 0 writes `<output_dir>/progress.json` ({"step", "time"}) after every step: the
+    supervisor tells a crash that made progress from one that did not."""
+
+    def post_step(self, step: int) -> None:
+        if self.trainer.rank == 0:
+            record = json.dumps({"step": step, "time": time.time()})
+            write_text_atomic(self.trainer.output_dir / "progress.json", record, fsync=False)

@@ -1,0 +1,127 @@
+"""The hang watchdog, preemption by a signal, and the numerical guards with their rollback."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...reliability.guards import GuardsConfig
+from ...reliability.signals import EXIT_PREEMPTED, PreemptionHandler
+from ...reliability.watchdog import WatchdogConfig
+from .base import Callback
+
+
+class WatchdogCallback(Callback):
+    """Re-arms this rank's watchdog at every boundary: the step's time-out before a step (a longer
+    one for the first step of an invocation, which also compiles and warms up), the checkpoint
+    time-out for the work after a step (evaluation, checkpoint) and for the end of the run."""
+
+    def __init__(self, config: WatchdogConfig) -> None:
+        self.config = config
+        self.watchdog = None
+
+    def setup(self) -> None:
+        self.watchdog = self.config.build(self.trainer.rank)
+
+    def pre_step(self, step: int) -> None:
+        first = step == self.trainer.start_step + 1
+        self.watchdog.beat(self.config.first_step_timeout_s if first else self.config.step_timeout_s, f"step {step}")
+
+    def post_step(self, step: int) -> None:
+        self.watchdog.beat(self.config.checkpoint_timeout_s, f"the evaluation and checkpoint after step {step}")
+
+    def post_train(self) -> None:
+        self.watchdog.beat(self.config.checkpoint_timeout_s, "the end of the run")
+
+    def close(self, error: BaseException | None) -> None:
+        if self.watchdog is not None:  # the process may live on (a notebook, a test): no dump later
+            self.watchdog.close()
+
+
+class PreemptionCallback(Callback):
+    """SIGTERM/SIGUSR1 set a flag; the step's all-reduce carries it (a signal may reach only some
+    ranks), so every rank stops after the same step, writes the same checkpoint and exits with
+    `EXIT_PREEMPTED`."""
+
+    def __init__(self) -> None:
+        self.handler: PreemptionHandler | None = None
+
+    def pre_train(self) -> None:
+        self.handler = PreemptionHandler()
+
+    def step_flags(self) -> dict[str, float]:
+        return {"preempt": 1.0 if self.handler.received else 0.0}
+
+    def post_step(self, step: int) -> None:
+        if self.trainer.metrics.pop("preempt", 0.0) > 0:
+            self.trainer.request_stop("preempted")
+
+    def on_checkpoint(self, step, path) -> None:
+        if self.trainer.stop_reason == "preempted":
+            self.trainer.message(f"step {step}: {self.handler.received or 'a signal on another rank'}: checkpoint "
+                                 f"written, exiting with status {EXIT_PREEMPTED} (run again to resume)")
+
+    def close(self, error: BaseException | None) -> None:
+        if self.handler is not None:
+            self.handler.close()
+            self.handler = None
+
+
+class GuardCallback(Callback):
+    """Plugs the numerical guard into the sharded optimizer's step (it judges the step's loss,
+    reduced over ranks, and its gradient norm), reports skipped updates, and after
+    `guards.rollback_after` bad steps in a row rolls the run back to the last intact checkpoint,
+    keeping the data loader where it is (the batches that went wrong are not seen again)."""
+
+    state_key = "guard"
+
+    def __init__(self, config: GuardsConfig) -> None:
+        self.guard = config.build()
+
+    def pre_train(self) -> None:
+        from ...optim.sharded import ShardedOptimizer
+
+        trainer = self.trainer
+        if not isinstance(trainer.engine.optimizer, ShardedOptimizer):
+            trainer.message("numerical guards act through the sharded optimizer (optimus.sharded_optimizer.enabled); "
+                            "they are off for this run")
+            self.guard = None
+            return
+        trainer.engine.optimizer.step_filter = self._decide
+
+    def _decide(self, grad_norm: float):
+        self.guard.observe_loss(self.trainer.metrics["loss"])
+        return self.guard.decide(grad_norm)
+
+    def post_step(self, step: int) -> None:
+        guard, trainer = self.guard, self.trainer
+        if guard is None:
+            return
+        if guard.last.skip:
+            trainer.message(f"step {step}: update skipped on every rank ({guard.last.reason})")
+        if guard.wants_rollback:
+            self._roll_back(step)
+
+    def _roll_back(self, step: int) -> None:
+        from ...reliability import CheckpointError
+
+        trainer, guard = self.trainer, self.guard
+        trainer.checkpoints.wait()  # a save in flight finishes first
+        target = trainer.checkpoints.latest_good(report=trainer.message)
+        if target is None:
+            raise CheckpointError(f"step {step}: {guard.bad_in_a_row} bad steps in a row and no checkpoint to roll "
+                                  "back to (set optimus.checkpoint.interval)")
+        position = trainer.train_loader.state_dict()
+        resumed, _ = trainer.checkpoints.load(target, trainer.engine)
+        trainer.train_loader.load_state_dict(position)
+        trainer.message(f"step {step}: {guard.bad_in_a_row} bad steps in a row ({guard.last.reason}); rolled back to "
+                        f"{target.name} and skipping the data read since")
+        guard.reset_after_rollback()
+        trainer.summary["rollbacks"] += 1
+        trainer.rewind(resumed)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.guard.state_dict() if self.guard is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.guard is not None:
+            self.guard.load_state_dict(state)

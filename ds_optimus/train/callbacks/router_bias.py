@@ -1,0 +1,42 @@
+"""Auxiliary-loss-free balancing (DeepSeek-V3): one router-bias update per optimizer step."""
+
+from __future__ import annotations
+
+from .base import Callback
+
+
+def uses_router_bias(model) -> bool:
+    """Whether `model` (a Mula model) balances its experts with a router bias that something must update."""
+    config = getattr(model, "config", None)
+    return bool(getattr(config, "num_experts", 0)) and getattr(config, "router_bias_update_rate", 0.0) > 0
+
+
+def skip_router_bias_update(model) -> None:
+    """Forget the expert loads counted since the last update (a step whose update was skipped)."""
+    for module in model.modules():
+        load = getattr(module, "load_since_update", None)
+        if load is not None:
+            load.zero_()
+
+
+class RouterBiasCallback(Callback):
+    """After each optimizer step, move every MoE router's selection bias towards balance from the
+    loads counted since the last step, summed over the data-parallel ranks (one all-reduce, no host
+    sync; `MulaForCausalLM.update_router_bias`). A step the guards skipped moves nothing. Models
+    without a router bias are left alone."""
+
+    active = False
+
+    def pre_train(self) -> None:
+        self.active = uses_router_bias(self.trainer.engine.module)
+
+    def post_step(self, step: int) -> None:
+        trainer = self.trainer
+        model = trainer.engine.module
+        if not self.active:
+            return
+        if trainer.update_skipped:
+            skip_router_bias_update(model)
+            return
+        group = trainer.groups.dp_group if trainer.groups is not None else None
+        model.update_router_bias(group)

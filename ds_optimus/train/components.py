@@ -1,0 +1,217 @@
+"""The pieces the trainer assembles, each usable on its own: the process group, batch sizes, the LR
+schedule, data preparation on one rank, activation checkpointing and compilation of the decoder
+layers, the Hugging Face export and a sample from the exported folder."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import socket
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..schema import ConfigError
+
+
+def init_distributed() -> None:
+    """torch.distributed through DeepSpeed: from the launcher's environment, or as a single
+    process when run without a launcher. gloo on CPU unless oneCCL is installed."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:  # plain `python -m ds_optimus.train`: a world of one
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    accelerator = get_accelerator()
+    backend = accelerator.communication_backend_name()
+    if accelerator.device_name() == "cpu" and backend == "ccl":
+        try:
+            import oneccl_bindings_for_pytorch  # noqa: F401
+        except ImportError:
+            backend = "gloo"
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    if accelerator.device_name() == "cpu":
+        cpu_threads_per_rank()
+
+
+def release_shm_workspace() -> None:
+    """Remove the name of this rank's shared-memory workspace that DeepSpeed's CPU communication
+    backend creates when all ranks share a host (/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_
+    <port>_<rank>, 69 MB) and never removes: every run on a new port would leave one per rank behind,
+    until /dev/shm (RAM) is full. Every rank maps every other rank's workspace while the backend
+    starts, so after a barrier the names can go; the mappings stay valid. Collective; CPU only."""
+    from deepspeed.accelerator import get_accelerator
+
+    if not dist.is_initialized() or get_accelerator().device_name() != "cpu":
+        return
+    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}")
+    dist.barrier()
+    try:
+        os.unlink(name)
+    except FileNotFoundError:
+        pass
+
+
+def cpu_threads_per_rank() -> int:
+    """On CPU, give each local rank its share of the cores (the deepspeed launcher leaves every rank
+    at all cores, so N ranks run N x cores threads and slow each other down). OMP_NUM_THREADS, when
+    set, wins. Returns the thread count."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or _local_world_size())
+    threads = max(1, cores // max(1, local))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def _local_world_size() -> int:
+    # ranks on this host: those sharing its hostname (one small all-gather at start-up)
+    names = [None] * dist.get_world_size()
+    dist.all_gather_object(names, socket.gethostname())
+    return names.count(socket.gethostname())
+
+
+def resolve_batch_sizes(ds_config: dict[str, Any], world_size: int) -> tuple[int, int]:
+    """(micro-batch per rank, accumulation steps), made consistent with train_batch_size; a
+    one-line ConfigError when they cannot be."""
+    micro = ds_config.get("train_micro_batch_size_per_gpu")
+    accumulation = ds_config.get("gradient_accumulation_steps")
+    total = ds_config.get("train_batch_size")
+    for key, value in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", accumulation),
+                       ("train_batch_size", total)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+    if micro is None and total is None:
+        raise ConfigError("the config needs train_micro_batch_size_per_gpu or train_batch_size")
+    if accumulation is None and micro is not None and total is not None:
+        if total % (micro * world_size):
+            raise ConfigError(f"train_batch_size {total} does not divide by train_micro_batch_size_per_gpu "
+                              f"{micro} x {world_size} ranks")
+        accumulation = total // (micro * world_size)
+    accumulation = accumulation or 1
+    if micro is None:
+        if total % (accumulation * world_size):
+            raise ConfigError(f"train_batch_size {total} does not divide by gradient_accumulation_steps "
+                              f"{accumulation} x {world_size} ranks")
+        micro = total // (accumulation * world_size)
+    if total is not None and total != micro * accumulation * world_size:
+        raise ConfigError(f"train_batch_size {total} is not train_micro_batch_size_per_gpu {micro} x "
+                          f"gradient_accumulation_steps {accumulation} x {world_size} ranks")
+    ds_config.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accumulation,
+                     train_batch_size=micro * accumulation * world_size)
+    return micro, accumulation
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's generators (the same initial weights on every rank)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def warmup_cosine(steps: int, warmup_steps: int, min_lr_ratio: float):
+    """`optimizer -> LambdaLR`: linear warm-up over `warmup_steps` optimizer steps (the first step
+    already at lr/warmup, not 0), then cosine decay to `min_lr_ratio` x lr at step `steps`."""
+
+    def factor(done: int) -> float:  # `done` optimizer steps taken before this one
+        if done < warmup_steps:
+            return (done + 1) / warmup_steps
+        span = max(1, steps - warmup_steps - 1)
+        progress = min(1.0, (done - warmup_steps) / span)
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def scheduler_defaults(ds_config: dict[str, Any], steps: int) -> None:
+    """Give DeepSpeed's decaying schedulers the run's length when the config leaves it out."""
+    scheduler = ds_config.get("scheduler")
+    if scheduler and scheduler.get("type") in ("WarmupCosineLR", "WarmupDecayLR"):
+        scheduler.setdefault("params", {}).setdefault("total_num_steps", steps)
+
+
+def prepare_on_rank_zero(sources, tokenizer, cache_dir, val_fraction):
+    """Tokenize and pack on rank 0 (with progress) while the others wait, then open the cache on
+    every rank. A data error on rank 0 is raised on every rank, so none is left waiting."""
+    from ..data import DataError, prepare
+
+    if not dist.is_initialized():
+        return prepare(sources, tokenizer, cache_dir, val_fraction, progress=True)
+    failure = [None]
+    if dist.get_rank() == 0:
+        try:
+            prepare(sources, tokenizer, cache_dir, val_fraction, progress=True)
+        except Exception as err:  # any failure must reach the ranks waiting below
+            failure[0] = (isinstance(err, DataError), f"{err}" if isinstance(err, DataError)
+                          else f"preparing the data failed: {type(err).__name__}: {err}")
+    dist.broadcast_object_list(failure, src=0)
+    if failure[0] is not None:
+        is_data_error, message = failure[0]
+        raise DataError(message) if is_data_error else RuntimeError(message)
+    return prepare(sources, tokenizer, cache_dir, val_fraction, progress=False)
+
+
+def enable_activation_checkpointing(model) -> None:
+    """Recompute each decoder layer in the backward pass, non-reentrant (the sharded optimizer's
+    gradient hooks then fire once per parameter)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # the name since Transformers 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def compile_layers(model) -> int:
+    """Compile every decoder layer in place with `torch.compile` (the expert kernels are custom ops
+    with fake implementations, so they trace; the token exchange of expert parallelism and other
+    host-side work break the graph instead of failing). Returns the number of layers compiled."""
+    layers = model.model.layers
+    for layer in layers:
+        layer.compile()
+    return len(layers)
+
+
+def export(model, tokenizer, folder: Path, groups) -> None:
+    """Write an HF folder, with the tokenizer when given (every expert gathered under expert
+    parallelism; collective: every rank calls it)."""
+    from ..parallel.expert_parallel import export_pretrained
+
+    export_pretrained(model, folder, groups, tokenizer=tokenizer)
+
+
+def sample(folder: Path, prompt: str, new_tokens: int, seed: int = 0) -> str:
+    """A continuation of `prompt` by the model loaded back from `folder` with the Auto classes
+    (top-k sampling at temperature 0.8 with a repetition penalty, from a fixed seed: a small model
+    decoded greedily mostly repeats one token)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    generator_state = torch.get_rng_state()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=True, top_k=40, temperature=0.8,
+                             repetition_penalty=1.3, pad_token_id=tokenizer.pad_token_id)
+    torch.set_rng_state(generator_state)
+    return tokenizer.decode(out[0], skip_special_tokens=True)
+
+
+def dense_fingerprint(model) -> float:
+    """The sum of every replicated (non-expert) weight: equal on every rank unless replicas diverged."""
+    from ..parallel.expert_parallel import is_expert_param
+
+    with torch.no_grad():
+        return float(sum(p.detach().double().sum() for p in model.parameters() if not is_expert_param(p)))

@@ -1,0 +1,151 @@
+"""The training loop as components: host syncs per step, the router-bias update, compiled layers,
+callbacks around a short step, and the config's one-line refusals."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+
+import pytest
+from distributed import run_distributed
+from train_workers import compiled_losses_worker, count_syncs_worker, metrics_worker, tiny_config
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("data_cache")
+
+
+def test_train_step_fits_on_a_screen_and_knows_nothing_of_faults():
+    from ds_optimus.train import Trainer, default_callbacks
+    from ds_optimus.train.callbacks import FaultInjectionCallback
+
+    source = inspect.getsource(Trainer.train_step)
+    assert len(source.splitlines()) <= 60
+    assert not re.search(r"\bfault", inspect.getsource(Trainer).lower())  # (default_callbacks aside)
+    from ds_optimus.config import OptimusConfig
+
+    callbacks = default_callbacks(OptimusConfig.from_ds_config({}))
+    assert not any(isinstance(c, FaultInjectionCallback) for c in callbacks)  # DS_OPTIMUS_FAULTS is unset
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("accumulation", [1, 8])
+def test_a_step_makes_at_most_two_host_syncs(tmp_path, cache, accumulation):
+    """One read of the step's all-reduced numbers (losses, the guards' loss, the preemption flag,
+    expert loads on log steps) and the sharded optimizer's gradient norm; none per micro-batch."""
+    config = tiny_config(tmp_path, cache, train={"steps": 5, "eval_interval": 0, "log_interval": 1},
+                         checkpoint={"interval": 0}, sharded_optimizer={"enabled": True},
+                         model={"preset": "mula-tiny-moe", "overrides": {"router_bias_update_rate": 0.001}})
+    config["train_micro_batch_size_per_gpu"] = 2
+    config["gradient_accumulation_steps"] = accumulation
+    config["zero_optimization"] = {"stage": 1}
+    per_step = run_distributed(count_syncs_worker, 1, config)[0]
+    assert sorted(per_step) == [1, 2, 3, 4, 5]
+    for step in (1, 2, 3, 4):  # the last step also evaluates, checkpoints and exports
+        assert len(per_step[step]) <= 2, (step, per_step[step])
+    assert len(per_step[2]) >= 1  # the counter sees the step's own read
+
+
+@pytest.mark.slow
+def test_router_bias_balances_experts_without_the_auxiliary_loss(tmp_path, cache):
+    """Two processes, no load-balancing loss: without balancing the tiny model's routers collapse
+    onto a few experts; with the router bias updated after every step (by the entry point, nothing
+    else) the experts end up far less imbalanced, per metrics.jsonl."""
+    def late_imbalance(name: str, rate: float) -> float:
+        config = tiny_config(tmp_path / name, cache, train={"steps": 150, "eval_interval": 0, "warmup_steps": 2},
+                             checkpoint={"interval": 0},
+                             model={"preset": "mula-tiny-moe",
+                                    "overrides": {"router_aux_loss_coef": 0.0, "router_bias_update_rate": rate}})
+        steps = [r for r in run_distributed(metrics_worker, 2, config)[0] if "loss" in r]
+        assert len(steps) == 150
+        layers = [k for k in steps[0] if k.startswith("expert_imbalance/layer_")]
+        assert len(layers) == 4
+        return sum(r[k] for r in steps[-20:] for k in layers) / (20 * len(layers))  # max/mean tokens, 1 = balanced
+
+    off, on = late_imbalance("off", 0.0), late_imbalance("on", 0.01)
+    assert on < off - 1.0 and on < 2.3, (on, off)
+
+
+@pytest.mark.slow
+def test_compiled_layers_train_like_eager(tmp_path, cache):
+    """`train.compile` compiles every decoder layer (the experts' grouped GEMM is a custom op with a
+    fake implementation, so float32 on the CPU traces too); 10 steps match eager within 1e-5."""
+    def run(name: str, compile_: bool) -> tuple[list[float], int]:
+        config = tiny_config(tmp_path / name, cache, train={"steps": 10, "eval_interval": 0, "compile": compile_},
+                             checkpoint={"interval": 0})
+        return run_distributed(compiled_losses_worker, 1, config)[0]
+
+    (eager, no_graphs), (compiled, graphs) = run("eager", False), run("compiled", True)
+    assert no_graphs == 0 and graphs > 0
+    assert len(eager) == len(compiled) == 10
+    assert max(abs(a - b) / abs(b) for a, b in zip(compiled, eager, strict=True)) < 1e-5
+
+
+def test_a_model_path_alone_wins_over_the_default_preset(tmp_path):
+    from ds_optimus.config import ConfigError, OptimusConfig
+    from ds_optimus.hf_models.mula import MulaConfig
+
+    MulaConfig.from_preset("mula-tiny-dense").save_pretrained(tmp_path / "mine")
+    opt = OptimusConfig.from_ds_config({"optimus": {"model": {"path": str(tmp_path / "mine")}}})
+    assert opt.model.preset is None and opt.model.build().config.num_experts == 0
+    assert OptimusConfig.from_ds_config({}).model.preset == "mula-tiny-moe"  # nothing given: the default
+    with pytest.raises(ConfigError, match=r"^optimus\.model: give one of preset and path, not both"):
+        OptimusConfig.from_ds_config({"optimus": {"model": {"path": "x", "preset": "mula-tiny-moe"}}})
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"lr": 0}, r"^optimizer\.params\.lr must be a positive number, got 0$"),
+    ({"lr": -3e-4}, r"^optimizer\.params\.lr must be a positive number"),
+    ({"lr": "fast"}, r"^optimizer\.params\.lr must be a positive number"),
+    ({"lr": 1e-3, "betas": [0.9, 1.0]}, r"^optimizer\.params\.betas must be two numbers in \[0, 1\)"),
+    ({"lr": 1e-3, "betas": [-0.1, 0.95]}, r"^optimizer\.params\.betas must be two numbers in \[0, 1\)"),
+    ({"lr": 1e-3, "betas": [0.9]}, r"^optimizer\.params\.betas must be two numbers in \[0, 1\)"),
+    ({"lr": 1e-3, "eps": 0}, r"^optimizer\.params\.eps must be a positive number"),
+    ({"lr": 1e-3, "weight_decay": -0.1}, r"^optimizer\.params\.weight_decay must be a number >= 0"),
+])
+def test_optimizer_hyperparameters_that_would_train_silently_wrong_are_refused(params, message):
+    from ds_optimus.config import ConfigError, check_optimizer_section
+
+    with pytest.raises(ConfigError, match=message):
+        check_optimizer_section({"optimizer": {"type": "AdamW", "params": params}})
+    check_optimizer_section({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95]}}})
+
+
+@pytest.mark.slow
+def test_metrics_reach_the_log_once_per_log_interval(tmp_path, cache):
+    config = tiny_config(tmp_path, cache, train={"steps": 7, "eval_interval": 0, "log_interval": 3},
+                         checkpoint={"interval": 0})
+    records = [r for r in run_distributed(metrics_worker, 1, config)[0] if "loss" in r]
+    assert [r["step"] for r in records] == [3, 6, 7]  # and the last step
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert sorted(map(int, summary["losses"])) == list(range(1, 8))  # every step's loss is still kept
+    assert [summary["losses"][str(r["step"])] for r in records] == [r["loss"] for r in records]
+
+
+def test_mula_trainer_moves_the_router_bias_once_per_optimizer_step(tmp_path):
+    """Under the Hugging Face Trainer (no DeepSpeed here), `MulaTrainer` drives the auxiliary-loss-
+    free balancing: one bias update per optimizer step, not per micro-batch."""
+    import numpy as np
+    import torch
+    from transformers import TrainingArguments
+
+    from ds_optimus.hf_models.mula import MulaConfig, MulaForCausalLM
+    from ds_optimus.train.hf_trainer import MulaTrainer, PackedSequences, RouterBiasUpdate
+
+    model = MulaForCausalLM(MulaConfig.from_preset("mula-tiny-moe", router_bias_update_rate=0.01))
+    calls = []
+    update = model.update_router_bias
+    model.update_router_bias = lambda *a, **k: (calls.append(1), update(*a, **k))  # counting, test only
+    tokens = np.random.default_rng(0).integers(2, 4096, 64 * 33).astype(np.uint16)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4,
+                             gradient_accumulation_steps=2, learning_rate=1e-3, report_to=[], save_strategy="no",
+                             use_cpu=True, disable_tqdm=True, logging_steps=1)
+    trainer = MulaTrainer(model=model, args=args, train_dataset=PackedSequences(tokens, 32))
+    assert sum(isinstance(c, RouterBiasUpdate) for c in trainer.callback_handler.callbacks) == 1
+    trainer.train()
+    assert len(calls) == 3  # 3 optimizer steps of 2 micro-batches each
+    biases = torch.stack([layer.mlp.gate.expert_bias for layer in model.model.layers])
+    assert biases.abs().sum() > 0 and torch.all(biases.abs() <= 3 * 0.01 + 1e-6)
+    assert all(layer.mlp.gate.load_since_update.sum() == 0 for layer in model.model.layers)
