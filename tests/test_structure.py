@@ -1,0 +1,138 @@
+"""The package's shape: imports point one way (no cycle between subpackages, the layers of DESIGN.md),
+leaf modules stay leaves, and no module grows past what one reader takes in."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# where each part of the installed package lives in the repository (setup.py's package_dir)
+SOURCES = {"ds_optimus": ROOT / "ds_optimus", "ds_optimus.ops": ROOT / "ops",
+           "ds_optimus.hf_models": ROOT / "hf_models"}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package, folder in SOURCES.items():
+        for path in folder.rglob("*.py"):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join([package, *parts])] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """Every ds_optimus module `name` imports, at module level or inside functions."""
+    is_package = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".")
+                base = base[:len(base) - node.level + (1 if is_package else 0)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found.add(target)
+            found.update(f"{target}.{alias.name}" for alias in node.names)  # `from pkg import module`
+    return {m for m in found if m in MODULES}
+
+
+def _unit(module: str) -> str:
+    """The subpackage (or top-level module) a module belongs to: ds_optimus.optim, ds_optimus.config, ..."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _unit_edges() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {}
+    for module, targets in GRAPH.items():
+        for target in targets:
+            if _unit(target) != _unit(module):
+                edges.setdefault(_unit(module), set()).add(_unit(target))
+    return edges
+
+
+def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the directed graph, or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_the_walk_sees_the_package():
+    assert len(MODULES) > 60 and "ds_optimus.train.trainer" in MODULES and "ds_optimus.hf_models.mula" in MODULES
+    assert "ds_optimus.parallel.expert_parallel" in GRAPH["ds_optimus.train.trainer"]  # a function-local import
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # the check can fail
+    assert _cycle({"a": {"b"}, "b": {"c"}}) is None
+
+
+def test_no_import_cycle_between_subpackages():
+    cycle = _cycle(_unit_edges())
+    assert cycle is None, " -> ".join(cycle)
+
+
+@pytest.mark.parametrize("lower, higher", [
+    ("ds_optimus.hf_models", "ds_optimus"),  # the model file loads as remote code without ds_optimus
+    ("ds_optimus.parallel", "ds_optimus.optim"),
+    ("ds_optimus.moe", "ds_optimus.parallel"),
+    ("ds_optimus.optim", "ds_optimus.reliability"),
+    ("ds_optimus.optim", "ds_optimus.config"),
+    ("ds_optimus.reliability", "ds_optimus.config"),
+    ("ds_optimus.config", "ds_optimus.train"),
+    ("ds_optimus.train", "ds_optimus.plan"),
+    ("ds_optimus.checkpoint_io", "ds_optimus"),
+    ("ds_optimus.schema", "ds_optimus"),
+])
+def test_layers_point_one_way(lower, higher):
+    offenders = sorted(f"{m} imports {t}" for m, targets in GRAPH.items() if m.startswith(lower)
+                       for t in targets if (t == higher or t.startswith(higher + ".")) and not t.startswith(lower))
+    assert not offenders, offenders
+
+
+def test_modeling_file_imports_only_torch_and_transformers_at_module_level():
+    tree = ast.parse((SOURCES["ds_optimus.hf_models"] / "mula" / "modeling_mula.py").read_text())
+    roots = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            roots.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            roots.add(node.module.split(".")[0])
+    assert roots <= {"__future__", "collections", "dataclasses", "typing", "torch", "transformers"}, roots
+
+
+# Transformers' convention (one model per file, read top to bottom) outweighs the length rule there.
+LONG_BY_CONVENTION = {"ds_optimus.hf_models.mula.modeling_mula"}
+
+
+def test_no_module_is_longer_than_one_reader_takes_in():
+    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > 450}
+    assert set(long) <= LONG_BY_CONVENTION, long
