@@ -182,13 +182,14 @@ def test_deepspeed_launcher_runs_the_tiny_moe_job(tmp_path, cache):
 
 @pytest.mark.parametrize("path", sorted((ROOT / "ds_configs").glob("*.json")), ids=lambda p: p.stem)
 def test_shipped_configs_are_valid_for_the_world_size_they_assume(path):
-    from ds_optimus.config import OptimusConfig
+    from ds_optimus.config import OptimusConfig, check_optimizer_section
     from ds_optimus.hf_models.mula import MulaConfig
     from ds_optimus.parallel.groups import check_layout
     from ds_optimus.train import resolve_batch_sizes
 
     config = json.loads(path.read_text())
     opt = OptimusConfig.from_ds_config(config)
+    check_optimizer_section(config)
     world = config["train_batch_size"] // (config["train_micro_batch_size_per_gpu"]
                                            * config["gradient_accumulation_steps"])
     assert resolve_batch_sizes(dict(config), world) == (config["train_micro_batch_size_per_gpu"],

@@ -72,7 +72,10 @@ class MetricsSink:
             print(text, file=sys.stderr, flush=True)
 
     def close(self) -> None:
+        """End the progress bar and the wandb run (again: nothing)."""
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
         if self.wandb is not None:
             self.wandb.finish()
+            self.wandb = None

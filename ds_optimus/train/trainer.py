@@ -245,6 +245,8 @@ class Trainer:
                             weights_fingerprint=C.dense_fingerprint(self.engine.module))
         if self.stop_reason is not None:
             self.summary.update(finished=False, preempted=self.stop_reason == "preempted")
+            if self.stop_reason != "preempted":  # a callback of the user's asked for it
+                self.message(f"stopped after step {self.step} ({self.stop_reason}); run again to resume")
         elif not self.summary["finished"]:
             self.message(f"stopped after step {self.end_step} of {self.opt.train.steps} (train.stop_after_steps); "
                          "run again to resume")
