@@ -2,7 +2,7 @@
 validated once, up front. An unknown key or a bad value is a one-line `ConfigError` naming the key.
 
     "optimus": {
-      "model": {"preset": "mula-tiny-moe", "path": null, "overrides": {}},  # a path alone wins over the preset
+      "model": {"preset": "mula-tiny-moe", "path": null, "overrides": {}},  # a path wins over the preset
       "expert_parallel": {"size": 4, "node_size": 2},   # EP size; node_size selects the hierarchical exchange
       "moe": {"experts_backend": "auto"},                # or "grouped_mm", "looped", "reference", ...
       "data": {"sources": ["embedded"], "tokenizer": null, "seq_len": 256, "val_fraction": 0.02,
@@ -59,22 +59,24 @@ DEFAULT_PRESET = "mula-tiny-moe"
 
 @dataclass(frozen=True)
 class ModelConfig(Section):
-    """`optimus.model`: a preset, or an HF folder (its config, and its weights if it has them), with
-    MulaConfig fields over either."""
+    """`optimus.model`: an HF folder (its config, and its weights if it has them) or a preset, with
+    MulaConfig fields over either. A path wins: the preset of a config (or the default) is then unused,
+    so `--set optimus.model.path=...` switches a shipped config to a folder."""
 
-    preset: str | None = None  # none given: DEFAULT_PRESET, unless a path is
+    preset: str | None = None  # neither given: DEFAULT_PRESET
     path: str | None = None
     overrides: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.preset is None and self.path is None:
+        if self.path is not None:
+            object.__setattr__(self, "preset", None)
+        elif self.preset is None:
             object.__setattr__(self, "preset", DEFAULT_PRESET)
 
     def check(self, where: str) -> None:
         from .hf_models.mula import PRESETS
 
-        need(self.preset is None or self.path is None,
-             f"{where}: give one of preset and path, not both (preset={self.preset!r}, path={self.path!r})")
+        need(self.path is None or isinstance(self.path, str), f"{where}.path must be a string, got {self.path!r}")
         need(self.preset is None or self.preset in PRESETS,
              f"{where}.preset {self.preset!r} is not one of {', '.join(PRESETS)}")
         need(isinstance(self.overrides, dict), f"{where}.overrides must be a JSON object")
@@ -89,6 +91,8 @@ class ModelConfig(Section):
         folder = Path(self.path) if self.path is not None else None
         try:
             if folder is not None:
+                if not folder.is_dir():
+                    raise ConfigError(f"optimus.model.path {str(folder)!r} is not a folder")
                 if not (folder / "config.json").exists():
                     raise ConfigError(f"optimus.model.path {str(folder)!r} has no config.json")
                 config = MulaConfig.from_pretrained(folder, **self.overrides)

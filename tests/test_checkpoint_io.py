@@ -172,7 +172,8 @@ def test_a_newer_folder_without_a_manifest_is_reported_and_the_older_checkpoint_
 
     (tmp_path / "step_00000004" / "meta.json").unlink()
     notes.clear()
-    assert manager.latest_good(notes.append) is None  # nothing complete: a fresh start, but not a silent one
+    with pytest.raises(CheckpointError, match="^no intact checkpoint is left in "):  # never a silent fresh start
+        manager.latest_good(notes.append)
     assert notes == [f"checkpoint step_0000000{s} has no manifest meta.json (an interrupted save?); no complete "
                      "checkpoint is left to fall back to" for s in (8, 4)]
 

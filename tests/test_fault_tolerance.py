@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -159,7 +160,13 @@ def test_latest_good_falls_back_and_says_when_nothing_is_intact(tmp_path):
                      "falling back to the previous one"]
     assert (tmp_path / "step_00000004.corrupt").is_dir()
     (tmp_path / "step_00000002" / "meta.json").unlink()  # no longer a complete checkpoint
-    assert manager.latest_good(notes.append) is None
+    with pytest.raises(CheckpointError, match=r"^no intact checkpoint is left in .*; move the folder away to start "
+                                              r"over$"):  # a restart must not quietly begin again at step 0
+        manager.latest_good(notes.append)
+    shutil.rmtree(tmp_path / "step_00000004.corrupt")
+    shutil.rmtree(tmp_path / "step_00000002")
+    (tmp_path / "latest").unlink()
+    assert manager.latest_good(notes.append) is None  # nothing was ever here: a fresh start
     manager.writer.prepare(tmp_path, "step_00000006")
     manager.writer.write(tmp_path, "step_00000006", {"rank00000.pt": {}}, {"step": 6})
     (tmp_path / "step_00000006" / "rank00000.pt").unlink()

@@ -256,8 +256,11 @@ def test_model_from_an_hf_folder_with_and_without_weights(tmp_path):
     assert fresh.config.num_hidden_layers == 1 and fresh.config.num_experts == 4
     from ds_optimus.config import ConfigError
 
-    with pytest.raises(ConfigError, match="has no config.json"):
+    with pytest.raises(ConfigError, match="is not a folder"):
         build(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="has no config.json"):
+        build(tmp_path / "empty")
 
 
 def test_overrides_parse_json_values_and_reject_bad_assignments():

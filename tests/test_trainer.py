@@ -9,7 +9,7 @@ import re
 
 import pytest
 from distributed import run_distributed
-from train_workers import compiled_losses_worker, count_syncs_worker, metrics_worker, tiny_config
+from train_workers import compiled_losses_worker, count_syncs_worker, metrics_worker, pretrain_worker, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -69,17 +69,19 @@ def test_router_bias_balances_experts_without_the_auxiliary_loss(tmp_path, cache
 
 
 @pytest.mark.slow
-def test_compiled_layers_train_like_eager(tmp_path, cache):
+@pytest.mark.parametrize("world", [1, 2], ids=["1proc", "2proc-ep2"])
+def test_compiled_layers_train_like_eager(tmp_path, cache, world):
     """`train.compile` compiles every decoder layer (the experts' grouped GEMM is a custom op with a
-    fake implementation, so float32 on the CPU traces too); 10 steps match eager within 1e-5."""
+    fake implementation, so float32 on the CPU traces too; the expert-parallel exchange stays eager);
+    12 steps match eager within 1e-5, and no step recompiles."""
     def run(name: str, compile_: bool) -> tuple[list[float], int]:
-        config = tiny_config(tmp_path / name, cache, train={"steps": 10, "eval_interval": 0, "compile": compile_},
-                             checkpoint={"interval": 0})
-        return run_distributed(compiled_losses_worker, 1, config)[0]
+        config = tiny_config(tmp_path / name, cache, train={"steps": 12, "eval_interval": 0, "compile": compile_},
+                             checkpoint={"interval": 0}, expert_parallel={"size": world})
+        return run_distributed(compiled_losses_worker, world, config)[0]
 
     (eager, no_graphs), (compiled, graphs) = run("eager", False), run("compiled", True)
     assert no_graphs == 0 and graphs > 0
-    assert len(eager) == len(compiled) == 10
+    assert len(eager) == len(compiled) == 12
     assert max(abs(a - b) / abs(b) for a, b in zip(compiled, eager, strict=True)) < 1e-5
 
 
@@ -91,8 +93,10 @@ def test_a_model_path_alone_wins_over_the_default_preset(tmp_path):
     opt = OptimusConfig.from_ds_config({"optimus": {"model": {"path": str(tmp_path / "mine")}}})
     assert opt.model.preset is None and opt.model.build().config.num_experts == 0
     assert OptimusConfig.from_ds_config({}).model.preset == "mula-tiny-moe"  # nothing given: the default
-    with pytest.raises(ConfigError, match=r"^optimus\.model: give one of preset and path, not both"):
-        OptimusConfig.from_ds_config({"optimus": {"model": {"path": "x", "preset": "mula-tiny-moe"}}})
+    shipped = {"optimus": {"model": {"preset": "mula-tiny-moe", "path": str(tmp_path / "mine")}}}
+    assert OptimusConfig.from_ds_config(shipped).model.build().config.num_experts == 0  # --set model.path on one
+    with pytest.raises(ConfigError, match=r"^optimus\.model\.path '.*nowhere' is not a folder$"):
+        OptimusConfig.from_ds_config({"optimus": {"model": {"path": str(tmp_path / "nowhere")}}}).model.build()
 
 
 @pytest.mark.parametrize("params, message", [
@@ -149,3 +153,79 @@ def test_mula_trainer_moves_the_router_bias_once_per_optimizer_step(tmp_path):
     biases = torch.stack([layer.mlp.gate.expert_bias for layer in model.model.layers])
     assert biases.abs().sum() > 0 and torch.all(biases.abs() <= 3 * 0.01 + 1e-6)
     assert all(layer.mlp.gate.load_since_update.sum() == 0 for layer in model.model.layers)
+
+
+@pytest.mark.slow
+def test_guards_off_a_finished_run_launched_again_and_an_error_on_record(tmp_path, cache):
+    config = tiny_config(tmp_path, cache, train={"steps": 4, "eval_interval": 0}, checkpoint={"interval": 2},
+                         guards={"enabled": False}, sharded_optimizer={"enabled": True})
+    config["zero_optimization"] = {"stage": 1}
+    first = run_distributed(pretrain_worker, 1, config)[0]  # the guards off under the sharded optimizer
+    assert sorted(first["losses"]) == [1, 2, 3, 4] and first["finished"]
+    run = tmp_path / "run"
+    summary = (run / "summary.json").read_text()
+
+    again = run_distributed(pretrain_worker, 1, config)[0]
+    assert again["start_step"] == 4 and again["losses"] == {} and "hf_dir" not in again
+    assert (run / "summary.json").read_text() == summary  # the finished run's record stays
+    log = (run / "log.txt").read_text()
+    assert "the run was already trained to step 4: nothing to do" in log
+
+    refused = {**config, "optimus": {**config["optimus"], "checkpoint": {"interval": 2, "resume": False}}}
+    with pytest.raises(Exception, match="checkpoint.resume is false"):
+        run_distributed(pretrain_worker, 1, refused)
+    last = (run / "log.txt").read_text().splitlines()[-1]
+    assert last.endswith("the run stopped on an error: ConfigError: checkpoint.resume is false but "
+                         f"{run / 'checkpoints'} holds checkpoints of an earlier run; remove them or point "
+                         "checkpoint.dir elsewhere")
+
+
+class _StubTrainer:
+    """What the guard callback's rollback reads of a trainer, without one."""
+
+    def __init__(self, interval: int) -> None:
+        from ds_optimus.config import OptimusConfig
+
+        self.opt = OptimusConfig.from_ds_config({"optimus": {"checkpoint": {"interval": interval}}})
+        self.messages: list[str] = []
+        self.checkpoints = self
+        self.rewound = None
+
+    def wait(self) -> None:
+        pass
+
+    def latest_good(self, report):
+        return None  # no checkpoint written yet
+
+    def message(self, text: str) -> None:
+        self.messages.append(text)
+
+    def rewind(self, step: int) -> None:
+        self.rewound = step
+
+
+def test_lasting_spikes_before_the_first_checkpoint_become_the_new_level():
+    from ds_optimus.reliability import CheckpointError
+    from ds_optimus.reliability.guards import GuardsConfig
+    from ds_optimus.train.callbacks import GuardCallback
+
+    callback = GuardCallback(GuardsConfig(window=20, min_window=5, sigmas=3.0, rollback_after=3))
+    callback.trainer = trainer = _StubTrainer(interval=100)
+    guard = callback.guard
+    for norm in [1.0, 1.1, 0.9, 1.0, 1.05, 0.95]:
+        assert not guard.decide(norm).skip
+    for norm in [25.0, 24.0, 26.0]:  # a lasting jump of the gradient norm
+        assert guard.decide(norm).skip and guard.last.spike
+    assert guard.wants_rollback and guard.spikes_only
+    callback.post_step(9)
+    assert trainer.rewound is None and not guard.wants_rollback
+    assert "3 spikes in a row" in trainer.messages[-1] and "taking them as the new level" in trainer.messages[-1]
+    assert not guard.decide(25.0).skip  # judged afresh once min_window steps are in again
+
+    for value in [float("nan")] * 3:  # non-finite steps are never taken as a level
+        guard.observe_loss(value)
+        assert guard.decide(1.0).skip
+    assert not guard.spikes_only
+    with pytest.raises(CheckpointError, match=r"3 bad steps in a row \(loss is nan\) and no checkpoint to roll back "
+                                              r"to \(the first checkpoint is due at step 100\)$"):
+        callback.post_step(12)

@@ -118,7 +118,11 @@ def metrics_worker(rank: int, world: int, config: dict) -> list[dict]:
 
 
 def compiled_losses_worker(rank: int, world: int, config: dict) -> tuple[list[float], int]:
-    """Train `config`; returns the per-step losses and how many graphs torch.compile captured."""
+    """Train `config`; returns the per-step losses and how many graphs torch.compile captured. A code
+    object compiled more than twice (training, then the evaluation's no-grad mode) fails the run:
+    no step may recompile."""
+    torch._dynamo.config.recompile_limit = 2
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     summary = pretrain(config)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     return [summary["losses"][s] for s in sorted(summary["losses"])], graphs

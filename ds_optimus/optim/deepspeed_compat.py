@@ -74,6 +74,12 @@ class ShardedOptimizer(sharded.ShardedOptimizer, ZeROOptimizer):
         # The engine's post-backward hook (PyTorch-style backward) runs once every gradient is in.
         self.update_hook_state_and_maybe_run_epilogue(self._num_params)
 
+    def step(self, closure=None) -> None:
+        super().step(closure)
+        # The engine's LR scheduler is built on the torch optimizer, whose own `step` never runs
+        # here: mark it stepped, as torch's schedulers check (they would warn on every run).
+        self.optimizer._opt_called = True
+
 
 _ORIGINAL = {
     "configure": DeepSpeedEngine._configure_distributed_model,

@@ -74,6 +74,9 @@ class ExpertParallelDispatcher:
         self.groups = groups
         self.num_local_experts = num_local_experts
 
+    # Never traced by torch.compile: the split sizes are read on the host every call, so a compiled
+    # exchange would guard on them and recompile for every new routing.
+    @torch.compiler.disable
     def __call__(self, x_sorted: torch.Tensor, counts: torch.Tensor,
                  experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         g, el = self.groups, self.num_local_experts

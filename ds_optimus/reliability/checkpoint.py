@@ -145,18 +145,25 @@ class CheckpointManager:
         view of the directory; collective). A damaged one is renamed to `<name>.corrupt` (kept for
         inspection, never loaded again) and the previous one tried. Rank 0 reports each damaged
         checkpoint and what `passed_over` finds through `report`, one line each. None without
-        checkpoints; a CheckpointError when there are some and none is intact."""
+        checkpoints; a CheckpointError when there are some, or were (set aside as damaged, named by
+        `latest`, left without a manifest), and none is intact."""
         notes: list[str] = []
         listed: list[Any] = [None]
         if self.rank == 0:
             candidates = self.candidates()
             notes = self.passed_over(candidates)
-            listed = [[str(p) for p in candidates]]
+            set_aside = sorted(p.name for p in self.directory.glob(f"{STEP_PREFIX}*.corrupt"))
+            listed = [([str(p) for p in candidates], notes or set_aside)]
         if dist.is_initialized() and self.world_size > 1:
             dist.broadcast_object_list(listed, src=0)
-        candidates = [Path(p) for p in listed[0]]
+        candidates, traces = [Path(p) for p in listed[0][0]], listed[0][1]
         for note in notes:
             report(note)
+        if not candidates and traces:
+            # Checkpoints were here and none is usable: starting afresh would silently lose the run
+            # (a restart after the refusal below would otherwise do just that).
+            raise CheckpointError(f"no intact checkpoint is left in {self.directory} ({'; '.join(traces)}); move "
+                                  "the folder away to start over")
         problems = []
         for path in candidates:
             problem = verify(path, self.rank, self.world_size)

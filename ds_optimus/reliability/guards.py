@@ -21,6 +21,7 @@ from ..schema import Section, check_flags, need, non_negative_int, number, posit
 class GuardDecision:
     skip: bool
     reason: str | None = None
+    spike: bool = False  # skipped for lying far above the recent steps, not for being non-finite
 
 
 class StepGuard:
@@ -36,6 +37,7 @@ class StepGuard:
         self.skip_spikes = skip_spikes
         self.loss: float | None = None  # the all-reduced loss of the step being taken
         self.bad_in_a_row = 0
+        self.spikes_only = True  # every bad step in the current row was a finite spike
         self.skipped = 0
         self.last: GuardDecision = GuardDecision(False)
 
@@ -59,16 +61,20 @@ class StepGuard:
             decision = GuardDecision(True, f"gradient norm is {grad_norm}")
         elif loss is not None and (z := self._spike(self.losses, loss)) is not None:
             decision = GuardDecision(True, f"loss {loss:.4g} is {z:.1f} standard deviations above the last "
-                                           f"{len(self.losses)} steps")
+                                           f"{len(self.losses)} steps", spike=True)
         elif (z := self._spike(self.norms, grad_norm)) is not None:
             decision = GuardDecision(True, f"gradient norm {grad_norm:.4g} is {z:.1f} standard deviations above "
-                                           f"the last {len(self.norms)} steps")
+                                           f"the last {len(self.norms)} steps", spike=True)
         else:
             decision = GuardDecision(False)
             if loss is not None:
                 self.losses.append(loss)
             self.norms.append(grad_norm)
         self.bad_in_a_row = self.bad_in_a_row + 1 if decision.skip else 0
+        if not decision.skip or self.bad_in_a_row == 1:
+            self.spikes_only = not decision.skip or decision.spike
+        else:
+            self.spikes_only = self.spikes_only and decision.spike
         self.skipped += decision.skip
         self.loss = None
         self.last = decision
@@ -80,6 +86,14 @@ class StepGuard:
 
     def reset_after_rollback(self) -> None:
         self.bad_in_a_row = 0
+
+    def accept_new_level(self) -> None:
+        """Take a run of finite spikes as the run's new level: forget the statistics (spikes are judged
+        again once `min_window` steps are in) and the bad steps."""
+        self.losses.clear()
+        self.norms.clear()
+        self.bad_in_a_row = 0
+        self.spikes_only = True
 
     def state_dict(self) -> dict:
         return {"losses": list(self.losses), "norms": list(self.norms), "skipped": self.skipped}

@@ -19,6 +19,13 @@ def expert_imbalance(tokens_per_expert) -> list[float]:
     return [max(row) / max(sum(row) / len(row), 1e-9) for row in rows]
 
 
+def append_log(folder: Path, text: str) -> None:
+    """Append `text`, timestamped, to `<folder>/log.txt` (the run's record of what happened)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder / "log.txt").open("a") as f:
+        f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n")
+
+
 class MetricsSink:
     """Rank 0's outputs: a progress bar, `metrics.jsonl` and `log.txt` (always) and wandb (if enabled)."""
 
@@ -64,8 +71,7 @@ class MetricsSink:
         rollbacks, damaged checkpoints stay on record)."""
         if not self.enabled:
             return
-        with self.path.with_name("log.txt").open("a") as f:
-            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n")
+        append_log(self.path.parent, text)
         if self.bar is not None:
             self.bar.write(text, file=sys.stderr)
         else:

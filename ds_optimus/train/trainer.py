@@ -26,7 +26,7 @@ from ..reliability.signals import EXIT_PREEMPTED
 from ..schema import ConfigError
 from . import components as C
 from .callbacks import Callback, default_callbacks
-from .metrics import MetricsSink
+from .metrics import MetricsSink, append_log
 
 LOSS_PARTS = ("loss", "lm_loss", "aux_loss", "z_loss")
 
@@ -183,7 +183,7 @@ class Trainer:
         parts = torch.zeros(len(LOSS_PARTS), dtype=torch.float64, device=self.device)
         for micro in range(accumulation):
             batch = self.train_loader.next_batch().to(self.device, non_blocking=True)
-            out = engine(input_ids=batch, labels=batch)
+            out = engine(input_ids=batch, labels=batch, use_cache=False)  # training keeps no KV cache
             parts += torch.stack([_loss_part(out, key) for key in LOSS_PARTS]) / accumulation
             if out.tokens_per_expert is not None:
                 counts = out.tokens_per_expert.detach().float()
@@ -243,7 +243,10 @@ class Trainer:
     def _finish(self) -> None:
         self.summary.update(skipped_steps=self.engine.skipped_steps,
                             weights_fingerprint=C.dense_fingerprint(self.engine.module))
-        if self.stop_reason is not None:
+        if self.start_step >= self.opt.train.steps:  # launched again after the end: keep what is there
+            self.message(f"the run was already trained to step {self.start_step}: nothing to do (raise "
+                         f"optimus.train.steps to train further, or remove {self.output_dir} to start over)")
+        elif self.stop_reason is not None:
             self.summary.update(finished=False, preempted=self.stop_reason == "preempted")
             if self.stop_reason != "preempted":  # a callback of the user's asked for it
                 self.message(f"stopped after step {self.step} ({self.stop_reason}); run again to resume")
@@ -264,9 +267,12 @@ class Trainer:
 
     def close(self, error: BaseException | None = None) -> None:
         """Release what the run holds (callbacks in reverse order, then the metrics sink); the one
-        path for success, an error and a preemption."""
+        path for success, an error and a preemption. An error is kept in `log.txt` in one line."""
         for callback in reversed(self.callbacks):
             callback.close(error)
+        if error is not None and (self.rank == 0 or self.log_every_rank):
+            first = (str(error).strip().splitlines() or [""])[0]
+            append_log(self.output_dir, f"the run stopped on an error: {type(error).__name__}: {first}")
         if self.sink is not None:
             self.sink.close()  # ends the progress bar's line, so an error message starts on its own
 
@@ -307,7 +313,7 @@ class Trainer:
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for batch in self.held_out:
             batch = batch.to(self.device)
-            total += self.engine(input_ids=batch, labels=batch).lm_loss.float()
+            total += self.engine(input_ids=batch, labels=batch, use_cache=False).lm_loss.float()
         self.engine.train()
         total = total.double() / len(self.held_out)
         if self.world > 1:

@@ -477,6 +477,9 @@ class MulaModel(MulaPreTrainedModel):
             past_key_values = DynamicCache(config=self.config)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
+        # Only positions the caller gives can describe packed sequences; the mask builder checks them
+        # for that on the host, which would stall every training step for positions made here.
+        given_position_ids = position_ids
         if position_ids is None:
             past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen).unsqueeze(0)
@@ -486,7 +489,7 @@ class MulaModel(MulaPreTrainedModel):
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
             past_key_values=past_key_values,
-            position_ids=position_ids,
+            position_ids=given_position_ids,
         )
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)

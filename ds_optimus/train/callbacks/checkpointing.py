@@ -8,18 +8,28 @@ from .base import Callback
 class CheckpointCallback(Callback):
     """Saves through the trainer's `CheckpointManager` (verified, atomic; in the background with
     `checkpoint.async_save`, except the last save of an invocation, which is waited for anyway) and
-    waits for a save in flight when the loop ends."""
+    waits for a save in flight when the loop ends. A stop asked for by a callback that runs after
+    this one still gets its checkpoint, when the loop ends."""
+
+    saved_step: int | None = None
 
     def post_step(self, step: int) -> None:
         trainer = self.trainer
         interval = trainer.opt.checkpoint.interval
         stopping = trainer.stop_reason is not None
-        if not ((interval and step % interval == 0) or step == trainer.end_step or stopping):
-            return
-        background = trainer.opt.checkpoint.async_save and step != trainer.end_step and not stopping
-        path = trainer.checkpoints.save(step, trainer.engine, trainer.checkpoint_state(), background=background)
-        trainer.message(f"step {step}: checkpoint {path}" + (" (writing in the background)" if background else ""))
-        trainer.notify_checkpoint(step, path)
+        if (interval and step % interval == 0) or step == trainer.end_step or stopping:
+            background = trainer.opt.checkpoint.async_save and step != trainer.end_step and not stopping
+            self._save(step, background)
 
     def post_train(self) -> None:
-        self.trainer.checkpoints.wait()
+        trainer = self.trainer
+        if trainer.stop_reason is not None and self.saved_step != trainer.step:
+            self._save(trainer.step, background=False)
+        trainer.checkpoints.wait()
+
+    def _save(self, step: int, background: bool) -> None:
+        trainer = self.trainer
+        path = trainer.checkpoints.save(step, trainer.engine, trainer.checkpoint_state(), background=background)
+        self.saved_step = step
+        trainer.message(f"step {step}: checkpoint {path}" + (" (writing in the background)" if background else ""))
+        trainer.notify_checkpoint(step, path)

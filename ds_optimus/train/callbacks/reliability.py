@@ -81,6 +81,8 @@ class GuardCallback(Callback):
         from ...optim.sharded import ShardedOptimizer
 
         trainer = self.trainer
+        if self.guard is None:  # optimus.guards.enabled is false
+            return
         if not isinstance(trainer.engine.optimizer, ShardedOptimizer):
             trainer.message("numerical guards act through the sharded optimizer (optimus.sharded_optimizer.enabled); "
                             "they are off for this run")
@@ -107,9 +109,20 @@ class GuardCallback(Callback):
         trainer, guard = self.trainer, self.guard
         trainer.checkpoints.wait()  # a save in flight finishes first
         target = trainer.checkpoints.latest_good(report=trainer.message)
+        if target is None and guard.spikes_only:
+            # Finite spikes that last have become the run's level (a routing shift, a new data mix):
+            # with nothing to roll back to, stopping would only lose the run.
+            trainer.message(f"step {step}: {guard.bad_in_a_row} spikes in a row ({guard.last.reason}) and no "
+                            "checkpoint to roll back to yet; taking them as the new level (the guards' statistics "
+                            "start afresh)")
+            guard.accept_new_level()
+            return
         if target is None:
-            raise CheckpointError(f"step {step}: {guard.bad_in_a_row} bad steps in a row and no checkpoint to roll "
-                                  "back to (set optimus.checkpoint.interval)")
+            interval = trainer.opt.checkpoint.interval
+            hint = (f"the first checkpoint is due at step {interval}" if interval
+                    else "set optimus.checkpoint.interval")
+            raise CheckpointError(f"step {step}: {guard.bad_in_a_row} bad steps in a row ({guard.last.reason}) and no "
+                                  f"checkpoint to roll back to ({hint})")
         position = trainer.train_loader.state_dict()
         resumed, _ = trainer.checkpoints.load(target, trainer.engine)
         trainer.train_loader.load_state_dict(position)
