@@ -101,7 +101,8 @@ class ModelConfig(Section):
         except (TypeError, ValueError) as err:
             if isinstance(err, ConfigError):
                 raise
-            raise ConfigError(f"optimus.model.overrides: {str(err).splitlines()[0]}") from None
+            where = "optimus.model.overrides" if self.overrides else f"optimus.model.path {str(folder)!r}"
+            raise ConfigError(f"{where}: {str(err).splitlines()[0]}") from None
         if tokenizer is not None:
             if len(tokenizer) > config.vocab_size:
                 raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens, more than the model's vocab_size "

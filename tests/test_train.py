@@ -236,7 +236,6 @@ def test_model_from_an_hf_folder_with_and_without_weights(tmp_path):
     from ds_optimus.config import OptimusConfig
     from ds_optimus.data import load_tokenizer
     from ds_optimus.hf_models.mula import MulaConfig, MulaForCausalLM
-    from ds_optimus.train import build_model
 
     tokenizer = load_tokenizer()
     torch.manual_seed(1)
@@ -247,7 +246,7 @@ def test_model_from_an_hf_folder_with_and_without_weights(tmp_path):
     def build(path, **overrides):
         opt = OptimusConfig.from_ds_config({"optimus": {"model": {"preset": None, "path": str(path),
                                                                   "overrides": overrides}}})
-        return build_model(opt, tokenizer)
+        return opt.model.build(tokenizer)
 
     loaded = build(tmp_path / "weights")
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), trained.state_dict().values(),

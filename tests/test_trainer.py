@@ -9,7 +9,14 @@ import re
 
 import pytest
 from distributed import run_distributed
-from train_workers import compiled_losses_worker, count_syncs_worker, metrics_worker, pretrain_worker, tiny_config
+from train_workers import (
+    compiled_losses_worker,
+    count_syncs_worker,
+    counting_worker,
+    metrics_worker,
+    pretrain_worker,
+    tiny_config,
+)
 
 
 @pytest.fixture(scope="module")
@@ -229,3 +236,67 @@ def test_lasting_spikes_before_the_first_checkpoint_become_the_new_level():
     with pytest.raises(CheckpointError, match=r"3 bad steps in a row \(loss is nan\) and no checkpoint to roll back "
                                               r"to \(the first checkpoint is due at step 100\)$"):
         callback.post_step(12)
+
+
+@pytest.mark.slow
+def test_a_users_callback_state_resumes_exactly_and_a_stop_at_the_last_step_still_exports(tmp_path, cache):
+    config = tiny_config(tmp_path, cache, train={"steps": 6, "eval_interval": 0, "stop_after_steps": 4},
+                         checkpoint={"interval": 0})
+    first, seen = run_distributed(counting_worker, 1, config, None)[0]
+    assert (first["start_step"], seen, first["finished"]) == (0, 4, False)
+    config["optimus"]["train"]["stop_after_steps"] = None
+    second, seen = run_distributed(counting_worker, 1, config, 6)[0]  # it asks for a stop at the last step
+    assert (second["start_step"], seen) == (4, 6)  # its count was saved with step 4's checkpoint
+    assert second["finished"] and (tmp_path / "run" / "hf" / "config.json").exists()
+
+
+class _Closing:
+    def __init__(self, log: list, fail: bool = False) -> None:
+        self.log, self.fail = log, fail
+
+    def close(self, error) -> None:
+        self.log.append(self)
+        if self.fail:
+            raise RuntimeError("could not close")
+
+
+def test_close_reaches_every_callback_and_keeps_the_error(tmp_path):
+    from types import SimpleNamespace
+
+    from ds_optimus.train import Trainer
+
+    log: list = []
+    first, failing = _Closing(log), _Closing(log, fail=True)
+    stub = SimpleNamespace(callbacks=[first, failing], rank=0, log_every_rank=False, output_dir=tmp_path, sink=None)
+    with pytest.raises(RuntimeError, match="could not close"):
+        Trainer.close(stub)  # a clean end: the callback's failure is raised, after every callback closed
+    assert log == [failing, first]
+    log.clear()
+    Trainer.close(stub, ValueError("bad batch\nmore lines"))  # an error already on its way wins
+    assert log == [failing, first]
+    assert (tmp_path / "log.txt").read_text().endswith("the run stopped on an error: ValueError: bad batch\n")
+
+
+def test_the_watchdog_allows_long_work_its_own_time_out_and_nothing_else():
+    from types import SimpleNamespace
+
+    from ds_optimus.reliability.watchdog import WatchdogConfig
+    from ds_optimus.train.callbacks import WatchdogCallback
+
+    beats = []
+    callback = WatchdogCallback(WatchdogConfig(step_timeout_s=10, first_step_timeout_s=60, checkpoint_timeout_s=300))
+    callback.trainer = SimpleNamespace(start_step=4)
+    callback.watchdog = SimpleNamespace(beat=lambda timeout, what: beats.append((timeout, what)))
+    callback.pre_step(5)
+    callback.post_step(5)
+    callback.on_long_work("the checkpoint of step 5")
+    callback.pre_step(6)
+    assert beats == [(60, "step 5"), (10, "the work after step 5"), (300, "the checkpoint of step 5"), (10, "step 6")]
+
+
+def test_setup_moe_says_what_it_takes():
+    from ds_optimus.hf_models.mula import MulaConfig, MulaForCausalLM
+    from ds_optimus.parallel import setup_moe
+
+    with pytest.raises(TypeError, match=r"^setup_moe takes a parsed optimus section, not dict: "):
+        setup_moe(MulaForCausalLM(MulaConfig.from_preset("mula-tiny-moe")), {"optimus": {}})

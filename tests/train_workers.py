@@ -126,3 +126,31 @@ def compiled_losses_worker(rank: int, world: int, config: dict) -> tuple[list[fl
     summary = pretrain(config)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     return [summary["losses"][s] for s in sorted(summary["losses"])], graphs
+
+
+class CountingCallback(Callback):
+    """A user's callback with state: counts the steps it saw; stops the run at `stop_at`."""
+
+    state_key = "counting"
+
+    def __init__(self, stop_at: int | None = None) -> None:
+        self.seen = 0
+        self.stop_at = stop_at
+
+    def post_step(self, step: int) -> None:
+        self.seen += 1
+        if step == self.stop_at:
+            self.trainer.request_stop("asked by the counting callback")
+
+    def state_dict(self) -> dict:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seen = state.get("seen", 0)
+
+
+def counting_worker(rank: int, world: int, config: dict, stop_at: int | None) -> tuple[dict, int]:
+    """Train `config` with a `CountingCallback`; returns the summary and the count it ended with."""
+    counter = CountingCallback(stop_at)
+    summary = Trainer(config, callbacks=[counter]).train()
+    return summary, counter.seen

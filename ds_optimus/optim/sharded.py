@@ -341,7 +341,7 @@ class ShardedOptimizer:
             self.skipped_steps += 1
             return
         clip = self.clip_grad / (norm + 1e-6) if self.clip_grad > 0 and norm > self.clip_grad else 1.0
-        divisor = torch.tensor(1.0 / (inv * clip), dtype=torch.float32, device=self._step.device)
+        divisor = torch.full((), 1.0 / (inv * clip), dtype=torch.float32, device=self._step.device)  # no copy
         self._step += 1
         for g, segments in self._segments.items():
             group = self.param_groups[g]

@@ -147,6 +147,9 @@ def setup_moe(model: nn.Module, config) -> ExpertParallelGroups | None:
     anything with its `moe` and `expert_parallel` sections): the experts backend of every MoE layer,
     and expert parallelism when `expert_parallel.size > 1`. Returns the EP groups, or None without
     expert parallelism."""
+    if not (hasattr(config, "moe") and hasattr(config, "expert_parallel")):
+        raise TypeError(f"setup_moe takes a parsed optimus section, not {type(config).__name__}: "
+                        "setup_moe(model, ds_optimus.config.OptimusConfig.from_ds_config(ds_config))")
     backend = None if config.moe.experts_backend == "auto" else config.moe.experts_backend
     for module in _experts_modules(model):
         module.experts_backend = backend

@@ -5,11 +5,5 @@ from .callbacks import Callback, default_callbacks
 from .components import export, init_distributed, resolve_batch_sizes, sample
 from .trainer import Preempted, Trainer, pretrain
 
-
-def build_model(opt, tokenizer):
-    """The Mula model of a parsed `optimus` section (`opt.model.build(tokenizer)`)."""
-    return opt.model.build(tokenizer)
-
-
-__all__ = ["Callback", "Preempted", "Trainer", "build_model", "default_callbacks", "export", "init_distributed",
-           "pretrain", "resolve_batch_sizes", "sample"]
+__all__ = ["Callback", "Preempted", "Trainer", "default_callbacks", "export", "init_distributed", "pretrain",
+           "resolve_batch_sizes", "sample"]

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+LOSS_PARTS = ("loss", "lm_loss", "aux_loss", "z_loss")  # what a Mula output reports of its loss
+
 
 def expert_imbalance(tokens_per_expert) -> list[float]:
     """Max over mean tokens per expert, for each MoE layer (1.0 is perfect balance), from per-layer

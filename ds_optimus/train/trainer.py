@@ -26,9 +26,7 @@ from ..reliability.signals import EXIT_PREEMPTED
 from ..schema import ConfigError
 from . import components as C
 from .callbacks import Callback, default_callbacks
-from .metrics import MetricsSink, append_log
-
-LOSS_PARTS = ("loss", "lm_loss", "aux_loss", "z_loss")
+from .metrics import LOSS_PARTS, MetricsSink, append_log
 
 
 class Preempted(SystemExit):
@@ -42,7 +40,8 @@ class Preempted(SystemExit):
 
 class Trainer:
     """One pretraining run of a DeepSpeed config with an `optimus` section (collective: every rank
-    builds one). `callbacks` are added after the defaults of the config."""
+    builds one). `callbacks` run after the guards and before evaluation, preemption and checkpoints
+    (`default_callbacks`)."""
 
     def __init__(self, ds_config: dict[str, Any] | str | Path, *, callbacks: list[Callback] = (),
                  log_every_rank: bool = False) -> None:
@@ -59,7 +58,7 @@ class Trainer:
         C.seed_everything(opt.train.seed)  # the same initial weights on every rank
         self.output_dir = Path(opt.train.output_dir)
         self.log_every_rank = log_every_rank
-        self.callbacks = [*default_callbacks(opt), *callbacks]
+        self.callbacks = default_callbacks(opt, list(callbacks))
         for callback in self.callbacks:
             callback.trainer = self
         self.sink: MetricsSink | None = None
@@ -140,6 +139,7 @@ class Trainer:
             lr_scheduler=schedule, config=config)
         C.release_shm_workspace()
         self.device = self.engine.device
+        self.sum_dtype = _sum_dtype(torch.device(self.device))
 
     def _resume(self) -> int:
         """Load the newest intact checkpoint, if any, and open the metrics sink; returns the step the
@@ -148,7 +148,7 @@ class Trainer:
         if not self.opt.checkpoint.resume and checkpoints.has_checkpoints():
             raise ConfigError(f"checkpoint.resume is false but {checkpoints.directory} holds checkpoints of an "
                               "earlier run; remove them or point checkpoint.dir elsewhere")
-        latest = checkpoints.latest_good(report=notes.append)
+        latest = checkpoints.latest_good(report=notes.append) if self.opt.checkpoint.resume else None
         start, self.resumed_from = 0, None
         if latest is not None:
             start, extra = checkpoints.load(latest, self.engine)
@@ -173,18 +173,19 @@ class Trainer:
     # -- the step and the loop --------------------------------------------------------------------
 
     def train_step(self) -> None:
-        """One optimizer step over `accumulation` micro-batches. Losses and expert loads add up on the
-        device; after the last backward pass one all-reduce brings the step's numbers (and the
-        callbacks' flags) to every rank's host, the one read the guards and preemption need, before
-        the update. Metrics of a log step reach the host in that same read."""
+        """One optimizer step over `accumulation` micro-batches (inside `train()`, which sets the
+        callbacks up first). Losses and expert loads add up on the device; after the last backward
+        pass one all-reduce brings the step's numbers (and the callbacks' flags) to every rank's
+        host, the one read the guards and preemption need, before the update. Metrics of a log step
+        reach the host in that same read."""
         engine, accumulation = self.engine, self.accumulation
         began, skipped_before = time.perf_counter(), engine.skipped_steps
         self.lr = engine.get_lr()[0]
-        parts = torch.zeros(len(LOSS_PARTS), dtype=torch.float64, device=self.device)
+        parts = torch.zeros(len(LOSS_PARTS), dtype=self.sum_dtype, device=self.device)
         for micro in range(accumulation):
             batch = self.train_loader.next_batch().to(self.device, non_blocking=True)
             out = engine(input_ids=batch, labels=batch, use_cache=False)  # training keeps no KV cache
-            parts += torch.stack([_loss_part(out, key) for key in LOSS_PARTS]) / accumulation
+            parts += torch.stack([_loss_part(out, key, self.sum_dtype) for key in LOSS_PARTS]) / accumulation
             if out.tokens_per_expert is not None:
                 counts = out.tokens_per_expert.detach().float()
                 self.expert_loads = counts if self.expert_loads is None else self.expert_loads + counts
@@ -198,18 +199,21 @@ class Trainer:
     def _reduce_step(self, parts: torch.Tensor) -> None:
         """Sum the loss parts (then averaged), the callbacks' flags and, on log steps, the expert
         loads over all ranks in one all-reduce, and read the result on the host once."""
-        flags = {k: v for callback in self.callbacks for k, v in callback.step_flags().items()}
-        pieces = [parts, torch.tensor(list(flags.values()), dtype=torch.float64, device=self.device)]
+        flags = [item for callback in self.callbacks for item in callback.step_flags().items()]
+        if len({name for name, _ in flags}) != len(flags):
+            raise RuntimeError(f"two callbacks give the same step flag ({', '.join(name for name, _ in flags)})")
+        # each flag made on the device by a fill: a copy from the host would wait for the backward pass
+        pieces = [parts, *(torch.full((1,), value, dtype=parts.dtype, device=self.device) for _, value in flags)]
         loads = self.expert_loads if self.is_log_step(self.step) else None
         if loads is not None:
-            pieces.append(loads.reshape(-1).to(torch.float64))
+            pieces.append(loads.reshape(-1).to(parts.dtype))
         packed = torch.cat(pieces)
         if self.world > 1:
             dist.all_reduce(packed)
             packed[:len(LOSS_PARTS)] /= self.world
         values = packed.tolist()  # the step's one host sync
         self.metrics = dict(zip(LOSS_PARTS, values, strict=False))
-        self.metrics.update(zip(flags, values[len(LOSS_PARTS):], strict=False))
+        self.metrics.update(zip((name for name, _ in flags), values[len(LOSS_PARTS):], strict=False))
         self.step_loads = None
         if loads is not None:
             flat, experts = values[len(LOSS_PARTS) + len(flags):], loads.shape[-1]
@@ -217,7 +221,8 @@ class Trainer:
             self.expert_loads = None
 
     def is_log_step(self, step: int) -> bool:
-        return step % self.opt.train.log_interval == 0 or step == self.opt.train.steps
+        """Whether step `step`'s metrics go to the logs: every `log_interval`-th, and the last."""
+        return step % self.opt.train.log_interval == 0 or step in (self.end_step, self.opt.train.steps)
 
     def train(self) -> dict[str, Any]:
         """Run from the resumed step to the last one (or until a callback stops the run), export
@@ -243,38 +248,60 @@ class Trainer:
     def _finish(self) -> None:
         self.summary.update(skipped_steps=self.engine.skipped_steps,
                             weights_fingerprint=C.dense_fingerprint(self.engine.module))
-        if self.start_step >= self.opt.train.steps:  # launched again after the end: keep what is there
-            self.message(f"the run was already trained to step {self.start_step}: nothing to do (raise "
-                         f"optimus.train.steps to train further, or remove {self.output_dir} to start over)")
+        if self.step >= self.opt.train.steps:  # the last step is done, in this invocation or an earlier one
+            self.stop_reason = None  # a stop asked for at the last step leaves nothing to come back for
+            self.summary["finished"] = True
+            if self.start_step >= self.opt.train.steps and self._summary_written():
+                self.message(f"the run was already trained to step {self.start_step}: nothing to do (raise "
+                             f"optimus.train.steps to train further, or remove {self.output_dir} to start over)")
+            else:
+                self._export()
         elif self.stop_reason is not None:
             self.summary.update(finished=False, preempted=self.stop_reason == "preempted")
             if self.stop_reason != "preempted":  # a callback of the user's asked for it
                 self.message(f"stopped after step {self.step} ({self.stop_reason}); run again to resume")
-        elif not self.summary["finished"]:
+        else:
             self.message(f"stopped after step {self.end_step} of {self.opt.train.steps} (train.stop_after_steps); "
                          "run again to resume")
-        else:
-            hf_dir = self.output_dir / "hf"
-            C.export(self.engine.module, self.tokenizer, hf_dir, self.groups)
-            self.summary["hf_dir"] = str(hf_dir)
-            if self.rank == 0 and self.opt.train.sample_tokens:
-                self.summary["sample"] = C.sample(hf_dir, self.opt.train.sample_prompt, self.opt.train.sample_tokens)
-                self.message(f"sample from {hf_dir}:\n{self.summary['sample']}")
-            if self.rank == 0:
-                (self.output_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
         self.sink.close()
         dist.barrier()
 
+    def _summary_written(self) -> bool:
+        """Whether the run's `summary.json`, written last, exists: rank 0's view, on every rank."""
+        found = [(self.output_dir / "summary.json").exists() if self.rank == 0 else None]
+        if self.world > 1:
+            dist.broadcast_object_list(found, src=0)
+        return bool(found[0])
+
+    def _export(self) -> None:
+        """The Hugging Face folder (every expert), a sample from it, and `summary.json`, last."""
+        hf_dir = self.output_dir / "hf"
+        self.begin_long_work("the export")
+        C.export(self.engine.module, self.tokenizer, hf_dir, self.groups)
+        self.summary["hf_dir"] = str(hf_dir)
+        if self.rank == 0 and self.opt.train.sample_tokens:
+            self.summary["sample"] = C.sample(hf_dir, self.opt.train.sample_prompt, self.opt.train.sample_tokens)
+            self.message(f"sample from {hf_dir}:\n{self.summary['sample']}")
+        if self.rank == 0:
+            (self.output_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
+
     def close(self, error: BaseException | None = None) -> None:
         """Release what the run holds (callbacks in reverse order, then the metrics sink); the one
-        path for success, an error and a preemption. An error is kept in `log.txt` in one line."""
+        path for success, an error and a preemption. An error is kept in `log.txt` in one line; a
+        callback that fails to close does not keep the others from closing."""
+        failures = []
         for callback in reversed(self.callbacks):
-            callback.close(error)
+            try:
+                callback.close(error)
+            except Exception as err:  # every callback must get its turn
+                failures.append(err)
         if error is not None and (self.rank == 0 or self.log_every_rank):
             first = (str(error).strip().splitlines() or [""])[0]
             append_log(self.output_dir, f"the run stopped on an error: {type(error).__name__}: {first}")
         if self.sink is not None:
             self.sink.close()  # ends the progress bar's line, so an error message starts on its own
+        if failures and error is None:
+            raise failures[0]
 
     # -- what callbacks use -----------------------------------------------------------------------
 
@@ -286,8 +313,11 @@ class Trainer:
             print(text, file=sys.stderr, flush=True)
 
     def request_stop(self, reason: str) -> None:
-        """End the run after the current step (its checkpoint is still written)."""
-        self.stop_reason = reason
+        """End the run after the current step (its checkpoint is still written). Every rank must ask
+        alike: decide from numbers every rank holds (`metrics`, reduced over ranks). A preemption's
+        stop stays one (its exit status tells the scheduler to requeue)."""
+        if self.stop_reason != "preempted":
+            self.stop_reason = reason
 
     def rewind(self, step: int) -> None:
         """Continue after `step` (a rollback restored its checkpoint); the current step's remaining
@@ -302,7 +332,13 @@ class Trainer:
         return state
 
     def notify_checkpoint(self, step: int, path: Path) -> None:
-        self._call("on_checkpoint", step, path)
+        for callback in self.callbacks:
+            callback.on_checkpoint(step, path)
+
+    def begin_long_work(self, what: str) -> None:
+        """Say that work which may take long starts now (the watchdog allows it its longer time-out)."""
+        for callback in self.callbacks:
+            callback.on_long_work(what)
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -329,11 +365,20 @@ class Trainer:
                 break
 
 
-def _loss_part(out, key: str) -> torch.Tensor:
+def _loss_part(out, key: str, dtype: torch.dtype) -> torch.Tensor:
     value = getattr(out, key, None)
     if value is None:  # a dense model has no router losses
-        return torch.zeros((), dtype=torch.float64, device=out.loss.device)
-    return value.detach().double()
+        return torch.zeros((), dtype=dtype, device=out.loss.device)
+    return value.detach().to(dtype)
+
+
+def _sum_dtype(device: torch.device) -> torch.dtype:
+    """float64 for the step's sums where the device has it (as the host would add), else float32."""
+    if device.type == "mps":
+        return torch.float32
+    if device.type == "xpu" and not getattr(torch.xpu.get_device_properties(device), "has_fp64", True):
+        return torch.float32
+    return torch.float64
 
 
 def pretrain(ds_config: dict[str, Any] | str | Path, *, log_every_rank: bool = False) -> dict[str, Any]:

@@ -725,6 +725,13 @@ class MulaForCausalLM(MulaPreTrainedModel, GenerationMixin):
         for router, load in zip(routers, loads, strict=True):
             router.update_bias_from(load, rate)
 
+    @torch.no_grad()
+    def discard_router_loads(self) -> None:
+        """Forget the expert loads counted since the last bias update (a step whose update was skipped)."""
+        for module in self.modules():
+            if isinstance(module, MulaTopKRouter) and module.load_since_update is not None:
+                module.load_since_update.zero_()
+
 
 __all__ = [
     "MulaForCausalLM",

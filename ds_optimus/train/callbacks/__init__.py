@@ -1,10 +1,11 @@
 """Everything around the training step, one concern per callback (`Callback` lists the hooks).
 
-`default_callbacks(opt)` gives a run's callbacks in the order their hooks run: the watchdog first
-(it re-arms before anything else can hang), fault injection (only with `DS_OPTIMUS_FAULTS`), the
-memory meter, the router-bias update right after the optimizer step, metrics and the progress
-file, the guards (whose rollback ends the step's remaining callbacks), evaluation, preemption
-(which asks for the stop that the checkpoint callback, last, then saves for).
+`default_callbacks(opt, extra)` gives a run's callbacks in the order their hooks run: the watchdog
+first (it re-arms before anything else can hang), fault injection (only with `DS_OPTIMUS_FAULTS`),
+the memory meter, the router-bias update right after the optimizer step, metrics and the progress
+file, the guards (whose rollback ends the step's remaining `post_step` calls), then the `extra`
+callbacks of the user, so that what they do or ask for (a stop) is in the step's evaluation and
+checkpoint, then evaluation, preemption (whose stop wins over others) and the checkpoints, last.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ __all__ = [
 ]
 
 
-def default_callbacks(opt) -> list[Callback]:
-    """The callbacks of a run of the parsed `optimus` section `opt`, in hook order."""
+def default_callbacks(opt, extra: list[Callback] = ()) -> list[Callback]:
+    """The callbacks of a run of the parsed `optimus` section `opt`, with the user's `extra`, in
+    hook order."""
     callbacks: list[Callback] = [WatchdogCallback(opt.watchdog)]
     faults = FaultInjectionCallback.from_environment()
     if faults is not None:
@@ -44,6 +46,5 @@ def default_callbacks(opt) -> list[Callback]:
     if opt.train.measure_memory_steps:
         callbacks.append(MemoryCallback(opt.train.measure_memory_steps))
     callbacks += [RouterBiasCallback(), MetricsCallback(), ProgressFileCallback(), GuardCallback(opt.guards),
-                  EvaluationCallback(), PreemptionCallback(), CheckpointCallback()]
+                  *extra, EvaluationCallback(), PreemptionCallback(), CheckpointCallback()]
     return callbacks
-

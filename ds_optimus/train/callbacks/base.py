@@ -36,6 +36,9 @@ class Callback:
     def post_step(self, step: int) -> None:
         """The update of step `step` is done; its losses, reduced over ranks, are in `trainer.metrics`."""
 
+    def on_long_work(self, what: str) -> None:
+        """Work that may take long is about to start (an evaluation, a checkpoint, the export)."""
+
     def on_checkpoint(self, step: int, path: Path) -> None:
         """A checkpoint of step `step` was written (or, saved in the background, is being written)."""
 

@@ -13,6 +13,7 @@ class EvaluationCallback(Callback):
         interval = trainer.opt.train.eval_interval
         if not ((interval and step % interval == 0) or step == trainer.opt.train.steps):
             return
+        trainer.begin_long_work(f"the evaluation after step {step}")
         held_out_loss = trainer.evaluate()
         if held_out_loss is not None:
             trainer.summary["evals"][step] = held_out_loss

@@ -9,7 +9,7 @@ import time
 
 from ...checkpoint_io import write_text_atomic
 from ...hf_models.mula.sizing import flops_per_token
-from ..metrics import expert_imbalance
+from ..metrics import LOSS_PARTS, expert_imbalance
 from .base import Callback
 
 
@@ -36,7 +36,7 @@ class MetricsCallback(Callback):
             return
         grad_norm = trainer.engine.get_global_grad_norm()
         seconds = self.window_seconds / self.window_steps
-        metrics = {key: trainer.metrics[key] for key in ("loss", "lm_loss", "aux_loss", "z_loss")}
+        metrics = {key: trainer.metrics[key] for key in LOSS_PARTS}
         metrics.update(lr=trainer.lr, grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
                        tokens_per_s=trainer.tokens_per_step / seconds, step_seconds=seconds,
                        tokens=step * trainer.tokens_per_step, skipped_steps=trainer.engine.skipped_steps)

@@ -12,8 +12,8 @@ from .base import Callback
 
 class WatchdogCallback(Callback):
     """Re-arms this rank's watchdog at every boundary: the step's time-out before a step (a longer
-    one for the first step of an invocation, which also compiles and warms up), the checkpoint
-    time-out for the work after a step (evaluation, checkpoint) and for the end of the run."""
+    one for the first step of an invocation, which also compiles and warms up) and for the short
+    work after it, the checkpoint time-out before each evaluation, checkpoint and the export."""
 
     def __init__(self, config: WatchdogConfig) -> None:
         self.config = config
@@ -27,7 +27,10 @@ class WatchdogCallback(Callback):
         self.watchdog.beat(self.config.first_step_timeout_s if first else self.config.step_timeout_s, f"step {step}")
 
     def post_step(self, step: int) -> None:
-        self.watchdog.beat(self.config.checkpoint_timeout_s, f"the evaluation and checkpoint after step {step}")
+        self.watchdog.beat(self.config.step_timeout_s, f"the work after step {step}")
+
+    def on_long_work(self, what: str) -> None:
+        self.watchdog.beat(self.config.checkpoint_timeout_s, what)
 
     def post_train(self) -> None:
         self.watchdog.beat(self.config.checkpoint_timeout_s, "the end of the run")
@@ -45,11 +48,11 @@ class PreemptionCallback(Callback):
     def __init__(self) -> None:
         self.handler: PreemptionHandler | None = None
 
-    def pre_train(self) -> None:
+    def setup(self) -> None:
         self.handler = PreemptionHandler()
 
     def step_flags(self) -> dict[str, float]:
-        return {"preempt": 1.0 if self.handler.received else 0.0}
+        return {"preempt": 1.0 if self.handler is not None and self.handler.received else 0.0}
 
     def post_step(self, step: int) -> None:
         if self.trainer.metrics.pop("preempt", 0.0) > 0:
@@ -124,8 +127,11 @@ class GuardCallback(Callback):
             raise CheckpointError(f"step {step}: {guard.bad_in_a_row} bad steps in a row ({guard.last.reason}) and no "
                                   f"checkpoint to roll back to ({hint})")
         position = trainer.train_loader.state_dict()
-        resumed, _ = trainer.checkpoints.load(target, trainer.engine)
+        resumed, extra = trainer.checkpoints.load(target, trainer.engine)
         trainer.train_loader.load_state_dict(position)
+        for callback in trainer.callbacks:  # the others' state as it was then (the guard keeps its own)
+            if callback.state_key is not None and callback is not self:
+                callback.load_state_dict(extra.get(callback.state_key, {}))
         trainer.message(f"step {step}: {guard.bad_in_a_row} bad steps in a row ({guard.last.reason}); rolled back to "
                         f"{target.name} and skipping the data read since")
         guard.reset_after_rollback()

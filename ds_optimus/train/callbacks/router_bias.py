@@ -11,14 +11,6 @@ def uses_router_bias(model) -> bool:
     return bool(getattr(config, "num_experts", 0)) and getattr(config, "router_bias_update_rate", 0.0) > 0
 
 
-def skip_router_bias_update(model) -> None:
-    """Forget the expert loads counted since the last update (a step whose update was skipped)."""
-    for module in model.modules():
-        load = getattr(module, "load_since_update", None)
-        if load is not None:
-            load.zero_()
-
-
 class RouterBiasCallback(Callback):
     """After each optimizer step, move every MoE router's selection bias towards balance from the
     loads counted since the last step, summed over the data-parallel ranks (one all-reduce, no host
@@ -36,7 +28,7 @@ class RouterBiasCallback(Callback):
         if not self.active:
             return
         if trainer.update_skipped:
-            skip_router_bias_update(model)
+            model.discard_router_loads()
             return
         group = trainer.groups.dp_group if trainer.groups is not None else None
         model.update_router_bias(group)
