@@ -77,6 +77,7 @@ class ShardedOptimizer:
         self._reduced_this_step = 0  # reductions added to the shard since the last step
         self._finished = True
         self._pool = BufferPool()
+        self._gather_works: list = []  # see _gather_params
         self.spaces = self._build_spaces(param_names, bucket_size, reduce_dtype)
         device = self.spaces[0].device if self.spaces else torch.device("cpu")
         self._step = torch.zeros((), dtype=torch.float32, device=device)  # the fused kernels read it on device
@@ -360,12 +361,17 @@ class ShardedOptimizer:
         """Cast every shard to the parameters' dtype and all-gather it, bucket by bucket (two in
         flight), into the parameters."""
         pending = []
+        # A collective's worker thread lets go of its work only after wait() returns. Were its reference
+        # the last, it would free the work's tensors and need the GIL for that, which aborts the process
+        # if the interpreter is exiting by then: the works are therefore kept until the next step.
+        self._gather_works = []
         for space in self.spaces:
             for bucket in space.buckets:
                 buf = self._pool.get(bucket.size, space.dtype, space.device)
                 own = buf[space.rank * bucket.shard:(space.rank + 1) * bucket.shard]
                 own.copy_(space.master[bucket.shard_offset:bucket.shard_offset + bucket.shard])
                 work = collective("all_gather")(buf, own, group=space.group, async_op=True)
+                self._gather_works.append(work)
                 pending.append((space, bucket, buf, work))
                 if len(pending) > 1:
                     self._scatter_into_params(*pending.pop(0))
