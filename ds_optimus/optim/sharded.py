@@ -1,11 +1,9 @@
 """The EP-aware sharded optimizer: a ZeRO-1/2 stage that knows about expert parallelism.
 
 Dense parameters' fp32 master weights and Adam moments are sharded over the data-parallel group,
-each EP layout's expert parameters' over its expert-data-parallel (EDP) group, in shards aligned to
-whole experts when the EDP size divides the local expert count (`layout.py`, `spaces.py`). Pure
-PyTorch, it runs on its own (`backward(loss)`, `step()`); DeepSpeed's engine builds its adapter
-(`deepspeed_compat.py`: the engine's backward-hook bookkeeping) in place of its own ZeRO optimizer
-when the config says so and drives it through the same calls.
+each EP layout's expert parameters' over its expert-data-parallel (EDP) group, aligned to whole
+experts when the EDP size divides the local expert count (`layout.py`, `spaces.py`). Pure PyTorch,
+it runs on its own (`backward(loss)`, `step()`), or as DeepSpeed's ZeRO optimizer (`deepspeed_compat.py`).
 
 Per step:
 - gradients are copied, as the backward pass produces them, into communication buckets, and each
@@ -18,9 +16,9 @@ Per step:
   averaging over ranks and the clipping folded into its gradient divisor;
 - the updated shard is cast to the parameters' dtype and all-gathered, one collective per bucket.
 
-Averaging: every rank's loss is the mean over its own tokens, so the gradient of the global mean is
-the sum over ranks divided by the data-parallel world size, for expert weights too (an expert's
-local gradient already sums the contributions of the tokens its EP group sent it).
+Averaging: every rank's loss is the mean over its own tokens, so the global mean's gradient is the
+sum over ranks over the data-parallel world size, for experts too (an expert's local gradient
+already sums the contributions of the tokens its EP group sent it).
 """
 
 from __future__ import annotations
@@ -77,7 +75,9 @@ class ShardedOptimizer:
         self._reduced_this_step = 0  # reductions added to the shard since the last step
         self._finished = True
         self._pool = BufferPool()
-        self._gather_works: list = []  # see _gather_params
+        # The all-gathers' work handles live until the next step: a gloo worker thread dropping the last
+        # one would free its tensors, needing the GIL, which aborts a process exiting right after a step.
+        self._gather_works: list = []
         self.spaces = self._build_spaces(param_names, bucket_size, reduce_dtype)
         device = self.spaces[0].device if self.spaces else torch.device("cpu")
         self._step = torch.zeros((), dtype=torch.float32, device=device)  # the fused kernels read it on device
@@ -358,13 +358,9 @@ class ShardedOptimizer:
 
     @torch.no_grad()
     def _gather_params(self) -> None:
-        """Cast every shard to the parameters' dtype and all-gather it, bucket by bucket (two in
-        flight), into the parameters."""
+        """Cast the shards to the parameters' dtype and all-gather them, two buckets in flight."""
         pending = []
-        # A collective's worker thread lets go of its work only after wait() returns. Were its reference
-        # the last, it would free the work's tensors and need the GIL for that, which aborts the process
-        # if the interpreter is exiting by then: the works are therefore kept until the next step.
-        self._gather_works = []
+        self._gather_works = []  # see __init__
         for space in self.spaces:
             for bucket in space.buckets:
                 buf = self._pool.get(bucket.size, space.dtype, space.device)
@@ -410,8 +406,7 @@ class ShardedOptimizer:
                 "spaces": shard_state(self.spaces)}
 
     def load_state_dict(self, state_dict, load_optimizer_states: bool = True, **kwargs) -> None:
-        """Load one state dict of `state_dict()` (this rank's, same layout) or a list of all ranks'
-        (any layout)."""
+        """Load this rank's `state_dict()` (same layout) or a list of all ranks' (any layout)."""
         sources = list(state_dict) if isinstance(state_dict, (list, tuple)) else [state_dict]
         self.load_shards(sources)
 
