@@ -42,6 +42,7 @@ setup(
         "dev": ["pytest>=8", "ruff>=0.8", "matplotlib>=3.7"],
         "triton": ["triton>=3.2"],
         "plan": ["matplotlib>=3.7"],  # the planner's scaling plot (--png)
+        "report": ["matplotlib>=3.7"],  # python -m ds_optimus.report: a run's plots
     },
     entry_points={"console_scripts": ["ds-optimus-train = ds_optimus.train.cli:main",
                                       "ds-optimus-plan = ds_optimus.plan.__main__:main"]},

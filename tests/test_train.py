@@ -202,8 +202,8 @@ def test_shipped_configs_are_valid_for_the_world_size_they_assume(path):
 
 @pytest.mark.slow
 def test_hf_trainer_example_with_expert_parallelism_through_the_launcher(tmp_path, cache):
-    """MulaTrainer (MoE param groups surviving the Trainer's DeepSpeed integration) with EP=2 on
-    2 processes: the loss falls and the saved folder holds every expert."""
+    """The example's plain Trainer with EP=2 from the config on 2 processes: the loss falls and the
+    saved folder holds every expert."""
     config = tiny_config(tmp_path, cache, expert_parallel={"size": 2}, train={"steps": 12, "warmup_steps": 2},
                          checkpoint={"interval": 6, "keep_last": 2}, sharded_optimizer={"enabled": True})
     path = tmp_path / "config.json"

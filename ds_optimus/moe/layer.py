@@ -21,6 +21,13 @@ from .permute import RoutingPlan, permute_tokens, plan_routing, unpermute_combin
 IMPLEMENTATION_NAME = "ds_optimus"
 
 
+def uses_router_bias(model: nn.Module) -> bool:
+    """Whether `model` (a Mula model) balances its experts with a router bias that something must
+    update once per optimizer step (`update_router_bias`)."""
+    config = getattr(model, "config", None)
+    return bool(getattr(config, "num_experts", 0)) and getattr(config, "router_bias_update_rate", 0.0) > 0
+
+
 def declare_expert_attributes(module: nn.Module) -> nn.Module:
     """Give an experts module the attributes expert parallelism sets, at their defaults (all experts
     local, no dispatcher, no layout, automatic backend), unless it has them already; returns it.

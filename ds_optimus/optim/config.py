@@ -1,9 +1,13 @@
-"""`optimus.sharded_optimizer`: the settings of the EP-aware sharded optimizer (`sharded.py`)."""
+"""`optimus.sharded_optimizer`: the settings of the EP-aware sharded optimizer (`sharded.py`); and
+the part of `optimus` that DeepSpeed's engine applies itself (`EngineSection`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import Any
 
+from ..moe.experts import MoEConfig
+from ..parallel.expert_parallel import ExpertParallelConfig
 from ..schema import Section, check_flags, need, positive_int
 
 
@@ -27,3 +31,41 @@ class ShardedOptimizerConfig(Section):
              f"{where}.reduce_dtype must be fp32, bf16, fp16 or null, got {self.reduce_dtype!r}")
         need(self.overlap_comm is None or isinstance(self.overlap_comm, bool),
              f"{where}.overlap_comm must be true, false or null, got {self.overlap_comm!r}")
+
+
+# What `python -m ds_optimus.train` reads and `deepspeed.initialize` cannot apply: such a key in a config
+# that reaches the engine another way (the Hugging Face Trainer, accelerate, a script) is refused.
+ENTRY_POINT_KEYS = ("model", "data", "train", "checkpoint", "wandb", "guards", "watchdog")
+
+
+@dataclass(frozen=True)
+class EngineSection(Section):
+    """The part of the `optimus` section that DeepSpeed's engine applies itself, once ds_optimus is
+    imported, to the model `deepspeed.initialize` is given: MoE settings, expert parallelism and
+    the sharded optimizer. Whichever way the engine is reached (the Hugging Face Trainer through
+    accelerate, `accelerate launch`, a script of one's own), these are honoured."""
+
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    expert_parallel: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)
+    sharded_optimizer: ShardedOptimizerConfig = field(default_factory=ShardedOptimizerConfig)
+
+    @classmethod
+    def of(cls, section: Any) -> EngineSection:
+        """The engine's part of an `optimus` section (a dict); a key only the training entry point
+        reads is a one-line ConfigError."""
+        need(isinstance(section, dict), f"optimus must be a JSON object, got {type(section).__name__}")
+        for key in section:
+            need(key not in ENTRY_POINT_KEYS,
+                 f"optimus.{key} is read by `python -m ds_optimus.train` only; deepspeed.initialize (the "
+                 f"Hugging Face Trainer, accelerate) applies optimus.{', optimus.'.join(f.name for f in fields(cls))}: "
+                 "remove the others (ds_optimus.train.hf_trainer.trainer_ds_config does)")
+        return cls.parse(section, "optimus")
+
+
+def engine_ds_config(ds_config: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `ds_config` (a dict) whose `optimus` section keeps only what the engine applies."""
+    config = dict(ds_config)
+    section = config.get("optimus")
+    if isinstance(section, dict):
+        config["optimus"] = {k: v for k, v in section.items() if k not in ENTRY_POINT_KEYS}
+    return config

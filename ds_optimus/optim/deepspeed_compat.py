@@ -1,5 +1,14 @@
 """The one module that touches DeepSpeed's private API, pinned to the tested DeepSpeed versions.
 
+- The `optimus` section of the engine's config (`EngineSection`: `moe`, `expert_parallel`,
+  `sharded_optimizer`) is applied by the engine itself to the model it is given, however
+  `deepspeed.initialize` is reached (the Hugging Face Trainer through accelerate, `accelerate
+  launch`, a script): the experts backend, expert parallelism where the model is not yet
+  expert-parallel (reported to DeepSpeed as a module replacement, so the parameter lists and the
+  client optimizer built before it are re-pointed at the shards), expert parameters split into
+  DeepSpeed's `moe` param groups, the router-bias update after each optimizer step, and
+  `Accelerator.get_state_dict` gathering every expert (what `Trainer.save_model` calls on every
+  rank). CPU runs release DeepSpeed's shared-memory workspace once the engine exists.
 - `install_engine_hook`: DeepSpeed's engine enables its MoE gradient handling only when the model
   contains its own `deepspeed.moe.layer.MoE` modules. When the engine meets the model, the hook
   registers the EP/EDP groups that the model's expert modules declare (`expert_groups`, set by
@@ -19,14 +28,30 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import deepspeed
 import torch
+import torch.distributed as dist
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import groups as ds_groups
 
-from ..parallel.expert_parallel import expert_layouts, expert_parallel_modules
+from ..moe.layer import uses_router_bias
+from ..parallel.expert_parallel import (
+    EXPERT_WEIGHTS,
+    expert_groups_of,
+    expert_layouts,
+    expert_parallel_modules,
+    experts_modules,
+    full_state_dict,
+    is_expert_param,
+    setup_moe,
+)
+from ..schema import ConfigError
 from . import sharded
+from .config import EngineSection
 
 TESTED_VERSIONS = ("0.19.",)
 
@@ -82,6 +107,9 @@ class ShardedOptimizer(sharded.ShardedOptimizer, ZeROOptimizer):
 
 
 _ORIGINAL = {
+    "expert_parallel": DeepSpeedEngine._configure_expert_parallel,
+    "optimizer": DeepSpeedEngine._configure_optimizer,
+    "model_step": DeepSpeedEngine._take_model_step,
     "configure": DeepSpeedEngine._configure_distributed_model,
     "save": DeepSpeedEngine.save_checkpoint,
     "load": DeepSpeedEngine.load_checkpoint,
@@ -92,29 +120,23 @@ _ORIGINAL = {
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def sharded_optimizer_settings(engine):
-    """The `optimus.sharded_optimizer` section of the engine's config when enabled, else None (a
-    bad key or value there is a one-line ConfigError)."""
-    from ..schema import need
-    from .config import ShardedOptimizerConfig
+def engine_section(engine) -> EngineSection:
+    """The engine's `optimus` section, parsed once (a bad key or value there is a one-line ConfigError)."""
+    cached = getattr(engine, "_ds_optimus_section", None)
+    if cached is None:
+        cached = engine._ds_optimus_section = EngineSection.of(engine._config._param_dict.get("optimus", {}))
+    return cached
 
-    cached = getattr(engine, "_ds_optimus_sharded_settings", False)
-    if cached is not False:
-        return cached
-    section = engine._config._param_dict.get("optimus", {})
-    need(isinstance(section, dict), f"optimus must be a JSON object, got {type(section).__name__}")
-    settings = ShardedOptimizerConfig.parse(section.get("sharded_optimizer", {}), "optimus.sharded_optimizer")
-    engine._ds_optimus_sharded_settings = settings if settings.enabled else None
-    return engine._ds_optimus_sharded_settings
+
+def sharded_optimizer_settings(engine):
+    """The `optimus.sharded_optimizer` section of the engine's config when enabled, else None."""
+    settings = engine_section(engine).sharded_optimizer
+    return settings if settings.enabled else None
 
 
 def build_sharded_optimizer(engine, basic_optimizer, settings) -> ShardedOptimizer:
     """The engine's `ShardedOptimizer` over `basic_optimizer`'s param groups, sharding expert
     parameters over the expert-parallel layouts the engine's model declares."""
-    import torch.distributed as dist
-
-    from ..schema import ConfigError
-
     stage = int(engine.zero_optimization_stage())
     if stage not in (1, 2):
         raise ConfigError(f"optimus.sharded_optimizer needs zero_optimization.stage 1 or 2, got {stage}")
@@ -160,9 +182,78 @@ def _configure_bf16_optimizer(self, optimizer):
     return build_sharded_optimizer(self, optimizer, settings)
 
 
-def _configure_distributed_model(self, model):
-    from ..schema import ConfigError
+def _configure_expert_parallel(self, model, collect_sources=None):
+    replaced = _ORIGINAL["expert_parallel"](self, model, collect_sources)  # DeepSpeed's AutoEP, when enabled
+    given = self._config._param_dict.get("optimus", {})
+    section = engine_section(self)
+    if "moe" not in given and "expert_parallel" not in given:
+        return replaced
+    size, layouts = section.expert_parallel.size, expert_layouts(model)
+    if layouts and layouts[0].ep_size != size:
+        raise ConfigError(f"the model is already expert-parallel at size {layouts[0].ep_size}, but "
+                          f"optimus.expert_parallel.size is {size}")
+    if layouts or size == 1:  # applied before (e.g. by ds_optimus.train): the experts backend only
+        setup_moe(model, EngineSection(moe=section.moe))
+        return replaced
+    if replaced:
+        raise ConfigError("optimus.expert_parallel and DeepSpeed's expert_parallel (AutoEP) both shard the "
+                          "experts: enable one of them")
+    experts = experts_modules(model)
+    if not experts:
+        raise ConfigError(f"optimus.expert_parallel.size is {size}, but {type(model).__name__} has no experts "
+                          "to shard (expert parallelism needs stacked gate_up_proj/down_proj experts, as Mula's)")
+    before = [(m, {name: getattr(m, name) for name in EXPERT_WEIGHTS}) for m in experts]
+    try:
+        setup_moe(model, section)
+    except ValueError as err:  # a layout that does not fit (EP size vs. world size or experts)
+        raise ConfigError(f"optimus.expert_parallel: {err}") from None
+    # Told as a module replacement, DeepSpeed re-points the parameter lists and the client optimizer
+    # made before (the Hugging Face Trainer makes both) from the full expert weights to the shards.
+    for module, weights in before:
+        for name, full in weights.items():
+            replaced.sources[id(getattr(module, name))] = [full]
+            replaced.discarded.add(id(full))
+    return replaced
 
+
+def split_expert_param_groups(optimizer) -> None:
+    """Move expert parameters out of `optimizer`'s param groups into DeepSpeed's `moe` groups (one per
+    expert layout, keeping the group's settings), unless some group is already one: what an
+    optimizer built over `model.parameters()` (the Hugging Face Trainer's) needs for expert
+    parallelism. In place; the optimizer must not have stepped yet."""
+    if any(group.get("moe") for group in optimizer.param_groups):
+        return
+    kept, added = [], []
+    for group in optimizer.param_groups:
+        experts: dict[str, list] = {}
+        for param in group["params"]:
+            if is_expert_param(param):
+                experts.setdefault(param.group_name, []).append(param)
+        settings = {k: v for k, v in group.items() if k != "params"}
+        dense = [p for p in group["params"] if not is_expert_param(p)]
+        if dense or not experts:
+            kept.append({**group, "params": dense})
+        added += [{**settings, "name": name, "moe": True, "params": params} for name, params in experts.items()]
+    if added:
+        optimizer.param_groups[:] = kept + added
+
+
+def _configure_optimizer(self, client_optimizer, model_parameters):
+    if expert_parallel_modules(self.module) and hasattr(client_optimizer, "param_groups"):
+        split_expert_param_groups(client_optimizer)
+    return _ORIGINAL["optimizer"](self, client_optimizer, model_parameters)
+
+
+def _take_model_step(self, lr_kwargs):
+    _ORIGINAL["model_step"](self, lr_kwargs)
+    if getattr(self, "drives_router_bias", False):  # after the gradient step, once per optimizer step
+        if getattr(self.optimizer, "overflow", False):  # a skipped step moves nothing
+            self.module.discard_router_loads()
+        else:
+            self.module.update_router_bias()
+
+
+def _configure_distributed_model(self, model):
     settings = sharded_optimizer_settings(self)
     if settings is not None and int(self.zero_optimization_stage()) not in (1, 2):
         raise ConfigError("optimus.sharded_optimizer needs zero_optimization.stage 1 or 2, "
@@ -177,6 +268,52 @@ def _configure_distributed_model(self, model):
     if experts and not self.has_moe_layers:
         self.has_moe_layers = True
         self.num_experts.extend(m.num_experts for m in experts)
+    # The engine moves a Mula router's bias after each optimizer step (auxiliary-loss-free
+    # balancing); ds_optimus.train turns this off and does it in its own step.
+    self.drives_router_bias = uses_router_bias(self.module)
+    if "accelerate.accelerator" in sys.modules:
+        _hook_accelerate(sys.modules["accelerate.accelerator"].Accelerator)
+    release_shm_workspace()
+
+
+def release_shm_workspace() -> None:
+    """Remove the name of this rank's shared-memory workspace that DeepSpeed's CPU communication
+    backend creates when all ranks share a host (/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_
+    <port>_<rank>, 69 MB) and never removes: every run on a new port would leave one per rank behind,
+    until /dev/shm (RAM) is full. Every rank maps every other rank's workspace while the backend
+    starts, so after a barrier the names can go; the mappings stay valid. Collective; CPU only."""
+    from deepspeed.accelerator import get_accelerator
+
+    if not dist.is_initialized() or get_accelerator().device_name() != "cpu":
+        return
+    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}")
+    dist.barrier()
+    try:
+        os.unlink(name)
+    except FileNotFoundError:
+        pass
+
+
+def _hook_accelerate(accelerator_class) -> None:
+    """`Accelerator.get_state_dict` of an expert-parallel model under DeepSpeed: every expert, gathered
+    over the EP group (it is collective: `Trainer.save_model` and `Accelerator.save_model` call it on
+    every rank), instead of this rank's shard. Idempotent."""
+    original = accelerator_class.get_state_dict
+    if getattr(original, "gathers_experts", False):
+        return
+
+    def get_state_dict(self, model, unwrap=True):
+        inner = self.unwrap_model(model) if unwrap else model
+        groups = expert_groups_of(inner) if isinstance(inner, torch.nn.Module) else None
+        if groups is None or groups.ep_size == 1 or not isinstance(model, DeepSpeedEngine):
+            return original(self, model, unwrap)
+        from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+
+        return clone_tensors_for_torch_save(full_state_dict(inner, groups))
+
+    get_state_dict.gathers_experts = True
+    accelerator_class.get_state_dict = get_state_dict
 
 
 def _checkpoint_method(name):
@@ -202,11 +339,14 @@ def _checkpoint_method(name):
 
 
 def install_engine_hook() -> None:
-    """Make DeepSpeed's engine treat ds_optimus expert-parallel experts as MoE layers (registering the
-    groups they declare), build the sharded optimizer when the config enables it, route its
-    checkpoints to ds_optimus, and refuse DeepSpeed's own checkpoints of expert-parallel models
-    (idempotent)."""
+    """Make DeepSpeed's engine apply the config's `optimus` section to its model, treat ds_optimus
+    expert-parallel experts as MoE layers (registering the groups they declare), build the sharded
+    optimizer when the config enables it, route its checkpoints to ds_optimus, and refuse
+    DeepSpeed's own checkpoints of expert-parallel models (idempotent)."""
     check_version()
+    DeepSpeedEngine._configure_expert_parallel = _configure_expert_parallel
+    DeepSpeedEngine._configure_optimizer = _configure_optimizer
+    DeepSpeedEngine._take_model_step = _take_model_step
     DeepSpeedEngine._configure_distributed_model = _configure_distributed_model
     DeepSpeedEngine._configure_zero_optimizer = _configure_zero_optimizer
     DeepSpeedEngine._configure_bf16_optimizer = _configure_bf16_optimizer

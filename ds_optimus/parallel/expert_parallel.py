@@ -39,7 +39,7 @@ class ExpertParallelConfig(Section):
              f"{where}.node_size {self.node_size} does not divide {where}.size {self.size}")
 
 
-def _experts_modules(model: nn.Module) -> list[nn.Module]:
+def experts_modules(model: nn.Module) -> list[nn.Module]:
     """The modules holding stacked experts, their expert-parallel attributes declared (another
     Transformers experts class than MulaExperts gets them here, at their defaults)."""
     return [declare_expert_attributes(m) for m in model.modules()
@@ -62,7 +62,7 @@ def apply_expert_parallel(model: nn.Module, ep_size: int | ExpertParallelGroups,
     expert-data-parallel group. Every rank must start from the same weights. Collective; returns the
     process groups.
     """
-    experts = _experts_modules(model)
+    experts = experts_modules(model)
     if not experts:
         raise ValueError("apply_expert_parallel: the model has no stacked experts (gate_up_proj/down_proj)")
     if any(m.expert_groups is not None for m in experts):
@@ -89,7 +89,7 @@ def apply_expert_parallel(model: nn.Module, ep_size: int | ExpertParallelGroups,
 
 def expert_parallel_modules(model: nn.Module) -> list[nn.Module]:
     """The experts modules of `model` that `apply_expert_parallel` has sharded."""
-    return [m for m in _experts_modules(model) if m.expert_groups is not None]
+    return [m for m in experts_modules(model) if m.expert_groups is not None]
 
 
 def expert_layouts(model: nn.Module) -> list[ExpertParallelGroups]:
@@ -121,8 +121,10 @@ def full_state_dict(model: nn.Module, groups: ExpertParallelGroups) -> dict[str,
 
 
 def export_pretrained(model: nn.Module, folder: str | os.PathLike, groups: ExpertParallelGroups | None = None,
-                      tokenizer=None) -> None:
-    """Write `model` (with every expert) and `tokenizer`, if given, as a Hugging Face folder.
+                      tokenizer=None, *, model_card: str | None = None, generation_config=None) -> None:
+    """Write `model` (with every expert) and `tokenizer`, if given, as a Hugging Face folder;
+    `model_card` (markdown) becomes its README.md, `generation_config` (a `GenerationConfig`)
+    replaces the one derived from the model's config.
 
     Every rank calls it: collective when torch.distributed is initialised. Under expert parallelism
     (`groups`; by default the layout the model's experts declare) the experts are gathered over the
@@ -138,6 +140,23 @@ def export_pretrained(model: nn.Module, folder: str | os.PathLike, groups: Exper
             model.save_pretrained(folder, state_dict=full, is_main_process=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
+            # Transformers 5 names its generic fast tokenizer "TokenizersBackend" in tokenizer_config.json,
+            # a name earlier versions and other readers of the file do not know; all know it by its older name.
+            import json
+
+            path = os.path.join(folder, "tokenizer_config.json")
+            saved = {}
+            if os.path.exists(path):
+                with open(path, encoding="utf-8") as f:
+                    saved = json.load(f)
+            if saved.get("tokenizer_class") == "TokenizersBackend":
+                with open(path, "w", encoding="utf-8") as f:
+                    json.dump({**saved, "tokenizer_class": "PreTrainedTokenizerFast"}, f, indent=2, sort_keys=True)
+        if generation_config is not None:
+            generation_config.save_pretrained(folder)
+        if model_card is not None:
+            with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as f:
+                f.write(model_card)
     if distributed:
         dist.barrier()  # the folder is complete when any rank returns
 
@@ -151,7 +170,7 @@ def setup_moe(model: nn.Module, config) -> ExpertParallelGroups | None:
         raise TypeError(f"setup_moe takes a parsed optimus section, not {type(config).__name__}: "
                         "setup_moe(model, ds_optimus.config.OptimusConfig.from_ds_config(ds_config))")
     backend = None if config.moe.experts_backend == "auto" else config.moe.experts_backend
-    for module in _experts_modules(model):
+    for module in experts_modules(model):
         module.experts_backend = backend
     _use_ds_optimus_experts(model)
     ep = config.expert_parallel

@@ -44,25 +44,6 @@ def init_distributed() -> None:
         cpu_threads_per_rank()
 
 
-def release_shm_workspace() -> None:
-    """Remove the name of this rank's shared-memory workspace that DeepSpeed's CPU communication
-    backend creates when all ranks share a host (/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_
-    <port>_<rank>, 69 MB) and never removes: every run on a new port would leave one per rank behind,
-    until /dev/shm (RAM) is full. Every rank maps every other rank's workspace while the backend
-    starts, so after a barrier the names can go; the mappings stay valid. Collective; CPU only."""
-    from deepspeed.accelerator import get_accelerator
-
-    if not dist.is_initialized() or get_accelerator().device_name() != "cpu":
-        return
-    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-            f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}")
-    dist.barrier()
-    try:
-        os.unlink(name)
-    except FileNotFoundError:
-        pass
-
-
 def cpu_threads_per_rank() -> int:
     """On CPU, give each local rank its share of the cores (the deepspeed launcher leaves every rank
     at all cores, so N ranks run N x cores threads and slow each other down). OMP_NUM_THREADS, when
@@ -183,12 +164,29 @@ def compile_layers(model) -> int:
     return len(layers)
 
 
-def export(model, tokenizer, folder: Path, groups) -> None:
-    """Write an HF folder, with the tokenizer when given (every expert gathered under expert
-    parallelism; collective: every rank calls it)."""
+def export(model, tokenizer, folder: Path, groups, record=None) -> None:
+    """Write an HF folder ready for a Hub upload (collective: every rank calls it): the model with
+    every expert gathered under expert parallelism, the tokenizer and a generation config of its
+    special-token ids when a tokenizer is given, and a model card (README.md) that tells of the
+    training run when `record` (`model_card.training_record(trainer)`) is given. Only a Mula model
+    gets a card (the Hugging Face Trainer glue also saves other models with stacked experts)."""
     from ..parallel.expert_parallel import export_pretrained
+    from .model_card import model_card
 
-    export_pretrained(model, folder, groups, tokenizer=tokenizer)
+    is_mula = getattr(model.config, "model_type", None) == "mula"
+    card = model_card(model.config, record=record, tokenizer=tokenizer) if is_mula else None
+    generation = generation_config(tokenizer) if tokenizer is not None else None
+    export_pretrained(model, folder, groups, tokenizer=tokenizer, model_card=card, generation_config=generation)
+
+
+def generation_config(tokenizer):
+    """A `GenerationConfig` with `tokenizer`'s begin, end and padding ids (padding falls back to
+    the end-of-text id, as the model's config does)."""
+    from transformers import GenerationConfig
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                            pad_token_id=pad)
 
 
 def sample(folder: Path, prompt: str, new_tokens: int, seed: int = 0) -> str:

@@ -1,6 +1,7 @@
-"""Pretrain a Mula model with the Hugging Face `Trainer` and DeepSpeed, from the same config as
-the `ds_optimus.train` entry point (its `optimus` section gives the model, expert parallelism,
-data, steps, seed and output folder; the optimizer settings come from its "optimizer" section):
+"""Pretrain a Mula model with a plain Hugging Face `Trainer` and DeepSpeed, from the same config as
+the `ds_optimus.train` entry point (its `optimus` section gives the model, data, steps, seed and
+output folder; DeepSpeed's engine applies its expert parallelism and sharded optimizer; the
+optimizer settings come from its "optimizer" section):
 
     deepspeed --num_gpus 2 --module ds_optimus.train.hf_example --config ds_configs/mula-tiny-moe-cpu.json
 
@@ -24,13 +25,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import torch
-    from transformers import TrainingArguments
+    from transformers import Trainer, TrainingArguments, default_data_collator
 
     import ds_optimus  # noqa: F401
     from ds_optimus.config import ConfigError, OptimusConfig, apply_overrides, load_json_config
     from ds_optimus.data import DataError, load_tokenizer, parse_source
     from ds_optimus.train.components import prepare_on_rank_zero, resolve_batch_sizes
-    from ds_optimus.train.hf_trainer import MulaTrainer, PackedSequences, prepare_model, save_model, trainer_ds_config
+    from ds_optimus.train.hf_trainer import PackedSequences, trainer_ds_config
 
     try:
         config = apply_overrides(load_json_config(args.config), args.overrides)
@@ -55,7 +56,6 @@ def main(argv: list[str] | None = None) -> int:
         )
         torch.manual_seed(opt.train.seed)  # the same initial weights on every rank
         model = opt.model.build(tokenizer)
-        groups = prepare_model(model, opt)  # after TrainingArguments: torch.distributed is up
 
         sources = [parse_source(s) for s in opt.data.sources]
         packed = prepare_on_rank_zero(sources, tokenizer, opt.data.cache_dir, opt.data.val_fraction)
@@ -63,10 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ds_optimus.train.hf_example: error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
 
-    trainer = MulaTrainer(model=model, args=training_args,
-                          train_dataset=PackedSequences(packed.tokens("train"), opt.data.seq_len))
+    trainer = Trainer(model=model, args=training_args, processing_class=tokenizer, data_collator=default_data_collator,
+                      train_dataset=PackedSequences(packed.tokens("train"), opt.data.seq_len))
     trainer.train()
-    save_model(trainer, out / "hf-trainer", groups, tokenizer)
+    trainer.save_model(str(out / "hf-trainer"))  # every rank: the experts are gathered
     if trainer.is_world_process_zero():
         losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
         summary = {"losses": losses, "optimizer": type(trainer.model_wrapped.optimizer).__name__}

@@ -21,6 +21,17 @@ def expert_imbalance(tokens_per_expert) -> list[float]:
     return [max(row) / max(sum(row) / len(row), 1e-9) for row in rows]
 
 
+def expert_token_counts(tokens_per_expert) -> list[list[int]]:
+    """Per-layer rows of token-slot counts (floats summed on the device) as integers: the compact
+    `expert_tokens` field of `metrics.jsonl` (one row per MoE layer, one count per expert)."""
+    rows = tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor) else tokens_per_expert
+    return [[round(count) for count in row] for row in rows]
+
+
+# metrics.jsonl only: wandb gets the per-layer imbalance, not a table of counts per logged step
+FILE_ONLY = frozenset({"expert_tokens"})
+
+
 def append_log(folder: Path, text: str) -> None:
     """Append `text`, timestamped, to `<folder>/log.txt` (the run's record of what happened)."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -62,7 +73,7 @@ class MetricsSink:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         if self.wandb is not None:
-            self.wandb.log(metrics, step=step)
+            self.wandb.log({k: v for k, v in metrics.items() if k not in FILE_ONLY}, step=step)
         if self.bar is not None and progress:
             shown = {k: metrics[k] for k in ("loss", "lr", "tokens_per_s") if k in metrics}
             self.bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()})

@@ -127,6 +127,7 @@ class Trainer:
     def _build_engine(self) -> None:
         import deepspeed
 
+        from ..optim.config import engine_ds_config
         from ..parallel.expert_parallel import moe_param_groups
 
         opt, config = self.opt, self.ds_config
@@ -134,10 +135,12 @@ class Trainer:
         schedule = None
         if "scheduler" not in config:
             schedule = C.warmup_cosine(opt.train.steps, opt.train.warmup_steps, opt.train.min_lr_ratio)
-        self.engine, _, _, _ = deepspeed.initialize(  # the engine reads optimus.sharded_optimizer itself
+        # The engine applies the optimus section's moe, expert_parallel (done already: the model is
+        # expert-parallel) and sharded_optimizer; the rest is this trainer's.
+        self.engine, _, _, _ = deepspeed.initialize(
             model=self.model, model_parameters=moe_param_groups(self.model, weight_decay=weight_decay),
-            lr_scheduler=schedule, config=config)
-        C.release_shm_workspace()
+            lr_scheduler=schedule, config=engine_ds_config(config))
+        self.engine.drives_router_bias = False  # RouterBiasCallback does it, leaving out the skipped steps
         self.device = self.engine.device
         self.sum_dtype = _sum_dtype(torch.device(self.device))
 
@@ -277,7 +280,9 @@ class Trainer:
         """The Hugging Face folder (every expert), a sample from it, and `summary.json`, last."""
         hf_dir = self.output_dir / "hf"
         self.begin_long_work("the export")
-        C.export(self.engine.module, self.tokenizer, hf_dir, self.groups)
+        from .model_card import training_record
+
+        C.export(self.engine.module, self.tokenizer, hf_dir, self.groups, record=training_record(self))
         self.summary["hf_dir"] = str(hf_dir)
         if self.rank == 0 and self.opt.train.sample_tokens:
             self.summary["sample"] = C.sample(hf_dir, self.opt.train.sample_prompt, self.opt.train.sample_tokens)

@@ -9,14 +9,19 @@ import time
 
 from ...checkpoint_io import write_text_atomic
 from ...hf_models.mula.sizing import flops_per_token
-from ..metrics import LOSS_PARTS, expert_imbalance
+from ..metrics import LOSS_PARTS, expert_imbalance, expert_token_counts
 from .base import Callback
 
 
 class MetricsCallback(Callback):
     """Every step: the loss into the run's summary. Every `train.log_interval` steps (and at the
-    last): learning rate, gradient norm, throughput and MFU over the interval, skipped steps and the
-    experts' load imbalance over the interval, written through the trainer's metrics sink."""
+    last): learning rate, gradient norm, throughput and MFU over the interval, skipped steps, and the
+    experts' load imbalance and token counts (`expert_tokens`: per MoE layer, the tokens routed to
+    each expert, summed over ranks and the interval) over the interval, written through the
+    trainer's metrics sink. When the run ends without an error (and not preempted), rank 0 draws
+    `metrics.jsonl` into `<output_dir>/plots/` (`ds_optimus.report`)."""
+
+    loop_ended = False
 
     def pre_train(self) -> None:
         trainer = self.trainer
@@ -47,11 +52,39 @@ class MetricsCallback(Callback):
             per_layer = expert_imbalance(trainer.step_loads)
             metrics["expert_imbalance_max"] = max(per_layer)
             metrics.update({f"expert_imbalance/layer_{i}": v for i, v in enumerate(per_layer)})
+            metrics["expert_tokens"] = expert_token_counts(trainer.step_loads)  # already on the host
         if not trainer.engine.module.config.num_experts:
             for key in ("aux_loss", "z_loss"):
                 metrics.pop(key)
         trainer.sink.log(step, metrics)
         self.window_seconds, self.window_steps = 0.0, 0
+
+    def post_train(self) -> None:
+        self.loop_ended = True
+
+    def close(self, error: BaseException | None) -> None:
+        trainer = self.trainer
+        if error is None and self.loop_ended and trainer.rank == 0 and trainer.stop_reason != "preempted":
+            self._write_plots()
+
+    def _write_plots(self) -> None:
+        """The run's PNGs, after everything else (the export, summary.json): never in a step's path,
+        and a drawing problem is said in one line, never an error of a finished run."""
+        from ...report import MissingMatplotlib, write_report
+
+        trainer = self.trainer
+        again = f"python -m ds_optimus.report {trainer.output_dir}"
+        try:
+            written = write_report(trainer.output_dir, say=trainer.message)
+        except MissingMatplotlib:
+            trainer.message(f"plots: pip install matplotlib, then {again}")
+            return
+        except Exception as err:  # the run itself succeeded
+            first = (str(err).strip().splitlines() or [""])[0]
+            trainer.message(f"plots not written ({type(err).__name__}: {first}); try {again}")
+            return
+        folder = written[0].parent if written else trainer.output_dir / "plots"
+        trainer.message(f"plots: {len(written)} PNGs in {folder}/ ({again} draws them again)")
 
 
 class ProgressFileCallback(Callback):

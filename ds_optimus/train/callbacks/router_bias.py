@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
+from ...moe.layer import uses_router_bias
 from .base import Callback
 
-
-def uses_router_bias(model) -> bool:
-    """Whether `model` (a Mula model) balances its experts with a router bias that something must update."""
-    config = getattr(model, "config", None)
-    return bool(getattr(config, "num_experts", 0)) and getattr(config, "router_bias_update_rate", 0.0) > 0
+__all__ = ["RouterBiasCallback", "uses_router_bias"]
 
 
 class RouterBiasCallback(Callback):

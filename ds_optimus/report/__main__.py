@@ -1,0 +1,38 @@
+"""Command line of the run report.
+
+    python -m ds_optimus.report runs/mula-tiny-moe                # PNGs into runs/mula-tiny-moe/plots/
+    python -m ds_optimus.report runs/mula-tiny-moe --out figs --dpi 80
+
+A missing folder, a missing or empty metrics.jsonl, or no matplotlib ends it with one line and exit
+status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import ReportError, write_report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ds_optimus.report",
+                                     description="Draw a training run's metrics.jsonl as PNG plots.")
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the run's folder (optimus.train.output_dir)")
+    parser.add_argument("--out", metavar="DIR", default=None, help="where the PNGs go (default: RUN_DIR/plots)")
+    parser.add_argument("--dpi", type=int, default=100, help="resolution of the PNGs (default 100)")
+    args = parser.parse_args(argv)
+    if args.dpi <= 0:
+        parser.error(f"--dpi must be a positive integer, got {args.dpi}")
+    try:
+        written = write_report(args.run_dir, args.out, dpi=args.dpi)
+    except ReportError as err:
+        print(f"ds_optimus.report: error: {err}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

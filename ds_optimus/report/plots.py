@@ -1,0 +1,244 @@
+"""The report's PNGs, drawn with matplotlib's object API on the Agg canvas (no display, and no
+change to the pyplot backend of a notebook that calls `write_report`)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from .reader import ExpertLoads, ReportError, RunMetrics, load_metrics
+
+MAX_HEATMAP_COLUMNS = 400  # a longer run's windows are summed into this many columns
+SKIP_COLOR, REWIND_COLOR = "C3", "C4"
+
+
+class MissingMatplotlib(ReportError):
+    """matplotlib is not installed."""
+
+
+def _need_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise MissingMatplotlib("the plots need matplotlib: pip install matplotlib") from None
+
+
+def _figure(rows: int = 1, height: float = 3.6, width: float = 8.0):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height * rows), layout="constrained")
+    axes = fig.subplots(rows, 1, squeeze=False)[:, 0]
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+    return fig, list(axes)
+
+
+def _smooth(values: list[float]) -> np.ndarray | None:
+    """A centred running mean over about 2 % of the points (None below 50 points: the raw line is clear)."""
+    if len(values) < 50:
+        return None
+    width = max(3, len(values) // 50) | 1
+    padded = np.pad(np.asarray(values, dtype=float), width // 2, mode="edge")
+    return np.convolve(padded, np.ones(width) / width, mode="valid")
+
+
+def _line(ax, steps: list[int], values: list[float], label: str, color: str) -> None:
+    smooth = _smooth(values)
+    ax.plot(steps, values, color=color, alpha=0.35 if smooth is not None else 1.0, linewidth=1.0,
+            label=label if smooth is None else f"{label} (each logged step)")
+    if smooth is not None:
+        ax.plot(steps, smooth, color=color, linewidth=1.8, label=f"{label} (running mean)")
+
+
+def _mark_rewinds(ax, run: RunMetrics) -> None:
+    """Each stretch of steps the run went back over (a rollback) as a shaded span."""
+    for i, (last, back_to) in enumerate(run.rewinds):
+        ax.axvspan(back_to, last, color=REWIND_COLOR, alpha=0.15, linewidth=0,
+                   label="rolled back and trained again" if i == 0 else None)
+
+
+def _mark_events(ax, run: RunMetrics) -> None:
+    """Skipped updates as vertical lines and rollbacks as spans, once each in the legend."""
+    for i, (step, _) in enumerate(run.skipped):
+        ax.axvline(step, color=SKIP_COLOR, linestyle=":", linewidth=1, label="update skipped" if i == 0 else None)
+    _mark_rewinds(ax, run)
+
+
+def _legend(ax, **options) -> None:
+    if ax.get_legend_handles_labels()[0]:  # nothing drawn (no finite value): no empty legend, no warning
+        ax.legend(**options)
+
+
+def _save(fig, folder: Path, name: str, dpi: int, written: list[Path]) -> None:
+    path = folder / name
+    fig.savefig(path, dpi=dpi)
+    written.append(path)
+
+
+def plot_loss(run: RunMetrics, folder: Path, dpi: int, written: list[Path]) -> None:
+    fig, (ax,) = _figure()
+    steps, loss = run.series("loss")
+    if steps:
+        _line(ax, steps, loss, "training loss", "C0")
+    eval_steps, held_out = run.series("eval_loss")
+    if eval_steps:
+        ax.plot(eval_steps, held_out, "o-", color="C1", linewidth=1.8, markersize=5, label="held-out loss")
+    _mark_events(ax, run)
+    ax.set(xlabel="step", ylabel="loss (nats/token)",
+           title="loss" + ("" if eval_steps else " (no held-out evaluation logged)"))
+    _legend(ax)
+    _save(fig, folder, "loss.png", dpi, written)
+
+
+def plot_lr(run: RunMetrics, folder: Path, dpi: int, written: list[Path]) -> None:
+    steps, lr = run.series("lr")
+    if not steps:
+        return
+    fig, (ax,) = _figure(height=3.0)
+    ax.plot(steps, lr, color="C0")
+    ax.set(xlabel="step", ylabel="learning rate", title="learning rate")
+    ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    _save(fig, folder, "lr.png", dpi, written)
+
+
+def plot_grad_norm(run: RunMetrics, folder: Path, dpi: int, written: list[Path]) -> None:
+    steps, norm = run.series("grad_norm")
+    if not steps:
+        return
+    fig, (ax,) = _figure()
+    _line(ax, steps, norm, "gradient norm", "C0")
+    if min(norm) > 0:
+        ax.set_yscale("log")
+    _mark_events(ax, run)
+    ax.set(xlabel="step", ylabel="global gradient norm (before clipping)", title="gradient norm")
+    _legend(ax)
+    _save(fig, folder, "grad_norm.png", dpi, written)
+
+
+def plot_throughput(run: RunMetrics, folder: Path, dpi: int, written: list[Path]) -> None:
+    steps, tps = run.series("tokens_per_s")
+    if not steps:
+        return
+    mfu_steps, mfu = run.series("mfu")
+    fig, axes = _figure(rows=2 if mfu_steps else 1, height=2.8 if mfu_steps else 3.6)
+    _line(axes[0], steps, tps, "tokens/s", "C0")
+    axes[0].set(ylabel="tokens / s (all ranks)", ylim=(0, None),
+                title="throughput, mean over each log interval"
+                      + ("" if mfu_steps else " (no MFU: optimus.train.peak_tflops is not set)"))
+    if mfu_steps:
+        _line(axes[1], mfu_steps, [100 * m for m in mfu], "MFU", "C1")
+        axes[1].set(ylabel="MFU (% of peak_tflops)", ylim=(0, None))
+        _legend(axes[1])
+    _legend(axes[0], loc="lower right")
+    axes[-1].set_xlabel("step")
+    _save(fig, folder, "throughput.png", dpi, written)
+
+
+def plot_skipped(run: RunMetrics, folder: Path, dpi: int, written: list[Path]) -> None:
+    steps, total = run.series("skipped_steps")
+    if not steps:
+        return
+    fig, (ax,) = _figure(height=3.0)
+    ax.step(steps, total, where="post", color="C0", label="skipped updates so far (run's count)")
+    if run.skipped:
+        at, count = zip(*run.skipped, strict=True)
+        ax.vlines(at, 0, count, color=SKIP_COLOR, linewidth=4, label="skipped in the logged window")
+    _mark_rewinds(ax, run)
+    seen, kept = sum(count for _, count in run.skipped), int(total[-1])
+    title = f"updates skipped by the numerical guards: {kept}" if kept else "updates skipped: none"
+    if seen > kept:
+        title += f" ({seen} including rolled-back steps)"
+    ax.set(xlabel="step", ylabel="updates", ylim=(0, max(1, *total, *(c for _, c in run.skipped)) * 1.15),
+           title=title)
+    _legend(ax, loc="upper left")
+    _save(fig, folder, "skipped_steps.png", dpi, written)
+
+
+def _bin_columns(loads: ExpertLoads, columns: int) -> tuple[np.ndarray, np.ndarray]:
+    """The windows' counts summed into at most `columns` columns, with the columns' step edges."""
+    steps = np.asarray(loads.steps)
+    first = steps[0] - (steps[1] - steps[0] if len(steps) > 1 else 1)
+    edges = np.concatenate([[first], steps]).astype(float)
+    counts = loads.counts
+    if counts.shape[-1] > columns:
+        cuts = np.linspace(0, counts.shape[-1], columns + 1).round().astype(int)
+        counts = np.add.reduceat(counts, cuts[:-1], axis=-1)
+        edges = edges[cuts]
+    return counts, edges
+
+
+def plot_expert_load(loads: ExpertLoads, folder: Path, dpi: int, written: list[Path]) -> None:
+    from matplotlib.colors import TwoSlopeNorm
+
+    counts, edges = _bin_columns(loads, MAX_HEATMAP_COLUMNS)
+    layers, experts, _ = counts.shape
+    relative = ExpertLoads(loads.steps, counts).relative()  # [layers, experts, columns]
+    image = relative.reshape(layers * experts, -1)
+    fig, (ax,) = _figure(height=min(12.0, max(3.5, 1.2 + 0.05 * layers * experts)), width=9.0)
+    ax.grid(False)
+    top = float(np.nanmax(image)) if np.isfinite(image).any() else 2.0
+    norm = TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=max(2.0, top))
+    mesh = ax.pcolormesh(edges, np.arange(layers * experts + 1), image, cmap="RdBu_r", norm=norm, shading="flat")
+    for layer in range(1, layers):
+        ax.axhline(layer * experts, color="black", linewidth=0.8)
+    ax.set_yticks([(layer + 0.5) * experts for layer in range(layers)],
+                  [f"MoE layer {layer}" for layer in range(layers)])
+    ax.set_ylim(layers * experts, 0)  # layer 0, expert 0 at the top
+    ax.set(xlabel="step", ylabel=f"expert (0-{experts - 1} in each layer)",
+           title=f"expert load: tokens per expert over the layer's mean ({layers} MoE layers x {experts} experts)")
+    fig.colorbar(mesh, ax=ax, label="tokens / mean (1 = balanced, 0 = unused)")
+    _save(fig, folder, "expert_load.png", dpi, written)
+
+
+def plot_imbalance(run: RunMetrics, folder: Path, dpi: int, written: list[Path]) -> None:
+    keys = run.layer_keys("expert_imbalance/layer_")
+    if not keys:
+        return
+    fig, (ax,) = _figure()
+    smoothed = False
+    for i, key in enumerate(keys):
+        steps, values = run.series(key)
+        smooth = _smooth(values)
+        smoothed = smoothed or smooth is not None
+        ax.plot(steps, smooth if smooth is not None else values, linewidth=1.2, color=f"C{i % 10}",
+                label=f"MoE layer {key.rsplit('_', 1)[-1]}")
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    ax.set(xlabel="step", ylabel="max / mean tokens per expert", ylim=(0, None),
+           title="expert-load imbalance per layer (1 = balanced)" + (" (running mean)" if smoothed else ""))
+    _legend(ax, ncol=max(1, len(keys) // 8), fontsize="small")
+    _save(fig, folder, "expert_imbalance.png", dpi, written)
+
+
+def _stderr(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def write_report(run_dir: str | Path, out: str | Path | None = None, *, dpi: int = 100,
+                 say: Callable[[str], None] = _stderr) -> list[Path]:
+    """Draw the PNGs of a run folder's `metrics.jsonl` into `out` (default `RUN_DIR/plots`) and return
+    their paths; `say` gets one-line notes (a dense run has no expert heatmap, ...)."""
+    run = load_metrics(run_dir)
+    _need_matplotlib()  # said before any folder is made
+    folder = Path(out) if out is not None else Path(run_dir) / "plots"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ReportError(f"cannot make {folder}: {err.strerror or err}") from None
+    written: list[Path] = []
+    for plot in (plot_loss, plot_lr, plot_grad_norm, plot_throughput, plot_skipped):
+        plot(run, folder, dpi, written)
+    loads = run.expert_loads()
+    if loads is not None:
+        plot_expert_load(loads, folder, dpi, written)
+    elif run.has("expert_imbalance_max"):
+        say("no expert heatmap: this run's metrics.jsonl has no per-expert token counts (logged before they "
+            "were recorded)")
+    else:
+        say("no expert heatmap: a dense model (no MoE layer)")
+    plot_imbalance(run, folder, dpi, written)
+    if run.unreadable:
+        say(f"{run.unreadable} line(s) of {run.path} were not metrics records and were left out")
+    return written

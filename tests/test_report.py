@@ -1,0 +1,252 @@
+"""The run report (`python -m ds_optimus.report RUN_DIR`): PNGs from metrics.jsonl, the expert-load
+heatmap's numbers, resumed and rolled-back runs, files still being written, one-line errors, and the
+per-expert token counts a real run records (and its plots at the end)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from ds_optimus.report import ExpertLoads, load_metrics, write_report
+from ds_optimus.report.__main__ import main
+from ds_optimus.report.plots import _bin_columns
+from ds_optimus.train.metrics import MetricsSink, expert_imbalance, expert_token_counts
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS, EXPERTS, TOP_K, TOKENS_PER_STEP = 3, 8, 2, 512
+MOE_PLOTS = {"loss.png", "lr.png", "grad_norm.png", "throughput.png", "skipped_steps.png", "expert_load.png",
+             "expert_imbalance.png"}
+
+
+def _window_counts(rng: np.random.Generator, steps: int) -> np.ndarray:
+    """Token slots per layer and expert over `steps` steps, as the trainer sums them."""
+    slots = TOKENS_PER_STEP * TOP_K * steps
+    return np.stack([rng.multinomial(slots, rng.dirichlet(np.ones(EXPERTS))) for _ in range(LAYERS)])
+
+
+def _log(folder: Path, steps, *, start_step: int = 0, moe: bool = True, eval_every: int = 0, skipped_at=(),
+         skipped_before: int = 0, loss_offset: float = 0.0, seed: int = 0) -> dict[int, np.ndarray]:
+    """Log `steps` through the trainer's metrics sink with the metrics callback's keys (opened as a
+    run resumed at `start_step` would); returns each logged step's expert counts."""
+    sink = MetricsSink(folder, 100, start_step, SimpleNamespace(mode="disabled"), {}, enabled=True)
+    rng, logged, skipped, previous = np.random.default_rng(seed), {}, skipped_before, start_step
+    for step in steps:
+        skipped += sum(previous < s <= step for s in skipped_at)
+        metrics = {"loss": 8.0 - 0.1 * step + loss_offset, "lm_loss": 7.9 - 0.1 * step, "aux_loss": 1.0,
+                   "z_loss": 4.0, "lr": 1e-3 * min(1.0, step / 3), "grad_norm": 1.0 + 0.1 * step,
+                   "tokens_per_s": 1000.0 + step, "step_seconds": 0.5, "tokens": step * TOKENS_PER_STEP,
+                   "skipped_steps": skipped, "mfu": 0.01}
+        if moe:
+            counts = _window_counts(rng, step - previous)
+            per_layer = expert_imbalance(counts.astype(float).tolist())
+            metrics["expert_imbalance_max"] = max(per_layer)
+            metrics.update({f"expert_imbalance/layer_{i}": v for i, v in enumerate(per_layer)})
+            metrics["expert_tokens"] = expert_token_counts(counts.astype(float).tolist())
+            logged[step] = counts
+        else:
+            for key in ("aux_loss", "z_loss"):
+                metrics.pop(key)
+        sink.log(step, metrics)
+        if eval_every and step % eval_every == 0:
+            sink.log(step, {"eval_loss": 7.5 - 0.1 * step}, progress=False)
+        previous = step
+    sink.close()
+    return logged
+
+
+def _png(path: Path) -> tuple[int, int]:
+    """Width and height of a valid PNG (signature, header, and the whole image decodes)."""
+    import matplotlib.image
+
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", path
+    width, height = struct.unpack(">II", data[16:24])
+    assert 5_000 < len(data) < 400_000, (path, len(data))
+    pixels = matplotlib.image.imread(path)
+    assert pixels.shape[:2] == (height, width) and pixels[..., :3].std() > 0.05, path  # not a blank page
+    return width, height
+
+
+def _cli(*args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main([str(a) for a in args])
+    return status, out.getvalue(), err.getvalue()
+
+
+def test_the_report_draws_every_plot_and_the_heatmap_holds_the_counts(tmp_path):
+    run = tmp_path / "run"
+    logged = _log(run, [2, 4, 6, 8, 9], eval_every=4, skipped_at=(5,))  # every 2nd step and the last
+    status, out, err = _cli(run)
+    assert status == 0 and err == ""
+    written = [Path(line) for line in out.splitlines()]
+    assert {p.name for p in written} == MOE_PLOTS and all(p.parent == run / "plots" for p in written)
+    for path in written:
+        width, height = _png(path)
+        assert width >= 600 and height >= 250, (path, width, height)
+
+    loads = load_metrics(run).expert_loads()
+    assert loads.steps == [2, 4, 6, 8, 9] and loads.counts.shape == (LAYERS, EXPERTS, 5)
+    assert loads.counts.dtype == np.int64
+    for t, step in enumerate(loads.steps):
+        np.testing.assert_array_equal(loads.counts[:, :, t], logged[step])
+    window = np.diff([0, *loads.steps])  # steps each logged column covers
+    np.testing.assert_array_equal(loads.counts.sum(axis=1), np.tile(window * TOKENS_PER_STEP * TOP_K, (LAYERS, 1)))
+    np.testing.assert_allclose(loads.relative().mean(axis=1), 1.0)  # per layer and window, over the mean
+    assert load_metrics(run).skipped == [(6, 1)]  # skipped at step 5, logged with step 6
+
+    out_dir = tmp_path / "elsewhere" / "figs"
+    written = write_report(run, out_dir, dpi=60)
+    assert {p.parent for p in written} == {out_dir} and _png(out_dir / "loss.png")[0] == 480  # 8 inches
+
+
+def test_a_long_runs_heatmap_sums_windows_into_columns():
+    rng = np.random.default_rng(1)
+    counts = rng.integers(0, 100, size=(2, 4, 1000))
+    loads = ExpertLoads(steps=list(range(5, 5005, 5)), counts=counts)
+    binned, edges = _bin_columns(loads, 400)
+    assert binned.shape == (2, 4, 400) and edges.shape == (401,)
+    assert edges[0] == 0 and edges[-1] == 5000 and np.all(np.diff(edges) > 0)
+    np.testing.assert_array_equal(binned.sum(axis=-1), counts.sum(axis=-1))  # no count lost or doubled
+
+
+def test_resumed_and_rolled_back_runs_and_a_line_being_written(tmp_path):
+    run = tmp_path / "run"
+    _log(run, [1, 2, 3, 4, 5, 6], eval_every=2, skipped_at=(4, 5, 6))
+    # resumed from the checkpoint of step 4 (1 update skipped by then): the sink drops the lines of 5 and 6
+    _log(run, [5, 6, 7], start_step=4, eval_every=2, skipped_at=(7,), skipped_before=1, loss_offset=1.0)
+    with (run / "metrics.jsonl").open("a") as f:  # rolled back from 7 to the checkpoint of step 5
+        f.write('{"step": 6, "loss": 0.5, "skipped_steps": 1}\n')
+        f.write("not a record\n")
+        f.write('{"step": 7, "loss": 0.25, "skipped_steps": 2}\n')
+        f.write('{"step": 8, "loss": 0.1, "sk')  # the trainer is writing this line
+    metrics = load_metrics(run)
+    assert [r["step"] for r in metrics.records] == list(range(1, 8))
+    assert metrics.series("loss")[1][3:] == [8.0 - 0.4, 8.0 - 0.5 + 1.0, 0.5, 0.25]  # later lines win
+    assert metrics.records[5]["eval_loss"] == pytest.approx(7.5 - 0.6) and "expert_tokens" in metrics.records[5]
+    assert metrics.rewinds == [(7, 6)]
+    assert metrics.skipped == [(4, 1), (7, 1), (7, 1)]  # step 7's skip was rolled back, and skipped again
+    assert metrics.unreadable == 1
+
+    notes = []
+    written = write_report(run, say=notes.append)
+    assert {p.name for p in written} == MOE_PLOTS
+    assert notes == [f"1 line(s) of {run / 'metrics.jsonl'} were not metrics records and were left out"]
+
+
+def test_a_dense_run_without_evaluations_has_no_heatmap_said_in_one_line(tmp_path):
+    run = tmp_path / "dense"
+    _log(run, range(1, 61), moe=False)  # enough points for the running means
+    status, out, err = _cli(run)
+    assert status == 0
+    assert {Path(line).name for line in out.splitlines()} == MOE_PLOTS - {"expert_load.png", "expert_imbalance.png"}
+    assert err == "no expert heatmap: a dense model (no MoE layer)\n"
+    assert load_metrics(run).expert_loads() is None and load_metrics(run).series("eval_loss") == ([], [])
+
+
+def test_what_cannot_be_reported_is_one_line_and_exit_status_2(tmp_path):
+    (tmp_path / "no_metrics").mkdir()
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "metrics.jsonl").write_text("")
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / "metrics.jsonl").write_text('{"step": 1, "lo')
+    (tmp_path / "a_file").write_text("")
+    cases = {
+        tmp_path / "nowhere": r"nowhere does not exist \(give the run's folder",
+        tmp_path / "a_file": r"a_file is not a folder",
+        tmp_path / "no_metrics": r"no_metrics has no metrics.jsonl: not a training run's folder",
+        tmp_path / "empty": r"empty/metrics.jsonl is empty: no step has been logged yet",
+        tmp_path / "cut": r"cut/metrics.jsonl holds no complete record: no step has been logged yet",
+    }
+    for folder, message in cases.items():
+        status, out, err = _cli(folder)
+        assert status == 2 and out == "" and err.count("\n") == 1, (folder, err)
+        assert err.startswith("ds_optimus.report: error: "), err
+        assert re.search(message, err), (message, err)
+    assert not (tmp_path / "no_metrics" / "plots").exists()  # nothing made for a folder with nothing to draw
+
+    done = subprocess.run([sys.executable, "-m", "ds_optimus.report", str(tmp_path / "nowhere")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 2 and done.stdout == "" and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("ds_optimus.report: error: ")
+
+
+def test_without_matplotlib_the_command_and_the_end_of_a_run_say_how_to_get_it(tmp_path, monkeypatch):
+    from ds_optimus.train.callbacks import MetricsCallback
+
+    run = tmp_path / "run"
+    _log(run, [1, 2])
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    status, _, err = _cli(run)
+    assert status == 2 and err == "ds_optimus.report: error: the plots need matplotlib: pip install matplotlib\n"
+    assert not (run / "plots").exists()
+
+    callback, messages = MetricsCallback(), []
+    callback.trainer = SimpleNamespace(output_dir=run, rank=0, stop_reason=None, message=messages.append)
+    callback.close(None)  # the loop never ran (set-up failed): nothing to draw
+    callback.post_train()
+    callback.close(RuntimeError("the export failed"))
+    callback.trainer.stop_reason = "preempted"
+    callback.close(None)
+    assert messages == []
+    callback.trainer.stop_reason = None
+    callback.close(None)
+    assert messages == [f"plots: pip install matplotlib, then python -m ds_optimus.report {run}"]
+
+
+def test_the_report_imports_nothing_of_the_training_code():
+    from test_structure import GRAPH
+
+    imports = {t for m, targets in GRAPH.items() if m.startswith("ds_optimus.report") for t in targets}
+    assert "ds_optimus.report.reader" in imports  # the walk sees the package
+    assert all(t.startswith("ds_optimus.report") for t in imports), imports
+
+
+@pytest.mark.slow
+def test_a_real_run_records_each_experts_tokens_and_leaves_its_plots(tmp_path):
+    """Two processes at expert parallelism 2, logging every 2nd step: each logged step's
+    `expert_tokens` holds, per MoE layer, every expert's tokens summed over both ranks and the
+    steps since the last log line (tokens x top-k per layer); the run ends by drawing its plots."""
+    from distributed import run_distributed
+    from train_workers import metrics_worker, tiny_config
+
+    from ds_optimus.hf_models.mula import MulaConfig
+
+    config = tiny_config(tmp_path, tmp_path / "cache", train={"steps": 5, "eval_interval": 2, "log_interval": 2},
+                         checkpoint={"interval": 0}, expert_parallel={"size": 2})
+    records = [r for r in run_distributed(metrics_worker, 2, config)[0] if "loss" in r]
+    preset = MulaConfig.from_preset("mula-tiny-moe")
+    layers, experts, top_k = preset.num_hidden_layers, preset.num_experts, preset.num_experts_per_tok
+    tokens_per_step = 2 * 4 * 32  # ranks x micro-batch x sequence length
+    assert [r["step"] for r in records] == [2, 4, 5]
+    previous = 0
+    for record in records:
+        table = record["expert_tokens"]
+        assert len(table) == layers and all(len(row) == experts for row in table)
+        assert all(isinstance(c, int) and c >= 0 for row in table for c in row)
+        routed = (record["step"] - previous) * tokens_per_step * top_k
+        assert [sum(row) for row in table] == [routed] * layers, (record["step"], table)
+        assert [record[f"expert_imbalance/layer_{i}"] for i in range(layers)] == pytest.approx(
+            [max(row) * experts / sum(row) for row in table])
+        previous = record["step"]
+
+    run = tmp_path / "run"
+    assert {p.name for p in (run / "plots").iterdir()} == MOE_PLOTS  # drawn by rank 0 at the end of the run
+    assert f"plots: 7 PNGs in {run / 'plots'}/" in (run / "log.txt").read_text()
+    loads = load_metrics(run).expert_loads()
+    assert loads.steps == [2, 4, 5] and loads.counts.shape == (layers, experts, 3)
+    np.testing.assert_array_equal(loads.counts.sum(axis=1), np.array([[2, 2, 1]] * layers) * tokens_per_step * top_k)
+    status, out, _ = _cli(run, "--out", tmp_path / "again", "--dpi", "60")
+    assert status == 0 and {Path(line).name for line in out.splitlines()} == MOE_PLOTS
+    _png(tmp_path / "again" / "expert_load.png")
