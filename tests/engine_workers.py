@@ -22,10 +22,15 @@ def engine_refusals_worker(rank: int, world: int, cases: list[tuple[str, dict, d
 
     import ds_optimus  # noqa: F401
 
+    from ds_optimus.parallel import apply_expert_parallel
+
     messages = []
     for preset, overrides, optimus in cases:
+        model = _model(preset, **overrides)
+        if optimus.pop("already_ep", False):  # made expert-parallel by the script itself
+            apply_expert_parallel(model, world)
         try:
-            deepspeed.initialize(model=_model(preset, **overrides), config={**BASE, "optimus": optimus})
+            deepspeed.initialize(model=model, config={**BASE, "optimus": optimus})
             messages.append("no error")
         except Exception as err:  # noqa: BLE001 - the message is what is tested
             messages.append(f"{type(err).__name__}: {err}")

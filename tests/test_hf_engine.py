@@ -27,7 +27,9 @@ def test_what_the_engine_cannot_apply_is_one_line_on_every_rank():
              ("mula-tiny-moe", {"num_experts": 3}, {"expert_parallel": {"size": 2}}),
              ("mula-tiny-moe", {}, {"expert_parallel": {"size": 4}}),
              ("mula-tiny-moe", {}, {"train": {"steps": 3}}),
-             ("mula-tiny-moe", {}, {"expert_parallel": {"size": 2, "nodes": 1}})]
+             ("mula-tiny-moe", {}, {"expert_parallel": {"size": 2, "nodes": 1}}),
+             ("mula-tiny-moe", {}, {"already_ep": True, "expert_parallel": {"size": 1}}),
+             ("mula-tiny-moe", {}, {"already_ep": True, "moe": {"experts_backend": "looped"}})]
     first, second = run_distributed(engine_refusals_worker, 2, cases)
     assert first == second  # every rank says the same
     assert first == [
@@ -39,6 +41,8 @@ def test_what_the_engine_cannot_apply_is_one_line_on_every_rank():
         "Face Trainer, accelerate) applies optimus.moe, optimus.expert_parallel, optimus.sharded_optimizer: remove "
         "the others (ds_optimus.train.hf_trainer.trainer_ds_config does)",
         "ConfigError: optimus.expert_parallel: unknown key 'nodes' (known: size, node_size)",
+        "ConfigError: the model is already expert-parallel at size 2, but optimus.expert_parallel.size is 1",
+        "no error",  # expert-parallel already, the config sets only the backend
     ]
     assert all("\n" not in m for m in first)
 

@@ -189,7 +189,7 @@ def _configure_expert_parallel(self, model, collect_sources=None):
     if "moe" not in given and "expert_parallel" not in given:
         return replaced
     size, layouts = section.expert_parallel.size, expert_layouts(model)
-    if layouts and layouts[0].ep_size != size:
+    if layouts and "expert_parallel" in given and layouts[0].ep_size != size:
         raise ConfigError(f"the model is already expert-parallel at size {layouts[0].ep_size}, but "
                           f"optimus.expert_parallel.size is {size}")
     if layouts or size == 1:  # applied before (e.g. by ds_optimus.train): the experts backend only
