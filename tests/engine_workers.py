@@ -21,7 +21,6 @@ def engine_refusals_worker(rank: int, world: int, cases: list[tuple[str, dict, d
     import deepspeed
 
     import ds_optimus  # noqa: F401
-
     from ds_optimus.parallel import apply_expert_parallel
 
     messages = []
