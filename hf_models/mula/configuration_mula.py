@@ -108,6 +108,27 @@ class MulaConfig(PreTrainedConfig):
         "past_key_values", "lm_loss", "aux_loss", "z_loss", "tokens_per_expert", "router_logits",
     ]
     attribute_map: ClassVar[dict[str, str]] = {"num_local_experts": "num_experts"}
+    # How Transformers' own tensor and expert parallelism (`from_pretrained(distributed_config=...)`)
+    # shard the decoder. QK-norm normalises over the full q/k width, so q, k and v are gathered before
+    # it; dense layers split their FFN as usual; experts split their intermediate size under TP
+    # (`gate_up_proj` packs gate then up) and are dealt out whole under EP.
+    base_model_tp_plan: ClassVar[dict[str, str]] = {
+        "layers.*.self_attn.q_proj": "colwise_gather_output",
+        "layers.*.self_attn.k_proj": "colwise_gather_output",
+        "layers.*.self_attn.v_proj": "colwise_gather_output",
+        "layers.*.self_attn.o_proj": "rowwise_split_input",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+        "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+        "layers.*.mlp.experts.down_proj": "rowwise",
+        "layers.*.mlp.experts": "moe_tp_experts",
+    }
+    base_model_ep_plan: ClassVar[dict[str, str]] = {
+        "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
+        "layers.*.mlp.experts.down_proj": "grouped_gemm",
+        "layers.*.mlp.experts": "ep_dispatch_experts",
+    }
 
     vocab_size: int = 50304
     hidden_size: int = 2048

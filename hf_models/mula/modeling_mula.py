@@ -6,8 +6,6 @@ not installed. With ds_optimus installed, `import ds_optimus` registers these cl
 classes and faster experts implementations with Transformers' experts interface.
 """
 
-from __future__ import annotations
-
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,6 +22,8 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
@@ -92,7 +92,16 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim: int = 1):
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
-def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs: Unpack[TransformersKwargs],
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain softmax attention with grouped-query heads; returns (output [B, S, h, D], weights)."""
     groups = module.num_key_value_groups
     if groups > 1:
@@ -138,7 +147,7 @@ class MulaAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
         past_key_values: Cache | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
@@ -297,8 +306,12 @@ class MulaExperts(nn.Module):
         num_tokens, top_k = top_k_index.shape
         flat_experts = top_k_index.reshape(-1)
         order = torch.argsort(flat_experts, stable=True)  # slot ids grouped by expert
-        token_of_slot = order // top_k
         counts = torch.bincount(flat_experts, minlength=self.num_experts).tolist()
+        # Under Transformers' expert parallelism `num_experts` counts this rank's experts, and slots
+        # routed to other ranks carry the id `num_experts` with weight 0: they sort last and are left out.
+        counts = counts[: self.num_experts]
+        order = order[: sum(counts)]
+        token_of_slot = order // top_k
         rows_by_expert = hidden_states[token_of_slot].split(counts)
         outputs = []
         for expert, rows in enumerate(rows_by_expert):
@@ -332,9 +345,12 @@ class MulaSparseMoeBlock(nn.Module):
 class MulaDecoderLayer(GradientCheckpointingLayer):
     """Pre-norm decoder layer: x + attn(norm(x)), then + ffn(norm(x)) with a dense or MoE FFN.
 
-    Returns (hidden_states, router_logits, top_k_index); the last two are None in dense layers.
-    Router outputs are returned rather than recorded by hooks so that the auxiliary losses keep
-    their gradients under both reentrant and non-reentrant activation checkpointing.
+    Returns (hidden_states, attention_weights, router_logits, top_k_index): the attention weights are
+    None unless the attention backend makes them (eager), the router outputs None in dense layers.
+    `MulaModel` records its optional outputs from this return value, with hooks on this module only:
+    activation checkpointing wraps `forward` alone, so the router logits recorded keep their gradients
+    under reentrant and non-reentrant checkpointing alike, and a layer compiled on its own keeps its
+    whole body in one graph (no recording hook runs inside it).
     """
 
     def __init__(self, config: MulaConfig, layer_idx: int):
@@ -354,10 +370,10 @@ class MulaDecoderLayer(GradientCheckpointingLayer):
         past_key_values: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         residual = hidden_states
-        attn_out, _ = self.self_attn(
+        attn_out, attn_weights = self.self_attn(
             self.input_layernorm(hidden_states),
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
@@ -373,7 +389,7 @@ class MulaDecoderLayer(GradientCheckpointingLayer):
             ffn_out, router_logits, top_k_index = self.mlp(normed)
         else:
             ffn_out, router_logits, top_k_index = self.mlp(normed), None, None
-        return residual + ffn_out, router_logits, top_k_index
+        return residual + ffn_out, attn_weights, router_logits, top_k_index
 
 
 class MulaPreTrainedModel(PreTrainedModel):
@@ -387,12 +403,25 @@ class MulaPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_attention_backend = True
-    _can_compile_fullgraph = False  # the reference experts path syncs on token counts
-    _keep_in_fp32_modules_strict = ["expert_bias"]  # honoured by from_pretrained and DeepSpeed's engine
+    # With Transformers' experts functions ("grouped_mm", "batched_mm"); the `eager` reference path reads
+    # the per-expert token counts on the host, so it graph-breaks, as the reference loops of
+    # Transformers' own MoE models do.
+    _can_compile_fullgraph = True
+    # Honoured by from_pretrained and DeepSpeed's engine; emptied in `post_init` where no router has a bias.
+    _keep_in_fp32_modules_strict = ["expert_bias"]
+    # What `capture_outputs` records when asked (`output_hidden_states`, `output_attentions`,
+    # `output_router_logits`), all from the decoder layer's return value (see `MulaDecoderLayer`).
     _can_record_outputs = {
         "hidden_states": OutputRecorder(MulaDecoderLayer, index=0),
-        "attentions": OutputRecorder(MulaAttention, index=1),
+        "attentions": OutputRecorder(MulaDecoderLayer, index=1),
+        "router_logits": OutputRecorder(MulaDecoderLayer, index=2),
     }
+
+    def post_init(self) -> None:
+        # The list names only tensors that exist: the selection bias is there when its update rate is set.
+        if not (self.config.num_experts > 0 and self.config.router_bias_update_rate > 0):
+            self._keep_in_fp32_modules_strict = []
+        super().post_init()
 
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
         """Default to ds_optimus' dropless expert-parallel layer when it is registered (`import
@@ -445,6 +474,28 @@ class MulaPreTrainedModel(PreTrainedModel):
             hf_init.copy_(module.original_inv_freq, inv_freq)
 
 
+@dataclass
+class MulaModelOutputWithPast(MoeModelOutputWithPast):
+    """`MoeModelOutputWithPast` plus the experts each MoE layer chose (`router_indices`, [T, k] each)."""
+
+    router_indices: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class MulaCausalLMOutputWithPast(MoeCausalLMOutputWithPast):
+    """`MoeCausalLMOutputWithPast` with the loss split into its parts.
+
+    loss = lm_loss + router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss (with labels, in
+    training mode; in eval mode loss = lm_loss). `aux_loss` is the load-balancing loss (1.0 at perfect
+    balance), `z_loss` the router z-loss, both averaged over MoE layers; `tokens_per_expert`
+    [moe_layers, E] counts token slots.
+    """
+
+    lm_loss: torch.Tensor | None = None
+    z_loss: torch.Tensor | None = None
+    tokens_per_expert: torch.Tensor | None = None
+
+
 class MulaModel(MulaPreTrainedModel):
     """The Mula decoder stack without a language-model head."""
 
@@ -469,7 +520,7 @@ class MulaModel(MulaPreTrainedModel):
         past_key_values: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> MulaModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
@@ -493,9 +544,12 @@ class MulaModel(MulaPreTrainedModel):
         )
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
-        router_logits, router_indices = [], []
+        # `capture_outputs` records the router logits when they are asked for (the same test as its own);
+        # the experts each layer chose come with them.
+        with_router = kwargs.get("output_router_logits", self.config.output_router_logits)
+        router_indices = []
         for layer in self.layers[: self.config.num_hidden_layers]:
-            hidden_states, layer_logits, layer_index = layer(
+            hidden_states, _, _, layer_index = layer(
                 hidden_states,
                 attention_mask=causal_mask,
                 position_ids=position_ids,
@@ -504,40 +558,17 @@ class MulaModel(MulaPreTrainedModel):
                 position_embeddings=position_embeddings,
                 **kwargs,
             )
-            if layer_logits is not None:
-                router_logits.append(layer_logits)
-                router_indices.append(layer_index)
+            if layer_index is not None:
+                if with_router:
+                    router_indices.append(layer_index)
                 if self.training and layer.mlp.gate.uses_bias:
                     layer.mlp.gate.record_load(layer_index)
         hidden_states = self.norm(hidden_states)
         return MulaModelOutputWithPast(
             last_hidden_state=hidden_states,
             past_key_values=past_key_values,
-            router_logits=tuple(router_logits) or None,
             router_indices=tuple(router_indices) or None,
         )
-
-
-@dataclass
-class MulaModelOutputWithPast(MoeModelOutputWithPast):
-    """`MoeModelOutputWithPast` plus the experts each MoE layer chose (`router_indices`, [T, k] each)."""
-
-    router_indices: tuple[torch.Tensor, ...] | None = None
-
-
-@dataclass
-class MulaCausalLMOutputWithPast(MoeCausalLMOutputWithPast):
-    """`MoeCausalLMOutputWithPast` with the loss split into its parts.
-
-    loss = lm_loss + router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss (with labels, in
-    training mode; in eval mode loss = lm_loss). `aux_loss` is the load-balancing loss (1.0 at perfect
-    balance), `z_loss` the router z-loss, both averaged over MoE layers; `tokens_per_expert`
-    [moe_layers, E] counts token slots.
-    """
-
-    lm_loss: torch.Tensor | None = None
-    z_loss: torch.Tensor | None = None
-    tokens_per_expert: torch.Tensor | None = None
 
 
 def router_losses(
@@ -628,10 +659,12 @@ class MulaForCausalLM(MulaPreTrainedModel, GenerationMixin):
         output_router_logits: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         return_dict: bool | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> MulaCausalLMOutputWithPast | tuple:
         config = self.config
         output_router_logits = config.output_router_logits if output_router_logits is None else output_router_logits
+        # The router losses need the routers' logits and choices whenever there are labels.
+        with_router = bool(output_router_logits) or (labels is not None and config.num_experts > 0)
         outputs: MulaModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -639,6 +672,7 @@ class MulaForCausalLM(MulaPreTrainedModel, GenerationMixin):
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            output_router_logits=with_router,
             return_dict=True,
             **kwargs,
         )
@@ -653,7 +687,7 @@ class MulaForCausalLM(MulaPreTrainedModel, GenerationMixin):
         if labels is not None:
             lm_loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
             loss = lm_loss
-        if outputs.router_logits is not None and (labels is not None or output_router_logits):
+        if outputs.router_logits:  # recorded only when asked for, or for the losses
             token_mask = None
             if attention_mask is not None and attention_mask.numel() == outputs.router_logits[0].shape[0]:
                 token_mask = attention_mask.reshape(-1)  # padding-aware only when the mask covers these tokens
