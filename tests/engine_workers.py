@@ -67,3 +67,25 @@ def client_optimizer_worker(rank: int, world: int) -> dict:
             "counted": sum(len(g["params"]) for g in groups), "params": len(list(model.parameters())),
             "moved": float((experts.gate_up_proj.detach() - before).abs().max()),
             "same_optimizer": engine.optimizer is optimizer}
+
+
+def engine_router_bias_worker(rank: int, world: int) -> list[dict]:
+    """A Mula with a router bias under a bare DeepSpeed engine (gradient accumulation 2): the engine
+    moves the bias once per optimizer step, at the accumulation boundary, from the loads of both
+    micro-batches summed over the ranks."""
+    import deepspeed
+
+    import ds_optimus  # noqa: F401
+
+    model = _model("mula-tiny-moe", router_bias_update_rate=0.01)
+    config = {**BASE, "gradient_accumulation_steps": 2}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    gate = model.model.layers[0].mlp.gate
+    seen = []
+    for micro in range(4):
+        ids = torch.randint(2, 4096, (2, 16), generator=torch.Generator().manual_seed(10 * rank + micro))
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        seen.append({"bias_moved": float(gate.expert_bias.abs().sum()), "pending": float(gate.load_since_update.sum()),
+                     "drives": engine.drives_router_bias})
+    return seen

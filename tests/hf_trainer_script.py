@@ -29,14 +29,17 @@ tokenizer = load_tokenizer()
 text = "\n".join(pydoc_data.topics.topics.values())[:40_000]
 tokens = np.asarray(tokenizer(text)["input_ids"], dtype=np.uint16)
 torch.manual_seed(0)  # the same initial weights on every rank
-model = MulaForCausalLM(MulaConfig.from_preset("mula-tiny-moe"))
-seen = {"expert_rows": [], "optimizer": None, "moe_groups": 0}
+model = MulaForCausalLM(MulaConfig.from_preset("mula-tiny-moe", router_bias_update_rate=0.01))
+seen = {"expert_rows": [], "optimizer": None, "moe_groups": 0, "bias": [], "pending": []}
 
 
 class Watch(TrainerCallback):
     def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
         experts = model.model.layers[0].mlp.experts
         seen["expert_rows"].append(experts.gate_up_proj.shape[0])
+        gate = model.model.layers[0].mlp.gate  # the engine moves the bias (no callback here)
+        seen["bias"].append(float(gate.expert_bias.abs().sum()))
+        seen["pending"].append(float(gate.load_since_update.sum()))
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the engine's
         seen["optimizer"] = type(inner).__name__
         seen["moe_groups"] = sum(1 for g in inner.param_groups if g.get("moe"))

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.engine_workers import client_optimizer_worker, engine_refusals_worker
+from tests.engine_workers import client_optimizer_worker, engine_refusals_worker, engine_router_bias_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "hf_trainer_script.py"
@@ -56,11 +56,26 @@ def test_an_optimizer_built_before_the_engine_is_pointed_at_the_expert_shards():
         assert result["counted"] == result["params"] and result["moved"] > 0 and result["same_optimizer"]
 
 
+def test_the_engine_moves_the_router_bias_once_per_optimizer_step():
+    first, second = run_distributed(engine_router_bias_worker, 2)
+    for seen in (first, second):
+        assert all(s["drives"] for s in seen)
+        # micro-batches 1 and 3 only count loads; 2 and 4 end an optimizer step: the bias moves and
+        # the counts start over
+        assert seen[0]["bias_moved"] == 0 and seen[0]["pending"] > 0
+        assert 0 < seen[1]["bias_moved"] <= 8 * 0.01 + 1e-6 and seen[1]["pending"] == 0
+        assert seen[2]["bias_moved"] == seen[1]["bias_moved"] and seen[2]["pending"] > 0
+        assert seen[3]["bias_moved"] != seen[1]["bias_moved"] and seen[3]["pending"] == 0
+    assert first[3]["bias_moved"] == second[3]["bias_moved"]  # loads summed over ranks: the same bias
+
+
 def _check_run(out: Path, world: int = 2) -> None:
     seen = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     for rank in seen:  # asserted from inside the run, at every step, on each rank
         assert rank["world"] == world and rank["expert_rows"] == [EXPERTS // world] * STEPS
         assert rank["optimizer"] == "ShardedOptimizer" and rank["moe_groups"] == 1
+        # the router bias moved by the engine after every optimizer step, from loads counted since
+        assert rank["pending"] == [0.0] * STEPS and 0 < rank["bias"][0] < rank["bias"][-1] <= 8 * 0.01 * STEPS
     losses = seen[0]["losses"]
     assert len(losses) == STEPS and sum(losses[-3:]) / 3 < losses[0] - 0.5
     meta = json.loads((out / "run" / f"checkpoint-{STEPS}" / f"global_step{STEPS}" / "meta.json").read_text())
