@@ -8,6 +8,7 @@ them, and reads the layout a model was given from them (`expert_groups_of`, `exp
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -142,8 +143,6 @@ def export_pretrained(model: nn.Module, folder: str | os.PathLike, groups: Exper
             tokenizer.save_pretrained(folder)
             # Transformers 5 names its generic fast tokenizer "TokenizersBackend" in tokenizer_config.json,
             # a name earlier versions and other readers of the file do not know; all know it by its older name.
-            import json
-
             path = os.path.join(folder, "tokenizer_config.json")
             saved = {}
             if os.path.exists(path):

@@ -65,7 +65,11 @@ def main(argv: list[str] | None = None) -> int:
 
     trainer = Trainer(model=model, args=training_args, processing_class=tokenizer, data_collator=default_data_collator,
                       train_dataset=PackedSequences(packed.tokens("train"), opt.data.seq_len))
-    trainer.train()
+    try:
+        trainer.train()  # DeepSpeed's engine is built here: it applies the optimus section
+    except ConfigError as err:
+        print(f"ds_optimus.train.hf_example: error: {err}", file=sys.stderr)
+        return 2
     trainer.save_model(str(out / "hf-trainer"))  # every rank: the experts are gathered
     if trainer.is_world_process_zero():
         losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
