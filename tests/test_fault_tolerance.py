@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -233,8 +234,11 @@ def test_killed_rank_is_restarted_by_the_supervisor_with_identical_losses(tmp_pa
     command = [sys.executable, "-m", "ds_optimus.reliability.supervise", "--backoff", "0", "--", *launch_command(path)]
     proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    # the launcher passes the killed rank's -9 on as sys.exit(-9): status 247
-    assert "supervise: attempt 0 failed with status 247 after step 4" in proc.stderr
+    # The launcher passes on the exit status of the first failed rank its poll finds (it polls a set,
+    # once a second): the killed rank's -9 as sys.exit(-9), status 247, or, when the other rank has
+    # already failed on the broken connection, that rank's 1.
+    failed = re.search(r"supervise: attempt 0 failed with status (\d+) after step 4", proc.stderr)
+    assert failed and failed.group(1) in ("247", "1"), proc.stderr[-3000:]
     assert "resumed from" in proc.stderr and "step_00000004 at step 4" in proc.stderr
     assert step_losses(Path(config["optimus"]["train"]["output_dir"])) == reference
 
