@@ -45,6 +45,12 @@ def ep_forward_backward(rank: int, world: int, ep_size: int, node_size: int | No
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
     logits = model(ids[mine]).logits
     (logits.float() * probe[mine]).sum().backward()
+    return {"logits": logits.detach(), "grads": summed_grads(model, groups), "rows": mine}
+
+
+def summed_grads(model, groups) -> dict[str, torch.Tensor]:
+    """Gradients summed the way data parallelism sums them (dense over all ranks, experts over the
+    expert-data-parallel group), the experts' full tensors reassembled."""
     grads = {}
     for name, p in model.named_parameters():
         g = p.grad if p.grad is not None else torch.zeros_like(p)
@@ -56,7 +62,7 @@ def ep_forward_backward(rank: int, world: int, ep_size: int, node_size: int | No
         else:
             dist.all_reduce(g)
         grads[name] = g
-    return {"logits": logits.detach(), "grads": grads, "rows": mine}
+    return grads
 
 
 def reference_forward_backward(overrides: dict, batch: int = 8, seq: int = 12):
@@ -177,3 +183,37 @@ def save_expert_parallel(rank: int, world: int, ep_size: int, folder: str):
     ids, _ = global_batch(4, 2, 10, model.config.vocab_size)
     return {"logits": model(ids).logits.detach(), "complete": complete, "refused": refused,
             "plain_written": (Path(folder) / f"plain{rank}").exists()}
+
+
+def ep_exchange_variants(rank: int, world: int, variants: list[dict], batch: int = 8, seq: int = 12):
+    """The same global batch through several expert-parallel exchanges, one fresh model each.
+
+    A variant gives `expert_parallel` (the config section), optional `model` overrides, and optional
+    `bias` ({expert: value}: a router bias that pulls every token to those experts). Returns, per
+    variant, this rank's logits, the gradients reassembled as `ep_forward_backward` does, and the
+    hidden-state rows this rank sent to other ranks and to other nodes of 2 (counted at the
+    collective, forward and backward)."""
+    from ds_optimus.parallel.traffic import ExchangeTraffic
+
+    results = []
+    for variant in variants:
+        overrides = dict(variant.get("model", {}))
+        if "bias" in variant:
+            overrides["router_bias_update_rate"] = 0.01
+        model = tiny_moe(**overrides)
+        for expert, value in variant.get("bias", {}).items():
+            for layer in model.model.layers:
+                layer.mlp.gate.expert_bias[expert] = value
+        config = {"optimus": {"expert_parallel": variant["expert_parallel"]}}
+        groups = setup_moe(model, OptimusConfig.from_ds_config(config))
+        ids, probe = global_batch(1, batch, seq, model.config.vocab_size)
+        mine = slice(rank * (batch // world), (rank + 1) * (batch // world))
+        with ExchangeTraffic() as traffic:
+            logits = model(ids[mine]).logits
+            (logits.float() * probe[mine]).sum().backward()
+        row_bytes = model.config.hidden_size * logits.element_size()
+        dispatcher = model.model.layers[0].mlp.experts.expert_parallel
+        results.append({"logits": logits.detach(), "grads": summed_grads(model, groups), "rows": mine,
+                        "dedup": dispatcher.deduplicated, "rows_sent": traffic.rows(row_bytes),
+                        "rows_between_nodes": traffic.rows(row_bytes, node_size=2)})
+    return results

@@ -13,6 +13,7 @@ from ds_optimus.parallel import setup_moe
 def test_defaults_without_a_section():
     config = OptimusConfig.from_ds_config({"train_batch_size": 8})
     assert config.expert_parallel.size == 1 and config.expert_parallel.node_size is None
+    assert config.expert_parallel.dedup == "auto" and config.expert_parallel.chunks == 1
     assert config.moe.experts_backend == "auto"
 
 
@@ -24,10 +25,16 @@ def test_reads_a_json_file(tmp_path):
 
 
 @pytest.mark.parametrize("section, message", [
-    ({"expert_parallel": {"sise": 2}}, r"^optimus\.expert_parallel: unknown key 'sise' \(known: size, node_size\)$"),
+    ({"expert_parallel": {"sise": 2}}, r"^optimus\.expert_parallel: unknown key 'sise' \(known: size, node_size, dedup, chunks\)$"),
     ({"expert_parallel": {"size": 0}}, r"^optimus\.expert_parallel\.size must be a positive integer, got 0$"),
     ({"expert_parallel": {"size": True}}, r"^optimus\.expert_parallel\.size must be a positive integer"),
     ({"expert_parallel": {"size": 4, "node_size": 3}}, r"^optimus\.expert_parallel\.node_size 3 does not divide"),
+    ({"expert_parallel": {"size": 4, "dedup": "yes"}},
+     r'^optimus\.expert_parallel\.dedup must be true, false or "auto", got \'yes\'$'),
+    ({"expert_parallel": {"size": 4, "chunks": 0}}, r"^optimus\.expert_parallel\.chunks must be a positive integer, got 0$"),
+    ({"expert_parallel": {"size": 4, "dedup": False, "chunks": 2}},
+     r"^optimus\.expert_parallel\.chunks 2 overlaps the deduplicated exchange, which optimus\.expert_parallel\.dedup "
+     r"false turns off$"),
     ({"moe": {"experts_backend": "fast"}}, r"^optimus\.moe\.experts_backend must be one of auto, .*got 'fast'$"),
     ({"layout": {}}, r"^optimus: unknown key 'layout'"),
     ({"moe": []}, r"^optimus\.moe must be a JSON object, got list$"),

@@ -57,7 +57,8 @@ def moe_experts_forward(
     """Experts of one MoE layer on `hidden_states [T, H]` routed by `top_k_index`/`top_k_weights [T, k]`.
 
     Dropless unless `config.moe_capacity_factor` is set. When `apply_expert_parallel` has sharded the
-    module, the sorted rows travel to the ranks that own their experts and back (all-to-all).
+    module, the tokens travel to the ranks that own their experts and back (all-to-all): once per
+    destination rank with the deduplicated dispatcher, else once per routed slot, sorted by expert.
     """
     config = self.config
     layout = {"has_gate": True, "is_concatenated": True, "is_transposed": False, "has_bias": False,
@@ -70,9 +71,23 @@ def moe_experts_forward(
     if not isinstance(self, MulaExperts):
         declare_expert_attributes(self)  # e.g. OLMoE's experts, never seen by ds_optimus.parallel
     backend = self.experts_backend
-    plan = plan_routing(top_k_index, self.num_experts)
     capacity_factor = getattr(config, "moe_capacity_factor", None)
     dispatcher = self.expert_parallel
+
+    def experts(rows: torch.Tensor, rows_per_expert: torch.Tensor) -> torch.Tensor:
+        return grouped_swiglu(rows, self.gate_up_proj, self.down_proj, rows_per_expert, act, backend)
+
+    if dispatcher is not None and dispatcher.deduplicated:  # tokens travel, once per destination
+        ids = top_k_index
+        if capacity_factor is not None:  # the slots past an expert's capacity, as below, are dropped
+            plan = plan_routing(top_k_index, self.num_experts)
+            keep, _ = _capacity_keep(plan, top_k_index, capacity_factor)
+            kept = torch.zeros(plan.num_slots, dtype=torch.bool, device=ids.device)
+            kept[plan.order.index_select(0, keep)] = True
+            ids = ids.masked_fill(~kept.view_as(ids), -1)
+        out = dispatcher(hidden_states, ids, top_k_weights, experts, (self.gate_up_proj, self.down_proj))
+        return out.to(hidden_states.dtype)
+    plan = plan_routing(top_k_index, self.num_experts)
     if dispatcher is None and capacity_factor is None:
         # A backend with a fused form does gather, experts and combine in one go.
         fused = get_backend(select_backend(hidden_states.device, hidden_states.dtype, backend)).fused
@@ -85,9 +100,6 @@ def moe_experts_forward(
     if capacity_factor is not None:
         keep, counts = _capacity_keep(plan, top_k_index, capacity_factor)
         x_sorted = x_sorted.index_select(0, keep)
-
-    def experts(rows: torch.Tensor, rows_per_expert: torch.Tensor) -> torch.Tensor:
-        return grouped_swiglu(rows, self.gate_up_proj, self.down_proj, rows_per_expert, act, backend)
 
     y_sorted = experts(x_sorted, counts) if dispatcher is None else dispatcher(x_sorted, counts, experts)
     if keep is not None:  # dropped slots contribute nothing

@@ -68,7 +68,10 @@ def _t(sizes: list[list[int]]) -> list[list[int]]:
 
 class ExpertParallelDispatcher:
     """Sends expert-sorted rows to the ranks owning their experts, runs the local experts, and
-    brings the outputs back. Installed on an experts module by `apply_expert_parallel`."""
+    brings the outputs back, one row per routed slot each way. Installed on an experts module by
+    `apply_expert_parallel` (`dedup=False`; `DedupDispatcher` sends a token once per rank)."""
+
+    deduplicated = False
 
     def __init__(self, groups: ExpertParallelGroups, num_local_experts: int) -> None:
         self.groups = groups

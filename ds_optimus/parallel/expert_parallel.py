@@ -19,18 +19,25 @@ from torch import nn
 
 from ..moe.layer import IMPLEMENTATION_NAME, declare_expert_attributes, register_experts_implementation
 from ..schema import Section, need, positive_int
+from .dedup import DedupDispatcher
 from .dispatch import ExpertParallelDispatcher
 from .groups import ExpertParallelGroups, check_layout, init_expert_parallel_groups
+from .traffic import dedup_sends_fewer_bytes
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
 class ExpertParallelConfig(Section):
-    """`optimus.expert_parallel`: the EP size; `node_size` selects the hierarchical exchange."""
+    """`optimus.expert_parallel`: the EP size; `node_size` selects the hierarchical exchange;
+    `dedup` sends a token once per destination rank (or node) instead of once per routed slot
+    ("auto": when that is expected to send fewer bytes); `chunks` cuts the deduplicated exchange into
+    that many parts, so one part travels while the experts compute another."""
 
     size: int = 1
     node_size: int | None = None
+    dedup: bool | str = "auto"
+    chunks: int = 1
 
     def check(self, where: str) -> None:
         need(positive_int(self.size), f"{where}.size must be a positive integer, got {self.size!r}")
@@ -38,6 +45,10 @@ class ExpertParallelConfig(Section):
              f"{where}.node_size must be null or a positive integer, got {self.node_size!r}")
         need(self.node_size is None or self.size % self.node_size == 0,
              f"{where}.node_size {self.node_size} does not divide {where}.size {self.size}")
+        need(self.dedup in (True, False, "auto"), f"{where}.dedup must be true, false or \"auto\", got {self.dedup!r}")
+        need(positive_int(self.chunks), f"{where}.chunks must be a positive integer, got {self.chunks!r}")
+        need(self.chunks == 1 or self.dedup is not False,
+             f"{where}.chunks {self.chunks} overlaps the deduplicated exchange, which {where}.dedup false turns off")
 
 
 def experts_modules(model: nn.Module) -> list[nn.Module]:
@@ -52,12 +63,15 @@ def is_expert_param(param: torch.Tensor) -> bool:
     return getattr(param, "allreduce", True) is False
 
 
-def apply_expert_parallel(model: nn.Module, ep_size: int | ExpertParallelGroups,
-                          node_size: int | None = None) -> ExpertParallelGroups:
+def apply_expert_parallel(model: nn.Module, ep_size: int | ExpertParallelGroups, node_size: int | None = None,
+                          *, dedup: bool | str = "auto", chunks: int = 1) -> ExpertParallelGroups:
     """Keep this rank's slice of every MoE layer's stacked experts and route tokens to their owners.
 
     `ep_size` ranks share each layer's experts (rank i of an EP group keeps experts
     [i*E/P, (i+1)*E/P)); `node_size` selects the hierarchical exchange with nodes of that many ranks.
+    `dedup` picks the exchange that sends a token once per destination (True), once per routed slot
+    (False), or the one expected to send fewer bytes ("auto"); `chunks` > 1 overlaps the
+    deduplicated exchange with the experts' compute.
     Every experts module records the layout in `expert_groups`. Expert weights are marked for
     DeepSpeed (`allreduce=False`, `group_name`) so ZeRO reduces their gradients over the
     expert-data-parallel group. Every rank must start from the same weights. Collective; returns the
@@ -83,9 +97,24 @@ def apply_expert_parallel(model: nn.Module, ep_size: int | ExpertParallelGroups,
         module.num_local_experts = local
         module.expert_groups = groups
         # EP size 1 keeps every expert: nothing to exchange.
-        module.expert_parallel = ExpertParallelDispatcher(groups, local) if groups.ep_size > 1 else None
+        module.expert_parallel = _dispatcher(module, groups, dedup, chunks) if groups.ep_size > 1 else None
     _use_ds_optimus_experts(model)
     return groups
+
+
+def _dispatcher(module: nn.Module, groups: ExpertParallelGroups, dedup: bool | str, chunks: int):
+    if not (isinstance(chunks, int) and chunks >= 1):
+        raise ValueError(f"apply_expert_parallel: chunks must be a positive integer, got {chunks!r}")
+    if dedup == "auto":
+        top_k = getattr(getattr(module, "config", None), "num_experts_per_tok", None)
+        row_bytes = module.down_proj.shape[1] * module.down_proj.element_size()
+        dedup = top_k is None or dedup_sends_fewer_bytes(module.num_experts, top_k, groups.ep_size, row_bytes)
+    if dedup:
+        return DedupDispatcher(groups, module.num_local_experts, chunks)
+    if chunks > 1:
+        raise ValueError(f"apply_expert_parallel: chunks {chunks} overlaps the deduplicated exchange, "
+                         "which dedup=False turns off")
+    return ExpertParallelDispatcher(groups, module.num_local_experts)
 
 
 def expert_parallel_modules(model: nn.Module) -> list[nn.Module]:
@@ -175,7 +204,7 @@ def setup_moe(model: nn.Module, config) -> ExpertParallelGroups | None:
     ep = config.expert_parallel
     if ep.size == 1:
         return None
-    return apply_expert_parallel(model, ep.size, node_size=ep.node_size)
+    return apply_expert_parallel(model, ep.size, node_size=ep.node_size, dedup=ep.dedup, chunks=ep.chunks)
 
 
 def _use_ds_optimus_experts(model: nn.Module) -> None:
