@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import tempfile
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -43,9 +46,31 @@ def ep_forward_backward(rank: int, world: int, ep_size: int, node_size: int | No
     ids, probe = global_batch(1, batch, seq, model.config.vocab_size)
     per_rank = batch // world
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
-    logits = model(ids[mine]).logits
+    with _overlapped_runs() as runs:
+        logits = model(ids[mine]).logits
+        gc.collect()
+        kept = sum(run() is not None for run in runs)  # overlapped layers' rows kept for the backward pass
     (logits.float() * probe[mine]).sum().backward()
-    return {"logits": logits.detach(), "grads": summed_grads(model, groups), "rows": mine}
+    return {"logits": logits.detach(), "grads": summed_grads(model, groups), "rows": mine, "kept_runs": kept,
+            "runs": len(runs)}
+
+
+@contextlib.contextmanager
+def _overlapped_runs():
+    """Weak references to every overlapped exchange run started inside."""
+    from ds_optimus.parallel import overlap
+
+    runs, original = [], overlap._Run.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        runs.append(weakref.ref(self))
+
+    overlap._Run.__init__ = init
+    try:
+        yield runs
+    finally:
+        overlap._Run.__init__ = original
 
 
 def summed_grads(model, groups) -> dict[str, torch.Tensor]:

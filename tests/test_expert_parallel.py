@@ -46,10 +46,15 @@ def test_expert_parallel_matches_single_process(world, ep_size, reference):
 
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_expert_parallel_under_activation_checkpointing(reentrant, reference):
-    """Recomputation repeats the exchanges; the chunked exchange keeps its per-chunk graphs."""
+    """Recomputation repeats the exchanges. The overlapped exchange keeps no layer's rows between the
+    forward and backward passes (that is what checkpointing is for): the backward pass uses the
+    recomputation's; without checkpointing all 4 layers keep theirs."""
     config = {"optimus": {"expert_parallel": {"size": 2, "dedup": True, "chunks": 2}}}
     results = run_distributed(ep_forward_backward, 2, config, None, {"checkpointing": reentrant})
     _check_against_reference(results, reference, 1e-5)
+    assert all(r["kept_runs"] == 0 and r["runs"] == 4 for r in results)
+    plain = run_distributed(ep_forward_backward, 2, config, None, {})
+    assert all(r["kept_runs"] == r["runs"] == 4 for r in plain)
 
 
 def test_hierarchical_per_slot_exchange_equals_flat(reference):

@@ -25,13 +25,15 @@ def test_reads_a_json_file(tmp_path):
 
 
 @pytest.mark.parametrize("section, message", [
-    ({"expert_parallel": {"sise": 2}}, r"^optimus\.expert_parallel: unknown key 'sise' \(known: size, node_size, dedup, chunks\)$"),
+    ({"expert_parallel": {"sise": 2}},
+     r"^optimus\.expert_parallel: unknown key 'sise' \(known: size, node_size, dedup, chunks\)$"),
     ({"expert_parallel": {"size": 0}}, r"^optimus\.expert_parallel\.size must be a positive integer, got 0$"),
     ({"expert_parallel": {"size": True}}, r"^optimus\.expert_parallel\.size must be a positive integer"),
     ({"expert_parallel": {"size": 4, "node_size": 3}}, r"^optimus\.expert_parallel\.node_size 3 does not divide"),
     ({"expert_parallel": {"size": 4, "dedup": "yes"}},
      r'^optimus\.expert_parallel\.dedup must be true, false or "auto", got \'yes\'$'),
-    ({"expert_parallel": {"size": 4, "chunks": 0}}, r"^optimus\.expert_parallel\.chunks must be a positive integer, got 0$"),
+    ({"expert_parallel": {"size": 4, "chunks": 0}},
+     r"^optimus\.expert_parallel\.chunks must be a positive integer, got 0$"),
     ({"expert_parallel": {"size": 4, "dedup": False, "chunks": 2}},
      r"^optimus\.expert_parallel\.chunks 2 overlaps the deduplicated exchange, which optimus\.expert_parallel\.dedup "
      r"false turns off$"),

@@ -1,0 +1,162 @@
+"""The deduplicated exchange cut into chunks whose exchanges overlap the experts' compute.
+
+A layer's tokens are cut into `chunks` parts. Every stage (prepare a hop and send it; compute the
+experts and send back; add the partial sums) runs for all chunks before the next stage starts, on
+asynchronous all-to-alls: while the experts compute chunk c, the rows of chunk c+1 are still
+travelling and the partial sums of chunk c-1 are on their way back. The backward pass runs the same
+stages in reverse (the gradients of the partial sums out, the experts' backward, the gradients of
+the rows back), so it overlaps too. On GPUs NCCL runs the collectives on its own stream; on gloo
+its worker threads carry them while the main thread computes.
+
+Everything around the experts is differentiated by hand (gathers and the sums of `dedup`); the
+experts' own backward replays each chunk's recorded graph with `torch.autograd.grad`, and their
+parameter gradients reach the outer graph once, summed over the chunks. Each chunk keeps its
+experts' input and output rows until the backward pass; under non-reentrant activation
+checkpointing they are dropped after the forward pass and the backward pass uses those of the
+recomputation, as for any other layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..moe.permute import _rowwise_dot
+from .dedup import DedupDispatcher, _Pending, _sum_members, at_experts, depart, plan_chunks
+
+
+def overlapped(dispatcher: DedupDispatcher, x, ids, weights, experts, params) -> torch.Tensor:
+    """`DedupDispatcher.__call__` with `dispatcher.chunks` > 1."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, *params)):
+        return _Overlapped.apply(dispatcher, experts, ids, x, weights, *params)
+    return _Run(dispatcher, experts, ids, x, weights, (), record=False).forward()
+
+
+class _Overlapped(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, dispatcher, experts, ids, x, weights, *params):
+        run = _Run(dispatcher, experts, ids, x, weights, params, record=True)
+        out = run.forward()
+        # The run (each chunk's recorded experts) hangs on an empty saved tensor rather than on ctx:
+        # non-reentrant activation checkpointing drops saved tensors after the forward pass and hands
+        # the backward pass the ones of its recomputation, so the layer's rows are not kept in between
+        # and the backward pass gets the recomputed run.
+        token = torch.empty(0)
+        token.run = run
+        ctx.save_for_backward(token)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (token,) = ctx.saved_tensors
+        run, token.run = token.run, None
+        grad_x, grad_w, grad_params = run.backward(grad)
+        return None, None, None, grad_x, grad_w, *grad_params
+
+
+class _Chunk:
+    def __init__(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> None:
+        self.x, self.w, self.ids = x, w, ids  # the rows at the current level
+        self.hops: list[tuple] = []  # per hop: (members, where the slots land)
+        self.pending: _Pending | None = None
+        self.out: torch.Tensor | None = None
+        # at the experts: their members, the slot of each member, its weight, input and output rows
+        self.members = self.index = self.weight = self.rows_in = self.rows_out = None
+        self.rows = 0  # rows received at the experts
+
+
+class _Run:
+    def __init__(self, dispatcher: DedupDispatcher, experts, ids, x, weights, params, *, record: bool) -> None:
+        self.d, self.experts, self.params, self.record = dispatcher, experts, tuple(params), record
+        # the same number of chunks on every rank (some may be empty): they exchange chunk by chunk
+        self.bounds = [len(t) for t in torch.arange(x.shape[0]).tensor_split(dispatcher.chunks)]
+        parts = zip(x.detach().split(self.bounds), weights.detach().split(self.bounds), ids.split(self.bounds),
+                    strict=True)
+        self.chunks = [_Chunk(*part) for part in parts]
+        self.plans = plan_chunks(dispatcher, [c.ids for c in self.chunks])
+        self.weight_dtype = weights.dtype
+
+    def _each(self):
+        return zip(self.chunks, self.plans, strict=True)
+
+    def forward(self) -> torch.Tensor:
+        hops = self.d.hops
+        for level, hop in enumerate(hops):
+            for c, plan in self._each():
+                if level:
+                    self._arrive(c)
+                m, here, rows, w, local = depart(c.x, c.w, c.ids, plan, level, hop)
+                c.hops.append((m, here))
+                c.pending = _Pending([rows, w, local], plan.send[level], plan.recv[level], hop.group)
+        for c, plan in self._each():
+            self._arrive(c)
+            partial = self._experts(c, plan)
+            c.pending = _Pending([partial], plan.recv[-1], plan.send[-1], hops[-1].group)
+        for level in reversed(range(len(hops))):
+            for c, plan in self._each():
+                (back,) = c.pending.wait()
+                partial = _sum_members(back, c.hops[level][0], None)
+                if level:
+                    c.pending = _Pending([partial], plan.recv[level - 1], plan.send[level - 1], hops[level - 1].group)
+                else:
+                    c.out = partial
+        return torch.cat([c.out for c in self.chunks])
+
+    def _arrive(self, c: _Chunk) -> None:
+        c.x, c.w, ids = c.pending.wait()
+        c.ids = ids.long()
+
+    def _experts(self, c: _Chunk, plan) -> torch.Tensor:
+        c.members, c.index = at_experts(c.ids, plan, self.d.num_local_experts)
+        c.rows_in = c.x.index_select(0, c.members.row_of)
+        c.weight = c.w.reshape(-1).index_select(0, c.index)
+        if self.record:
+            c.rows_in.requires_grad_()
+            with torch.enable_grad():
+                c.rows_out = self.experts(c.rows_in, plan.counts)
+        else:
+            c.rows_out = self.experts(c.rows_in, plan.counts)
+        c.rows = c.ids.shape[0]
+        c.x = c.w = None
+        return _sum_members(c.rows_out.detach(), c.members, c.weight)
+
+    def backward(self, grad: torch.Tensor):
+        hops = self.d.hops
+        grads = grad.split(self.bounds)
+        for level, hop in enumerate(hops):  # the partial sums' gradients travel out again
+            for i, (c, plan) in enumerate(self._each()):
+                g = grads[i] if level == 0 else c.pending.wait()[0]
+                back = g.contiguous().index_select(0, c.hops[level][0].row_of)
+                c.pending = _Pending([back], plan.send[level], plan.recv[level], hop.group)
+        param_grads = None
+        for c, plan in self._each():  # the experts' backward, while other chunks travel
+            (g,) = c.pending.wait()
+            rows = g.index_select(0, c.members.row_of)
+            grad_weight = _rowwise_dot(c.rows_out.detach(), rows).to(self.weight_dtype)
+            found = _grad(c.rows_out, (c.rows_in, *self.params), rows.mul_(c.weight.to(rows.dtype).unsqueeze(1)))
+            param_grads = found[1:] if param_grads is None else [a + b for a, b in zip(param_grads, found[1:],
+                                                                                         strict=True)]
+            grad_x = _sum_members(found[0], c.members, None)
+            k = c.ids.shape[1]
+            grad_w = grad_weight.new_zeros(c.rows * k).index_copy_(0, c.index, grad_weight).view(c.rows, k)
+            c.rows_in = c.rows_out = None
+            c.pending = _Pending([grad_x, grad_w], plan.recv[-1], plan.send[-1], hops[-1].group)
+        grads_x, grads_w = [], []
+        for level in reversed(range(len(hops))):
+            for c, plan in self._each():
+                g_rows, g_w = c.pending.wait()
+                m, here = c.hops[level]
+                grad_x, grad_w = _sum_members(g_rows, m, None), _sum_members(g_w * here, m, None)
+                if level:
+                    c.pending = _Pending([grad_x, grad_w], plan.recv[level - 1], plan.send[level - 1],
+                                         hops[level - 1].group)
+                else:
+                    grads_x.append(grad_x)
+                    grads_w.append(grad_w)
+        return torch.cat(grads_x), torch.cat(grads_w), param_grads
+
+
+def _grad(output: torch.Tensor, inputs: tuple[torch.Tensor, ...], grad: torch.Tensor) -> list[torch.Tensor]:
+    """Gradients of `inputs` through `output`'s recorded graph (zeros where it does not reach)."""
+    found = torch.autograd.grad(output, inputs, grad, allow_unused=True) if output.requires_grad \
+        else (None,) * len(inputs)
+    return [torch.zeros_like(i) if g is None else g for g, i in zip(found, inputs, strict=True)]
