@@ -16,6 +16,7 @@ from train_workers import ROOT, pretrain_worker, tiny_config
 
 from ds_optimus.config import OptimusConfig
 from ds_optimus.hf_models.mula import PRESETS, MulaConfig, MulaForCausalLM
+from ds_optimus.parallel.traffic import expected_groups_hit
 from ds_optimus.plan import (
     BUILTIN,
     Cluster,
@@ -31,9 +32,11 @@ from ds_optimus.plan import (
     search,
 )
 from ds_optimus.plan.__main__ import main as plan_main
+from ds_optimus.plan.layout import hierarchy_node_size
 from ds_optimus.plan.measure import measure_layout
 from ds_optimus.plan.scaling import device_counts, efficiency, scaling
-from ds_optimus.plan.timing import all_to_all_time
+from ds_optimus.plan.search import candidate_layouts
+from ds_optimus.plan.timing import Exchange, all_to_all_time, exchange_steps, overlapped
 from ds_optimus.train.components import enable_activation_checkpointing, resolve_batch_sizes
 
 TINY = dict(seq_len=128, dtype="fp32", overlap_comm=False)
@@ -168,6 +171,117 @@ def test_time_model_rules():
     assert pp.bubble > 0 and pp.bubble >= 3 * pp.compute / 8
 
 
+def _uniform_top_k(tokens: int, experts: int, top_k: int, seed: int = 0) -> torch.Tensor:
+    """Expert ids of uniform routing: `top_k` distinct experts per token, every subset alike."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(tokens, experts, generator=g).topk(top_k, dim=1).indices
+
+
+def _distinct(ids: torch.Tensor, groups: int, experts: int) -> torch.Tensor:
+    """Per token, which of `groups` equal groups of consecutive experts its ids fall in ([T, groups])."""
+    hit = torch.zeros(ids.shape[0], groups, dtype=torch.bool)
+    return hit.scatter_(1, ids // (experts // groups), True)
+
+
+@pytest.mark.parametrize("experts, top_k, groups", [(64, 8, 4), (256, 8, 16)])
+def test_expected_groups_hit_matches_simulated_routing(experts, top_k, groups):
+    # the rows per token the deduplicated exchange sends: distinct ranks among a token's experts
+    ids = _uniform_top_k(200_000, experts, top_k)
+    measured = _distinct(ids, groups, experts).sum(1).double().mean().item()
+    assert expected_groups_hit(experts, top_k, groups) == pytest.approx(measured, rel=0.01)
+
+
+def test_hierarchical_dedup_rows_match_simulated_routing():
+    # 2 nodes of 8 ranks, 64 experts, top-8, from rank 0: rows to the other node (once per node hit)
+    # and rows fanned out inside each node hit to the ranks other than the rail's (local index 0)
+    experts, top_k, ep, n = 64, 8, 16, 8
+    ids = _uniform_top_k(200_000, experts, top_k, seed=1)
+    ranks = _distinct(ids, ep, experts).view(-1, ep // n, n)  # [T, node, local index]
+    inter = ranks[:, 1:].any(dim=2).sum(1).double().mean().item()
+    inside = ranks[:, :, 1:].sum((1, 2)).double().mean().item()
+    (between_on, between_off), (fan_out, fan_off) = exchange_steps(Exchange(1.0, 1.0, experts, top_k, dedup=True),
+                                                                   ep, n, True)
+    assert between_on == fan_off == 0.0
+    assert between_off == pytest.approx(inter, rel=0.01) and fan_out == pytest.approx(inside, rel=0.01)
+
+
+def test_dedup_sends_fewer_rows_and_takes_less_time():
+    h100 = BUILTIN["h100"]
+    olmoe = ModelShape.from_preset("mula-7b-a1b")  # 64 experts, top-8
+    inside = Layout(world=8, ep=4, micro=2, accumulation=4)
+    slot, dedup = (estimate_time(olmoe, inside.with_(dedup=d), h100) for d in (False, True))
+    assert 0 < dedup.all_to_all < slot.all_to_all
+    assert dedup.compute == slot.compute
+    # two nodes, hierarchical: per slot a token's rows for the other node are 4 of its 8; deduplicated,
+    # one row if any of its experts is there
+    per_slot = exchange_steps(Exchange(1.0, 1.0, 64, 8), 16, 8, True)
+    deduplicated = exchange_steps(Exchange(1.0, 1.0, 64, 8, dedup=True), 16, 8, True)
+    assert per_slot[0][1] == pytest.approx(4.0)
+    assert per_slot[0][1] >= 3 * deduplicated[0][1]
+    # flat per slot sends the same 4 rows per token off the node: the saving is the dedup's
+    assert exchange_steps(Exchange(1.0, 1.0, 64, 8), 16, 8, False)[0][1] == pytest.approx(4.0)
+
+
+def test_hierarchical_sub_nodes_where_groups_are_not_aligned_to_nodes():
+    assert hierarchy_node_size(16, 12) == 4  # Aurora: sub-nodes of 4 tiles, 3 to a node
+    assert hierarchy_node_size(32, 8) == 8 and hierarchy_node_size(8, 8) is None
+    assert hierarchy_node_size(4, 12) is None and hierarchy_node_size(7, 12) is None
+    # EP 16 over 12-tile nodes: 4 sub-nodes, 3 others; by the unaligned rule a rank has 6 of its group
+    # on its node, so 10 of the 12 ranks of the other sub-nodes (10/12 of their rows) are off-node
+    (on, off), (fan_out, fan_off) = exchange_steps(Exchange(1.0, 1.0, 256, 8), 16, 12, True)
+    assert (on + off, off / (on + off)) == (pytest.approx(6.0), pytest.approx(10 / 12))
+    assert fan_out == pytest.approx(8 * 3 / 4) and fan_off == 0.0
+    aurora = get_cluster("aurora")
+    # EP 8 over 12-tile nodes: every third group straddles two nodes, half of a rank's peers off-node
+    nic = aurora.inter_node_gbps * 1e9 * aurora.comm_efficiency
+    assert all_to_all_time(1e9, 8, aurora, False) == pytest.approx(0.5e9 / nic + 7 * 15e-6)
+    layouts = candidate_layouts(ModelShape.from_preset("mula-220b-a10b"), aurora, 384, 768, 4096)
+    hier = {lay.ep for lay in layouts if lay.hierarchical}
+    assert hier == {e for e in (8, 16, 32, 64, 128) if 384 % e == 0}
+    assert {(lay.dedup, lay.chunks) for lay in layouts if lay.ep > 1} == {(False, 1), (True, 1), (True, 2), (True, 4)}
+    assert {(lay.dedup, lay.chunks) for lay in layouts if lay.ep == 1} == {(False, 1)}
+    # a machine whose ranks share its cores overlaps nothing: no chunks are tried there
+    cpu = dataclasses.replace(aurora, shared_compute=True)
+    assert max(lay.chunks for lay in candidate_layouts(ModelShape.from_preset("mula-tiny-moe"), cpu, 2, 2, 128,
+                                                         dtype="fp32")) == 1
+
+
+def test_overlap_hides_the_exchange_under_the_experts_only():
+    for a in (0.0, 0.5, 1.0, 2.0, 5.0):
+        for b in (0.0, 0.7, 1.0, 3.0):
+            exposed = [overlapped(a, b, c) for c in (1, 2, 4, 8)]
+            assert exposed[0] == pytest.approx(a)
+            assert all(x >= y - 1e-12 for x, y in zip(exposed, exposed[1:], strict=False))
+            assert min(exposed) >= max(0.0, a - b) - 1e-12
+    aurora = BUILTIN["aurora"]
+    shape = ModelShape.from_preset("mula-220b-a10b")
+    base = Layout(world=384, ep=16, zero=2, micro=2, checkpointing=True, hierarchical=True, dedup=True)
+    one, four = estimate_time(shape, base, aurora), estimate_time(shape, base.with_(chunks=4), aurora)
+    assert four.all_to_all < one.all_to_all and four.compute == one.compute
+    assert four.all_to_all >= max(0.0, one.all_to_all - one.experts)
+    assert four.all_to_all + four.all_to_all_hidden > one.all_to_all  # four times the latency
+    # chunks=1 is the un-overlapped exchange: 6 per MoE layer (forward, backward, recomputation)
+    rows = Exchange(2 * 4096, shape.hidden * 2, shape.experts, shape.top_k, dedup=True, meta_bytes=8 * (2 + 4))
+    plain = shape.moe_layers * (6 * all_to_all_time(rows, 16, aurora, True)
+                                + 2 * all_to_all_time(4.0 * shape.experts, 16, aurora, True))
+    assert one.all_to_all == pytest.approx(plain) and one.all_to_all_hidden == 0.0
+    # cutting an exchange into chunks pays its latency once per chunk
+    latency = all_to_all_time(rows, 16, aurora, True, chunks=2) - all_to_all_time(rows, 16, aurora, True)
+    assert latency == pytest.approx(3 * 8e-6 + 3 * 15e-6)
+
+
+def test_layout_exchange_options():
+    lay = Layout(world=384, ep=16, hierarchical=True, dedup=True, chunks=4)
+    assert lay.describe().endswith("hier dedup ovl4")
+    assert Layout(**json.loads(json.dumps(lay.to_json()))) == lay
+    with pytest.raises(LayoutError, match="chunks 2 needs dedup"):
+        Layout(world=8, ep=8, chunks=2).check(experts=64)
+    with pytest.raises(LayoutError, match="chunks must be a positive integer"):
+        Layout(world=8, ep=8, dedup=True, chunks=0).check(experts=64)
+    with pytest.raises(LayoutError, match="dedup must be true or false"):
+        Layout(world=8, ep=8, dedup="auto").check(experts=64)
+
+
 # -- search -------------------------------------------------------------------------------------
 
 def test_search_returns_fitting_valid_layouts_fastest_first():
@@ -202,6 +316,19 @@ def test_planned_config_is_a_valid_config_for_its_world_size():
     assert (micro, accumulation) == (best.layout.micro, best.layout.accumulation)
     with pytest.raises(LayoutError, match="pipeline"):
         layout_config(best.layout.with_(pp=2), "mula-7b-a1b", cluster)
+
+
+@pytest.mark.parametrize("cluster, ep, node_size", [("aurora", 16, 4), ("h100", 16, 8)])
+def test_planned_config_carries_the_exchange(cluster, ep, node_size):
+    cluster = BUILTIN[cluster]
+    base = Layout(world=384, ep=ep, zero=2, micro=2, checkpointing=True)
+    for layout, want in [(base, {"size": ep, "node_size": None, "dedup": False, "chunks": 1}),
+                         (base.with_(hierarchical=True, dedup=True, chunks=4),
+                          {"size": ep, "node_size": node_size, "dedup": True, "chunks": 4})]:
+        config = layout_config(layout, "mula-220b-a10b", cluster)
+        assert config["optimus"]["expert_parallel"] == want
+        parsed = OptimusConfig.from_ds_config(json.loads(json.dumps(config))).expert_parallel
+        assert (parsed.size, parsed.node_size, parsed.dedup, parsed.chunks) == tuple(want.values())
 
 
 def test_layout_and_cluster_errors_are_one_line(tmp_path):

@@ -14,7 +14,7 @@ from .layout import LayoutError
 from .memory import gib
 from .model import ModelShape
 from .scaling import ScalingError, device_counts, format_scaling, plot_scaling, scaling
-from .search import OPTIMIZERS, format_table, search
+from .search import EXCHANGES, OPTIMIZERS, format_table, search
 
 EPILOG = """examples:
   python -m ds_optimus.plan --model mula-7b-a1b --cluster h100 --devices 64 --write ds_configs/mula-7b-a1b-64xh100.json
@@ -28,8 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ds_optimus.plan", epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 description="Predict per-rank memory and step time of a Mula model under each "
-                                            "parallel layout on a cluster, rank the layouts, write the best as a "
-                                            "DeepSpeed config.")
+                                            "parallel layout on a cluster,\nrank the layouts, write the best as a "
+                                            "DeepSpeed config. Layouts read\n  dpD epE [ppP] zeroZ[+opt] mbMxA [ckpt] "
+                                            "[hier] [dedup] [ovlC]:\nsizes, optimizer, micro-batch x accumulation, "
+                                            "recomputation, and the EP exchange (two-step,\ndeduplicated, overlapped "
+                                            "with the experts in C chunks).")
     p.add_argument("--model", default="mula-7b-a1b", help="Mula preset (default: mula-7b-a1b)")
     p.add_argument("--cluster", default="h100",
                    help=f"built-in cluster ({', '.join(BUILTIN)}), 'local' (this machine, measured) or a JSON file")
@@ -43,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=("all", "sharded", "deepspeed"), default="all",
                    help="the EP-aware sharded optimizer, DeepSpeed's ZeRO, or both (default)")
     p.add_argument("--no-checkpointing", action="store_true", help="never use activation checkpointing")
+    p.add_argument("--exchange", choices=("all", "per-slot", "no-overlap"), default="all",
+                   help="EP exchanges to try: per slot, deduplicated, and deduplicated in 2 or 4 overlapped chunks "
+                        "(all, the default); per slot only; or no chunks")
     p.add_argument("--expert-imbalance", type=float, default=1.0,
                    help="rows the busiest rank's experts receive over the mean (default 1.0)")
     p.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
@@ -93,6 +99,8 @@ def _run(args: argparse.Namespace) -> int:
                   "deepspeed": tuple(o for o in OPTIMIZERS if not o[1])}[args.optimizer]
     options = dict(dtype=dtype, pipeline=args.pipeline, optimizers=optimizers,
                    checkpointing=(False,) if args.no_checkpointing else (False, True),
+                   exchanges={"all": EXCHANGES, "per-slot": EXCHANGES[:1],
+                              "no-overlap": tuple(e for e in EXCHANGES if e[1] == 1)}[args.exchange],
                    expert_imbalance=args.expert_imbalance)
     report: dict = {"model": args.model, "cluster": cluster.to_json(), "dtype": dtype, "seq_len": seq_len}
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from .cluster import Cluster
-from .layout import Layout, LayoutError
+from .layout import Layout, LayoutError, hierarchy_node_size
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
 
@@ -50,9 +50,12 @@ def layout_config(layout: Layout, preset: str, cluster: Cluster | None = None,
         zero["reduce_bucket_size"] = zero["allgather_bucket_size"] = layout.bucket_size
     optimus = config.setdefault("optimus", {})
     optimus.setdefault("model", {})["preset"] = preset
-    optimus["expert_parallel"] = {"size": layout.ep, "node_size": None}
-    if layout.hierarchical and cluster is not None and layout.ep > cluster.devices_per_node:
-        optimus["expert_parallel"]["node_size"] = cluster.devices_per_node
+    # node_size selects the hierarchical exchange: whole nodes, or gcd(ep, devices per node) sub-nodes
+    # where the groups are not aligned to nodes (the planner's `hierarchy_node_size`)
+    node_size = hierarchy_node_size(layout.ep, cluster.devices_per_node) \
+        if layout.hierarchical and cluster is not None else None
+    optimus["expert_parallel"] = {"size": layout.ep, "node_size": node_size, "dedup": layout.dedup,
+                                  "chunks": layout.chunks}
     sharded = optimus.setdefault("sharded_optimizer", {})
     sharded["enabled"] = layout.sharded
     if layout.sharded:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from math import gcd
 from typing import Any
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -22,7 +23,9 @@ class Layout:
     micro: int = 1  # sequences per rank per micro-batch
     accumulation: int = 1
     checkpointing: bool = False  # activation checkpointing of every decoder layer
-    hierarchical: bool = False  # EP exchange inside nodes first, then between them
+    hierarchical: bool = False  # EP exchange in two steps, between (sub-)nodes and inside them
+    dedup: bool = False  # send a token once per rank (node, hierarchical) owning its experts, not per slot
+    chunks: int = 1  # pieces of each MoE exchange, overlapped with the experts' compute (dedup only)
     seq_len: int = 4096
     dtype: str = "bf16"
     reduce_dtype: str | None = None  # gradient reduction dtype; null: the parameters' dtype
@@ -63,7 +66,7 @@ class Layout:
 
     def check(self, experts: int = 0, layers: int | None = None) -> None:
         """A one-line LayoutError when the layout is impossible for a model."""
-        for key in ("world", "ep", "pp", "micro", "accumulation", "seq_len", "bucket_size"):
+        for key in ("world", "ep", "pp", "micro", "accumulation", "seq_len", "bucket_size", "chunks"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"{key} must be a positive integer, got {value!r}")
@@ -81,6 +84,11 @@ class Layout:
             raise LayoutError(f"ZeRO stage must be 0, 1 or 2, got {self.zero!r}")
         if self.sharded and self.zero == 0:
             raise LayoutError("the sharded optimizer is ZeRO stage 1 or 2")
+        for key in ("hierarchical", "dedup"):
+            if not isinstance(getattr(self, key), bool):
+                raise LayoutError(f"{key} must be true or false, got {getattr(self, key)!r}")
+        if self.chunks > 1 and not self.dedup:
+            raise LayoutError(f"chunks {self.chunks} needs dedup: the overlapped exchange is the deduplicated one")
         if self.dtype not in DTYPE_BYTES or (self.reduce_dtype or self.dtype) not in DTYPE_BYTES:
             raise LayoutError(f"dtype must be one of {', '.join(DTYPE_BYTES)}")
 
@@ -95,6 +103,10 @@ class Layout:
             parts.append("ckpt")
         if self.hierarchical:
             parts.append("hier")
+        if self.dedup:
+            parts.append("dedup")
+        if self.chunks > 1:
+            parts.append(f"ovl{self.chunks}")
         return " ".join(parts)
 
     def to_json(self) -> dict[str, Any]:
@@ -102,3 +114,12 @@ class Layout:
 
     def with_(self, **changes: Any) -> Layout:
         return replace(self, **changes)
+
+
+def hierarchy_node_size(ep: int, devices_per_node: int) -> int | None:
+    """Ranks per node of the hierarchical exchange of an EP group of `ep` consecutive ranks, or None
+    when there is none: whole nodes when they tile the group, else gcd(ep, devices_per_node) ranks,
+    sub-nodes that are whole parts of physical nodes (EP groups start at multiples of `ep`, nodes at
+    multiples of `devices_per_node`; both are multiples of the gcd). The runtime needs it to divide ep."""
+    size = gcd(ep, devices_per_node)
+    return size if 1 < size < ep else None

@@ -1,15 +1,17 @@
 """Search over layouts: every combination of data/expert(/pipeline) parallel sizes, optimizer and
-ZeRO stage, micro-batch and accumulation, and activation checkpointing that fits in memory, ranked
-by predicted tokens per second."""
+ZeRO stage, micro-batch and accumulation, activation checkpointing, and EP exchange (flat or
+hierarchical, per slot or deduplicated, overlapped in chunks) that fits in memory, ranked by
+predicted tokens per second."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from .cluster import Cluster
-from .layout import Layout
+from .layout import Layout, hierarchy_node_size
 from .memory import MemoryEstimate, estimate_memory
 from .model import ModelShape
 from .timing import TimeEstimate, estimate_time
@@ -18,6 +20,8 @@ TIE_BAND = 0.02  # predicted step times closer than this are ranked as a tie
 
 # (ZeRO stage, EP-aware sharded optimizer)
 OPTIMIZERS = ((1, True), (2, True), (0, False), (1, False), (2, False))
+# EP exchanges (dedup, chunks): per slot, deduplicated, deduplicated and overlapped in 2 or 4 chunks
+EXCHANGES = ((False, 1), (True, 1), (True, 2), (True, 4))
 
 
 @dataclass(frozen=True)
@@ -62,8 +66,10 @@ def _divisors(n: int) -> list[int]:
 def candidate_layouts(model: ModelShape, cluster: Cluster, devices: int, global_batch: int, seq_len: int, *,
                       dtype: str = "bf16", pipeline: bool = False, optimizers=OPTIMIZERS,
                       checkpointing: tuple[bool, ...] = (False, True), max_ep: int | None = None,
-                      reduce_dtype: str | None = None, bucket_size: int = 50_000_000) -> list[Layout]:
-    """Every layout of `devices` ranks that trains `global_batch` sequences per step."""
+                      reduce_dtype: str | None = None, bucket_size: int = 50_000_000,
+                      exchanges=EXCHANGES) -> list[Layout]:
+    """Every layout of `devices` ranks that trains `global_batch` sequences per step; `exchanges`:
+    the (dedup, chunks) pairs to try where there is an EP exchange."""
     overlap = not cluster.shared_compute  # gloo: no overlap
     layouts = []
     for pp in ([p for p in _divisors(devices) if p <= 16 and model.layers % p == 0] if pipeline else [1]):
@@ -74,21 +80,21 @@ def candidate_layouts(model: ModelShape, cluster: Cluster, devices: int, global_
         eps = [e for e in _divisors(dp) if model.experts % e == 0 and (max_ep is None or e <= max_ep)] \
             if model.experts else [1]
         for ep in eps:
+            # a hierarchical exchange where the group spans (sub-)nodes; dedup and chunks where there
+            # is an exchange, chunks only where communication overlaps compute (not on shared cores)
+            hierarchies = (False, True) if hierarchy_node_size(ep, cluster.devices_per_node) else (False,)
+            tried = [(d, c) for d, c in exchanges if ep > 1 and (overlap or c == 1)] or [(False, 1)]
             for zero, sharded in optimizers:
                 for micro in _divisors(per_rank):
-                    for ckpt in checkpointing:
-                        hierarchies = (False, True) if ep > cluster.devices_per_node and \
-                            ep % cluster.devices_per_node == 0 else (False,)
-                        for hier in hierarchies:
-                            # ZeRO-1 buckets add up the micro-batches' gradients: in fp32 when the
-                            # weights are 16-bit, as the shipped configs do
-                            reduce = reduce_dtype or ("fp32" if sharded and zero == 1 and dtype != "fp32"
-                                                      else None)
-                            layouts.append(Layout(
-                                world=devices, ep=ep, pp=pp, zero=zero, sharded=sharded, micro=micro,
-                                accumulation=per_rank // micro, checkpointing=ckpt, hierarchical=hier,
-                                seq_len=seq_len, dtype=dtype, reduce_dtype=reduce, bucket_size=bucket_size,
-                                overlap_comm=overlap))
+                    for ckpt, hier, (dedup, chunks) in itertools.product(checkpointing, hierarchies, tried):
+                        # ZeRO-1 buckets add up the micro-batches' gradients: in fp32 when the
+                        # weights are 16-bit, as the shipped configs do
+                        reduce = reduce_dtype or ("fp32" if sharded and zero == 1 and dtype != "fp32" else None)
+                        layouts.append(Layout(
+                            world=devices, ep=ep, pp=pp, zero=zero, sharded=sharded, micro=micro,
+                            accumulation=per_rank // micro, checkpointing=ckpt, hierarchical=hier, dedup=dedup,
+                            chunks=chunks, seq_len=seq_len, dtype=dtype, reduce_dtype=reduce,
+                            bucket_size=bucket_size, overlap_comm=overlap))
     return layouts
 
 
@@ -99,11 +105,12 @@ def search(model: ModelShape, cluster: Cluster, devices: int, global_batch: int,
     plans = [evaluate(model, layout, cluster, expert_imbalance) for layout in layouts]
     fitting = [plan for plan in plans if plan.fits]
     # fastest first, in bands of 2 % (finer than the model can tell apart); within a band the EP-aware
-    # sharded optimizer first (its checkpoints reshard, the step guards act through it), then the
-    # faster, then the smaller
+    # sharded optimizer first (its checkpoints reshard, the step guards act through it), then fewer
+    # chunks (fewer collectives to go wrong), then the faster, then the smaller; ties keep the
+    # candidates' order
     fastest = min((plan.time.step for plan in fitting), default=1.0)
     fitting.sort(key=lambda plan: (math.floor((plan.time.step / fastest - 1) / TIE_BAND + 1e-9),
-                                   not plan.layout.sharded, plan.time.step, plan.memory.peak))
+                                   not plan.layout.sharded, plan.layout.chunks, plan.time.step, plan.memory.peak))
     return fitting, len(plans)
 
 

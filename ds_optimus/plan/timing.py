@@ -2,8 +2,13 @@
 all-gather, and the pipeline bubble.
 
 Ranks are placed as `ds_optimus.parallel` places them: consecutive ranks form an EP group, so an EP
-group stays inside a node while `ep <= devices_per_node`, and the expert-data-parallel group
-(stride `ep`) and the dense data-parallel group (all ranks) span nodes as soon as the run does.
+group stays inside a node while `ep` divides `devices_per_node` (else some groups straddle two
+nodes), and the expert-data-parallel group (stride `ep`) and the dense data-parallel group (all
+ranks) span nodes as soon as the run does.
+
+The EP exchange sends a token as `top_k` rows (per slot) or once per rank, or hierarchically per
+node, owning one of its experts (deduplicated; expected counts from `ds_optimus.parallel.traffic`
+under uniform routing). With `chunks` > 1 it is pipelined against the layer's experts.
 
 Collectives cost bandwidth time (bytes each rank sends over its link's rate x the cluster's
 `comm_efficiency`) plus latency (one step per peer for all-to-all; 2 log2(n) steps for the
@@ -15,8 +20,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..parallel.traffic import expected_groups_hit, metadata_bytes
 from .cluster import Cluster
-from .layout import Layout
+from .layout import Layout, hierarchy_node_size
 from .memory import local_params
 from .model import ModelShape
 
@@ -29,6 +35,8 @@ class TimeEstimate:
     param_gather: float  # the all-gather of updated parameters (and ZeRO-0's all-reduce)
     bubble: float  # pipeline fill and drain
     overhead: float  # per-layer fixed costs (launches, Python)
+    experts: float = 0.0  # of compute: the experts' grouped GEMMs (before the stragglers' share)
+    all_to_all_hidden: float = 0.0  # EP exchange time hidden under the experts' compute (not in step)
 
     @property
     def step(self) -> float:
@@ -37,7 +45,7 @@ class TimeEstimate:
     def as_dict(self) -> dict[str, float]:
         return {"compute": self.compute, "all_to_all": self.all_to_all, "grad_reduce": self.grad_reduce,
                 "param_gather": self.param_gather, "bubble": self.bubble, "overhead": self.overhead,
-                "step": self.step}
+                "step": self.step, "experts": self.experts, "all_to_all_hidden": self.all_to_all_hidden}
 
 
 def _link(cluster: Cluster, nodes: int) -> tuple[float, float]:
@@ -59,56 +67,130 @@ def ring_time(nbytes: float, group: int, cluster: Cluster, nodes: int) -> float:
     return nbytes * (group - 1) / group / bw + 2 * math.log2(group) * latency
 
 
-def all_to_all_time(nbytes: float, ep: int, cluster: Cluster, hierarchical: bool) -> float:
-    """One exchange in which each rank sends `nbytes` in total, spread evenly over its EP group."""
-    if ep <= 1 or nbytes <= 0:
-        return 0.0
-    n = cluster.devices_per_node
-    intra_bw, intra_lat = _link(cluster, 1)
+# the routing weights travel in fp32 beside the deduplicated rows (traffic.py's default too)
+ROUTING_WEIGHT_BYTES = 4
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """What one rank sends in one EP exchange: `tokens` tokens of `row_bytes` each, routed to `top_k`
+    of `experts` experts (uniformly, as `ds_optimus.parallel.traffic` assumes). Per slot, a token
+    goes as `top_k` rows; deduplicated, as one row (plus `meta_bytes` of expert ids and weights) per
+    group of ranks owning at least one of its experts."""
+
+    tokens: float
+    row_bytes: float
+    experts: int = 1
+    top_k: int = 1
+    dedup: bool = False
+    meta_bytes: float = 0.0
+
+    def to_each(self, groups: int) -> float:
+        """Bytes to each of `groups` equal groups of consecutive ranks of the EP group (for groups of
+        one rank, to each rank; for nodes, to each node)."""
+        if not self.dedup:
+            return self.tokens * self.top_k / groups * self.row_bytes
+        rows = expected_groups_hit(self.experts, self.top_k, groups) / groups
+        return self.tokens * rows * (self.row_bytes + self.meta_bytes)
+
+
+def exchange_steps(x: Exchange, ep: int, devices_per_node: int, hierarchical: bool) -> list[tuple[float, float]]:
+    """The steps of one exchange over an EP group of `ep` consecutive ranks: (bytes a rank sends over
+    its node's links, bytes over the NICs) per step, one step, or two for the hierarchical exchange."""
+    n = devices_per_node
+    if ep <= 1:
+        return []
     if n % ep == 0:  # every group is inside one node
-        return nbytes * (ep - 1) / ep / intra_bw + (ep - 1) * intra_lat
-    nodes = -(-ep // n)
-    inter_bw, inter_lat = _link(cluster, nodes)
-    if not hierarchical or ep % n:
-        # every rank talks to all ep - 1 peers; the off-node share crosses the NICs (a group not
-        # aligned to nodes has ranks with at least half of their peers elsewhere)
-        local = n if ep % n == 0 else max(1, min(n, ep) // 2)
-        return max(nbytes * (ep - local) / ep / inter_bw, nbytes * (local - 1) / ep / intra_bw) + (ep - 1) * inter_lat
-    # step 1 inside the node (gathering what goes to each local index), step 2 between nodes with
-    # one aggregated message per node pair
-    step1 = nbytes * (n - 1) / n / intra_bw + (n - 1) * intra_lat
-    step2 = nbytes * (nodes - 1) / nodes / inter_bw + (nodes - 1) * inter_lat
-    return step1 + step2
+        return [((ep - 1) * x.to_each(ep), 0.0)]
+    # a group not aligned to nodes has ranks with at least half of their peers elsewhere
+    local = n if ep % n == 0 else max(1, min(n, ep) // 2)
+    size = hierarchy_node_size(ep, n) if hierarchical else None
+    if size is None:  # every rank sends to all ep - 1 peers; the off-node ones through the NICs
+        each = x.to_each(ep)
+        return [((local - 1) * each, (ep - local) * each)]
+    groups = ep // size
+    # between (sub-)nodes, on the rail of the rank's local index: what goes to each other node, once
+    # per node hit when deduplicated. Sub-nodes of an unaligned group (size = gcd(ep, n) < n) are
+    # parts of physical nodes; as in the flat rule, a rank has `local` of its group on its own node,
+    # so (ep - local) of the ep - size ranks of the other sub-nodes are off-node and the rest on its
+    # node's links (aligned groups: local = n = size, every other node off-node).
+    between = (groups - 1) * x.to_each(groups)
+    off = (ep - max(local, size)) / (ep - size)
+    # inside each sub-node, from the rank of the rail to the other ranks its rows are for (per slot:
+    # gathering what goes to each local index first, the same bytes): size - 1 of each node's ranks
+    inside = groups * (size - 1) * x.to_each(ep)
+    return [(between * (1 - off), between * off), (inside, 0.0)]
+
+
+def all_to_all_time(nbytes: float | Exchange, ep: int, cluster: Cluster, hierarchical: bool,
+                    chunks: int = 1) -> float:
+    """One exchange in which each rank sends `nbytes` per slot (or an `Exchange`) over its EP group,
+    cut into `chunks` pieces that each pay the collective's latency."""
+    x = nbytes if isinstance(nbytes, Exchange) else Exchange(tokens=float(nbytes), row_bytes=1.0)
+    n = cluster.devices_per_node
+    if ep <= 1 or x.tokens * x.row_bytes <= 0:
+        return 0.0
+    intra_bw, intra_lat = _link(cluster, 1)
+    inter_bw, inter_lat = _link(cluster, max(2, -(-ep // n)))  # unaligned, even a small group spans 2
+    steps = exchange_steps(x, ep, n, hierarchical)
+    seconds = sum(max(intra / intra_bw, inter / inter_bw) for intra, inter in steps)
+    if n % ep == 0:  # one step per peer
+        latency = (ep - 1) * intra_lat
+    elif len(steps) == 2:
+        size = hierarchy_node_size(ep, n)
+        latency = (size - 1) * intra_lat + (ep // size - 1) * inter_lat
+    else:
+        latency = (ep - 1) * inter_lat
+    return seconds + chunks * latency
+
+
+def overlapped(a: float, b: float, chunks: int) -> float:
+    """Exposed seconds of an exchange of `a` s cut into `chunks`, pipelined against `b` s of the
+    experts' compute: the pair takes max(a, b) + min(a, b) / chunks (the first chunk's exchange, or
+    the last one's compute, waits alone), of which b is compute."""
+    return max(a, b) + min(a, b) / chunks - b
 
 
 def estimate_time(model: ModelShape, layout: Layout, cluster: Cluster, expert_imbalance: float = 1.0,
                   overlap: bool | None = None) -> TimeEstimate:
     """Seconds per optimizer step of `model` under `layout` on `cluster`."""
-    # on a CPU the processes share the cores, however many there are
-    ranks_on_node = layout.world if cluster.shared_compute else min(layout.world, cluster.devices_per_node)
-    rate = cluster.rate(ranks_on_node)
+    rate = _rate(layout, cluster)
     tokens = layout.tokens_per_micro
     micro_batches = layout.accumulation
     flops = model.flops_per_token(layout.seq_len) * tokens
     if layout.checkpointing:  # one more forward of the layers (not of the LM head): a third of theirs
         flops += (flops - 6.0 * model.vocab * model.hidden * tokens) / 3
-    # the experts' FLOPs run at the expert kernels' rate, and the busiest rank's experts take
-    # `expert_imbalance` times their share
+    # the experts' FLOPs run at the expert kernels' rate (forward 2 FLOPs per weight and token,
+    # backward 4, recomputation 2 more)
     recompute = 4 / 3 if layout.checkpointing else 1.0
-    experts = 6.0 * model.moe_layers * model.top_k * 3 * model.hidden * model.expert_intermediate * tokens * recompute
-    seconds = (flops - experts) / rate + experts * expert_imbalance / (rate * cluster.expert_efficiency)
+    passes = (1, 2, 1) if layout.checkpointing else (1, 2)  # forward, backward, recomputation
+    experts_flops = 6.0 * model.moe_layers * model.top_k * 3 * model.hidden * model.expert_intermediate * tokens
+    layer_forward = expert_seconds(model, layout, cluster, expert_imbalance)
+    experts = layer_forward * sum(passes) * model.moe_layers
+    seconds = (flops - experts_flops * recompute) / rate + experts
     per_micro = seconds / layout.pp
     compute = per_micro * micro_batches
     overhead = (cluster.overhead_per_micro_batch_s
                 + cluster.overhead_per_layer_s * model.layers / layout.pp * recompute) * micro_batches
+    if overlap is None:
+        overlap = not cluster.shared_compute  # gloo on CPU: the sharded optimizer does not overlap
 
     p, r = layout.param_bytes, layout.reduce_bytes
-    # four exchanges per MoE layer and micro-batch (dispatch and combine, forward and backward),
-    # six with recomputation; each moves the routed rows of the rank's tokens
-    exchanges = (6 if layout.checkpointing else 4) * model.moe_layers / layout.pp
-    rows_bytes = tokens * model.top_k * model.hidden * p * expert_imbalance
-    a2a = exchanges * all_to_all_time(rows_bytes, layout.ep, cluster, layout.hierarchical) * micro_batches
-    # each forward first exchanges the token counts (a few bytes: latency only)
+    # per MoE layer and pass (forward, backward, recomputation) a dispatch and a combine of the
+    # routed rows of the rank's tokens (the busiest rank's: `expert_imbalance` times the mean).
+    # Deduplicated rows carry their slots' ids and weights; counted on every exchange (at most
+    # 48 bytes a row for top-8: under 1 % of a 4096-wide bf16 row)
+    rows = Exchange(tokens=tokens * expert_imbalance, row_bytes=model.hidden * p, experts=model.experts,
+                    top_k=model.top_k, dedup=layout.dedup,
+                    meta_bytes=metadata_bytes(model.top_k, ROUTING_WEIGHT_BYTES) if layout.dedup else 0.0)
+    link = 2 * all_to_all_time(rows, layout.ep, cluster, layout.hierarchical, layout.chunks)
+    # in chunks, the exchange of one runs while the experts compute another; only the layer's experts
+    # hide it (not attention), and only where communication and compute do not share cores
+    hides = overlap and layout.chunks > 1
+    per_layer = sum(overlapped(link, layer_forward * k, layout.chunks) if hides else link for k in passes)
+    hidden = len(passes) * link - per_layer
+    a2a = per_layer * model.moe_layers / layout.pp * micro_batches
+    # each forward first exchanges the token counts (a few bytes: latency only, once for all chunks)
     counts = (2 if layout.checkpointing else 1) * model.moe_layers / layout.pp
     a2a += counts * all_to_all_time(4.0 * model.experts, layout.ep, cluster, layout.hierarchical) * micro_batches
 
@@ -120,8 +202,6 @@ def estimate_time(model: ModelShape, layout: Layout, cluster: Cluster, expert_im
     # the slowest of the ranks sets the pace of every synchronising step
     straggle = cluster.step_jitter * math.sqrt(2 * math.log(layout.world)) if layout.world > 1 else 0.0
     compute *= 1 + straggle
-    if overlap is None:
-        overlap = not cluster.shared_compute  # gloo on CPU: the sharded optimizer does not overlap
     if layout.zero == 0:
         # all-reduce = reduce-scatter + all-gather, once per step after the last micro-batch
         reduce = 2 * (ring_time(p * dense, layout.dp, cluster, dp_nodes)
@@ -149,4 +229,17 @@ def estimate_time(model: ModelShape, layout: Layout, cluster: Cluster, expert_im
         send = ring_time(tokens * model.hidden * p * 2, 2, cluster, min(run_nodes, 2))
         bubble = (layout.pp - 1) * (per_micro + send) + micro_batches * 2 * send
     return TimeEstimate(compute=compute, all_to_all=a2a, grad_reduce=exposed, param_gather=gather,
-                        bubble=bubble, overhead=overhead)
+                        bubble=bubble, overhead=overhead, experts=experts / layout.pp * micro_batches,
+                        all_to_all_hidden=hidden * model.moe_layers / layout.pp * micro_batches)
+
+
+def _rate(layout: Layout, cluster: Cluster) -> float:
+    """Matmul FLOP/s of one rank (on a CPU the processes share the cores, however many there are)."""
+    return cluster.rate(layout.world if cluster.shared_compute else min(layout.world, cluster.devices_per_node))
+
+
+def expert_seconds(model: ModelShape, layout: Layout, cluster: Cluster, expert_imbalance: float = 1.0) -> float:
+    """Forward seconds of one MoE layer's experts (grouped GEMMs) for one micro-batch, at the expert
+    kernels' rate, on the busiest rank (its experts get `expert_imbalance` times the mean rows)."""
+    flops = 2.0 * model.top_k * 3 * model.hidden * model.expert_intermediate * layout.tokens_per_micro
+    return flops * expert_imbalance / (_rate(layout, cluster) * cluster.expert_efficiency)
