@@ -204,3 +204,18 @@ def test_auto_picks_the_exchange_that_sends_fewer_bytes():
     assert not dedup_sends_fewer_bytes(4, 2, 4, row_bytes=4 * 128)
     # OLMoE-shaped: 64 experts, top-8, EP 4 -> 3.66 of 8 rows
     assert expected_groups_hit(64, 8, 4) == pytest.approx(3.659, abs=1e-3)
+
+
+def test_the_exchange_benchmark_runs_and_counts_fewer_bytes():
+    """`benchmarks/ep_dispatch.py --dry-run` (64 tokens per rank, one repeat) on 4 processes."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "ep_dispatch.py"
+    run = subprocess.run([sys.executable, str(script), "--dry-run", "--no-deepspeed"], capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    found = re.search(r"dedup sends ([\d.]+)x fewer bytes per rank .* ([\d.]+)x fewer bytes between nodes", run.stdout)
+    assert found and float(found[1]) > 1.5 and float(found[2]) > 2.5, run.stdout[-2000:]
