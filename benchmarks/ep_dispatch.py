@@ -78,8 +78,8 @@ def _exchange_only(dtype, node_size, dedup, chunks, x, ids, weights):
     local = EXPERTS // WORLD
     scale = torch.ones((), dtype=dtype, requires_grad=True)
 
-    def experts(rows, counts):
-        return rows * scale
+    def experts(rows, counts, weight=scale):
+        return rows * weight
 
     if dedup:
         dispatcher = DedupDispatcher(groups, local, chunks)

@@ -242,3 +242,66 @@ def ep_exchange_variants(rank: int, world: int, variants: list[dict], batch: int
                         "dedup": dispatcher.deduplicated, "rows_sent": traffic.rows(row_bytes),
                         "rows_between_nodes": traffic.rows(row_bytes, node_size=2)})
     return results
+
+
+def dispatcher_edge_cases(rank: int, world: int, cases: list[dict], k: int = 3, experts: int = 8,
+                          hidden: int = 16, inter: int = 8) -> list[dict]:
+    """`DedupDispatcher` on hand-made routing against the same sum computed on one rank with every
+    expert. A case gives `node_size`, `chunks`, `tokens` (per rank: 0 is a rank that sends nothing,
+    fewer than `chunks` leaves chunks empty) and `frozen` (expert weights without gradients). A
+    fifth of the slots are dropped (-1), and each rank's first token has all of its slots dropped.
+    Returns the largest relative differences of the output and of every gradient."""
+    from ds_optimus.moe.experts import grouped_swiglu
+    from ds_optimus.parallel import init_expert_parallel_groups
+    from ds_optimus.parallel.dedup import DedupDispatcher
+
+    def swiglu(rows, counts, gate_up, down):
+        return grouped_swiglu(rows, gate_up, down, counts, "silu", "reference")
+
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
+
+    results = []
+    for case in cases:
+        groups = init_expert_parallel_groups(world, case.get("node_size"))
+        torch.manual_seed(0)
+        gate_up, down = torch.randn(experts, 2 * inter, hidden) * 0.3, torch.randn(experts, hidden, inter) * 0.3
+        local = experts // world
+        mine = slice(groups.ep_rank * local, (groups.ep_rank + 1) * local)
+        trainable = not case.get("frozen", False)
+        shard = [gate_up[mine].clone().requires_grad_(trainable), down[mine].clone().requires_grad_(trainable)]
+        g = torch.Generator().manual_seed(10 + rank)
+        tokens = case["tokens"][rank]
+        ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)]) if tokens \
+            else torch.zeros(0, k, dtype=torch.long)
+        ids[torch.rand(tokens, k, generator=g) < 0.2] = -1
+        ids[:1] = -1
+        x = torch.randn(tokens, hidden, generator=g)
+        w = torch.rand(tokens, k, generator=g)
+        probe = torch.randn(tokens, hidden, generator=g)
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = DedupDispatcher(groups, local, case["chunks"])(xs, ids, ws, swiglu, tuple(shard))
+        (out * probe).sum().backward()
+        # the same on this rank with every expert
+        full = [gate_up.clone().requires_grad_(), down.clone().requires_grad_()]
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        ref = torch.zeros(tokens, hidden) + 0 * (xr.sum() + wr.sum())  # a graph even if every slot is dropped
+        for t in range(tokens):
+            for j in range(k):
+                e = int(ids[t, j])
+                if e >= 0:
+                    one = torch.tensor([1])
+                    ref[t] = ref[t] + wr[t, j] * swiglu(xr[t:t + 1], one, full[0][e:e + 1], full[1][e:e + 1])[0]
+        (ref * probe).sum().backward() if tokens else None
+        diffs = {"out": rel(out, ref) if tokens else 0.0}
+        if tokens:
+            diffs.update(x=rel(xs.grad, xr.grad), weights=rel(ws.grad, wr.grad))
+        for name, mine_p, full_p in zip(("gate_up", "down"), shard, full, strict=True):
+            total = full_p.grad if full_p.grad is not None else torch.zeros_like(full_p)
+            dist.all_reduce(total)  # every rank's tokens, as the shard's owner sees them
+            if trainable:
+                diffs[name] = rel(mine_p.grad, total[mine])
+            else:
+                diffs[name] = 0.0 if mine_p.grad is None else float("inf")
+        results.append(diffs)
+    return results

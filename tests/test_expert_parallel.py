@@ -8,6 +8,7 @@ from distributed import run_distributed
 from ep_workers import (
     bad_layout,
     deepspeed_sgd_step,
+    dispatcher_edge_cases,
     ep_exchange_variants,
     ep_forward_backward,
     global_batch_aux_loss,
@@ -191,6 +192,19 @@ def test_export_pretrained_of_an_expert_parallel_model_writes_the_full_experts(t
         assert r["refused"] == ("save_pretrained: model.layers.0.mlp.experts holds 4 of its 8 experts "
                                 "(expert-parallel); export on every rank with "
                                 "ds_optimus.parallel.export_pretrained(model, folder)")
+
+
+@pytest.mark.parametrize("node_size", [None, 2], ids=["flat", "hierarchical-2x2"])
+def test_deduplicated_exchange_with_ranks_and_chunks_that_have_no_tokens(node_size):
+    """Hand-made routing at EP 4 (8 experts, top-3 with dropped slots): a rank sending nothing,
+    ranks with fewer tokens than chunks, and expert weights without gradients, against the sum on
+    one rank with every expert."""
+    cases = [{"node_size": node_size, "chunks": c, "tokens": [0, 5, 2, 7]} for c in (1, 3)]
+    cases.append({"node_size": node_size, "chunks": 3, "tokens": [4, 0, 1, 6], "frozen": True})
+    results = run_distributed(dispatcher_edge_cases, 4, cases)
+    for rank, per_case in enumerate(results):
+        for case, diffs in zip(cases, per_case, strict=True):
+            assert max(diffs.values()) <= 1e-5, (rank, case, diffs)
 
 
 def test_auto_picks_the_exchange_that_sends_fewer_bytes():

@@ -40,15 +40,15 @@ def declare_expert_attributes(module: nn.Module) -> nn.Module:
     return module
 
 
-def _capacity_keep(plan: RoutingPlan, top_k_index: torch.Tensor, capacity_factor: float):
-    """Sorted positions that fit in each expert's capacity, and the clamped counts."""
+def _within_capacity(plan: RoutingPlan, top_k_index: torch.Tensor, capacity_factor: float):
+    """Which sorted positions fit in their expert's capacity (the first ones to arrive), and the
+    clamped counts."""
     num_experts = plan.counts.numel()
     capacity = max(1, math.ceil(capacity_factor * plan.num_slots / num_experts))
     expert_of_sorted = top_k_index.reshape(-1).index_select(0, plan.order)
     starts = torch.cumsum(plan.counts, 0) - plan.counts
     position_in_expert = torch.arange(plan.num_slots, device=plan.order.device) - starts[expert_of_sorted]
-    keep = torch.nonzero(position_in_expert < capacity).squeeze(1)
-    return keep, plan.counts.clamp(max=capacity)
+    return position_in_expert < capacity, plan.counts.clamp(max=capacity)
 
 
 def moe_experts_forward(
@@ -74,16 +74,16 @@ def moe_experts_forward(
     capacity_factor = getattr(config, "moe_capacity_factor", None)
     dispatcher = self.expert_parallel
 
-    def experts(rows: torch.Tensor, rows_per_expert: torch.Tensor) -> torch.Tensor:
-        return grouped_swiglu(rows, self.gate_up_proj, self.down_proj, rows_per_expert, act, backend)
+    def experts(rows: torch.Tensor, rows_per_expert: torch.Tensor, gate_up=None, down=None) -> torch.Tensor:
+        gate_up = self.gate_up_proj if gate_up is None else gate_up
+        return grouped_swiglu(rows, gate_up, self.down_proj if down is None else down, rows_per_expert, act, backend)
 
     if dispatcher is not None and dispatcher.deduplicated:  # tokens travel, once per destination
         ids = top_k_index
         if capacity_factor is not None:  # the slots past an expert's capacity, as below, are dropped
             plan = plan_routing(top_k_index, self.num_experts)
-            keep, _ = _capacity_keep(plan, top_k_index, capacity_factor)
-            kept = torch.zeros(plan.num_slots, dtype=torch.bool, device=ids.device)
-            kept[plan.order.index_select(0, keep)] = True
+            fits, _ = _within_capacity(plan, top_k_index, capacity_factor)
+            kept = torch.empty_like(fits).index_put_((plan.order,), fits)  # by slot; no host synchronisation
             ids = ids.masked_fill(~kept.view_as(ids), -1)
         out = dispatcher(hidden_states, ids, top_k_weights, experts, (self.gate_up_proj, self.down_proj))
         return out.to(hidden_states.dtype)
@@ -98,7 +98,8 @@ def moe_experts_forward(
     counts = plan.counts
     keep = None
     if capacity_factor is not None:
-        keep, counts = _capacity_keep(plan, top_k_index, capacity_factor)
+        fits, counts = _within_capacity(plan, top_k_index, capacity_factor)
+        keep = torch.nonzero(fits).squeeze(1)
         x_sorted = x_sorted.index_select(0, keep)
 
     y_sorted = experts(x_sorted, counts) if dispatcher is None else dispatcher(x_sorted, counts, experts)

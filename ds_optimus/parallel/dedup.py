@@ -25,17 +25,8 @@ import torch
 import torch.distributed as dist
 
 from ..moe.permute import _rowwise_dot
-from .dispatch import all_to_all, all_to_all_autograd
+from .dispatch import all_to_all, all_to_all_autograd, wire
 from .groups import ExpertParallelGroups
-
-_GLOO_DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8, torch.int8)
-
-
-def _wire(x: torch.Tensor, group) -> torch.Tensor:
-    # Gloo's all-to-all has no 16-bit types; the exchange is bitwise, so those travel as bytes.
-    if x.dtype not in _GLOO_DTYPES and x.device.type == "cpu" and "gloo" in str(dist.get_backend(group)):
-        return x.view(torch.uint8)
-    return x
 
 
 class _Pending:
@@ -44,7 +35,7 @@ class _Pending:
     def __init__(self, tensors: list[torch.Tensor], send: list[int], recv: list[int], group) -> None:
         self.inputs = [t.contiguous() for t in tensors]  # kept alive until the exchange is done
         self.outputs = [t.new_empty(sum(recv), *t.shape[1:]) for t in self.inputs]
-        self.works = [dist.all_to_all_single(_wire(o, group), _wire(i, group), recv, send, group=group, async_op=True)
+        self.works = [dist.all_to_all_single(wire(o, group), wire(i, group), recv, send, group=group, async_op=True)
                       for o, i in zip(self.outputs, self.inputs, strict=True)]
 
     def wait(self) -> list[torch.Tensor]:
@@ -52,6 +43,41 @@ class _Pending:
             work.wait()
         self.inputs = None
         return self.outputs
+
+
+def pack(weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows' slot weights and ids [N, k] as one [N, bytes] buffer: one message instead of two."""
+    return torch.cat([weights.contiguous().view(torch.uint8), ids.contiguous().view(torch.uint8)], 1)
+
+
+def unpack(buffer: torch.Tensor, weight_dtype: torch.dtype, id_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pack` undone: (weights, ids as int64)."""
+    k = buffer.shape[1] // (weight_dtype.itemsize + id_dtype.itemsize)
+    cut = k * weight_dtype.itemsize
+
+    def part(columns: slice, dtype: torch.dtype) -> torch.Tensor:
+        # a fresh copy: a slice of one or no rows counts as contiguous with its parent's strides and
+        # offset, which a view as a wider dtype refuses
+        return buffer[:, columns].clone(memory_format=torch.contiguous_format).view(dtype)
+
+    return part(slice(None, cut), weight_dtype), part(slice(cut, None), id_dtype).long()
+
+
+class _SendMeta(torch.autograd.Function):
+    """The slots' weights and ids in one message; the weights' gradients come back."""
+
+    @staticmethod
+    def forward(ctx, weights, ids, send, recv, group):
+        ctx.splits, ctx.group = (send, recv), group
+        (buffer,) = _Pending([pack(weights, ids)], send, recv, group).wait()
+        received, received_ids = unpack(buffer, weights.dtype, ids.dtype)
+        ctx.mark_non_differentiable(received_ids)
+        return received, received_ids
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        send, recv = ctx.splits
+        return _Pending([grad], recv, send, ctx.group).wait()[0], None, None, None, None
 
 
 @dataclass
@@ -181,11 +207,15 @@ def _unpack(values: list[int], sizes: list[int]) -> list[list[int]]:
 
 
 def plan_chunks(dispatcher: DedupDispatcher, chunk_ids: list[torch.Tensor]) -> list[_Plan]:
-    """Every split size and member count of every chunk: two count exchanges (one per hop, all
-    chunks together) and one host synchronisation. Each destination rank receives, per source and
-    chunk, how many rows have more than j slots there (j = 0: the row count) and the slots per local
-    expert. Hierarchically, a node's rail rank receives the same per source for each rank of its
-    node, plus how many rows reach more than j of its ranks, and forwards each rank its sums."""
+    """Every split size and member count of every chunk: one count exchange per hop (all chunks in
+    one message) and one host synchronisation.
+
+    Per chunk, a source sends each destination of the first hop a vector of counts:
+      flat, to rank r:       [rows with more than j slots on r, j < min(k, el) | slots per local expert of r]
+      hierarchical, to the rail rank of node b:
+                             [rows reaching more than j ranks of b, j < min(k, n) | the flat vector of each rank of b]
+    The first entry of a "more than j" histogram (j = 0) is the row count: the split size. A rail
+    rank adds the per-rank vectors over its sources and sends each rank of its node its sum."""
     el, hops, ep = dispatcher.num_local_experts, dispatcher.hops, dispatcher.groups.ep_size
     k, chunks = chunk_ids[0].shape[1], len(chunk_ids)
     depth_e, src_depth = min(k, el), min(k, hops[0].dests)
@@ -198,7 +228,7 @@ def plan_chunks(dispatcher: DedupDispatcher, chunk_ids: list[torch.Tensor]) -> l
         per_expert = torch.zeros(ep * el + 1, dtype=torch.long, device=ids.device).scatter_add_(
             0, torch.where(ids >= 0, ids, ep * el).reshape(-1), torch.ones_like(ids).reshape(-1))[:-1]
         per_rank = torch.cat([_at_least(slots, depth_e), per_expert.view(ep, el).t()]).t()  # [ranks, V]
-        reached = (slots > 0).view(ids.shape[0], hops[0].dests, -1)  # [T, destinations, ranks in each]
+        reached = (slots > 0).view(ids.shape[0], hops[0].dests, ep // hops[0].dests)  # [T, dests, ranks in each]
         local.append(torch.cat([reached.any(2).sum(0), _at_least(reached.any(2).sum(1), src_depth)]))
         if len(hops) == 2:
             inner = _at_least(reached.sum(2), inner_depth).t()  # [nodes, depth]: ranks reached per node
@@ -282,11 +312,11 @@ class DedupDispatcher:
 
     @torch.compiler.disable  # split sizes are read on the host: a traced exchange would recompile per routing
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                 experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 experts: Callable[..., torch.Tensor],
                  params: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Experts on `x [T, H]` for expert ids `ids [T, k]` (in the EP group; -1: a dropped slot)
         with routing `weights [T, k]`: sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) -> [T, H].
-        `experts(rows, counts)` runs this rank's experts, `params` are the tensors it uses."""
+        `experts(rows, counts, *params)` runs this rank's experts with the weights `params`."""
         if self.chunks > 1:
             from .overlap import overlapped
 
@@ -297,10 +327,9 @@ class DedupDispatcher:
             m, _, rows, w, local = depart(x_l, w_l, ids_l, plan, level, hop, _Spread.apply)
             members.append(m)
             x_l = all_to_all_autograd(rows, plan.recv[level], plan.send[level], hop.group)
-            w_l = all_to_all_autograd(w, plan.recv[level], plan.send[level], hop.group)
-            ids_l = _Pending([local], plan.send[level], plan.recv[level], hop.group).wait()[0].long()
+            w_l, ids_l = _SendMeta.apply(w, local, plan.send[level], plan.recv[level], hop.group)
         m, index = at_experts(ids_l, plan, self.num_local_experts)
-        y = experts(_Spread.apply(x_l, m), plan.counts)
+        y = experts(_Spread.apply(x_l, m), plan.counts, *params)
         out = _Collect.apply(y, w_l.reshape(-1).index_select(0, index), m)
         for level in reversed(range(len(self.hops))):  # back: one partial sum per (row, destination)
             back = all_to_all_autograd(out, plan.send[level], plan.recv[level], self.hops[level].group)

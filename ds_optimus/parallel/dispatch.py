@@ -21,11 +21,12 @@ import torch.distributed as dist
 from .groups import ExpertParallelGroups
 
 
-def _wire(x: torch.Tensor, group) -> torch.Tensor:
-    # Gloo has no bfloat16/float16 (nor int16) all-to-all; the exchange is bitwise, so send bytes.
-    # CPU tensors go through gloo also under a mixed backend such as "cpu:gloo,cuda:nccl".
-    if x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu" and "gloo" in str(
-            dist.get_backend(group)):
+def wire(x: torch.Tensor, group) -> torch.Tensor:
+    """`x` as the all-to-all can send it: the exchange is bitwise, so types a backend lacks travel as
+    bytes (NCCL has no int16; gloo neither, nor bfloat16/float16 — CPU tensors go through gloo also
+    under a mixed backend such as "cpu:gloo,cuda:nccl")."""
+    if x.dtype == torch.int16 or (x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu"
+                                  and "gloo" in str(dist.get_backend(group))):
         return x.view(torch.uint8)
     return x
 
@@ -46,7 +47,7 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
     """Rows `x` split by `in_splits` go to the group's ranks in order; returns the rows received."""
     x = x.contiguous()
     out = x.new_empty(sum(out_splits), *x.shape[1:])
-    dist.all_to_all_single(_wire(out, group), _wire(x, group), out_splits, in_splits, group=group)
+    dist.all_to_all_single(wire(out, group), wire(x, group), out_splits, in_splits, group=group)
     return out
 
 

@@ -106,9 +106,13 @@ def _dispatcher(module: nn.Module, groups: ExpertParallelGroups, dedup: bool | s
     if not (isinstance(chunks, int) and chunks >= 1):
         raise ValueError(f"apply_expert_parallel: chunks must be a positive integer, got {chunks!r}")
     if dedup == "auto":
+        # overlap (chunks > 1) needs the deduplicated exchange; else the one expected to send fewer
+        # bytes, between nodes when the exchange is hierarchical (where the bytes cost most)
         top_k = getattr(getattr(module, "config", None), "num_experts_per_tok", None)
-        row_bytes = module.down_proj.shape[1] * module.down_proj.element_size()
-        dedup = top_k is None or dedup_sends_fewer_bytes(module.num_experts, top_k, groups.ep_size, row_bytes)
+        size = module.down_proj.element_size()
+        destinations = groups.ep_size // groups.node_size if groups.hierarchical else groups.ep_size
+        dedup = chunks > 1 or top_k is None or dedup_sends_fewer_bytes(
+            module.num_experts, top_k, destinations, row_bytes=module.down_proj.shape[1] * size, weight_bytes=size)
     if dedup:
         return DedupDispatcher(groups, module.num_local_experts, chunks)
     if chunks > 1:

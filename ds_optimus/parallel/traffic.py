@@ -37,10 +37,11 @@ def metadata_bytes(top_k: int, weight_bytes: int) -> int:
     return top_k * (2 + weight_bytes)
 
 
-def dedup_sends_fewer_bytes(num_experts: int, top_k: int, ep_size: int, row_bytes: int,
+def dedup_sends_fewer_bytes(num_experts: int, top_k: int, destinations: int, row_bytes: int,
                             weight_bytes: int = 4) -> bool:
-    """Whether the deduplicated exchange is expected to send fewer bytes than the per-slot one."""
-    dedup = expected_groups_hit(num_experts, top_k, ep_size) * (row_bytes + metadata_bytes(top_k, weight_bytes))
+    """Whether the deduplicated exchange is expected to send fewer bytes than the per-slot one to
+    `destinations` equal groups of experts (ranks; nodes for the hierarchical exchange's inter-node hop)."""
+    dedup = expected_groups_hit(num_experts, top_k, destinations) * (row_bytes + metadata_bytes(top_k, weight_bytes))
     return dedup < top_k * row_bytes
 
 
