@@ -280,6 +280,15 @@ def dispatcher_edge_cases(rank: int, world: int, cases: list[dict], k: int = 3, 
         w = torch.rand(tokens, k, generator=g)
         probe = torch.randn(tokens, hidden, generator=g)
         xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        if case.get("copying_hook"):  # a saved-tensor hook that copies what it saves (as offloading does)
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+                out = DedupDispatcher(groups, local, case["chunks"])(xs, ids, ws, swiglu, tuple(shard))
+            try:
+                (out * probe).sum().backward()
+                results.append({"error": None})
+            except RuntimeError as err:
+                results.append({"error": str(err)})
+            continue
         out = DedupDispatcher(groups, local, case["chunks"])(xs, ids, ws, swiglu, tuple(shard))
         (out * probe).sum().backward()
         # the same on this rank with every expert

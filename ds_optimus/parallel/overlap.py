@@ -53,8 +53,8 @@ class _Overlapped(torch.autograd.Function):
         run = getattr(token, "run", None)
         if run is None:
             raise RuntimeError("the overlapped expert-parallel exchange lost its forward state: a saved-tensor "
-                               "hook copied it (e.g. save_on_cpu) or the graph is run backward twice; use "
-                               "optimus.expert_parallel.chunks 1 there")
+                               "hook copied it (e.g. offloading to pinned memory) or the graph is run backward "
+                               "twice; use optimus.expert_parallel.chunks 1 there")
         token.run = None
         grad_x, grad_w, grad_params = run.backward(grad, ctx.needs_input_grad[3], ctx.needs_input_grad[4])
         return None, None, None, grad_x, grad_w, *grad_params
