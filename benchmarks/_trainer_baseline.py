@@ -47,6 +47,7 @@ def main() -> None:
         weight_decay=optimizer.get("weight_decay", 0.0), max_grad_norm=config.get("gradient_clipping", 1.0),
         logging_steps=10, save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(),
         dataloader_drop_last=True, disable_tqdm=True, seed=0,
+        bf16=bool(config.get("bf16", {}).get("enabled")),  # must agree with the DeepSpeed config's
     )
     torch.manual_seed(0)
     model = OlmoeForCausalLM(OlmoeConfig(**json.loads(args.model)))
@@ -60,6 +61,13 @@ def main() -> None:
         losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
         impl = getattr(model.config, "_experts_implementation", None)
         json.dump({"step_seconds": timer.times, "losses": losses, "experts_implementation": impl}, open(args.out, "w"))
+    # Joined here rather than at interpreter exit: a gloo worker thread that frees the last reference to
+    # an asynchronous work while Python finalizes aborts the process ("terminate called without an
+    # active exception"), as the sharded optimizer once did.
+    del trainer
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
