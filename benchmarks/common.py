@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -69,3 +72,19 @@ def write_result(name: str, payload: dict) -> Path:
     path = out_dir / f"{name}.json"
     path.write_text(json.dumps({"machine": machine(), **payload}, indent=2) + "\n")
     return path
+
+
+def launch_deepspeed(command: list[str], work: Path, gpus: int) -> None:
+    """`deepspeed --num_gpus GPUS COMMAND...` in `work`, with the repository importable and a free
+    port of its own (a previous launch may still hold the default one); a failure raises with the
+    ends of its output."""
+    root = Path(__file__).resolve().parents[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launcher = Path(sys.executable).with_name("deepspeed")
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([str(launcher), "--num_gpus", str(gpus), "--master_port", str(port), *command], cwd=work,
+                          env=env, capture_output=True, text=True, timeout=3600)
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(command[:3])} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")

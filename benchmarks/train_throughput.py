@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from common import launch_deepspeed, write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = dict(vocab_size=4096, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
@@ -55,12 +53,7 @@ def ds_config(work: Path, ep: int, steps: int) -> dict:
 
 
 def launch(args: list[str], work: Path) -> None:
-    launcher = Path(sys.executable).with_name("deepspeed")
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([str(launcher), "--num_gpus", "2", *args], cwd=work, env=env, capture_output=True,
-                          text=True, timeout=1800)
-    if proc.returncode:
-        raise RuntimeError(f"{' '.join(args[:3])} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    launch_deepspeed(args, work, gpus=2)
 
 
 def run_ours(work: Path, ep: int, steps: int) -> list[float]:

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -29,8 +30,6 @@ OLMOE = (4096, 2048, 1024, 64, 8, "random")  # tokens, hidden, expert intermedia
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", [*CASES, OLMOE], ids=lambda c: "-".join(map(str, c)))
 def test_compiled_kernels_match_the_reference(case, dtype):
-    import os
-
     assert os.environ.get("TRITON_INTERPRET") != "1", "the kernels must be compiled, not interpreted"
     plan, tensors = make_case(*case, dtype)
     got = fused(plan, *tensors)

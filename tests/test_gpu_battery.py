@@ -4,6 +4,7 @@ script's argument checks, and `run_all.sh --dry-run` as a whole (what a CPU can 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -81,8 +82,7 @@ def test_run_all_dry_run_runs_what_a_cpu_can(tmp_path):
     """The battery on a CPU: the gpu tests collected and skipped, the end-to-end script's tiny run of
     every contestant through its entry point, the summary table and its closing line (last)."""
     run = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "run_all.sh"), "--dry-run", str(tmp_path)],
-                         capture_output=True, text=True, timeout=900, env={**__import__("os").environ,
-                                                                           "PYTHON": sys.executable})
+                         capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHON": sys.executable})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert run.stdout.strip().splitlines()[-1].startswith("gpu battery: kernels - of dense (- grouped_mm), e2e ")
     assert (tmp_path / "train_e2e.json").exists(), (tmp_path / "e2e.log").read_text()[-3000:]

@@ -68,3 +68,19 @@ def test_setup_moe_sets_the_backend_of_every_moe_layer():
     setup_moe(model, OptimusConfig.from_ds_config({}))
     assert {e.experts_backend for e in experts} == {None}  # auto
     torch.testing.assert_close(model(x).logits, looped, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"dedup": "yes"}, r'^apply_expert_parallel: dedup must be True, False or "auto", got \'yes\'$'),
+    ({"chunks": 0}, r"^apply_expert_parallel: chunks must be a positive integer, got 0$"),
+    ({"chunks": True}, r"^apply_expert_parallel: chunks must be a positive integer, got True$"),
+    ({"dedup": False, "chunks": 2}, r"^apply_expert_parallel: chunks 2 overlaps the deduplicated exchange"),
+])
+def test_apply_expert_parallel_refuses_a_bad_exchange_before_changing_anything(kwargs, message):
+    from ds_optimus.parallel import apply_expert_parallel
+
+    model = MulaForCausalLM(MulaConfig.from_preset("mula-tiny-moe"))
+    before = model.model.layers[0].mlp.experts.gate_up_proj
+    with pytest.raises(ValueError, match=message):
+        apply_expert_parallel(model, 2, **kwargs)  # refused before any process group is needed
+    assert model.model.layers[0].mlp.experts.gate_up_proj is before

@@ -27,17 +27,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import write_result  # noqa: E402
+from common import launch_deepspeed, write_result  # noqa: E402
 
 PEAK_TFLOPS = {"H100 80GB HBM3": 989.0, "H100 SXM": 989.0, "H200": 989.0, "H100 PCIe": 756.0}
 TINY = {"preset": "mula-tiny-moe", "overrides": {}}
@@ -67,15 +65,7 @@ def ds_config(work: Path, name: str, model: dict, args, *, before: bool) -> dict
 
 
 def launch(command: list[str], work: Path) -> None:
-    from ds_optimus.plan.measure import free_port
-
-    launcher = Path(sys.executable).with_name("deepspeed")
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    # a port of its own for each launch: the previous one's may still be held, and other runs may be beside
-    proc = subprocess.run([str(launcher), "--num_gpus", "1", "--master_port", str(free_port()), *command], cwd=work,
-                          env=env, capture_output=True, text=True, timeout=3600)
-    if proc.returncode:
-        raise RuntimeError(f"{' '.join(command[:3])} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    launch_deepspeed(command, work, gpus=1)
 
 
 def run_ours(work: Path, name: str, model: dict, args, before: bool) -> dict:

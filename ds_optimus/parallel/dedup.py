@@ -83,12 +83,12 @@ class _SendMeta(torch.autograd.Function):
 @dataclass
 class _Members:
     """The members of N rows given by a mask [N, C], numbered column by column: member p is
-    (column `column_of[p]`, row `row_of[p]`). `order` lists the rows by member count, most first;
-    `nth[j]` holds the member numbers of the j-th member of rows order[:len(nth[j])]."""
+    (column `column_of[p]`, row `row_of[p]`). With the rows ordered by member count, most first,
+    `nth[j]` holds the member numbers of the j-th member of the first len(nth[j]) rows, and
+    `inverse[r]` is row r's place in that order."""
 
     row_of: torch.Tensor
     column_of: torch.Tensor
-    order: torch.Tensor
     inverse: torch.Tensor
     nth: list[torch.Tensor]
     rows: int
@@ -114,7 +114,7 @@ def _members(mask: torch.Tensor, total: int, at_least: list[int]) -> _Members:
     table[row_of * depth + ordinal] = torch.arange(total, device=mask.device)  # every index once
     table = table.view(n, depth)
     nth = [table[order[:m], j] for j, m in enumerate(at_least) if m]
-    return _Members(row_of, column_of, order, inverse, nth, n)
+    return _Members(row_of, column_of, inverse, nth, n)
 
 
 def _sum_members(src: torch.Tensor, m: _Members, weight: torch.Tensor | None) -> torch.Tensor:
@@ -198,7 +198,7 @@ class _Plan:
     counts: torch.Tensor
 
 
-def _unpack(values: list[int], sizes: list[int]) -> list[list[int]]:
+def _split_list(values: list[int], sizes: list[int]) -> list[list[int]]:
     out, start = [], 0
     for n in sizes:
         out.append(values[start:start + n])
@@ -246,7 +246,7 @@ def plan_chunks(dispatcher: DedupDispatcher, chunk_ids: list[torch.Tensor]) -> l
         final = all_to_all(to_ranks.reshape(-1), splits, splits, hops[1].group).view(n, chunks, final_width)
         synced.append(final.reshape(-1))
     values = torch.cat(synced).tolist()  # the one host synchronisation
-    parts = _unpack(values, [hops[0].dests + src_depth] * chunks + [width] * (chunks * hops[0].dests)
+    parts = _split_list(values, [hops[0].dests + src_depth] * chunks + [width] * (chunks * hops[0].dests)
                     + ([final_width] * (chunks * n) if len(hops) == 2 else []))
     mine, first = parts[:chunks], parts[chunks:chunks * (1 + hops[0].dests)]
     second = parts[chunks * (1 + hops[0].dests):]

@@ -77,6 +77,7 @@ def apply_expert_parallel(model: nn.Module, ep_size: int | ExpertParallelGroups,
     expert-data-parallel group. Every rank must start from the same weights. Collective; returns the
     process groups.
     """
+    _check_exchange(dedup, chunks)  # before anything changes
     experts = experts_modules(model)
     if not experts:
         raise ValueError("apply_expert_parallel: the model has no stacked experts (gate_up_proj/down_proj)")
@@ -102,9 +103,17 @@ def apply_expert_parallel(model: nn.Module, ep_size: int | ExpertParallelGroups,
     return groups
 
 
-def _dispatcher(module: nn.Module, groups: ExpertParallelGroups, dedup: bool | str, chunks: int):
-    if not (isinstance(chunks, int) and chunks >= 1):
+def _check_exchange(dedup, chunks) -> None:
+    if dedup not in (True, False, "auto") or not isinstance(dedup, (bool, str)):
+        raise ValueError(f'apply_expert_parallel: dedup must be True, False or "auto", got {dedup!r}')
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
         raise ValueError(f"apply_expert_parallel: chunks must be a positive integer, got {chunks!r}")
+    if chunks > 1 and dedup is False:
+        raise ValueError(f"apply_expert_parallel: chunks {chunks} overlaps the deduplicated exchange, "
+                         "which dedup=False turns off")
+
+
+def _dispatcher(module: nn.Module, groups: ExpertParallelGroups, dedup: bool | str, chunks: int):
     if dedup == "auto":
         # overlap (chunks > 1) needs the deduplicated exchange; else the one expected to send fewer
         # bytes, between nodes when the exchange is hierarchical (where the bytes cost most)
@@ -115,9 +124,6 @@ def _dispatcher(module: nn.Module, groups: ExpertParallelGroups, dedup: bool | s
             module.num_experts, top_k, destinations, row_bytes=module.down_proj.shape[1] * size, weight_bytes=size)
     if dedup:
         return DedupDispatcher(groups, module.num_local_experts, chunks)
-    if chunks > 1:
-        raise ValueError(f"apply_expert_parallel: chunks {chunks} overlaps the deduplicated exchange, "
-                         "which dedup=False turns off")
     return ExpertParallelDispatcher(groups, module.num_local_experts)
 
 
