@@ -294,6 +294,55 @@ def test_the_watchdog_allows_long_work_its_own_time_out_and_nothing_else():
     assert beats == [(60, "step 5"), (10, "the work after step 5"), (300, "the checkpoint of step 5"), (10, "step 6")]
 
 
+def test_the_watchdog_writes_each_line_whole_and_marked_with_its_rank():
+    """Every rank waiting on the hung one fires at once into the launcher's pipe: each line of a dump
+    goes out by one write of at most PIPE_BUF bytes, prefixed with the rank, so dumps mix by line only."""
+    import os
+    import threading
+
+    from ds_optimus.reliability.watchdog import Watchdog
+
+    read_end, write_end = os.pipe()
+    with os.fdopen(write_end, "w") as log:
+        watchdogs = [Watchdog(rank, log=log) for rank in (0, 1)]
+        stacks = "".join(f"  File \"f.py\", line {i}, in frame_{i}\n" for i in range(200)) + "x" * 9000
+        writers = [threading.Thread(target=w._write, args=(stacks,)) for w in watchdogs]
+        for thread in writers:
+            thread.start()
+        for thread in writers:
+            thread.join()
+        for watchdog in watchdogs:
+            watchdog.close()
+    with os.fdopen(read_end) as pipe:
+        lines = [line for line in pipe.read().splitlines() if line]  # each dump starts on a fresh line
+    for rank in (0, 1):
+        mine = [line for line in lines if line.startswith(f"[rank {rank}] ")]
+        assert [line.removeprefix(f"[rank {rank}] ") for line in mine[:200]] == stacks.splitlines()[:200]
+        assert len(mine) == 201 and len(mine[-1]) == 4095  # the over-long line cut to fit one pipe write
+    assert len(lines) == 402
+
+
+def test_the_watchdogs_stack_dump_names_every_thread_and_its_frames():
+    import threading
+
+    from ds_optimus.reliability.watchdog import thread_stacks
+
+    release = threading.Event()
+
+    def parked_in_a_collective():
+        release.wait()
+
+    thread = threading.Thread(target=parked_in_a_collective, name="worker")
+    thread.start()
+    try:
+        text = thread_stacks()
+    finally:
+        release.set()
+        thread.join()
+    assert '"worker"' in text and "in parked_in_a_collective" in text
+    assert '"MainThread"' in text and "in test_the_watchdogs_stack_dump_names_every_thread_and_its_frames" in text
+
+
 def test_setup_moe_says_what_it_takes():
     from ds_optimus.hf_models.mula import MulaConfig, MulaForCausalLM
     from ds_optimus.parallel import setup_moe

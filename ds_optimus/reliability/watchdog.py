@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 
 from ..schema import Section, need, number
@@ -59,13 +60,43 @@ class Watchdog:
 
     def _fire(self) -> None:
         try:
-            self.log.write(f"\n[ds_optimus watchdog] rank {self.rank}: {self._what} exceeded its "
-                           f"{self._timeout:g} s time-out; stacks of all threads follow, then exit {EXIT_HUNG}\n")
-            self.log.flush()
-            faulthandler.dump_traceback(file=self.log, all_threads=True)
-            self.log.flush()
+            self._write(f"[ds_optimus watchdog] rank {self.rank}: {self._what} exceeded its {self._timeout:g} s "
+                        f"time-out; stacks of all threads follow, then exit {EXIT_HUNG}\n" + thread_stacks())
         finally:
             os._exit(EXIT_HUNG)
+
+    def _write(self, text: str) -> None:
+        """Every line prefixed with the rank and written by one `write` each: the other ranks' watchdogs,
+        waiting on this rank in a collective, fire at the same moment into the same launcher pipe, and
+        a pipe keeps a write of up to PIPE_BUF (4 KiB) bytes whole, so dumps interleave by line at worst."""
+        try:
+            fd = self.log.fileno()
+        except (AttributeError, OSError):  # a stream with no descriptor (a test's StringIO)
+            fd = None
+        self.log.flush()
+        prefix = f"[rank {self.rank}] "
+        for i, line in enumerate(text.splitlines()):
+            start = "" if i else "\n"  # off the end of a progress bar's line
+            if fd is None:
+                self.log.write(start + prefix + line + "\n")
+            else:
+                os.write(fd, (start + prefix + line).encode("utf-8", "replace")[: _PIPE_BUF - 1] + b"\n")
+        self.log.flush()
+
+
+_PIPE_BUF = 4096
+
+
+def thread_stacks() -> str:
+    """The Python stack of every thread of this process, most recent call last, as one text."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    current = threading.get_ident()
+    parts = []
+    for ident, frame in sys._current_frames().items():
+        here = " (the watchdog, writing this)" if ident == current else ""
+        parts.append(f"Thread {ident:#x} \"{names.get(ident, '?')}\"{here}, most recent call last:\n")
+        parts.extend(traceback.format_stack(frame))
+    return "".join(parts)
 
 
 @dataclass(frozen=True)
