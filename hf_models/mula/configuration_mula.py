@@ -105,7 +105,7 @@ class MulaConfig(PreTrainedConfig):
     model_type: ClassVar[str] = "mula"
     # Outputs the Trainer leaves out of predictions, so compute_metrics sees the logits first.
     keys_to_ignore_at_inference: ClassVar[list[str]] = [
-        "past_key_values", "lm_loss", "aux_loss", "z_loss", "tokens_per_expert", "router_logits",
+        "cache", "past_key_values", "lm_loss", "aux_loss", "z_loss", "tokens_per_expert", "router_logits",
     ]
     attribute_map: ClassVar[dict[str, str]] = {"num_local_experts": "num_experts"}
     # How Transformers' own tensor and expert parallelism (`from_pretrained(distributed_config=...)`)

@@ -6,6 +6,7 @@ not installed. With ds_optimus installed, `import ds_optimus` registers these cl
 classes and faster experts implementations with Transformers' experts interface.
 """
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,6 +29,25 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_mula import MulaConfig
+
+# Transformers 5.24 renamed the key/value cache from `past_key_values` to `cache`: in the model outputs,
+# in what `generate` passes and reads back, in the mask builders and in the check the checkpointing
+# layer makes. Mula takes either name and hands the cache on, and returns it, under the installed
+# version's, so this file (also loaded as remote code) runs on both sides of the rename.
+CACHE_NAME = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def one_cache(cache: Cache | None, past_key_values: Cache | None) -> Cache | None:
+    """The key/value cache given under either of its names (the old one deprecated where Transformers
+    has renamed it, with the warning its own models give)."""
+    if past_key_values is None:
+        return cache
+    if cache is not None and cache is not past_key_values:
+        raise ValueError("pass the key/value cache once, as `cache` or as `past_key_values`")
+    if CACHE_NAME == "cache" and not torch.compiler.is_compiling():
+        warnings.warn("`past_key_values` is deprecated since Transformers 5.24 for Mula models. Use `cache` instead.",
+                      FutureWarning, stacklevel=3)
+    return past_key_values
 
 
 class MulaRMSNorm(nn.Module):
@@ -146,7 +166,7 @@ class MulaAttention(nn.Module):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
@@ -164,8 +184,8 @@ class MulaAttention(nn.Module):
         v = v.view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
@@ -367,9 +387,10 @@ class MulaDecoderLayer(GradientCheckpointingLayer):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         residual = hidden_states
@@ -378,7 +399,7 @@ class MulaDecoderLayer(GradientCheckpointingLayer):
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=one_cache(cache, past_key_values),
             use_cache=use_cache,
             **kwargs,
         )
@@ -398,7 +419,7 @@ class MulaPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["MulaDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
@@ -517,30 +538,32 @@ class MulaModel(MulaPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> MulaModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
+        cache = one_cache(cache, past_key_values)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         # Only positions the caller gives can describe packed sequences; the mask builder checks them
         # for that on the host, which would stall every training step for positions made here.
         given_position_ids = position_ids
         if position_ids is None:
-            past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+            past_seen = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen).unsqueeze(0)
 
         causal_mask = create_causal_mask(
             config=self.config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
             position_ids=given_position_ids,
+            **{CACHE_NAME: cache},
         )
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
@@ -553,9 +576,9 @@ class MulaModel(MulaPreTrainedModel):
                 hidden_states,
                 attention_mask=causal_mask,
                 position_ids=position_ids,
-                past_key_values=past_key_values,
                 use_cache=use_cache,
                 position_embeddings=position_embeddings,
+                **{CACHE_NAME: cache},  # the name the checkpointing layer looks for, to drop it
                 **kwargs,
             )
             if layer_index is not None:
@@ -566,8 +589,8 @@ class MulaModel(MulaPreTrainedModel):
         hidden_states = self.norm(hidden_states)
         return MulaModelOutputWithPast(
             last_hidden_state=hidden_states,
-            past_key_values=past_key_values,
             router_indices=tuple(router_indices) or None,
+            **{CACHE_NAME: cache},
         )
 
 
@@ -652,13 +675,14 @@ class MulaForCausalLM(MulaPreTrainedModel, GenerationMixin):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         output_router_logits: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         return_dict: bool | None = None,
+        past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> MulaCausalLMOutputWithPast | tuple:
         config = self.config
@@ -669,7 +693,7 @@ class MulaForCausalLM(MulaPreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=one_cache(cache, past_key_values),
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_router_logits=with_router,
@@ -715,10 +739,10 @@ class MulaForCausalLM(MulaPreTrainedModel, GenerationMixin):
             z_loss=z_loss,
             tokens_per_expert=tokens_per_expert,
             logits=logits,
-            past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             router_logits=outputs.router_logits if output_router_logits else None,
+            **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
         )
         return_dict = config.return_dict if return_dict is None else return_dict
         return result if return_dict else result.to_tuple()
