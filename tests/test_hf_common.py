@@ -29,10 +29,21 @@ except transformers_sdist.SdistUnavailable as err:
 
 common = transformers_sdist.module("test_modeling_common")
 config_common = transformers_sdist.module("test_configuration_common")
+
+
+def _optional(name: str):
+    """A mixin module that older Transformers releases (down to the oldest setup.py admits) do not ship
+    yet: None there, and its tests are simply not part of the class."""
+    try:
+        return transformers_sdist.module(name)
+    except ModuleNotFoundError:
+        return None
+
+
 generation_mixin = transformers_sdist.module("generation.test_utils")
-tensor_parallel = transformers_sdist.module("test_tensor_parallel_mixin")
-expert_parallel = transformers_sdist.module("test_expert_parallel_mixin")
-training = transformers_sdist.module("test_training_mixin")
+tensor_parallel = _optional("test_tensor_parallel_mixin")
+expert_parallel = _optional("test_expert_parallel_mixin")
+training = _optional("test_training_mixin")
 
 ids_tensor = common.ids_tensor
 
@@ -94,9 +105,9 @@ class MulaModelTester:
 class _CommonTests(
     common.ModelTesterMixin,
     generation_mixin.GenerationTesterMixin,
-    tensor_parallel.TensorParallelTesterMixin,
-    expert_parallel.ExpertParallelTesterMixin,
-    training.TrainingTesterMixin,
+    *(mixin for mixin in (tensor_parallel and tensor_parallel.TensorParallelTesterMixin,
+                          expert_parallel and expert_parallel.ExpertParallelTesterMixin,
+                          training and training.TrainingTesterMixin) if mixin),
 ):
     """The mixins, set up for one model family (`model_tester_class`, `all_model_classes`)."""
 
@@ -134,6 +145,12 @@ class _CommonTests(
         self.model_tester.create_and_check_model(*self.model_tester.prepare_config_and_inputs_for_common())
 
 
+# Older releases' parallel mixins spawn their ranks with functions pickled by module name, which a
+# spawned process cannot import from the fetched sdist; newer ones go through `run_distributed`,
+# which tests/transformers_sdist.py stands in for.
+_SPAWNS_UNIMPORTABLE = tensor_parallel is not None and not hasattr(tensor_parallel, "run_distributed")
+
+
 def _mark_slow_tests(cls: type) -> type:
     """Marks slow (they still run in CI) the distributed tensor/expert-parallel tests, which spawn
     processes, and the training mixin's 300-step overfit run (over a minute on two cores)."""
@@ -144,7 +161,10 @@ def _mark_slow_tests(cls: type) -> type:
         if callable(original) and (distributed or name == "test_training_overfit"):
 
             @wraps(original)
-            def run(self, _original=original):
+            def run(self, _original=original, _distributed=distributed):
+                if _distributed and _SPAWNS_UNIMPORTABLE:
+                    self.skipTest("this Transformers release's parallel mixin spawns ranks that cannot import "
+                                  "the fetched tests (its newer releases use run_distributed)")
                 return _original(self)
 
             setattr(cls, name, pytest.mark.slow(run))
@@ -180,8 +200,10 @@ class MulaRouterBiasFloat32Test(unittest.TestCase):
 
 
 # The distributed tests cover the model types Transformers lists; Mula joins them as OLMoE is listed.
-tensor_parallel.TP_DISTRIBUTED_TEST_MODEL_TYPES = {*tensor_parallel.TP_DISTRIBUTED_TEST_MODEL_TYPES, "mula"}
-expert_parallel.EP_DISTRIBUTED_TEST_MODEL_TYPES = {*expert_parallel.EP_DISTRIBUTED_TEST_MODEL_TYPES, "mula"}
+if tensor_parallel is not None:
+    tensor_parallel.TP_DISTRIBUTED_TEST_MODEL_TYPES = {*tensor_parallel.TP_DISTRIBUTED_TEST_MODEL_TYPES, "mula"}
+if expert_parallel is not None:
+    expert_parallel.EP_DISTRIBUTED_TEST_MODEL_TYPES = {*expert_parallel.EP_DISTRIBUTED_TEST_MODEL_TYPES, "mula"}
 
 
 # -- generation: what the generation mixin (not in the sdist) checks -----------------------------------
