@@ -1,3 +1,5 @@
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -426,6 +428,35 @@ def test_generate_with_kv_cache_matches_full_recompute():
         nxt = model(manual).logits[:, -1].argmax(-1, keepdim=True)
         manual = torch.cat([manual, nxt], dim=1)
     assert torch.equal(cached, manual)
+
+
+def test_the_cache_under_either_name_continues_the_sequence():
+    """Transformers 5.24 renamed the cache `past_key_values` -> `cache`: Mula takes both, returns it under
+    the installed version's name, warns about the old one where it is the old one, refuses two."""
+    from ds_optimus.hf_models.mula.modeling_mula import CACHE_NAME
+
+    model = model_for(tiny())
+    x = ids(2, 7)
+    full = model(x).logits[:, -1]
+
+    def step(name):
+        first = model(x[:, :-1], use_cache=True)
+        cache = getattr(first, CACHE_NAME)
+        assert cache is not None and cache.get_seq_length() == 6
+        return model(x[:, -1:], use_cache=True, **{name: cache}), cache
+
+    new, _ = step("cache")
+    torch.testing.assert_close(new.logits[:, -1], full)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old, cache = step("past_key_values")
+    torch.testing.assert_close(old.logits[:, -1], full)
+    assert getattr(old, CACHE_NAME) is cache and cache.get_seq_length() == 7
+    deprecated = [w for w in caught if issubclass(w.category, FutureWarning) and "past_key_values" in str(w.message)]
+    assert len(deprecated) == (1 if CACHE_NAME == "cache" else 0)
+    other = model(x[:, :-1], use_cache=True)
+    with pytest.raises(ValueError, match="pass the key/value cache once"):
+        model(x[:, -1:], cache=cache, past_key_values=getattr(other, CACHE_NAME))
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
