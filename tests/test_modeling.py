@@ -432,7 +432,7 @@ def test_generate_with_kv_cache_matches_full_recompute():
 
 def test_the_cache_under_either_name_continues_the_sequence():
     """Transformers 5.24 renamed the cache `past_key_values` -> `cache`: Mula takes both, returns it under
-    the installed version's name, warns about the old one where it is the old one, refuses two."""
+    the installed version's name, warns about the old one where it is the old one, refuses both at once."""
     from ds_optimus.hf_models.mula.modeling_mula import CACHE_NAME
 
     model = model_for(tiny())
@@ -455,7 +455,7 @@ def test_the_cache_under_either_name_continues_the_sequence():
     deprecated = [w for w in caught if issubclass(w.category, FutureWarning) and "past_key_values" in str(w.message)]
     assert len(deprecated) == (1 if CACHE_NAME == "cache" else 0)
     other = model(x[:, :-1], use_cache=True)
-    with pytest.raises(ValueError, match="pass the key/value cache once"):
+    with pytest.raises(ValueError, match="Both `past_key_values` and `cache` are set"):
         model(x[:, -1:], cache=cache, past_key_values=getattr(other, CACHE_NAME))
 
 

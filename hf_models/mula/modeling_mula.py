@@ -6,7 +6,6 @@ not installed. With ds_optimus installed, `import ds_optimus` registers these cl
 classes and faster experts implementations with Transformers' experts interface.
 """
 
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,6 +24,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_u
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
@@ -32,22 +32,15 @@ from .configuration_mula import MulaConfig
 
 # Transformers 5.24 renamed the key/value cache from `past_key_values` to `cache`: in the model outputs,
 # in what `generate` passes and reads back, in the mask builders and in the check the checkpointing
-# layer makes. Mula takes either name and hands the cache on, and returns it, under the installed
-# version's, so this file (also loaded as remote code) runs on both sides of the rename.
+# layer makes. Mula's forwards take `cache`, hand it on and return it under the installed version's
+# name, so this file (also loaded as remote code) runs on both sides of the rename.
 CACHE_NAME = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ else "past_key_values"
-
-
-def one_cache(cache: Cache | None, past_key_values: Cache | None) -> Cache | None:
-    """The key/value cache given under either of its names (the old one deprecated where Transformers
-    has renamed it, with the warning its own models give)."""
-    if past_key_values is None:
-        return cache
-    if cache is not None and cache is not past_key_values:
-        raise ValueError("pass the key/value cache once, as `cache` or as `past_key_values`")
-    if CACHE_NAME == "cache" and not torch.compiler.is_compiling():
-        warnings.warn("`past_key_values` is deprecated since Transformers 5.24 for Mula models. Use `cache` instead.",
-                      FutureWarning, stacklevel=3)
-    return past_key_values
+# `past_key_values=` is renamed to `cache` by Transformers' own decorator (the one its models use for this
+# rename): with its FutureWarning from 5.24 on; silently before, where it is still the name `generate` and
+# the checkpointing layer pass (a deprecation version already reached keeps the decorator quiet).
+accepts_past_key_values = deprecate_kwarg(
+    "past_key_values", "5.40.0" if CACHE_NAME == "cache" else "5.0.0", new_name="cache", raise_if_both_names=True
+)
 
 
 class MulaRMSNorm(nn.Module):
@@ -382,6 +375,7 @@ class MulaDecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = MulaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = MulaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
+    @accepts_past_key_values
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -390,7 +384,6 @@ class MulaDecoderLayer(GradientCheckpointingLayer):
         cache: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         residual = hidden_states
@@ -399,7 +392,7 @@ class MulaDecoderLayer(GradientCheckpointingLayer):
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            cache=one_cache(cache, past_key_values),
+            cache=cache,
             use_cache=use_cache,
             **kwargs,
         )
@@ -533,6 +526,7 @@ class MulaModel(MulaPreTrainedModel):
 
     @merge_with_config_defaults
     @capture_outputs
+    @accepts_past_key_values
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -541,12 +535,10 @@ class MulaModel(MulaPreTrainedModel):
         cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
-        past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> MulaModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
-        cache = one_cache(cache, past_key_values)
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         if inputs_embeds is None:
@@ -670,6 +662,7 @@ class MulaForCausalLM(MulaPreTrainedModel, GenerationMixin):
         self.router_loss_group = None
         self.post_init()
 
+    @accepts_past_key_values
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -682,7 +675,6 @@ class MulaForCausalLM(MulaPreTrainedModel, GenerationMixin):
         output_router_logits: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         return_dict: bool | None = None,
-        past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> MulaCausalLMOutputWithPast | tuple:
         config = self.config
@@ -693,7 +685,7 @@ class MulaForCausalLM(MulaPreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            cache=one_cache(cache, past_key_values),
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_router_logits=with_router,
