@@ -234,20 +234,14 @@ def _describe(err: BaseException) -> str:
 
 # -- checkpoint folders ---------------------------------------------------------------------------
 
-def verify(path: Path, rank: int = 0, world: int = 1) -> str | None:
+def verify(path: Path, rank: int = 0, world: int = 1, required: tuple[str, ...] = ()) -> str | None:
     """Check checkpoint folder `path` against its manifest (`meta.json`: every file's size and
-    CRC-32); None if it is intact, else what is wrong, in one line. Collective when `world` > 1:
-    the files are hashed by the ranks in turn, each read once."""
-    problem = None
-    try:
-        meta = json.loads((path / "meta.json").read_text())
-        files = meta["files"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        problem = f"its manifest meta.json is unreadable ({type(err).__name__})"
-        files = {}
+    CRC-32, and the integer keys `required`); None if it is intact, else what is wrong, in one line.
+    Collective when `world` > 1: the files are hashed by the ranks in turn, each read once."""
+    files, problem = manifest_files(path, required)
     names = sorted(files)
     for name in names[rank::world] if problem is None else []:
-        record = files[name] if isinstance(files, dict) else None
+        record = files[name]
         target = path / name
         if not target.is_file():
             problem = f"{name} is missing"
@@ -263,6 +257,32 @@ def verify(path: Path, rank: int = 0, world: int = 1) -> str | None:
         dist.all_gather_object(found, problem)
         problem = next((p for p in found if p), None)
     return problem
+
+
+def manifest_files(path: Path, required: tuple[str, ...] = ()) -> tuple[dict[str, dict[str, Any] | None], str | None]:
+    """The files checkpoint folder `path`'s manifest lists, {name: {"bytes", "crc32"} or None for a
+    manifest that lists names only (written before manifests held checksums)}, and what is wrong
+    with the manifest (None if nothing), which must also hold the integer keys `required`: a
+    manifest edited or damaged by hand counts as damage."""
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError) as err:
+        return {}, f"its manifest meta.json is unreadable ({type(err).__name__})"
+    if not isinstance(meta, dict):
+        return {}, "its manifest meta.json is not a JSON object"
+    for key in required:
+        if not isinstance(meta.get(key), int) or isinstance(meta.get(key), bool):
+            return {}, f"its manifest meta.json has no {key}"
+    files = meta.get("files")
+    if isinstance(files, list) and all(isinstance(name, str) for name in files):
+        return dict.fromkeys(files), None
+    if not isinstance(files, dict) or not files:
+        return {}, "its manifest meta.json lists no files"
+    for name, record in files.items():
+        if not (isinstance(record, dict) and isinstance(record.get("bytes"), int)
+                and isinstance(record.get("crc32"), str)):
+            return {}, f"its manifest meta.json gives no size and CRC-32 for {name}"
+    return files, None
 
 
 def gather(world: int, value: Any) -> list[Any]:

@@ -58,7 +58,8 @@ def refusal(path: Path) -> str:
 def save(manager: CheckpointManager, step: int, files: dict | None = None) -> Path:
     name = f"step_{step:08d}"
     manager.writer.prepare(manager.directory, name)
-    manager.writer.write(manager.directory, name, files or {"rank00000.pt": {"step": step}}, {"step": step})
+    manager.writer.write(manager.directory, name, files or {"rank00000.pt": {"step": step}},
+                        {"step": step, "world_size": 1, "ep_size": 1})  # what both formats record
     return manager.directory / name
 
 
@@ -196,6 +197,46 @@ def test_a_latest_that_names_no_checkpoint_is_reported(tmp_path):
     assert manager.latest_good(notes.append) == tmp_path / "step_00000004"
     assert notes == ["latest names step_00000008, which was set aside as damaged (step_00000008.corrupt); "
                      "using step_00000004"]
+
+
+def test_a_manifest_without_sizes_and_checksums_counts_as_damage(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    for step in (4, 8, 12, 16):
+        save(manager, step, {"rank00000.pt": {"step": step}, "model.pt": {"w": torch.ones(2)}})
+    manifest = tmp_path / "step_00000016" / "meta.json"
+    meta = json.loads(manifest.read_text())
+    meta["files"]["model.pt"] = {}  # valid JSON, no size or checksum: once a KeyError on every rank
+    manifest.write_text(json.dumps(meta))
+    (tmp_path / "step_00000012" / "meta.json").write_text("{}")
+    meta = json.loads((tmp_path / "step_00000008" / "meta.json").read_text())
+    del meta["files"]["rank00000.pt"]["crc32"]
+    (tmp_path / "step_00000008" / "meta.json").write_text(json.dumps(meta))
+    notes = []
+    assert manager.latest_good(notes.append) == tmp_path / "step_00000004"
+    assert notes == [
+        "checkpoint step_00000016 is damaged: its manifest meta.json gives no size and CRC-32 for model.pt; "
+        "falling back to the previous one",
+        "checkpoint step_00000012 is damaged: its manifest meta.json has no step; falling back to the previous one",
+        "checkpoint step_00000008 is damaged: its manifest meta.json gives no size and CRC-32 for rank00000.pt; "
+        "falling back to the previous one"]
+    assert sorted(p.name for p in tmp_path.glob("*.corrupt")) == [f"step_000000{s}.corrupt" for s in ("08", "12", "16")]
+    assert verify(tmp_path / "step_00000004") is None
+
+
+def test_a_newer_complete_checkpoint_than_latest_is_resumed_and_latest_said_to_be_behind(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    save(manager, 4)
+    save(manager, 8)
+    (tmp_path / "latest").write_text("step_00000004")  # a crash between the rename and the `latest` write
+    notes = []
+    assert manager.latest_good(notes.append) == tmp_path / "step_00000008"
+    assert notes == ["latest names step_00000004, but step_00000008 is newer and complete (latest was behind: a "
+                     "save interrupted before latest was updated); using step_00000008"]
+
+    (tmp_path / "step_00000008" / "rank00000.pt").write_bytes(b"damaged")  # the newer one damaged: latest's
+    notes.clear()
+    assert manager.latest_good(notes.append) == tmp_path / "step_00000004"
+    assert notes[1].startswith("checkpoint step_00000008 is damaged: rank00000.pt has 7 bytes")
 
 
 def _latest_good_worker(rank: int, world: int, directory: str) -> tuple[str, list[str]]:

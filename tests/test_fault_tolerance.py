@@ -151,8 +151,8 @@ def test_latest_good_falls_back_and_says_when_nothing_is_intact(tmp_path):
     manager = CheckpointManager(tmp_path)
     for step in (2, 4):
         manager.writer.prepare(tmp_path, f"step_{step:08d}")
-        manager.writer.write(tmp_path, f"step_{step:08d}", {"rank00000.pt": {"step": step}}, {"step": step},
-                             keep=manager._prune)
+        manager.writer.write(tmp_path, f"step_{step:08d}", {"rank00000.pt": {"step": step}},
+                             {"step": step, "world_size": 1, "ep_size": 1}, keep=manager._prune)
     (tmp_path / "step_00000004" / "rank00000.pt").write_bytes(b"garbage")
     size = (tmp_path / "step_00000002" / "rank00000.pt").stat().st_size  # the same object, the same size
     notes = []
@@ -169,7 +169,7 @@ def test_latest_good_falls_back_and_says_when_nothing_is_intact(tmp_path):
     (tmp_path / "latest").unlink()
     assert manager.latest_good(notes.append) is None  # nothing was ever here: a fresh start
     manager.writer.prepare(tmp_path, "step_00000006")
-    manager.writer.write(tmp_path, "step_00000006", {"rank00000.pt": {}}, {"step": 6})
+    manager.writer.write(tmp_path, "step_00000006", {"rank00000.pt": {}}, {"step": 6, "world_size": 1, "ep_size": 1})
     (tmp_path / "step_00000006" / "rank00000.pt").unlink()
     with pytest.raises(CheckpointError, match=r"^none of the 1 checkpoints in .* is intact \(step_00000006: "
                                               r"rank00000.pt is missing\); move them away to start over$"):

@@ -55,6 +55,7 @@ from ..checkpoint_io import (  # noqa: F401  (atomic_save, file_record, write_te
 from ..schema import Section, check_flags, need, non_negative_int, positive_int
 
 STEP_PREFIX = "step_"
+MANIFEST_KEYS = ("step", "world_size", "ep_size")  # what `load` reads from a manifest, in both formats
 
 
 def _step(folder: Path) -> int:
@@ -101,19 +102,15 @@ class CheckpointManager:
         return bool(found[0])
 
     def candidates(self) -> list[Path]:
-        """Complete checkpoints to resume from, best first: the one `latest` names, then the others
-        newest first."""
-        done = self.complete()[::-1]
-        try:
-            named = self.directory / (self.directory / LATEST).read_text().strip()
-        except OSError:
-            return done
-        return [named, *(p for p in done if p != named)] if named in done else done
+        """Complete checkpoints to resume from, best first: newest first. `latest` is written after
+        the folder is renamed into place, so a crash between the two leaves it naming the previous
+        checkpoint while the newer one is complete (`passed_over` says so)."""
+        return self.complete()[::-1]
 
     def passed_over(self, candidates: list[Path]) -> list[str]:
         """One line for each thing that `candidates` (best first) silently passes over: a `step_N`
-        folder newer than the best one that has no manifest, and a `latest` that names no complete
-        checkpoint."""
+        folder newer than the best one that has no manifest, a `latest` that names no complete
+        checkpoint, and a `latest` that names an older one than the best (it was behind)."""
         best = candidates[0] if candidates else None
         notes, reported = [], set()
         for folder in reversed(self.step_folders()):
@@ -129,6 +126,10 @@ class CheckpointManager:
             return notes
         then = f"using {best.name}" if best else "no complete checkpoint is left"
         folder = self.directory / named
+        if folder in candidates:
+            notes.append(f"latest names {named}, but {best.name} is newer and complete (latest was behind: a "
+                         f"save interrupted before latest was updated); using {best.name}")
+            return notes
         if folder.is_dir() and not (folder / "meta.json").exists():
             why = "has no manifest meta.json (an interrupted save?)"
         elif (self.directory / f"{named}.corrupt").is_dir():
@@ -166,7 +167,7 @@ class CheckpointManager:
                                   "the folder away to start over")
         problems = []
         for path in candidates:
-            problem = verify(path, self.rank, self.world_size)
+            problem = verify(path, self.rank, self.world_size, required=MANIFEST_KEYS)
             if problem is None:
                 return path
             problems.append(f"{path.name}: {problem}")
