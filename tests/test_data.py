@@ -37,6 +37,22 @@ def test_default_tokenizer_round_trips_and_compresses_the_corpus(tokenizer):
     assert n_tokens < 0.35 * n_bytes  # a trained BPE, not bytes
 
 
+def test_a_tokenizer_path_that_does_not_exist_is_named_as_a_missing_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for path in (str(tmp_path / "tok"), "./no-such-tokenizer", "data/tokenizers/mine", "~/tok/"):
+        with pytest.raises(ValueError, match=f"^tokenizer folder '{path}' does not exist$"):
+            load_tokenizer(path)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(ValueError, match="is a file; give the folder that holds it$"):
+        load_tokenizer(str(tmp_path / "tokenizer.json"))
+    monkeypatch.chdir(tmp_path)  # `org/name` could be either: said to have been tried as both
+    with pytest.raises(ValueError, match=r"^cannot load tokenizer 'org/name' \(no such folder here; tried it as a "
+                                         r"Hub name\): "):
+        load_tokenizer("org/name")
+    load_tokenizer().save_pretrained(tmp_path / "mine")
+    assert load_tokenizer("mine").eos_token_id == 1  # a relative folder with one part
+
+
 def test_sources_parse_and_fail_with_one_line(tmp_path):
     assert parse_source("embedded").kind == "embedded"
     assert parse_source({"hf": "org/name", "split": "validation"}).split == "validation"

@@ -37,14 +37,26 @@ def load_tokenizer(name_or_path: str | None = None):
 
     if name_or_path in (None, "default"):
         return PreTrainedTokenizerFast(tokenizer_file=str(DEFAULT_TOKENIZER_FILE), eos_token=EOS, pad_token=PAD)
+    local = Path(name_or_path).expanduser()
+    if not local.exists() and looks_like_a_path(name_or_path):
+        raise ValueError(f"tokenizer folder {name_or_path!r} does not exist")
+    if local.exists() and not local.is_dir():
+        raise ValueError(f"tokenizer {name_or_path!r} is a file; give the folder that holds it")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        tokenizer = AutoTokenizer.from_pretrained(local if local.exists() else name_or_path)
     except (OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"cannot load tokenizer {name_or_path!r}: {first}") from None
+        where = "" if local.exists() else " (no such folder here; tried it as a Hub name)"
+        raise ValueError(f"cannot load tokenizer {name_or_path!r}{where}: {first}") from None
     if tokenizer.eos_token_id is None:
         raise ValueError(f"tokenizer {name_or_path!r} has no end-of-text token; documents could not be separated")
     return tokenizer
+
+
+def looks_like_a_path(name: str) -> bool:
+    """Whether `name` can only mean a local path, not a Hub repository id (`name` or `org/name`)."""
+    return (name.startswith(("/", ".", "~")) or "\\" in name or name.endswith("/") or name.count("/") > 1
+            or Path(name).suffix in (".json", ".model"))
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
