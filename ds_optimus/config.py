@@ -83,18 +83,20 @@ class ModelConfig(Section):
 
     def build(self, tokenizer=None):
         """The Mula model: random weights (from torch's generator) for a preset or a folder without
-        weights, the folder's weights otherwise; ids of `tokenizer`'s end and padding tokens."""
-        import torch
-
+        weights, the folder's weights otherwise; ids of `tokenizer`'s end and padding tokens. An
+        OLMoE folder is converted on the fly; a folder of another architecture, and weights that
+        leave a parameter uninitialised, are one-line ConfigErrors."""
         from .hf_models.mula import MulaConfig, MulaForCausalLM
 
         folder = Path(self.path) if self.path is not None else None
+        kind = self._folder_kind(folder) if folder is not None else "preset"
         try:
-            if folder is not None:
-                if not folder.is_dir():
-                    raise ConfigError(f"optimus.model.path {str(folder)!r} is not a folder")
-                if not (folder / "config.json").exists():
-                    raise ConfigError(f"optimus.model.path {str(folder)!r} has no config.json")
+            if kind == "olmoe":
+                from .hf_models.mula.convert_olmoe import olmoe_to_mula_config, read_config
+
+                config = olmoe_to_mula_config(read_config(folder))
+                config = MulaConfig(**{**config.to_dict(), **self.overrides})
+            elif kind == "mula":
                 config = MulaConfig.from_pretrained(folder, **self.overrides)
             else:
                 config = MulaConfig.from_preset(self.preset, **self.overrides)
@@ -110,9 +112,77 @@ class ModelConfig(Section):
             config.eos_token_id = tokenizer.eos_token_id
             pad = tokenizer.pad_token_id
             config.pad_token_id = pad if pad is not None else tokenizer.eos_token_id
-        if folder is not None and (any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))):
-            return MulaForCausalLM.from_pretrained(folder, config=config, dtype=torch.float32)
-        return MulaForCausalLM(config)
+        if folder is None or not has_weights(folder):
+            return MulaForCausalLM(config)
+        if kind == "olmoe":
+            return self._convert_olmoe(folder, config)
+        return self._load_mula(folder, config)
+
+    def _folder_kind(self, folder: Path) -> str:
+        """"mula" or "olmoe", from the folder's config.json; anything else is a ConfigError."""
+        import json
+
+        where = f"optimus.model.path {str(folder)!r}"
+        if not folder.is_dir():
+            raise ConfigError(f"{where} is not a folder")
+        if not (folder / "config.json").exists():
+            raise ConfigError(f"{where} has no config.json")
+        try:
+            model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError, AttributeError) as err:
+            raise ConfigError(f"{where}: config.json is not a readable JSON object ({type(err).__name__})") from None
+        if model_type in ("mula", "olmoe"):
+            return model_type
+        raise ConfigError(f"{where} holds a {model_type!r} model, not a Mula or OLMoE one (an OLMoE folder is "
+                          "converted on the fly; other architectures are not trained by ds_optimus)")
+
+    def _load_mula(self, folder: Path, config):
+        import torch
+
+        from .hf_models.mula import MulaForCausalLM
+
+        where = f"optimus.model.path {str(folder)!r}"
+        try:
+            model, info = MulaForCausalLM.from_pretrained(folder, config=config, dtype=torch.float32,
+                                                          output_loading_info=True)
+        except (OSError, RuntimeError, ValueError) as err:  # unreadable files, tensors of the wrong shape
+            raise ConfigError(f"{where}: its weights do not load ({first_line(err)})") from None
+        missing = sorted(info.get("missing_keys") or ())
+        mismatched = [name for name, *_ in info.get("mismatched_keys") or ()]
+        if missing or mismatched:
+            names = missing or mismatched
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+            what = "has no weights for" if missing else "has weights of another shape for"
+            raise ConfigError(f"{where} {what} {', '.join(names[:3])}{more}: they would train from random values "
+                              "(is it a checkpoint of another layout or architecture?)")
+        return model
+
+    def _convert_olmoe(self, folder: Path, config):
+        import torch
+
+        from .hf_models.mula import MulaForCausalLM
+        from .hf_models.mula.convert_olmoe import ConversionError, check_tensors, read_tensors, stack_experts
+
+        try:
+            tensors = check_tensors(MulaForCausalLM, config, stack_experts(read_tensors(folder), config.num_experts))
+        except ConversionError as err:
+            raise ConfigError(f"optimus.model.path {str(folder)!r} (an OLMoE checkpoint, converted on the fly): "
+                              f"{err}") from None
+        config.dtype = torch.float32
+        model = MulaForCausalLM(config)
+        with torch.no_grad():
+            model.load_state_dict(tensors, strict=False)  # every weight checked above; a tied head follows
+        return model
+
+
+def has_weights(folder: Path) -> bool:
+    """Whether an HF folder holds weights (safetensors or PyTorch .bin, single or sharded)."""
+    return any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))
+
+
+def first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 @dataclass(frozen=True)

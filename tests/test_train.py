@@ -262,6 +262,48 @@ def test_model_from_an_hf_folder_with_and_without_weights(tmp_path):
         build(tmp_path / "empty")
 
 
+def test_an_olmoe_folder_is_converted_on_the_fly_and_incomplete_weights_are_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    from ds_optimus.config import ConfigError, OptimusConfig
+
+    def build(path, **overrides):
+        opt = OptimusConfig.from_ds_config({"optimus": {"model": {"path": str(path), "overrides": overrides}}})
+        return opt.model.build()
+
+    torch.manual_seed(0)
+    olmoe = OlmoeForCausalLM(OlmoeConfig(vocab_size=96, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                                         num_experts_per_tok=2, pad_token_id=0, eos_token_id=1)).eval()
+    olmoe.to(torch.bfloat16).save_pretrained(tmp_path / "olmoe", save_original_format=True)  # as on the Hub
+    olmoe.float()
+    model = build(tmp_path / "olmoe")  # before: every weight but the experts loaded, the experts random
+    assert type(model).__name__ == "MulaForCausalLM" and model.dtype == torch.float32
+    ids = torch.randint(2, 96, (2, 12))
+    want = OlmoeForCausalLM.from_pretrained(tmp_path / "olmoe", dtype=torch.float32).eval()(ids).logits
+    assert torch.allclose(model.eval()(ids).logits, want, atol=1e-4)
+
+    with pytest.raises(ConfigError, match="an OLMoE checkpoint, converted on the fly.*missing experts"):
+        build(tmp_path / "olmoe", num_experts=8)
+
+    mula = tmp_path / "mula"
+    build(tmp_path / "olmoe").save_pretrained(mula)
+    tensors = load_file(mula / "model.safetensors")
+    for name in [n for n in tensors if "layers.1.mlp.experts" in n]:
+        del tensors[name]
+    save_file(tensors, mula / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"^optimus.model.path '.*mula' has no weights for model.layers.1.mlp.experts."
+                                          r"down_proj, model.layers.1.mlp.experts.gate_up_proj: they would train from "
+                                          r"random values"):
+        build(mula)
+
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ConfigError, match=r"holds a 'llama' model, not a Mula or OLMoE one"):
+        build(tmp_path / "llama")
+
+
 def test_overrides_parse_json_values_and_reject_bad_assignments():
     from ds_optimus.config import ConfigError, apply_overrides
 

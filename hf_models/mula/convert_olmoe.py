@@ -191,8 +191,9 @@ def unstack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return out
 
 
-def _load_into_meta_model(model_cls, config, tensors: dict[str, torch.Tensor]):
-    """Build `model_cls(config)` without allocating, check every tensor's name and shape, and assign."""
+def check_tensors(model_cls, config, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors `model_cls(config)` loads (ignored buffers and a tied head left out), after checking
+    on the meta device that every one it needs is there with its shape and none is left over."""
     with torch.device("meta"):
         model = model_cls(config)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
@@ -211,11 +212,20 @@ def _load_into_meta_model(model_cls, config, tensors: dict[str, torch.Tensor]):
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
         raise ConversionError(f"unexpected tensor {unexpected[0]}{more} for this config")
+    return tensors
+
+
+def load_into_meta_model(model_cls, config, tensors: dict[str, torch.Tensor]):
+    """Build `model_cls(config)` without allocating, check every tensor's name and shape, and assign
+    (for saving: buffers the state dict leaves out stay on the meta device)."""
+    tensors = check_tensors(model_cls, config, tensors)
+    with torch.device("meta"):
+        model = model_cls(config)
     dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
     if len(dtypes) == 1:
         config.dtype = dtypes.pop()
     model.load_state_dict(tensors, strict=False, assign=True)
-    if tied:
+    if config.tie_word_embeddings:
         model.tie_weights()
     return model
 
@@ -237,7 +247,7 @@ def convert_olmoe_to_mula(input_dir: str | Path, output_dir: str | Path) -> Path
     except (ValueError, TypeError) as err:
         raise ConversionError(str(err).splitlines()[0]) from None
     tensors = stack_experts(read_tensors(input_dir), config.num_experts)
-    model = _load_into_meta_model(MulaForCausalLM, config, tensors)
+    model = load_into_meta_model(MulaForCausalLM, config, tensors)
     _save(model, output_dir)
     return output_dir
 
@@ -260,7 +270,7 @@ def convert_mula_to_olmoe(input_dir: str | Path, output_dir: str | Path, layout:
     tensors = read_tensors(input_dir)
     if any(_PER_EXPERT.match(name) for name in tensors):
         tensors = stack_experts(tensors, config.num_experts)
-    model = _load_into_meta_model(OlmoeForCausalLM, olmoe_config, tensors)
+    model = load_into_meta_model(OlmoeForCausalLM, olmoe_config, tensors)
     _save(model, output_dir, save_original_format=(layout == "per-expert"))
     return output_dir
 
