@@ -127,7 +127,12 @@ def test_bad_input_fails_with_one_line(tmp_path, cache):
         (good, ["optimus.expert_parallel.size=3"], "expert parallel size 3 does not divide the world size 1"),
         (good, ["optimus.model.overrides={\"vocab_size\": 1000}"], "the tokenizer has 4096 tokens"),
         (good, ["optimus.model.preset=\"mula-3b\""], "optimus.model.preset 'mula-3b' is not one of"),
-        (good, [f"optimus.data.tokenizer=\"{tmp_path}/no-tokenizer\""], "optimus.data.tokenizer: cannot load"),
+        (good, [f"optimus.data.tokenizer=\"{tmp_path}/no-tokenizer\""],
+         f"optimus.data.tokenizer: tokenizer folder '{tmp_path}/no-tokenizer' does not exist"),
+        (good, ["gradient_clippng=1.0"],  # DeepSpeed itself would train on without clipping
+         "unknown DeepSpeed config key 'gradient_clippng' (did you mean 'gradient_clipping'?)"),
+        (good, ["zero_optimization.stagee=1"], "unknown DeepSpeed config key 'zero_optimization.stagee' (did you mean "
+                                               "'stage'?)"),
         (good, ["zero_optimization.stage=3"], "zero_optimization.stage 3 is not supported"),
         (good, [f"optimus.train.output_dir=\"{tmp_path}/old\"", "optimus.checkpoint.resume=false"],
          "checkpoint.resume is false but"),
@@ -140,7 +145,11 @@ def test_bad_input_fails_with_one_line(tmp_path, cache):
     ]
     old_checkpoint = tmp_path / "old" / "checkpoints" / "step_00000004"
     old_checkpoint.mkdir(parents=True)
-    (old_checkpoint / "meta.json").write_text('{"files": {}}')  # a manifest of no files: intact
+    from ds_optimus.checkpoint_io import atomic_save
+
+    record = atomic_save({"step": 4}, old_checkpoint / "rank00000.pt")  # an intact per-rank checkpoint
+    (old_checkpoint / "meta.json").write_text(json.dumps({"files": {"rank00000.pt": record}, "step": 4,
+                                                          "world_size": 1, "ep_size": 1}))
     results = run_distributed(cli_errors_worker, 1, [(c, o) for c, o, _ in cases], str(tmp_path))[0]
     for (_, overrides, message), (status, stderr) in zip(cases, results, strict=True):
         assert status == 2, (overrides, stderr)

@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = apply_overrides(load_json_config(args.config), args.overrides)
         opt = OptimusConfig.from_ds_config(config)
+        from ds_optimus.optim.deepspeed_compat import check_config_keys
+
+        check_config_keys(config)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         micro, accumulation = resolve_batch_sizes(config, world)
         tokenizer = load_tokenizer(opt.data.tokenizer)

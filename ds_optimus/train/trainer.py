@@ -51,6 +51,9 @@ class Trainer:
         if stage not in (0, 1, 2):
             raise ConfigError(f"zero_optimization.stage {stage!r} is not supported by ds_optimus.train (use 0, 1 or 2)")
         check_optimizer_section(self.ds_config)
+        from ..optim.deepspeed_compat import check_config_keys
+
+        check_config_keys(self.ds_config)
         C.init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.micro_batch, self.accumulation = C.resolve_batch_sizes(self.ds_config, self.world)
