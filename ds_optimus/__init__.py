@@ -1,23 +1,45 @@
 """ds_optimus: pretraining Mixture-of-Experts language models on DeepSpeed.
 
-Importing the package registers the Mula models with Transformers' Auto classes and the dropless
-MoE layer with Transformers' experts interface (as "ds_optimus", the Mula default). It imports
-neither DeepSpeed nor Triton, so the models and kernels load on machines that have only PyTorch;
-but once DeepSpeed is imported (before or after), its engine is hooked
-(`ds_optimus.optim.deepspeed_compat`), so a config with `optimus.sharded_optimizer` gets the
-EP-aware sharded optimizer from `deepspeed.initialize`, also under the Hugging Face Trainer.
+Importing the package is cheap (it imports neither PyTorch, Transformers nor DeepSpeed), and it
+hooks the three libraries it extends so that each is extended as soon as it is imported (at once
+where it already is):
+
+- Transformers: the Mula models are registered with its Auto classes and the dropless MoE layer
+  with its experts interface (as "ds_optimus", the Mula default);
+- DeepSpeed: its engine is hooked (`ds_optimus.optim.deepspeed_compat`), so a config with an
+  `optimus` section gets expert parallelism and the EP-aware sharded optimizer from
+  `deepspeed.initialize`, also under the Hugging Face Trainer;
+- accelerate: it leaves the `optimus` section of a DeepSpeed config alone (it would take the
+  section's `"auto"` values for its own placeholders and stop).
+
+So `python -m ds_optimus.train --help` starts in a fraction of a second, and the models, kernels
+and planner load on machines without DeepSpeed.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.util
 import sys
+import warnings
 
 __version__ = "0.1.0"
 
+_registered = False
 
-def _register_with_transformers() -> None:
+
+def _register_with_transformers(finishing: str | None = None) -> None:
+    global _registered
+    if _registered:
+        return
+    if _own_import_running(finishing):
+        # A module of ours imports Transformers while it is itself being imported: register once the
+        # import of ours has finished (the Mula classes may not be defined yet).
+        _Hooks.pending = True
+        return
+    _registered = True
+    _Hooks.pending = False
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     from .hf_models.mula import MulaConfig, MulaForCausalLM, MulaModel
@@ -34,9 +56,16 @@ def _register_with_transformers() -> None:
     register_experts_implementation()
 
 
-def _install_engine_hook() -> None:
-    import warnings
+def _own_import_running(finishing: str | None = None) -> bool:
+    """Whether a module of this package other than `finishing` is being imported right now."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith(f"{__name__}.") and name != finishing:
+            if getattr(getattr(module, "__spec__", None), "_initializing", False):
+                return True
+    return False
 
+
+def _install_engine_hook() -> None:
     try:
         # The module hooks the engine when its import completes (this may run while it is being
         # imported: deepspeed_compat's own `import deepspeed` brings us here).
@@ -45,16 +74,44 @@ def _install_engine_hook() -> None:
         warnings.warn(f"ds_optimus: DeepSpeed's engine is not hooked ({err})", stacklevel=2)
 
 
-class _AfterDeepSpeedImport(importlib.abc.MetaPathFinder):
-    """Hooks DeepSpeed's engine right after `import deepspeed` completes, so importing ds_optimus
-    does not import DeepSpeed (slow, and absent on some machines) but every engine is hooked."""
+def _leave_optimus_to_us() -> None:
+    """accelerate fills every `"auto"` of a DeepSpeed config from the Trainer's arguments and stops
+    at one it has no value for (`optimus.moe.experts_backend not found in kwargs`); the `optimus`
+    section is this library's, so its walk skips it."""
+    plugin = getattr(sys.modules.get("accelerate.utils.dataclasses"), "DeepSpeedPlugin", None)
+    original = getattr(plugin, "deepspeed_config_process", None)
+    if original is None or getattr(original, "skips_optimus", False):
+        return
 
-    # It stays registered until DeepSpeed's import has run: `importlib.util.find_spec("deepspeed")`
-    # (transformers and accelerate probe with it) asks here too but imports nothing.
+    def deepspeed_config_process(self, prefix="", mismatches=None, config=None, must_match=True, **kwargs):
+        top = self.deepspeed_config if config is None else config
+        section = top.pop("optimus", None) if prefix == "" and isinstance(top, dict) else None
+        try:
+            return original(self, prefix=prefix, mismatches=mismatches, config=config, must_match=must_match,
+                            **kwargs)
+        finally:
+            if section is not None:
+                top["optimus"] = section
+
+    deepspeed_config_process.skips_optimus = True
+    plugin.deepspeed_config_process = deepspeed_config_process
+
+
+class _Hooks(importlib.abc.MetaPathFinder):
+    """Runs a hook right after a watched module's import completes (`WATCHED`), and a deferred
+    Transformers registration once no import of ours is still running. Imports nothing itself:
+    `importlib.util.find_spec(name)` (Transformers and accelerate probe with it) asks here too."""
+
+    WATCHED = {"transformers": _register_with_transformers, "deepspeed": _install_engine_hook,
+               "accelerate.utils.dataclasses": _leave_optimus_to_us}
+    pending = False  # the registration waits for an import of ours to finish
     busy = False
 
     def find_spec(self, name, path=None, target=None):
-        if name != "deepspeed" or self.busy:
+        hook = self.WATCHED.get(name)
+        if hook is None and not name.startswith(f"{__name__}."):
+            return None
+        if self.busy:
             return None
         self.busy = True
         try:
@@ -67,21 +124,22 @@ class _AfterDeepSpeedImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             run(module)
-            if self in sys.meta_path:
-                sys.meta_path.remove(self)
-            _install_engine_hook()
+            if hook is not None:
+                hook()
+            elif self.pending:
+                _register_with_transformers(finishing=name)
 
         spec.loader.exec_module = exec_module
         return spec
 
 
-def _hook_deepspeed() -> None:
-    if "deepspeed" in sys.modules:
-        if sys.modules["deepspeed"] is not None:  # None marks DeepSpeed as absent: nothing to hook
-            _install_engine_hook()
-    elif not any(isinstance(f, _AfterDeepSpeedImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterDeepSpeedImport())
+def _hook(name: str) -> None:
+    if name in sys.modules:
+        if sys.modules[name] is not None:  # None marks a module as absent: nothing to hook
+            _Hooks.WATCHED[name]()
 
 
-_register_with_transformers()
-_hook_deepspeed()
+if not any(isinstance(f, _Hooks) for f in sys.meta_path):
+    sys.meta_path.insert(0, _Hooks())
+for _name in list(_Hooks.WATCHED):
+    _hook(_name)

@@ -235,14 +235,11 @@ def _describe(err: BaseException) -> str:
 # -- checkpoint folders ---------------------------------------------------------------------------
 
 def verify(path: Path, rank: int = 0, world: int = 1, required: tuple[str, ...] = ()) -> str | None:
-    """Check checkpoint folder `path` against its manifest (`meta.json`: every file's size and
-    CRC-32, and the integer keys `required`); None if it is intact, else what is wrong, in one line.
-    Collective when `world` > 1: the files are hashed by the ranks in turn, each read once."""
+    """What is wrong with checkpoint folder `path` against its manifest (every file's size and CRC-32,
+    the integer keys `required`), in one line; None if intact. Collective: ranks hash in turn."""
     files, problem = manifest_files(path, required)
-    names = sorted(files)
-    for name in names[rank::world] if problem is None else []:
-        record = files[name]
-        target = path / name
+    for name in sorted(files)[rank::world]:
+        record, target = files[name], path / name
         if not target.is_file():
             problem = f"{name} is missing"
         elif record is not None:  # checkpoints from before manifests list names only
@@ -252,35 +249,29 @@ def verify(path: Path, rank: int = 0, world: int = 1, required: tuple[str, ...] 
                 problem = f"{name} fails its CRC-32 checksum"
         if problem:
             break
-    if world > 1 and dist.is_initialized():
-        found = [None] * world
-        dist.all_gather_object(found, problem)
-        problem = next((p for p in found if p), None)
-    return problem
+    return next((p for p in gather(world, problem) if p), None)
 
 
-def manifest_files(path: Path, required: tuple[str, ...] = ()) -> tuple[dict[str, dict[str, Any] | None], str | None]:
-    """The files checkpoint folder `path`'s manifest lists, {name: {"bytes", "crc32"} or None for a
-    manifest that lists names only (written before manifests held checksums)}, and what is wrong
-    with the manifest (None if nothing), which must also hold the integer keys `required`: a
-    manifest edited or damaged by hand counts as damage."""
+def manifest_files(path: Path, required: tuple[str, ...] = ()) -> tuple[dict[str, dict | None], str | None]:
+    """The files checkpoint folder `path`'s manifest lists ({name: {"bytes", "crc32"}}, or None per
+    name for manifests from before checksums) and what is wrong with the manifest, None if nothing
+    (it must also hold the integer keys `required`): a manifest damaged by hand counts as damage."""
     try:
         meta = json.loads((path / "meta.json").read_text())
     except (OSError, ValueError) as err:
         return {}, f"its manifest meta.json is unreadable ({type(err).__name__})"
     if not isinstance(meta, dict):
         return {}, "its manifest meta.json is not a JSON object"
-    for key in required:
-        if not isinstance(meta.get(key), int) or isinstance(meta.get(key), bool):
-            return {}, f"its manifest meta.json has no {key}"
-    files = meta.get("files")
+    files, missing = meta.get("files"), [k for k in required if type(meta.get(k)) is not int]
+    if missing:
+        return {}, f"its manifest meta.json has no {missing[0]}"
     if isinstance(files, list) and all(isinstance(name, str) for name in files):
         return dict.fromkeys(files), None
     if not isinstance(files, dict) or not files:
         return {}, "its manifest meta.json lists no files"
     for name, record in files.items():
-        if not (isinstance(record, dict) and isinstance(record.get("bytes"), int)
-                and isinstance(record.get("crc32"), str)):
+        kinds = (type(record.get("bytes")), type(record.get("crc32"))) if isinstance(record, dict) else ()
+        if kinds != (int, str):
             return {}, f"its manifest meta.json gives no size and CRC-32 for {name}"
     return files, None
 

@@ -9,18 +9,16 @@ read as UTF-8 bytes (token id = byte + 2; 0 is padding, 1 end of text), so nothi
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from tqdm import tqdm
-
-import ds_optimus  # noqa: F401  (registers Mula with the Auto classes)
-from ds_optimus.hf_models.mula import PRESETS, MulaConfig, MulaForCausalLM, count_parameters
+if TYPE_CHECKING:  # imported in main(), after the arguments: --help needs no PyTorch
+    import torch
 
 BYTE_OFFSET = 2
+TINY_PRESETS = ("mula-tiny-dense", "mula-tiny-moe")
 
 
 def embedded_corpus() -> bytes:
@@ -31,6 +29,8 @@ def embedded_corpus() -> bytes:
 
 
 def encode(data: bytes) -> torch.Tensor:
+    import torch
+
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).long() + BYTE_OFFSET
 
 
@@ -39,8 +39,10 @@ def decode(ids: torch.Tensor) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ds_optimus.demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="mula-tiny-moe", choices=sorted(p for p in PRESETS if "tiny" in p))
+    from .cli import ArgumentParser
+
+    parser = ArgumentParser("ds_optimus.demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="mula-tiny-moe", choices=TINY_PRESETS)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
@@ -50,6 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.batch_size < 1 or args.seq_len < 8:
         parser.error("--steps and --batch-size must be >= 1 and --seq-len >= 8")
+
+    import torch
+    from tqdm import tqdm
+
+    import ds_optimus  # noqa: F401  (registers Mula with the Auto classes)
+    from ds_optimus.hf_models.mula import MulaConfig, MulaForCausalLM, count_parameters
 
     torch.manual_seed(args.seed)
     config = MulaConfig.from_preset(args.preset)
@@ -110,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"saved to {out_dir} and loaded back as {type(loaded).__name__} through AutoModelForCausalLM")
     print("greedy sample:", repr(decode(generated[0])))
     if not after < before:
-        print("error: the held-out loss did not fall", file=sys.stderr)
+        print("ds_optimus.demo: error: the held-out loss did not fall", file=sys.stderr)
         return 1
     return 0
 

@@ -114,8 +114,8 @@ def expect_error(capsys, argv) -> str:
     assert "Traceback" not in captured.err
     lines = captured.err.splitlines()
     assert len(lines) == 1, captured.err
-    assert lines[0].startswith("convert_olmoe: error: ")
-    assert len(lines[0]) > len("convert_olmoe: error: ") + 5
+    assert lines[0].startswith("ds_optimus.hf_models.mula.convert_olmoe: error: ")
+    assert len(lines[0]) > len("ds_optimus.hf_models.mula.convert_olmoe: error: ") + 5
     return lines[0]
 
 
@@ -487,6 +487,6 @@ def test_error_cli_subprocess(tmp_path):
     assert "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith("convert_olmoe: error:") and "llama" in lines[0]
+    assert lines[0].startswith("ds_optimus.hf_models.mula.convert_olmoe: error:") and "llama" in lines[0]
     assert proc.stdout == ""
     assert not (tmp_path / "out").exists()

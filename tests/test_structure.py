@@ -101,6 +101,10 @@ def test_no_import_cycle_between_subpackages():
     assert cycle is None, " -> ".join(cycle)
 
 
+# Leaves every layer may use: they import nothing of ds_optimus themselves (checked below).
+SHARED_LEAVES = {"ds_optimus.cli", "ds_optimus._lazy"}
+
+
 @pytest.mark.parametrize("lower, higher", [
     ("ds_optimus.hf_models", "ds_optimus"),  # the model file loads as remote code without ds_optimus
     ("ds_optimus.parallel", "ds_optimus.optim"),
@@ -113,10 +117,13 @@ def test_no_import_cycle_between_subpackages():
     ("ds_optimus.checkpoint_io", "ds_optimus"),
     ("ds_optimus.schema", "ds_optimus"),
     ("ds_optimus.report", "ds_optimus"),  # a reader of metrics files, usable without the training code
+    ("ds_optimus.cli", "ds_optimus"),
+    ("ds_optimus._lazy", "ds_optimus"),
 ])
 def test_layers_point_one_way(lower, higher):
     offenders = sorted(f"{m} imports {t}" for m, targets in GRAPH.items() if m.startswith(lower)
-                       for t in targets if (t == higher or t.startswith(higher + ".")) and not t.startswith(lower))
+                       for t in targets if (t == higher or t.startswith(higher + ".")) and not t.startswith(lower)
+                       and t not in SHARED_LEAVES)
     assert not offenders, offenders
 
 

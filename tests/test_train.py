@@ -189,6 +189,20 @@ def test_deepspeed_launcher_runs_the_tiny_moe_job(tmp_path, cache):
     assert proc.stdout.count("trained steps 1-6") == 1  # printed by rank 0 only
 
 
+@pytest.mark.slow
+def test_an_error_every_rank_raises_is_printed_once_under_the_launcher(tmp_path, cache):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(tiny_config(tmp_path, cache, expert_parallel={"size": 2})))
+    launcher = Path(sys.executable).with_name("deepspeed")
+    proc = subprocess.run([str(launcher), "--num_gpus", "2", "--master_port", str(free_port()), "--module",
+                           "ds_optimus.train", "--config", str(path), "--set", "optimus.expert_parallel.size=3"],
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                          timeout=600)
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if ": error:" in line]
+    assert proc.returncode == 2 and errors == [
+        "ds_optimus.train: error: expert parallel size 3 does not divide the world size 2"], proc.stderr[-3000:]
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "ds_configs").glob("*.json")), ids=lambda p: p.stem)
 def test_shipped_configs_are_valid_for_the_world_size_they_assume(path):
     from ds_optimus.config import OptimusConfig, check_optimizer_section

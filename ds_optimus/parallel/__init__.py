@@ -1,26 +1,9 @@
 """Expert parallelism: DP/EP/EDP process groups, all-to-all dispatch/combine (flat and
 hierarchical), sharding a model's experts, exporting a sharded model as one Hugging Face folder, and
-DeepSpeed-ready param groups. Imports nothing of `ds_optimus.optim` (nor DeepSpeed)."""
+DeepSpeed-ready param groups. Imports nothing of `ds_optimus.optim` (nor DeepSpeed); names are
+imported on first use."""
 
-from .dispatch import ExpertParallelDispatcher, all_to_all, all_to_all_autograd
-from .expert_parallel import (
-    apply_expert_parallel,
-    expert_groups_of,
-    expert_layouts,
-    expert_parallel_modules,
-    export_pretrained,
-    full_state_dict,
-    is_expert_param,
-    moe_param_groups,
-    setup_moe,
-)
-from .groups import (
-    ExpertParallelGroups,
-    LayoutError,
-    check_layout,
-    destroy_expert_parallel_groups,
-    init_expert_parallel_groups,
-)
+from .._lazy import lazy_exports
 
 __all__ = [
     "ExpertParallelDispatcher",
@@ -41,3 +24,10 @@ __all__ = [
     "moe_param_groups",
     "setup_moe",
 ]
+__getattr__, __dir__ = lazy_exports(__name__, {
+    **dict.fromkeys(("ExpertParallelDispatcher", "all_to_all", "all_to_all_autograd"), ".dispatch"),
+    **dict.fromkeys(("apply_expert_parallel", "expert_groups_of", "expert_layouts", "expert_parallel_modules",
+                     "export_pretrained", "full_state_dict", "is_expert_param", "moe_param_groups", "setup_moe"),
+                    ".expert_parallel"),
+    **dict.fromkeys(("ExpertParallelGroups", "LayoutError", "check_layout", "destroy_expert_parallel_groups",
+                     "init_expert_parallel_groups"), ".groups")})

@@ -13,9 +13,10 @@ from __future__ import annotations
 import contextlib
 from collections import defaultdict
 from math import comb
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:  # the planner imports this module's formulas without PyTorch
+    import torch
 
 
 def group_hit_probability(num_experts: int, top_k: int, experts_per_group: int) -> float:
@@ -60,6 +61,8 @@ class ExchangeTraffic(contextlib.AbstractContextManager):
         self._original = None
 
     def __enter__(self) -> ExchangeTraffic:
+        import torch.distributed as dist
+
         self._original = original = dist.all_to_all_single
 
         def counted(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
@@ -70,9 +73,13 @@ class ExchangeTraffic(contextlib.AbstractContextManager):
         return self
 
     def __exit__(self, *exc) -> None:
+        import torch.distributed as dist
+
         dist.all_to_all_single = self._original
 
     def _count(self, tensor: torch.Tensor, splits, group) -> None:
+        import torch.distributed as dist
+
         self.calls += 1
         ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
         rows = tensor.shape[0] if tensor.dim() else 1
@@ -92,11 +99,15 @@ class ExchangeTraffic(contextlib.AbstractContextManager):
     def rows(self, row_bytes: int, node_size: int | None = None) -> int:
         """Rows of `row_bytes` bytes (e.g. hidden states) sent to other ranks, or, with `node_size`,
         to ranks of other nodes."""
+        import torch.distributed as dist
+
         me = dist.get_rank() // node_size if node_size else None
         return sum(n for size, rows_to in self.records if size == row_bytes for peer, n in rows_to.items()
                    if node_size is None or peer // node_size != me)
 
     def inter_node(self, node_size: int) -> int:
         """Bytes sent to ranks of other nodes, nodes being consecutive runs of `node_size` ranks."""
+        import torch.distributed as dist
+
         me = dist.get_rank() // node_size
         return sum(n for peer, n in self.by_peer.items() if peer // node_size != me)

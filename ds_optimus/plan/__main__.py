@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from ..cli import ArgumentParser, fail
 from .cluster import BUILTIN, ClusterError, get_cluster
 from .configs import layout_config, template_for, write_config
 from .layout import LayoutError
@@ -25,7 +26,7 @@ EPILOG = """examples:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ds_optimus.plan", epilog=EPILOG,
+    p = ArgumentParser("ds_optimus.plan", epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 description="Predict per-rank memory and step time of a Mula model under each "
                                             "parallel layout on a cluster,\nrank the layouts, write the best as a "
@@ -72,8 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args)
     except (ClusterError, LayoutError, ScalingError, ValueError, OSError) as err:
-        print(f"error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
-        return 2
+        return fail("ds_optimus.plan", err)
 
 
 def _run(args: argparse.Namespace) -> int:

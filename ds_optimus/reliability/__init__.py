@@ -1,6 +1,9 @@
-"""Reliability for long runs: verified, optionally asynchronous checkpoints with exact resume."""
+"""Reliability for long runs: verified, optionally asynchronous checkpoints with exact resume. Names
+are imported on first use (the supervisor's command line needs no PyTorch)."""
 
-from ..checkpoint_io import CheckpointError, CheckpointWriter, rng_state, set_rng_state, verify
-from .checkpoint import CheckpointManager
+from .._lazy import lazy_exports
 
 __all__ = ["CheckpointError", "CheckpointManager", "CheckpointWriter", "rng_state", "set_rng_state", "verify"]
+__getattr__, __dir__ = lazy_exports(__name__, {
+    **dict.fromkeys(("CheckpointError", "CheckpointWriter", "rng_state", "set_rng_state", "verify"), "..checkpoint_io"),
+    "CheckpointManager": ".checkpoint"})

@@ -8,9 +8,10 @@ some ranks), so they all stop after the same step, write the same checkpoint and
 from __future__ import annotations
 
 import signal
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:  # the supervisor reads EXIT_PREEMPTED without PyTorch
+    import torch
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later", the checkpoint to resume from is written
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -28,6 +29,9 @@ class PreemptionHandler:
 
     def requested(self, device: torch.device | str = "cpu") -> bool:
         """Whether any rank received a signal (collective: every rank calls it at the same boundary)."""
+        import torch
+        import torch.distributed as dist
+
         flag = torch.tensor([1.0 if self.received else 0.0], device=device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)

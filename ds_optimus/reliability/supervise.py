@@ -92,9 +92,11 @@ def supervise(command: list[str], max_restarts: int = 3, backoff: float = 30.0, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ds_optimus.reliability.supervise",
-                                     description="Restart a failed training run from its last good checkpoint.",
-                                     usage="%(prog)s [options] -- COMMAND ...")
+    from ..cli import ArgumentParser
+
+    parser = ArgumentParser("ds_optimus.reliability.supervise",
+                            description="Restart a failed training run from its last good checkpoint.",
+                            usage="%(prog)s [options] -- COMMAND ...")
     parser.add_argument("--max-restarts", type=int, default=3)
     parser.add_argument("--backoff", type=float, default=30.0, help="seconds before the first restart (doubles)")
     parser.add_argument("--max-backoff", type=float, default=600.0)

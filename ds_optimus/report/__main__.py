@@ -9,15 +9,14 @@ status 2.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+from ..cli import ArgumentParser, fail
 from . import ReportError, write_report
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ds_optimus.report",
-                                     description="Draw a training run's metrics.jsonl as PNG plots.")
+    parser = ArgumentParser("ds_optimus.report", description="Draw a training run's metrics.jsonl as PNG plots.")
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the run's folder (optimus.train.output_dir)")
     parser.add_argument("--out", metavar="DIR", default=None, help="where the PNGs go (default: RUN_DIR/plots)")
     parser.add_argument("--dpi", type=int, default=100, help="resolution of the PNGs (default 100)")
@@ -27,8 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         written = write_report(args.run_dir, args.out, dpi=args.dpi)
     except ReportError as err:
-        print(f"ds_optimus.report: error: {err}", file=sys.stderr)
-        return 2
+        return fail("ds_optimus.report", err)
     for path in written:
         print(path)
     return 0

@@ -11,11 +11,14 @@ naming the problem and exit status 2.
 from __future__ import annotations
 
 import argparse
-import sys
+
+from ..cli import ArgumentParser, fail
+
+NAME = "ds_optimus.train"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ds_optimus.train", description="Pretrain a Mula model with DeepSpeed.")
+    parser = ArgumentParser(NAME, description="Pretrain a Mula model with DeepSpeed.")
     parser.add_argument("--config", required=True, help="DeepSpeed JSON config with an optimus section")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, dotted (repeatable)")
@@ -32,8 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         config = apply_overrides(load_json_config(args.config), args.overrides)
         summary = pretrain(config)
     except (ConfigError, DataError, LayoutError, CheckpointError) as err:
-        print(f"ds_optimus.train: error: {err}", file=sys.stderr)
-        return 2
+        return fail(NAME, err)
     losses = list(summary["losses"].values())
     if losses and summary.get("rank", 0) == 0:
         print(f"trained steps {summary['start_step'] + 1}-{summary['start_step'] + len(losses)}: "

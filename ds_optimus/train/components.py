@@ -141,7 +141,11 @@ def prepare_on_rank_zero(sources, tokenizer, cache_dir, val_fraction):
     if failure[0] is not None:
         is_data_error, message = failure[0]
         raise DataError(message) if is_data_error else RuntimeError(message)
-    return prepare(sources, tokenizer, cache_dir, val_fraction, progress=False)
+    try:
+        return prepare(sources, tokenizer, cache_dir, val_fraction, progress=False)
+    except DataError as err:  # this rank alone cannot open what rank 0 wrote (a file system it does not see?)
+        err.rank_specific = True
+        raise
 
 
 def enable_activation_checkpointing(model) -> None:

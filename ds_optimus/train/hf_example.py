@@ -16,11 +16,23 @@ import os
 import sys
 from pathlib import Path
 
+NAME = "ds_optimus.train.hf_example"
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ds_optimus.train.hf_example", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    from ds_optimus.cli import ArgumentParser, fail
+
+    parser = ArgumentParser(
+        NAME, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Pretrain a Mula model with a plain Hugging Face Trainer and DeepSpeed, from the same config as\n"
+                    "`python -m ds_optimus.train` (its optimus section gives the model, data, steps, seed and output\n"
+                    "folder; DeepSpeed's engine applies expert parallelism and the sharded optimizer).",
+        epilog="example:\n  deepspeed --num_gpus 2 --module ds_optimus.train.hf_example --config "
+               "ds_configs/mula-tiny-moe-cpu.json\n\nwrites <output_dir>/hf-trainer/ (model and tokenizer) and "
+               "<output_dir>/trainer_summary.json (losses)")
+    parser.add_argument("--config", required=True, help="DeepSpeed JSON config with an optimus section")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key, dotted (repeatable)")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -36,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = apply_overrides(load_json_config(args.config), args.overrides)
         opt = OptimusConfig.from_ds_config(config)
-        from ds_optimus.optim.deepspeed_compat import check_config_keys
+        from ds_optimus.optim.config_keys import check_config_keys
 
         check_config_keys(config)
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -63,16 +75,14 @@ def main(argv: list[str] | None = None) -> int:
         sources = [parse_source(s) for s in opt.data.sources]
         packed = prepare_on_rank_zero(sources, tokenizer, opt.data.cache_dir, opt.data.val_fraction)
     except (ConfigError, DataError, ValueError) as err:
-        print(f"ds_optimus.train.hf_example: error: {str(err).splitlines()[0]}", file=sys.stderr)
-        return 2
+        return fail(NAME, err)
 
     trainer = Trainer(model=model, args=training_args, processing_class=tokenizer, data_collator=default_data_collator,
                       train_dataset=PackedSequences(packed.tokens("train"), opt.data.seq_len))
     try:
         trainer.train()  # DeepSpeed's engine is built here: it applies the optimus section
     except ConfigError as err:
-        print(f"ds_optimus.train.hf_example: error: {err}", file=sys.stderr)
-        return 2
+        return fail(NAME, err)
     trainer.save_model(str(out / "hf-trainer"))  # every rank: the experts are gathered
     if trainer.is_world_process_zero():
         losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]

@@ -51,7 +51,7 @@ class Trainer:
         if stage not in (0, 1, 2):
             raise ConfigError(f"zero_optimization.stage {stage!r} is not supported by ds_optimus.train (use 0, 1 or 2)")
         check_optimizer_section(self.ds_config)
-        from ..optim.deepspeed_compat import check_config_keys
+        from ..optim.config_keys import check_config_keys
 
         check_config_keys(self.ds_config)
         C.init_distributed()

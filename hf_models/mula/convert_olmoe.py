@@ -17,10 +17,12 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # imported where used, so that --help needs neither PyTorch nor Transformers
+    import torch
 
-from .configuration_mula import MulaConfig
+    from .configuration_mula import MulaConfig
 
 _PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 # Buffers some older checkpoints saved; they are recomputed from the config.
@@ -50,6 +52,7 @@ def read_config(folder: Path) -> dict:
 
 def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint folder (safetensors or PyTorch .bin, single file or sharded)."""
+    import torch
     from safetensors.torch import load_file
 
     def load_bin(path: Path) -> dict[str, torch.Tensor]:
@@ -97,6 +100,8 @@ def _rope_parameters(cfg: dict) -> dict:
 
 def olmoe_to_mula_config(cfg: dict) -> MulaConfig:
     """Translate an OLMoE config.json dict into the equivalent MulaConfig."""
+    from .configuration_mula import MulaConfig
+
     values = {key: cfg[key] for key in _SHARED_KEYS if key in cfg}
     if "num_experts" not in values and "num_local_experts" in cfg:
         values["num_experts"] = cfg["num_local_experts"]
@@ -136,6 +141,8 @@ def mula_to_olmoe_config(config: MulaConfig):
 # -- tensors ------------------------------------------------------------------------------------
 def stack_experts(tensors: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
     """Replace per-expert gate/up/down weights by stacked gate_up_proj [E, 2I, H] and down_proj [E, H, I]."""
+    import torch
+
     per_layer: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
     out = {}
     for name, tensor in tensors.items():
@@ -194,6 +201,8 @@ def unstack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 def check_tensors(model_cls, config, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The tensors `model_cls(config)` loads (ignored buffers and a tied head left out), after checking
     on the meta device that every one it needs is there with its shape and none is left over."""
+    import torch
+
     with torch.device("meta"):
         model = model_cls(config)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
@@ -218,6 +227,8 @@ def check_tensors(model_cls, config, tensors: dict[str, torch.Tensor]) -> dict[s
 def load_into_meta_model(model_cls, config, tensors: dict[str, torch.Tensor]):
     """Build `model_cls(config)` without allocating, check every tensor's name and shape, and assign
     (for saving: buffers the state dict leaves out stay on the meta device)."""
+    import torch
+
     tensors = check_tensors(model_cls, config, tensors)
     with torch.device("meta"):
         model = model_cls(config)
@@ -255,6 +266,8 @@ def convert_olmoe_to_mula(input_dir: str | Path, output_dir: str | Path) -> Path
 def convert_mula_to_olmoe(input_dir: str | Path, output_dir: str | Path, layout: str = "per-expert") -> Path:
     """Write an OLMoE checkpoint folder equivalent to the Mula checkpoint in `input_dir`."""
     from transformers import OlmoeForCausalLM
+
+    from .configuration_mula import MulaConfig
 
     input_dir, output_dir = Path(input_dir), Path(output_dir)
     cfg = read_config(input_dir)
@@ -306,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             out = convert_olmoe_to_mula(args.input, args.output)
     except ConversionError as err:
-        print(f"convert_olmoe: error: {err}", file=sys.stderr)
+        print(f"ds_optimus.hf_models.mula.convert_olmoe: error: {err}", file=sys.stderr)  # as ds_optimus.cli.fail
         return 2
     print(f"wrote {out}")
     return 0

@@ -1,0 +1,33 @@
+"""Lazy exports for package `__init__` files: a name is imported from its submodule when first
+used, so that `python -m ds_optimus.X --help` and `import ds_optimus` pay for no PyTorch or
+Transformers import they do not need."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+
+def lazy_exports(package: str, names: dict[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """`(__getattr__, __dir__)` for package `package` that import each of `names` ({name: relative
+    submodule, e.g. ".trainer"}) on first access and keep it in the package's namespace."""
+
+    def __getattr__(name: str) -> Any:
+        module = names.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module, package), name)
+        setattr(importlib.import_module(package), name, value)
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted(set(globals_of(package)) | set(names))
+
+    return __getattr__, __dir__
+
+
+def globals_of(package: str) -> list[str]:
+    import sys
+
+    return list(vars(sys.modules[package]))

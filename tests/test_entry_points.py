@@ -1,0 +1,79 @@
+"""Every command line starts fast: `--help` imports neither PyTorch, Transformers nor DeepSpeed and
+answers within 1.5 s, and `import ds_optimus` alone imports none of them either (it hooks them)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MODULES = ["ds_optimus.train", "ds_optimus.train.hf_example", "ds_optimus.plan",
+           "ds_optimus.report", "ds_optimus.reliability.supervise", "ds_optimus.hf_models.mula.convert_olmoe",
+           "ds_optimus.demo"]
+SCRIPTS = ["ds-optimus-train", "ds-optimus-plan"]
+HEAVY = ("torch", "transformers", "deepspeed", "accelerate", "datasets")
+
+# Runs a module's --help in this interpreter and prints which heavy modules that imported.
+PROBE = """
+import runpy, sys
+sys.argv = [sys.argv[1], "--help"]
+try:
+    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+except SystemExit as exit:
+    assert exit.code in (0, None), exit.code
+print("IMPORTED", *[m for m in {heavy!r} if m in sys.modules])
+"""
+
+
+def _seconds(command: list[str]) -> tuple[float, subprocess.CompletedProcess]:
+    began = time.perf_counter()
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    return time.perf_counter() - began, proc
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_help_imports_no_heavy_library_and_answers_within_1_5_s(module):
+    probe = subprocess.run([sys.executable, "-c", PROBE.format(heavy=HEAVY), module], capture_output=True,
+                           text=True, timeout=60, cwd=ROOT)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    assert probe.stdout.splitlines()[-1] == "IMPORTED", probe.stdout.splitlines()[-1]
+    # the wall time of the real command, the faster of two runs (a busy machine delays one now and then)
+    elapsed, proc = min((_seconds([sys.executable, "-m", module, "--help"]) for _ in range(2)), key=lambda r: r[0])
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: python -m "), proc.stdout + proc.stderr
+    assert elapsed < 1.5, f"{module} --help took {elapsed:.2f} s"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_console_scripts_answer_help_within_1_5_s(script):
+    path = Path(sys.executable).with_name(script)
+    if not path.exists():
+        pytest.skip(f"{script} is not installed (pip install -e .)")
+    elapsed, proc = min((_seconds([str(path), "--help"]) for _ in range(2)), key=lambda r: r[0])
+    assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stderr
+    assert elapsed < 1.5, f"{script} --help took {elapsed:.2f} s"
+
+
+def test_importing_the_package_imports_no_heavy_library_until_used():
+    code = ("import sys, ds_optimus; print(*[m for m in {heavy!r} if m in sys.modules]); "
+            "from transformers import AutoConfig; print(type(AutoConfig.for_model('mula')).__name__)")
+    proc = subprocess.run([sys.executable, "-c", code.format(heavy=HEAVY)], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == ["", "MulaConfig"]  # registered once Transformers is imported
+
+
+def test_the_mula_classes_register_when_our_own_import_brings_transformers_in():
+    # configuration_mula imports Transformers while it is itself being imported: the registration
+    # waits for that import to finish, then happens without another import of ours
+    code = ("from ds_optimus.hf_models.mula import MulaConfig\n"
+            "from transformers import AutoModelForCausalLM\n"
+            "from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS\n"
+            "model = AutoModelForCausalLM.from_config(MulaConfig.from_preset('mula-tiny-moe'))\n"
+            "print(type(model).__name__, 'ds_optimus' in ALL_EXPERTS_FUNCTIONS)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["MulaForCausalLM", "True"]
