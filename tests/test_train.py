@@ -187,6 +187,7 @@ def test_deepspeed_launcher_runs_the_tiny_moe_job(tmp_path, cache):
     assert sorted(map(int, summary["losses"])) == list(range(1, 7))
     assert (run / "hf" / "config.json").exists() and (run / "hf" / "tokenizer.json").exists()
     assert proc.stdout.count("trained steps 1-6") == 1  # printed by rank 0 only
+    assert "deepspeed_shm_comm" not in proc.stdout + proc.stderr  # an inference op: not built, not loaded
 
 
 @pytest.mark.slow
@@ -325,6 +326,40 @@ def test_an_olmoe_folder_is_converted_on_the_fly_and_incomplete_weights_are_refu
     (tmp_path / "llama" / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(ConfigError, match=r"holds a 'llama' model, not a Mula or OLMoE one"):
         build(tmp_path / "llama")
+
+
+def test_op_builds_are_said_before_they_start_kept_per_environment_and_skipped_where_unneeded(tmp_path, monkeypatch):
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    from ds_optimus.optim.deepspeed_compat import UNNEEDED_OPS, extensions_dir, prepare_op_builds
+
+    calls = []
+    monkeypatch.setattr(OpBuilder, "jit_load", lambda self, verbose=True: calls.append((self.name, verbose)) or "op")
+    for name in UNNEEDED_OPS:
+        monkeypatch.setitem(deepspeed.ops.__compatible_ops__, name, True)
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    said = []
+    prepare_op_builds(say=said.append)
+    prepare_op_builds(say=said.append)  # idempotent: one wrapper
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(extensions_dir())
+    assert str(extensions_dir()).startswith(str(Path.home() / ".cache" / "torch_extensions" / "ds_optimus-"))
+    assert not any(deepspeed.ops.__compatible_ops__[name] for name in UNNEEDED_OPS)
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    builder = get_accelerator().create_op_builder("FusedAdamBuilder")
+    assert builder.jit_load() == "op" and calls == [("fused_adam", False)]
+    assert said[0] == (f"ds_optimus: compiling DeepSpeed's fused_adam op (DeepSpeed's Adam on this device; "
+                       f"optimizer.params.torch_adam: true uses PyTorch's, unbuilt): a few minutes, once per "
+                       f"environment, kept in {tmp_path}")
+    assert said[1].startswith("ds_optimus: DeepSpeed's fused_adam op is ready (")
+    (tmp_path / "fused_adam").mkdir()
+    (tmp_path / "fused_adam" / "fused_adam.so").write_bytes(b"")
+    said.clear()
+    builder.jit_load()
+    assert said == [] and len(calls) == 2  # built before: loaded without a word
 
 
 def test_overrides_parse_json_values_and_reject_bad_assignments():

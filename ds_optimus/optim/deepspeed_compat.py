@@ -28,8 +28,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
+import time
+from pathlib import Path
 
 import deepspeed
 import torch
@@ -274,6 +277,54 @@ def _configure_distributed_model(self, model):
     if "accelerate.accelerator" in sys.modules:
         _hook_accelerate(sys.modules["accelerate.accelerator"].Accelerator)
     release_shm_workspace()
+
+
+# Ops DeepSpeed builds at start-up that training never calls: the CPU shared-memory all-reduce serves
+# `inference_all_reduce` (AutoTP inference) only, yet costs a ~75 s compile and a 69 MB /dev/shm
+# workspace per rank.
+UNNEEDED_OPS = ("deepspeed_shm_comm",)
+_WHY = {"fused_adam": "DeepSpeed's Adam on this device; optimizer.params.torch_adam: true uses PyTorch's, unbuilt",
+        "cpu_adam": "DeepSpeed's CPU Adam; optimizer.params.torch_adam: true uses PyTorch's, unbuilt"}
+
+
+def extensions_dir() -> Path:
+    """Where this Python environment keeps DeepSpeed's compiled ops: one folder per environment, so
+    that two environments (a venv per project, CI) do not rebuild each other's ops in turn, as they
+    do in PyTorch's one shared default folder."""
+    key = hashlib.sha256(f"{sys.prefix}|{torch.__version__}|{deepspeed.__version__}".encode()).hexdigest()[:10]
+    return Path.home() / ".cache" / "torch_extensions" / f"ds_optimus-{Path(sys.prefix).name}-{key}"
+
+
+def prepare_op_builds(say=None) -> None:
+    """Before DeepSpeed builds or loads its ops: keep them per environment (`TORCH_EXTENSIONS_DIR`,
+    unless set), skip those training never calls (`UNNEEDED_OPS`), and say in one line (`say`, on
+    the first local rank) what is being compiled and why before a build starts. Idempotent."""
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    check_version()
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
+    for name in UNNEEDED_OPS:
+        deepspeed.ops.__compatible_ops__[name] = False
+    original = OpBuilder.jit_load
+    if getattr(original, "says_builds", False):
+        return
+    say = say or (lambda text: print(text, file=sys.stderr, flush=True))
+
+    def jit_load(self, verbose=True):
+        root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", extensions_dir()))
+        built = any((root / self.name).glob(f"{self.name}*.so"))
+        first = os.environ.get("LOCAL_RANK", "0") in ("", "0")
+        if not built and first:
+            say(f"ds_optimus: compiling DeepSpeed's {self.name} op ({_WHY.get(self.name, 'this config needs it')}): "
+                f"a few minutes, once per environment, kept in {root}")
+        began = time.perf_counter()
+        module = original(self, verbose=False)
+        if not built and first:
+            say(f"ds_optimus: DeepSpeed's {self.name} op is ready ({time.perf_counter() - began:.0f} s)")
+        return module
+
+    jit_load.says_builds = True
+    OpBuilder.jit_load = jit_load
 
 
 def release_shm_workspace() -> None:

@@ -24,8 +24,11 @@ def init_distributed() -> None:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
+    from ..optim.deepspeed_compat import prepare_op_builds
+
     if dist.is_initialized():
         return
+    prepare_op_builds()
     if "RANK" not in os.environ:  # plain `python -m ds_optimus.train`: a world of one
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

@@ -49,8 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         config = apply_overrides(load_json_config(args.config), args.overrides)
         opt = OptimusConfig.from_ds_config(config)
         from ds_optimus.optim.config_keys import check_config_keys
+        from ds_optimus.optim.deepspeed_compat import prepare_op_builds
 
         check_config_keys(config)
+        prepare_op_builds()  # before the Trainer's accelerate starts DeepSpeed's communication
         world = int(os.environ.get("WORLD_SIZE", "1"))
         micro, accumulation = resolve_batch_sizes(config, world)
         tokenizer = load_tokenizer(opt.data.tokenizer)
