@@ -139,6 +139,14 @@ def _hook(name: str) -> None:
             _Hooks.WATCHED[name]()
 
 
+def after_import(name: str, hook) -> None:
+    """Call `hook()` once module `name` is imported: now if it is, else right after its import."""
+    if sys.modules.get(name) is not None:
+        hook()
+    else:
+        _Hooks.WATCHED[name] = hook
+
+
 if not any(isinstance(f, _Hooks) for f in sys.meta_path):
     sys.meta_path.insert(0, _Hooks())
 for _name in list(_Hooks.WATCHED):

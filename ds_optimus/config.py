@@ -9,7 +9,7 @@ validated once, up front. An unknown key or a bad value is a one-line `ConfigErr
                "cache_dir": "data_cache"},
       "train": {"steps": 100, "seed": 0, "output_dir": "runs/mula", "eval_interval": 50, "eval_batches": 8,
                 "log_interval": 1, "peak_tflops": null, "warmup_steps": 0, "min_lr_ratio": 0.1,
-                "sample_prompt": "...", "sample_tokens": 48, "activation_checkpointing": false,
+                "sample_prompt": null, "sample_tokens": 48, "activation_checkpointing": false,
                 "compile": false, "measure_memory_steps": 0},
       "checkpoint": {"interval": 0, "keep_last": 2, "dir": null, "resume": true, "async_save": false},
       "wandb": {"mode": null, "project": "ds_optimus", "name": null, "entity": null},
@@ -86,7 +86,20 @@ class ModelConfig(Section):
         weights, the folder's weights otherwise; ids of `tokenizer`'s end and padding tokens. An
         OLMoE folder is converted on the fly; a folder of another architecture, and weights that
         leave a parameter uninitialised, are one-line ConfigErrors."""
-        from .hf_models.mula import MulaConfig, MulaForCausalLM
+        from .hf_models.mula import MulaForCausalLM
+
+        config = self.mula_config(tokenizer)
+        folder = Path(self.path) if self.path is not None else None
+        if folder is None or not has_weights(folder):
+            return MulaForCausalLM(config)
+        if self._folder_kind(folder) == "olmoe":
+            return self._convert_olmoe(folder, config)
+        return self._load_mula(folder, config)
+
+    def mula_config(self, tokenizer=None):
+        """The `MulaConfig` of the model `build` makes (a one-line ConfigError where it cannot be made),
+        with `tokenizer`'s end and padding ids."""
+        from .hf_models.mula import MulaConfig
 
         folder = Path(self.path) if self.path is not None else None
         kind = self._folder_kind(folder) if folder is not None else "preset"
@@ -112,11 +125,16 @@ class ModelConfig(Section):
             config.eos_token_id = tokenizer.eos_token_id
             pad = tokenizer.pad_token_id
             config.pad_token_id = pad if pad is not None else tokenizer.eos_token_id
-        if folder is None or not has_weights(folder):
-            return MulaForCausalLM(config)
-        if kind == "olmoe":
-            return self._convert_olmoe(folder, config)
-        return self._load_mula(folder, config)
+        return config
+
+    def describe(self) -> str:
+        """What the model comes from, in words."""
+        if self.path is None:
+            return f"preset {self.preset}"
+        folder = Path(self.path)
+        weights = "with its weights" if has_weights(folder) else "without weights: random initial values"
+        kind = "an OLMoE folder, converted on the fly" if self._folder_kind(folder) == "olmoe" else "a Mula folder"
+        return f"{folder} ({kind}, {weights})"
 
     def _folder_kind(self, folder: Path) -> str:
         """"mula" or "olmoe", from the folder's config.json; anything else is a ConfigError."""
@@ -203,7 +221,7 @@ class TrainConfig(Section):
     # End this invocation cleanly (with a checkpoint) after this many steps, e.g. to fit a job's
     # time limit; the next invocation resumes. null: run to `steps`.
     stop_after_steps: int | None = None
-    sample_prompt: str = "The with statement"
+    sample_prompt: str | None = None  # null: the first words of the first held-out document
     sample_tokens: int = 48
     # Recompute each decoder layer's activations in the backward pass instead of keeping them.
     activation_checkpointing: bool = False
@@ -229,6 +247,8 @@ class TrainConfig(Section):
             need(positive_int(value), f"{where}.{key} must be a positive integer, got {value!r}")
         need(self.stop_after_steps is None or positive_int(self.stop_after_steps),
              f"{where}.stop_after_steps must be null or a positive integer, got {self.stop_after_steps!r}")
+        need(self.sample_prompt is None or isinstance(self.sample_prompt, str),
+             f"{where}.sample_prompt must be a string or null, got {self.sample_prompt!r}")
         need(self.peak_tflops is None or (number(self.peak_tflops) and self.peak_tflops > 0),
              f"{where}.peak_tflops must be null or a positive number, got {self.peak_tflops!r}")
 

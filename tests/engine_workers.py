@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 1},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}  # DeepSpeed's Adam: a compile
 
 
 def _model(preset: str, **overrides):

@@ -119,7 +119,8 @@ def test_a_plain_trainer_script_through_accelerate_launch(tmp_path):
     """accelerate's DeepSpeed plugin with a config file that has an optimizer section: DeepSpeed
     builds it from the flat parameter list the Trainer passes, re-pointed and split into moe groups."""
     config = {**DS_CONFIG, "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto",
-                                                                      "betas": "auto", "eps": "auto"}}}
+                                                                      "betas": "auto", "eps": "auto",
+                                                                      "torch_adam": True}}}  # no op to compile
     (tmp_path / "ds.json").write_text(json.dumps(config))
     (tmp_path / "accelerate.yaml").write_text(
         "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nuse_cpu: true\n"

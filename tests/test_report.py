@@ -205,6 +205,22 @@ def test_without_matplotlib_the_command_and_the_end_of_a_run_say_how_to_get_it(t
     assert messages == [f"plots: pip install matplotlib, then python -m ds_optimus.report {run}"]
 
 
+def test_a_run_without_skipped_steps_says_so_in_its_plot(tmp_path, monkeypatch):
+    import ds_optimus.report.plots as plots
+
+    figures = {}
+    original = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, folder, name, dpi, written: (
+        figures.__setitem__(name, [t.get_text() for ax in fig.axes for t in ax.texts]),
+        original(fig, folder, name, dpi, written)))
+    _log(tmp_path / "clean", [1, 2, 3])
+    write_report(tmp_path / "clean")
+    assert figures["skipped_steps.png"] == ["no skipped steps: every update was applied"]
+    _log(tmp_path / "skips", [1, 2, 3], skipped_at=(2,))
+    write_report(tmp_path / "skips")
+    assert figures["skipped_steps.png"] == []
+
+
 def test_the_report_imports_nothing_of_the_training_code():
     from test_structure import GRAPH
 

@@ -119,9 +119,9 @@ def prepare(sources: list[Source], tokenizer, cache_dir: str | Path, val_fractio
     started = time.time()
     bar = None
     if progress:
-        from tqdm import tqdm
+        from ..progress import progress
 
-        bar = tqdm(desc="tokenizing", unit=" docs", dynamic_ncols=True)
+        bar = progress(desc="tokenizing", unit="doc")
     try:
         documents = _tokenize_into(tmp, sources, backend, eos, dtype, every, counts, bar)
     except BaseException:

@@ -30,9 +30,10 @@ def train_default_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE):
     return tokenizer
 
 
-def load_tokenizer(name_or_path: str | None = None):
+def load_tokenizer(name_or_path: str | None = None, local_files_only: bool = False):
     """A `PreTrainedTokenizerFast`: the embedded default for None/"default", else
-    `AutoTokenizer.from_pretrained(name_or_path)` (a local folder, or a Hub name)."""
+    `AutoTokenizer.from_pretrained(name_or_path)` (a local folder, or a Hub name: from the local
+    cache only with `local_files_only`)."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     if name_or_path in (None, "default"):
@@ -43,7 +44,8 @@ def load_tokenizer(name_or_path: str | None = None):
     if local.exists() and not local.is_dir():
         raise ValueError(f"tokenizer {name_or_path!r} is a file; give the folder that holds it")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(local if local.exists() else name_or_path)
+        tokenizer = AutoTokenizer.from_pretrained(local if local.exists() else name_or_path,
+                                                  local_files_only=local_files_only)
     except (OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         where = "" if local.exists() else " (no such folder here; tried it as a Hub name)"

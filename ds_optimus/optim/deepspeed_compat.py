@@ -446,5 +446,7 @@ def load_engine_state(engine, state: dict) -> None:
         setattr(engine, name, value)
 
 
-# Importing this module hooks the engine (`import ds_optimus` imports it right after `import deepspeed`).
+# Importing this module hooks the engine and the op builds (`import ds_optimus` imports it right after
+# `import deepspeed`), before anything of DeepSpeed's builds or loads an op.
 install_engine_hook()
+prepare_op_builds()

@@ -151,6 +151,9 @@ def plot_skipped(run: RunMetrics, folder: Path, dpi: int, written: list[Path]) -
     title = f"updates skipped by the numerical guards: {kept}" if kept else "updates skipped: none"
     if seen > kept:
         title += f" ({seen} including rolled-back steps)"
+    if not seen and not kept:  # an empty frame would look like a plot that failed to draw
+        ax.text(0.5, 0.5, "no skipped steps: every update was applied", transform=ax.transAxes, ha="center",
+                va="center", fontsize=12, color="0.3")
     ax.set(xlabel="step", ylabel="updates", ylim=(0, max(1, *total, *(c for _, c in run.skipped)) * 1.15),
            title=title)
     _legend(ax, loc="upper left")

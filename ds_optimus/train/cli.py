@@ -2,6 +2,7 @@
 
     deepspeed --num_gpus N --module ds_optimus.train --config ds_configs/NAME.json [--set KEY=VALUE ...]
     ds-optimus-train --config ds_configs/mula-tiny-moe-cpu.json         # one process, no launcher
+    python -m ds_optimus.train --config ds_configs/mula-7b-a1b.json --check --world 64   # check, do not run
 
 `--set optimus.train.steps=20 --set train_micro_batch_size_per_gpu=4` overrides config keys
 (values parse as JSON when they can). A bad config, data path or layout ends the run with one line
@@ -22,8 +23,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="DeepSpeed JSON config with an optimus section")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, dotted (repeatable)")
+    parser.add_argument("--check", action="store_true",
+                        help="check the config, layout, model (meta device), data and memory without training, "
+                             "print what would run and exit (0: it would start; 2: the error it would stop on)")
+    parser.add_argument("--world", type=int, default=None, metavar="N",
+                        help="with --check: the number of ranks it would run on (default: WORLD_SIZE, or the "
+                             "config's batch sizes)")
+    parser.add_argument("--cluster", default=None, metavar="NAME",
+                        help="with --check: a planner cluster (h100, aurora, frontier, local, or a JSON file) whose "
+                             "device memory the predicted peak must fit")
+    parser.add_argument("--verbose", action="store_true",
+                        help="let DeepSpeed, Transformers and wandb print what they print (default: their errors "
+                             "only; also DS_OPTIMUS_VERBOSE=1)")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # from the launcher
     args = parser.parse_args(argv)
+    if (args.world is not None or args.cluster is not None) and not args.check:
+        parser.error("--world and --cluster go with --check")
+    from ..verbosity import quiet_libraries
+
+    quiet_libraries(args.verbose)
 
     from ..config import ConfigError, apply_overrides, load_json_config
     from ..data.corpus import DataError
@@ -33,6 +51,16 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         config = apply_overrides(load_json_config(args.config), args.overrides)
+        if args.check:
+            from ..plan import ClusterError
+            from .check import check_run
+
+            try:
+                lines = check_run(config, args.world, args.cluster)
+            except ClusterError as err:
+                raise ConfigError(f"--cluster: {err}") from None
+            print(f"{args.config}: ready to run", *lines, sep="\n  ")
+            return 0
         summary = pretrain(config)
     except (ConfigError, DataError, LayoutError, CheckpointError) as err:
         return fail(NAME, err)

@@ -18,6 +18,21 @@ import torch.distributed as dist
 from ..schema import ConfigError
 
 
+def check_run_config(ds_config: dict[str, Any]):
+    """The parsed `optimus` section of a training config, after the checks that need no process
+    group: every key known (DeepSpeed's too), the ZeRO stage, the optimizer's hyper-parameters."""
+    from ..config import OptimusConfig, check_optimizer_section
+    from ..optim.config_keys import check_config_keys
+
+    opt = OptimusConfig.from_ds_config(ds_config)
+    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+    if stage not in (0, 1, 2):
+        raise ConfigError(f"zero_optimization.stage {stage!r} is not supported by ds_optimus.train (use 0, 1 or 2)")
+    check_optimizer_section(ds_config)
+    check_config_keys(ds_config)
+    return opt
+
+
 def init_distributed() -> None:
     """torch.distributed through DeepSpeed: from the launcher's environment, or as a single
     process when run without a launcher. gloo on CPU unless oneCCL is installed."""
@@ -181,6 +196,8 @@ def export(model, tokenizer, folder: Path, groups, record=None) -> None:
     from .model_card import model_card
 
     is_mula = getattr(model.config, "model_type", None) == "mula"
+    if tokenizer is not None and getattr(model.config, "max_position_embeddings", None):
+        tokenizer.model_max_length = model.config.max_position_embeddings  # not the "unlimited" 1e30
     card = model_card(model.config, record=record, tokenizer=tokenizer) if is_mula else None
     generation = generation_config(tokenizer) if tokenizer is not None else None
     export_pretrained(model, folder, groups, tokenizer=tokenizer, model_card=card, generation_config=generation)
@@ -212,6 +229,18 @@ def sample(folder: Path, prompt: str, new_tokens: int, seed: int = 0) -> str:
                              repetition_penalty=1.3, pad_token_id=tokenizer.pad_token_id)
     torch.set_rng_state(generator_state)
     return tokenizer.decode(out[0], skip_special_tokens=True)
+
+
+def data_prompt(packed, tokenizer, tokens: int = 6) -> str:
+    """A prompt in the run's own data: the first `tokens` tokens of the first held-out document (of the
+    training data without a held-out split), up to its end."""
+    for split in ("val", "train"):
+        ids = np.asarray(packed.tokens(split)[:tokens]).tolist()
+        if tokenizer.eos_token_id in ids:
+            ids = ids[:ids.index(tokenizer.eos_token_id)]
+        if ids:
+            return tokenizer.decode(ids, skip_special_tokens=True)
+    return tokenizer.eos_token
 
 
 def dense_fingerprint(model) -> float:

@@ -33,8 +33,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="DeepSpeed JSON config with an optimus section")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, dotted (repeatable)")
+    parser.add_argument("--verbose", action="store_true", help="let DeepSpeed, Transformers and wandb print "
+                                                                  "what they print (default: their errors only)")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    from ds_optimus.verbosity import quiet_libraries
+
+    quiet_libraries(args.verbose)
 
     import torch
     from transformers import Trainer, TrainingArguments, default_data_collator

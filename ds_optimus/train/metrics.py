@@ -55,16 +55,15 @@ class MetricsSink:
             kept = [line for line in self.path.read_text().splitlines()
                     if start_step and line.strip() and json.loads(line).get("step", 0) <= start_step]
             self.path.write_text("".join(line + "\n" for line in kept))
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=total_steps, initial=start_step, desc="training", unit="step", dynamic_ncols=True,
-                        file=sys.stderr)
         mode = wandb_config.mode or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
-        if mode != "disabled":
+        if mode != "disabled":  # before the bar: what wandb prints at its start does not cut through it
             import wandb
 
             self.wandb = wandb.init(project=wandb_config.project, name=wandb_config.name, entity=wandb_config.entity,
                                     dir=str(output_dir), mode=mode, config=run_config, resume="allow")
+        from ..progress import progress
+
+        self.bar = progress(total=total_steps, initial=start_step, desc="training", unit="step")
 
     def log(self, step: int, metrics: dict[str, Any], progress: bool = True) -> None:
         if not self.enabled:
@@ -90,11 +89,15 @@ class MetricsSink:
         else:
             print(text, file=sys.stderr, flush=True)
 
-    def close(self) -> None:
-        """End the progress bar and the wandb run (again: nothing)."""
+    def end_progress(self) -> None:
+        """End the progress bar (the steps are done; messages go on)."""
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+    def close(self) -> None:
+        """End the progress bar and the wandb run (again: nothing)."""
+        self.end_progress()
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config import OptimusConfig, check_optimizer_section, load_json_config
+from ..config import load_json_config
 from ..reliability.signals import EXIT_PREEMPTED
 from ..schema import ConfigError
 from . import components as C
@@ -46,14 +46,7 @@ class Trainer:
     def __init__(self, ds_config: dict[str, Any] | str | Path, *, callbacks: list[Callback] = (),
                  log_every_rank: bool = False) -> None:
         self.ds_config = load_json_config(ds_config)
-        self.opt = opt = OptimusConfig.from_ds_config(self.ds_config)
-        stage = self.ds_config.get("zero_optimization", {}).get("stage", 0)
-        if stage not in (0, 1, 2):
-            raise ConfigError(f"zero_optimization.stage {stage!r} is not supported by ds_optimus.train (use 0, 1 or 2)")
-        check_optimizer_section(self.ds_config)
-        from ..optim.config_keys import check_config_keys
-
-        check_config_keys(self.ds_config)
+        self.opt = opt = C.check_run_config(self.ds_config)
         C.init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.micro_batch, self.accumulation = C.resolve_batch_sizes(self.ds_config, self.world)
@@ -252,6 +245,7 @@ class Trainer:
         return self.summary
 
     def _finish(self) -> None:
+        self.sink.end_progress()  # the export and the sample print below it, not through it
         self.summary.update(skipped_steps=self.engine.skipped_steps,
                             weights_fingerprint=C.dense_fingerprint(self.engine.module))
         if self.step >= self.opt.train.steps:  # the last step is done, in this invocation or an earlier one
@@ -288,7 +282,9 @@ class Trainer:
         C.export(self.engine.module, self.tokenizer, hf_dir, self.groups, record=training_record(self))
         self.summary["hf_dir"] = str(hf_dir)
         if self.rank == 0 and self.opt.train.sample_tokens:
-            self.summary["sample"] = C.sample(hf_dir, self.opt.train.sample_prompt, self.opt.train.sample_tokens)
+            prompt = self.opt.train.sample_prompt or C.data_prompt(self.packed, self.tokenizer)
+            self.summary.update(sample_prompt=prompt,
+                                sample=C.sample(hf_dir, prompt, self.opt.train.sample_tokens))
             self.message(f"sample from {hf_dir}:\n{self.summary['sample']}")
         if self.rank == 0:
             (self.output_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))

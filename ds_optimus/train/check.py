@@ -1,0 +1,190 @@
+"""`python -m ds_optimus.train --config X.json --check [--world N]`: everything about a run that can
+be known before it is launched, without a process group: the config (DeepSpeed's keys too), the
+batch sizes and layout for the world size it would run with, the tokenizer, the model (built on the
+meta device, and a folder's weights against it), the data sources and their token cache, the
+planner's memory estimate per rank and the checkpoint it would resume from. `check_run` returns
+what would run, in lines; anything that would stop the run is the one-line error it would be."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ..schema import ConfigError
+
+
+def resolve_world(ds_config: dict[str, Any], world: int | None) -> tuple[int, str]:
+    """The world size to check against and where it comes from: `--world`, the launcher's
+    WORLD_SIZE, or the config's three batch sizes; else one process."""
+    if world is not None:
+        if world < 1:
+            raise ConfigError(f"--world must be a positive integer, got {world}")
+        return world, "--world"
+    if os.environ.get("WORLD_SIZE", "").isdigit():
+        return int(os.environ["WORLD_SIZE"]), "WORLD_SIZE"
+    keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    total, micro, accumulation = (ds_config.get(k) for k in keys)
+    if all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (total, micro, accumulation)):
+        if total % (micro * accumulation) == 0:
+            return total // (micro * accumulation), "train_batch_size / (micro-batch x accumulation)"
+    return 1, "no --world given"
+
+
+def check_run(ds_config: dict[str, Any], world: int | None = None, cluster: str | None = None) -> list[str]:
+    """What the run of `ds_config` would be at `world` ranks, in lines; raises the one-line error
+    (ConfigError, DataError, LayoutError, ...) that would stop it. `cluster` (a planner cluster
+    name or file) adds a check of the predicted memory per rank against its devices'."""
+    import torch
+
+    from ..data import load_tokenizer
+    from ..data.tokenizer import looks_like_a_path
+    from ..hf_models.mula import MulaForCausalLM, count_parameters
+    from ..parallel.groups import check_layout
+    from .components import check_run_config, resolve_batch_sizes
+
+    config = copy.deepcopy(ds_config)
+    opt = check_run_config(config)
+    world, source = resolve_world(config, world)
+    micro, accumulation = resolve_batch_sizes(config, world)
+    name = opt.data.tokenizer
+    try:  # a Hub tokenizer from the local cache only: a check never waits on the network
+        tokenizer = load_tokenizer(name, local_files_only=True)
+    except ValueError as err:
+        if name is None or os.path.exists(os.path.expanduser(name)) or looks_like_a_path(name):
+            raise ConfigError(f"optimus.data.tokenizer: {err}") from None
+        tokenizer = None  # a Hub name not cached here: the run downloads it
+    model_config = opt.model.mula_config(tokenizer)
+    ep = opt.expert_parallel
+    if model_config.num_experts:
+        check_layout(world, ep.size, model_config.num_experts, ep.node_size)
+    elif ep.size > 1:
+        raise ConfigError("optimus.expert_parallel.size > 1 needs an MoE model (num_experts > 0)")
+    with torch.device("meta"):
+        model = MulaForCausalLM(model_config)
+    _check_weights(opt.model.path, model)
+    total, active = count_parameters(model_config)
+    experts = (f", {model_config.num_experts} experts top-{model_config.num_experts_per_tok}"
+               if model_config.num_experts else ", dense")
+    stage = config.get("zero_optimization", {}).get("stage", 0)
+    optimizer = "the EP-aware sharded optimizer" if opt.sharded_optimizer.enabled else "DeepSpeed's optimizer"
+    exchange = ""
+    if ep.size > 1:
+        hierarchy = f", hierarchical over nodes of {ep.node_size}" if ep.node_size and ep.node_size < ep.size else ""
+        exchange = f", expert parallel {ep.size} (dedup {ep.dedup}, chunks {ep.chunks}{hierarchy})"
+    tokens = micro * accumulation * world * opt.data.seq_len
+    lines = [
+        f"model     {opt.model.describe()}: {total / 1e6:,.2f}M parameters ({active / 1e6:,.2f}M active per token), "
+        f"{model_config.num_hidden_layers} layers{experts}; built on the meta device",
+        f"layout    {world} ranks ({source}): data parallel {world}{exchange}; ZeRO-{stage} with {optimizer}"
+        + ("; every decoder layer recomputed in the backward pass" if opt.train.activation_checkpointing else ""),
+        f"batch     {micro} sequences x {accumulation} accumulation x {world} ranks = {micro * accumulation * world} "
+        f"sequences of {opt.data.seq_len} tokens ({tokens:,} tokens) per step",
+        *_data_lines(opt, tokenizer),
+        _memory_line(model_config, opt, config, world, micro, accumulation, cluster),
+        _run_line(opt),
+    ]
+    return lines
+
+
+def _check_weights(path: str | None, model) -> None:
+    """A Mula folder's safetensors weights against the model built on the meta device, from their
+    headers only (names and shapes; no tensor is read)."""
+    folder = Path(path) if path else None
+    files = sorted(folder.glob("*.safetensors")) if folder is not None else []
+    if not files or json.loads((folder / "config.json").read_text()).get("model_type") != "mula":
+        return  # no weights, PyTorch .bin files (they would have to be loaded) or OLMoE (converted at start)
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+    tied = "lm_head.weight" if model.config.tie_word_embeddings else None
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items() if name != tied}
+    missing = [name for name in expected if name not in shapes]
+    wrong = [name for name in expected if name in shapes and shapes[name] != expected[name]]
+    if missing or wrong:
+        names = missing or wrong
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        what = "has no weights for" if missing else "has weights of another shape for"
+        raise ConfigError(f"optimus.model.path {str(folder)!r} {what} {', '.join(names[:3])}{more}: they would train "
+                          "from random values (is it a checkpoint of another layout or architecture?)")
+
+
+def _data_lines(opt, tokenizer) -> list[str]:
+    from ..data.corpus import parse_source, resolve_files
+    from ..data.pack import fingerprint
+
+    sources, described = [], []
+    for spec in opt.data.sources:
+        source = parse_source(spec)
+        sources.append(source)
+        if source.kind == "files":
+            files = resolve_files(source)  # a missing path is the error it would be at start
+            described.append(f"{source.target} ({len(files)} files, {sum(p.stat().st_size for p in files):,} bytes)")
+        elif source.kind == "hf":
+            where = "a local dataset folder" if os.path.exists(source.target) else "from the Hub, not checked here"
+            described.append(f"{source.target} ({where})")
+        else:
+            described.append("embedded (the Python reference manual)")
+    if tokenizer is None:
+        return [f"data      {'; '.join(described)}; tokenizer {opt.data.tokenizer} (from the Hub, not in the local "
+                "cache: downloaded at the start; its size against the model's vocabulary not checked here)",
+                "tokens    tokenized at the start, unless a cache made with that tokenizer is found then"]
+    name = opt.data.tokenizer or f"the shipped {len(tokenizer)}-token BPE"
+    root = Path(opt.data.cache_dir) / fingerprint(sources, tokenizer, opt.data.val_fraction)[:20]
+    if (root / "meta.json").exists():
+        meta = json.loads((root / "meta.json").read_text())
+        cache = f"tokenized already in {root} ({meta['train_tokens']:,} train tokens)"
+    else:
+        cache = f"tokenized at the start into {root}"
+    return [f"data      {'; '.join(described)}; tokenizer {name}", f"tokens    {cache}"]
+
+
+def _memory_line(model_config, opt, config, world, micro, accumulation, cluster) -> str:
+    from ..plan import Layout, ModelShape, estimate_memory, get_cluster
+    from ..plan.memory import gib
+
+    dtype = "bf16" if config.get("bf16", {}).get("enabled") else "fp16" if config.get("fp16", {}).get("enabled") \
+        else "fp32"
+    ep = opt.expert_parallel
+    layout = Layout(world=world, ep=ep.size, zero=config.get("zero_optimization", {}).get("stage", 0),
+                    sharded=opt.sharded_optimizer.enabled, micro=micro, accumulation=accumulation,
+                    checkpointing=opt.train.activation_checkpointing,
+                    hierarchical=bool(ep.node_size and ep.node_size < ep.size), seq_len=opt.data.seq_len,
+                    dtype=dtype, reduce_dtype=opt.sharded_optimizer.reduce_dtype,
+                    bucket_size=opt.sharded_optimizer.bucket_size)
+    memory = estimate_memory(ModelShape.from_config(model_config), layout)
+    line = (f"memory    predicted peak {gib(memory.peak):,.2f} GiB per rank (weights {gib(memory.weights):,.2f}, "
+            f"optimizer state {gib(memory.optimizer_state):,.2f}, activations {gib(memory.activations):,.2f}; "
+            f"the planner's estimate)")
+    if cluster is not None:
+        device = get_cluster(cluster)
+        usable = device.usable_bytes if hasattr(device, "usable_bytes") else device.memory_bytes
+        if memory.peak > usable:
+            raise ConfigError(f"predicted peak {gib(memory.peak):,.1f} GiB per rank does not fit the "
+                              f"{gib(usable):,.1f} GiB usable on a {device.device} ({device.name}); see "
+                              "python -m ds_optimus.plan for layouts that fit")
+        line += f"; fits the {gib(usable):,.1f} GiB usable on a {device.device}"
+    return line
+
+
+def _run_line(opt) -> str:
+    from ..reliability.checkpoint import CheckpointManager
+
+    train, checkpoint = opt.train, opt.checkpoint
+    manager = CheckpointManager(checkpoint.dir or Path(train.output_dir) / "checkpoints")
+    complete = manager.complete()
+    if complete and checkpoint.resume:
+        start = f"resumes from {complete[-1]} (if intact)"
+    elif complete:
+        raise ConfigError(f"checkpoint.resume is false but {manager.directory} holds checkpoints of an earlier run; "
+                          "remove them or point checkpoint.dir elsewhere")
+    else:
+        start = "starts at step 0"
+    every = f"every {checkpoint.interval} steps and " if checkpoint.interval else ""
+    return (f"run       {train.steps} steps into {train.output_dir}; checkpoints {every}at the end (keep "
+            f"{checkpoint.keep_last}); {start}")

@@ -1,0 +1,51 @@
+"""Quiet by default, verbose on request: what the command lines (`ds_optimus.train`, `hf_example`,
+`ds_optimus.evaluate`) ask of the libraries under them. A 10-step run used to print 65 lines:
+DeepSpeed's INFO and accelerator lines from every rank, wandb's banner and summary table,
+Transformers' loading and saving bars around the export. Quiet, they print warnings that matter
+(errors, at least) and nothing else; ds_optimus' own lines (the data, the progress bar, resumes,
+skipped steps, the sample, where the plots and the model went) stay. `--verbose` (or
+DS_OPTIMUS_VERBOSE=1, which reaches every rank through a launcher) leaves the libraries as they are."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from . import after_import
+
+QUIET_ENVIRONMENT = {
+    "WANDB_SILENT": "true",  # no banner, no run summary table (the run's files are unchanged)
+    "TRANSFORMERS_VERBOSITY": "error",
+    "DATASETS_VERBOSITY": "error",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # Transformers' "Loading weights" / "Writing model shards" bars
+}
+
+
+def verbose_requested(flag: bool = False) -> bool:
+    """Whether the libraries keep their own output: the command's --verbose or DS_OPTIMUS_VERBOSE=1."""
+    return flag or os.environ.get("DS_OPTIMUS_VERBOSE", "") not in ("", "0", "false")
+
+
+def quiet_libraries(verbose: bool = False) -> None:
+    """Unless `verbose`: environment defaults the libraries read when imported (a variable already set
+    wins), and DeepSpeed's logger at ERROR from its creation on (its accelerator warning comes while
+    `import deepspeed` runs). Call before those imports."""
+    if verbose_requested(verbose):
+        os.environ["DS_OPTIMUS_VERBOSE"] = "1"  # for the processes the command starts
+        return
+    for key, value in QUIET_ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
+    after_import("deepspeed.utils.logging", _quiet_deepspeed)
+    if "transformers" in sys.modules:  # imported before this call: its environment was read already
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+
+
+def _quiet_deepspeed() -> None:
+    logger = sys.modules["deepspeed.utils.logging"].logger
+    logger.setLevel(logging.ERROR)
+    for handler in logger.handlers:
+        handler.setLevel(logging.ERROR)

@@ -1,0 +1,106 @@
+"""`python -m ds_optimus.train --config X.json --check [--world N]`: what a run would be, known before
+it is launched and without a process group, or the one-line error it would stop on; and the
+shipped configs' README, which states the same figures."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from ds_optimus.train.check import check_run
+from ds_optimus.train.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "ds_configs" / "mula-tiny-moe-cpu.json"
+
+
+def _run(capsys, *args: str) -> tuple[int, str, str]:
+    status = main(["--config", *args])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_check_says_what_would_run_without_a_process_group(tmp_path, capsys):
+    status, out, err = _run(capsys, str(TINY), "--check", "--set", f"optimus.data.cache_dir={tmp_path}/cache",
+                            "--set", f"optimus.train.output_dir={tmp_path}/run")
+    assert status == 0, err
+    lines = out.splitlines()
+    assert lines[0] == f"{TINY}: ready to run"
+    assert lines[1].startswith("  model     preset mula-tiny-moe: 2.82M parameters (1.64M active per token), 4 layers, "
+                               "8 experts top-2")
+    assert lines[2].startswith("  layout    2 ranks (train_batch_size / (micro-batch x accumulation)): data parallel 2,"
+                               " expert parallel 2")
+    assert "8 sequences x 1 accumulation x 2 ranks = 16 sequences of 128 tokens (2,048 tokens) per step" in out
+    assert f"tokenized at the start into {tmp_path}/cache/" in out and "predicted peak 0.15 GiB per rank" in out
+    assert out.rstrip().endswith("starts at step 0")
+    assert not dist.is_initialized() and not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
+
+    status, out, _ = _run(capsys, str(TINY), "--check", "--world", "4", "--set", "gradient_accumulation_steps=null",
+                          "--set", "train_batch_size=null")
+    assert status == 0 and "4 ranks (--world): data parallel 4, expert parallel 2" in out
+    assert "8 sequences x 1 accumulation x 4 ranks = 32 sequences" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--world", "3"], "train_batch_size 16 does not divide by train_micro_batch_size_per_gpu 8 x 3 ranks"),
+    (["--world", "3", "--set", "train_batch_size=null", "--set", "gradient_accumulation_steps=1"],
+     "expert parallel size 2 does not divide the world size 3"),
+    (["--set", 'optimus.data.sources=["/no/such/corpus.jsonl"]'], "data path '/no/such/corpus.jsonl' does not exist"),
+    (["--set", "optimus.data.tokenizer=./no-tokenizer"], "tokenizer folder './no-tokenizer' does not exist"),
+    (["--set", "gradient_clippng=1.0"], "unknown DeepSpeed config key 'gradient_clippng'"),
+    (["--set", "optimus.model.overrides={\"num_experts\": 5}"], "expert parallel size 2 does not divide the number "
+                                                                 "of experts 5"),
+    (["--world", "2", "--cluster", "no-such-cluster"], "--cluster: "),
+])
+def test_check_stops_on_the_error_the_run_would_stop_on(capsys, args, message):
+    status, out, err = _run(capsys, str(TINY), "--check", *args)
+    assert status == 2 and out == "", out
+    assert err.startswith("ds_optimus.train: error: ") and message in err and len(err.splitlines()) == 1, err
+
+
+def test_check_finds_missing_weights_from_the_file_headers_and_memory_that_does_not_fit(tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    from ds_optimus.hf_models.mula import MulaConfig, MulaForCausalLM
+
+    MulaForCausalLM(MulaConfig.from_preset("mula-tiny-moe", vocab_size=4096)).save_pretrained(tmp_path / "mula")
+    tensors = load_file(tmp_path / "mula" / "model.safetensors")
+    del tensors["model.layers.2.self_attn.q_proj.weight"]
+    save_file(tensors, tmp_path / "mula" / "model.safetensors", metadata={"format": "pt"})
+    status, _, err = _run(capsys, str(TINY), "--check", "--set", f"optimus.model.path={tmp_path / 'mula'}")
+    assert status == 2 and "has no weights for model.layers.2.self_attn.q_proj.weight: they would train" in err
+
+    big = ROOT / "ds_configs" / "mula-100b-a7b.json"
+    status, out, err = _run(capsys, str(big), "--check", "--cluster", "h100", "--set",
+                            "optimus.train.activation_checkpointing=false")
+    assert status == 2 and re.search(r"predicted peak 10\d\.\d GiB per rank does not fit the 69\.5 GiB usable on a "
+                                     r"NVIDIA H100", err), err
+
+
+def _readme_rows() -> dict[str, list[str]]:
+    rows = {}
+    for line in (ROOT / "ds_configs" / "README.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| `"):
+            rows[cells[0].strip("`")] = cells
+    return rows
+
+
+def test_the_configs_readme_states_what_the_configs_hold():
+    rows = _readme_rows()
+    assert sorted(rows) == sorted(p.stem for p in (ROOT / "ds_configs").glob("*.json"))
+    for name, (_, _, world, ep, zero, recompute, tokens, peak, _) in rows.items():
+        config = json.loads((ROOT / "ds_configs" / f"{name}.json").read_text())
+        lines = check_run(config, int(world), "h100" if "cpu" not in name else None)
+        layout, batch, memory = (next(x for x in lines if x.startswith(k)) for k in ("layout", "batch", "memory"))
+        size = config["optimus"].get("expert_parallel", {}).get("size", 1)
+        assert ep == "-" if "dense" in rows[name][1] else ep.startswith(f"{size} ("), (name, ep)
+        assert f"ZeRO-{zero} " in layout, (name, layout)
+        assert ("recomputed" in layout) == (recompute == "yes"), (name, recompute)
+        assert f"({tokens} tokens) per step" in batch, (name, batch)
+        predicted = float(re.search(r"predicted peak ([\d.,]+) GiB", memory).group(1))
+        assert abs(predicted - float(peak.split()[0])) < 0.1, (name, predicted, peak)
