@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -391,11 +392,31 @@ def test_cli_plans_7b_on_64_h100_and_writes_a_runnable_config(tmp_path, capsys):
     text = capsys.readouterr().out
     assert code == 0
     assert "layouts tried" in text and "tokens/s" in text and "MFU" in text
+    # the first row is within 2 % of the fastest but not it: the output says so
+    assert re.search(r"^note: row 1 is not the fastest: .* is predicted \d\.\d% faster; layouts within 2% of each "
+                     r"other are ranked by the sharded optimizer first", text, re.M), text
     config = json.loads(out.read_text())
     assert config["optimus"]["model"]["preset"] == "mula-7b-a1b"
     assert config["train_batch_size"] == 1024
     assert config["optimus"]["train"]["peak_tflops"] == 989.0
     OptimusConfig.from_ds_config(config)
+
+
+def test_cli_writes_a_config_per_device_count_with_scale_and_each_passes_the_check(tmp_path, capsys):
+    from ds_optimus.train.check import check_run
+
+    code = plan_main(["--model", "mula-7b-a1b", "--cluster", "h100", "--devices", "16", "--global-batch", "256",
+                      "--scale", "16:64", "--write", str(tmp_path / "mula-7b.json")])
+    text = capsys.readouterr().out
+    assert code == 0
+    written = sorted(tmp_path.glob("*.json"))
+    assert [p.name for p in written] == ["mula-7b-16.json", "mula-7b-32.json", "mula-7b-64.json"], text
+    for path, devices in zip(written, (16, 32, 64), strict=True):
+        assert f"wrote {path} (dp{devices} " in text
+        config = json.loads(path.read_text())
+        assert config["train_batch_size"] == 16 * devices  # weak scaling: 16 sequences per device
+        lines = check_run(config, devices, "h100")  # what the planner writes, the check accepts
+        assert any(line.startswith(f"layout    {devices} ranks (--world)") for line in lines)
 
 
 def test_cli_errors_are_one_line():

@@ -15,7 +15,7 @@ from .layout import LayoutError
 from .memory import gib
 from .model import ModelShape
 from .scaling import ScalingError, device_counts, format_scaling, plot_scaling, scaling
-from .search import EXCHANGES, OPTIMIZERS, format_table, search
+from .search import EXCHANGES, OPTIMIZERS, format_table, ranking_note, search
 
 EPILOG = """examples:
   python -m ds_optimus.plan --model mula-7b-a1b --cluster h100 --devices 64 --write ds_configs/mula-7b-a1b-64xh100.json
@@ -123,6 +123,9 @@ def _run(args: argparse.Namespace) -> int:
         raise LayoutError(f"no layout of {args.model} fits on {devices} {cluster.device} devices; add devices, "
                           "lower --global-batch or allow --pipeline")
     print(format_table(plans, args.top))
+    note = ranking_note(plans, args.top)
+    if note:
+        print(note)
     report["devices"], report["global_batch"] = devices, global_batch
     report["plans"] = [p.as_dict() for p in plans[: args.top]]
     runnable = [p for p in plans if p.layout.pp == 1]
@@ -215,10 +218,28 @@ def _scale(args, model, cluster, seq_len, global_batch, devices, options, report
     if args.png:
         path = plot_scaling(points, args.png, f"{args.model} on {cluster.name}: {kind}", args.reference_efficiency)
         print(f"wrote {path}")
+    if args.write:
+        _write_scaled(args, points, cluster)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
         print(f"wrote {args.json}")
     return 0
+
+
+def _write_scaled(args, points, cluster) -> None:
+    """--write with --scale: the best layout at each device count, as PATH with the count in its name."""
+    target = Path(args.write)
+    template = template_for(args.model)
+    for point in points:
+        path = target.with_name(f"{target.stem}-{point.devices}{target.suffix or '.json'}")
+        if point.plan is None:
+            print(f"not written: {path} (no layout fits on {point.devices} devices)")
+        elif point.plan.layout.pp > 1:
+            print(f"not written: {path} ({point.plan.layout.describe()} needs pipeline parallelism, which "
+                  "ds_optimus.train does not run yet)")
+        else:
+            written = write_config(layout_config(point.plan.layout, args.model, cluster, base=template), path)
+            print(f"wrote {written} ({point.plan.layout.describe()})")
 
 
 if __name__ == "__main__":

@@ -114,6 +114,20 @@ def search(model: ModelShape, cluster: Cluster, devices: int, global_batch: int,
     return fitting, len(plans)
 
 
+def ranking_note(plans: list[Plan], top: int = 10) -> str | None:
+    """A line saying so when the first plan is not the fastest (the ranking's 2 % bands put the
+    sharded optimizer and fewer chunks first among layouts the model cannot tell apart); None else."""
+    if not plans:
+        return None
+    fastest = min(range(len(plans)), key=lambda i: plans[i].time.step)
+    if fastest == 0 or plans[fastest].time.step >= plans[0].time.step:
+        return None
+    gain = plans[0].time.step / plans[fastest].time.step - 1
+    where = f"row {fastest + 1}" if fastest < top else f"{plans[fastest].layout.describe()} (not shown)"
+    return (f"note: row 1 is not the fastest: {where} is predicted {gain:.1%} faster; layouts within "
+            f"{TIE_BAND:.0%} of each other are ranked by the sharded optimizer first, then fewer chunks, then speed")
+
+
 def format_table(plans: list[Plan], top: int = 10) -> str:
     """A text table of the first `top` plans."""
     small = plans and max(p.memory.peak for p in plans[:top]) < 2**30
