@@ -43,7 +43,9 @@ setup(
         "triton": ["triton>=3.2"],
         "plan": ["matplotlib>=3.7"],  # the planner's scaling plot (--png)
         "report": ["matplotlib>=3.7"],  # python -m ds_optimus.report: a run's plots
+        "eval": ["lm-eval>=0.4.13,<0.5"],  # python -m ds_optimus.evaluate, optimus.eval.downstream
     },
     entry_points={"console_scripts": ["ds-optimus-train = ds_optimus.train.cli:main",
-                                      "ds-optimus-plan = ds_optimus.plan.__main__:main"]},
+                                      "ds-optimus-plan = ds_optimus.plan.__main__:main",
+                                      "ds-optimus-evaluate = ds_optimus.evaluate.__main__:main"]},
 )

@@ -17,7 +17,8 @@ validated once, up front. An unknown key or a bad value is a one-line `ConfigErr
                             "overlap_comm": null},
       "guards": {"enabled": true, "window": 100, "min_window": 20, "sigmas": 6.0, "skip_spikes": true,
                  "rollback_after": 3},
-      "watchdog": {"step_timeout_s": 900, "first_step_timeout_s": 3600, "checkpoint_timeout_s": 3600}
+      "watchdog": {"step_timeout_s": 900, "first_step_timeout_s": 3600, "checkpoint_timeout_s": 3600},
+      "eval": {"downstream": {"tasks": [], "include": [], "limit": null, "num_fewshot": 0, "batch_size": 8}}
     }
 
 Every section and key is optional; the defaults are above (`mode: null` means online when
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .data.pack import DataConfig
+from .evaluate.config import EvalConfig
 from .moe.experts import MoEConfig
 from .optim.config import ShardedOptimizerConfig
 from .parallel.expert_parallel import ExpertParallelConfig
@@ -281,6 +283,7 @@ class OptimusConfig(Section):
     sharded_optimizer: ShardedOptimizerConfig = field(default_factory=ShardedOptimizerConfig)
     guards: GuardsConfig = field(default_factory=GuardsConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     @classmethod
     def from_ds_config(cls, config: dict[str, Any] | str | Path) -> OptimusConfig:

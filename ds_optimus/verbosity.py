@@ -19,6 +19,7 @@ QUIET_ENVIRONMENT = {
     "TRANSFORMERS_VERBOSITY": "error",
     "DATASETS_VERBOSITY": "error",
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # Transformers' "Loading weights" / "Writing model shards" bars
+    "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
 }
 
 

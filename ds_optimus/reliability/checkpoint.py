@@ -56,6 +56,38 @@ from ..schema import Section, check_flags, need, non_negative_int, positive_int
 
 STEP_PREFIX = "step_"
 MANIFEST_KEYS = ("step", "world_size", "ep_size")  # what `load` reads from a manifest, in both formats
+# The model's config and tokenizer (rank 0), so that a checkpoint exports as a Hugging Face folder on
+# its own (`ds_optimus.evaluate`), without the run's config or the library's defaults of the day.
+MODEL_FILE = "model_config.pt"
+
+
+def model_record(config, tokenizer=None) -> dict[str, Any]:
+    """What `MODEL_FILE` holds: the model config as a dict, and the tokenizer as its JSON with its
+    special tokens (plain containers: the file loads with `weights_only`)."""
+    record: dict[str, Any] = {"config": config.to_dict()}
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        special = {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
+        record["tokenizer"] = {"json": backend.to_str(), "special_tokens": special}
+    return record
+
+
+def consolidated_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every weight of checkpoint folder `path` as one state dict of the whole model, on the CPU (the
+    expert shards of every EP rank joined in order), from either format; read-only, no process group."""
+    path = Path(path)
+    meta = json.loads((path / "meta.json").read_text())
+    engine_format = str(meta.get("format", "")).startswith("ds_optimus.checkpoint/")
+    state = load(path / ("model_dense.pt" if engine_format else "model.pt"), mmap=True)
+    shards = []
+    for q in range(meta["ep_size"]):
+        name = f"model_experts_ep{q:03d}.pt" if engine_format else f"experts_ep{q:03d}.pt"
+        if (path / name).exists():
+            shard = load(path / name, mmap=True)
+            shards.append(shard["weights"] if engine_format else shard)
+    for name in shards[0] if shards else ():
+        state[name] = torch.cat([shard[name] for shard in shards])
+    return state
 
 
 def _step(folder: Path) -> int:
@@ -79,6 +111,7 @@ class CheckpointManager:
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.ep_size = groups.ep_size if groups is not None else 1
         self.writer = CheckpointWriter(self.rank, self.world_size)
+        self.model_record: dict[str, Any] | None = None  # `model_record(...)`: rank 0 saves it as MODEL_FILE
 
     # -- finding ----------------------------------------------------------------------------------
 
@@ -207,6 +240,8 @@ class CheckpointManager:
         else:
             files, meta = self._per_rank_files(engine, client, copy=background)
         meta["step"] = step
+        if self.rank == 0 and self.model_record is not None:
+            files[MODEL_FILE] = self.model_record
         self.writer.write(self.directory, name, files, meta, background=background, keep=self._prune)
         return self.directory / name
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .reader import ExpertLoads, ReportError, RunMetrics, load_metrics
+from .reader import ExpertLoads, ReportError, RunMetrics, load_downstream, load_metrics
 
 MAX_HEATMAP_COLUMNS = 400  # a longer run's windows are summed into this many columns
 SKIP_COLOR, REWIND_COLOR = "C3", "C4"
@@ -215,6 +215,21 @@ def plot_imbalance(run: RunMetrics, folder: Path, dpi: int, written: list[Path])
     _save(fig, folder, "expert_imbalance.png", dpi, written)
 
 
+def plot_downstream(run_dir: Path, folder: Path, dpi: int, written: list[Path]) -> None:
+    """`downstream.png`: each task's score (accuracy, normalised where the task has it) over the
+    checkpoints' steps, with its standard error; nothing without `eval/step_N.json` files."""
+    scores = load_downstream(run_dir)
+    if not scores:
+        return
+    fig, (ax,) = _figure()
+    for task, points in scores.items():
+        steps, values, errors = zip(*points, strict=True)
+        ax.errorbar(steps, values, yerr=[e or 0.0 for e in errors], marker="o", capsize=3, label=task)
+    ax.set(xlabel="step", ylabel="accuracy", title="downstream tasks (lm-evaluation-harness, per checkpoint)")
+    _legend(ax, loc="best")
+    _save(fig, folder, "downstream.png", dpi, written)
+
+
 def _stderr(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
@@ -242,6 +257,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None, *, dpi: int
     else:
         say("no expert heatmap: a dense model (no MoE layer)")
     plot_imbalance(run, folder, dpi, written)
+    plot_downstream(Path(run_dir), folder, dpi, written)
     if run.unreadable:
         say(f"{run.unreadable} line(s) of {run.path} were not metrics records and were left out")
     return written

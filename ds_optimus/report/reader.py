@@ -130,3 +130,23 @@ def load_metrics(run_dir: str | Path) -> RunMetrics:
         raise ReportError(f"{path} {what}: no step has been logged yet")
     run.records = [merged[step] for step in sorted(merged)]
     return run
+
+
+def load_downstream(run_dir: str | Path) -> dict[str, list[tuple[int, float, float | None]]]:
+    """Downstream scores of a run's checkpoints (`RUN_DIR/eval/step_N.json`, written by
+    `ds_optimus.evaluate`): {task: [(step, score, its standard error), ...]} by step, the score being
+    normalised accuracy where the task has it, else accuracy. Unreadable files are left out."""
+    import json
+
+    scores: dict[str, list[tuple[int, float, float | None]]] = {}
+    for path in sorted(Path(run_dir, "eval").glob("step_*.json")):
+        try:
+            record = json.loads(path.read_text())
+            step, tasks = int(record["step"]), record["tasks"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        for task, metrics in tasks.items():
+            metric = "acc_norm" if "acc_norm" in metrics else "acc" if "acc" in metrics else None
+            if metric is not None:
+                scores.setdefault(task, []).append((step, metrics[metric], metrics.get(f"{metric}_stderr")))
+    return {task: sorted(points) for task, points in scores.items()}

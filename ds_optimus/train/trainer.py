@@ -64,6 +64,10 @@ class Trainer:
             self._build_data()
             self._build_engine()
             self.checkpoints = opt.checkpoint.build(self.output_dir, self.groups)
+            if self.rank == 0:  # each checkpoint exports on its own (python -m ds_optimus.evaluate)
+                from ..reliability.checkpoint import model_record
+
+                self.checkpoints.model_record = model_record(self.model.config, self.tokenizer)
             self.step = self.start_step = self._resume()
         except BaseException as err:
             self.close(err)

@@ -5,13 +5,15 @@ first (it re-arms before anything else can hang), fault injection (only with `DS
 the memory meter, the router-bias update right after the optimizer step, metrics and the progress
 file, the guards (whose rollback ends the step's remaining `post_step` calls), then the `extra`
 callbacks of the user, so that what they do or ask for (a stop) is in the step's evaluation and
-checkpoint, then evaluation, preemption (whose stop wins over others) and the checkpoints, last.
+checkpoint, then evaluation, preemption (whose stop wins over others) and the checkpoints, and the
+downstream tasks scored on each checkpoint (`optimus.eval.downstream`), last.
 """
 
 from __future__ import annotations
 
 from .base import Callback
 from .checkpointing import CheckpointCallback
+from .downstream import DownstreamCallback
 from .evaluation import EvaluationCallback
 from .faults import FaultInjectionCallback
 from .logging import MetricsCallback, ProgressFileCallback
@@ -22,6 +24,7 @@ from .router_bias import RouterBiasCallback, uses_router_bias
 __all__ = [
     "Callback",
     "CheckpointCallback",
+    "DownstreamCallback",
     "EvaluationCallback",
     "FaultInjectionCallback",
     "GuardCallback",
@@ -47,4 +50,6 @@ def default_callbacks(opt, extra: list[Callback] = ()) -> list[Callback]:
         callbacks.append(MemoryCallback(opt.train.measure_memory_steps))
     callbacks += [RouterBiasCallback(), MetricsCallback(), ProgressFileCallback(), GuardCallback(opt.guards),
                   *extra, EvaluationCallback(), PreemptionCallback(), CheckpointCallback()]
+    if opt.eval.downstream.enabled:
+        callbacks.append(DownstreamCallback(opt.eval.downstream))
     return callbacks

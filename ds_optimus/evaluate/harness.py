@@ -1,0 +1,117 @@
+"""The one module that drives lm-evaluation-harness (an optional dependency: `pip install -e ".[eval]"`):
+a Hugging Face model folder scored on tasks, the scores as {task: {metric: value}}. lm-eval's own
+output (its logging, progress bars, and the `git`/`pip list` subprocesses behind its environment
+report) is kept quiet unless asked for."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from .tasks import BUILTIN, expand, write_pydoc_cloze
+
+LM_EVAL_REQUIREMENT = "lm-eval>=0.4.13,<0.5"
+
+
+class EvaluationError(RuntimeError):
+    """What stops an evaluation, in one line."""
+
+
+def require_lm_eval():
+    """The `lm_eval` module, or an EvaluationError saying how to install it."""
+    try:
+        import lm_eval
+        from lm_eval.models.huggingface import HFLM  # noqa: F401  (its imports fail where lm-eval is partial)
+    except ImportError as err:
+        raise EvaluationError(f"downstream evaluation needs lm-evaluation-harness ({err}): pip install -e \".[eval]\" "
+                              f"(or pip install '{LM_EVAL_REQUIREMENT}')") from None
+    return lm_eval
+
+
+def task_names(folders: list[str]) -> set[str]:
+    """The task names the YAML files of `folders` declare (`task: NAME`), read without lm-eval."""
+    names = set()
+    for folder in folders:
+        for path in Path(folder).rglob("*.yaml"):
+            names.update(re.findall(r"^task:\s*['\"]?([\w.-]+)", path.read_text(), re.M))
+    return names
+
+
+def score(folder: str | Path, tasks: list[str], *, include: list[str] = (), limit: int | None = None,
+          num_fewshot: int = 0, batch_size: int = 8, device: str = "cpu", dtype: str = "float32",
+          work_dir: str | Path | None = None, verbose: bool = False) -> dict[str, Any]:
+    """Score the Hugging Face model in `folder` on `tasks` (see `tasks.expand`; `pydoc_cloze` is made
+    in `work_dir`); returns {"tasks": {task: {metric: value, "samples": n}}, "seconds", "lm_eval"}."""
+    lm_eval = require_lm_eval()
+    import torch
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    names = expand(list(tasks))
+    include = [str(Path(p).expanduser()) for p in include]
+    for path in include:
+        if not Path(path).is_dir():
+            raise EvaluationError(f"task folder {path!r} does not exist")
+    if BUILTIN & set(names):
+        include.append(str(write_pydoc_cloze(Path(work_dir or folder) / "tasks")))
+    local = set(names) <= task_names(include)
+    if local:  # nothing to fetch: no dataset lookup may go to the network
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    if not verbose:
+        _quiet(lm_eval)
+    manager = TaskManager(include_path=include or None, include_defaults=not local)
+    unknown = [name for name in names if name not in manager.all_tasks]
+    if unknown:
+        raise EvaluationError(f"unknown task {unknown[0]!r} (lm-eval {lm_eval.__version__} knows "
+                              f"{len(manager.all_tasks):,} tasks; give YAML tasks with --include)")
+    began = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size,
+              max_length=getattr(model.config, "max_position_embeddings", None))
+    try:
+        results = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager, num_fewshot=num_fewshot,
+                                          limit=limit, log_samples=False, bootstrap_iters=1000)
+    except Exception as err:  # datasets not cached offline, a task's own failure: said in one line
+        text = str(err).strip()
+        raise EvaluationError(f"lm-eval failed: {type(err).__name__}: {text.splitlines()[0] if text else ''}") \
+            from None
+    scores = {}
+    for task, metrics in {**results.get("results", {}), **results.get("groups", {})}.items():
+        entry = {}
+        for key, value in metrics.items():
+            metric, _, kind = key.partition(",")
+            if kind and isinstance(value, (int, float)):
+                entry[metric if kind == "none" else key] = value
+        entry["samples"] = results.get("n-samples", {}).get(task, {}).get("effective")
+        scores[task] = entry
+    return {"tasks": scores, "seconds": round(time.perf_counter() - began, 2), "lm_eval": lm_eval.__version__}
+
+
+def _quiet(lm_eval) -> None:
+    """lm-eval's INFO logging and progress bars off, and its environment report (which runs `git`, `pip
+    list` and `nvidia-smi` in subprocesses and prints git's complaint outside a repository) skipped."""
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)
+    import lm_eval.evaluator as evaluator
+
+    for name, replacement in (("add_env_info", lambda *a, **k: None), ("get_git_commit_hash", lambda *a, **k: None)):
+        if hasattr(evaluator, name):
+            setattr(evaluator, name, replacement)
+    import tqdm
+
+    def silent(*args, **kwargs):
+        kwargs["disable"] = True
+        return tqdm.tqdm(*args, **kwargs)
+
+    import lm_eval.api.model
+    import lm_eval.api.task
+    import lm_eval.models.huggingface
+
+    for module in (lm_eval.models.huggingface, lm_eval.api.model, lm_eval.api.task):
+        if hasattr(module, "tqdm"):
+            module.tqdm = silent

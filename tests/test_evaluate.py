@@ -1,0 +1,157 @@
+"""Downstream evaluation (`python -m ds_optimus.evaluate`, `optimus.eval.downstream`), offline: the
+built-in `pydoc_cloze` task and a task of the test's own YAML and JSONL, scored on the tiny preset's
+checkpoints (exported on the fly, experts joined from two EP ranks) and on its exported folder."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lm_eval", reason="lm-evaluation-harness is an optional extra: pip install -e '.[eval]'")
+
+from ds_optimus.evaluate.__main__ import main  # noqa: E402
+from ds_optimus.evaluate.tasks import MULA_SUITE, expand, write_pydoc_cloze  # noqa: E402
+
+TASK = """task: animal_sounds
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{label}}}}"
+metric_list:
+  - metric: acc
+"""
+
+
+def _run(capsys, *args) -> tuple[int, str, str]:
+    status = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """4 steps of the tiny preset on 2 processes at EP 2, a checkpoint every 2 steps, each scored on
+    pydoc_cloze by the training run itself."""
+    from distributed import run_distributed
+    from train_workers import pretrain_worker, tiny_config
+
+    tmp = tmp_path_factory.mktemp("evaluate")
+    config = tiny_config(tmp, tmp / "cache", expert_parallel={"size": 2}, train={"steps": 4, "eval_interval": 0},
+                         checkpoint={"interval": 2, "keep_last": 3},
+                         eval={"downstream": {"tasks": ["pydoc_cloze"], "limit": 24}})
+    run_distributed(pretrain_worker, 2, config)
+    return Path(config["optimus"]["train"]["output_dir"])
+
+
+@pytest.mark.slow
+def test_a_run_scores_each_checkpoint_and_the_cli_agrees_on_its_checkpoints_and_export(run, tmp_path, capsys):
+    scored = {int(p.stem.split("_")[1]): json.loads(p.read_text()) for p in (run / "eval").glob("step_*.json")}
+    assert sorted(scored) == [2, 4]
+    for step, record in scored.items():
+        task = record["tasks"]["pydoc_cloze"]
+        assert record["step"] == step and task["samples"] == 24 and 0 <= task["acc"] <= 1 and "acc_norm" in task
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if "downstream/pydoc_cloze" in r] == [2, 4]
+    assert not list((run / "eval").glob("hf-*"))  # the on-the-fly exports are removed
+
+    # the same checkpoint scored again from the command line, and the run's exported folder (the
+    # weights of step 4): the same numbers, so the export joins the experts of both EP ranks right
+    status, out, err = _run(capsys, run, "--step", 4, "--tasks", "pydoc_cloze", "--limit", 24, "--out",
+                            tmp_path / "again.json")
+    assert status == 0, err
+    again = json.loads((tmp_path / "again.json").read_text())["tasks"]["pydoc_cloze"]
+    status, out, err = _run(capsys, run / "hf", "--tasks", "pydoc_cloze", "--limit", 24, "--out", tmp_path / "hf.json")
+    assert status == 0, err
+    from_hf = json.loads((tmp_path / "hf.json").read_text())["tasks"]["pydoc_cloze"]
+    for metric in ("acc", "acc_norm"):
+        assert again[metric] == pytest.approx(scored[4]["tasks"]["pydoc_cloze"][metric])
+        assert from_hf[metric] == pytest.approx(again[metric])
+    assert out.startswith(f"scoring {run / 'hf'} on pydoc_cloze (cpu, float32)\npydoc_cloze acc_norm ")
+
+    # the report draws the scores
+    from ds_optimus.report import write_report
+
+    written = write_report(run, tmp_path / "plots", say=lambda _: None)
+    assert tmp_path / "plots" / "downstream.png" in written
+    assert struct.unpack(">II", (tmp_path / "plots" / "downstream.png").read_bytes()[16:24])[0] >= 600
+
+
+@pytest.mark.slow
+def test_a_checkpoint_exports_as_a_complete_hugging_face_folder(run, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ds_optimus.evaluate import export_checkpoint
+
+    folder = export_checkpoint(run / "checkpoints" / "step_00000004", tmp_path / "export")
+    exported = AutoModelForCausalLM.from_pretrained(folder).eval()
+    final = AutoModelForCausalLM.from_pretrained(run / "hf").eval()
+    assert exported.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 8  # both EP ranks' experts
+    ids = AutoTokenizer.from_pretrained(folder)("The with statement", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.equal(exported(ids).logits, final(ids).logits)
+    assert AutoTokenizer.from_pretrained(folder).model_max_length == exported.config.max_position_embeddings
+
+
+@pytest.mark.slow
+def test_a_task_of_ones_own_yaml_and_jsonl_and_every_checkpoint_once(run, tmp_path, capsys):
+    data = tmp_path / "tasks" / "animal_sounds.jsonl"
+    data.parent.mkdir()
+    rows = [("Which animal barks?", ["a dog", "a cat", "a fish"], 0), ("Which animal meows?", ["a dog", "a cat",
+                                                                                               "a fish"], 1)]
+    data.write_text("".join(json.dumps({"question": q, "choices": c, "label": lab}) + "\n" for q, c, lab in rows))
+    (tmp_path / "tasks" / "animal_sounds.yaml").write_text(TASK.format(data=json.dumps(str(data))))
+    status, out, err = _run(capsys, run, "--all", "--tasks", "animal_sounds", "--include", tmp_path / "tasks")
+    assert status == 0 and out == f"every checkpoint of {run} is scored already ({run / 'eval'})\n", out + err
+    status, out, err = _run(capsys, run, "--tasks", "animal_sounds", "--include", tmp_path / "tasks", "--out",
+                            tmp_path / "animals.json")
+    assert status == 0, err
+    record = json.loads((tmp_path / "animals.json").read_text())
+    assert record["step"] == 4 and record["tasks"]["animal_sounds"]["samples"] == 2
+    assert record["tasks"]["animal_sounds"]["acc"] in (0.0, 0.5, 1.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, message", [
+    (["--tasks", "no_such_task"], "unknown task 'no_such_task' (lm-eval 0.4."),
+    (["--tasks", "pydoc_cloze", "--include", "/no/such/tasks"], "task folder '/no/such/tasks' does not exist"),
+    (["--tasks", "pydoc_cloze", "--step", "3"], "has no complete checkpoint of step 3"),
+    (["--tasks", "pydoc_cloze", "--all", "--out", "x.json"], "--out names one results file"),
+])
+def test_bad_input_is_one_line(run, capsys, args, message):
+    status, out, err = _run(capsys, run, *args)
+    assert status == 2 and err.startswith("ds_optimus.evaluate: error: ") and message in err, err
+    assert len(err.splitlines()) == 1
+
+
+def test_a_folder_that_is_no_model_and_a_damaged_checkpoint_are_named(tmp_path, capsys):
+    status, _, err = _run(capsys, tmp_path, "--tasks", "pydoc_cloze")
+    assert status == 2 and "is neither a Hugging Face folder (config.json), a run (checkpoints/) nor a" in err
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000002"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "meta.json").write_text(json.dumps({"step": 2, "world_size": 1, "ep_size": 1,
+                                                      "files": {"model.pt": {"bytes": 5, "crc32": "00000000"}}}))
+    status, _, err = _run(capsys, tmp_path / "run", "--tasks", "pydoc_cloze")
+    assert status == 2 and err.strip().endswith("is damaged: model.pt is missing"), err
+
+
+def test_the_tasks_named_and_made_here():
+    assert expand(["pydoc_cloze", "mula-suite", "arc_easy"]) == ["pydoc_cloze", *MULA_SUITE]
+
+
+def test_pydoc_cloze_is_deterministic_and_well_formed(tmp_path):
+    first = (write_pydoc_cloze(tmp_path / "a") / "pydoc_cloze.jsonl").read_text()
+    assert first == (write_pydoc_cloze(tmp_path / "b") / "pydoc_cloze.jsonl").read_text()
+    items = [json.loads(line) for line in first.splitlines()]
+    assert len(items) == 200 and len({item["context"] for item in items}) == 200
+    for item in items:
+        assert len(item["choices"]) == len(set(item["choices"])) == 4 and 0 <= item["label"] < 4
+        assert item["context"] and item["choices"][item["label"]].endswith(".")
