@@ -54,7 +54,8 @@ from .schema import (
     positive_int,
 )
 
-__all__ = ["ConfigError", "OptimusConfig", "apply_overrides", "check_optimizer_section", "load_json_config"]
+__all__ = ["ConfigError", "OptimusConfig", "apply_overrides", "check_optimizer_section", "check_run_config",
+           "load_json_config", "resolve_batch_sizes"]
 
 DEFAULT_PRESET = "mula-tiny-moe"
 
@@ -167,14 +168,8 @@ class ModelConfig(Section):
                                                           output_loading_info=True)
         except (OSError, RuntimeError, ValueError) as err:  # unreadable files, tensors of the wrong shape
             raise ConfigError(f"{where}: its weights do not load ({first_line(err)})") from None
-        missing = sorted(info.get("missing_keys") or ())
-        mismatched = [name for name, *_ in info.get("mismatched_keys") or ()]
-        if missing or mismatched:
-            names = missing or mismatched
-            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
-            what = "has no weights for" if missing else "has weights of another shape for"
-            raise ConfigError(f"{where} {what} {', '.join(names[:3])}{more}: they would train from random values "
-                              "(is it a checkpoint of another layout or architecture?)")
+        refuse_uninitialised(folder, sorted(info.get("missing_keys") or ()),
+                             [name for name, *_ in info.get("mismatched_keys") or ()])
         return model
 
     def _convert_olmoe(self, folder: Path, config):
@@ -193,6 +188,17 @@ class ModelConfig(Section):
         with torch.no_grad():
             model.load_state_dict(tensors, strict=False)  # every weight checked above; a tied head follows
         return model
+
+
+def refuse_uninitialised(folder: Path, missing: list[str], wrong: list[str]) -> None:
+    """A one-line ConfigError when a model folder's weights leave parameters `missing` (or of another
+    shape: `wrong`), which would otherwise train from their random initial values."""
+    names = missing or wrong
+    if names:
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        what = "has no weights for" if missing else "has weights of another shape for"
+        raise ConfigError(f"optimus.model.path {str(folder)!r} {what} {', '.join(names[:3])}{more}: they would train "
+                          "from random values (is it a checkpoint of another layout or architecture?)")
 
 
 def has_weights(folder: Path) -> bool:
@@ -289,6 +295,51 @@ class OptimusConfig(Section):
     def from_ds_config(cls, config: dict[str, Any] | str | Path) -> OptimusConfig:
         """Parse the "optimus" section of a DeepSpeed config (a dict or a JSON file's path)."""
         return cls.parse(load_json_config(config).get("optimus", {}), "optimus")
+
+
+def check_run_config(ds_config: dict[str, Any]):
+    """The parsed `optimus` section of a training config, after the checks that need no process
+    group: every key known (DeepSpeed's too), the ZeRO stage, the optimizer's hyper-parameters."""
+    from .optim.config_keys import check_config_keys
+
+    opt = OptimusConfig.from_ds_config(ds_config)
+    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+    if stage not in (0, 1, 2):
+        raise ConfigError(f"zero_optimization.stage {stage!r} is not supported by ds_optimus.train (use 0, 1 or 2)")
+    check_optimizer_section(ds_config)
+    check_config_keys(ds_config)
+    return opt
+
+
+def resolve_batch_sizes(ds_config: dict[str, Any], world_size: int) -> tuple[int, int]:
+    """(micro-batch per rank, accumulation steps), made consistent with train_batch_size; a
+    one-line ConfigError when they cannot be."""
+    micro = ds_config.get("train_micro_batch_size_per_gpu")
+    accumulation = ds_config.get("gradient_accumulation_steps")
+    total = ds_config.get("train_batch_size")
+    for key, value in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", accumulation),
+                       ("train_batch_size", total)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+    if micro is None and total is None:
+        raise ConfigError("the config needs train_micro_batch_size_per_gpu or train_batch_size")
+    if accumulation is None and micro is not None and total is not None:
+        if total % (micro * world_size):
+            raise ConfigError(f"train_batch_size {total} does not divide by train_micro_batch_size_per_gpu "
+                              f"{micro} x {world_size} ranks")
+        accumulation = total // (micro * world_size)
+    accumulation = accumulation or 1
+    if micro is None:
+        if total % (accumulation * world_size):
+            raise ConfigError(f"train_batch_size {total} does not divide by gradient_accumulation_steps "
+                              f"{accumulation} x {world_size} ranks")
+        micro = total // (accumulation * world_size)
+    if total is not None and total != micro * accumulation * world_size:
+        raise ConfigError(f"train_batch_size {total} is not train_micro_batch_size_per_gpu {micro} x "
+                          f"gradient_accumulation_steps {accumulation} x {world_size} ranks")
+    ds_config.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accumulation,
+                     train_batch_size=micro * accumulation * world_size)
+    return micro, accumulation
 
 
 def check_optimizer_section(ds_config: dict[str, Any]) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from ds_optimus.train.check import check_run
+from ds_optimus.plan.preflight import check_run
 from ds_optimus.train.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +46,8 @@ def test_check_says_what_would_run_without_a_process_group(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--world", "3"], "train_batch_size 16 does not divide by train_micro_batch_size_per_gpu 8 x 3 ranks"),
+    (["--world", "3"], "train_batch_size 16 is not train_micro_batch_size_per_gpu 8 x gradient_accumulation_steps 1 x "
+                       "3 ranks"),
     (["--world", "3", "--set", "train_batch_size=null", "--set", "gradient_accumulation_steps=1"],
      "expert parallel size 2 does not divide the world size 3"),
     (["--set", 'optimus.data.sources=["/no/such/corpus.jsonl"]'], "data path '/no/such/corpus.jsonl' does not exist"),

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from tests.distributed import run_distributed
-from tests.engine_workers import client_optimizer_worker, engine_refusals_worker, engine_router_bias_worker
+from distributed import run_distributed
+from engine_workers import client_optimizer_worker, engine_refusals_worker, engine_router_bias_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "hf_trainer_script.py"

@@ -403,7 +403,7 @@ def test_cli_plans_7b_on_64_h100_and_writes_a_runnable_config(tmp_path, capsys):
 
 
 def test_cli_writes_a_config_per_device_count_with_scale_and_each_passes_the_check(tmp_path, capsys):
-    from ds_optimus.train.check import check_run
+    from ds_optimus.plan.preflight import check_run
 
     code = plan_main(["--model", "mula-7b-a1b", "--cluster", "h100", "--devices", "16", "--global-batch", "256",
                       "--scale", "16:64", "--write", str(tmp_path / "mula-7b.json")])

@@ -101,6 +101,10 @@ def test_no_import_cycle_between_subpackages():
     assert cycle is None, " -> ".join(cycle)
 
 
+# Command lines sit above every layer they put together: `python -m ds_optimus.train --check` runs the
+# planner's pre-flight of a training config (plan.preflight), so the trainer's command line imports the planner.
+ON_TOP = {"ds_optimus.train.cli"}
+
 # Leaves every layer may use: they import nothing of ds_optimus themselves (checked below).
 SHARED_LEAVES = {"ds_optimus.cli", "ds_optimus._lazy", "ds_optimus.progress"}
 
@@ -122,7 +126,7 @@ SHARED_LEAVES = {"ds_optimus.cli", "ds_optimus._lazy", "ds_optimus.progress"}
     ("ds_optimus.progress", "ds_optimus"),
 ])
 def test_layers_point_one_way(lower, higher):
-    offenders = sorted(f"{m} imports {t}" for m, targets in GRAPH.items() if m.startswith(lower)
+    offenders = sorted(f"{m} imports {t}" for m, targets in GRAPH.items() if m.startswith(lower) and m not in ON_TOP
                        for t in targets if (t == higher or t.startswith(higher + ".")) and not t.startswith(lower)
                        and t not in SHARED_LEAVES)
     assert not offenders, offenders

@@ -283,14 +283,13 @@ def _configure_distributed_model(self, model):
 # `inference_all_reduce` (AutoTP inference) only, yet costs a ~75 s compile and a 69 MB /dev/shm
 # workspace per rank.
 UNNEEDED_OPS = ("deepspeed_shm_comm",)
-_WHY = {"fused_adam": "DeepSpeed's Adam on this device; optimizer.params.torch_adam: true uses PyTorch's, unbuilt",
-        "cpu_adam": "DeepSpeed's CPU Adam; optimizer.params.torch_adam: true uses PyTorch's, unbuilt"}
+_ADAM = "DeepSpeed's Adam on this device; optimizer.params.torch_adam: true uses PyTorch's, unbuilt"
+_WHY = {"fused_adam": _ADAM, "cpu_adam": _ADAM}
 
 
 def extensions_dir() -> Path:
-    """Where this Python environment keeps DeepSpeed's compiled ops: one folder per environment, so
-    that two environments (a venv per project, CI) do not rebuild each other's ops in turn, as they
-    do in PyTorch's one shared default folder."""
+    """Where this Python environment keeps DeepSpeed's compiled ops: a folder of its own, so that two
+    environments do not rebuild each other's ops in turn, as in PyTorch's one shared default folder."""
     key = hashlib.sha256(f"{sys.prefix}|{torch.__version__}|{deepspeed.__version__}".encode()).hexdigest()[:10]
     return Path.home() / ".cache" / "torch_extensions" / f"ds_optimus-{Path(sys.prefix).name}-{key}"
 
@@ -312,14 +311,13 @@ def prepare_op_builds(say=None) -> None:
 
     def jit_load(self, verbose=True):
         root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", extensions_dir()))
-        built = any((root / self.name).glob(f"{self.name}*.so"))
-        first = os.environ.get("LOCAL_RANK", "0") in ("", "0")
-        if not built and first:
+        first = os.environ.get("LOCAL_RANK", "0") in ("", "0") and not any((root / self.name).glob(f"{self.name}*.so"))
+        if first:
             say(f"ds_optimus: compiling DeepSpeed's {self.name} op ({_WHY.get(self.name, 'this config needs it')}): "
                 f"a few minutes, once per environment, kept in {root}")
         began = time.perf_counter()
         module = original(self, verbose=False)
-        if not built and first:
+        if first:
             say(f"ds_optimus: DeepSpeed's {self.name} op is ready ({time.perf_counter() - began:.0f} s)")
         return module
 

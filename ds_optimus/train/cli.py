@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         config = apply_overrides(load_json_config(args.config), args.overrides)
         if args.check:
             from ..plan import ClusterError
-            from .check import check_run
+            from ..plan.preflight import check_run  # the command line sits above the planner and the trainer
 
             try:
                 lines = check_run(config, args.world, args.cluster)

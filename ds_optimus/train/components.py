@@ -15,22 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..schema import ConfigError
-
-
-def check_run_config(ds_config: dict[str, Any]):
-    """The parsed `optimus` section of a training config, after the checks that need no process
-    group: every key known (DeepSpeed's too), the ZeRO stage, the optimizer's hyper-parameters."""
-    from ..config import OptimusConfig, check_optimizer_section
-    from ..optim.config_keys import check_config_keys
-
-    opt = OptimusConfig.from_ds_config(ds_config)
-    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
-    if stage not in (0, 1, 2):
-        raise ConfigError(f"zero_optimization.stage {stage!r} is not supported by ds_optimus.train (use 0, 1 or 2)")
-    check_optimizer_section(ds_config)
-    check_config_keys(ds_config)
-    return opt
+from ..config import check_run_config, resolve_batch_sizes  # noqa: F401  (re-exported: the trainer's pieces)
 
 
 def init_distributed() -> None:
@@ -80,37 +65,6 @@ def _local_world_size() -> int:
     names = [None] * dist.get_world_size()
     dist.all_gather_object(names, socket.gethostname())
     return names.count(socket.gethostname())
-
-
-def resolve_batch_sizes(ds_config: dict[str, Any], world_size: int) -> tuple[int, int]:
-    """(micro-batch per rank, accumulation steps), made consistent with train_batch_size; a
-    one-line ConfigError when they cannot be."""
-    micro = ds_config.get("train_micro_batch_size_per_gpu")
-    accumulation = ds_config.get("gradient_accumulation_steps")
-    total = ds_config.get("train_batch_size")
-    for key, value in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", accumulation),
-                       ("train_batch_size", total)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ConfigError(f"{key} must be a positive integer, got {value!r}")
-    if micro is None and total is None:
-        raise ConfigError("the config needs train_micro_batch_size_per_gpu or train_batch_size")
-    if accumulation is None and micro is not None and total is not None:
-        if total % (micro * world_size):
-            raise ConfigError(f"train_batch_size {total} does not divide by train_micro_batch_size_per_gpu "
-                              f"{micro} x {world_size} ranks")
-        accumulation = total // (micro * world_size)
-    accumulation = accumulation or 1
-    if micro is None:
-        if total % (accumulation * world_size):
-            raise ConfigError(f"train_batch_size {total} does not divide by gradient_accumulation_steps "
-                              f"{accumulation} x {world_size} ranks")
-        micro = total // (accumulation * world_size)
-    if total is not None and total != micro * accumulation * world_size:
-        raise ConfigError(f"train_batch_size {total} is not train_micro_batch_size_per_gpu {micro} x "
-                          f"gradient_accumulation_steps {accumulation} x {world_size} ranks")
-    ds_config.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accumulation,
-                     train_batch_size=micro * accumulation * world_size)
-    return micro, accumulation
 
 
 def seed_everything(seed: int) -> None:

@@ -1,4 +1,5 @@
-"""`python -m ds_optimus.train --config X.json --check [--world N]`: everything about a run that can
+"""The pre-flight of `python -m ds_optimus.train --config X.json --check [--world N]`: everything about a
+run that can
 be known before it is launched, without a process group: the config (DeepSpeed's keys too), the
 batch sizes and layout for the world size it would run with, the tokenizer, the model (built on the
 meta device, and a folder's weights against it), the data sources and their token cache, the
@@ -39,11 +40,11 @@ def check_run(ds_config: dict[str, Any], world: int | None = None, cluster: str 
     name or file) adds a check of the predicted memory per rank against its devices'."""
     import torch
 
+    from ..config import check_run_config, resolve_batch_sizes
     from ..data import load_tokenizer
     from ..data.tokenizer import looks_like_a_path
     from ..hf_models.mula import MulaForCausalLM, count_parameters
     from ..parallel.groups import check_layout
-    from .components import check_run_config, resolve_batch_sizes
 
     config = copy.deepcopy(ds_config)
     opt = check_run_config(config)
@@ -98,20 +99,16 @@ def _check_weights(path: str | None, model) -> None:
         return  # no weights, PyTorch .bin files (they would have to be loaded) or OLMoE (converted at start)
     from safetensors import safe_open
 
+    from ..config import refuse_uninitialised
+
     shapes = {}
     for file in files:
         with safe_open(file, framework="pt") as f:
             shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
     tied = "lm_head.weight" if model.config.tie_word_embeddings else None
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items() if name != tied}
-    missing = [name for name in expected if name not in shapes]
-    wrong = [name for name in expected if name in shapes and shapes[name] != expected[name]]
-    if missing or wrong:
-        names = missing or wrong
-        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
-        what = "has no weights for" if missing else "has weights of another shape for"
-        raise ConfigError(f"optimus.model.path {str(folder)!r} {what} {', '.join(names[:3])}{more}: they would train "
-                          "from random values (is it a checkpoint of another layout or architecture?)")
+    refuse_uninitialised(folder, [name for name in expected if name not in shapes],
+                         [name for name in expected if name in shapes and shapes[name] != expected[name]])
 
 
 def _data_lines(opt, tokenizer) -> list[str]:
@@ -145,8 +142,10 @@ def _data_lines(opt, tokenizer) -> list[str]:
 
 
 def _memory_line(model_config, opt, config, world, micro, accumulation, cluster) -> str:
-    from ..plan import Layout, ModelShape, estimate_memory, get_cluster
-    from ..plan.memory import gib
+    from .cluster import get_cluster
+    from .layout import Layout
+    from .memory import estimate_memory, gib
+    from .model import ModelShape
 
     dtype = "bf16" if config.get("bf16", {}).get("enabled") else "fp16" if config.get("fp16", {}).get("enabled") \
         else "fp32"
