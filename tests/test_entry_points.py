@@ -77,3 +77,57 @@ def test_the_mula_classes_register_when_our_own_import_brings_transformers_in():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["MulaForCausalLM", "True"]
+
+
+def test_help_texts_are_whole():
+    proc = subprocess.run([sys.executable, "-m", "ds_optimus.train.hf_example", "--help"], capture_output=True,
+                          text=True, timeout=60, cwd=ROOT)
+    assert "from the same config as\n`python -m ds_optimus.train` (its optimus section gives the model" in proc.stdout
+    assert "--config CONFIG  DeepSpeed JSON config with an optimus section" in proc.stdout
+
+
+def test_progress_is_a_plain_line_where_stderr_is_not_a_terminal():
+    import io
+
+    from ds_optimus.progress import LineProgress, progress
+
+    out = io.StringIO()
+    bar = progress(total=10, initial=2, desc="training", unit="step", file=out, interval=3600)
+    assert isinstance(bar, LineProgress)
+    for _ in range(8):
+        bar.update(1)
+        bar.set_postfix({"loss": "7.65"})
+    bar.write("step 10: checkpoint runs/x/checkpoints/step_00000010")
+    bar.close()
+    bar.close()  # nothing new: no second line
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "step 10: checkpoint runs/x/checkpoints/step_00000010" and len(lines) == 2
+    assert lines[1].startswith("training: 10/10 steps (") and lines[1].endswith(", loss=7.65)") and "\r" not in lines[1]
+
+
+QUIET_PROBE = """
+import os, sys
+from ds_optimus.verbosity import QUIET_ENVIRONMENT, quiet_libraries, verbose_requested
+for key in (*QUIET_ENVIRONMENT, "DS_OPTIMUS_VERBOSE"):
+    os.environ.pop(key, None)
+if sys.argv[1] == "verbose":
+    quiet_libraries(verbose=True)
+    assert os.environ["DS_OPTIMUS_VERBOSE"] == "1" and verbose_requested()  # and so in the processes it starts
+    assert not any(key in os.environ for key in QUIET_ENVIRONMENT)
+else:
+    os.environ["WANDB_SILENT"] = "false"  # the user's own setting wins
+    quiet_libraries()
+    assert os.environ["WANDB_SILENT"] == "false" and os.environ["TRANSFORMERS_VERBOSITY"] == "error"
+import logging, deepspeed
+print(logging.getLevelName(sys.modules["deepspeed.utils.logging"].logger.level))
+"""
+
+
+@pytest.mark.parametrize("mode, level", [("quiet", "ERROR"), ("verbose", "WARNING")])
+def test_quiet_by_default_and_verbose_on_request(mode, level):
+    proc = subprocess.run([sys.executable, "-c", QUIET_PROBE, mode], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-1] == level
+    if mode == "quiet":  # not even the accelerator line DeepSpeed logs while it is being imported
+        assert "Setting accelerator to CPU" not in proc.stdout + proc.stderr

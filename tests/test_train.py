@@ -181,12 +181,14 @@ def test_a_data_error_on_rank_zero_stops_every_rank_and_every_error_is_said_once
 
 @pytest.mark.slow
 def test_deepspeed_launcher_runs_the_tiny_moe_job(tmp_path, cache):
-    """The README's main job, shortened: the real `deepspeed` launcher, 2 processes, EP=2."""
-    config = tiny_config(tmp_path, cache, expert_parallel={"size": 2})
+    """The README's main job, shortened: the real `deepspeed` launcher, 2 processes, EP=2; quiet: what
+    it prints is its own (DeepSpeed's launcher aside), not the libraries' INFO lines, bars and tables."""
+    config = tiny_config(tmp_path, cache, expert_parallel={"size": 2}, wandb={"mode": "offline"},
+                         train={"sample_tokens": 8})
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     launcher = Path(sys.executable).with_name("deepspeed")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline"}
     port = free_port()
     proc = subprocess.run([str(launcher), "--num_gpus", "2", "--master_port", str(port), "--module", "ds_optimus.train",
                            "--config", str(path), "--set", "optimus.train.steps=6"], cwd=tmp_path, env=env,
@@ -200,6 +202,14 @@ def test_deepspeed_launcher_runs_the_tiny_moe_job(tmp_path, cache):
     assert (run / "hf" / "config.json").exists() and (run / "hf" / "tokenizer.json").exists()
     assert proc.stdout.count("trained steps 1-6") == 1  # printed by rank 0 only
     assert "deepspeed_shm_comm" not in proc.stdout + proc.stderr  # an inference op: not built, not loaded
+    lines = (proc.stdout + proc.stderr).splitlines()
+    launcher_lines = [line for line in lines if "[launch.py:" in line or "[runner.py:" in line
+                      or "[real_accelerator.py:" in line]  # the launcher's process: DeepSpeed's own
+    ours = [line for line in lines if line not in launcher_lines]
+    assert len([line for line in launcher_lines if "real_accelerator" in line]) == 2  # runner and launch, not ranks
+    assert not [line for line in ours if "wandb:" in line or "Loading weights" in line or "] [INFO] [" in line], ours
+    assert any(line.startswith("data: ") for line in ours) and len(ours) <= 16, ours
+    assert list((run / "wandb").glob("offline-run-*")), "wandb ran, silently"
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "ds_configs").glob("*.json")), ids=lambda p: p.stem)
