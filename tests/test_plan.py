@@ -34,7 +34,7 @@ from ds_optimus.plan import (
 )
 from ds_optimus.plan.__main__ import main as plan_main
 from ds_optimus.plan.layout import hierarchy_node_size
-from ds_optimus.plan.measure import measure_layout
+from ds_optimus.plan.measure import measurement, measuring_config
 from ds_optimus.plan.scaling import device_counts, efficiency, scaling
 from ds_optimus.plan.search import candidate_layouts
 from ds_optimus.plan.timing import Exchange, all_to_all_time, exchange_steps, overlapped
@@ -109,10 +109,13 @@ MEMORY_RUNS = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", MEMORY_RUNS, ids=lambda s: Layout(**s).describe().replace(" ", "-"))
-def test_memory_model_matches_every_ranks_measured_peak(tmp_path, spec, cache):
-    os.environ["DS_OPTIMUS_MEASURE_CACHE"] = str(cache)
+def test_memory_model_matches_every_ranks_measured_peak(tmp_path, spec, cache, monkeypatch):
+    # the config `measure_layout` runs, on the shared worker processes rather than through a launcher
+    # of its own (test_cli_measure_runs_the_top_layout_on_this_machine runs that path)
+    monkeypatch.setenv("DS_OPTIMUS_MEASURE_CACHE", str(cache))
     layout = Layout(**{**TINY, **spec})
-    measured = measure_layout(layout, "mula-tiny-moe", steps=3, memory_steps=2, workdir=tmp_path)
+    config = measuring_config(layout, "mula-tiny-moe", tmp_path, steps=3, memory_steps=2)
+    measured = measurement(layout, run_distributed(pretrain_worker, layout.world, config)[0], 2)
     estimate = estimate_memory(ModelShape.from_preset("mula-tiny-moe"), layout)
     assert len(measured.peak_bytes) == layout.world
     for peak in measured.peak_bytes:
@@ -419,20 +422,21 @@ def test_cli_writes_a_config_per_device_count_with_scale_and_each_passes_the_che
         assert any(line.startswith(f"layout    {devices} ranks (--world)") for line in lines)
 
 
-def test_cli_errors_are_one_line():
+def test_cli_errors_are_one_line(capsys):
+    done = subprocess.run([sys.executable, "-m", "ds_optimus.plan", "--cluster", "nowhere"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)  # the real command line, once
+    assert done.returncode == 2 and done.stderr.startswith("ds_optimus.plan: error: no cluster named 'nowhere'")
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     for argv, message in [
-        (["--cluster", "nowhere"], "no cluster named 'nowhere'"),
         (["--model", "mula-3b"], "unknown Mula preset 'mula-3b'"),
         (["--model", "mula-220b-a10b", "--cluster", "h100", "--devices", "8"], "no layout of mula-220b-a10b fits"),
         (["--scale", "64-128"], "--scale takes N:M"),
         (["--devices", "48", "--global-batch", "1000"], "does not divide over the data-parallel ranks"),
         (["--devices", "64", "--measure", "2"], "--measure runs the layouts on this machine"),
     ]:
-        done = subprocess.run([sys.executable, "-m", "ds_optimus.plan", *argv], capture_output=True, text=True,
-                              cwd=ROOT, timeout=120)
-        assert done.returncode == 2, done.stderr
-        lines = done.stderr.strip().splitlines()
-        assert len(lines) == 1 and message in lines[0], done.stderr
+        assert plan_main(argv) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("ds_optimus.plan: error: ") and message in lines[0], lines
 
 
 @pytest.mark.slow

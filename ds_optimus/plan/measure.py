@@ -54,18 +54,8 @@ def measure_layout(layout: Layout, preset: str, *, steps: int = 6, memory_steps:
     work = Path(tempfile.mkdtemp(prefix="ds_optimus_measure_") if own else workdir)
     work.mkdir(parents=True, exist_ok=True)
     try:
-        config = layout_config(layout, preset, base=base)
-        optimus = config["optimus"]
-        optimus["model"] = {"preset": preset, **({"overrides": overrides} if overrides else {})}
-        optimus["train"].update(steps=steps, eval_interval=0, eval_batches=1, sample_tokens=0, warmup_steps=0,
-                                output_dir=str(work / "run"), measure_memory_steps=memory_steps)
-        optimus["checkpoint"] = {"interval": 0, "keep_last": 1, "dir": str(work / "checkpoints"),
-                                 "resume": False}
-        optimus["wandb"] = {"mode": "disabled"}
-        data = optimus.setdefault("data", {})
-        data.setdefault("sources", ["embedded"])
-        data["cache_dir"] = os.environ.get("DS_OPTIMUS_MEASURE_CACHE", str(work / "data_cache"))
-        data["val_fraction"] = data.get("val_fraction", 0.05)
+        config = measuring_config(layout, preset, work, steps=steps, memory_steps=memory_steps, base=base,
+                                  overrides=overrides)
         path = work / "config.json"
         path.write_text(json.dumps(config, indent=2))
         command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(layout.world),
@@ -77,13 +67,35 @@ def measure_layout(layout: Layout, preset: str, *, steps: int = 6, memory_steps:
         if done.returncode != 0 or not summary_path.exists():
             tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
             raise MeasureError(f"layout {layout.describe()} failed with exit status {done.returncode}:\n{tail}")
-        summary = json.loads(summary_path.read_text())
-        memory = summary["memory"]
-        timed = [s for step, s in summary["step_seconds"].items() if int(step) > memory_steps]
-        seconds = statistics.median(timed)
-        return Measurement(layout=layout, peak_bytes=[m["peak_bytes"] for m in memory],
-                           initialized_bytes=[m["marks"].get("initialized", 0) for m in memory],
-                           step_seconds=seconds, tokens_per_s=layout.tokens_per_step / seconds)
+        return measurement(layout, json.loads(summary_path.read_text()), memory_steps)
     finally:
         if own:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def measuring_config(layout: Layout, preset: str, work: Path, *, steps: int, memory_steps: int,
+                     base: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The training config that measures `layout` in folder `work`: `steps` steps of `preset`, the
+    first `memory_steps` profiled for memory, no evaluation, sample, warm-up, checkpoint or wandb."""
+    config = layout_config(layout, preset, base=base)
+    optimus = config["optimus"]
+    optimus["model"] = {"preset": preset, **({"overrides": overrides} if overrides else {})}
+    optimus["train"].update(steps=steps, eval_interval=0, eval_batches=1, sample_tokens=0, warmup_steps=0,
+                            output_dir=str(work / "run"), measure_memory_steps=memory_steps)
+    optimus["checkpoint"] = {"interval": 0, "keep_last": 1, "dir": str(work / "checkpoints"), "resume": False}
+    optimus["wandb"] = {"mode": "disabled"}
+    data = optimus.setdefault("data", {})
+    data.setdefault("sources", ["embedded"])
+    data["cache_dir"] = os.environ.get("DS_OPTIMUS_MEASURE_CACHE", str(work / "data_cache"))
+    data["val_fraction"] = data.get("val_fraction", 0.05)
+    return config
+
+
+def measurement(layout: Layout, summary: dict[str, Any], memory_steps: int) -> Measurement:
+    """What a measuring run's summary (rank 0's `summary.json`) says of `layout`."""
+    memory = summary["memory"]
+    timed = [s for step, s in summary["step_seconds"].items() if int(step) > memory_steps]
+    seconds = statistics.median(timed)
+    return Measurement(layout=layout, peak_bytes=[m["peak_bytes"] for m in memory],
+                       initialized_bytes=[m["marks"].get("initialized", 0) for m in memory],
+                       step_seconds=seconds, tokens_per_s=layout.tokens_per_step / seconds)
