@@ -1,16 +1,21 @@
 """Downstream tasks scored at every checkpoint (`optimus.eval.downstream`), as the seed system scored
 its checkpoints: rank 0 exports the checkpoint just written and scores it with lm-evaluation-harness
 on its device (`ds_optimus.evaluate`); the scores go to `<output_dir>/eval/step_N.json`, the log and
-the metrics (`downstream/<task>`), and the run's report plots them. The other ranks wait on a marker
-file, not a collective (a long task suite would outlast a collective's time-out). A failed evaluation
+the metrics (`downstream/<task>`), and the run's report plots them. The other ranks wait in a barrier
+of a gloo group of its own with a long time-out (a task suite outlasts the default group's; polling a
+file from thousands of ranks would load a shared file system's metadata servers). A failed evaluation
 is said in the log and the run goes on: the checkpoint is what matters."""
 
 from __future__ import annotations
 
-import time
+from datetime import timedelta
 from pathlib import Path
 
+import torch.distributed as dist
+
 from .base import Callback
+
+WAIT = timedelta(hours=24)  # the watchdog's long-work time-out, not this, is what catches a hang
 
 
 class DownstreamCallback(Callback):
@@ -18,6 +23,7 @@ class DownstreamCallback(Callback):
 
     def __init__(self, config) -> None:
         self.config = config
+        self.waiting = None  # the gloo group the other ranks wait in
 
     def setup(self) -> None:  # a missing lm-eval or an unknown task folder stops the run before it starts
         from ...evaluate.harness import EvaluationError, require_lm_eval
@@ -30,22 +36,17 @@ class DownstreamCallback(Callback):
         for folder in self.config.include:
             if not Path(folder).expanduser().is_dir():
                 raise ConfigError(f"optimus.eval.downstream.include: task folder {folder!r} does not exist")
+        if dist.is_initialized() and dist.get_world_size() > 1:  # collective: every rank makes it
+            self.waiting = dist.new_group(backend="gloo", timeout=WAIT)
 
     def on_checkpoint(self, step: int, path: Path) -> None:
         trainer = self.trainer
         trainer.checkpoints.wait()  # a background save must be on disk before it is read (collective)
         trainer.begin_long_work(f"the downstream evaluation of step {step}")
-        done = trainer.output_dir / "eval" / f".done-step_{step:08d}"
         if trainer.rank == 0:
-            done.unlink(missing_ok=True)
-            try:
-                self._score(step, Path(path))
-            finally:
-                done.parent.mkdir(parents=True, exist_ok=True)
-                done.touch()
-        else:
-            while not done.exists():  # rank 0 is scoring; no collective waits that long
-                time.sleep(0.5)
+            self._score(step, Path(path))
+        if self.waiting is not None:
+            dist.barrier(group=self.waiting)
 
     def _score(self, step: int, path: Path) -> None:
         from ...evaluate.harness import EvaluationError
