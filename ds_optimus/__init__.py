@@ -18,10 +18,12 @@ and planner load on machines without DeepSpeed.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.abc
 import importlib.util
 import sys
+import threading
 import warnings
 
 __version__ = "0.1.0"
@@ -97,46 +99,66 @@ def _leave_optimus_to_us() -> None:
     plugin.deepspeed_config_process = deepspeed_config_process
 
 
-class _Hooks(importlib.abc.MetaPathFinder):
-    """Runs a hook right after a watched module's import completes (`WATCHED`), and a deferred
-    Transformers registration once no import of ours is still running. Imports nothing itself:
-    `importlib.util.find_spec(name)` (Transformers and accelerate probe with it) asks here too."""
+class _Then(importlib.abc.Loader):
+    """A module's own loader, then `after()` once the module has run (everything else asked of it,
+    such as `get_source` or resources, goes to the module's loader)."""
 
-    WATCHED = {"transformers": _register_with_transformers, "deepspeed": _install_engine_hook,
-               "accelerate.utils.dataclasses": _leave_optimus_to_us}
+    def __init__(self, loader, after) -> None:
+        self.loader, self.after = loader, after
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.loader.exec_module(module)
+        self.after()
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
+
+
+class _Hooks(importlib.abc.MetaPathFinder):
+    """Runs the hooks of a watched module right after its import completes (`WATCHED`), and a deferred
+    Transformers registration once no import of ours is still running. It finds the module through
+    the other finders and hands back a copy of their spec whose loader runs the hooks afterwards;
+    it imports nothing itself (`importlib.util.find_spec(name)`, with which Transformers and
+    accelerate probe for packages, asks here too), and leaves reloads alone."""
+
+    WATCHED: dict[str, list] = {"transformers": [_register_with_transformers], "deepspeed": [_install_engine_hook],
+                                "accelerate.utils.dataclasses": [_leave_optimus_to_us]}
     pending = False  # the registration waits for an import of ours to finish
-    busy = False
+    local = threading.local()  # `busy`: this thread is finding the spec (other threads import freely)
 
     def find_spec(self, name, path=None, target=None):
-        hook = self.WATCHED.get(name)
-        if hook is None and not name.startswith(f"{__name__}."):
+        hooks = self.WATCHED.get(name)
+        if target is not None or (hooks is None and not name.startswith(f"{__name__}.")):
             return None
-        if self.busy:
+        if getattr(self.local, "busy", False):
             return None
-        self.busy = True
+        self.local.busy = True
         try:
             spec = importlib.util.find_spec(name)
         finally:
-            self.busy = False
+            self.local.busy = False
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        run = spec.loader.exec_module
 
-        def exec_module(module):
-            run(module)
-            if hook is not None:
-                hook()
+        def after() -> None:
+            if hooks is not None:
+                for hook in list(hooks):
+                    hook()
             elif self.pending:
                 _register_with_transformers(finishing=name)
 
-        spec.loader.exec_module = exec_module
+        spec = copy.copy(spec)
+        spec.loader = _Then(spec.loader, after)
         return spec
 
 
 def _hook(name: str) -> None:
-    if name in sys.modules:
-        if sys.modules[name] is not None:  # None marks a module as absent: nothing to hook
-            _Hooks.WATCHED[name]()
+    if sys.modules.get(name) is not None:  # None marks a module as absent: nothing to hook
+        for hook in list(_Hooks.WATCHED[name]):
+            hook()
 
 
 def after_import(name: str, hook) -> None:
@@ -144,7 +166,7 @@ def after_import(name: str, hook) -> None:
     if sys.modules.get(name) is not None:
         hook()
     else:
-        _Hooks.WATCHED[name] = hook
+        _Hooks.WATCHED.setdefault(name, []).append(hook)
 
 
 if not any(isinstance(f, _Hooks) for f in sys.meta_path):

@@ -234,11 +234,11 @@ def _describe(err: BaseException) -> str:
 
 # -- checkpoint folders ---------------------------------------------------------------------------
 
-def verify(path: Path, rank: int = 0, world: int = 1, required: tuple[str, ...] = ()) -> str | None:
-    """What is wrong with checkpoint folder `path` against its manifest (every file's size and CRC-32,
-    the integer keys `required`), in one line; None if intact. Collective: ranks hash in turn."""
+def verify(path: Path, rank: int = 0, world: int = 1, required: tuple[str, ...] = (), only=None) -> str | None:
+    """What is wrong with checkpoint folder `path` against its manifest (the size and CRC-32 of every file,
+    or of those `only(name)` keeps; the integer keys `required`), in one line; None if intact. Collective."""
     files, problem = manifest_files(path, required)
-    for name in sorted(files)[rank::world]:
+    for name in sorted(n for n in files if only is None or only(n))[rank::world]:
         record, target = files[name], path / name
         if not target.is_file():
             problem = f"{name} is missing"

@@ -1,6 +1,12 @@
 """What every command line of ds_optimus shares (a leaf: imports nothing else of ds_optimus, nor
-PyTorch): usage as `python -m NAME`, errors as one line `NAME: error: ...` with exit status 2, and
-under a launcher an error every rank raises printed once, by rank 0."""
+PyTorch): usage as `python -m NAME`, errors as one line `NAME: error: ...` with exit status 2, and,
+for the commands a launcher starts on many ranks, an error every rank raises alike printed once.
+
+Which errors every rank raises alike is known where they are raised: the checks of the config before
+anything rank-dependent (`said_by_every_rank`), and the errors the library makes collective (rank 0's
+data error broadcast, a checkpoint none of the ranks can use). Rank 0 prints those; any other error
+is printed by every rank that has it, with its rank, so that a rank failing alone (a file its node
+does not see) is never silent."""
 
 from __future__ import annotations
 
@@ -11,18 +17,27 @@ import sys
 EXIT_ERROR = 2
 
 
+def said_by_every_rank(error: BaseException) -> BaseException:
+    """Mark `error` as one every rank raises alike (rank 0 alone prints it); returns it."""
+    error.every_rank = True
+    return error
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with the usage line `python -m NAME ...` and usage errors as `NAME: error: ...`,
-    the form every error of the command takes."""
+    the form every error of the command takes; with `launched`, printed by rank 0 only (every rank
+    parses the same command line)."""
 
-    def __init__(self, name: str, **kwargs) -> None:
+    def __init__(self, name: str, launched: bool = False, **kwargs) -> None:
         kwargs.setdefault("prog", f"python -m {name}")
         super().__init__(**kwargs)
-        self.name = name
+        self.name, self.launched = name, launched
 
     def error(self, message: str):
-        self.print_usage(sys.stderr)
-        self.exit(EXIT_ERROR, f"{self.name}: error: {message}\n")
+        if not self.launched or launch_rank() == 0:
+            self.print_usage(sys.stderr)
+            self.exit(EXIT_ERROR, f"{self.name}: error: {message}\n")
+        self.exit(EXIT_ERROR)
 
 
 def launch_rank() -> int:
@@ -34,16 +49,15 @@ def launch_rank() -> int:
     return 0
 
 
-def fail(name: str, error: BaseException | str) -> int:
-    """Print `error` as one line `NAME: error: ...` and return the exit status 2. Under a launcher
-    only rank 0 prints: the library raises its errors (bad config, data, layout, checkpoints) on
-    every rank alike, so the other ranks would repeat the line among the launcher's; an error
-    marked `rank_specific` (one rank's own failure) is printed by the rank that has it."""
+def fail(name: str, error: BaseException | str, launched: bool = False) -> int:
+    """Print `error` as one line `NAME: error: ...` and return the exit status 2. With `launched`
+    (a command a launcher starts on many ranks), an error marked by `said_by_every_rank` is printed
+    by rank 0 alone and any other by each rank that raises it, naming its rank."""
     text = str(error).strip()
     line = text.splitlines()[0] if text else type(error).__name__
-    rank = launch_rank()
+    rank = launch_rank() if launched else 0
     if rank == 0:
         print(f"{name}: error: {line}", file=sys.stderr, flush=True)
-    elif getattr(error, "rank_specific", False):
+    elif not getattr(error, "every_rank", False):
         print(f"{name}: error: rank {rank}: {line}", file=sys.stderr, flush=True)
     return EXIT_ERROR

@@ -138,6 +138,9 @@ class _Pool:
                 process.terminate()
         for process in self.processes:
             process.join(timeout=10)
+            if process.is_alive():  # a run's preemption handler takes SIGTERM as a request to checkpoint
+                process.kill()
+                process.join(timeout=10)
         _POOLS.pop(self.world, None)
 
 
@@ -169,4 +172,4 @@ def close_pools() -> None:
             q.put(None)
         for process in pool.processes:
             process.join(timeout=10)
-        pool.close()
+        pool.close()  # terminates, then kills, what did not stop

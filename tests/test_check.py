@@ -105,3 +105,26 @@ def test_the_configs_readme_states_what_the_configs_hold():
         assert f"({tokens} tokens) per step" in batch, (name, batch)
         predicted = float(re.search(r"predicted peak ([\d.,]+) GiB", memory).group(1))
         assert abs(predicted - float(peak.split()[0])) < 0.1, (name, predicted, peak)
+
+
+def test_check_reads_an_olmoe_folders_weights_from_their_headers_and_names_a_damaged_file(tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    OlmoeForCausalLM(OlmoeConfig(vocab_size=4096, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                                 num_experts_per_tok=2)).save_pretrained(tmp_path / "olmoe", save_original_format=True)
+    status, out, err = _run(capsys, str(TINY), "--check", "--set", f"optimus.model.path={tmp_path / 'olmoe'}")
+    assert status == 0, err
+    assert f"model     {tmp_path / 'olmoe'} (an OLMoE folder, converted on the fly, with its weights)" in out
+
+    weights = tmp_path / "olmoe" / "model.safetensors"
+    tensors = load_file(weights)
+    del tensors["model.layers.1.mlp.experts.2.up_proj.weight"]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    status, _, err = _run(capsys, str(TINY), "--check", "--set", f"optimus.model.path={tmp_path / 'olmoe'}")
+    assert status == 2 and err.strip().endswith("(an OLMoE checkpoint, converted on the fly at the start): missing "
+                                                "tensor model.layers.1.mlp.experts.2.up_proj.weight"), err
+    weights.write_bytes(b"\xff" * 64)  # a damaged header
+    status, _, err = _run(capsys, str(TINY), "--check", "--set", f"optimus.model.path={tmp_path / 'olmoe'}")
+    assert status == 2 and ": model.safetensors cannot be read (" in err and len(err.splitlines()) == 1, err

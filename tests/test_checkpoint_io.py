@@ -227,7 +227,8 @@ def test_a_newer_complete_checkpoint_than_latest_is_resumed_and_latest_said_to_b
     manager = CheckpointManager(tmp_path)
     save(manager, 4)
     save(manager, 8)
-    (tmp_path / "latest").write_text("step_00000004")  # a crash between the rename and the `latest` write
+    (tmp_path / "latest").write_text("step_00000004")  # a crash between the rename and the `latest` write:
+    os.utime(tmp_path / "latest", (0, 0))  # latest is older than step 8's manifest
     notes = []
     assert manager.latest_good(notes.append) == tmp_path / "step_00000008"
     assert notes == ["latest names step_00000004, but step_00000008 is newer and complete (latest was behind: a "
@@ -237,6 +238,20 @@ def test_a_newer_complete_checkpoint_than_latest_is_resumed_and_latest_said_to_b
     notes.clear()
     assert manager.latest_good(notes.append) == tmp_path / "step_00000004"
     assert notes[1].startswith("checkpoint step_00000008 is damaged: rank00000.pt has 7 bytes")
+
+
+def test_a_latest_set_back_by_hand_is_obeyed_and_said(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    for step in (4, 8, 12):
+        save(manager, step)
+    (tmp_path / "latest").write_text("step_00000008")  # written after step 12's manifest: on purpose
+    notes = []
+    assert manager.latest_good(notes.append) == tmp_path / "step_00000008"
+    assert notes == ["latest names step_00000008, set after step_00000012 (rewound by hand?): resuming from "
+                     "step_00000008 as it says; the newer checkpoints are overwritten as the run gets there again"]
+    os.utime(tmp_path / "latest", (0, 0))  # older than step 12's manifest: a crash before latest was updated
+    notes.clear()
+    assert manager.latest_good(notes.append) == tmp_path / "step_00000012" and "latest was behind" in notes[0]
 
 
 def _latest_good_worker(rank: int, world: int, directory: str) -> tuple[str, list[str]]:

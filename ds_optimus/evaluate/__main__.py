@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--step", type=int, default=None, help="of a run: the checkpoint of this step (default: "
                                                               "the newest)")
-    which.add_argument("--all", action="store_true", help="of a run: every checkpoint without scores yet")
+    which.add_argument("--all", action="store_true", help="of a run: every checkpoint not yet scored on the tasks")
     parser.add_argument("--limit", type=int, default=None, help="documents per task (default: all)")
     parser.add_argument("--num-fewshot", type=int, default=0, help="examples in each prompt (default 0)")
     parser.add_argument("--batch-size", type=int, default=8)
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..reliability.checkpoint import CheckpointError
     from .harness import EvaluationError, require_lm_eval
-    from .run import evaluate, resolve, results_path, summary_line
+    from .run import evaluate, resolve, results_path, scored_already, summary_line
 
     try:
         if args.out and args.all:
@@ -69,9 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         require_lm_eval()
         targets = resolve(args.target, args.step, args.all)
         if args.all:
-            targets = [t for t in targets if not results_path(t[1], t[2]).exists()]
+            targets = [t for t in targets if not scored_already(results_path(t[1], t[2]), tasks)]
             if not targets:
-                print(f"every checkpoint of {args.target} is scored already ({Path(args.target) / 'eval'})")
+                print(f"every checkpoint of {args.target} is scored on {', '.join(tasks)} already "
+                      f"({Path(args.target) / 'eval'})")
                 return 0
         device, dtype = _device(args.device, args.dtype)
         for model, run, step in targets:

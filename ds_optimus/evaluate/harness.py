@@ -64,16 +64,22 @@ def score(folder: str | Path, tasks: list[str], *, include: list[str] = (), limi
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     if not verbose:
         _quiet(lm_eval)
-    manager = TaskManager(include_path=include or None, include_defaults=not local)
-    unknown = [name for name in names if name not in manager.all_tasks]
-    if unknown:
-        raise EvaluationError(f"unknown task {unknown[0]!r} (lm-eval {lm_eval.__version__} knows "
-                              f"{len(manager.all_tasks):,} tasks; give YAML tasks with --include)")
-    began = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size,
-              max_length=getattr(model.config, "max_position_embeddings", None))
+    try:  # a task file lm-eval cannot read, a model folder that does not load: one line, not a traceback
+        manager = TaskManager(include_path=include or None, include_defaults=not local)
+        unknown = [name for name in names if name not in manager.all_tasks]
+        if unknown:
+            raise EvaluationError(f"unknown task {unknown[0]!r} (lm-eval {lm_eval.__version__} knows "
+                                  f"{len(manager.all_tasks):,} tasks; give YAML tasks with --include)")
+        began = time.perf_counter()
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size,
+                  max_length=getattr(model.config, "max_position_embeddings", None))
+    except EvaluationError:
+        raise
+    except Exception as err:
+        text = str(err).strip()
+        raise EvaluationError(f"{type(err).__name__}: {text.splitlines()[0] if text else ''}") from None
     try:
         results = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager, num_fewshot=num_fewshot,
                                           limit=limit, log_samples=False, bootstrap_iters=1000)

@@ -70,7 +70,8 @@ def export_checkpoint(checkpoint: Path, out: Path) -> Path:
     from ..hf_models.mula import MulaConfig, MulaForCausalLM
     from ..reliability.checkpoint import MANIFEST_KEYS, MODEL_FILE, consolidated_state
 
-    problem = verify(checkpoint, required=MANIFEST_KEYS)
+    # the files the export reads, not the optimizer's state (most of a checkpoint's bytes)
+    problem = verify(checkpoint, required=MANIFEST_KEYS, only=lambda name: name.startswith(("model", "experts_")))
     if problem:
         raise EvaluationError(f"checkpoint {checkpoint} is damaged: {problem}")
     if not (checkpoint / MODEL_FILE).exists():
@@ -120,12 +121,32 @@ def evaluate(model: Path, run: Path, step: int | None, tasks: list[str], *, out:
     finally:
         if export is not None and not keep_export:
             shutil.rmtree(export, ignore_errors=True)
-    record = {"step": step, "model": str(model), "time": time.time(), "num_fewshot": options.get("num_fewshot", 0),
-              "limit": options.get("limit"), **scored}
+    for entry in scored["tasks"].values():
+        entry.update(num_fewshot=options.get("num_fewshot", 0), limit=options.get("limit"))
     path = out or results_path(run, step)
+    # the step's scores on other tasks (scored at training time, say) stay; a task scored again is replaced
+    earlier = read_results(path).get("tasks", {})
+    record = {"step": step, "model": str(model), "time": time.time(), **scored,
+              "tasks": {**earlier, **scored["tasks"]}}
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(record, indent=2))
-    return path, record
+    return path, {**record, "tasks": scored["tasks"]}
+
+
+def read_results(path: Path) -> dict[str, Any]:
+    """A results file's record, {} if there is none (or it cannot be read)."""
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def scored_already(path: Path, tasks: list[str]) -> bool:
+    """Whether results file `path` holds scores of every one of `tasks` (`tasks.expand`ed)."""
+    from .tasks import expand
+
+    return set(expand(tasks)) <= set(read_results(path).get("tasks", {}))
 
 
 def summary_line(record: dict[str, Any]) -> str:

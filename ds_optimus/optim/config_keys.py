@@ -65,7 +65,7 @@ def check_config_keys(ds_config: dict) -> None:
     # Batch sizes checked for this world size elsewhere, and the Trainer's "auto" values, stay out of
     # the probe (it runs as one process); every other value is read as the run will read it.
     probe = {k: v for k, v in ds_config.items() if k not in batch_keys and v != "auto"}
-    probe.update(train_batch_size=1)
+    probe.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)  # fits any world size
     seen: set = set()
     try:
         DeepSpeedConfig(_ReadRecorder(_without_auto(probe), seen))

@@ -316,7 +316,7 @@ def prepare_op_builds(say=None) -> None:
             say(f"ds_optimus: compiling DeepSpeed's {self.name} op ({_WHY.get(self.name, 'this config needs it')}): "
                 f"a few minutes, once per environment, kept in {root}")
         began = time.perf_counter()
-        module = original(self, verbose=False)
+        module = original(self, verbose=os.environ.get("DS_OPTIMUS_VERBOSE", "") not in ("", "0", "false"))
         if first:
             say(f"ds_optimus: DeepSpeed's {self.name} op is ready ({time.perf_counter() - began:.0f} s)")
         return module

@@ -91,20 +91,34 @@ def check_run(ds_config: dict[str, Any], world: int | None = None, cluster: str 
 
 
 def _check_weights(path: str | None, model) -> None:
-    """A Mula folder's safetensors weights against the model built on the meta device, from their
-    headers only (names and shapes; no tensor is read)."""
-    folder = Path(path) if path else None
-    files = sorted(folder.glob("*.safetensors")) if folder is not None else []
-    if not files or json.loads((folder / "config.json").read_text()).get("model_type") != "mula":
-        return  # no weights, PyTorch .bin files (they would have to be loaded) or OLMoE (converted at start)
+    """A Mula or OLMoE folder's safetensors weights against the model built on the meta device, from
+    their headers only (names and shapes; no tensor is read). PyTorch .bin files would have to be
+    loaded: they are checked at the start."""
+    import torch
     from safetensors import safe_open
 
     from ..config import refuse_uninitialised
+    from ..hf_models.mula import MulaForCausalLM
+    from ..hf_models.mula.convert_olmoe import ConversionError, check_tensors, stack_experts
 
-    shapes = {}
+    folder = Path(path) if path else None
+    files = sorted(folder.glob("*.safetensors")) if folder is not None else []
+    if not files:
+        return
+    where, shapes = f"optimus.model.path {str(folder)!r}", {}
     for file in files:
-        with safe_open(file, framework="pt") as f:
-            shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+        try:
+            with safe_open(file, framework="pt") as f:
+                shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+        except Exception as err:  # safetensors' own error type for a damaged header, OSError, ...
+            raise ConfigError(f"{where}: {file.name} cannot be read ({str(err).splitlines()[0]})") from None
+    if json.loads((folder / "config.json").read_text()).get("model_type") == "olmoe":
+        empty = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
+        try:  # as the start converts it, on tensors without data
+            check_tensors(MulaForCausalLM, model.config, stack_experts(empty, model.config.num_experts))
+        except ConversionError as err:
+            raise ConfigError(f"{where} (an OLMoE checkpoint, converted on the fly at the start): {err}") from None
+        return
     tied = "lm_head.weight" if model.config.tie_word_embeddings else None
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items() if name != tied}
     refuse_uninitialised(folder, [name for name in expected if name not in shapes],

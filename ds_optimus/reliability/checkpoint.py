@@ -55,6 +55,15 @@ from ..checkpoint_io import (  # noqa: F401  (atomic_save, file_record, write_te
 from ..schema import Section, check_flags, need, non_negative_int, positive_int
 
 STEP_PREFIX = "step_"
+
+
+class CollectiveCheckpointError(CheckpointError):
+    """A CheckpointError every rank raises alike (decided from every rank's or rank 0's view, or a
+    save's failure gathered from all ranks): the command lines print it once."""
+
+    every_rank = True
+
+
 MANIFEST_KEYS = ("step", "world_size", "ep_size")  # what `load` reads from a manifest, in both formats
 # The model's config and tokenizer (rank 0), so that a checkpoint exports as a Hugging Face folder on
 # its own (`ds_optimus.evaluate`), without the run's config or the library's defaults of the day.
@@ -112,6 +121,7 @@ class CheckpointManager:
         self.ep_size = groups.ep_size if groups is not None else 1
         self.writer = CheckpointWriter(self.rank, self.world_size)
         self.model_record: dict[str, Any] | None = None  # `model_record(...)`: rank 0 saves it as MODEL_FILE
+        self.keep_for_now: set[Path] = set()  # not pruned while something still reads them (rank 0)
 
     # -- finding ----------------------------------------------------------------------------------
 
@@ -137,8 +147,22 @@ class CheckpointManager:
     def candidates(self) -> list[Path]:
         """Complete checkpoints to resume from, best first: newest first. `latest` is written after
         the folder is renamed into place, so a crash between the two leaves it naming the previous
-        checkpoint while the newer one is complete (`passed_over` says so)."""
-        return self.complete()[::-1]
+        checkpoint while the newer one is complete (`passed_over` says so). A `latest` set back by
+        hand (written after the newer checkpoints were) is obeyed: it and the older ones, newest first."""
+        done = self.complete()[::-1]
+        named = self._rewound_to(done)
+        return [p for p in done if _step(p) <= _step(named)] if named is not None else done
+
+    def _rewound_to(self, done: list[Path]) -> Path | None:
+        """The complete checkpoint `latest` names when it was set back on purpose: written after every
+        newer complete checkpoint's manifest (a crash leaves it older than them); None otherwise."""
+        try:
+            named = self.directory / (self.directory / LATEST).read_text().strip()
+            written = (self.directory / LATEST).stat().st_mtime
+            newer = [json.loads((p / "meta.json").read_text()).get("time", 0) for p in done if _step(p) > _step(named)]
+        except (OSError, ValueError):
+            return None
+        return named if named in done and newer and written > max(newer) else None
 
     def passed_over(self, candidates: list[Path]) -> list[str]:
         """One line for each thing that `candidates` (best first) silently passes over: a `step_N`
@@ -156,6 +180,10 @@ class CheckpointManager:
         except OSError:  # no `latest` (the first save had not got that far): nothing named, nothing missed
             return notes
         if named in reported or (best is not None and self.directory / named == best):
+            if best is not None and self.directory / named == best and self._rewound_to(self.complete()[::-1]):
+                newer = [p.name for p in self.complete() if _step(p) > _step(best)]
+                notes.append(f"latest names {named}, set after {', '.join(newer)} (rewound by hand?): resuming from "
+                             f"{named} as it says; the newer checkpoints are overwritten as the run gets there again")
             return notes
         then = f"using {best.name}" if best else "no complete checkpoint is left"
         folder = self.directory / named
@@ -196,8 +224,8 @@ class CheckpointManager:
         if not candidates and traces:
             # Checkpoints were here and none is usable: starting afresh would silently lose the run
             # (a restart after the refusal below would otherwise do just that).
-            raise CheckpointError(f"no intact checkpoint is left in {self.directory} ({'; '.join(traces)}); move "
-                                  "the folder away to start over")
+            raise CollectiveCheckpointError(f"no intact checkpoint is left in {self.directory} "
+                                              f"({'; '.join(traces)}); move the folder away to start over")
         problems = []
         for path in candidates:
             problem = verify(path, self.rank, self.world_size, required=MANIFEST_KEYS)
@@ -211,8 +239,8 @@ class CheckpointManager:
                 shutil.rmtree(path.with_name(path.name + ".corrupt"), ignore_errors=True)
                 os.replace(path, path.with_name(path.name + ".corrupt"))
         if candidates:
-            raise CheckpointError(f"none of the {len(candidates)} checkpoints in {self.directory} is intact "
-                                  f"({'; '.join(problems)}); move them away to start over")
+            raise CollectiveCheckpointError(f"none of the {len(candidates)} checkpoints in {self.directory} is "
+                                              f"intact ({'; '.join(problems)}); move them away to start over")
         return None
 
     # -- saving -----------------------------------------------------------------------------------
@@ -228,7 +256,7 @@ class CheckpointManager:
         """Write checkpoint `step` (collective: every rank calls it) and prune old ones. With
         `background`, the state is copied and written by a thread while training goes on (one save
         in flight: this waits for the previous one first)."""
-        self.writer.wait()
+        self.wait()
         name = f"{STEP_PREFIX}{step:08d}"
         self.writer.prepare(self.directory, name)
         client = {"rng": rng_state(), "extra": extra or {}}
@@ -242,12 +270,18 @@ class CheckpointManager:
         meta["step"] = step
         if self.rank == 0 and self.model_record is not None:
             files[MODEL_FILE] = self.model_record
-        self.writer.write(self.directory, name, files, meta, background=background, keep=self._prune)
+        try:
+            self.writer.write(self.directory, name, files, meta, background=background, keep=self._prune)
+        except CheckpointError as err:  # gathered from every rank: the same on each
+            raise CollectiveCheckpointError(str(err)) from None
         return self.directory / name
 
     def wait(self) -> None:
         """Finish the save in flight (collective); raises its failure on every rank."""
-        self.writer.wait()
+        try:
+            self.writer.wait()
+        except CheckpointError as err:
+            raise CollectiveCheckpointError(str(err)) from None
 
     def _per_rank_files(self, engine, client: dict, copy: bool) -> tuple[dict[str, Any], dict[str, Any]]:
         from ..optim.deepspeed_compat import engine_state
@@ -267,7 +301,8 @@ class CheckpointManager:
 
     def _prune(self, root: Path) -> None:
         for old in self.complete()[:-self.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+            if old not in set(self.keep_for_now):
+                shutil.rmtree(old, ignore_errors=True)
 
     # -- loading ----------------------------------------------------------------------------------
 

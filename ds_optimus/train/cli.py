@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 
-from ..cli import ArgumentParser, fail
+from ..cli import ArgumentParser, fail, said_by_every_rank
 
 NAME = "ds_optimus.train"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = ArgumentParser(NAME, description="Pretrain a Mula model with DeepSpeed.")
+    parser = ArgumentParser(NAME, launched=True, description="Pretrain a Mula model with DeepSpeed.")
     parser.add_argument("--config", required=True, help="DeepSpeed JSON config with an optimus section")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, dotted (repeatable)")
@@ -50,7 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     from .trainer import pretrain
 
     try:
-        config = apply_overrides(load_json_config(args.config), args.overrides)
+        try:
+            config = apply_overrides(load_json_config(args.config), args.overrides)
+        except ConfigError as err:
+            raise said_by_every_rank(err) from None  # the same file and --set on every rank
         if args.check:
             from ..plan import ClusterError
             from ..plan.preflight import check_run  # the command line sits above the planner and the trainer
@@ -63,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         summary = pretrain(config)
     except (ConfigError, DataError, LayoutError, CheckpointError) as err:
-        return fail(NAME, err)
+        return fail(NAME, err, launched=True)
     losses = list(summary["losses"].values())
     if losses and summary.get("rank", 0) == 0:
         print(f"trained steps {summary['start_step'] + 1}-{summary['start_step'] + len(losses)}: "

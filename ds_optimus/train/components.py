@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..cli import said_by_every_rank
 from ..config import check_run_config, resolve_batch_sizes  # noqa: F401  (re-exported: the trainer's pieces)
 
 
@@ -110,14 +111,10 @@ def prepare_on_rank_zero(sources, tokenizer, cache_dir, val_fraction):
             failure[0] = (isinstance(err, DataError), f"{err}" if isinstance(err, DataError)
                           else f"preparing the data failed: {type(err).__name__}: {err}")
     dist.broadcast_object_list(failure, src=0)
-    if failure[0] is not None:
+    if failure[0] is not None:  # rank 0's, broadcast: every rank raises it alike
         is_data_error, message = failure[0]
-        raise DataError(message) if is_data_error else RuntimeError(message)
-    try:
-        return prepare(sources, tokenizer, cache_dir, val_fraction, progress=False)
-    except DataError as err:  # this rank alone cannot open what rank 0 wrote (a file system it does not see?)
-        err.rank_specific = True
-        raise
+        raise said_by_every_rank(DataError(message) if is_data_error else RuntimeError(message))
+    return prepare(sources, tokenizer, cache_dir, val_fraction, progress=False)
 
 
 def enable_activation_checkpointing(model) -> None:

@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     from ds_optimus.cli import ArgumentParser, fail
 
     parser = ArgumentParser(
-        NAME, formatter_class=argparse.RawDescriptionHelpFormatter,
+        NAME, launched=True, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Pretrain a Mula model with a plain Hugging Face Trainer and DeepSpeed, from the same config as\n"
                     "`python -m ds_optimus.train` (its optimus section gives the model, data, steps, seed and output\n"
                     "folder; DeepSpeed's engine applies expert parallelism and the sharded optimizer).",
@@ -82,14 +82,14 @@ def main(argv: list[str] | None = None) -> int:
         sources = [parse_source(s) for s in opt.data.sources]
         packed = prepare_on_rank_zero(sources, tokenizer, opt.data.cache_dir, opt.data.val_fraction)
     except (ConfigError, DataError, ValueError) as err:
-        return fail(NAME, err)
+        return fail(NAME, err, launched=True)
 
     trainer = Trainer(model=model, args=training_args, processing_class=tokenizer, data_collator=default_data_collator,
                       train_dataset=PackedSequences(packed.tokens("train"), opt.data.seq_len))
     try:
         trainer.train()  # DeepSpeed's engine is built here: it applies the optimus section
     except ConfigError as err:
-        return fail(NAME, err)
+        return fail(NAME, err, launched=True)
     trainer.save_model(str(out / "hf-trainer"))  # every rank: the experts are gathered
     if trainer.is_world_process_zero():
         losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]

@@ -78,6 +78,11 @@ class MetricsSink:
             self.bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()})
             self.bar.update(step - self.bar.n)
 
+    def log_to_wandb(self, step: int, metrics: dict[str, Any]) -> None:
+        """Send `metrics` to wandb alone (not metrics.jsonl), at `step`."""
+        if self.enabled and self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+
     def message(self, text: str) -> None:
         """Show `text` and append it, timestamped, to `log.txt` beside the metrics (skipped steps,
         rollbacks, damaged checkpoints stay on record)."""

@@ -12,6 +12,7 @@ update. At the end the model is exported as a Hugging Face folder that `AutoMode
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -21,12 +22,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..cli import said_by_every_rank
 from ..config import load_json_config
 from ..reliability.signals import EXIT_PREEMPTED
 from ..schema import ConfigError
 from . import components as C
 from .callbacks import Callback, default_callbacks
 from .metrics import LOSS_PARTS, MetricsSink, append_log
+
+
+@contextlib.contextmanager
+def every_rank_alike():
+    """Errors raised inside are ones every rank raises alike (checks of the same config): printed once."""
+    try:
+        yield
+    except (ConfigError, ValueError) as err:
+        raise said_by_every_rank(err) from None
 
 
 class Preempted(SystemExit):
@@ -46,10 +57,12 @@ class Trainer:
     def __init__(self, ds_config: dict[str, Any] | str | Path, *, callbacks: list[Callback] = (),
                  log_every_rank: bool = False) -> None:
         self.ds_config = load_json_config(ds_config)
-        self.opt = opt = C.check_run_config(self.ds_config)
+        with every_rank_alike():  # the same config and code on every rank: the same error
+            self.opt = opt = C.check_run_config(self.ds_config)
         C.init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.micro_batch, self.accumulation = C.resolve_batch_sizes(self.ds_config, self.world)
+        with every_rank_alike():
+            self.micro_batch, self.accumulation = C.resolve_batch_sizes(self.ds_config, self.world)
         C.scheduler_defaults(self.ds_config, opt.train.steps)
         C.seed_everything(opt.train.seed)  # the same initial weights on every rank
         self.output_dir = Path(opt.train.output_dir)
@@ -100,10 +113,12 @@ class Trainer:
         model = opt.model.build(self.tokenizer)
         if opt.train.activation_checkpointing:
             C.enable_activation_checkpointing(model)
-        if model.config.num_experts:
-            check_layout(self.world, opt.expert_parallel.size, model.config.num_experts, opt.expert_parallel.node_size)
-        elif opt.expert_parallel.size > 1:
-            raise ConfigError("optimus.expert_parallel.size > 1 needs an MoE model (num_experts > 0)")
+        with every_rank_alike():
+            if model.config.num_experts:
+                check_layout(self.world, opt.expert_parallel.size, model.config.num_experts,
+                             opt.expert_parallel.node_size)
+            elif opt.expert_parallel.size > 1:
+                raise ConfigError("optimus.expert_parallel.size > 1 needs an MoE model (num_experts > 0)")
         self.groups = setup_moe(model, opt)
         if opt.train.compile:
             C.compile_layers(model)
@@ -149,8 +164,9 @@ class Trainer:
         checkpoint was taken after (0 without one)."""
         checkpoints, notes = self.checkpoints, []
         if not self.opt.checkpoint.resume and checkpoints.has_checkpoints():
-            raise ConfigError(f"checkpoint.resume is false but {checkpoints.directory} holds checkpoints of an "
-                              "earlier run; remove them or point checkpoint.dir elsewhere")
+            raise said_by_every_rank(ConfigError(  # has_checkpoints: rank 0's view, on every rank
+                f"checkpoint.resume is false but {checkpoints.directory} holds checkpoints of an earlier run; remove "
+                "them or point checkpoint.dir elsewhere"))
         latest = checkpoints.latest_good(report=notes.append) if self.opt.checkpoint.resume else None
         start, self.resumed_from = 0, None
         if latest is not None:

@@ -5,8 +5,8 @@ first (it re-arms before anything else can hang), fault injection (only with `DS
 the memory meter, the router-bias update right after the optimizer step, metrics and the progress
 file, the guards (whose rollback ends the step's remaining `post_step` calls), then the `extra`
 callbacks of the user, so that what they do or ask for (a stop) is in the step's evaluation and
-checkpoint, then evaluation, preemption (whose stop wins over others) and the checkpoints, and the
-downstream tasks scored on each checkpoint (`optimus.eval.downstream`), last.
+checkpoint, then evaluation, preemption (whose stop wins over others) and the checkpoints, last. The
+downstream tasks scored on each checkpoint (`optimus.eval.downstream`) come first, so they close last.
 """
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ __all__ = [
 def default_callbacks(opt, extra: list[Callback] = ()) -> list[Callback]:
     """The callbacks of a run of the parsed `optimus` section `opt`, with the user's `extra`, in
     hook order."""
-    callbacks: list[Callback] = [WatchdogCallback(opt.watchdog)]
+    # downstream evaluation first, so that it closes last: after the watchdog, while waiting for its scores
+    callbacks: list[Callback] = [DownstreamCallback(opt.eval.downstream)] if opt.eval.downstream.enabled else []
+    callbacks.append(WatchdogCallback(opt.watchdog))
     faults = FaultInjectionCallback.from_environment()
     if faults is not None:
         callbacks.append(faults)
@@ -50,6 +52,4 @@ def default_callbacks(opt, extra: list[Callback] = ()) -> list[Callback]:
         callbacks.append(MemoryCallback(opt.train.measure_memory_steps))
     callbacks += [RouterBiasCallback(), MetricsCallback(), ProgressFileCallback(), GuardCallback(opt.guards),
                   *extra, EvaluationCallback(), PreemptionCallback(), CheckpointCallback()]
-    if opt.eval.downstream.enabled:
-        callbacks.append(DownstreamCallback(opt.eval.downstream))
     return callbacks

@@ -1,31 +1,32 @@
 """Downstream tasks scored at every checkpoint (`optimus.eval.downstream`), as the seed system scored
-its checkpoints: rank 0 exports the checkpoint just written and scores it with lm-evaluation-harness
-on its device (`ds_optimus.evaluate`); the scores go to `<output_dir>/eval/step_N.json`, the log and
-the metrics (`downstream/<task>`), and the run's report plots them. The other ranks wait in a barrier
-of a gloo group of its own with a long time-out (a task suite outlasts the default group's; polling a
-file from thousands of ranks would load a shared file system's metadata servers). A failed evaluation
-is said in the log and the run goes on: the checkpoint is what matters."""
+its checkpoints, without holding the run up: rank 0 starts `python -m ds_optimus.evaluate RUN --step N`
+in a process of its own once checkpoint N is on disk (one at a time; the next waits its turn), on
+rank 0's device, and training goes on. The scores go to `<output_dir>/eval/step_N.json` (the run's
+report plots them), a line in the log and, with wandb, `downstream/<task>`; the process's output to
+`eval/step_N.log`. A checkpoint waiting to be scored is not pruned. At the end of the run the
+evaluations still due are waited for; after a preemption or an error they are stopped, and say how to
+score the checkpoints later (`--all` scores what is missing). A failed evaluation is said in the log
+and the run goes on: the checkpoint is what matters."""
 
 from __future__ import annotations
 
-from datetime import timedelta
+import shlex
+import subprocess
+import sys
 from pathlib import Path
-
-import torch.distributed as dist
 
 from .base import Callback
 
-WAIT = timedelta(hours=24)  # the watchdog's long-work time-out, not this, is what catches a hang
-
 
 class DownstreamCallback(Callback):
-    """Scores each checkpoint on `config.tasks` (a `DownstreamConfig`)."""
+    """Scores each checkpoint on `config.tasks` (a `DownstreamConfig`) in a process of its own."""
 
     def __init__(self, config) -> None:
         self.config = config
-        self.waiting = None  # the gloo group the other ranks wait in
+        self.due: list[tuple[int, Path]] = []  # checkpoints to score, in order (rank 0)
+        self.running: tuple[int, Path, subprocess.Popen] | None = None
 
-    def setup(self) -> None:  # a missing lm-eval or an unknown task folder stops the run before it starts
+    def setup(self) -> None:  # a missing lm-eval or task folder stops the run before it starts, on every rank
         from ...evaluate.harness import EvaluationError, require_lm_eval
         from ...schema import ConfigError
 
@@ -36,34 +37,80 @@ class DownstreamCallback(Callback):
         for folder in self.config.include:
             if not Path(folder).expanduser().is_dir():
                 raise ConfigError(f"optimus.eval.downstream.include: task folder {folder!r} does not exist")
-        if dist.is_initialized() and dist.get_world_size() > 1:  # collective: every rank makes it
-            self.waiting = dist.new_group(backend="gloo", timeout=WAIT)
 
     def on_checkpoint(self, step: int, path: Path) -> None:
-        trainer = self.trainer
-        trainer.checkpoints.wait()  # a background save must be on disk before it is read (collective)
-        trainer.begin_long_work(f"the downstream evaluation of step {step}")
-        if trainer.rank == 0:
-            self._score(step, Path(path))
-        if self.waiting is not None:
-            dist.barrier(group=self.waiting)
+        if self.trainer.rank == 0:
+            self.due.append((step, Path(path)))
+            self.trainer.checkpoints.keep_for_now.add(Path(path))
+            self._advance()
 
-    def _score(self, step: int, path: Path) -> None:
-        from ...evaluate.harness import EvaluationError
-        from ...evaluate.run import evaluate, summary_line
+    def post_step(self, step: int) -> None:
+        if self.trainer.rank == 0 and (self.due or self.running):
+            self._advance()
 
-        trainer, config = self.trainer, self.config
-        device = str(trainer.device)
-        dtype = "float32" if device.startswith("cpu") else "bfloat16"
-        try:
-            _, record = evaluate(path, trainer.output_dir, step, list(config.tasks), include=list(config.include),
-                                 limit=config.limit, num_fewshot=config.num_fewshot, batch_size=config.batch_size,
-                                 device=device, dtype=dtype)
-        except (EvaluationError, OSError, RuntimeError) as err:
-            trainer.message(f"step {step}: downstream evaluation failed ({type(err).__name__}: "
-                            f"{str(err).splitlines()[0] if str(err) else ''}); training goes on")
+    def close(self, error: BaseException | None = None) -> None:
+        if self.trainer.rank != 0 or not (self.due or self.running):
             return
-        trainer.message(f"step {step}: downstream {summary_line(record)}")
-        scores = {f"downstream/{task}": metrics.get("acc_norm", metrics.get("acc"))
-                  for task, metrics in record["tasks"].items()}
-        trainer.sink.log(step, {k: v for k, v in scores.items() if v is not None}, progress=False)
+        trainer = self.trainer
+        steps = sorted([s for s, _ in self.due] + ([self.running[0]] if self.running else []))
+        if error is not None or trainer.stop_reason == "preempted":
+            if self.running is not None:
+                self.running[2].kill()
+                self.running[2].wait()
+            trainer.message(f"downstream evaluation of step(s) {', '.join(map(str, steps))} not done "
+                            f"(the run stopped); score them with: {self._command('--all')}")
+            return
+        trainer.message(f"waiting for the downstream evaluation of step(s) {', '.join(map(str, steps))}")
+        while self.due or self.running:
+            if self.running is not None:
+                self.running[2].wait()
+            self._advance()
+
+    # -- rank 0 ---------------------------------------------------------------------------------
+
+    def _advance(self) -> None:
+        """Report an evaluation that ended, start the next one whose checkpoint is on disk."""
+        if self.running is not None:
+            step, path, process = self.running
+            if process.poll() is None:
+                return
+            self.running = None
+            self.trainer.checkpoints.keep_for_now.discard(path)
+            self._report(step, process.returncode)
+        if self.due and (self.due[0][1] / "meta.json").exists():  # a background save is complete
+            step, path = self.due.pop(0)
+            log = self.trainer.output_dir / "eval" / f"step_{step:08d}.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            with log.open("w") as out:
+                process = subprocess.Popen(self._argv("--step", str(step)), stdout=out, stderr=subprocess.STDOUT)
+            self.running = (step, path, process)
+
+    def _argv(self, *which: str) -> list[str]:
+        config, trainer = self.config, self.trainer
+        argv = [sys.executable, "-m", "ds_optimus.evaluate", str(trainer.output_dir), *which,
+                "--tasks", ",".join(config.tasks), "--num-fewshot", str(config.num_fewshot),
+                "--batch-size", str(config.batch_size), "--device", str(trainer.device)]
+        for folder in config.include:
+            argv += ["--include", str(folder)]
+        return argv + (["--limit", str(config.limit)] if config.limit else [])
+
+    def _command(self, *which: str) -> str:
+        return shlex.join(["python", *self._argv(*which)[1:]])
+
+    def _report(self, step: int, status: int) -> None:
+        from ...evaluate.run import read_results, results_path, summary_line
+        from ...evaluate.tasks import expand
+
+        trainer = self.trainer
+        record = read_results(results_path(trainer.output_dir, step))
+        tasks = {t: m for t, m in record.get("tasks", {}).items() if t in expand(list(self.config.tasks))}
+        if status != 0 or not tasks:
+            log = trainer.output_dir / "eval" / f"step_{step:08d}.log"
+            lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+            why = lines[-1] if lines else f"exit status {status}"
+            trainer.message(f"downstream evaluation of step {step} failed ({why}; {log}); training goes on")
+            return
+        trainer.message(f"step {step}: downstream {summary_line({'tasks': tasks})}")
+        scores = {f"downstream/{t}": m.get("acc_norm", m.get("acc")) for t, m in tasks.items()}
+        trainer.sink.log_to_wandb(trainer.step, {"downstream/checkpoint_step": step,
+                                                 **{k: v for k, v in scores.items() if v is not None}})
