@@ -336,7 +336,8 @@ def resolve_batch_sizes(ds_config: dict[str, Any], world_size: int) -> tuple[int
         micro = total // (accumulation * world_size)
     if total is not None and total != micro * accumulation * world_size:
         raise ConfigError(f"train_batch_size {total} is not train_micro_batch_size_per_gpu {micro} x "
-                          f"gradient_accumulation_steps {accumulation} x {world_size} ranks")
+                          f"gradient_accumulation_steps {accumulation} x {world_size} ranks (change one of them with "
+                          "--set; train_batch_size=null lets the other two decide)")
     ds_config.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accumulation,
                      train_batch_size=micro * accumulation * world_size)
     return micro, accumulation

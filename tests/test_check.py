@@ -39,6 +39,13 @@ def test_check_says_what_would_run_without_a_process_group(tmp_path, capsys):
     assert out.rstrip().endswith("starts at step 0")
     assert not dist.is_initialized() and not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
 
+    (tmp_path / "run" / "checkpoints" / "step_00000200").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "step_00000200" / "meta.json").write_text("{}")
+    status, out, _ = _run(capsys, str(TINY), "--check", "--set", f"optimus.train.output_dir={tmp_path}/run")
+    assert status == 0 and out.rstrip().endswith("nothing to train: " + str(tmp_path / "run" / "checkpoints" /
+                                                 "step_00000200") + " is step 200 of 200 (raise optimus.train.steps to "
+                                                 "train further; the LR schedule then stretches to the new length)")
+
     status, out, _ = _run(capsys, str(TINY), "--check", "--world", "4", "--set", "gradient_accumulation_steps=null",
                           "--set", "train_batch_size=null")
     assert status == 0 and "4 ranks (--world): data parallel 4, expert parallel 2" in out

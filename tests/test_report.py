@@ -193,9 +193,12 @@ def test_without_matplotlib_the_command_and_the_end_of_a_run_say_how_to_get_it(t
     assert not (run / "plots").exists()
 
     callback, messages = MetricsCallback(), []
-    callback.trainer = SimpleNamespace(output_dir=run, rank=0, stop_reason=None, message=messages.append)
+    callback.trainer = SimpleNamespace(output_dir=run, rank=0, stop_reason=None, message=messages.append, step=2,
+                                       start_step=2)
     callback.close(None)  # the loop never ran (set-up failed): nothing to draw
     callback.post_train()
+    callback.close(None)  # a finished run launched again trained nothing: its plots are left as they are
+    callback.trainer.start_step = 0
     callback.close(RuntimeError("the export failed"))
     callback.trainer.stop_reason = "preempted"
     callback.close(None)

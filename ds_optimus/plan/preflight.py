@@ -171,9 +171,11 @@ def _memory_line(model_config, opt, config, world, micro, accumulation, cluster)
                     dtype=dtype, reduce_dtype=opt.sharded_optimizer.reduce_dtype,
                     bucket_size=opt.sharded_optimizer.bucket_size)
     memory = estimate_memory(ModelShape.from_config(model_config), layout)
-    line = (f"memory    predicted peak {gib(memory.peak):,.2f} GiB per rank (weights {gib(memory.weights):,.2f}, "
-            f"optimizer state {gib(memory.optimizer_state):,.2f}, activations {gib(memory.activations):,.2f}; "
-            f"the planner's estimate)")
+    parts = {"weights": memory.weights, "optimizer state": memory.optimizer_state,
+             "gradients and buffers": memory.gradients_at_peak + memory.buffers, "activations": memory.activations}
+    parts["the rest at the peak (loss gradients, a recomputed layer, the exchange)"] = memory.peak - sum(parts.values())
+    line = (f"memory    predicted peak {gib(memory.peak):,.2f} GiB per rank ("
+            + ", ".join(f"{name} {gib(value):,.2f}" for name, value in parts.items()) + "; the planner's estimate)")
     if cluster is not None:
         device = get_cluster(cluster)
         usable = device.usable_bytes if hasattr(device, "usable_bytes") else device.memory_bytes
@@ -181,7 +183,8 @@ def _memory_line(model_config, opt, config, world, micro, accumulation, cluster)
             raise ConfigError(f"predicted peak {gib(memory.peak):,.1f} GiB per rank does not fit the "
                               f"{gib(usable):,.1f} GiB usable on a {device.device} ({device.name}); see "
                               "python -m ds_optimus.plan for layouts that fit")
-        line += f"; fits the {gib(usable):,.1f} GiB usable on a {device.device}"
+        line += (f"; fits the {gib(usable):,.1f} GiB usable on a {device.device} ({device.memory_gib:.1f} GiB less "
+                 f"{device.memory_reserve_gib:g} reserved)")
     return line
 
 
@@ -191,7 +194,11 @@ def _run_line(opt) -> str:
     train, checkpoint = opt.train, opt.checkpoint
     manager = CheckpointManager(checkpoint.dir or Path(train.output_dir) / "checkpoints")
     complete = manager.complete()
-    if complete and checkpoint.resume:
+    done = int(complete[-1].name.split("_")[-1]) if complete else 0
+    if complete and checkpoint.resume and done >= train.steps:
+        start = (f"nothing to train: {complete[-1]} is step {done} of {train.steps} (raise optimus.train.steps to "
+                 "train further; the LR schedule then stretches to the new length)")
+    elif complete and checkpoint.resume:
         start = f"resumes from {complete[-1]} (if intact)"
     elif complete:
         raise ConfigError(f"checkpoint.resume is false but {manager.directory} holds checkpoints of an earlier run; "

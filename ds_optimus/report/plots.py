@@ -126,8 +126,7 @@ def plot_throughput(run: RunMetrics, folder: Path, dpi: int, written: list[Path]
     fig, axes = _figure(rows=2 if mfu_steps else 1, height=2.8 if mfu_steps else 3.6)
     _line(axes[0], steps, tps, "tokens/s", "C0")
     axes[0].set(ylabel="tokens / s (all ranks)", ylim=(0, None),
-                title="throughput, mean over each log interval"
-                      + ("" if mfu_steps else " (no MFU: optimus.train.peak_tflops is not set)"))
+                title="throughput, mean over each log interval" + ("" if mfu_steps else " (no MFU: no peak_tflops)"))
     if mfu_steps:
         _line(axes[1], mfu_steps, [100 * m for m in mfu], "MFU", "C1")
         axes[1].set(ylabel="MFU (% of peak_tflops)", ylim=(0, None))
@@ -225,7 +224,8 @@ def plot_downstream(run_dir: Path, folder: Path, dpi: int, written: list[Path]) 
     for task, points in scores.items():
         steps, values, errors = zip(*points, strict=True)
         ax.errorbar(steps, values, yerr=[e or 0.0 for e in errors], marker="o", capsize=3, label=task)
-    ax.set(xlabel="step", ylabel="accuracy", title="downstream tasks (lm-evaluation-harness, per checkpoint)")
+    ax.set(xlabel="step", ylabel="accuracy (normalised where the task has it)",
+           title="downstream tasks (lm-evaluation-harness, per checkpoint)")
     _legend(ax, loc="best")
     _save(fig, folder, "downstream.png", dpi, written)
 

@@ -273,7 +273,8 @@ class Trainer:
             self.summary["finished"] = True
             if self.start_step >= self.opt.train.steps and self._summary_written():
                 self.message(f"the run was already trained to step {self.start_step}: nothing to do (raise "
-                             f"optimus.train.steps to train further, or remove {self.output_dir} to start over)")
+                             f"optimus.train.steps to train further: the LR schedule then stretches to the new "
+                             f"length; or remove {self.output_dir} to start over)")
             else:
                 self._export()
         elif self.stop_reason is not None:
