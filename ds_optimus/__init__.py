@@ -131,7 +131,8 @@ class _Hooks(importlib.abc.MetaPathFinder):
 
     def find_spec(self, name, path=None, target=None):
         hooks = self.WATCHED.get(name)
-        if target is not None or (hooks is None and not name.startswith(f"{__name__}.")):
+        ours = name.startswith(f"{__name__}.") and not _registered  # a registration may still be due
+        if target is not None or (hooks is None and not ours):
             return None
         if getattr(self.local, "busy", False):
             return None

@@ -5,6 +5,7 @@ Transformers import they do not need."""
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -18,16 +19,10 @@ def lazy_exports(package: str, names: dict[str, str]) -> tuple[Callable[[str], A
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         value = getattr(importlib.import_module(module, package), name)
-        setattr(importlib.import_module(package), name, value)
+        setattr(sys.modules[package], name, value)
         return value
 
     def __dir__() -> list[str]:
-        return sorted(set(globals_of(package)) | set(names))
+        return sorted(set(vars(sys.modules[package])) | set(names))
 
     return __getattr__, __dir__
-
-
-def globals_of(package: str) -> list[str]:
-    import sys
-
-    return list(vars(sys.modules[package]))
