@@ -29,7 +29,7 @@ def test_olmoe_shape_of_mula_7b_a1b():
 def test_olmo_shape_of_mula_1b():
     c = MulaConfig.from_preset("mula-1b")
     assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.intermediate_size) == (2048, 16, 16, 8192)
-    assert c.num_experts == 0 and c.tie_word_embeddings and c.vocab_size == 50304
+    assert c.num_experts == 0 and not c.tie_word_embeddings and not c.qk_norm and c.vocab_size == 50304
 
 
 def test_preset_overrides_and_unknown_preset():

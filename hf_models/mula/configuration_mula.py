@@ -14,26 +14,19 @@ from transformers.configuration_utils import PreTrainedConfig
 # ---------------------------------------------------------------------------------------------
 # Presets.
 #
-# mula-1b and mula-7b-a1b take the published shapes of OLMo-1B and OLMoE-1B-7B. Their names
-# follow those models' own rounding: OLMoE-1B-7B has 6.9B total and 1.3B active parameters,
-# OLMo-1B has 1.18B (embeddings included in both), so "A1B" and "1B" are not within 5 % of
-# the counts; the published counts are what the tests hold them to.
-#
-# The larger three are fixed by their names only (total, active). Their shapes are derived as one
-# family that keeps OLMoE's recipe (fine-grained SwiGLU experts, top-8 softmax routing, QK-norm,
-# head_dim 128, untied 50304-token embeddings) and grows it the way the public MoE families do:
-#   * active parameters set width and depth: per MoE layer, attention costs 2*H*(nh+nkv)*128 and
-#     the 8 routed experts cost 8*3*H*I; embeddings cost 2*V*H;
-#   * the total/active ratio (10x, 14x, 22x) sets the expert count E, since experts hold almost
-#     all parameters and only k/E of them run per token.
-# mula-20b-a2b: OLMoE's width (2048) at twice the depth (32) with twice the experts, each made
-#   finer (I=768): 20.08B total, 1.96B active.
-# mula-100b-a7b: width 4096 (32 heads, GQA with 4 KV heads to keep the KV cache small at this
-#   width), 48 layers, 160 experts of I=1024 (H/4): 98.89B total, 7.09B active. 160 experts
-#   divide evenly over EP sizes 1, 2, 4, 5, 8, 10, 16, 20, 32, 40, 80 and 160.
-# mula-220b-a10b: the same width and expert size, deeper (68 layers) and 256 experts:
-#   222.09B total, 9.90B active. 256 experts divide over every power-of-two EP size up to 256.
-# `count_parameters` in ds_optimus.hf_models.mula computes these figures from a config.
+# The seed system (IntelLabs/Optimus-LM, README "Paper variants") builds its family from OLMoE-1B-7B
+# by scaling tags: SA scales the query and key/value heads (head_dim stays 128), SH the hidden size,
+# SE the expert count, SI the expert FFN size, L sets the layers. These presets take those shapes;
+# every MoE preset keeps OLMoE's recipe (vocab 50304, QK-norm, RoPE 10000, untied embeddings,
+# softmax top-8 without renormalisation, no shared experts):
+#   mula-7b-a1b    = OLMoE-1B-7B                        16 layers, 2048 wide, 16 heads,  64 x 1024
+#   mula-20b-a2b   = SE1.5-L32                          32 layers, 2048 wide, 16 heads,  96 x 1024
+#   mula-100b-a7b  = SA1.5-SH1.5-SE2.25-SI1.5-L48       48 layers, 3072 wide, 24 heads, 144 x 1536
+#   mula-220b-a10b = SA1.5-SH1.5-SE3.75-SI1.5-L64       64 layers, 3072 wide, 24 heads, 240 x 1536
+# mula-1b is OLMo-1B (dense SwiGLU 8192, non-parametric LayerNorm, no QK-norm) with untied embeddings.
+# Counts (`count_parameters` in ds_optimus.hf_models.mula, embeddings included): 6.92B / 1.28B active,
+# 20.08B / 2.36B, 99.99B / 7.58B, 220.21B / 10.02B; mula-1b 1.28B. The names round these as the seed
+# does. Expert counts and the seed's EP size 12 (one Aurora node): 96, 144 and 240 all divide by 12.
 # ---------------------------------------------------------------------------------------------
 
 _OLMO_VOCAB = dict(vocab_size=50304, pad_token_id=1, eos_token_id=50279, bos_token_id=None)
@@ -41,7 +34,7 @@ _OLMO_VOCAB = dict(vocab_size=50304, pad_token_id=1, eos_token_id=50279, bos_tok
 PRESETS: dict[str, dict[str, Any]] = {
     "mula-1b": dict(
         **_OLMO_VOCAB, hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
-        intermediate_size=8192, num_experts=0, tie_word_embeddings=True,
+        intermediate_size=8192, num_experts=0, qk_norm=False, tie_word_embeddings=False,
     ),
     "mula-7b-a1b": dict(
         **_OLMO_VOCAB, hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
@@ -49,15 +42,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
     "mula-20b-a2b": dict(
         **_OLMO_VOCAB, hidden_size=2048, num_hidden_layers=32, num_attention_heads=16,
-        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        num_experts=96, num_experts_per_tok=8, moe_intermediate_size=1024,
     ),
     "mula-100b-a7b": dict(
-        **_OLMO_VOCAB, hidden_size=4096, num_hidden_layers=48, num_attention_heads=32,
-        num_key_value_heads=4, num_experts=160, num_experts_per_tok=8, moe_intermediate_size=1024,
+        **_OLMO_VOCAB, hidden_size=3072, num_hidden_layers=48, num_attention_heads=24,
+        num_experts=144, num_experts_per_tok=8, moe_intermediate_size=1536,
     ),
     "mula-220b-a10b": dict(
-        **_OLMO_VOCAB, hidden_size=4096, num_hidden_layers=68, num_attention_heads=32,
-        num_key_value_heads=4, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=1024,
+        **_OLMO_VOCAB, hidden_size=3072, num_hidden_layers=64, num_attention_heads=24,
+        num_experts=240, num_experts_per_tok=8, moe_intermediate_size=1536,
     ),
     # CPU-sized models for tests, examples and the tiny pretraining run.
     "mula-tiny-dense": dict(
