@@ -7,7 +7,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from ds_optimus.hf_models.mula import MulaConfig, MulaForCausalLM, MulaModel
-from ds_optimus.hf_models.mula.modeling_mula import MulaExperts, MulaTopKRouter
+from ds_optimus.hf_models.mula.modeling_mula import MulaExperts, MulaLayerNorm, MulaRMSNorm, MulaTopKRouter
 
 VOCAB = 96
 
@@ -534,3 +534,86 @@ def test_return_tuple():
     x = ids()
     loss, *rest = model(x, labels=x, return_dict=False)
     assert torch.isfinite(loss) and len(rest) > 0
+
+
+# -- norms ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("norm_type, affine, per_norm", [
+    ("rms_norm", True, ["weight"]), ("rms_norm", False, []),
+    ("layer_norm", True, ["bias", "weight"]), ("layer_norm", False, []),
+])
+def test_every_norm_but_qk_norm_follows_the_config(norm_type, affine, per_norm):
+    model = model_for(tiny(norm_type=norm_type, norm_elementwise_affine=affine))
+    want = MulaLayerNorm if norm_type == "layer_norm" else MulaRMSNorm
+    norms = [model.model.norm] + [n for layer in model.model.layers
+                                  for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    assert all(type(n) is want for n in norms)
+    for norm in norms:
+        assert sorted(name for name, _ in norm.named_parameters()) == per_norm
+    attn = model.model.layers[0].self_attn  # QK-norm stays an RMSNorm with a weight, as in OLMoE
+    assert type(attn.q_norm) is MulaRMSNorm and attn.q_norm.weight is not None
+    norm_keys = {k for k in model.state_dict() if "layernorm" in k or k.startswith("model.norm")}
+    assert len(norm_keys) == len(per_norm) * len(norms)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_layer_norm_is_pytorchs_computed_in_float32(affine):
+    norm = MulaLayerNorm(16, eps=1e-5, elementwise_affine=affine)
+    reference = torch.nn.LayerNorm(16, eps=1e-5, elementwise_affine=affine)
+    if affine:
+        with torch.no_grad():
+            for ours, theirs in ((norm.weight, reference.weight), (norm.bias, reference.bias)):
+                ours.normal_()
+                theirs.copy_(ours)
+    x = torch.randn(3, 5, 16) * 4 + 2
+    assert torch.equal(norm(x), reference(x))
+    # bfloat16 in, bfloat16 out, computed in float32 (with the bfloat16 weights): the float32 result rounded once
+    out = norm.to(torch.bfloat16)(x.to(torch.bfloat16))
+    assert out.dtype == torch.bfloat16
+    rounded = reference.to(torch.bfloat16).float()
+    assert torch.equal(out, rounded(x.to(torch.bfloat16).float()).to(torch.bfloat16))
+
+
+def test_rms_norm_without_affine_is_the_normalised_input():
+    x = torch.randn(4, 8)
+    out = MulaRMSNorm(8, eps=1e-5, elementwise_affine=False)(x)
+    torch.testing.assert_close(out, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5), rtol=0, atol=0)
+
+
+def test_init_weights_sets_affine_norms_to_ones_and_zeros():
+    model = MulaForCausalLM(tiny(norm_type="layer_norm"))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(3.0)
+    for module in model.modules():
+        module._is_hf_initialized = False
+    for p in model.parameters():
+        p._is_hf_initialized = False
+    model.apply(model._init_weights)
+    for layer in model.model.layers:
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            assert torch.equal(norm.weight, torch.ones(32)) and torch.equal(norm.bias, torch.zeros(32))
+    assert torch.equal(model.model.norm.weight, torch.ones(32)) and torch.equal(model.model.norm.bias, torch.zeros(32))
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_layer_norm_model_saves_and_loads(tmp_path, affine):
+    model = model_for(tiny(norm_type="layer_norm", norm_elementwise_affine=affine))
+    if affine:
+        with torch.no_grad():
+            model.model.norm.bias.normal_()  # a trained value, which loading must restore
+    model.save_pretrained(tmp_path)
+    loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert (loaded.config.norm_type, loaded.config.norm_elementwise_affine) == ("layer_norm", affine)
+    x = ids()
+    torch.testing.assert_close(loaded(x).logits, model(x).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(norm_type="group_norm"), "norm_type must be one of 'rms_norm', 'layer_norm', got 'group_norm'"),
+    (dict(norm_elementwise_affine="yes"), "norm_elementwise_affine must be true or false, got 'yes'"),
+])
+def test_norm_fields_are_checked_in_one_line(overrides, message):
+    with pytest.raises(ValueError) as err:
+        tiny(**overrides)
+    assert str(err.value) == f"invalid MulaConfig: {message}"

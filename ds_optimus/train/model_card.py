@@ -96,7 +96,10 @@ def _architecture(config) -> str:
     attention = "grouped-query" if config.num_key_value_heads < config.num_attention_heads else "multi-head"
     dropping = ("dropless" if config.moe_capacity_factor is None
                 else f"capacity factor {config.moe_capacity_factor}: slots beyond it are dropped")
-    layers = ("RMSNorm pre-norm decoder layers" + (" with QK-norm" if config.qk_norm else "")
+    norm = "RMSNorm" if getattr(config, "norm_type", "rms_norm") == "rms_norm" else "LayerNorm"
+    if not getattr(config, "norm_elementwise_affine", True):
+        norm = f"non-parametric {norm}"
+    layers = (f"{norm} pre-norm decoder layers" + (" with QK-norm" if config.qk_norm else "")
               + f", rotary position embeddings, {attention} attention and SwiGLU feed-forward networks"
               + (f"; MoE layers hold stacked SwiGLU experts and send each token to its top-k experts ({dropping})."
                  if moe else "."))

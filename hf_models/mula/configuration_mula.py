@@ -23,18 +23,21 @@ from transformers.configuration_utils import PreTrainedConfig
 #   mula-20b-a2b   = SE1.5-L32                          32 layers, 2048 wide, 16 heads,  96 x 1024
 #   mula-100b-a7b  = SA1.5-SH1.5-SE2.25-SI1.5-L48       48 layers, 3072 wide, 24 heads, 144 x 1536
 #   mula-220b-a10b = SA1.5-SH1.5-SE3.75-SI1.5-L64       64 layers, 3072 wide, 24 heads, 240 x 1536
-# mula-1b is OLMo-1B (dense SwiGLU 8192, non-parametric LayerNorm, no QK-norm) with untied embeddings.
+# mula-1b is OLMo-1B (dense SwiGLU 8192, non-parametric LayerNorm, no QK-norm, 2048 positions) with untied
+# embeddings; `convert_olmo` converts OLMo checkpoints (tied or not) both ways.
 # Counts (`count_parameters` in ds_optimus.hf_models.mula, embeddings included): 6.92B / 1.28B active,
 # 20.08B / 2.36B, 99.99B / 7.58B, 220.21B / 10.02B; mula-1b 1.28B. The names round these as the seed
 # does. Expert counts and the seed's EP size 12 (one Aurora node): 96, 144 and 240 all divide by 12.
 # ---------------------------------------------------------------------------------------------
 
+NORM_TYPES = ("rms_norm", "layer_norm")
 _OLMO_VOCAB = dict(vocab_size=50304, pad_token_id=1, eos_token_id=50279, bos_token_id=None)
 
 PRESETS: dict[str, dict[str, Any]] = {
     "mula-1b": dict(
         **_OLMO_VOCAB, hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
         intermediate_size=8192, num_experts=0, qk_norm=False, tie_word_embeddings=False,
+        norm_type="layer_norm", norm_elementwise_affine=False, max_position_embeddings=2048,
     ),
     "mula-7b-a1b": dict(
         **_OLMO_VOCAB, hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
@@ -69,10 +72,17 @@ PRESETS: dict[str, dict[str, Any]] = {
 class MulaConfig(PreTrainedConfig):
     r"""Configuration of a Mula decoder: dense when `num_experts == 0`, Mixture-of-Experts otherwise.
 
-    Architecture: RMSNorm pre-norm decoder layers, optional QK-norm (over the full q and k width, as
+    Architecture: pre-norm decoder layers, optional QK-norm (over the full q and k width, as
     OLMoE does), RoPE, grouped-query attention, SwiGLU feed-forward. MoE layers route each token to
     `num_experts_per_tok` of `num_experts` SwiGLU experts whose weights are stacked
     (`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`, gate rows before up rows).
+
+    Norm fields:
+        norm_type: the input, post-attention and final norms: "rms_norm" (default; OLMoE) or
+            "layer_norm" (OLMo). Both compute in float32 and cast back; QK-norm is always an RMSNorm.
+        norm_elementwise_affine: those norms learn a per-channel weight (and, for "layer_norm", a bias),
+            as PyTorch's argument of that name; False makes them parameter-free (OLMo's LayerNorm).
+        rms_norm_eps: the epsilon of every norm, LayerNorm included (Transformers' usual name).
 
     MoE-specific fields:
         num_experts: routed experts per MoE layer; 0 makes every layer dense.
@@ -88,6 +98,13 @@ class MulaConfig(PreTrainedConfig):
             rank's micro-batch; "global_batch" sums them over all data-parallel ranks' concurrent
             micro-batches first (one all-reduce of E+1 numbers per MoE layer, all layers in one call
             per forward), which balances across ranks and lets micro-batches specialise.
+        router_aux_loss_type: the load-balancing loss's form. "mula" (default): E * sum_e f_e p_e per MoE
+            layer (f_e the share of the layer's token slots sent to expert e, p_e its mean router
+            probability), averaged over layers; 1.0 at balance. "transformers": the form of
+            Transformers' `load_balancing_loss_func` (Mixtral, OLMoE) and of the seed system: the tokens
+            of all MoE layers pooled, f_e counting slots per token (summing to k); k at balance, so a
+            coefficient balances about k times more strongly than under "mula". Both honour padding and
+            `router_aux_loss_scope`.
         moe_capacity_factor: None (default) is dropless. A number caps each expert at
             ceil(factor * tokens * k / experts) token slots per rank; the excess slots are dropped.
         router_bias_update_rate: > 0 enables DeepSeek-V3-style auxiliary-loss-free balancing: a
@@ -144,6 +161,8 @@ class MulaConfig(PreTrainedConfig):
     attention_dropout: float = 0.0
     qk_norm: bool = True
     clip_qkv: float | None = None
+    norm_type: str = "rms_norm"
+    norm_elementwise_affine: bool = True
     # Mixture of Experts
     num_experts: int = 64
     num_experts_per_tok: int = 8
@@ -155,6 +174,7 @@ class MulaConfig(PreTrainedConfig):
     router_z_loss_coef: float = 0.001
     router_bias_update_rate: float = 0.0
     router_aux_loss_scope: str = "micro_batch"
+    router_aux_loss_type: str = "mula"
     moe_capacity_factor: float | None = None
     output_router_logits: bool = False
 
@@ -217,6 +237,8 @@ class MulaConfig(PreTrainedConfig):
                 need(_is_number(value) and value >= 0, f"{name} must be a number >= 0, got {value!r}")
             need(self.router_aux_loss_scope in ("micro_batch", "global_batch"),
                  f"router_aux_loss_scope must be 'micro_batch' or 'global_batch', got {self.router_aux_loss_scope!r}")
+            need(self.router_aux_loss_type in ("mula", "transformers"),
+                 f"router_aux_loss_type must be 'mula' or 'transformers', got {self.router_aux_loss_type!r}")
             factor = self.moe_capacity_factor
             need(factor is None or (_is_number(factor) and factor > 0),
                  f"moe_capacity_factor must be None (dropless) or a number > 0, got {self.moe_capacity_factor!r}")
@@ -224,6 +246,10 @@ class MulaConfig(PreTrainedConfig):
              f"hidden_act {self.hidden_act!r} is not a known activation")
         need(_is_number(self.rms_norm_eps) and self.rms_norm_eps > 0,
              f"rms_norm_eps must be a number > 0, got {self.rms_norm_eps!r}")
+        need(self.norm_type in NORM_TYPES,
+             f"norm_type must be one of {', '.join(map(repr, NORM_TYPES))}, got {self.norm_type!r}")
+        need(isinstance(self.norm_elementwise_affine, bool),
+             f"norm_elementwise_affine must be true or false, got {self.norm_elementwise_affine!r}")
         need(self.clip_qkv is None or (_is_number(self.clip_qkv) and self.clip_qkv > 0),
              f"clip_qkv must be None or a number > 0, got {self.clip_qkv!r}")
         for name in ("pad_token_id", "bos_token_id"):

@@ -13,11 +13,25 @@ plus stacking. OLMoE output is written per expert by default (loads in Transform
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+# The helpers every converter shares; ds_optimus' config and planner import several from here.
+from .convert_common import (
+    ConversionError,
+    build_config,
+    check_output,
+    check_tensors,
+    checkpoint_dtype,
+    load_into_meta_model,
+    read_config,
+    read_mula_config,
+    read_tensors,
+    rope_parameters,
+    save_folder,
+)
 
 if TYPE_CHECKING:  # imported where used, so that --help needs neither PyTorch nor Transformers
     import torch
@@ -25,60 +39,6 @@ if TYPE_CHECKING:  # imported where used, so that --help needs neither PyTorch n
     from .configuration_mula import MulaConfig
 
 _PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-# Buffers some older checkpoints saved; they are recomputed from the config.
-_IGNORED = re.compile(r"(rotary_emb\.inv_freq|rotary_emb\.original_inv_freq)$")
-
-
-class ConversionError(ValueError):
-    """A checkpoint that cannot be converted; the message names the problem in one line."""
-
-
-# -- reading ------------------------------------------------------------------------------------
-def read_config(folder: Path) -> dict:
-    """The parsed config.json of a checkpoint folder."""
-    if not folder.is_dir():
-        raise ConversionError(f"{folder} is not a folder")
-    path = folder / "config.json"
-    if not path.is_file():
-        raise ConversionError(f"{folder} is not a checkpoint folder: it has no config.json")
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ConversionError(f"{path} is not valid JSON: {err}") from None
-    if not isinstance(config, dict):
-        raise ConversionError(f"{path} is not a JSON object")
-    return config
-
-
-def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint folder (safetensors or PyTorch .bin, single file or sharded)."""
-    import torch
-    from safetensors.torch import load_file
-
-    def load_bin(path: Path) -> dict[str, torch.Tensor]:
-        return torch.load(path, map_location="cpu", weights_only=True)
-
-    for single, index, loader in (
-        ("model.safetensors", "model.safetensors.index.json", load_file),
-        ("pytorch_model.bin", "pytorch_model.bin.index.json", load_bin),
-    ):
-        if (folder / single).is_file():
-            files = [folder / single]
-        elif (folder / index).is_file():
-            weight_map = json.loads((folder / index).read_text()).get("weight_map", {})
-            files = [folder / name for name in sorted(set(weight_map.values()))]
-        else:
-            continue
-        tensors: dict[str, torch.Tensor] = {}
-        for file in files:
-            if not file.is_file():
-                raise ConversionError(f"weight shard {file.name} listed in the index is missing from {folder}")
-            try:
-                tensors.update(loader(file))
-            except Exception as err:  # corrupt or truncated files surface here
-                raise ConversionError(f"cannot read {file}: {str(err).splitlines()[0]}") from None
-        return tensors
-    raise ConversionError(f"{folder} has no weights (model.safetensors or pytorch_model.bin, single or sharded)")
 
 
 # -- configs ------------------------------------------------------------------------------------
@@ -91,15 +51,9 @@ _SHARED_KEYS = (
 )
 
 
-def _rope_parameters(cfg: dict) -> dict:
-    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    rope.setdefault("rope_type", rope.pop("type", "default"))
-    rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
-    return rope
-
-
 def olmoe_to_mula_config(cfg: dict) -> MulaConfig:
-    """Translate an OLMoE config.json dict into the equivalent MulaConfig."""
+    """Translate an OLMoE config.json dict into the equivalent MulaConfig (a ConversionError, a ValueError,
+    names what is wrong)."""
     from .configuration_mula import MulaConfig
 
     values = {key: cfg[key] for key in _SHARED_KEYS if key in cfg}
@@ -110,10 +64,8 @@ def olmoe_to_mula_config(cfg: dict) -> MulaConfig:
     values["moe_intermediate_size"] = cfg["intermediate_size"]
     values["intermediate_size"] = cfg["intermediate_size"]  # unused: every OLMoE layer is MoE
     values.update(qk_norm=True, moe_layer_freq=1, router_scoring_func="softmax",
-                  rope_parameters=_rope_parameters(cfg))
-    if cfg.get("torch_dtype") or cfg.get("dtype"):
-        values["dtype"] = cfg.get("dtype") or cfg.get("torch_dtype")
-    return MulaConfig(**values)
+                  rope_parameters=rope_parameters(cfg), **checkpoint_dtype(cfg))
+    return build_config(MulaConfig, values)
 
 
 def mula_to_olmoe_config(config: MulaConfig):
@@ -131,6 +83,10 @@ def mula_to_olmoe_config(config: MulaConfig):
         unsupported.append("router bias balancing (router_bias_update_rate > 0)")
     if config.head_dim * config.num_attention_heads != config.hidden_size:
         unsupported.append("head_dim * num_attention_heads != hidden_size")
+    if config.norm_type != "rms_norm":
+        unsupported.append(f"norm_type={config.norm_type!r} (OLMoE's norms are RMSNorms)")
+    if not config.norm_elementwise_affine:
+        unsupported.append("norm_elementwise_affine=False")
     if unsupported:
         raise ConversionError("OLMoE cannot express this Mula model: " + "; ".join(unsupported))
     values = {key: getattr(config, key) for key in _SHARED_KEYS}
@@ -198,49 +154,6 @@ def unstack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return out
 
 
-def check_tensors(model_cls, config, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tensors `model_cls(config)` loads (ignored buffers and a tied head left out), after checking
-    on the meta device that every one it needs is there with its shape and none is left over."""
-    import torch
-
-    with torch.device("meta"):
-        model = model_cls(config)
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    tied = "lm_head.weight" if config.tie_word_embeddings else None
-    tensors = {k: v for k, v in tensors.items() if not _IGNORED.search(k) and k != tied}
-    for name, shape in expected.items():
-        if name == tied:
-            continue
-        if name not in tensors:
-            raise ConversionError(f"missing tensor {name} (expected shape {list(shape)})")
-        if tuple(tensors[name].shape) != shape:
-            raise ConversionError(
-                f"tensor {name} has shape {list(tensors[name].shape)}, the config implies {list(shape)}"
-            )
-    unexpected = sorted(set(tensors) - set(expected))
-    if unexpected:
-        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise ConversionError(f"unexpected tensor {unexpected[0]}{more} for this config")
-    return tensors
-
-
-def load_into_meta_model(model_cls, config, tensors: dict[str, torch.Tensor]):
-    """Build `model_cls(config)` without allocating, check every tensor's name and shape, and assign
-    (for saving: buffers the state dict leaves out stay on the meta device)."""
-    import torch
-
-    tensors = check_tensors(model_cls, config, tensors)
-    with torch.device("meta"):
-        model = model_cls(config)
-    dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
-    if len(dtypes) == 1:
-        config.dtype = dtypes.pop()
-    model.load_state_dict(tensors, strict=False, assign=True)
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    return model
-
-
 # -- the two directions -------------------------------------------------------------------------
 def convert_olmoe_to_mula(input_dir: str | Path, output_dir: str | Path) -> Path:
     """Write a Mula checkpoint folder equivalent to the OLMoE checkpoint in `input_dir`."""
@@ -248,18 +161,13 @@ def convert_olmoe_to_mula(input_dir: str | Path, output_dir: str | Path) -> Path
 
     input_dir, output_dir = Path(input_dir), Path(output_dir)
     cfg = read_config(input_dir)
-    _check_output(output_dir)
+    check_output(output_dir)
     if cfg.get("model_type") != "olmoe":
         raise ConversionError(f"{input_dir} is not an OLMoE checkpoint (model_type={cfg.get('model_type')!r})")
-    try:
-        config = olmoe_to_mula_config(cfg)
-    except ConversionError:
-        raise
-    except (ValueError, TypeError) as err:
-        raise ConversionError(str(err).splitlines()[0]) from None
+    config = olmoe_to_mula_config(cfg)
     tensors = stack_experts(read_tensors(input_dir), config.num_experts)
     model = load_into_meta_model(MulaForCausalLM, config, tensors)
-    _save(model, output_dir)
+    save_folder(model, output_dir)
     return output_dir
 
 
@@ -267,39 +175,16 @@ def convert_mula_to_olmoe(input_dir: str | Path, output_dir: str | Path, layout:
     """Write an OLMoE checkpoint folder equivalent to the Mula checkpoint in `input_dir`."""
     from transformers import OlmoeForCausalLM
 
-    from .configuration_mula import MulaConfig
-
     input_dir, output_dir = Path(input_dir), Path(output_dir)
-    cfg = read_config(input_dir)
-    _check_output(output_dir)
-    if cfg.get("model_type") != "mula":
-        raise ConversionError(f"{input_dir} is not a Mula checkpoint (model_type={cfg.get('model_type')!r})")
-    known = {k: v for k, v in cfg.items() if k not in ("auto_map", "architectures", "transformers_version")}
-    try:
-        config = MulaConfig(**known)
-    except (ValueError, TypeError) as err:
-        raise ConversionError(str(err).splitlines()[0]) from None
+    config = read_mula_config(input_dir)
+    check_output(output_dir)
     olmoe_config = mula_to_olmoe_config(config)
     tensors = read_tensors(input_dir)
     if any(_PER_EXPERT.match(name) for name in tensors):
         tensors = stack_experts(tensors, config.num_experts)
     model = load_into_meta_model(OlmoeForCausalLM, olmoe_config, tensors)
-    _save(model, output_dir, save_original_format=(layout == "per-expert"))
+    save_folder(model, output_dir, save_original_format=(layout == "per-expert"))
     return output_dir
-
-
-def _check_output(output_dir: Path) -> None:
-    """Refuse an output path that is a file or a non-empty folder, before any work is done."""
-    if output_dir.exists() and not output_dir.is_dir():
-        raise ConversionError(f"output {output_dir} exists and is not a folder")
-    if output_dir.is_dir() and any(output_dir.iterdir()):
-        raise ConversionError(f"output folder {output_dir} exists and is not empty")
-
-
-def _save(model, output_dir: Path, **kwargs) -> None:
-    _check_output(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(output_dir, **kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -324,6 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {out}")
     return 0
 
+
+__all__ = [
+    "ConversionError", "check_tensors", "convert_mula_to_olmoe", "convert_olmoe_to_mula", "load_into_meta_model",
+    "main", "mula_to_olmoe_config", "olmoe_to_mula_config", "read_config", "read_tensors", "stack_experts",
+    "unstack_experts",
+]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import initialization as hf_init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
@@ -23,12 +24,14 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOut
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs
+from transformers.utils import TransformersKwargs, logging
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_mula import MulaConfig
+
+logger = logging.get_logger(__name__)
 
 # Transformers 5.24 renamed the key/value cache from `past_key_values` to `cache`: in the model outputs,
 # in what `generate` passes and reads back, in the mask builders and in the check the checkpointing
@@ -44,21 +47,50 @@ accepts_past_key_values = deprecate_kwarg(
 
 
 class MulaRMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32, scaled by a learned weight."""
+    """Root-mean-square norm computed in float32, scaled by a learned weight (none without affine)."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-5, elementwise_affine: bool = True) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.hidden_size = hidden_size
+        self.weight = nn.Parameter(torch.ones(hidden_size)) if elementwise_affine else None
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         input_dtype = hidden_states.dtype
         x = hidden_states.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * x.to(input_dtype)
+        x = x.to(input_dtype)
+        return x if self.weight is None else self.weight * x
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+        return f"({self.hidden_size},), eps={self.variance_epsilon}, elementwise_affine={self.weight is not None}"
+
+
+class MulaLayerNorm(nn.Module):
+    """LayerNorm computed in float32 and cast back to the input's dtype; with `elementwise_affine` a
+    learned weight and bias, without it none (OLMo's non-parametric LayerNorm)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, elementwise_affine: bool = True) -> None:
+        super().__init__()
+        self.normalized_shape = (hidden_size,)
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size)) if elementwise_affine else None
+        self.bias = nn.Parameter(torch.zeros(hidden_size)) if elementwise_affine else None
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        weight = None if self.weight is None else self.weight.float()
+        bias = None if self.bias is None else self.bias.float()
+        x = F.layer_norm(hidden_states.float(), self.normalized_shape, weight, bias, self.eps)
+        return x.to(hidden_states.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.weight is not None}"
+
+
+def make_norm(config: MulaConfig, hidden_size: int) -> nn.Module:
+    """The input, post-attention or final norm that `config.norm_type` and `norm_elementwise_affine` ask for."""
+    norm_class = MulaLayerNorm if config.norm_type == "layer_norm" else MulaRMSNorm
+    return norm_class(hidden_size, eps=config.rms_norm_eps, elementwise_affine=config.norm_elementwise_affine)
 
 
 class MulaRotaryEmbedding(nn.Module):
@@ -355,6 +387,11 @@ class MulaSparseMoeBlock(nn.Module):
         return out.reshape(shape), router_logits, top_k_index
 
 
+# The parts of a decoder layer that selective activation recomputation can recompute in the backward
+# pass instead of keeping their activations (`MulaDecoderLayer.recompute`), in the order kept there.
+RECOMPUTE_PARTS = ("moe", "attention", "norms")
+
+
 class MulaDecoderLayer(GradientCheckpointingLayer):
     """Pre-norm decoder layer: x + attn(norm(x)), then + ffn(norm(x)) with a dense or MoE FFN.
 
@@ -364,6 +401,13 @@ class MulaDecoderLayer(GradientCheckpointingLayer):
     activation checkpointing wraps `forward` alone, so the router logits recorded keep their gradients
     under reentrant and non-reentrant checkpointing alike, and a layer compiled on its own keeps its
     whole body in one graph (no recording hook runs inside it).
+
+    Selective recomputation: `layer.recompute = ("moe", ...)` (any of `RECOMPUTE_PARTS`) runs those
+    sub-blocks under non-reentrant `torch.utils.checkpoint` while training: "moe" the FFN after the
+    post-attention norm (router, experts and their expert-parallel exchange; the dense FFN in a dense
+    layer), "attention" the attention after the input norm, "norms" the two layer norms (a norm and the
+    block after it recomputed together keep only the norm's input). Transformers'
+    `gradient_checkpointing_enable` (the whole layer) takes precedence over it.
     """
 
     def __init__(self, config: MulaConfig, layer_idx: int):
@@ -372,8 +416,22 @@ class MulaDecoderLayer(GradientCheckpointingLayer):
         self.self_attn = MulaAttention(config, layer_idx)
         self.is_moe = config.is_moe_layer(layer_idx)
         self.mlp = MulaSparseMoeBlock(config) if self.is_moe else MulaMLP(config)
-        self.input_layernorm = MulaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = MulaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = make_norm(config, config.hidden_size)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)
+        self._recompute: tuple[str, ...] = ()
+
+    @property
+    def recompute(self) -> tuple[str, ...]:
+        """The sub-blocks recomputed in the backward pass (selective activation recomputation)."""
+        return self._recompute
+
+    @recompute.setter
+    def recompute(self, parts) -> None:
+        parts = (parts,) if isinstance(parts, str) else tuple(parts)
+        wrong = [p for p in parts if p not in RECOMPUTE_PARTS] + [p for i, p in enumerate(parts) if p in parts[:i]]
+        if wrong:
+            raise ValueError(f"recompute: {wrong[0]!r} is not one of {', '.join(RECOMPUTE_PARTS)} or is repeated")
+        self._recompute = tuple(p for p in RECOMPUTE_PARTS if p in parts)
 
     @accepts_past_key_values
     def forward(
@@ -386,9 +444,15 @@ class MulaDecoderLayer(GradientCheckpointingLayer):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        parts = self._recomputed_parts()
+        if "attention" in parts and cache is not None:
+            # As Transformers' whole-layer checkpointing does: the replay would write the cache twice.
+            logger.warning_once("Caching is incompatible with recomputing the attention in MulaDecoderLayer; "
+                                "setting `cache=None`, `use_cache=False`.")
+            cache, use_cache = None, False
         residual = hidden_states
-        attn_out, attn_weights = self.self_attn(
-            self.input_layernorm(hidden_states),
+        attn_out, attn_weights = self._sub_block(
+            self.input_layernorm, self.self_attn, hidden_states, "attention" in parts, "norms" in parts,
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -398,12 +462,43 @@ class MulaDecoderLayer(GradientCheckpointingLayer):
         )
         hidden_states = residual + attn_out
         residual = hidden_states
-        normed = self.post_attention_layernorm(hidden_states)
-        if self.is_moe:
-            ffn_out, router_logits, top_k_index = self.mlp(normed)
-        else:
-            ffn_out, router_logits, top_k_index = self.mlp(normed), None, None
+        ffn = self._sub_block(self.post_attention_layernorm, self.mlp, hidden_states, "moe" in parts, "norms" in parts)
+        ffn_out, router_logits, top_k_index = ffn if self.is_moe else (ffn, None, None)
         return residual + ffn_out, attn_weights, router_logits, top_k_index
+
+    def _recomputed_parts(self) -> tuple[str, ...]:
+        """The sub-blocks to recompute in this call: none without a backward pass to replay them or
+        while the whole layer is checkpointed."""
+        if not self._recompute or not (self.training and torch.is_grad_enabled()) or self.gradient_checkpointing:
+            return ()
+        return self._recompute
+
+    @staticmethod
+    def _sub_block(norm: nn.Module, block: nn.Module, x: torch.Tensor, recompute_block: bool,
+                   recompute_norm: bool, **kwargs):
+        """`block(norm(x), **kwargs)`, the parts asked for under non-reentrant checkpointing.
+
+        Side effects stay out of the recomputed code: the router's load count (`record_load`) and
+        the losses' token counts are made by `MulaModel` and `MulaForCausalLM` from this layer's
+        outputs, which come from the first forward pass only (non-reentrant checkpointing discards
+        what the replay computes but the tensors it saved). The MoE block's expert-parallel exchange
+        (all-to-all) runs again in the replay, inside the backward pass: that is correct because
+        every rank replays it at the same point, when the backward pass first needs a tensor the
+        block saved (every rank walks the same graph in the same order, so the replays' collectives,
+        and the backward pass's own, pair up across ranks), and in full (`early_stop=False`: a replay
+        stopped after its last saved tensor could skip a collective on one rank and not another).
+        """
+        if recompute_block and recompute_norm:
+            return checkpoint(_norm_then, norm, block, x, use_reentrant=False, early_stop=False, **kwargs)
+        normed = checkpoint(norm, x, use_reentrant=False) if recompute_norm else norm(x)
+        if recompute_block:
+            return checkpoint(block, normed, use_reentrant=False, early_stop=False, **kwargs)
+        return block(normed, **kwargs)
+
+
+def _norm_then(norm: nn.Module, block: nn.Module, x: torch.Tensor, **kwargs):
+    """`block(norm(x), **kwargs)`: a norm and the block after it, recomputed as one."""
+    return block(norm(x), **kwargs)
 
 
 class MulaPreTrainedModel(PreTrainedModel):
@@ -478,6 +573,11 @@ class MulaPreTrainedModel(PreTrainedModel):
             hf_init.normal_(module.weight, mean=0.0, std=std)
             if module.uses_bias:
                 hf_init.zeros_(module.expert_bias)
+        elif isinstance(module, (MulaRMSNorm, MulaLayerNorm)):
+            if module.weight is not None:
+                hf_init.ones_(module.weight)
+            if getattr(module, "bias", None) is not None:
+                hf_init.zeros_(module.bias)
         elif isinstance(module, MulaRotaryEmbedding):
             inv_freq, _ = (
                 module.compute_default_rope_parameters(module.config)
@@ -519,7 +619,7 @@ class MulaModel(MulaPreTrainedModel):
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.layers = nn.ModuleList([MulaDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
-        self.norm = MulaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = make_norm(config, config.hidden_size)
         self.rotary_emb = MulaRotaryEmbedding(config)
         self.gradient_checkpointing = False
         self.post_init()
@@ -593,12 +693,17 @@ def router_losses(
     scoring_func: str = "softmax",
     token_mask: torch.Tensor | None = None,
     group=None,
+    form: str = "mula",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Load-balancing loss, router z-loss (both averaged over layers) and token-slot counts per layer.
 
-    Load balance (Switch/OLMoE form, normalised to 1.0 when balanced):
+    Load balance, `form="mula"` (Switch/OLMoE form per layer, normalised to 1.0 when balanced):
     E * sum_e f_e * p_e, where f_e is the fraction of token slots sent to expert e and p_e the mean
-    router probability of e. Z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2.
+    router probability of e. `form="transformers"` is the form of Transformers'
+    `load_balancing_loss_func` (and the seed system's): the tokens of all layers pooled into one f and
+    one p, f_e the slots sent to e per token (summing to k), so k at balance; it is computed from the
+    router's own choices and scores, which is Transformers' top-k of a softmax for the default router
+    without a selection bias. Z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2.
     `token_mask` [T] (1 = real token) leaves padding out of all three. With a process `group`, f_e is
     computed over the tokens that all ranks of the group process in this step (global-batch
     balancing: one all-reduce of every layer's slot and token counts, which carry no gradient); p_e
@@ -635,9 +740,16 @@ def router_losses(
         flat = torch.cat([load.to(loads[0].device) for load in loads])
         torch.distributed.all_reduce(flat, group=group)
         loads = [part.to(load.device) for part, load in zip(flat.split(num_experts + 1), loads, strict=True)]
-    balance = [num_experts * (load[:-1] / (load[-1].clamp_min(1.0) * top_k) * p).sum()
-               for load, p in zip(loads, mean_probs, strict=True)]
     device = router_logits[0].device  # layers may sit on different devices under a device_map
+    if form == "transformers":
+        # Every layer covers the same tokens, so pooling them is the sum of the layers' slot counts over
+        # the sum of their token counts, and the mean of the layers' mean probabilities.
+        pooled = torch.stack([load.to(device) for load in loads]).sum(0)
+        mean_prob = torch.stack([p.to(device) for p in mean_probs]).mean(0)
+        balance = [num_experts * (pooled[:-1] / pooled[-1].clamp_min(1.0) * mean_prob).sum()]
+    else:
+        balance = [num_experts * (load[:-1] / (load[-1].clamp_min(1.0) * top_k) * p).sum()
+                   for load, p in zip(loads, mean_probs, strict=True)]
     return (
         torch.stack([t.to(device) for t in balance]).mean(),
         torch.stack([t.to(device) for t in zloss]).mean(),
@@ -710,6 +822,7 @@ class MulaForCausalLM(MulaPreTrainedModel, GenerationMixin):
             aux_loss, z_loss, tokens_per_expert = router_losses(
                 outputs.router_logits, outputs.router_indices, config.num_experts,
                 config.router_scoring_func, token_mask, self._router_loss_group(),
+                getattr(config, "router_aux_loss_type", "mula"),
             )
             if loss is not None and self.training:
                 # Evaluation reports the LM loss alone, so eval loss and perplexity stay comparable.

@@ -19,7 +19,8 @@ def count_parameters(config: MulaConfig) -> tuple[int, int]:
     attention = h * (2 * q_width + 2 * kv_width) + (q_width + 2 * kv_width + h if bias else 0)
     if config.qk_norm:
         attention += q_width + kv_width
-    layer_norms = 2 * h
+    norm = norm_parameters(config)
+    layer_norms = 2 * norm
 
     total = active = 0
     for layer in range(config.num_hidden_layers):
@@ -32,8 +33,16 @@ def count_parameters(config: MulaConfig) -> tuple[int, int]:
             dense_ffn = 3 * h * config.intermediate_size
             total += attention + layer_norms + dense_ffn
             active += attention + layer_norms + dense_ffn
-    embeddings = v * h * (1 if config.tie_word_embeddings else 2) + h  # + final norm
+    embeddings = v * h * (1 if config.tie_word_embeddings else 2) + norm  # + final norm
     return total + embeddings, active + embeddings
+
+
+def norm_parameters(config: MulaConfig) -> int:
+    """Parameters of one input, post-attention or final norm: a weight (RMSNorm) or a weight and a bias
+    (LayerNorm) with `norm_elementwise_affine`, none without (OLMo's LayerNorm)."""
+    if not config.norm_elementwise_affine:
+        return 0
+    return config.hidden_size * (2 if config.norm_type == "layer_norm" else 1)
 
 
 def matmul_flops_per_token(matmul_params: int, layers: int, attention_width: int, seq_len: int) -> float:

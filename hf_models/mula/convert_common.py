@@ -1,0 +1,168 @@
+"""What the checkpoint converters (`convert_olmoe`, `convert_olmo`) share: reading a Transformers checkpoint
+folder, checking its tensors against the model a config implies, and writing the converted folder.
+
+Every problem is a `ConversionError` whose message names it in one line. PyTorch and Transformers are
+imported where used, so that a converter's `--help` needs neither.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from .configuration_mula import MulaConfig
+
+# Buffers some older checkpoints saved; they are recomputed from the config.
+IGNORED = re.compile(r"(rotary_emb\.inv_freq|rotary_emb\.original_inv_freq)$")
+
+
+class ConversionError(ValueError):
+    """A checkpoint that cannot be converted; the message names the problem in one line."""
+
+
+# -- reading ------------------------------------------------------------------------------------
+def read_config(folder: Path) -> dict:
+    """The parsed config.json of a checkpoint folder."""
+    if not folder.is_dir():
+        raise ConversionError(f"{folder} is not a folder")
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ConversionError(f"{folder} is not a checkpoint folder: it has no config.json")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConversionError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(config, dict):
+        raise ConversionError(f"{path} is not a JSON object")
+    return config
+
+
+def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint folder (safetensors or PyTorch .bin, single file or sharded)."""
+    import torch
+    from safetensors.torch import load_file
+
+    def load_bin(path: Path) -> dict[str, torch.Tensor]:
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+    for single, index, loader in (
+        ("model.safetensors", "model.safetensors.index.json", load_file),
+        ("pytorch_model.bin", "pytorch_model.bin.index.json", load_bin),
+    ):
+        if (folder / single).is_file():
+            files = [folder / single]
+        elif (folder / index).is_file():
+            weight_map = json.loads((folder / index).read_text()).get("weight_map", {})
+            files = [folder / name for name in sorted(set(weight_map.values()))]
+        else:
+            continue
+        tensors: dict[str, torch.Tensor] = {}
+        for file in files:
+            if not file.is_file():
+                raise ConversionError(f"weight shard {file.name} listed in the index is missing from {folder}")
+            try:
+                tensors.update(loader(file))
+            except Exception as err:  # corrupt or truncated files surface here
+                raise ConversionError(f"cannot read {file}: {str(err).splitlines()[0]}") from None
+        return tensors
+    raise ConversionError(f"{folder} has no weights (model.safetensors or pytorch_model.bin, single or sharded)")
+
+
+def read_mula_config(folder: Path) -> MulaConfig:
+    """The MulaConfig of the Mula checkpoint folder `folder`; another model type or an invalid config is
+    refused in one line."""
+    from .configuration_mula import MulaConfig
+
+    cfg = read_config(folder)
+    if cfg.get("model_type") != "mula":
+        raise ConversionError(f"{folder} is not a Mula checkpoint (model_type={cfg.get('model_type')!r})")
+    known = {k: v for k, v in cfg.items() if k not in ("auto_map", "architectures", "transformers_version")}
+    return build_config(MulaConfig, known)
+
+
+def build_config(config_cls, values: dict):
+    """`config_cls(**values)`, its validation error (naming the field) turned into a ConversionError."""
+    try:
+        return config_cls(**values)
+    except (ValueError, TypeError) as err:
+        raise ConversionError(str(err).splitlines()[0]) from None
+
+
+def rope_parameters(cfg: dict) -> dict:
+    """The RoPE parameters of a config.json dict, from Transformers v5's `rope_parameters` or v4's
+    top-level `rope_theta` and `rope_scaling` (as the Hub files have them)."""
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    rope.setdefault("rope_type", rope.pop("type", "default"))
+    rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    return rope
+
+
+def checkpoint_dtype(cfg: dict) -> dict:
+    """`{"dtype": ...}` when a config.json dict names its weights' dtype (v5 `dtype`, v4 `torch_dtype`)."""
+    dtype = cfg.get("dtype") or cfg.get("torch_dtype")
+    return {"dtype": dtype} if dtype else {}
+
+
+# -- tensors ------------------------------------------------------------------------------------
+def check_tensors(model_cls, config, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors `model_cls(config)` loads (ignored buffers and a tied head left out), after checking
+    on the meta device that every one it needs is there with its shape and none is left over."""
+    import torch
+
+    with torch.device("meta"):
+        model = model_cls(config)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    tied = "lm_head.weight" if config.tie_word_embeddings else None
+    tensors = {k: v for k, v in tensors.items() if not IGNORED.search(k) and k != tied}
+    for name, shape in expected.items():
+        if name == tied:
+            continue
+        if name not in tensors:
+            raise ConversionError(f"missing tensor {name} (expected shape {list(shape)})")
+        if tuple(tensors[name].shape) != shape:
+            raise ConversionError(
+                f"tensor {name} has shape {list(tensors[name].shape)}, the config implies {list(shape)}"
+            )
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise ConversionError(f"unexpected tensor {unexpected[0]}{more} for this config")
+    return tensors
+
+
+def load_into_meta_model(model_cls, config, tensors: dict[str, torch.Tensor]):
+    """Build `model_cls(config)` without allocating, check every tensor's name and shape, and assign
+    (for saving: buffers the state dict leaves out stay on the meta device)."""
+    import torch
+
+    tensors = check_tensors(model_cls, config, tensors)
+    with torch.device("meta"):
+        model = model_cls(config)
+    dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    if len(dtypes) == 1:
+        config.dtype = dtypes.pop()
+    model.load_state_dict(tensors, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model
+
+
+# -- writing ------------------------------------------------------------------------------------
+def check_output(output_dir: Path) -> None:
+    """Refuse an output path that is a file or a non-empty folder, before any work is done."""
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ConversionError(f"output {output_dir} exists and is not a folder")
+    if output_dir.is_dir() and any(output_dir.iterdir()):
+        raise ConversionError(f"output folder {output_dir} exists and is not empty")
+
+
+def save_folder(model, output_dir: Path, **kwargs) -> None:
+    """`model.save_pretrained(output_dir, **kwargs)` into a new or empty folder."""
+    check_output(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(output_dir, **kwargs)
