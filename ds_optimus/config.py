@@ -10,7 +10,8 @@ validated once, up front. An unknown key or a bad value is a one-line `ConfigErr
       "train": {"steps": 100, "seed": 0, "output_dir": "runs/mula", "eval_interval": 50, "eval_batches": 8,
                 "log_interval": 1, "peak_tflops": null, "warmup_steps": 0, "min_lr_ratio": 0.1,
                 "sample_prompt": null, "sample_tokens": 48, "activation_checkpointing": false,
-                "compile": false, "measure_memory_steps": 0},
+                "compile": false, "measure_memory_steps": 0, "clip_after_warmup": false,
+                "decay_all_params": false},
       "checkpoint": {"interval": 0, "keep_last": 2, "dir": null, "resume": true, "async_save": false},
       "wandb": {"mode": null, "project": "ds_optimus", "name": null, "entity": null},
       "sharded_optimizer": {"enabled": false, "bucket_size": 50000000, "reduce_dtype": null,
@@ -84,20 +85,25 @@ class ModelConfig(Section):
              f"{where}.preset {self.preset!r} is not one of {', '.join(PRESETS)}")
         need(isinstance(self.overrides, dict), f"{where}.overrides must be a JSON object")
 
-    def build(self, tokenizer=None):
-        """The Mula model: random weights (from torch's generator) for a preset or a folder without
-        weights, the folder's weights otherwise; ids of `tokenizer`'s end and padding tokens. An
-        OLMoE folder is converted on the fly; a folder of another architecture, and weights that
-        leave a parameter uninitialised, are one-line ConfigErrors."""
-        from .hf_models.mula import MulaForCausalLM
+    def build(self, tokenizer=None, *, ep_size: int = 1, ep_rank: int = 0, seed: int = 0):
+        """The Mula model in fp32, built on the meta device and holding only experts
+        [ep_rank*E/ep_size, (ep_rank+1)*E/ep_size) of each MoE layer: random initial values that do not
+        depend on the layout (seeded by `seed`, name and expert) for a preset or a folder without
+        weights, else the folder's weights, of which only those rows are read; ids of `tokenizer`'s end
+        and padding tokens. An OLMoE folder is converted on the fly; a folder of another architecture,
+        and weights that leave a parameter uninitialised, are one-line ConfigErrors."""
+        from .parallel.build import WeightsError, build_model
 
         config = self.mula_config(tokenizer)
         folder = Path(self.path) if self.path is not None else None
-        if folder is None or not has_weights(folder):
-            return MulaForCausalLM(config)
-        if self._folder_kind(folder) == "olmoe":
-            return self._convert_olmoe(folder, config)
-        return self._load_mula(folder, config)
+        kind = self._folder_kind(folder) if folder is not None and has_weights(folder) else None
+        if kind is not None:
+            check_folder_weights(folder, config, kind)
+        try:
+            return build_model(config, ep_size=ep_size, ep_rank=ep_rank, seed=seed,
+                               folder=folder if kind else None, kind=kind or "mula")
+        except WeightsError as err:
+            raise ConfigError(f"optimus.model.path {str(folder)!r}: {err}") from None
 
     def mula_config(self, tokenizer=None):
         """The `MulaConfig` of the model `build` makes (a one-line ConfigError where it cannot be made),
@@ -107,10 +113,13 @@ class ModelConfig(Section):
         folder = Path(self.path) if self.path is not None else None
         kind = self._folder_kind(folder) if folder is not None else "preset"
         try:
-            if kind == "olmoe":
-                from .hf_models.mula.convert_olmoe import olmoe_to_mula_config, read_config
+            if kind in ("olmoe", "olmo"):
+                from .hf_models.mula.convert_common import read_config
+                from .hf_models.mula.convert_olmo import olmo_to_mula_config
+                from .hf_models.mula.convert_olmoe import olmoe_to_mula_config
 
-                config = olmoe_to_mula_config(read_config(folder))
+                convert = olmoe_to_mula_config if kind == "olmoe" else olmo_to_mula_config
+                config = convert(read_config(folder))
                 config = MulaConfig(**{**config.to_dict(), **self.overrides})
             elif kind == "mula":
                 config = MulaConfig.from_pretrained(folder, **self.overrides)
@@ -136,11 +145,12 @@ class ModelConfig(Section):
             return f"preset {self.preset}"
         folder = Path(self.path)
         weights = "with its weights" if has_weights(folder) else "without weights: random initial values"
-        kind = "an OLMoE folder, converted on the fly" if self._folder_kind(folder) == "olmoe" else "a Mula folder"
+        kind = {"olmoe": "an OLMoE folder, converted on the fly", "olmo": "an OLMo folder, read as Mula"}.get(
+            self._folder_kind(folder), "a Mula folder")
         return f"{folder} ({kind}, {weights})"
 
     def _folder_kind(self, folder: Path) -> str:
-        """"mula" or "olmoe", from the folder's config.json; anything else is a ConfigError."""
+        """"mula", "olmoe" or "olmo", from the folder's config.json; anything else is a ConfigError."""
         import json
 
         where = f"optimus.model.path {str(folder)!r}"
@@ -152,42 +162,41 @@ class ModelConfig(Section):
             model_type = json.loads((folder / "config.json").read_text()).get("model_type")
         except (OSError, ValueError, AttributeError) as err:
             raise ConfigError(f"{where}: config.json is not a readable JSON object ({type(err).__name__})") from None
-        if model_type in ("mula", "olmoe"):
+        if model_type in ("mula", "olmoe", "olmo"):
             return model_type
-        raise ConfigError(f"{where} holds a {model_type!r} model, not a Mula or OLMoE one (an OLMoE folder is "
-                          "converted on the fly; other architectures are not trained by ds_optimus)")
+        raise ConfigError(f"{where} holds a {model_type!r} model, not a Mula, OLMoE or OLMo one (OLMoE and OLMo "
+                          "folders are converted on the fly; other architectures are not trained by ds_optimus)")
 
-    def _load_mula(self, folder: Path, config):
-        import torch
 
-        from .hf_models.mula import MulaForCausalLM
+def check_folder_weights(folder: Path, config, kind: str, when: str = "") -> None:
+    """A one-line ConfigError where `folder`'s weights (read from the files' headers: names and shapes,
+    no tensor data) would not fill `MulaForCausalLM(config)`: a tensor missing or of another shape;
+    for an OLMoE folder (`kind` "olmoe"), as its conversion would find them. `when` ends the OLMoE
+    message's "converted on the fly" (e.g. " at the start")."""
+    import torch
 
-        where = f"optimus.model.path {str(folder)!r}"
-        try:
-            model, info = MulaForCausalLM.from_pretrained(folder, config=config, dtype=torch.float32,
-                                                          output_loading_info=True)
-        except (OSError, RuntimeError, ValueError) as err:  # unreadable files, tensors of the wrong shape
-            raise ConfigError(f"{where}: its weights do not load ({first_line(err)})") from None
-        refuse_uninitialised(folder, sorted(info.get("missing_keys") or ()),
-                             [name for name, *_ in info.get("mismatched_keys") or ()])
-        return model
+    from .hf_models.mula import MulaForCausalLM
+    from .hf_models.mula.convert_olmoe import ConversionError, check_tensors, stack_experts
+    from .parallel.build import WeightsError, folder_shapes
 
-    def _convert_olmoe(self, folder: Path, config):
-        import torch
-
-        from .hf_models.mula import MulaForCausalLM
-        from .hf_models.mula.convert_olmoe import ConversionError, check_tensors, read_tensors, stack_experts
-
-        try:
-            tensors = check_tensors(MulaForCausalLM, config, stack_experts(read_tensors(folder), config.num_experts))
+    where = f"optimus.model.path {str(folder)!r}"
+    try:
+        shapes = folder_shapes(folder)
+    except WeightsError as err:
+        raise ConfigError(f"{where}: {err}") from None
+    if kind == "olmoe":
+        empty = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
+        try:  # as the conversion does, on tensors without data
+            check_tensors(MulaForCausalLM, config, stack_experts(empty, config.num_experts))
         except ConversionError as err:
-            raise ConfigError(f"optimus.model.path {str(folder)!r} (an OLMoE checkpoint, converted on the fly): "
-                              f"{err}") from None
-        config.dtype = torch.float32
-        model = MulaForCausalLM(config)
-        with torch.no_grad():
-            model.load_state_dict(tensors, strict=False)  # every weight checked above; a tied head follows
-        return model
+            raise ConfigError(f"{where} (an OLMoE checkpoint, converted on the fly{when}): {err}") from None
+        return
+    with torch.device("meta"):
+        expected = {name: tuple(t.shape) for name, t in MulaForCausalLM(config).state_dict().items()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    refuse_uninitialised(folder, sorted(name for name in expected if name not in shapes),
+                         sorted(name for name in expected if name in shapes and shapes[name] != expected[name]))
 
 
 def refuse_uninitialised(folder: Path, missing: list[str], wrong: list[str]) -> None:
@@ -226,13 +235,19 @@ class TrainConfig(Section):
     # optimizer's lr over warmup_steps, then cosine decay to min_lr_ratio x lr at the last step.
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1
+    # The seed system's recipe: no gradient clipping during the LR warm-up (the config's
+    # `gradient_clipping` from the first step after it), and weight decay on every parameter (norms
+    # and biases too; by default they are not decayed).
+    clip_after_warmup: bool = False
+    decay_all_params: bool = False
     # End this invocation cleanly (with a checkpoint) after this many steps, e.g. to fit a job's
     # time limit; the next invocation resumes. null: run to `steps`.
     stop_after_steps: int | None = None
     sample_prompt: str | None = None  # null: the first words of the first held-out document
     sample_tokens: int = 48
-    # Recompute each decoder layer's activations in the backward pass instead of keeping them.
-    activation_checkpointing: bool = False
+    # Recompute activations in the backward pass instead of keeping them: true, each decoder layer
+    # whole; a list, those parts of each layer (selective recomputation, `recompute_parts`).
+    activation_checkpointing: bool | list[str] = False
     # Compile each decoder layer with torch.compile (the first steps pay for the compilation).
     compile: bool = False
     # Record each rank's peak tensor memory over the first `measure_memory_steps` steps into the
@@ -240,8 +255,29 @@ class TrainConfig(Section):
     # accelerators from the allocator's statistics). 0: off.
     measure_memory_steps: int = 0
 
+    # "moe": the FFN after the post-attention norm (router, experts, their expert-parallel exchange);
+    # "attention": the attention after the input norm; "norms": the layer norms
+    recompute_parts = ("moe", "attention", "norms")
+
+    @property
+    def recompute(self) -> bool | tuple[str, ...]:
+        """`activation_checkpointing` as the planner's `Layout.checkpointing`: a bool, or the parts in
+        `recompute_parts`' order."""
+        value = self.activation_checkpointing
+        return value if isinstance(value, bool) else tuple(p for p in self.recompute_parts if p in value)
+
     def check(self, where: str) -> None:
-        check_flags(self, where, "activation_checkpointing", "compile")
+        check_flags(self, where, "compile")
+        check_flags(self, where, "clip_after_warmup", "decay_all_params")
+        value, key, allowed = self.activation_checkpointing, f"{where}.activation_checkpointing", \
+            ", ".join(f'"{p}"' for p in self.recompute_parts)
+        need(isinstance(value, (bool, list)), f"{key} must be true, false or a list of parts to recompute ({allowed}), "
+                                              f"got {value!r}")
+        if isinstance(value, list):
+            need(bool(value), f"{key} is an empty list; name parts to recompute ({allowed}) or use false")
+            for i, part in enumerate(value):
+                need(part in self.recompute_parts, f"{key}: unknown part {part!r} (allowed: {allowed})")
+                need(part not in value[:i], f"{key}: {part!r} is listed twice (allowed: {allowed})")
         need(positive_int(self.steps), f"{where}.steps must be a positive integer, got {self.steps!r}")
         need(isinstance(self.seed, int) and not isinstance(self.seed, bool),
              f"{where}.seed must be an integer, got {self.seed!r}")

@@ -332,7 +332,7 @@ def test_an_olmoe_folder_is_converted_on_the_fly_and_incomplete_weights_are_refu
 
     (tmp_path / "llama").mkdir()
     (tmp_path / "llama" / "config.json").write_text('{"model_type": "llama"}')
-    with pytest.raises(ConfigError, match=r"holds a 'llama' model, not a Mula or OLMoE one"):
+    with pytest.raises(ConfigError, match=r"holds a 'llama' model, not a Mula, OLMoE or OLMo one"):
         build(tmp_path / "llama")
 
 

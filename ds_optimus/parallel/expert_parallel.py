@@ -89,13 +89,22 @@ def apply_expert_parallel(model: nn.Module, ep_size: int | ExpertParallelGroups,
     for module in experts:
         local = module.num_experts // groups.ep_size
         start = groups.ep_rank * local
+        built_sliced = module.num_local_experts != module.num_experts  # by ds_optimus.parallel.build_model
+        if built_sliced and (module.num_local_experts, module.expert_offset) != (local, start):
+            raise ValueError(f"apply_expert_parallel: the model was built holding experts {module.expert_offset}.."
+                             f"{module.expert_offset + module.num_local_experts - 1}, but EP rank {groups.ep_rank} of "
+                             f"{groups.ep_size} holds {start}..{start + local - 1}")
         for name in EXPERT_WEIGHTS:
             full = getattr(module, name)
-            shard = nn.Parameter(full.detach()[start:start + local].clone(), requires_grad=full.requires_grad)
+            if built_sliced:  # already this rank's rows: kept as they are
+                shard = full
+            else:
+                shard = nn.Parameter(full.detach()[start:start + local].clone(), requires_grad=full.requires_grad)
             shard.allreduce = False  # deepspeed.moe.utils.is_moe_param
             shard.group_name = groups.name  # DeepSpeed's name for the EDP group of this EP size
             setattr(module, name, shard)
         module.num_local_experts = local
+        module.expert_offset = start
         module.expert_groups = groups
         # EP size 1 keeps every expert: nothing to exchange.
         module.expert_parallel = _dispatcher(module, groups, dedup, chunks) if groups.ep_size > 1 else None
@@ -228,12 +237,14 @@ def _use_ds_optimus_experts(model: nn.Module) -> None:
         config._experts_implementation = IMPLEMENTATION_NAME
 
 
-def moe_param_groups(model: nn.Module, weight_decay: float = 0.0, **options: Any) -> list[dict[str, Any]]:
+def moe_param_groups(model: nn.Module, weight_decay: float = 0.0, *, decay_all: bool = False,
+                     **options: Any) -> list[dict[str, Any]]:
     """Optimizer param groups as DeepSpeed's MoE support expects them.
 
     Dense parameters go to "dense" (weight decay) and "dense_no_decay" (norms, biases and other 1-D
-    parameters: the usual rule); expert weights to one group per EP layout, named by its DeepSpeed
-    group name with `moe=True`. `options` (lr, betas, ...) are copied into every group.
+    parameters: the usual rule; with `decay_all`, the seed system's choice, they are decayed in "dense"
+    too); expert weights to one group per EP layout, named by its DeepSpeed group name with `moe=True`.
+    `options` (lr, betas, ...) are copied into every group.
     """
     dense, no_decay, experts = [], [], {}
     for param in model.parameters():
@@ -241,7 +252,7 @@ def moe_param_groups(model: nn.Module, weight_decay: float = 0.0, **options: Any
             continue
         if is_expert_param(param):
             experts.setdefault(param.group_name, []).append(param)
-        elif param.ndim < 2:
+        elif param.ndim < 2 and not decay_all:
             no_decay.append(param)
         else:
             dense.append(param)

@@ -80,7 +80,7 @@ def check_run(ds_config: dict[str, Any], world: int | None = None, cluster: str 
         f"model     {opt.model.describe()}: {total / 1e6:,.2f}M parameters ({active / 1e6:,.2f}M active per token), "
         f"{model_config.num_hidden_layers} layers{experts}; built on the meta device",
         f"layout    {world} ranks ({source}): data parallel {world}{exchange}; ZeRO-{stage} with {optimizer}"
-        + ("; every decoder layer recomputed in the backward pass" if opt.train.activation_checkpointing else ""),
+        + _recompute_note(opt.train.recompute),
         f"batch     {micro} sequences x {accumulation} accumulation x {world} ranks = {micro * accumulation * world} "
         f"sequences of {opt.data.seq_len} tokens ({tokens:,} tokens) per step",
         *_data_lines(opt, tokenizer),
@@ -90,39 +90,28 @@ def check_run(ds_config: dict[str, Any], world: int | None = None, cluster: str 
     return lines
 
 
-def _check_weights(path: str | None, model) -> None:
-    """A Mula or OLMoE folder's safetensors weights against the model built on the meta device, from
-    their headers only (names and shapes; no tensor is read). PyTorch .bin files would have to be
-    loaded: they are checked at the start."""
-    import torch
-    from safetensors import safe_open
+def _recompute_note(recompute: bool | tuple[str, ...]) -> str:
+    """What the layout line says of activation recomputation."""
+    if recompute is True:
+        return "; every decoder layer recomputed in the backward pass"
+    names = {"moe": "the MoE block", "attention": "the attention", "norms": "the norms"}
+    parts = [names[p] for p in recompute or ()]
+    if not parts:
+        return ""
+    listed = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+    return f"; {listed} of every decoder layer recomputed in the backward pass"
 
-    from ..config import refuse_uninitialised
-    from ..hf_models.mula import MulaForCausalLM
-    from ..hf_models.mula.convert_olmoe import ConversionError, check_tensors, stack_experts
+
+def _check_weights(path: str | None, model) -> None:
+    """A Mula or OLMoE folder's weights against the model built on the meta device, from the files'
+    headers only (names and shapes; no tensor is read), as the start checks them."""
+    from ..config import check_folder_weights, has_weights
 
     folder = Path(path) if path else None
-    files = sorted(folder.glob("*.safetensors")) if folder is not None else []
-    if not files:
+    if folder is None or not has_weights(folder):
         return
-    where, shapes = f"optimus.model.path {str(folder)!r}", {}
-    for file in files:
-        try:
-            with safe_open(file, framework="pt") as f:
-                shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
-        except Exception as err:  # safetensors' own error type for a damaged header, OSError, ...
-            raise ConfigError(f"{where}: {file.name} cannot be read ({str(err).splitlines()[0]})") from None
-    if json.loads((folder / "config.json").read_text()).get("model_type") == "olmoe":
-        empty = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
-        try:  # as the start converts it, on tensors without data
-            check_tensors(MulaForCausalLM, model.config, stack_experts(empty, model.config.num_experts))
-        except ConversionError as err:
-            raise ConfigError(f"{where} (an OLMoE checkpoint, converted on the fly at the start): {err}") from None
-        return
-    tied = "lm_head.weight" if model.config.tie_word_embeddings else None
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items() if name != tied}
-    refuse_uninitialised(folder, [name for name in expected if name not in shapes],
-                         [name for name in expected if name in shapes and shapes[name] != expected[name]])
+    kind = json.loads((folder / "config.json").read_text()).get("model_type")
+    check_folder_weights(folder, model.config, kind, when=" at the start")
 
 
 def _data_lines(opt, tokenizer) -> list[str]:
@@ -166,7 +155,7 @@ def _memory_line(model_config, opt, config, world, micro, accumulation, cluster)
     ep = opt.expert_parallel
     layout = Layout(world=world, ep=ep.size, zero=config.get("zero_optimization", {}).get("stage", 0),
                     sharded=opt.sharded_optimizer.enabled, micro=micro, accumulation=accumulation,
-                    checkpointing=opt.train.activation_checkpointing,
+                    checkpointing=opt.train.recompute,
                     hierarchical=bool(ep.node_size and ep.node_size < ep.size), seq_len=opt.data.seq_len,
                     dtype=dtype, reduce_dtype=opt.sharded_optimizer.reduce_dtype,
                     bucket_size=opt.sharded_optimizer.bucket_size)

@@ -76,8 +76,9 @@ def main(argv: list[str] | None = None) -> int:
             seed=opt.train.seed, bf16=bool(config.get("bf16", {}).get("enabled", False)),
             use_cpu=not torch.cuda.is_available(), dataloader_drop_last=True, disable_tqdm=False,
         )
-        torch.manual_seed(opt.train.seed)  # the same initial weights on every rank
-        model = opt.model.build(tokenizer)
+        ep = opt.expert_parallel.size  # applied with DeepSpeed's engine; EP groups are consecutive ranks
+        model = opt.model.build(tokenizer, ep_size=ep, ep_rank=int(os.environ.get("RANK", "0")) % ep,
+                                seed=opt.train.seed)
 
         sources = [parse_source(s) for s in opt.data.sources]
         packed = prepare_on_rank_zero(sources, tokenizer, opt.data.cache_dir, opt.data.val_fraction)

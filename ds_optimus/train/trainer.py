@@ -110,15 +110,17 @@ class Trainer:
             self.tokenizer = load_tokenizer(opt.data.tokenizer)
         except ValueError as err:
             raise ConfigError(f"optimus.data.tokenizer: {err}") from None
-        model = opt.model.build(self.tokenizer)
-        if opt.train.activation_checkpointing:
-            C.enable_activation_checkpointing(model)
+        ep = opt.expert_parallel
         with every_rank_alike():
-            if model.config.num_experts:
-                check_layout(self.world, opt.expert_parallel.size, model.config.num_experts,
-                             opt.expert_parallel.node_size)
-            elif opt.expert_parallel.size > 1:
+            num_experts = opt.model.mula_config(self.tokenizer).num_experts
+            if num_experts:
+                check_layout(self.world, ep.size, num_experts, ep.node_size)
+            elif ep.size > 1:
                 raise ConfigError("optimus.expert_parallel.size > 1 needs an MoE model (num_experts > 0)")
+        # Built on the meta device, holding only this rank's experts (EP groups are consecutive ranks).
+        model = opt.model.build(self.tokenizer, ep_size=ep.size, ep_rank=self.rank % ep.size, seed=opt.train.seed)
+        if opt.train.activation_checkpointing:  # true: whole layers; a list: those parts of each
+            C.enable_activation_checkpointing(model, opt.train.recompute)
         self.groups = setup_moe(model, opt)
         if opt.train.compile:
             C.compile_layers(model)
@@ -153,8 +155,9 @@ class Trainer:
         # The engine applies the optimus section's moe, expert_parallel (done already: the model is
         # expert-parallel) and sharded_optimizer; the rest is this trainer's.
         self.engine, _, _, _ = deepspeed.initialize(
-            model=self.model, model_parameters=moe_param_groups(self.model, weight_decay=weight_decay),
-            lr_scheduler=schedule, config=engine_ds_config(config))
+            model=self.model, lr_scheduler=schedule, config=engine_ds_config(config),
+            model_parameters=moe_param_groups(self.model, weight_decay=weight_decay,
+                                              decay_all=opt.train.decay_all_params))
         self.engine.drives_router_bias = False  # RouterBiasCallback does it, leaving out the skipped steps
         self.device = self.engine.device
         self.sum_dtype = _sum_dtype(torch.device(self.device))
