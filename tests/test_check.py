@@ -82,10 +82,10 @@ def test_check_finds_missing_weights_from_the_file_headers_and_memory_that_does_
     status, _, err = _run(capsys, str(TINY), "--check", "--set", f"optimus.model.path={tmp_path / 'mula'}")
     assert status == 2 and "has no weights for model.layers.2.self_attn.q_proj.weight: they would train" in err
 
-    big = ROOT / "ds_configs" / "mula-100b-a7b.json"
+    big = ROOT / "ds_configs" / "mula-220b-a10b.json"
     status, out, err = _run(capsys, str(big), "--check", "--cluster", "h100", "--set",
                             "optimus.train.activation_checkpointing=false")
-    assert status == 2 and re.search(r"predicted peak 10\d\.\d GiB per rank does not fit the 69\.5 GiB usable on a "
+    assert status == 2 and re.search(r"predicted peak 9\d\.\d GiB per rank does not fit the 69\.5 GiB usable on a "
                                      r"NVIDIA H100", err), err
 
 

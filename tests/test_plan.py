@@ -241,7 +241,8 @@ def test_hierarchical_sub_nodes_where_groups_are_not_aligned_to_nodes():
     assert all_to_all_time(1e9, 8, aurora, False) == pytest.approx(0.5e9 / nic + 7 * 15e-6)
     layouts = candidate_layouts(ModelShape.from_preset("mula-220b-a10b"), aurora, 384, 768, 4096)
     hier = {lay.ep for lay in layouts if lay.hierarchical}
-    assert hier == {e for e in (8, 16, 32, 64, 128) if 384 % e == 0}
+    # EP sizes dividing the 240 experts and the 384 ranks whose groups leave a 12-tile node
+    assert hier == {e for e in range(2, 385) if 240 % e == 0 and 384 % e == 0 and 12 % e != 0} == {8, 16, 24, 48}
     assert {(lay.dedup, lay.chunks) for lay in layouts if lay.ep > 1} == {(False, 1), (True, 1), (True, 2), (True, 4)}
     assert {(lay.dedup, lay.chunks) for lay in layouts if lay.ep == 1} == {(False, 1)}
     # a machine whose ranks share its cores overlaps nothing: no chunks are tried there
@@ -314,7 +315,7 @@ def test_planned_config_is_a_valid_config_for_its_world_size():
     opt = OptimusConfig.from_ds_config(config)
     assert opt.expert_parallel.size == best.layout.ep
     assert opt.sharded_optimizer.enabled == best.layout.sharded
-    assert opt.train.activation_checkpointing == best.layout.checkpointing
+    assert opt.train.recompute == best.layout.checkpointing  # a bool or the parts recomputed
     assert config["zero_optimization"]["stage"] == best.layout.zero
     micro, accumulation = resolve_batch_sizes(dict(config), 64)
     assert (micro, accumulation) == (best.layout.micro, best.layout.accumulation)
@@ -374,8 +375,10 @@ def test_scaling_report_of_mula_220b_on_aurora(tmp_path):
     points = scaling(shape, aurora, counts, 2, 4096)
     effs = efficiency(points)
     assert all(p.plan is not None for p in points) and effs[0] == 1.0
-    assert all(0.5 < e <= 1.0 for e in effs)
-    assert effs[-1] < 0.99  # tapered global links and stragglers cost something at 1,024 nodes
+    # above 1 where more replicas shard the optimizer state enough for a cheaper recomputation to fit
+    # (from 1,536 tiles the attention's instead of the MoE block's)
+    assert all(0.5 < e <= 1.15 for e in effs)
+    assert effs[-1] < 0.99 * max(effs)  # tapered global links and stragglers cost something at 1,024 nodes
     png, out = tmp_path / "s.png", tmp_path / "s.json"
     code = plan_main(["--model", "mula-220b-a10b", "--cluster", "aurora", "--devices", "384", "--global-batch", "768",
                       "--scale", "384:12288", "--png", str(png), "--json", str(out), "--reference-efficiency", "0.9"])
@@ -455,13 +458,16 @@ def test_cli_measure_runs_the_top_layout_on_this_machine(tmp_path, cache):
 
 @pytest.mark.slow
 def test_activation_checkpointing_gives_the_same_losses(tmp_path, cache):
-    losses = []
-    for ckpt in (False, True):
-        config = tiny_config(tmp_path / str(ckpt), cache, expert_parallel={"size": 2},
+    # whole layers, and the parts of each (the MoE block's replay repeats its all-to-alls at EP 2)
+    losses, peaks = [], []
+    for ckpt in (False, True, ["moe", "attention", "norms"]):
+        config = tiny_config(tmp_path / str(len(losses)), cache, expert_parallel={"size": 2},
                              train={"steps": 3, "eval_interval": 0, "activation_checkpointing": ckpt,
                                     "measure_memory_steps": 2})
         config["optimus"]["checkpoint"] = {"interval": 0, "keep_last": 1}
         summary = run_distributed(pretrain_worker, 2, config)[0]
         losses.append([summary["losses"][s] for s in sorted(summary["losses"])])
         assert [m["peak_bytes"] > m["marks"]["initialized"] > 0 for m in summary["memory"]] == [True, True]
-    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+        peaks.append([m["peak_bytes"] for m in summary["memory"]])
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6) and losses[0] == pytest.approx(losses[2], rel=1e-6)
+    assert all(parts < none for parts, none in zip(peaks[2], peaks[0], strict=True)), peaks

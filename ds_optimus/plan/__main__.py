@@ -15,7 +15,7 @@ from .layout import LayoutError
 from .memory import gib
 from .model import ModelShape
 from .scaling import ScalingError, device_counts, format_scaling, plot_scaling, scaling
-from .search import EXCHANGES, OPTIMIZERS, format_table, ranking_note, search
+from .search import EXCHANGES, OPTIMIZERS, RECOMPUTE_CHOICES, format_table, ranking_note, search
 
 EPILOG = """examples:
   python -m ds_optimus.plan --model mula-7b-a1b --cluster h100 --devices 64 --write ds_configs/mula-7b-a1b-64xh100.json
@@ -30,10 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 description="Predict per-rank memory and step time of a Mula model under each "
                                             "parallel layout on a cluster,\nrank the layouts, write the best as a "
-                                            "DeepSpeed config. Layouts read\n  dpD epE [ppP] zeroZ[+opt] mbMxA [ckpt] "
-                                            "[hier] [dedup] [ovlC]:\nsizes, optimizer, micro-batch x accumulation, "
-                                            "recomputation, and the EP exchange (two-step,\ndeduplicated, overlapped "
-                                            "with the experts in C chunks).")
+                                            "DeepSpeed config. Layouts read\n  dpD epE [ppP] zeroZ[+opt] mbMxA "
+                                            "[ckpt[:parts]] [hier] [dedup] [ovlC]:\nsizes, optimizer, micro-batch x "
+                                            "accumulation, recomputation, and the EP exchange (two-step,\n"
+                                            "deduplicated, overlapped with the experts in C chunks).")
     p.add_argument("--model", default="mula-7b-a1b", help="Mula preset (default: mula-7b-a1b)")
     p.add_argument("--cluster", default="h100",
                    help=f"built-in cluster ({', '.join(BUILTIN)}), 'local' (this machine, measured) or a JSON file")
@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=("all", "sharded", "deepspeed"), default="all",
                    help="the EP-aware sharded optimizer, DeepSpeed's ZeRO, or both (default)")
     p.add_argument("--no-checkpointing", action="store_true", help="never use activation checkpointing")
+    p.add_argument("--whole-layer-checkpointing", action="store_true",
+                   help="recompute whole decoder layers or nothing (no selective recomputation of parts)")
     p.add_argument("--exchange", choices=("all", "per-slot", "no-overlap"), default="all",
                    help="EP exchanges to try: per slot, deduplicated, and deduplicated in 2 or 4 overlapped chunks "
                         "(all, the default); per slot only; or no chunks")
@@ -98,7 +100,8 @@ def _run(args: argparse.Namespace) -> int:
     optimizers = {"all": OPTIMIZERS, "sharded": tuple(o for o in OPTIMIZERS if o[1]),
                   "deepspeed": tuple(o for o in OPTIMIZERS if not o[1])}[args.optimizer]
     options = dict(dtype=dtype, pipeline=args.pipeline, optimizers=optimizers,
-                   checkpointing=(False,) if args.no_checkpointing else (False, True),
+                   checkpointing=(False,) if args.no_checkpointing else (False, True)
+                   if args.whole_layer_checkpointing else RECOMPUTE_CHOICES,
                    exchanges={"all": EXCHANGES, "per-slot": EXCHANGES[:1],
                               "no-overlap": tuple(e for e in EXCHANGES if e[1] == 1)}[args.exchange],
                    expert_imbalance=args.expert_imbalance)

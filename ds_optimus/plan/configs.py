@@ -70,7 +70,8 @@ def layout_config(layout: Layout, preset: str, cluster: Cluster | None = None,
             sharded.pop(key, None)
     optimus.setdefault("data", {})["seq_len"] = layout.seq_len
     train = optimus.setdefault("train", {})
-    train["activation_checkpointing"] = layout.checkpointing
+    ckpt = layout.checkpointing
+    train["activation_checkpointing"] = ckpt if isinstance(ckpt, bool) else list(ckpt)  # the parts recomputed
     if cluster is not None and not cluster.shared_compute:
         train["peak_tflops"] = cluster.peak_tflops
     return config

@@ -7,6 +7,9 @@ from math import gcd
 from typing import Any
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# The parts of a decoder layer that selective activation recomputation recomputes, in the order
+# `MulaDecoderLayer.recompute` keeps them (`optimus.train.activation_checkpointing` as a list).
+RECOMPUTE_PARTS = ("moe", "attention", "norms")
 
 
 class LayoutError(ValueError):
@@ -22,7 +25,9 @@ class Layout:
     sharded: bool = True  # the EP-aware sharded optimizer (stage 1/2) instead of DeepSpeed's
     micro: int = 1  # sequences per rank per micro-batch
     accumulation: int = 1
-    checkpointing: bool = False  # activation checkpointing of every decoder layer
+    # activation recomputation: False, True (every decoder layer whole) or the parts of each layer
+    # recomputed, a tuple of RECOMPUTE_PARTS (`optimus.train.activation_checkpointing`)
+    checkpointing: bool | tuple[str, ...] = False
     hierarchical: bool = False  # EP exchange in two steps, between (sub-)nodes and inside them
     dedup: bool = False  # send a token once per rank (node, hierarchical) owning its experts, not per slot
     chunks: int = 1  # pieces of each MoE exchange, overlapped with the experts' compute (dedup only)
@@ -31,6 +36,13 @@ class Layout:
     reduce_dtype: str | None = None  # gradient reduction dtype; null: the parameters' dtype
     bucket_size: int = 50_000_000  # elements per communication bucket
     overlap_comm: bool = True  # reduce gradient buckets while the backward pass goes on (not on gloo)
+
+    def __post_init__(self) -> None:
+        # a list of parts (from JSON) in RECOMPUTE_PARTS' order, so equal choices compare equal
+        if isinstance(self.checkpointing, (list, tuple)):
+            parts = tuple(self.checkpointing)
+            known = tuple(p for p in RECOMPUTE_PARTS if p in parts)
+            object.__setattr__(self, "checkpointing", known if len(known) == len(parts) else parts)
 
     @property
     def dp(self) -> int:
@@ -84,6 +96,11 @@ class Layout:
             raise LayoutError(f"ZeRO stage must be 0, 1 or 2, got {self.zero!r}")
         if self.sharded and self.zero == 0:
             raise LayoutError("the sharded optimizer is ZeRO stage 1 or 2")
+        ckpt = self.checkpointing
+        if not isinstance(ckpt, bool) and (not ckpt or any(p not in RECOMPUTE_PARTS for p in ckpt)
+                                           or len(set(ckpt)) != len(ckpt)):
+            raise LayoutError(f"checkpointing must be true, false or a list of distinct parts of "
+                              f"{', '.join(RECOMPUTE_PARTS)}, got {ckpt!r}")
         for key in ("hierarchical", "dedup"):
             if not isinstance(getattr(self, key), bool):
                 raise LayoutError(f"{key} must be true or false, got {getattr(self, key)!r}")
@@ -93,14 +110,16 @@ class Layout:
             raise LayoutError(f"dtype must be one of {', '.join(DTYPE_BYTES)}")
 
     def describe(self) -> str:
-        """A short label: `ep8 zero1(opt) mb2x4 ckpt`."""
+        """A short label: `ep8 zero1(opt) mb2x4 ckpt` (`ckpt:moe+attn+norms`: those parts recomputed)."""
         parts = [f"dp{self.dp}", f"ep{self.ep}"]
         if self.pp > 1:
             parts.append(f"pp{self.pp}")
         parts.append(f"zero{self.zero}" + ("+opt" if self.sharded else ""))
         parts.append(f"mb{self.micro}x{self.accumulation}")
-        if self.checkpointing:
+        if self.checkpointing is True:
             parts.append("ckpt")
+        elif self.checkpointing:
+            parts.append("ckpt:" + "+".join("attn" if p == "attention" else p for p in self.checkpointing))
         if self.hierarchical:
             parts.append("hier")
         if self.dedup:

@@ -4,7 +4,7 @@ The states follow what each optimizer path holds (see `ds_optimus/optim/sharded.
 DeepSpeed's ZeRO stage 0/1/2 optimizers); activations follow `ModelShape`'s count of the tensors
 autograd saves. The peak is taken at the start of the backward pass, where the activations of the
 whole micro-batch and the loss's vocabulary-sized gradients are alive at once, or, with activation
-checkpointing, at the recomputation of a layer, whichever is larger.
+checkpointing, at the recomputation of a layer (or of the recomputed parts of one), whichever is larger.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def estimate_memory(model: ModelShape, layout: Layout, expert_imbalance: float =
     head = model.head_bytes(p)
     activations = tokens * ((saved - head) / layout.pp * in_flight + head)
     loss = tokens * model.loss_transient_bytes_per_token(p)
-    recompute = tokens * model.recompute_bytes_per_token(p, expert_imbalance) if layout.checkpointing else 0.0
+    recompute = tokens * model.recompute_bytes_per_token(p, expert_imbalance, layout.checkpointing)
     transient = max(loss, recompute) + grad_transient
     # The all-to-all's send and receive rows (and, hierarchical, the rows between its two steps)
     # live only inside a MoE layer: at most, inside the last one's forward, with every activation

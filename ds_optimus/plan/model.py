@@ -105,26 +105,47 @@ class ModelShape:
         # dtype (for the weight's gradient; the same tensor in float32) and one float32 scale a row
         return width * (4 + a) + 4
 
-    def attention_bytes(self, a: int) -> int:
-        """Bytes one token's attention block saves (input norm through the post-attention norm)."""
+    def _attention_inner(self, a: int) -> int:
+        """What the attention saves besides its input (the input norm's output): QK-norms, SDPA."""
         q, kv = self.q_width, self.kv_width
         qk = self._norm(q, a) + self._norm(kv, a) if self.qk_norm else 0
-        sdpa = a * (2 * q + 2 * kv) + 4 * self.heads  # q, k, v, output; float32 log-sum-exp per head
-        return self._norm(self.hidden, a) + a * self.hidden + qk + sdpa + self._norm(self.hidden, a)
+        return qk + a * (2 * q + 2 * kv) + 4 * self.heads  # q, k, v, output; float32 log-sum-exp per head
 
-    def ffn_bytes(self, a: int, moe: bool, imbalance: float = 1.0) -> float:
-        """Bytes one token's feed-forward block saves; `imbalance` scales the routed part (the most
-        loaded rank receives that many times the mean number of rows)."""
-        h = self.hidden
+    def _ffn_inner(self, a: int, moe: bool, imbalance: float = 1.0) -> float:
+        """What the feed-forward block saves besides its input (the post-attention norm's output);
+        `imbalance` scales the routed part (the most loaded rank receives that many times the mean rows)."""
         if not moe:
-            return a * (h + 4 * self.intermediate)  # input, gate and up outputs, SiLU(gate), the down input
+            return 4 * a * self.intermediate  # gate and up outputs, SiLU(gate), the down input
         k, i = self.top_k, self.expert_intermediate
-        router = a * h + 4 * self.experts + a * k  # input, float32 logits, routing weights
-        routed = k * (a * (h + 3 * i) + _INDEX_BYTES_PER_SLOT)  # permuted rows, gate|up, SwiGLU out
+        router = 4 * self.experts + a * k  # float32 logits, routing weights
+        routed = k * (a * (self.hidden + 3 * i) + _INDEX_BYTES_PER_SLOT)  # permuted rows, gate|up, SwiGLU out
         return router + imbalance * routed
 
+    def _side(self, a: int, inner: float, block: bool, norm: bool) -> float:
+        """Bytes per token of a norm and the block after it, either recomputed or not. Recomputed
+        (non-reentrant checkpointing), a region keeps only its input: the norm's input (the residual
+        stream), or the block's input (the norm's output) where the norm is not in the region."""
+        x = a * self.hidden
+        kept_by_norm = x if norm else self._norm(self.hidden, a)
+        if block:
+            return x if norm else kept_by_norm + x
+        return kept_by_norm + x + inner
+
+    def layer_saved_bytes_per_token(self, a: int, moe: bool, recompute: bool | tuple[str, ...] = False,
+                                    imbalance: float = 1.0) -> float:
+        """Bytes one token's decoder layer saves for the backward pass under activation recomputation
+        `recompute`: False (none), True (the whole layer: its input only) or the parts recomputed,
+        any of "moe" (the FFN after the post-attention norm), "attention", "norms"."""
+        if recompute is True:
+            return a * self.hidden
+        parts = recompute or ()
+        norm = "norms" in parts
+        return (self._side(a, self._attention_inner(a), "attention" in parts, norm)
+                + self._side(a, self._ffn_inner(a, moe, imbalance), "moe" in parts, norm))
+
     def layer_bytes(self, a: int, moe: bool, imbalance: float = 1.0) -> float:
-        return self.attention_bytes(a) + self.ffn_bytes(a, moe, imbalance)
+        """Bytes one token's decoder layer saves without recomputation."""
+        return self.layer_saved_bytes_per_token(a, moe, False, imbalance)
 
     def head_bytes(self, a: int) -> int:
         """The final norm, the LM head's input, the float32 log-softmax over the vocabulary, the
@@ -132,19 +153,51 @@ class ModelShape:
         aux = self.moe_layers * 4 * (2 * self.experts + 2)
         return self._norm(self.hidden, a) + a * self.hidden + 4 * self.vocab + 8 + aux + 8  # + input ids
 
-    def saved_bytes_per_token(self, a: int, checkpointing: bool = False, imbalance: float = 1.0) -> float:
-        """Activation bytes per token held from the end of the forward pass into the backward pass."""
-        if checkpointing:  # only each layer's input is kept
-            return self.layers * a * self.hidden + self.head_bytes(a)
+    def saved_bytes_per_token(self, a: int, checkpointing: bool | tuple[str, ...] = False,
+                              imbalance: float = 1.0) -> float:
+        """Activation bytes per token held from the end of the forward pass into the backward pass,
+        under activation recomputation `checkpointing` (see `layer_saved_bytes_per_token`)."""
         moe_layers = self.moe_layers
-        return (moe_layers * self.layer_bytes(a, True, imbalance)
-                + (self.layers - moe_layers) * self.layer_bytes(a, False) + self.head_bytes(a))
+        return (moe_layers * self.layer_saved_bytes_per_token(a, True, checkpointing, imbalance)
+                + (self.layers - moe_layers) * self.layer_saved_bytes_per_token(a, False, checkpointing)
+                + self.head_bytes(a))
 
     def loss_transient_bytes_per_token(self, a: int) -> int:
         """Extra bytes at the start of the backward pass, the usual peak: the logits the output still
         holds, and the float32 gradients of the log-softmax and of the logits."""
         return self.vocab * (a + 8)
 
-    def recompute_bytes_per_token(self, a: int, imbalance: float = 1.0) -> float:
-        """With activation checkpointing, one layer's activations rebuilt during the backward pass."""
-        return self.layer_bytes(a, self.moe_layers > 0, imbalance)
+    def recompute_bytes_per_token(self, a: int, imbalance: float = 1.0,
+                                  checkpointing: bool | tuple[str, ...] = True) -> float:
+        """With activation recomputation, the most one recomputed region rebuilds at once during the
+        backward pass: a whole layer, or the larger of its recomputed attention and FFN sides."""
+        moe = self.moe_layers > 0
+        if not checkpointing:
+            return 0.0
+        if checkpointing is True:
+            return self.layer_bytes(a, moe, imbalance)
+        norm = "norms" in checkpointing
+        sides = [(self._attention_inner(a), "attention"), (self._ffn_inner(a, moe, imbalance), "moe")]
+        return max(self._side(a, inner, False, False) - self._side(a, inner, part in checkpointing, norm)
+                   for inner, part in sides)
+
+    # -- recomputation's cost -----------------------------------------------------------------------
+
+    def recompute_flops_per_token(self, checkpointing: bool | tuple[str, ...], seq_len: int) -> tuple[float, float]:
+        """Forward FLOPs per token run again by activation recomputation `checkpointing`: (everything
+        but the experts' grouped GEMMs, the experts'). The norms' are negligible (no matmul)."""
+        experts = 2.0 * self.moe_layers * self.top_k * 3 * self.hidden * self.expert_intermediate
+        if not checkpointing:
+            return 0.0, 0.0
+        if checkpointing is True:  # every layer's forward: a third of the layers' training FLOPs
+            layers = (self.flops_per_token(seq_len) - 6.0 * self.vocab * self.hidden) / 3
+            return layers - experts, experts
+        dense = 0.0
+        if "attention" in checkpointing:
+            projections = 2.0 * self.hidden * (2 * self.q_width + 2 * self.kv_width)
+            dense += self.layers * (projections + 4.0 * self.q_width * seq_len)
+        if "moe" not in checkpointing:
+            return dense, 0.0
+        dense += self.moe_layers * 2.0 * self.experts * self.hidden  # the routers
+        dense += (self.layers - self.moe_layers) * 2.0 * 3 * self.hidden * self.intermediate  # dense FFNs
+        return dense, experts

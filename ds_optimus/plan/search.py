@@ -1,7 +1,7 @@
 """Search over layouts: every combination of data/expert(/pipeline) parallel sizes, optimizer and
-ZeRO stage, micro-batch and accumulation, activation checkpointing, and EP exchange (flat or
-hierarchical, per slot or deduplicated, overlapped in chunks) that fits in memory, ranked by
-predicted tokens per second."""
+ZeRO stage, micro-batch and accumulation, activation recomputation (none, parts of each layer, or
+whole layers), and EP exchange (flat or hierarchical, per slot or deduplicated, overlapped in
+chunks) that fits in memory, ranked by predicted tokens per second."""
 
 from __future__ import annotations
 
@@ -22,6 +22,11 @@ TIE_BAND = 0.02  # predicted step times closer than this are ranked as a tie
 OPTIMIZERS = ((1, True), (2, True), (0, False), (1, False), (2, False))
 # EP exchanges (dedup, chunks): per slot, deduplicated, deduplicated and overlapped in 2 or 4 chunks
 EXCHANGES = ((False, 1), (True, 1), (True, 2), (True, 4))
+# activation recomputation: none; the norms (almost free); the attention with them; the MoE block
+# (the largest activations; its forward at the expert kernels' rate and its exchange run again), also
+# with the norms; MoE, attention and norms (each layer's input and middle residual kept); whole layers
+RECOMPUTE_CHOICES = (False, ("norms",), ("attention", "norms"), ("moe",), ("moe", "norms"),
+                     ("moe", "attention", "norms"), True)
 
 
 @dataclass(frozen=True)
@@ -65,7 +70,7 @@ def _divisors(n: int) -> list[int]:
 
 def candidate_layouts(model: ModelShape, cluster: Cluster, devices: int, global_batch: int, seq_len: int, *,
                       dtype: str = "bf16", pipeline: bool = False, optimizers=OPTIMIZERS,
-                      checkpointing: tuple[bool, ...] = (False, True), max_ep: int | None = None,
+                      checkpointing: tuple = RECOMPUTE_CHOICES, max_ep: int | None = None,
                       reduce_dtype: str | None = None, bucket_size: int = 50_000_000,
                       exchanges=EXCHANGES) -> list[Layout]:
     """Every layout of `devices` ranks that trains `global_batch` sequences per step; `exchanges`:

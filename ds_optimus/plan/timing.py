@@ -157,21 +157,25 @@ def estimate_time(model: ModelShape, layout: Layout, cluster: Cluster, expert_im
     rate = _rate(layout, cluster)
     tokens = layout.tokens_per_micro
     micro_batches = layout.accumulation
-    flops = model.flops_per_token(layout.seq_len) * tokens
-    if layout.checkpointing:  # one more forward of the layers (not of the LM head): a third of theirs
-        flops += (flops - 6.0 * model.vocab * model.hidden * tokens) / 3
+    # recomputation runs the recomputed parts' forward again: the whole layers (not the LM head), or
+    # the attention (projections and products) and/or the FFN (router and experts, with their exchange)
+    dense_again, experts_again = model.recompute_flops_per_token(layout.checkpointing, layout.seq_len)
+    flops = (model.flops_per_token(layout.seq_len) + dense_again + experts_again) * tokens
     # the experts' FLOPs run at the expert kernels' rate (forward 2 FLOPs per weight and token,
     # backward 4, recomputation 2 more)
-    recompute = 4 / 3 if layout.checkpointing else 1.0
-    passes = (1, 2, 1) if layout.checkpointing else (1, 2)  # forward, backward, recomputation
+    again = experts_again > 0
+    recompute = 4 / 3 if again else 1.0
+    passes = (1, 2, 1) if again else (1, 2)  # forward, backward, recomputation
     experts_flops = 6.0 * model.moe_layers * model.top_k * 3 * model.hidden * model.expert_intermediate * tokens
     layer_forward = expert_seconds(model, layout, cluster, expert_imbalance)
     experts = layer_forward * sum(passes) * model.moe_layers
     seconds = (flops - experts_flops * recompute) / rate + experts
     per_micro = seconds / layout.pp
     compute = per_micro * micro_batches
+    # a layer's fixed costs: a third more for its recomputed forward, a ninth per part recomputed
+    launches = 1 / 3 if layout.checkpointing is True else len(layout.checkpointing or ()) / 9
     overhead = (cluster.overhead_per_micro_batch_s
-                + cluster.overhead_per_layer_s * model.layers / layout.pp * recompute) * micro_batches
+                + cluster.overhead_per_layer_s * model.layers / layout.pp * (1 + launches)) * micro_batches
     if overlap is None:
         overlap = not cluster.shared_compute  # gloo on CPU: the sharded optimizer does not overlap
 
@@ -191,7 +195,7 @@ def estimate_time(model: ModelShape, layout: Layout, cluster: Cluster, expert_im
     hidden = len(passes) * link - per_layer
     a2a = per_layer * model.moe_layers / layout.pp * micro_batches
     # each forward first exchanges the token counts (a few bytes: latency only, once for all chunks)
-    counts = (2 if layout.checkpointing else 1) * model.moe_layers / layout.pp
+    counts = (2 if again else 1) * model.moe_layers / layout.pp
     a2a += counts * all_to_all_time(4.0 * model.experts, layout.ep, cluster, layout.hierarchical) * micro_batches
 
     dense, expert = local_params(model, layout)

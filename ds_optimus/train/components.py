@@ -8,6 +8,7 @@ import math
 import os
 import random
 import socket
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -117,9 +118,17 @@ def prepare_on_rank_zero(sources, tokenizer, cache_dir, val_fraction):
     return prepare(sources, tokenizer, cache_dir, val_fraction, progress=False)
 
 
-def enable_activation_checkpointing(model) -> None:
-    """Recompute each decoder layer in the backward pass, non-reentrant (the sharded optimizer's
-    gradient hooks then fire once per parameter)."""
+def enable_activation_checkpointing(model, parts: bool | Sequence[str] = True) -> None:
+    """Recompute each decoder layer in the backward pass (`parts` True), or only those parts of each
+    (any of "moe", "attention", "norms": `MulaDecoderLayer.recompute`), non-reentrant (the sharded
+    optimizer's gradient hooks then fire once per parameter)."""
+    if parts is not True:
+        layers = [m for m in model.modules() if isinstance(getattr(type(m), "recompute", None), property)]
+        if not layers:
+            raise ValueError(f"selective recomputation needs Mula decoder layers; {type(model).__name__} has none")
+        for layer in layers:
+            layer.recompute = tuple(parts or ())
+        return
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):  # the name since Transformers 5.2x
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)

@@ -2,17 +2,19 @@
 
 `default_callbacks(opt, extra)` gives a run's callbacks in the order their hooks run: the watchdog
 first (it re-arms before anything else can hang), fault injection (only with `DS_OPTIMUS_FAULTS`),
-the memory meter, the router-bias update right after the optimizer step, metrics and the progress
-file, the guards (whose rollback ends the step's remaining `post_step` calls), then the `extra`
-callbacks of the user, so that what they do or ask for (a stop) is in the step's evaluation and
-checkpoint, then evaluation, preemption (whose stop wins over others) and the checkpoints, last. The
-downstream tasks scored on each checkpoint (`optimus.eval.downstream`) come first, so they close last.
+the memory meter, clipping after the warm-up (`optimus.train.clip_after_warmup`), the router-bias
+update right after the optimizer step, metrics and the progress file, the guards (whose rollback
+ends the step's remaining `post_step` calls), then the `extra` callbacks of the user, so that what
+they do or ask for (a stop) is in the step's evaluation and checkpoint, then evaluation, preemption
+(whose stop wins over others) and the checkpoints, last. The downstream tasks scored on each
+checkpoint (`optimus.eval.downstream`) come first, so they close last.
 """
 
 from __future__ import annotations
 
 from .base import Callback
 from .checkpointing import CheckpointCallback
+from .clipping import ClipAfterWarmupCallback
 from .downstream import DownstreamCallback
 from .evaluation import EvaluationCallback
 from .faults import FaultInjectionCallback
@@ -24,6 +26,7 @@ from .router_bias import RouterBiasCallback, uses_router_bias
 __all__ = [
     "Callback",
     "CheckpointCallback",
+    "ClipAfterWarmupCallback",
     "DownstreamCallback",
     "EvaluationCallback",
     "FaultInjectionCallback",
@@ -50,6 +53,8 @@ def default_callbacks(opt, extra: list[Callback] = ()) -> list[Callback]:
         callbacks.append(faults)
     if opt.train.measure_memory_steps:
         callbacks.append(MemoryCallback(opt.train.measure_memory_steps))
+    if opt.train.clip_after_warmup:
+        callbacks.append(ClipAfterWarmupCallback())
     callbacks += [RouterBiasCallback(), MetricsCallback(), ProgressFileCallback(), GuardCallback(opt.guards),
                   *extra, EvaluationCallback(), PreemptionCallback(), CheckpointCallback()]
     return callbacks

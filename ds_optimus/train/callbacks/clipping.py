@@ -1,0 +1,26 @@
+"""Gradient clipping only after the learning-rate warm-up (`optimus.train.clip_after_warmup`)."""
+
+from __future__ import annotations
+
+from ...cli import said_by_every_rank
+from ...optim.clipping import clip_for_step, delayed_clipping, set_gradient_clipping
+from ...schema import ConfigError
+from .base import Callback
+
+
+class ClipAfterWarmupCallback(Callback):
+    """No clipping during the warm-up, the config's `gradient_clipping` after it, as the seed's recipe
+    does. The value is set before every step, so a resume or a rollback lands on the right one; a config
+    with nothing to clip, or a scheduler without a warm-up, is a one-line error before the engine is built."""
+
+    clip = 0.0
+    warmup_steps = 0
+
+    def setup(self) -> None:
+        try:  # every rank checks the same config: printed once
+            self.clip, self.warmup_steps = delayed_clipping(self.trainer.ds_config, self.trainer.opt.train.warmup_steps)
+        except ConfigError as err:
+            raise said_by_every_rank(err) from None
+
+    def pre_step(self, step: int) -> None:
+        set_gradient_clipping(self.trainer.engine, clip_for_step(step, self.clip, self.warmup_steps))
