@@ -118,7 +118,10 @@ class ModelShape:
             return 4 * a * self.intermediate  # gate and up outputs, SiLU(gate), the down input
         k, i = self.top_k, self.expert_intermediate
         router = 4 * self.experts + a * k  # float32 logits, routing weights
-        routed = k * (a * (self.hidden + 3 * i) + _INDEX_BYTES_PER_SLOT)  # permuted rows, gate|up, SwiGLU out
+        # Per routed slot: the permuted input row, gate|up, and the expert's output row, which the
+        # weighted combine keeps for the routing weights' gradient; the SwiGLU output is recomputed
+        # from gate|up in the backward pass (measured: benchmarks/recompute_memory.py, exact).
+        routed = k * (a * (2 * self.hidden + 2 * i) + _INDEX_BYTES_PER_SLOT)
         return router + imbalance * routed
 
     def _side(self, a: int, inner: float, block: bool, norm: bool) -> float:
