@@ -344,6 +344,10 @@ def check_run_config(ds_config: dict[str, Any]):
         raise ConfigError(f"zero_optimization.stage {stage!r} is not supported by ds_optimus.train (use 0, 1 or 2)")
     check_optimizer_section(ds_config)
     check_config_keys(ds_config)
+    if opt.train.clip_after_warmup:  # something to clip, and a warm-up to wait for
+        from .optim.clipping import delayed_clipping
+
+        delayed_clipping(ds_config, opt.train.warmup_steps)
     return opt
 
 

@@ -95,9 +95,16 @@ def test_clip_after_warmup_reads_the_warm_up_and_the_clip_value():
     ({"gradient_clipping": 1.0, "scheduler": {"type": "OneCycle"}},
      "optimus.train.clip_after_warmup needs a warm-up, but scheduler 'OneCycle' has none"),
 ])
-def test_clip_after_warmup_refuses_a_config_with_nothing_to_wait_for(ds_config, message):
+def test_clip_after_warmup_refuses_a_config_with_nothing_to_wait_for(ds_config, message, tmp_path):
     with pytest.raises(ConfigError, match=message):
         delayed_clipping(ds_config, 10)
+    # up front, where the run and `--check` read the config (before any process group or model)
+    from ds_optimus.config import check_run_config
+
+    config = tiny_config(tmp_path, tmp_path, train={"clip_after_warmup": True})
+    config.pop("gradient_clipping", None)
+    with pytest.raises(ConfigError, match=message):
+        check_run_config({**config, **ds_config})
 
 
 @pytest.mark.parametrize("key", ["clip_after_warmup", "decay_all_params"])
