@@ -132,8 +132,10 @@ class ModelConfig(Section):
             raise ConfigError(f"{where}: {str(err).splitlines()[0]}") from None
         if tokenizer is not None:
             if len(tokenizer) > config.vocab_size:
+                fix = ("set optimus.data.tokenizer to the model's own tokenizer: its weights fix the vocabulary"
+                       if folder is not None and has_weights(folder) else "set optimus.model.overrides.vocab_size")
                 raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens, more than the model's vocab_size "
-                                  f"{config.vocab_size} (set optimus.model.overrides.vocab_size)")
+                                  f"{config.vocab_size} ({fix})")
             config.eos_token_id = tokenizer.eos_token_id
             pad = tokenizer.pad_token_id
             config.pad_token_id = pad if pad is not None else tokenizer.eos_token_id

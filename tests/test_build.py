@@ -214,3 +214,29 @@ def test_ep4_ranks_hold_a_quarter_of_experts_four_whole_copies_of_which_exceed_t
         digests.update(result["digests"])
     one_process = build_model(config, seed=5)  # the whole model, in this process (the ranks are gone)
     assert digests == _expert_digests(one_process)
+
+
+def test_a_rank_outside_the_ep_group_is_refused():
+    config = MulaConfig.from_preset("mula-tiny-moe", **CONFIG)
+    for rank in (-1, 2, 5):
+        with pytest.raises(ValueError, match=rf"^build_model: ep_rank must be in \[0, ep_size=2\), got {rank}$"):
+            build_model(config, ep_size=2, ep_rank=rank)
+
+
+def test_a_folder_s_vocabulary_and_a_dense_model_under_ep_say_what_to_change(tmp_path):
+    from ds_optimus.data import load_tokenizer
+    from ds_optimus.plan.preflight import check_run
+
+    small = MulaConfig.from_preset("mula-tiny-dense", vocab_size=1000)
+    build_model(small).save_pretrained(tmp_path / "small")
+    with pytest.raises(ConfigError, match=r"more than the model's vocab_size 1000 \(set optimus.data.tokenizer to the "
+                                          r"model's own tokenizer: its weights fix the vocabulary\)$"):
+        ModelConfig(path=str(tmp_path / "small")).mula_config(load_tokenizer(None))
+    with pytest.raises(ConfigError, match=r"more than the model's vocab_size 1000 \(set optimus.model.overrides."
+                                          r"vocab_size\)$"):
+        ModelConfig(preset="mula-tiny-dense", overrides={"vocab_size": 1000}).mula_config(load_tokenizer(None))
+    config = json.loads((Path(__file__).parents[1] / "ds_configs" / "mula-tiny-moe-cpu.json").read_text())
+    config["optimus"]["model"] = {"preset": "mula-tiny-dense"}
+    with pytest.raises(ConfigError, match=r"needs an MoE model \(num_experts > 0\); this one is dense: set "
+                                          r"optimus.expert_parallel.size=1$"):
+        check_run(config, 2)

@@ -87,10 +87,15 @@ def test_clip_after_warmup_reads_the_warm_up_and_the_clip_value():
         "warmup_num_steps": 40}}}, 2500) == (0.5, 40)
     assert delayed_clipping({"gradient_clipping": 1, "scheduler": {"type": "WarmupLR"}}, 0) == (1.0, 1000)
     assert [clip_for_step(s, 1.0, 2) for s in (1, 2, 3, 4)] == [0.0, 0.0, 1.0, 1.0]  # the seed: step_id >= warmup
+    with pytest.raises(ConfigError, match=r"needs a warm-up, but optimus.train.warmup_steps is 0 \(clipping would "):
+        delayed_clipping({"gradient_clipping": 1.0}, 0)
 
 
 @pytest.mark.parametrize("ds_config, message", [
-    ({}, "optimus.train.clip_after_warmup needs gradient_clipping > 0, got 0.0"),
+    ({}, "optimus.train.clip_after_warmup needs gradient_clipping > 0, got none"),
+    ({"gradient_clipping": None}, "optimus.train.clip_after_warmup needs gradient_clipping > 0, got none"),
+    ({"gradient_clipping": 1.0, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}},
+     "optimus.train.clip_after_warmup needs a warm-up, but the scheduler's warmup_num_steps is 0"),
     ({"gradient_clipping": 0}, "optimus.train.clip_after_warmup needs gradient_clipping > 0, got 0"),
     ({"gradient_clipping": 1.0, "scheduler": {"type": "OneCycle"}},
      "optimus.train.clip_after_warmup needs a warm-up, but scheduler 'OneCycle' has none"),

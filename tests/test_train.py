@@ -168,15 +168,21 @@ def test_bad_input_fails_with_one_line(tmp_path, cache):
 @pytest.mark.slow
 def test_a_data_error_on_rank_zero_stops_every_rank_and_every_error_is_said_once(tmp_path, cache):
     """Rank 0 alone tokenizes; its error must reach the other ranks instead of leaving them waiting.
-    An error every rank raises (this one, a layout that does not fit) is printed by rank 0 alone, not
-    once per rank among a launcher's lines."""
+    An error every rank raises (a layout that does not fit, a checkpoint of another model in the run's
+    folder) is printed by rank 0 alone, not once per rank among a launcher's lines."""
     config = tiny_config(tmp_path, cache)
-    cases = [(config, [f"optimus.data.sources=[\"{tmp_path}/gone/\"]"]), (config, ["optimus.expert_parallel.size=3"])]
+    other = tiny_config(tmp_path / "other", cache, train={"steps": 2}, checkpoint={"interval": 2})
+    run_distributed(pretrain_worker, 2, other)  # a checkpoint of the MoE model, which a dense model meets next
+    dense = ["optimus.model.preset=mula-tiny-dense", "optimus.expert_parallel.size=1"]
+    cases = [(config, [f"optimus.data.sources=[\"{tmp_path}/gone/\"]"]), (config, ["optimus.expert_parallel.size=3"]),
+             (other, dense)]
     first, second = run_distributed(cli_errors_worker, 2, cases, str(tmp_path))
-    assert [status for status, _ in first] == [status for status, _ in second] == [2, 2]
-    assert "does not exist" in first[0][1] and [err for _, err in second] == ["", ""]
+    assert [status for status, _ in first] == [status for status, _ in second] == [2, 2, 2]
+    assert "does not exist" in first[0][1] and [err for _, err in second] == ["", "", ""]
     assert first[1][1].splitlines()[-1] == ("ds_optimus.train: error: expert parallel size 3 does not divide the "
                                             "world size 2")
+    assert first[2][1].splitlines()[-1].endswith("it is a checkpoint of another model: start in another "
+                                                 "optimus.train.output_dir, or set optimus.checkpoint.resume=false")
 
 
 @pytest.mark.slow

@@ -31,9 +31,15 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint_io import CheckpointError, CheckpointWriter, copy_to_cpu, load, numpy_array_types
+from ..cli import said_by_every_rank
 from ..parallel.expert_parallel import expert_groups_of, is_expert_param
 
 ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
+
+
+# What a checkpoint of another model in the run's folder asks the user to do (every rank raises it alike).
+_OTHER_MODEL = ("it is a checkpoint of another model: start in another optimus.train.output_dir, or set "
+                "optimus.checkpoint.resume=false")
 
 
 class CheckpointLoadError(CheckpointError):
@@ -140,8 +146,11 @@ def load_folder(engine, path: Path, groups, *, load_module_strict: bool = True, 
     try:
         module.load_state_dict(state, strict=load_module_strict)
     except RuntimeError as err:
-        first = str(err).strip().splitlines()[0]
-        raise CheckpointLoadError(f"{path} does not fit this model ({first})") from None
+        lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+        first = next((line for line in lines if "key" in line or "size mismatch" in line), lines[0] if lines else "")
+        first = first if len(first) <= 160 else first[:157] + "..."
+        error = CheckpointLoadError(f"{path} does not fit this model ({first}); {_OTHER_MODEL}")
+        raise said_by_every_rank(error) from None
 
     optimizer = engine.optimizer
     shards = []
@@ -182,7 +191,7 @@ def _expert_weights(engine, path: Path, meta: dict, dense: dict[str, torch.Tenso
             if q not in files:
                 files[q] = load(path / f"model_experts_ep{q:03d}.pt", mmap=True)["weights"]
             if name not in files[q]:
-                raise CheckpointLoadError(f"{path} has no expert weight {name}; was the model changed?")
+                raise said_by_every_rank(CheckpointLoadError(f"{path} has no weight {name}: {_OTHER_MODEL}"))
             per = files[q][name].shape[0]
             a, b = max(lo, q * per), min(hi, (q + 1) * per)
             if a < b:

@@ -27,15 +27,21 @@ def delayed_clipping(ds_config: dict[str, Any], warmup_steps: int) -> tuple[floa
     config with nothing to clip, or a scheduler without a warm-up, is a one-line ConfigError."""
     clip = ds_config.get("gradient_clipping", 0.0)
     if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip <= 0:
-        raise ConfigError(f"optimus.train.clip_after_warmup needs gradient_clipping > 0, got {clip!r}")
+        got = "none" if clip is None or "gradient_clipping" not in ds_config else repr(clip)
+        raise ConfigError(f"optimus.train.clip_after_warmup needs gradient_clipping > 0, got {got}")
     scheduler = ds_config.get("scheduler")
     if not scheduler:
+        if not warmup_steps:
+            raise ConfigError("optimus.train.clip_after_warmup needs a warm-up, but optimus.train.warmup_steps is 0 "
+                              "(clipping would start at the first step)")
         return float(clip), warmup_steps
     if scheduler.get("type") not in WARMUP_SCHEDULERS:
         raise ConfigError(f"optimus.train.clip_after_warmup needs a warm-up, but scheduler {scheduler.get('type')!r} "
                           f"has none (use one of {', '.join(WARMUP_SCHEDULERS)}, or no scheduler section and "
                           "optimus.train.warmup_steps)")
     steps = scheduler.get("params", {}).get("warmup_num_steps", DEEPSPEED_DEFAULT_WARMUP)
+    if not steps:
+        raise ConfigError("optimus.train.clip_after_warmup needs a warm-up, but the scheduler's warmup_num_steps is 0")
     return float(clip), int(steps)
 
 

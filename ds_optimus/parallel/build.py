@@ -38,6 +38,8 @@ def build_model(config, *, ep_size: int = 1, ep_rank: int = 0, seed: int = 0,
     """`MulaForCausalLM(config)` holding experts [ep_rank*E/ep_size, (ep_rank+1)*E/ep_size) of every MoE
     layer, in fp32: random initial values independent of the layout (seeded by `seed`, parameter name
     and expert), or the weights of `folder` (`kind` "mula" or "olmoe"), of which only those rows are read."""
+    if not (isinstance(ep_size, int) and ep_size >= 1 and isinstance(ep_rank, int) and 0 <= ep_rank < ep_size):
+        raise ValueError(f"build_model: ep_rank must be in [0, ep_size={ep_size}), got {ep_rank!r}")
     with torch.device("meta"):
         model = MulaForCausalLM(config)
     experts = [m for m in model.modules() if isinstance(m, MulaExperts)]

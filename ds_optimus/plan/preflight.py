@@ -62,7 +62,8 @@ def check_run(ds_config: dict[str, Any], world: int | None = None, cluster: str 
     if model_config.num_experts:
         check_layout(world, ep.size, model_config.num_experts, ep.node_size)
     elif ep.size > 1:
-        raise ConfigError("optimus.expert_parallel.size > 1 needs an MoE model (num_experts > 0)")
+        raise ConfigError("optimus.expert_parallel.size > 1 needs an MoE model (num_experts > 0); this one is "
+                              "dense: set optimus.expert_parallel.size=1")
     with torch.device("meta"):
         model = MulaForCausalLM(model_config)
     _check_weights(opt.model.path, model)

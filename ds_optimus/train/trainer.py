@@ -116,7 +116,8 @@ class Trainer:
             if num_experts:
                 check_layout(self.world, ep.size, num_experts, ep.node_size)
             elif ep.size > 1:
-                raise ConfigError("optimus.expert_parallel.size > 1 needs an MoE model (num_experts > 0)")
+                raise ConfigError("optimus.expert_parallel.size > 1 needs an MoE model (num_experts > 0); this one is "
+                              "dense: set optimus.expert_parallel.size=1")
         # Built on the meta device, holding only this rank's experts (EP groups are consecutive ranks).
         model = opt.model.build(self.tokenizer, ep_size=ep.size, ep_rank=self.rank % ep.size, seed=opt.train.seed)
         if opt.train.activation_checkpointing:  # true: whole layers; a list: those parts of each
