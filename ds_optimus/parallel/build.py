@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..hf_models.mula.modeling_mula import MulaExperts, MulaForCausalLM
+from ..hf_models.mula.modeling_mula import MulaExperts, MulaForCausalLM, MulaRotaryEmbedding
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 _OLMOE_EXPERT = "{prefix}.{expert}.{kind}.weight"
@@ -104,7 +104,7 @@ def initialise(model: MulaForCausalLM, seed: int) -> None:
 def reset_buffers(model: nn.Module) -> None:
     """Zero the buffers `to_empty` left uninitialised and recompute the derived ones (RoPE frequencies)."""
     for module in model.modules():
-        if type(module).__name__.endswith("RotaryEmbedding"):
+        if isinstance(module, MulaRotaryEmbedding):
             model._init_weights(module)
             continue
         for buffer in module.buffers(recurse=False):

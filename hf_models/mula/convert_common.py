@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -166,3 +168,16 @@ def save_folder(model, output_dir: Path, **kwargs) -> None:
     check_output(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(output_dir, **kwargs)
+
+
+def run_conversion(prog: str, convert: Callable[[], Path]) -> Path | None:
+    """One conversion for a command line: prints `wrote <folder>` and returns the folder, or prints the
+    ConversionError in one line (`<prog>: error: ...`, as ds_optimus.cli.fail) and returns None."""
+    try:
+        out = convert()
+    except ConversionError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return None
+    print(f"wrote {out}")
+    return out
+

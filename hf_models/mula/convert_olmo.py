@@ -26,6 +26,7 @@ from .convert_common import (
     read_config,
     read_mula_config,
     read_tensors,
+    run_conversion,
     save_folder,
 )
 
@@ -131,15 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("output", help="folder to write (must not exist or be empty)")
     parser.add_argument("--to-olmo", action="store_true", help="convert Mula -> OLMo instead")
     args = parser.parse_args(argv)
-    try:
-        if args.to_olmo:
-            out = convert_mula_to_olmo(args.input, args.output)
-        else:
-            out = convert_olmo_to_mula(args.input, args.output)
-    except ConversionError as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)  # as ds_optimus.cli.fail
+    if args.to_olmo:
+        out = run_conversion(PROG, lambda: convert_mula_to_olmo(args.input, args.output))
+    else:
+        out = run_conversion(PROG, lambda: convert_olmo_to_mula(args.input, args.output))
+    if out is None:
         return 2
-    print(f"wrote {out}")
     if not args.to_olmo and read_config(out).get("tie_word_embeddings"):
         print("note: the OLMo checkpoint ties its embeddings, so the Mula model does too (tie_word_embeddings=true); "
               "the mula-1b preset is this architecture untied, for training from scratch")

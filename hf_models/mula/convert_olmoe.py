@@ -30,8 +30,11 @@ from .convert_common import (
     read_mula_config,
     read_tensors,
     rope_parameters,
+    run_conversion,
     save_folder,
 )
+
+PROG = "ds_optimus.hf_models.mula.convert_olmoe"
 
 if TYPE_CHECKING:  # imported where used, so that --help needs neither PyTorch nor Transformers
     import torch
@@ -189,7 +192,7 @@ def convert_mula_to_olmoe(input_dir: str | Path, output_dir: str | Path, layout:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m ds_optimus.hf_models.mula.convert_olmoe",
+        prog=f"python -m {PROG}",
         description="Convert a Transformers OLMoE checkpoint folder to a Mula folder, or back with --to-olmoe.",
     )
     parser.add_argument("input", help="checkpoint folder to read")
@@ -198,17 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layout", choices=("per-expert", "stacked"), default="per-expert",
                         help="expert layout of OLMoE output (default: per-expert, readable by Transformers v4 and v5)")
     args = parser.parse_args(argv)
-    try:
-        if args.to_olmoe:
-            out = convert_mula_to_olmoe(args.input, args.output, args.layout)
-        else:
-            out = convert_olmoe_to_mula(args.input, args.output)
-    except ConversionError as err:
-        print(f"ds_optimus.hf_models.mula.convert_olmoe: error: {err}", file=sys.stderr)  # as ds_optimus.cli.fail
-        return 2
-    print(f"wrote {out}")
-    return 0
-
+    if args.to_olmoe:
+        out = run_conversion(PROG, lambda: convert_mula_to_olmoe(args.input, args.output, args.layout))
+    else:
+        out = run_conversion(PROG, lambda: convert_olmoe_to_mula(args.input, args.output))
+    return 2 if out is None else 0
 
 __all__ = [
     "ConversionError", "check_tensors", "convert_mula_to_olmoe", "convert_olmoe_to_mula", "load_into_meta_model",
