@@ -15,17 +15,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import conversion
 import pytest
 import torch
+from conversion import VOCAB, load, logits, random_ids
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, OlmoConfig, OlmoForCausalLM
+from transformers import OlmoConfig, OlmoForCausalLM
 
 from ds_optimus.hf_models.mula import MulaConfig, MulaForCausalLM, count_parameters
 from ds_optimus.hf_models.mula.convert_olmo import main, mula_to_olmo_config, olmo_to_mula_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PROG = "ds_optimus.hf_models.mula.convert_olmo"
-VOCAB = 112
 ATOL = 1e-5
 
 # Tiny OLMo shapes. initializer_range is raised from 0.02 so that logits are O(1): a conversion error
@@ -75,22 +76,6 @@ def convert(src: Path, dst: Path, *extra: str) -> Path:
     return dst
 
 
-def random_ids(seed: int = 1, batch: int = 2, length: int = 12) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(2, VOCAB, (batch, length), generator=g)  # no pad/eos ids in the prompt
-
-
-@torch.no_grad()
-def logits(model, ids, **kwargs) -> torch.Tensor:
-    return model(input_ids=ids, **kwargs).logits
-
-
-def load(folder: Path, cls=AutoModelForCausalLM, **kwargs):
-    model, info = cls.from_pretrained(folder, output_loading_info=True, **kwargs)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    return model.eval()
-
-
 def assert_same_logits(got: torch.Tensor, want: torch.Tensor) -> None:
     assert got.dtype == want.dtype == torch.float32
     assert want.abs().max() > 0.5  # the comparison is not between near-zero numbers
@@ -99,16 +84,7 @@ def assert_same_logits(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 def expect_error(capsys, argv) -> str:
-    """main(argv) must return 2 and print exactly one 'convert_olmo: error:' line to stderr."""
-    capsys.readouterr()  # drop what the test's own set-up printed
-    code = main([str(a) for a in argv])
-    captured = capsys.readouterr()
-    assert code == 2
-    assert "Traceback" not in captured.err
-    lines = captured.err.splitlines()
-    assert len(lines) == 1, captured.err
-    assert lines[0].startswith(f"{PROG}: error: ") and len(lines[0]) > len(f"{PROG}: error: ") + 5
-    return lines[0]
+    return conversion.expect_error(capsys, main, PROG, argv)
 
 
 # -- 1. equivalence ---------------------------------------------------------------------------

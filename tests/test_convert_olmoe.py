@@ -14,16 +14,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import conversion
 import pytest
 import torch
+from conversion import VOCAB, load, logits, random_ids
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, OlmoeConfig, OlmoeForCausalLM
+from transformers import OlmoeConfig, OlmoeForCausalLM
 
 from ds_optimus.hf_models.mula import MulaConfig, MulaForCausalLM  # importing ds_optimus registers Mula
 from ds_optimus.hf_models.mula.convert_olmoe import main
 
-VOCAB = 112
 ATOL = 1e-4
 EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
 
@@ -83,40 +84,16 @@ def safetensor_keys(folder: Path) -> set[str]:
     return keys
 
 
-def random_ids(seed: int = 1, batch: int = 2, length: int = 12) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(2, VOCAB, (batch, length), generator=g)  # no pad/eos ids in the prompt
-
-
-@torch.no_grad()
-def logits(model, ids, **kwargs) -> torch.Tensor:
-    return model(input_ids=ids, **kwargs).logits.float()
-
-
 def load_mula(folder: Path):
-    model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    return model.eval()
+    return load(folder)
 
 
 def load_olmoe(folder: Path):
-    model, info = OlmoeForCausalLM.from_pretrained(folder, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    return model.eval()
+    return load(folder, OlmoeForCausalLM)
 
 
 def expect_error(capsys, argv) -> str:
-    """main(argv) must return 2 and print exactly one 'convert_olmoe: error:' line to stderr."""
-    capsys.readouterr()  # drop what the test's own set-up printed (save_pretrained progress bars)
-    code = main([str(a) for a in argv])
-    captured = capsys.readouterr()
-    assert code == 2
-    assert "Traceback" not in captured.err
-    lines = captured.err.splitlines()
-    assert len(lines) == 1, captured.err
-    assert lines[0].startswith("ds_optimus.hf_models.mula.convert_olmoe: error: ")
-    assert len(lines[0]) > len("ds_optimus.hf_models.mula.convert_olmoe: error: ") + 5
-    return lines[0]
+    return conversion.expect_error(capsys, main, "ds_optimus.hf_models.mula.convert_olmoe", argv)
 
 
 def rewrite_weights(folder: Path, edit) -> None:
