@@ -39,7 +39,7 @@ def test_what_the_engine_cannot_apply_is_one_line_on_every_rank():
         "ConfigError: optimus.train is read by `python -m ds_optimus.train` only; deepspeed.initialize (the Hugging "
         "Face Trainer, accelerate) applies optimus.moe, optimus.expert_parallel, optimus.sharded_optimizer: remove "
         "the others (ds_optimus.train.hf_trainer.trainer_ds_config does)",
-        "ConfigError: optimus.expert_parallel: unknown key 'nodes' (known: size, node_size, dedup, chunks)",
+        "ConfigError: optimus.expert_parallel: unknown key 'nodes' (known: size, node_size, dedup, chunks, dispatch)",
         "ConfigError: the model is already expert-parallel at size 2, but optimus.expert_parallel.size is 1",
         "no error",  # expert-parallel already, the config sets only the backend
     ]

@@ -26,7 +26,7 @@ def test_reads_a_json_file(tmp_path):
 
 @pytest.mark.parametrize("section, message", [
     ({"expert_parallel": {"sise": 2}},
-     r"^optimus\.expert_parallel: unknown key 'sise' \(known: size, node_size, dedup, chunks\)$"),
+     r"^optimus\.expert_parallel: unknown key 'sise' \(known: size, node_size, dedup, chunks, dispatch\)$"),
     ({"expert_parallel": {"size": 0}}, r"^optimus\.expert_parallel\.size must be a positive integer, got 0$"),
     ({"expert_parallel": {"size": True}}, r"^optimus\.expert_parallel\.size must be a positive integer"),
     ({"expert_parallel": {"size": 4, "node_size": 3}}, r"^optimus\.expert_parallel\.node_size 3 does not divide"),

@@ -19,12 +19,14 @@ from torch import nn
 
 from ..moe.layer import IMPLEMENTATION_NAME, declare_expert_attributes, register_experts_implementation
 from ..schema import Section, need, positive_int
+from .allgather import AllGatherDispatcher
 from .dedup import DedupDispatcher
 from .dispatch import ExpertParallelDispatcher
 from .groups import ExpertParallelGroups, check_layout, init_expert_parallel_groups
 from .traffic import dedup_sends_fewer_bytes
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+DISPATCHES = ("alltoall", "allgather")
 
 
 @dataclass(frozen=True)
@@ -32,12 +34,15 @@ class ExpertParallelConfig(Section):
     """`optimus.expert_parallel`: the EP size; `node_size` selects the hierarchical exchange;
     `dedup` sends a token once per destination rank (or node) instead of once per routed slot
     ("auto": when that is expected to send fewer bytes); `chunks` cuts the deduplicated exchange into
-    that many parts, so one part travels while the experts compute another."""
+    that many parts, so one part travels while the experts compute another. `dispatch` picks the
+    exchange: "alltoall" (every mode above) or "allgather" (the seed's: all-gather the group's tokens,
+    reduce-scatter the outputs; flat, one chunk, no dedup; `ds_optimus.parallel.allgather`)."""
 
     size: int = 1
     node_size: int | None = None
     dedup: bool | str = "auto"
     chunks: int = 1
+    dispatch: str = "alltoall"
 
     def check(self, where: str) -> None:
         need(positive_int(self.size), f"{where}.size must be a positive integer, got {self.size!r}")
@@ -49,6 +54,15 @@ class ExpertParallelConfig(Section):
         need(positive_int(self.chunks), f"{where}.chunks must be a positive integer, got {self.chunks!r}")
         need(self.chunks == 1 or self.dedup is not False,
              f"{where}.chunks {self.chunks} overlaps the deduplicated exchange, which {where}.dedup false turns off")
+        need(self.dispatch in DISPATCHES,
+             f"{where}.dispatch must be \"alltoall\" or \"allgather\", got {self.dispatch!r}")
+        if self.dispatch == "allgather":
+            hierarchical = self.node_size is not None and 1 < self.node_size < self.size
+            wrong = [f"{where}.{key} {value}" for key, value, bad in (
+                ("dedup", "true", self.dedup is True), ("chunks", self.chunks, self.chunks > 1),
+                ("node_size", self.node_size, hierarchical)) if bad]
+            need(not wrong, f"{where}.dispatch \"allgather\" is a flat exchange in one chunk without dedup; "
+                            f"it does not take {' and '.join(wrong)}")
 
 
 def experts_modules(model: nn.Module) -> list[nn.Module]:
@@ -64,20 +78,24 @@ def is_expert_param(param: torch.Tensor) -> bool:
 
 
 def apply_expert_parallel(model: nn.Module, ep_size: int | ExpertParallelGroups, node_size: int | None = None,
-                          *, dedup: bool | str = "auto", chunks: int = 1) -> ExpertParallelGroups:
+                          *, dedup: bool | str = "auto", chunks: int = 1,
+                          dispatch: str = "alltoall") -> ExpertParallelGroups:
     """Keep this rank's slice of every MoE layer's stacked experts and route tokens to their owners.
 
     `ep_size` ranks share each layer's experts (rank i of an EP group keeps experts
     [i*E/P, (i+1)*E/P)); `node_size` selects the hierarchical exchange with nodes of that many ranks.
     `dedup` picks the exchange that sends a token once per destination (True), once per routed slot
     (False), or the one expected to send fewer bytes ("auto"); `chunks` > 1 overlaps the
-    deduplicated exchange with the experts' compute.
+    deduplicated exchange with the experts' compute. `dispatch="allgather"` replaces the all-to-all by
+    the seed's all-gather + reduce-scatter (flat, `dedup` not True, `chunks` 1).
     Every experts module records the layout in `expert_groups`. Expert weights are marked for
     DeepSpeed (`allreduce=False`, `group_name`) so ZeRO reduces their gradients over the
     expert-data-parallel group. Every rank must start from the same weights. Collective; returns the
     process groups.
     """
-    _check_exchange(dedup, chunks)  # before anything changes
+    hierarchical = ep_size.hierarchical if isinstance(ep_size, ExpertParallelGroups) else (
+        isinstance(node_size, int) and isinstance(ep_size, int) and 1 < node_size < ep_size)
+    _check_exchange(dedup, chunks, dispatch, hierarchical)  # before anything changes
     experts = experts_modules(model)
     if not experts:
         raise ValueError("apply_expert_parallel: the model has no stacked experts (gate_up_proj/down_proj)")
@@ -107,12 +125,12 @@ def apply_expert_parallel(model: nn.Module, ep_size: int | ExpertParallelGroups,
         module.expert_offset = start
         module.expert_groups = groups
         # EP size 1 keeps every expert: nothing to exchange.
-        module.expert_parallel = _dispatcher(module, groups, dedup, chunks) if groups.ep_size > 1 else None
+        module.expert_parallel = _dispatcher(module, groups, dedup, chunks, dispatch) if groups.ep_size > 1 else None
     _use_ds_optimus_experts(model)
     return groups
 
 
-def _check_exchange(dedup, chunks) -> None:
+def _check_exchange(dedup, chunks, dispatch="alltoall", hierarchical=False) -> None:
     if dedup not in (True, False, "auto") or not isinstance(dedup, (bool, str)):
         raise ValueError(f'apply_expert_parallel: dedup must be True, False or "auto", got {dedup!r}')
     if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
@@ -120,9 +138,19 @@ def _check_exchange(dedup, chunks) -> None:
     if chunks > 1 and dedup is False:
         raise ValueError(f"apply_expert_parallel: chunks {chunks} overlaps the deduplicated exchange, "
                          "which dedup=False turns off")
+    if dispatch not in DISPATCHES:
+        raise ValueError(f'apply_expert_parallel: dispatch must be "alltoall" or "allgather", got {dispatch!r}')
+    wrong = [what for what, bad in (("dedup=True", dedup is True), (f"chunks={chunks}", chunks > 1),
+                                    ("a hierarchical node_size", hierarchical)) if bad]
+    if dispatch == "allgather" and wrong:
+        raise ValueError('apply_expert_parallel: dispatch="allgather" is a flat exchange in one chunk without '
+                         f"dedup; it does not take {' and '.join(wrong)}")
 
 
-def _dispatcher(module: nn.Module, groups: ExpertParallelGroups, dedup: bool | str, chunks: int):
+def _dispatcher(module: nn.Module, groups: ExpertParallelGroups, dedup: bool | str, chunks: int,
+                dispatch: str = "alltoall"):
+    if dispatch == "allgather":  # "auto" dedup means none here
+        return AllGatherDispatcher(groups, module.num_local_experts)
     if dedup == "auto":
         # overlap (chunks > 1) needs the deduplicated exchange; else the one expected to send fewer
         # bytes, between nodes when the exchange is hierarchical (where the bytes cost most)
@@ -170,18 +198,21 @@ def full_state_dict(model: nn.Module, groups: ExpertParallelGroups) -> dict[str,
 
 
 def export_pretrained(model: nn.Module, folder: str | os.PathLike, groups: ExpertParallelGroups | None = None,
-                      tokenizer=None, *, model_card: str | None = None, generation_config=None) -> None:
+                      tokenizer=None, *, model_card: str | None = None, generation_config=None,
+                      state_dict: dict[str, torch.Tensor] | None = None) -> None:
     """Write `model` (with every expert) and `tokenizer`, if given, as a Hugging Face folder;
     `model_card` (markdown) becomes its README.md, `generation_config` (a `GenerationConfig`)
     replaces the one derived from the model's config.
 
     Every rank calls it: collective when torch.distributed is initialised. Under expert parallelism
     (`groups`; by default the layout the model's experts declare) the experts are gathered over the
-    EP group; global rank 0 writes, and no rank returns before the folder is complete.
+    EP group; global rank 0 writes, and no rank returns before the folder is complete. A `state_dict`
+    given (rank 0's, gathered already: every pipeline stage's part) is written instead of the model's own.
     """
     groups = groups if groups is not None else expert_groups_of(model)
     distributed = dist.is_available() and dist.is_initialized()
-    full = full_state_dict(model, groups) if groups is not None and groups.ep_size > 1 else None
+    gather = state_dict is None and groups is not None and groups.ep_size > 1 and groups.pipeline is None
+    full = full_state_dict(model, groups) if gather else state_dict
     if not distributed or dist.get_rank() == 0:
         if full is None:
             model.save_pretrained(folder, is_main_process=True)
@@ -223,7 +254,8 @@ def setup_moe(model: nn.Module, config) -> ExpertParallelGroups | None:
     ep = config.expert_parallel
     if ep.size == 1:
         return None
-    return apply_expert_parallel(model, ep.size, node_size=ep.node_size, dedup=ep.dedup, chunks=ep.chunks)
+    return apply_expert_parallel(model, ep.size, node_size=ep.node_size, dedup=ep.dedup, chunks=ep.chunks,
+                                 dispatch=ep.dispatch)
 
 
 def _use_ds_optimus_experts(model: nn.Module) -> None:

@@ -46,6 +46,23 @@ def dedup_sends_fewer_bytes(num_experts: int, top_k: int, destinations: int, row
     return dedup < top_k * row_bytes
 
 
+def exchange_bytes_per_token(dispatch: str, ep_size: int, top_k: int, row_bytes: float) -> float:
+    """Bytes of hidden rows a rank moves to and from other ranks per token it holds, in one forward
+    pass (the backward pass moves as many): "allgather" gathers every token to the other ep_size - 1
+    ranks and reduce-scatters as many partial rows back, whatever `top_k`; the per-slot "alltoall"
+    sends `top_k` rows, (ep_size - 1) / ep_size of them to other ranks with uniform routing, and
+    gets them back. Routing metadata (ids, weights, counts) is not counted."""
+    if dispatch == "allgather":
+        return 2 * (ep_size - 1) * row_bytes
+    return 2 * top_k * (ep_size - 1) / ep_size * row_bytes
+
+
+def allgather_sends_fewer_bytes(top_k: int, ep_size: int) -> bool:
+    """Whether the all-gather exchange sends fewer bytes than the per-slot all-to-all: (P-1) rows
+    against k (P-1)/P per token, i.e. exactly when the EP size P is below top-k."""
+    return 1 < ep_size < top_k
+
+
 class ExchangeTraffic(contextlib.AbstractContextManager):
     """Counts, exactly, the bytes this rank's all-to-alls send to other ranks while active.
 
