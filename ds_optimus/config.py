@@ -3,7 +3,8 @@ validated once, up front. An unknown key or a bad value is a one-line `ConfigErr
 
     "optimus": {
       "model": {"preset": "mula-tiny-moe", "path": null, "overrides": {}},  # a path wins over the preset
-      "expert_parallel": {"size": 4, "node_size": 2},   # EP size; node_size selects the hierarchical exchange
+      "expert_parallel": {"size": 4, "node_size": 2, "dispatch": "alltoall"},  # node_size: hierarchical; or "allgather"
+      "pipeline_parallel": {"size": 1, "schedule": "1f1b", "virtual_stages": 1, "layers": null},
       "moe": {"experts_backend": "auto"},                # or "grouped_mm", "looped", "reference", ...
       "data": {"sources": ["embedded"], "tokenizer": null, "seq_len": 256, "val_fraction": 0.02,
                "cache_dir": "data_cache"},
@@ -39,6 +40,7 @@ from .evaluate.config import EvalConfig
 from .moe.experts import MoEConfig
 from .optim.config import ShardedOptimizerConfig
 from .parallel.expert_parallel import ExpertParallelConfig
+from .parallel.stages import PipelineParallelConfig
 from .reliability.checkpoint import CheckpointConfig
 from .reliability.guards import GuardsConfig
 from .reliability.supervise import DEFAULT_OUTPUT_DIR
@@ -85,13 +87,14 @@ class ModelConfig(Section):
              f"{where}.preset {self.preset!r} is not one of {', '.join(PRESETS)}")
         need(isinstance(self.overrides, dict), f"{where}.overrides must be a JSON object")
 
-    def build(self, tokenizer=None, *, ep_size: int = 1, ep_rank: int = 0, seed: int = 0):
+    def build(self, tokenizer=None, *, ep_size: int = 1, ep_rank: int = 0, seed: int = 0, stage=None):
         """The Mula model in fp32, built on the meta device and holding only experts
         [ep_rank*E/ep_size, (ep_rank+1)*E/ep_size) of each MoE layer: random initial values that do not
         depend on the layout (seeded by `seed`, name and expert) for a preset or a folder without
         weights, else the folder's weights, of which only those rows are read; ids of `tokenizer`'s end
         and padding tokens. An OLMoE folder is converted on the fly; a folder of another architecture,
-        and weights that leave a parameter uninitialised, are one-line ConfigErrors."""
+        and weights that leave a parameter uninitialised, are one-line ConfigErrors. `stage` (decoder
+        layers, has the embedding, has the head) keeps a pipeline stage's part only."""
         from .parallel.build import WeightsError, build_model
 
         config = self.mula_config(tokenizer)
@@ -101,7 +104,7 @@ class ModelConfig(Section):
             check_folder_weights(folder, config, kind)
         try:
             return build_model(config, ep_size=ep_size, ep_rank=ep_rank, seed=seed,
-                               folder=folder if kind else None, kind=kind or "mula")
+                               folder=folder if kind else None, kind=kind or "mula", stage=stage)
         except WeightsError as err:
             raise ConfigError(f"optimus.model.path {str(folder)!r}: {err}") from None
 
@@ -319,6 +322,7 @@ class OptimusConfig(Section):
 
     model: ModelConfig = field(default_factory=ModelConfig)
     expert_parallel: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)
+    pipeline_parallel: PipelineParallelConfig = field(default_factory=PipelineParallelConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

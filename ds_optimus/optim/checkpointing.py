@@ -68,10 +68,13 @@ def checkpoint_files(engine, groups, client_state=None, exclude_frozen_parameter
     experts = {n for n, p in module.named_parameters() if is_expert_param(p)}
     state = {k: v.detach() for k, v in module.state_dict().items() if k not in frozen}
     files: dict[str, Any] = {}
-    if rank == 0:
-        files["model_dense.pt"] = {k: v for k, v in state.items() if k not in experts}
+    # With pipeline stages, each stage's first rank writes its stage's part (names are the whole model's).
+    pipeline = getattr(groups, "pipeline", None)
+    part = f"_pp{pipeline.stage:03d}" if pipeline is not None else ""
+    if rank == (pipeline.stage_ranks[0] if pipeline is not None else 0):
+        files[f"model_dense{part}.pt"] = {k: v for k, v in state.items() if k not in experts}
     if experts and groups is not None and rank == groups.edp_ranks[0]:
-        files[f"model_experts_ep{groups.ep_rank:03d}.pt"] = {
+        files[f"model_experts_ep{groups.ep_rank:03d}{part}.pt"] = {
             "ep_size": groups.ep_size, "ep_rank": groups.ep_rank,
             "weights": {k: v for k, v in state.items() if k in experts}}
     files[f"optim_rank{rank:05d}.pt"] = engine.optimizer.state_dict()
@@ -141,8 +144,13 @@ def load_folder(engine, path: Path, groups, *, load_module_strict: bool = True, 
     client = load(path / f"client_rank{source:05d}.pt", allow=numpy_array_types())  # numpy: older RNG states
     saved = None if load_module_only else load(path / "engine.pt")
 
-    state = load(path / "model_dense.pt")
+    state = {}
+    for name in sorted(f for f in meta["files"] if f.startswith("model_dense")):  # one per pipeline stage
+        state.update(load(path / name))
     state.update(_expert_weights(engine, path, meta, state, groups))
+    own = module.state_dict().keys()
+    if any(k not in own for k in state):  # a pipeline stage loads its own part of a whole model's weights
+        state = {k: v for k, v in state.items() if k in own}
     try:
         module.load_state_dict(state, strict=load_module_strict)
     except RuntimeError as err:
@@ -174,7 +182,7 @@ def _expert_weights(engine, path: Path, meta: dict, dense: dict[str, torch.Tenso
     """This rank's slice of every expert weight (sharded over `groups`, or None), cut from the saved
     weights of any EP size (an EP-1 run keeps its experts among the dense weights)."""
     params = dict(engine.module.named_parameters())
-    if groups is not None:
+    if groups is not None and groups.ep_size > 1:
         wanted = {n: (groups.ep_rank * p.shape[0], (groups.ep_rank + 1) * p.shape[0])
                   for n, p in params.items() if is_expert_param(p)}
     else:  # every expert here; those the checkpoint keeps in its EP shards
@@ -188,8 +196,10 @@ def _expert_weights(engine, path: Path, meta: dict, dense: dict[str, torch.Tenso
             continue
         pieces = []
         for q in range(meta["ep_size"]):
-            if q not in files:
-                files[q] = load(path / f"model_experts_ep{q:03d}.pt", mmap=True)["weights"]
+            if q not in files:  # EP rank q's file, or one per pipeline stage
+                files[q] = {}
+                for file in sorted(f for f in meta["files"] if f.startswith(f"model_experts_ep{q:03d}")):
+                    files[q].update(load(path / file, mmap=True)["weights"])
             if name not in files[q]:
                 raise said_by_every_rank(CheckpointLoadError(f"{path} has no weight {name}: {_OTHER_MODEL}"))
             per = files[q][name].shape[0]

@@ -146,10 +146,9 @@ def build_sharded_optimizer(engine, basic_optimizer, settings) -> ShardedOptimiz
     if engine.zero_offload_optimizer() is not None and engine.zero_use_cpu_optimizer():
         raise ConfigError("optimus.sharded_optimizer does not offload optimizer state; remove "
                           "zero_optimization.offload_optimizer or disable the sharded optimizer")
-    group = engine.seq_data_parallel_group
-    if engine.mpu is not None or dist.get_world_size(group=group) != dist.get_world_size():
-        raise ConfigError("optimus.sharded_optimizer supports data and expert parallelism only "
-                          "(no tensor, pipeline or sequence parallelism)")
+    group, stages = engine.seq_data_parallel_group, getattr(engine.mpu, "pipeline", None)  # ds_optimus' pipeline
+    if stages is None and (engine.mpu is not None or dist.get_world_size(group=group) != dist.get_world_size()):
+        raise ConfigError("optimus.sharded_optimizer supports data, expert and ds_optimus' pipeline parallelism only")
     if settings.reduce_dtype is not None:
         reduce_dtype = _DTYPES[settings.reduce_dtype]
     elif engine._config.communication_data_type is not None:
@@ -167,7 +166,8 @@ def build_sharded_optimizer(engine, basic_optimizer, settings) -> ShardedOptimiz
     return ShardedOptimizer(basic_optimizer, param_names=dict(engine.param_names), stage=stage,
                             expert_groups=expert_layouts(engine.module), dense_group=group,
                             clip_grad=engine.gradient_clipping(), bucket_size=settings.bucket_size,
-                            reduce_dtype=reduce_dtype, overlap_comm=settings.overlap_comm, loss_scaler=scaler)
+                            reduce_dtype=reduce_dtype, overlap_comm=settings.overlap_comm, loss_scaler=scaler,
+                            norm_group=dist.group.WORLD if stages is not None else None)
 
 
 def _configure_zero_optimizer(self, optimizer):

@@ -48,7 +48,7 @@ class ShardedOptimizer:
     def __init__(self, init_optimizer, *, param_names: dict[torch.nn.Parameter, str], stage: int,
                  expert_groups: Iterable[ExpertParallelGroups] = (), dense_group=None, clip_grad: float = 0.0,
                  bucket_size: int = 50_000_000, reduce_dtype: torch.dtype | None = None,
-                 overlap_comm: bool | None = None, loss_scaler: LossScaler | None = None) -> None:
+                 overlap_comm: bool | None = None, loss_scaler: LossScaler | None = None, norm_group=None) -> None:
         if stage not in (1, 2):
             raise ShardedOptimizerError(f"the sharded optimizer runs ZeRO stage 1 or 2, not {stage}")
         self.optimizer = init_optimizer
@@ -59,6 +59,9 @@ class ShardedOptimizer:
         self.stage = stage
         self.clip_grad = float(clip_grad or 0.0)
         self.dense_group = dense_group if dense_group is not None else dist.group.WORLD
+        # gradient norm over: every element on one of its ranks (with pipeline stages, the world)
+        self.norm_group = norm_group if norm_group is not None else self.dense_group
+        self.defer_reduction = False  # reduce only at the step's boundary also at ZeRO-2 (a pipeline schedule)
         # Expert parameters name their layout by DeepSpeed's group name (`group_name`, "ep_size_{P}").
         self.expert_groups = {groups.name: groups for groups in expert_groups}
         self.world_size = dist.get_world_size(group=self.dense_group)
@@ -144,7 +147,7 @@ class ShardedOptimizer:
     # -- gradients ----------------------------------------------------------------------------------
 
     def _reducing(self) -> bool:
-        return self.stage == 2 or self.is_gradient_accumulation_boundary()
+        return (self.stage == 2 and not self.defer_reduction) or self.is_gradient_accumulation_boundary()
 
     def _bucket_buffer(self, space: Space, bucket: Bucket) -> torch.Tensor:
         if self.stage == 1:  # kept between micro-steps: its own memory
@@ -302,9 +305,8 @@ class ShardedOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the parameters' gradients (the buckets and shards hold what was reduced)."""
-        for space in self.spaces:
-            for p in space.params:
-                p.grad = None
+        for p in (p for space in self.spaces for p in space.params):
+            p.grad = None
 
     @property
     def cur_scale(self) -> float:
@@ -327,7 +329,7 @@ class ShardedOptimizer:
         squares = torch.zeros((), dtype=torch.float32, device=self.spaces[0].device if self.spaces else "cpu")
         for space in self.spaces:
             squares += torch.dot(space.grad, space.grad)
-        dist.all_reduce(squares, group=self.dense_group)
+        dist.all_reduce(squares, group=self.norm_group)
         norm = math.sqrt(squares.item()) * inv
         self._global_grad_norm = norm
         self.overflow = not math.isfinite(norm)
@@ -391,9 +393,8 @@ class ShardedOptimizer:
         state = sum(t.numel() * t.element_size() for s in self.spaces for t in (s.master, s.exp_avg, s.exp_avg_sq))
         grad_shard = sum(s.grad.numel() * s.grad.element_size() for s in self.spaces)
         buckets = 0
-        if self.stage == 1:
-            buckets = sum(b.size * torch.empty((), dtype=s.reduce_dtype).element_size()
-                          for s in self.spaces for b in s.buckets)
+        if self.stage == 1 or self.defer_reduction:
+            buckets = sum(b.size * s.reduce_dtype.itemsize for s in self.spaces for b in s.buckets)
         return {"optimizer_state": state, "gradient_shard": grad_shard, "gradient_buckets": buckets,
                 "communication_buffers": self._pool.allocated}
 
@@ -433,8 +434,7 @@ class ShardedOptimizer:
 
     def remove_hooks(self) -> None:
         """Detach the optimizer from the parameters' gradient hooks."""
-        for handle in self._hooks:
-            handle.remove()
+        [handle.remove() for handle in self._hooks]
         self._hooks = []
 
 

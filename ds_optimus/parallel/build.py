@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..hf_models.mula.modeling_mula import MulaExperts, MulaForCausalLM, MulaRotaryEmbedding
+from .pipeline import keep_stage
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 _OLMOE_EXPERT = "{prefix}.{expert}.{kind}.weight"
@@ -34,14 +35,18 @@ class WeightsError(ValueError):
 
 
 def build_model(config, *, ep_size: int = 1, ep_rank: int = 0, seed: int = 0,
-                folder: str | Path | None = None, kind: str = "mula") -> MulaForCausalLM:
+                folder: str | Path | None = None, kind: str = "mula",
+                stage: tuple[list[int], bool, bool] | None = None) -> MulaForCausalLM:
     """`MulaForCausalLM(config)` holding experts [ep_rank*E/ep_size, (ep_rank+1)*E/ep_size) of every MoE
     layer, in fp32: random initial values independent of the layout (seeded by `seed`, parameter name
-    and expert), or the weights of `folder` (`kind` "mula" or "olmoe"), of which only those rows are read."""
+    and expert), or the weights of `folder` (`kind` "mula" or "olmoe"), of which only those rows are read.
+    `stage` (decoder layers, has the embedding, has the head) keeps only a pipeline stage's part."""
     if not (isinstance(ep_size, int) and ep_size >= 1 and isinstance(ep_rank, int) and 0 <= ep_rank < ep_size):
         raise ValueError(f"build_model: ep_rank must be in [0, ep_size={ep_size}), got {ep_rank!r}")
     with torch.device("meta"):
         model = MulaForCausalLM(config)
+    if stage is not None:
+        keep_stage(model, *stage)
     experts = [m for m in model.modules() if isinstance(m, MulaExperts)]
     for module in experts:
         if module.num_experts % ep_size:

@@ -4,9 +4,10 @@ Layout (DeepSpeed's): with world size W and EP size P, the EP groups are consecu
 [0..P-1], [P..2P-1], ...; the EDP groups join the ranks that hold the same experts,
 {i, i+P, i+2P, ...}; dense parameters are data-parallel over all W ranks. For the hierarchical
 exchange, EP groups are cut into nodes of `node_size` consecutive ranks: an intra-node group per node
-and an inter-node group per local rank index. Nothing here talks to DeepSpeed: its engine hook
-(`ds_optimus.optim.deepspeed_compat`) registers the layouts a model's experts declare, under
-DeepSpeed's name for them (``ep_size_{P}``), when the engine is built.
+and an inter-node group per local rank index. With pipeline stages (`init_pipeline_groups`), all of this
+is made inside each stage's ranks, and the stage's ranks are its data-parallel group. Nothing here
+talks to DeepSpeed: its engine hook (`ds_optimus.optim.deepspeed_compat`) registers the layouts a
+model's experts declare, under DeepSpeed's name for them (``ep_size_{P}``), when the engine is built.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class ExpertParallelGroups:
     node_size: int | None = None
     intra_node_group: object = None
     inter_node_group: object = None
+    pipeline: PipelineGroups | None = None  # the pipeline layout these groups live in, with stages
     name: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -69,11 +71,70 @@ def check_layout(world_size: int, ep_size: int, num_experts: int | None = None,
             raise LayoutError(f"node size {node_size} does not divide the expert parallel size {ep_size}")
 
 
-_CACHE: dict[tuple[int, int | None], ExpertParallelGroups] = {}
+@dataclass
+class PipelineGroups:
+    """This rank's view of the pipeline layout: `size` stages, stage s on global ranks [s*D, (s+1)*D)
+    (D = world / size ranks per stage, data and expert parallel among themselves). `group` joins the
+    ranks of one pipeline (the same place in every stage: point-to-point sends); `stage_group` the D
+    ranks of this rank's stage."""
+
+    size: int
+    stage: int
+    ranks: list[int]
+    group: object
+    stage_ranks: list[int]
+    stage_group: object
+
+    def __deepcopy__(self, memo) -> PipelineGroups:
+        return self
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.size - 1
 
 
-def init_expert_parallel_groups(ep_size: int, node_size: int | None = None) -> ExpertParallelGroups:
-    """Create (once per layout) the EP/EDP groups of `ep_size` and return this rank's view.
+_PIPELINES: dict[int, PipelineGroups] = {}
+
+
+def init_pipeline_groups(size: int) -> PipelineGroups:
+    """Create (once per size) the pipeline and stage groups of `size` stages; this rank's view.
+    Collective: every rank calls it with the same size."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("pipeline parallelism needs torch.distributed to be initialised first")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if not isinstance(size, int) or size < 1 or world % size:
+        raise LayoutError(f"pipeline parallel size {size!r} does not divide the world size {world}")
+    if size in _PIPELINES:
+        return _PIPELINES[size]
+    per_stage = world // size
+    mine: dict[str, tuple[list[int], object]] = {}
+    for offset in range(per_stage):
+        ranks = list(range(offset, world, per_stage))
+        group = dist.new_group(ranks) if size > 1 else None  # one stage: nothing to send
+        if rank in ranks:
+            mine["pipeline"] = (ranks, group)
+    for stage in range(size):
+        ranks = list(range(stage * per_stage, (stage + 1) * per_stage))
+        group = dist.new_group(ranks) if size > 1 else dist.group.WORLD
+        if rank in ranks:
+            mine["stage"] = (ranks, group)
+    (ranks, group), (stage_ranks, stage_group) = mine["pipeline"], mine["stage"]
+    _PIPELINES[size] = PipelineGroups(size, rank // per_stage, ranks, group, stage_ranks, stage_group)
+    return _PIPELINES[size]
+
+
+_CACHE: dict[tuple[int, int | None, int], ExpertParallelGroups] = {}
+
+
+def init_expert_parallel_groups(ep_size: int, node_size: int | None = None,
+                                pipeline_size: int | None = None) -> ExpertParallelGroups:
+    """Create (once per layout) the EP/EDP groups of `ep_size` and return this rank's view. With
+    `pipeline_size` stages (None: those of the pipeline layout made already, else one), the groups are
+    made inside each stage's ranks and the data-parallel group is the stage's (`init_pipeline_groups`).
 
     Collective: every rank must call it with the same arguments. Creating groups is collective, so a
     layout is created once and the same object returned again.
@@ -81,10 +142,14 @@ def init_expert_parallel_groups(ep_size: int, node_size: int | None = None) -> E
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("expert parallelism needs torch.distributed to be initialised first")
     world, rank = dist.get_world_size(), dist.get_rank()
-    check_layout(world, ep_size, node_size=node_size)
-    key = (ep_size, node_size)
+    if pipeline_size is None:
+        pipeline_size = max((size for size in _PIPELINES), default=1)
+    pipeline = init_pipeline_groups(pipeline_size)
+    key = (ep_size, node_size, pipeline_size)
     if key in _CACHE:
         return _CACHE[key]
+    per_stage = world // pipeline_size
+    check_layout(per_stage, ep_size, node_size=node_size)
 
     mine: dict[str, tuple[list[int], object]] = {}
 
@@ -95,8 +160,9 @@ def init_expert_parallel_groups(ep_size: int, node_size: int | None = None) -> E
 
     for start in range(0, world, ep_size):
         new_group("ep", list(range(start, start + ep_size)))
-    for i in range(ep_size):
-        new_group("edp", list(range(i, world, ep_size)))
+    for base in range(0, world, per_stage):
+        for i in range(ep_size):
+            new_group("edp", list(range(base + i, base + per_stage, ep_size)))
     if node_size is not None and 1 < node_size < ep_size:
         for start in range(0, world, node_size):
             new_group("intra", list(range(start, start + node_size)))
@@ -107,10 +173,10 @@ def init_expert_parallel_groups(ep_size: int, node_size: int | None = None) -> E
     ep_ranks, ep_group = mine["ep"]
     edp_ranks, edp_group = mine["edp"]
     groups = ExpertParallelGroups(
-        world_size=world, rank=rank, ep_size=ep_size, ep_rank=ep_ranks.index(rank), ep_ranks=ep_ranks,
-        ep_group=ep_group, edp_ranks=edp_ranks, edp_group=edp_group, dp_group=dist.group.WORLD,
+        world_size=per_stage, rank=rank, ep_size=ep_size, ep_rank=ep_ranks.index(rank), ep_ranks=ep_ranks,
+        ep_group=ep_group, edp_ranks=edp_ranks, edp_group=edp_group, dp_group=pipeline.stage_group,
         node_size=node_size, intra_node_group=mine.get("intra", (None, None))[1],
-        inter_node_group=mine.get("inter", (None, None))[1],
+        inter_node_group=mine.get("inter", (None, None))[1], pipeline=pipeline if pipeline_size > 1 else None,
     )
     _CACHE[key] = groups
     return groups
@@ -119,3 +185,4 @@ def init_expert_parallel_groups(ep_size: int, node_size: int | None = None) -> E
 def destroy_expert_parallel_groups() -> None:
     """Forget the cached layouts (call before `dist.destroy_process_group`)."""
     _CACHE.clear()
+    _PIPELINES.clear()

@@ -87,13 +87,20 @@ def consolidated_state(path: str | Path) -> dict[str, torch.Tensor]:
     path = Path(path)
     meta = json.loads((path / "meta.json").read_text())
     engine_format = str(meta.get("format", "")).startswith("ds_optimus.checkpoint/")
-    state = load(path / ("model_dense.pt" if engine_format else "model.pt"), mmap=True)
+    files = sorted(meta.get("files", ()))
+    state = {}
+    for name in [f for f in files if f.startswith("model_dense")] if engine_format else ["model.pt"]:
+        state.update(load(path / name, mmap=True))  # one file per pipeline stage, or one
     shards = []
     for q in range(meta["ep_size"]):
-        name = f"model_experts_ep{q:03d}.pt" if engine_format else f"experts_ep{q:03d}.pt"
-        if (path / name).exists():
-            shard = load(path / name, mmap=True)
-            shards.append(shard["weights"] if engine_format else shard)
+        if engine_format:  # EP rank q's experts, in one file or one per pipeline stage
+            shard = {}
+            for name in (f for f in files if f.startswith(f"model_experts_ep{q:03d}")):
+                shard.update(load(path / name, mmap=True)["weights"])
+            if shard:
+                shards.append(shard)
+        elif (path / f"experts_ep{q:03d}.pt").exists():
+            shards.append(load(path / f"experts_ep{q:03d}.pt", mmap=True))
     for name in shards[0] if shards else ():
         state[name] = torch.cat([shard[name] for shard in shards])
     return state

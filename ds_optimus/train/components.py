@@ -141,6 +141,7 @@ def compile_layers(model) -> int:
     with fake implementations, so they trace; the token exchange of expert parallelism and other
     host-side work break the graph instead of failing). Returns the number of layers compiled."""
     layers = model.model.layers
+    layers = list(layers.values() if isinstance(layers, torch.nn.ModuleDict) else layers)  # a pipeline stage's
     for layer in layers:
         layer.compile()
     return len(layers)
@@ -160,7 +161,15 @@ def export(model, tokenizer, folder: Path, groups, record=None) -> None:
         tokenizer.model_max_length = model.config.max_position_embeddings  # not the "unlimited" 1e30
     card = model_card(model.config, record=record, tokenizer=tokenizer) if is_mula else None
     generation = generation_config(tokenizer) if tokenizer is not None else None
-    export_pretrained(model, folder, groups, tokenizer=tokenizer, model_card=card, generation_config=generation)
+    state = None
+    if groups is not None and groups.pipeline is not None:  # every stage's part, joined on rank 0
+        from ..parallel.expert_parallel import full_state_dict
+        from ..parallel.pipeline import gather_stages
+
+        state = gather_stages(full_state_dict(model, groups) if groups.ep_size > 1 else model.state_dict(),
+                              groups.pipeline)
+    export_pretrained(model, folder, groups, tokenizer=tokenizer, model_card=card, generation_config=generation,
+                      state_dict=state)
 
 
 def generation_config(tokenizer):

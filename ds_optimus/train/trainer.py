@@ -29,6 +29,7 @@ from ..schema import ConfigError
 from . import components as C
 from .callbacks import Callback, default_callbacks
 from .metrics import LOSS_PARTS, MetricsSink, append_log
+from .pipelined import PipelineRunner, check_pipeline, data_parallel_size, engine_batch_config
 
 
 @contextlib.contextmanager
@@ -61,8 +62,10 @@ class Trainer:
             self.opt = opt = C.check_run_config(self.ds_config)
         C.init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        with every_rank_alike():
-            self.micro_batch, self.accumulation = C.resolve_batch_sizes(self.ds_config, self.world)
+        with every_rank_alike():  # data parallelism: the ranks of one pipeline stage (all of them without)
+            self.dp_world = data_parallel_size(opt, self.world)
+            self.micro_batch, self.accumulation = C.resolve_batch_sizes(self.ds_config, self.dp_world)
+        self.dp_rank, self.runner = self.rank % self.dp_world, None
         C.scheduler_defaults(self.ds_config, opt.train.steps)
         C.seed_everything(opt.train.seed)  # the same initial weights on every rank
         self.output_dir = Path(opt.train.output_dir)
@@ -88,7 +91,7 @@ class Trainer:
         self.end_step = opt.train.steps
         if opt.train.stop_after_steps is not None:
             self.end_step = min(self.end_step, self.start_step + opt.train.stop_after_steps)
-        self.tokens_per_step = self.micro_batch * self.accumulation * self.world * opt.data.seq_len
+        self.tokens_per_step = self.micro_batch * self.accumulation * self.dp_world * opt.data.seq_len
         self.summary: dict[str, Any] = {
             "rank": self.rank, "start_step": self.start_step, "resumed_from": self.resumed_from, "losses": {},
             "evals": {}, "step_seconds": {}, "finished": self.end_step == opt.train.steps, "rollbacks": 0}
@@ -118,11 +121,20 @@ class Trainer:
             elif ep.size > 1:
                 raise ConfigError("optimus.expert_parallel.size > 1 needs an MoE model (num_experts > 0); this one is "
                               "dense: set optimus.expert_parallel.size=1")
+        stage = split = None
+        if opt.pipeline_parallel.size > 1:  # this rank's stage only: its layers, embedding or head
+            with every_rank_alike():
+                split = check_pipeline(opt, self.ds_config, opt.model.mula_config(self.tokenizer), self.accumulation)
+            self.groups, stage = PipelineRunner.layout(opt, split)
         # Built on the meta device, holding only this rank's experts (EP groups are consecutive ranks).
-        model = opt.model.build(self.tokenizer, ep_size=ep.size, ep_rank=self.rank % ep.size, seed=opt.train.seed)
+        model = opt.model.build(self.tokenizer, ep_size=ep.size, ep_rank=self.rank % ep.size, seed=opt.train.seed,
+                                stage=stage)
         if opt.train.activation_checkpointing:  # true: whole layers; a list: those parts of each
             C.enable_activation_checkpointing(model, opt.train.recompute)
-        self.groups = setup_moe(model, opt)
+        groups = setup_moe(model, opt)  # inside the stages' groups made above, with pipeline stages
+        self.groups = self.groups if split is not None else groups
+        if split is not None:
+            self.runner = PipelineRunner(opt, self.groups.pipeline, model, split, self.micro_batch, self.accumulation)
         if opt.train.compile:
             C.compile_layers(model)
         self.model = model
@@ -134,11 +146,12 @@ class Trainer:
         data, seed = self.opt.data, self.opt.train.seed
         self.packed = C.prepare_on_rank_zero([parse_source(s) for s in data.sources], self.tokenizer,
                                              data.cache_dir, data.val_fraction)
-        self.train_loader = TokenBatches(self.packed.tokens("train"), data.seq_len, self.micro_batch, self.rank,
-                                         self.world, seed=seed)
+        # every stage of a pipeline reads the same batches: the first feeds them, the last scores them
+        self.train_loader = TokenBatches(self.packed.tokens("train"), data.seq_len, self.micro_batch, self.dp_rank,
+                                         self.dp_world, seed=seed)
         try:
-            self.held_out = eval_batches(self.packed.tokens("val"), data.seq_len, self.micro_batch, self.rank,
-                                         self.world, self.opt.train.eval_batches)
+            self.held_out = eval_batches(self.packed.tokens("val"), data.seq_len, self.micro_batch, self.dp_rank,
+                                         self.dp_world, self.opt.train.eval_batches)
         except DataError:
             self.held_out = []
 
@@ -155,10 +168,18 @@ class Trainer:
             schedule = C.warmup_cosine(opt.train.steps, opt.train.warmup_steps, opt.train.min_lr_ratio)
         # The engine applies the optimus section's moe, expert_parallel (done already: the model is
         # expert-parallel) and sharded_optimizer; the rest is this trainer's.
+        mpu = None
+        if self.runner is not None:  # the stage's ranks are the engine's data parallelism
+            from ..parallel.pipeline import StageParallelism
+
+            config, mpu = engine_batch_config(config, self.micro_batch, self.accumulation), \
+                StageParallelism(self.groups.pipeline)
         self.engine, _, _, _ = deepspeed.initialize(
-            model=self.model, lr_scheduler=schedule, config=engine_ds_config(config),
+            model=self.model, lr_scheduler=schedule, config=engine_ds_config(config), mpu=mpu,
             model_parameters=moe_param_groups(self.model, weight_decay=weight_decay,
                                               decay_all=opt.train.decay_all_params))
+        if self.runner is not None:
+            self.runner.attach(self.engine)
         self.engine.drives_router_bias = False  # RouterBiasCallback does it, leaving out the skipped steps
         self.device = self.engine.device
         self.sum_dtype = _sum_dtype(torch.device(self.device))
@@ -205,6 +226,14 @@ class Trainer:
         began, skipped_before = time.perf_counter(), engine.skipped_steps
         self.lr = engine.get_lr()[0]
         parts = torch.zeros(len(LOSS_PARTS), dtype=self.sum_dtype, device=self.device)
+        if self.runner is not None:  # every micro-batch through the pipeline schedule, then the update
+            batch = torch.cat([self.train_loader.next_batch() for _ in range(accumulation)]).to(self.device)
+            loads = self.runner.step(batch, parts)
+            if loads is not None:
+                self.expert_loads = loads if self.expert_loads is None else self.expert_loads + loads
+            self._reduce_step(parts)
+            engine.step()
+            accumulation = 0
         for micro in range(accumulation):
             batch = self.train_loader.next_batch().to(self.device, non_blocking=True)
             out = engine(input_ids=batch, labels=batch, use_cache=False)  # training keeps no KV cache
@@ -233,7 +262,7 @@ class Trainer:
         packed = torch.cat(pieces)
         if self.world > 1:
             dist.all_reduce(packed)
-            packed[:len(LOSS_PARTS)] /= self.world
+            packed[:len(LOSS_PARTS)] /= self.dp_world  # with pipeline stages, the last stage's ranks add them
         values = packed.tolist()  # the step's one host sync
         self.metrics = dict(zip(LOSS_PARTS, values, strict=False))
         self.metrics.update(zip((name for name, _ in flags), values[len(LOSS_PARTS):], strict=False))
@@ -378,12 +407,16 @@ class Trainer:
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for batch in self.held_out:
             batch = batch.to(self.device)
+            if self.runner is not None:  # the last stage's loss; zero on the others
+                loss = self.runner.evaluate(batch)
+                total += loss.float() if loss is not None else 0.0
+                continue
             total += self.engine(input_ids=batch, labels=batch, use_cache=False).lm_loss.float()
         self.engine.train()
         total = total.double() / len(self.held_out)
         if self.world > 1:
             dist.all_reduce(total)
-            total /= self.world
+            total /= self.dp_world
         return total.item()
 
     def _call(self, hook: str, *args) -> None:

@@ -710,29 +710,53 @@ def router_losses(
     stays local, so the mean of the ranks' losses is the global-batch loss when the ranks have equal
     token counts.
     """
-    zloss, counts, mean_probs, tokens = [], [], [], []
-    for logits, index in zip(router_logits, router_indices, strict=True):
-        logits = logits.float()
-        if scoring_func == "sigmoid":
-            probs = torch.sigmoid(logits)
-            probs = probs / probs.sum(-1, keepdim=True)
-        else:
-            probs = torch.softmax(logits, dim=-1)
-        # slots per token and expert [T, E]; a scatter, since one_hot checks the ids' range on the host
-        one_hot_slots = torch.zeros(index.shape[0], num_experts, dtype=torch.float32, device=index.device)
-        one_hot_slots.scatter_add_(1, index, torch.ones(index.shape, dtype=torch.float32, device=index.device))
-        lse_sq = torch.logsumexp(logits, dim=-1).pow(2)
-        if token_mask is None:
-            mask = torch.ones(logits.shape[0], device=logits.device)
-        else:
-            mask = token_mask.to(logits.device, torch.float32)
-        real = mask.sum()
-        denom = real.clamp_min(1.0)
-        mean_probs.append((probs * mask[:, None]).sum(0) / denom)
-        zloss.append((lse_sq * mask).sum() / denom)
-        counts.append((one_hot_slots * mask[:, None]).sum(0).detach())
-        tokens.append(real.detach().reshape(1))
-    top_k = router_indices[0].shape[-1]
+    stats = [router_layer_stats(logits, index, num_experts, scoring_func, token_mask)
+             for logits, index in zip(router_logits, router_indices, strict=True)]
+    mean_probs, zloss, counts, tokens = (list(part) for part in zip(*stats, strict=True))
+    return combine_router_stats(mean_probs, zloss, counts, tokens, router_indices[0].shape[-1], group, form)
+
+
+def router_layer_stats(
+    logits: torch.Tensor,
+    index: torch.Tensor,
+    num_experts: int,
+    scoring_func: str = "softmax",
+    token_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One MoE layer's part of `router_losses`: the mean router probability per expert [E] and the
+    z-loss (with gradients), the token slots per expert [E] and the token count [1] (without)."""
+    logits = logits.float()
+    if scoring_func == "sigmoid":
+        probs = torch.sigmoid(logits)
+        probs = probs / probs.sum(-1, keepdim=True)
+    else:
+        probs = torch.softmax(logits, dim=-1)
+    # slots per token and expert [T, E]; a scatter, since one_hot checks the ids' range on the host
+    one_hot_slots = torch.zeros(index.shape[0], num_experts, dtype=torch.float32, device=index.device)
+    one_hot_slots.scatter_add_(1, index, torch.ones(index.shape, dtype=torch.float32, device=index.device))
+    lse_sq = torch.logsumexp(logits, dim=-1).pow(2)
+    if token_mask is None:
+        mask = torch.ones(logits.shape[0], device=logits.device)
+    else:
+        mask = token_mask.to(logits.device, torch.float32)
+    real = mask.sum()
+    denom = real.clamp_min(1.0)
+    return ((probs * mask[:, None]).sum(0) / denom, (lse_sq * mask).sum() / denom,
+            (one_hot_slots * mask[:, None]).sum(0).detach(), real.detach().reshape(1))
+
+
+def combine_router_stats(
+    mean_probs: list[torch.Tensor],
+    zloss: list[torch.Tensor],
+    counts: list[torch.Tensor],
+    tokens: list[torch.Tensor],
+    top_k: int,
+    group=None,
+    form: str = "mula",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`router_losses` from every MoE layer's `router_layer_stats` (a pipeline's last stage gets them
+    from the stages before it)."""
+    num_experts = counts[0].shape[-1]
     # Slot and token counts of every layer: summed over the group in one all-reduce when balancing
     # the global batch, and unclamped until then, so ranks without real tokens add nothing.
     loads = [torch.cat([c, t]) for c, t in zip(counts, tokens, strict=True)]
@@ -740,7 +764,7 @@ def router_losses(
         flat = torch.cat([load.to(loads[0].device) for load in loads])
         torch.distributed.all_reduce(flat, group=group)
         loads = [part.to(load.device) for part, load in zip(flat.split(num_experts + 1), loads, strict=True)]
-    device = router_logits[0].device  # layers may sit on different devices under a device_map
+    device = mean_probs[0].device  # layers may sit on different devices under a device_map
     if form == "transformers":
         # Every layer covers the same tokens, so pooling them is the sum of the layers' slot counts over
         # the sum of their token counts, and the mean of the layers' mean probabilities.
@@ -903,4 +927,6 @@ __all__ = [
     "MulaCausalLMOutputWithPast",
     "MulaModelOutputWithPast",
     "router_losses",
+    "router_layer_stats",
+    "combine_router_stats",
 ]

@@ -5,7 +5,8 @@ the attempt is the supervisor's restart count, `DS_OPTIMUS_ATTEMPT`). Nothing of
 Kinds: `kill` (SIGKILL this process at the start of step N), `kill_in_save` (SIGKILL while the
 checkpoint of step N is being written, after its first file), `nan_loss` (this rank's loss of step
 N becomes NaN, so its gradients do), `sleep` (sleep `seconds` inside step N, before its
-collectives), `signal` (send this process `signal`, default SIGTERM, at the start of step N).
+collectives), `signal` (send this process `signal`, default SIGTERM, at the start of step N), `raise`
+(raise a RuntimeError at the start of step N: an error on one rank that the others do not share).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from ...reliability.supervise import ATTEMPT_VAR
 from .base import Callback
 
 ENV_VAR = "DS_OPTIMUS_FAULTS"
-KINDS = ("kill", "kill_in_save", "nan_loss", "sleep", "signal")
+KINDS = ("kill", "kill_in_save", "nan_loss", "sleep", "signal", "raise")
 
 
 class FaultInjectionCallback(Callback):
@@ -56,6 +57,8 @@ class FaultInjectionCallback(Callback):
     def pre_step(self, step: int) -> None:
         if self.due("kill", step):
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.due("raise", step):
+            raise RuntimeError(f"fault injected on rank {self.trainer.rank} at step {step}")
         fault = self.due("signal", step)
         if fault:
             os.kill(os.getpid(), getattr(signal, fault.get("signal", "SIGTERM")))

@@ -1,0 +1,262 @@
+"""Pipeline parallelism for Mula models on `torch.distributed.pipelining`.
+
+A rank of stage s keeps only its chunks of decoder layers (`keep_stage`, on the meta device before
+anything is allocated: `parallel.build.build_model(..., stage=...)`), the embedding on the first chunk,
+the final norm and head on the last. Parameter names stay the whole model's (`model.layers.17...`), so
+optimizer state and checkpoints, keyed by name, do not depend on the pipeline layout. Each chunk
+(`StageChunk`) runs its layers as `MulaModel.forward` does, and passes on, besides the hidden states,
+each MoE layer's router statistics (`router_layer_stats`: mean probabilities and z-loss with their
+gradients, token counts without), so the last stage computes the router losses of every layer exactly
+as the model does in one piece (`PipelineLoss`), and their gradients flow back to every stage's routers.
+
+The schedule (1F1B, GPipe, interleaved 1F1B, looped BFS) is PyTorch's; it calls the backward passes
+itself, so the optimizer's gradient hooks see each micro-batch's gradients as they come, and the
+trainer reduces them once after the schedule (`ShardedOptimizer.defer_reduction`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..hf_models.mula.modeling_mula import CACHE_NAME, combine_router_stats, create_causal_mask, router_layer_stats
+from .groups import PipelineGroups
+from .stages import MULTI_STAGE_SCHEDULES, SCHEDULES, PipelineParallelConfig, chunk_stage
+
+
+def stage_chunks(config: PipelineParallelConfig, model_config, seq_len: int, stage: int) -> list[tuple[int, range]]:
+    """(chunk index, its decoder layers) of every chunk stage rank `stage` runs, in order."""
+    split = config.split(model_config, seq_len)
+    return [(c, layers) for c, layers in enumerate(split) if chunk_stage(c, config.size) == stage]
+
+
+def keep_stage(model: nn.Module, layers: list[int], first: bool, last: bool) -> None:
+    """Drop from a `MulaForCausalLM` (on the meta device, before it is allocated) every decoder layer
+    not in `layers`, the embedding unless `first`, the final norm and head unless `last`. The kept
+    layers stay under their own numbers (`model.layers.<i>`)."""
+    inner = model.model
+    inner.layers = nn.ModuleDict({str(i): inner.layers[i] for i in layers})
+    if not first:
+        inner.embed_tokens = None
+    if not last:
+        inner.norm = None
+        model.lm_head = None
+
+
+def moe_layer_indices(config) -> list[int]:
+    """The decoder layers with experts, in order (a row each in the router statistics)."""
+    return [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
+
+
+class StageChunk(nn.Module):
+    """Consecutive decoder layers of a pipelined Mula model, run as `MulaModel.forward` runs them.
+    Input: token ids (the first chunk) or hidden states, with the router statistics so far for an MoE
+    model; output: hidden states (logits on the last chunk) with the statistics updated."""
+
+    def __init__(self, model: nn.Module, layers: range, first: bool, last: bool) -> None:
+        super().__init__()
+        inner, self.config = model.model, model.config
+        self.embed_tokens = inner.embed_tokens if first else None
+        self.layers = nn.ModuleList([inner.layers[str(i)] for i in layers])
+        self.norm = inner.norm if last else None
+        self.lm_head = model.lm_head if last else None
+        self.rotary_emb = inner.rotary_emb
+        moe = moe_layer_indices(self.config)
+        self.rows = [moe.index(i) for i in layers if i in moe]  # this chunk's rows in the statistics
+        self.num_rows = len(moe)
+        self.width = 2 * self.config.num_experts + 2 if moe else 0
+
+    def forward(self, x: torch.Tensor, stats: torch.Tensor | None = None):
+        if self.embed_tokens is not None:
+            hidden = self.embed_tokens(x)
+            if self.num_rows:
+                stats = torch.zeros(self.num_rows, self.width, dtype=torch.float32, device=hidden.device)
+        else:
+            hidden = x
+        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None, position_ids=None,
+                                  **{CACHE_NAME: None})
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        rows = []
+        for layer in self.layers:
+            hidden, _, logits, index = layer(hidden, attention_mask=mask, position_ids=position_ids, use_cache=False,
+                                             position_embeddings=position_embeddings, **{CACHE_NAME: None})
+            if index is None:
+                continue
+            if self.training and layer.mlp.gate.uses_bias:
+                layer.mlp.gate.record_load(index)
+            mean_prob, z, count, tokens = router_layer_stats(logits, index, self.config.num_experts,
+                                                             self.config.router_scoring_func)
+            rows.append(torch.cat([count, tokens, mean_prob, z.reshape(1)]))
+        if rows:  # contiguous rows: this chunk's MoE layers are consecutive
+            a, b = self.rows[0], self.rows[-1] + 1
+            stats = torch.cat([stats[:a], torch.stack(rows), stats[b:]])
+        if self.lm_head is not None:
+            hidden = self.lm_head(self.norm(hidden))
+        return hidden if stats is None else (hidden, stats)
+
+
+class PipelineLoss:
+    """The loss of a micro-batch on the last stage: the LM loss plus the router losses of every MoE
+    layer (from the statistics the stages passed on), over `micro_batches` so that the schedule's
+    backward passes add up to the step's mean. Each micro-batch's parts are kept in `records`."""
+
+    def __init__(self, model: nn.Module, micro_batches: int, group=None) -> None:
+        self.model, self.micro_batches, self.group = model, micro_batches, group
+        self.records: list[dict[str, torch.Tensor | None]] = []
+
+    def __call__(self, output, target: torch.Tensor) -> torch.Tensor:
+        config = self.model.config
+        logits, stats = output if isinstance(output, tuple) else (output, None)
+        lm_loss = self.model.loss_function(logits, target, config.vocab_size)
+        loss, record = lm_loss, {"lm_loss": lm_loss.detach(), "aux_loss": None, "z_loss": None,
+                                 "tokens_per_expert": None}
+        if stats is not None:
+            experts = config.num_experts
+            counts = [row[:experts].detach() for row in stats]
+            tokens = [row[experts:experts + 1].detach() for row in stats]
+            mean_probs = [row[experts + 1:2 * experts + 1] for row in stats]
+            zloss = [row[2 * experts + 1] for row in stats]
+            group = self.group if getattr(config, "router_aux_loss_scope", "micro_batch") == "global_batch" else None
+            aux, z, tokens_per_expert = combine_router_stats(
+                mean_probs, zloss, counts, tokens, config.num_experts_per_tok, group if self.model.training else None,
+                getattr(config, "router_aux_loss_type", "mula"))
+            record.update(aux_loss=aux.detach(), z_loss=z.detach(), tokens_per_expert=tokens_per_expert)
+            if self.model.training:
+                loss = loss + (config.router_aux_loss_coef * aux + config.router_z_loss_coef * z).to(loss.device)
+        record["loss"] = loss.detach()
+        self.records.append(record)
+        return loss / self.micro_batches if self.model.training else loss
+
+
+def build_schedule(chunks: list[tuple[int, StageChunk]], config: PipelineParallelConfig, pipeline: PipelineGroups,
+                   micro_batches: int, loss: PipelineLoss, device, micro: int, seq_len: int) -> Any:
+    """PyTorch's schedule `config.schedule` over this rank's chunks (global chunk index, module), for
+    micro-batches of `micro` sequences of `seq_len` tokens. Every stage states the shapes it takes and
+    gives, so the schedule never runs a forward or backward pass on placeholder tensors to find them
+    (which would count their router loads and add their gradients)."""
+    from torch.distributed import pipelining
+
+    device = torch.device(device)
+    stages = [pipelining.PipelineStage(module, index, config.chunks, device, group=pipeline.group,
+                                       input_args=_example(module, index == 0, False, micro, seq_len, device),
+                                       output_args=_example(module, False, index == config.chunks - 1, micro, seq_len,
+                                                            device))
+              for index, module in chunks]
+    schedule = getattr(pipelining, SCHEDULES[config.schedule])
+    if config.schedule in MULTI_STAGE_SCHEDULES:
+        return schedule(stages, n_microbatches=micro_batches, loss_fn=loss, scale_grads=False)
+    return schedule(stages[0], n_microbatches=micro_batches, loss_fn=loss, scale_grads=False)
+
+
+def _example(module: StageChunk, ids: bool, logits: bool, micro: int, seq_len: int, device) -> tuple:
+    """Placeholders of what a chunk takes (token ids, or hidden states) or gives (hidden states, or
+    logits), with the router statistics of an MoE model."""
+    if ids:
+        return (torch.empty(micro, seq_len, dtype=torch.long, device=device),)
+    dtype = next(module.parameters()).dtype
+    width = module.config.vocab_size if logits else module.config.hidden_size
+    # requires_grad: gradients travel back with both (the statistics' mean probabilities and z-losses)
+    hidden = torch.empty(micro, seq_len, width, dtype=dtype, device=device, requires_grad=True)
+    if not module.num_rows:
+        return (hidden,)
+    return hidden, torch.empty(module.num_rows, module.width, dtype=torch.float32, device=device, requires_grad=True)
+
+
+def run_schedule(schedule, pipeline: PipelineGroups, batch: torch.Tensor) -> None:
+    """One step of `schedule` over `batch` (token ids, also the labels): the first stage feeds the
+    inputs, the last the targets."""
+    args = (batch,) if pipeline.first else ()
+    schedule.step(*args, target=batch if pipeline.last else None, return_outputs=False)
+
+
+@torch.no_grad()
+def forward_only(chunks: list[tuple[int, StageChunk]], pipeline: PipelineGroups, total_chunks: int,
+                 batch: torch.Tensor, loss: PipelineLoss) -> torch.Tensor | None:
+    """The LM loss of `batch` through every stage, micro-batch by micro-batch without a schedule
+    (evaluation): the last stage returns it, the others None. Collective over the pipeline."""
+    mine = dict(chunks)
+    size, x, stats, result = pipeline.size, batch, None, None
+    for c in range(total_chunks):
+        if c not in mine:
+            continue
+        module = mine[c]
+        source = pipeline.ranks[chunk_stage(c - 1, size)] if c > 0 else None
+        if source is not None and source != dist.get_rank():
+            x, stats = _receive(module, batch, source)
+        out = module(x, stats) if stats is not None else module(x)
+        x, stats = out if isinstance(out, tuple) else (out, None)
+        if c == total_chunks - 1:
+            result = loss(out, batch)
+            continue
+        target = pipeline.ranks[chunk_stage(c + 1, size)]
+        if target != dist.get_rank():
+            dist.send(x.contiguous(), target)
+            if stats is not None:
+                dist.send(stats.contiguous(), target)
+    return result
+
+
+def _receive(module: StageChunk, batch: torch.Tensor, source: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    dtype = next(module.parameters()).dtype
+    hidden = torch.empty(*batch.shape, module.config.hidden_size, dtype=dtype, device=batch.device)
+    dist.recv(hidden, source)
+    stats = None
+    if module.num_rows:
+        stats = torch.empty(module.num_rows, module.width, dtype=torch.float32, device=batch.device)
+        dist.recv(stats, source)
+    return hidden, stats
+
+
+def gather_stages(state: dict[str, torch.Tensor], pipeline: PipelineGroups) -> dict[str, torch.Tensor] | None:
+    """Every stage's part of the model (`state`, this rank's stage, every expert) joined on the first
+    rank of the pipeline that holds global rank 0; None elsewhere. Collective over that pipeline."""
+    if 0 not in pipeline.ranks:
+        return None
+    parts = [None] * pipeline.size if pipeline.first else None
+    dist.gather_object({k: v.detach().cpu() for k, v in state.items()}, parts, dst=0, group=pipeline.group)
+    if not pipeline.first:
+        return None
+    joined: dict[str, torch.Tensor] = {}
+    for part in parts:
+        joined.update(part)
+    return joined
+
+
+class StageParallelism:
+    """What DeepSpeed's engine asks of a model-parallel unit (`deepspeed.initialize(mpu=...)`), for a
+    pipeline stage: its data parallelism is the stage's ranks (batch sizes, the initial broadcast and
+    the optimizer's shards), with no tensor parallelism. `pipeline` marks it as ds_optimus' own."""
+
+    def __init__(self, pipeline: PipelineGroups) -> None:
+        self.pipeline = pipeline
+
+    def get_data_parallel_group(self):
+        return self.pipeline.stage_group
+
+    def get_data_parallel_world_size(self) -> int:
+        return len(self.pipeline.stage_ranks)
+
+    def get_data_parallel_rank(self) -> int:
+        return self.pipeline.stage_ranks.index(dist.get_rank())
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return self.pipeline.size
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return self.pipeline.stage
+
+    def get_pipeline_model_parallel_group(self):
+        return self.pipeline.group

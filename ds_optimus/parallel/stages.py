@@ -1,0 +1,130 @@
+"""Pipeline stages: the `optimus.pipeline_parallel` section, the cost of each part of a Mula model,
+and the split of its decoder layers into stages of balanced cost.
+
+A run of P stages with V virtual stages per rank cuts the layers into P·V contiguous chunks; chunk c
+runs on stage rank c mod P (the loop order of the interleaved schedules; V = 1 is the plain split).
+The embedding is counted with the first chunk and the final norm, head and loss with the last, so the
+last chunk takes fewer layers: for Mula-220B-A10B the head costs about one MoE layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..schema import Section, need, positive_int
+
+# The schedules of torch.distributed.pipelining a run can name: one stage per rank, or several.
+SINGLE_STAGE_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+MULTI_STAGE_SCHEDULES = {"interleaved_1f1b": "ScheduleInterleaved1F1B", "looped_bfs": "ScheduleLoopedBFS"}
+SCHEDULES = {**SINGLE_STAGE_SCHEDULES, **MULTI_STAGE_SCHEDULES}
+
+
+@dataclass(frozen=True)
+class PipelineParallelConfig(Section):
+    """`optimus.pipeline_parallel`: `size` pipeline stages (ranks per pipeline), run by `schedule`
+    with `virtual_stages` chunks of layers per rank (the interleaved schedules), over the step's
+    `gradient_accumulation_steps` micro-batches. `layers` (optional) gives the decoder layers of each
+    chunk in order, overriding the balanced split."""
+
+    size: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    layers: list[int] | None = None
+
+    def check(self, where: str) -> None:
+        need(positive_int(self.size), f"{where}.size must be a positive integer, got {self.size!r}")
+        need(self.schedule in SCHEDULES,
+             f"{where}.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        need(positive_int(self.virtual_stages),
+             f"{where}.virtual_stages must be a positive integer, got {self.virtual_stages!r}")
+        need(self.virtual_stages == 1 or self.schedule in MULTI_STAGE_SCHEDULES,
+             f"{where}.virtual_stages {self.virtual_stages} needs a schedule with several stages per rank "
+             f"({', '.join(MULTI_STAGE_SCHEDULES)}); {self.schedule} runs one")
+        if self.layers is not None:
+            need(isinstance(self.layers, list) and all(positive_int(n) for n in self.layers),
+                 f"{where}.layers must be a list of positive integers (decoder layers per chunk), got {self.layers!r}")
+            need(len(self.layers) == self.chunks,
+                 f"{where}.layers has {len(self.layers)} entries; size {self.size} x virtual_stages "
+                 f"{self.virtual_stages} needs {self.chunks}")
+
+    @property
+    def chunks(self) -> int:
+        """Chunks of layers in the whole pipeline: stages times virtual stages."""
+        return self.size * self.virtual_stages
+
+    def split(self, config, seq_len: int) -> list[range]:
+        """The decoder layers of each chunk of a model of `config` (a `MulaConfig`), in order: the
+        given `layers`, or the split that balances `layer_costs`. A one-line ValueError when they do not fit."""
+        total = config.num_hidden_layers
+        if self.layers is not None:
+            if sum(self.layers) != total:
+                raise ValueError(f"optimus.pipeline_parallel.layers adds up to {sum(self.layers)} layers; the model "
+                                 f"has {total}")
+            bounds = [0]
+            for n in self.layers:
+                bounds.append(bounds[-1] + n)
+            return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+        if total < self.chunks:
+            raise ValueError(f"optimus.pipeline_parallel: {self.chunks} chunks of layers (size {self.size} x "
+                             f"virtual_stages {self.virtual_stages}) need at least as many decoder layers; the model "
+                             f"has {total}")
+        return split_layers(*layer_costs(config, seq_len), self.chunks)
+
+
+def layer_costs(config, seq_len: int) -> tuple[list[float], float, float]:
+    """Forward FLOPs per token of each decoder layer, of the embedding and of the head (final norm,
+    LM head, softmax and loss) of a model of `config` at sequence length `seq_len`. Backward costs
+    about twice the forward for every part alike, so the forward ranks the parts as the step does."""
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    projections = 2 * hidden * head_dim * (2 * heads + 2 * kv_heads)  # q and o, k and v
+    scores = 2 * 2 * seq_len * heads * head_dim / 2  # QK^T and AV, half the positions under the causal mask
+    costs = []
+    for index in range(config.num_hidden_layers):
+        if config.is_moe_layer(index):
+            experts = config.num_experts
+            ffn = 2 * config.num_experts_per_tok * 3 * hidden * config.moe_intermediate_size + 2 * hidden * experts
+        else:
+            ffn = 2 * 3 * hidden * config.intermediate_size
+        costs.append(float(projections + scores + ffn))
+    embedding = float(2 * hidden)  # a row read and copied: small beside a layer, counted all the same
+    head = float(2 * hidden * config.vocab_size + 4 * config.vocab_size)  # matmul, softmax and the loss
+    return costs, embedding, head
+
+
+def split_layers(costs: list[float], embedding: float, head: float, chunks: int) -> list[range]:
+    """Cut layers of `costs` into `chunks` contiguous, non-empty ranges minimising the costliest chunk,
+    the first chunk also paying `embedding` and the last `head` (exact, by dynamic programming)."""
+    n = len(costs)
+    if not 1 <= chunks <= n:
+        raise ValueError(f"cannot cut {n} layers into {chunks} non-empty chunks")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(a: int, b: int, first: bool, last: bool) -> float:
+        return prefix[b] - prefix[a] + (embedding if first else 0.0) + (head if last else 0.0)
+
+    inf = float("inf")
+    # best[k][i]: the least costliest chunk over cuts of layers [0, i) into k chunks; cut[k][i]: its last start
+    best = [[inf] * (n + 1) for _ in range(chunks + 1)]
+    cut = [[0] * (n + 1) for _ in range(chunks + 1)]
+    best[0][0] = 0.0
+    for k in range(1, chunks + 1):
+        for i in range(k, n - (chunks - k) + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], cost(j, i, j == 0, i == n and k == chunks))
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    bounds, i = [n], n
+    for k in range(chunks, 0, -1):
+        i = cut[k][i]
+        bounds.append(i)
+    bounds.reverse()
+    return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def chunk_stage(chunk: int, stages: int) -> int:
+    """The stage rank that runs chunk `chunk` (the loop order: chunk c on rank c mod stages)."""
+    return chunk % stages

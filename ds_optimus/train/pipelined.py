@@ -1,0 +1,127 @@
+"""The trainer's pipeline-parallel path (`optimus.pipeline_parallel.size` > 1): each rank builds its
+stage's part of the model, DeepSpeed's engine runs its optimizer over the stage's data-parallel ranks,
+and a step is one run of PyTorch's pipeline schedule over the step's micro-batches, after which the
+sharded optimizer reduces the gradients once and steps (`ds_optimus.parallel.pipeline`).
+
+Why PyTorch's pipelining and not DeepSpeed's pipeline engine: it takes the model's own modules as
+stages (DeepSpeed's wants the network re-expressed as a `PipelineModule` of layer specs, a second
+model definition), it has the interleaved and looped schedules besides 1F1B, and it leaves the
+optimizer to the caller, so the EP-aware sharded optimizer stays DeepSpeed's ZeRO optimizer as
+without stages (DeepSpeed's pipeline engine refuses ZeRO-2 and knows nothing of expert groups).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..schema import ConfigError
+
+
+def data_parallel_size(opt, world: int) -> int:
+    """Ranks per pipeline stage (the data-parallel size); a one-line ConfigError where stages do not fit."""
+    size = opt.pipeline_parallel.size
+    if world % size:
+        raise ConfigError(f"optimus.pipeline_parallel.size {size} does not divide the {world} ranks")
+    return world // size
+
+
+def check_pipeline(opt, ds_config: dict[str, Any], model_config, accumulation: int) -> list[range]:
+    """What a pipeline-parallel run needs beyond the config's own checks (one-line ConfigErrors, alike on
+    every rank); returns the layers of every chunk."""
+    pp = opt.pipeline_parallel
+    if not opt.sharded_optimizer.enabled:
+        raise ConfigError("optimus.pipeline_parallel needs optimus.sharded_optimizer.enabled true (the pipeline "
+                          "schedule runs the backward passes; the sharded optimizer reduces their gradients)")
+    if model_config.tie_word_embeddings:
+        raise ConfigError("optimus.pipeline_parallel: the model ties its embedding and head, which sit on the first "
+                          "and last stages; set tie_word_embeddings false (optimus.model.overrides)")
+    if opt.train.compile:
+        raise ConfigError("optimus.pipeline_parallel does not run compiled layers yet; set optimus.train.compile false")
+    if pp.schedule == "interleaved_1f1b":
+        rounds = max(1, accumulation // pp.size)
+        if accumulation % rounds:
+            raise ConfigError(f"optimus.pipeline_parallel: interleaved_1f1b runs rounds of {pp.size} micro-batches; "
+                              f"gradient_accumulation_steps {accumulation} must divide into them (a multiple of "
+                              f"{pp.size}, or fewer)")
+    try:
+        return pp.split(model_config, opt.data.seq_len)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+class PipelineRunner:
+    """This rank's chunks of the model and the schedule that runs them; `step` trains one step's
+    micro-batches, `evaluate` gives the LM loss of a batch (on the last stage)."""
+
+    def __init__(self, opt, pipeline, model, split: list[range], micro: int, accumulation: int) -> None:
+        from ..parallel.pipeline import StageChunk
+        from ..parallel.stages import chunk_stage
+
+        self.config, self.pipeline, self.accumulation = opt.pipeline_parallel, pipeline, accumulation
+        self.micro, self.seq_len = micro, opt.data.seq_len
+        self.total = len(split)
+        self.chunks = [(c, StageChunk(model, layers, c == 0, c == self.total - 1))
+                       for c, layers in enumerate(split) if chunk_stage(c, pipeline.size) == pipeline.stage]
+        self.schedule = self.loss = None
+
+    @staticmethod
+    def layout(opt, split: list[range]):
+        """The process groups (expert and data parallelism inside each stage) and (decoder layers, has the
+        embedding, has the head) of this rank's stage. Collective."""
+        from ..parallel.groups import init_expert_parallel_groups
+        from ..parallel.stages import chunk_stage
+
+        ep = opt.expert_parallel
+        groups = init_expert_parallel_groups(ep.size, ep.node_size, opt.pipeline_parallel.size)
+        pipeline = groups.pipeline
+        mine = [c for c in range(len(split)) if chunk_stage(c, pipeline.size) == pipeline.stage]
+        return groups, ([i for c in mine for i in split[c]], 0 in mine, len(split) - 1 in mine)
+
+    def attach(self, engine) -> None:
+        """Build the schedule over the engine's module (after DeepSpeed has cast and placed it)."""
+        from ..parallel.pipeline import PipelineLoss, build_schedule
+
+        self.engine = engine
+        self.loss = PipelineLoss(engine.module, self.accumulation, group=self.pipeline.stage_group)
+        self.schedule = build_schedule(self.chunks, self.config, self.pipeline, self.accumulation, self.loss,
+                                       engine.device, self.micro, self.seq_len)
+        engine.optimizer.defer_reduction = True  # gradients reduced once, after the schedule
+
+    def step(self, batch: torch.Tensor, parts: torch.Tensor) -> torch.Tensor | None:
+        """Forward and backward passes of the step's micro-batches (`batch`: all of them, in order), their
+        gradients reduced into the optimizer's shards. Adds the mean of the micro-batches' loss parts
+        (`LOSS_PARTS`; the last stage's, zero on the others) to `parts`, and returns the step's token slots
+        per MoE layer and expert (zero except on the last stage; None for a dense model)."""
+        from ..parallel.pipeline import moe_layer_indices, run_schedule
+        from .metrics import LOSS_PARTS
+
+        optimizer = self.engine.optimizer
+        self.loss.records.clear()
+        optimizer.set_gradient_accumulation_boundary(False)
+        run_schedule(self.schedule, self.pipeline, batch)
+        optimizer.finalize_gradient_accumulation_boundary()
+        config, loads = self.engine.module.config, None
+        if config.num_experts:  # the same shape on every rank: the step's one all-reduce adds them
+            loads = torch.zeros(len(moe_layer_indices(config)), config.num_experts, device=parts.device)
+        for record in self.loss.records:
+            zero = torch.zeros((), dtype=parts.dtype, device=parts.device)
+            parts += torch.stack([zero if record[k] is None else record[k].to(parts.dtype) for k in LOSS_PARTS]) \
+                / self.accumulation
+            if record["tokens_per_expert"] is not None:
+                loads += record["tokens_per_expert"].float()
+        return loads
+
+    def evaluate(self, batch: torch.Tensor) -> torch.Tensor | None:
+        """The LM loss of `batch` (the last stage's; None on the others). Collective over the pipeline."""
+        from ..parallel.pipeline import forward_only
+
+        self.loss.records.clear()
+        return forward_only(self.chunks, self.pipeline, self.total, batch, self.loss)
+
+
+def engine_batch_config(ds_config: dict[str, Any], micro: int, accumulation: int) -> dict[str, Any]:
+    """The engine's view of the batch: the schedule feeds it the step's micro-batches at once, so one
+    "micro-batch" of micro x accumulation sequences and no accumulation of its own."""
+    return {**ds_config, "train_micro_batch_size_per_gpu": micro * accumulation, "gradient_accumulation_steps": 1}

@@ -1,0 +1,220 @@
+"""Pipeline parallelism: stage splits, the stage build, and training runs on gloo that must equal the
+one-process run (losses per step, final weights), for 1F1B and interleaved 1F1B, with expert and data
+parallelism inside the stages; resume across pipeline sizes; an error or a kill on one stage ends all."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import run_distributed
+from test_fault_tolerance import launch, write_config
+from train_workers import pretrain_worker, tiny_config
+
+from ds_optimus.config import OptimusConfig
+from ds_optimus.hf_models.mula import PRESETS, MulaConfig
+from ds_optimus.parallel.build import build_model
+from ds_optimus.parallel.stages import PipelineParallelConfig, layer_costs, split_layers
+from ds_optimus.schema import ConfigError
+
+STEPS = 10
+
+
+# -- the pieces ----------------------------------------------------------------------------------------
+
+
+def test_split_balances_layer_cost_with_the_head_on_the_last_chunk():
+    costs = [1.0] * 10
+    assert [len(r) for r in split_layers(costs, 0.0, 0.0, 5)] == [2] * 5
+    assert [len(r) for r in split_layers(costs, 0.0, 3.0, 4)] == [3, 3, 3, 1]  # the head weighs three layers
+    assert [len(r) for r in split_layers(costs, 2.0, 0.0, 4)] == [1, 3, 3, 3]
+    uneven = [3.0, 1.0, 1.0, 1.0, 1.0, 3.0]
+    ranges = split_layers(uneven, 0.0, 0.0, 3)
+    assert [r.start for r in ranges] == [0, 1, ranges[2].start] and ranges[-1].stop == 6
+    assert max(sum(uneven[i] for i in r) for r in ranges) == 4.0  # the least possible
+    with pytest.raises(ValueError):
+        split_layers(costs, 0.0, 0.0, 11)
+    # the seed's 220B shape over 8 stages: the last stage's head costs about one MoE layer
+    config = MulaConfig(**PRESETS["mula-220b-a10b"])
+    layers, embedding, head = layer_costs(config, 2048)
+    assert 0.8 < head / layers[0] < 1.2
+    split = PipelineParallelConfig(size=8).split(config, 2048)
+    assert sum(len(r) for r in split) == 64 and max(len(r) for r in split) <= 9
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"size": 0}, "optimus.pipeline_parallel.size must be a positive integer"),
+    ({"schedule": "zb"}, "optimus.pipeline_parallel.schedule must be one of gpipe, 1f1b, interleaved_1f1b"),
+    ({"size": 2, "virtual_stages": 2}, "virtual_stages 2 needs a schedule with several stages per rank"),
+    ({"size": 2, "layers": [1, 1, 1]}, "optimus.pipeline_parallel.layers has 3 entries; size 2 x virtual_stages 1"),
+])
+def test_bad_pipeline_sections_are_one_line_errors(section, message):
+    with pytest.raises(ConfigError) as err:
+        OptimusConfig.parse({"pipeline_parallel": section}, "optimus")
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_stage_builds_only_its_layers_with_the_whole_models_values():
+    config = MulaConfig(**PRESETS["mula-tiny-moe"], tie_word_embeddings=False)
+    whole = build_model(config, seed=3).state_dict()
+    parts = [build_model(config, seed=3, ep_size=2, ep_rank=1, stage=([0, 1], True, False)),
+             build_model(config, seed=3, stage=([2, 3], False, True))]
+    first, last = (part.state_dict() for part in parts)
+    assert all(k.startswith(("model.embed_tokens", "model.layers.0.", "model.layers.1.", "model.rotary"))
+               for k in first)
+    assert "lm_head.weight" in last and "model.norm.weight" in last and "model.embed_tokens.weight" not in last
+    assert not any(k.startswith(("model.layers.0.", "model.layers.1.")) for k in last)
+    for name, value in last.items():
+        assert torch.equal(value, whole[name]), name
+    experts = "model.layers.1.mlp.experts.gate_up_proj"
+    assert torch.equal(first[experts], whole[experts][4:])  # EP rank 1 of 2: experts 4..7
+    assert torch.equal(first["model.layers.0.self_attn.q_proj.weight"], whole["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_stage_chunks_compute_the_models_loss_and_gradients():
+    """Chunks run one after the other in one process: loss, router losses and every gradient equal
+    the model's own forward and backward bitwise (the router statistics carry the router losses'
+    gradients back to every stage)."""
+    from ds_optimus.parallel.pipeline import PipelineLoss, StageChunk, keep_stage
+
+    config = MulaConfig(**PRESETS["mula-tiny-moe"], tie_word_embeddings=False)
+    ids = torch.randint(0, config.vocab_size, (2, 32))
+    whole = build_model(config, seed=1).train()
+    out = whole(input_ids=ids, labels=ids, use_cache=False)
+    out.loss.backward()
+    staged = build_model(config, seed=1).train()
+    keep_stage(staged, [0, 1, 2, 3], True, True)
+    chunks = [StageChunk(staged, range(0, 1), True, False), StageChunk(staged, range(1, 3), False, False),
+              StageChunk(staged, range(3, 4), False, True)]
+    loss_fn = PipelineLoss(staged, micro_batches=1)
+    hidden = chunks[0](ids)
+    for chunk in chunks[1:]:
+        hidden = chunk(*hidden)
+    loss = loss_fn(hidden, ids)
+    loss.backward()
+    record = loss_fn.records[0]
+    assert loss.item() == out.loss.item() and record["aux_loss"].item() == out.aux_loss.item()
+    assert record["z_loss"].item() == out.z_loss.item()
+    assert torch.equal(record["tokens_per_expert"], out.tokens_per_expert)
+    grads = dict(whole.named_parameters())
+    for name, param in staged.named_parameters():
+        assert torch.equal(param.grad, grads[name].grad), name
+
+
+# -- training runs ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("pipeline-data")
+
+
+def run_config(tmp: Path, cache: Path, name: str, micro: int, **optimus) -> dict:
+    """10 steps of 8 sequences (global micro-batches of 2, 4 micro-steps), global-batch load balancing
+    (so that how the micro-batch is spread over ranks does not change the aux loss), fp32."""
+    sections = {"train": {"steps": STEPS, "eval_interval": 5, "eval_batches": 1, "warmup_steps": 2},
+                "checkpoint": {"interval": 0},
+                "model": {"preset": "mula-tiny-moe", "overrides": {"router_aux_loss_scope": "global_batch"}}}
+    for section, values in optimus.items():
+        sections[section] = {**sections.get(section, {}), **values}
+    config = tiny_config(tmp / name, cache, **sections)
+    config.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=4)
+    # a learning rate at which ten steps flip few near-tied routing choices: a flip turns rounding into
+    # a visible difference, and processes add in other orders than one process does
+    config["optimizer"]["params"]["lr"] = 1e-3
+    return config
+
+
+def hf_weights(config: dict) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(config["optimus"]["train"]["output_dir"]) / "hf" / "model.safetensors"))
+
+
+def assert_same_run(summary: dict, weights: dict, reference: dict, rtol: float = 1e-5) -> None:
+    summary_ref, weights_ref = reference["summary"], reference["weights"]
+    assert sorted(summary["losses"]) == list(range(1, STEPS + 1))
+    for step, loss in summary_ref["losses"].items():
+        assert summary["losses"][step] == pytest.approx(loss, rel=rtol), step
+    for step, loss in summary_ref["evals"].items():  # held-out losses: after the weights' rounding (below)
+        assert summary["evals"][step] == pytest.approx(loss, rel=10 * rtol), step
+    # The stages' gradients equal the whole model's bitwise (test_stage_chunks_compute_the_models_loss_
+    # and_gradients); across processes the gradient norm is a float32 sum in another order, and Adam
+    # divides each update by the gradient's running size, so an element whose gradient is near zero
+    # turns that rounding into up to one learning-rate step (3e-3) after ten steps. The mean difference
+    # must stay at rounding level and no element may move more than about one step apart.
+    assert weights.keys() == weights_ref.keys()
+    differences = torch.cat([(weights[k] - v).abs().reshape(-1) for k, v in weights_ref.items()])
+    assert differences.max() < 4e-3 and differences.mean() < 1e-5, (differences.max(), differences.mean())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cache):
+    """The one-process run every pipelined run must reproduce."""
+    config = run_config(tmp_path_factory.mktemp("one"), cache, "one", micro=2)
+    summary = run_distributed(pretrain_worker, 1, config)[0]
+    return {"summary": summary, "weights": hf_weights(config)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", [{"size": 2}, {"size": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2}],
+                         ids=["1f1b", "interleaved"])
+def test_two_stages_train_as_one_process(tmp_path, cache, reference, schedule):
+    config = run_config(tmp_path, cache, "pp2", micro=2, pipeline_parallel=schedule)
+    summaries = run_distributed(pretrain_worker, 2, config)
+    assert summaries[0]["losses"] == summaries[1]["losses"]  # every stage reports the step's loss
+    assert_same_run(summaries[0], hf_weights(config), reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("inside", [{"expert_parallel": {"size": 2}}, {}], ids=["pp2-ep2", "pp2-dp2"])
+def test_two_stages_with_expert_or_data_parallelism_inside_train_as_one_process(tmp_path, cache, reference, inside):
+    config = run_config(tmp_path, cache, "pp2x2", micro=1, pipeline_parallel={"size": 2}, **inside)
+    summaries = run_distributed(pretrain_worker, 4, config)
+    assert_same_run(summaries[0], hf_weights(config), reference)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_two_stages_resumes_on_one_stage_and_on_four(tmp_path, cache):
+    """Saved at PP 2 x EP 2 after step 5, resumed at PP 1 x EP 4 and at PP 4: the losses go on as the
+    uninterrupted PP 2 x EP 2 run's (router losses off, so that how a step's sequences are grouped
+    into micro-batches does not matter)."""
+    quiet = {"overrides": {"router_aux_loss_coef": 0.0, "router_z_loss_coef": 0.0}}
+    whole = run_config(tmp_path, cache, "whole", micro=1, pipeline_parallel={"size": 2}, expert_parallel={"size": 2},
+                       model=quiet)
+    expected = run_distributed(pretrain_worker, 4, whole)[0]["losses"]
+    first = run_config(tmp_path, cache, "first", micro=1, pipeline_parallel={"size": 2}, expert_parallel={"size": 2},
+                       model=quiet, checkpoint={"interval": 5}, train={"stop_after_steps": 5})
+    assert sorted(run_distributed(pretrain_worker, 4, first)[0]["losses"]) == [1, 2, 3, 4, 5]
+    for name, layout, micro, accumulation in (("pp1-ep4", {"expert_parallel": {"size": 4}}, 1, 2),
+                                             ("pp4", {"pipeline_parallel": {"size": 4}}, 2, 4)):
+        config = json.loads(json.dumps(first))
+        config["optimus"]["train"].update(stop_after_steps=None, output_dir=str(tmp_path / name))
+        shutil.copytree(tmp_path / "first" / "run" / "checkpoints", tmp_path / name / "checkpoints")
+        config["optimus"]["checkpoint"]["dir"] = str(tmp_path / name / "checkpoints")
+        config["optimus"]["pipeline_parallel"] = layout.get("pipeline_parallel", {"size": 1})
+        config["optimus"]["expert_parallel"] = layout.get("expert_parallel", {"size": 1})
+        config.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accumulation)
+        summary = run_distributed(pretrain_worker, 4, config)[0]
+        assert summary["start_step"] == 5, name
+        for step in range(6, STEPS + 1):
+            assert summary["losses"][step] == pytest.approx(expected[step], rel=1e-5), (name, step)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", [{"kind": "raise", "step": 3, "rank": 1}, {"kind": "kill", "step": 3, "rank": 1}],
+                         ids=["error", "kill"])
+def test_an_error_or_a_kill_on_one_stage_ends_every_stage(tmp_path, cache, fault):
+    config = run_config(tmp_path, cache, "fault", micro=2, pipeline_parallel={"size": 2})
+    try:
+        proc = launch(write_config(tmp_path, config), faults=[fault], timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a stage was left waiting after the other failed")
+    assert proc.returncode != 0
+    if fault["kind"] == "raise":
+        said = [line for line in (proc.stdout + proc.stderr).splitlines() if "fault injected on rank 1" in line]
+        assert said, proc.stderr[-3000:]
