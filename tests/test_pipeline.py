@@ -161,10 +161,14 @@ def reference(tmp_path_factory, cache):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", [{"size": 2}, {"size": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2}],
-                         ids=["1f1b", "interleaved"])
-def test_two_stages_train_as_one_process(tmp_path, cache, reference, schedule):
-    config = run_config(tmp_path, cache, "pp2", micro=2, pipeline_parallel=schedule)
+@pytest.mark.parametrize("schedule, recompute", [
+    ({"size": 2}, True),
+    ({"size": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2}, ["moe", "attention", "norms"]),
+], ids=["1f1b", "interleaved"])
+def test_two_stages_train_as_one_process(tmp_path, cache, reference, schedule, recompute):
+    """Also with activation recomputation: whole layers, or the parts of each."""
+    config = run_config(tmp_path, cache, "pp2", micro=2, pipeline_parallel=schedule,
+                        train={"activation_checkpointing": recompute})
     summaries = run_distributed(pretrain_worker, 2, config)
     assert summaries[0]["losses"] == summaries[1]["losses"]  # every stage reports the step's loss
     assert_same_run(summaries[0], hf_weights(config), reference)
@@ -184,10 +188,11 @@ def test_a_checkpoint_of_two_stages_resumes_on_one_stage_and_on_four(tmp_path, c
     uninterrupted PP 2 x EP 2 run's (router losses off, so that how a step's sequences are grouped
     into micro-batches does not matter)."""
     quiet = {"overrides": {"router_aux_loss_coef": 0.0, "router_z_loss_coef": 0.0}}
-    whole = run_config(tmp_path, cache, "whole", micro=1, pipeline_parallel={"size": 2}, expert_parallel={"size": 2},
+    seed_exchange = {"size": 2, "dispatch": "allgather"}  # inside the stages, by all-gather and reduce-scatter
+    whole = run_config(tmp_path, cache, "whole", micro=1, pipeline_parallel={"size": 2}, expert_parallel=seed_exchange,
                        model=quiet)
     expected = run_distributed(pretrain_worker, 4, whole)[0]["losses"]
-    first = run_config(tmp_path, cache, "first", micro=1, pipeline_parallel={"size": 2}, expert_parallel={"size": 2},
+    first = run_config(tmp_path, cache, "first", micro=1, pipeline_parallel={"size": 2}, expert_parallel=seed_exchange,
                        model=quiet, checkpoint={"interval": 5}, train={"stop_after_steps": 5})
     assert sorted(run_distributed(pretrain_worker, 4, first)[0]["losses"]) == [1, 2, 3, 4, 5]
     for name, layout, micro, accumulation in (("pp1-ep4", {"expert_parallel": {"size": 4}}, 1, 2),
