@@ -10,16 +10,17 @@ from pathlib import Path
 
 from ..cli import ArgumentParser, fail
 from .cluster import BUILTIN, ClusterError, get_cluster
-from .configs import layout_config, template_for, write_config
+from .configs import layout_config, layout_from_config, template_for, write_config
 from .layout import LayoutError
 from .memory import gib
 from .model import ModelShape
-from .scaling import ScalingError, device_counts, format_scaling, plot_scaling, scaling
-from .search import EXCHANGES, OPTIMIZERS, RECOMPUTE_CHOICES, format_table, ranking_note, search
+from .scaling import ScalingError, device_counts, efficiency, format_scaling, plot_scaling, scale_layout, scaling
+from .search import EXCHANGES, OPTIMIZERS, RECOMPUTE_CHOICES, evaluate, format_table, ranking_note, search
 
 EPILOG = """examples:
   python -m ds_optimus.plan --model mula-7b-a1b --cluster h100 --devices 64 --write ds_configs/mula-7b-a1b-64xh100.json
   python -m ds_optimus.plan --model mula-220b-a10b --cluster aurora --devices 384 --scale 384:12288 --png scaling.png
+  python -m ds_optimus.plan --config ds_configs/mula-220b-a10b-aurora.json --cluster aurora --scale 384:12288
   python -m ds_optimus.plan --model mula-tiny-moe --cluster local --devices 2 --measure 4
   python -m ds_optimus.plan --list-clusters
 """
@@ -30,11 +31,16 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 description="Predict per-rank memory and step time of a Mula model under each "
                                             "parallel layout on a cluster,\nrank the layouts, write the best as a "
-                                            "DeepSpeed config. Layouts read\n  dpD epE [ppP] zeroZ[+opt] mbMxA "
-                                            "[ckpt[:parts]] [hier] [dedup] [ovlC]:\nsizes, optimizer, micro-batch x "
-                                            "accumulation, recomputation, and the EP exchange (two-step,\n"
-                                            "deduplicated, overlapped with the experts in C chunks).")
-    p.add_argument("--model", default="mula-7b-a1b", help="Mula preset (default: mula-7b-a1b)")
+                                            "DeepSpeed config. Layouts read\n  dpD epE [ppP[vV][:schedule]] "
+                                            "zeroZ[+opt] mbMxA [ckpt[:parts]] [hier] [dedup] [ovlC] [ag]:\nsizes "
+                                            "(D ranks per pipeline stage, V virtual stages), optimizer, micro-batch x "
+                                            "accumulation,\nrecomputation, and the EP exchange (two-step, "
+                                            "deduplicated, overlapped with the experts in C chunks;\nag: the "
+                                            "allgather dispatch).")
+    p.add_argument("--model", default=None, help="Mula preset (default: --config's, else mula-7b-a1b)")
+    p.add_argument("--config", metavar="PATH",
+                   help="a training config whose layout is evaluated beside the search (and scaled with --scale); "
+                        "its model, devices, batch and sequence length are the defaults")
     p.add_argument("--cluster", default="h100",
                    help=f"built-in cluster ({', '.join(BUILTIN)}), 'local' (this machine, measured) or a JSON file")
     p.add_argument("--devices", type=int, default=None, help="ranks (GPUs, GPU tiles or GCDs); default: one node")
@@ -43,7 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the shipped config's)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
                    help="training dtype (default: bf16 on accelerators, fp32 on a CPU cluster)")
-    p.add_argument("--pipeline", action="store_true", help="also plan pipeline-parallel layouts (planned only)")
+    p.add_argument("--no-pipeline", action="store_true",
+                   help="no pipeline stages (default: also pipeline-parallel layouts, 1F1B or interleaved)")
+    p.add_argument("--dispatch", choices=("all", "alltoall", "allgather"), default="all",
+                   help="EP exchanges: the all-to-all, the allgather dispatch (EP inside a node), or both (default)")
     p.add_argument("--optimizer", choices=("all", "sharded", "deepspeed"), default="all",
                    help="the EP-aware sharded optimizer, DeepSpeed's ZeRO, or both (default)")
     p.add_argument("--no-checkpointing", action="store_true", help="never use activation checkpointing")
@@ -85,11 +94,22 @@ def _run(args: argparse.Namespace) -> int:
                   f"{c.intra_node_gbps:g} GB/s in node, {c.inter_node_gbps:.1f} GB/s between nodes ({c.notes})")
         return 0
     cluster = get_cluster(args.cluster)
-    model = ModelShape.from_preset(args.model)
+    fixed = None  # the layout of --config
+    if args.config:
+        model, fixed = layout_from_config(json.loads(Path(args.config).read_text()), args.devices)
+        args.model = args.model or model.name
+        if args.model != model.name:
+            model = ModelShape.from_preset(args.model)
+    else:
+        args.model = args.model or "mula-7b-a1b"
+        model = ModelShape.from_preset(args.model)
     template = template_for(args.model)
-    seq_len = args.seq_len or template.get("optimus", {}).get("data", {}).get("seq_len", 4096)
-    devices = args.devices or cluster.devices_per_node
-    global_batch = args.global_batch or template.get("train_batch_size") or devices
+    seq_len = args.seq_len or (fixed.seq_len if fixed else template.get("optimus", {}).get("data", {}).get(
+        "seq_len", 4096))
+    devices = args.devices or (fixed.world if fixed else cluster.devices_per_node)
+    global_batch = args.global_batch or (fixed.global_batch if fixed else template.get("train_batch_size")) or devices
+    if fixed:
+        fixed = fixed.with_(world=devices, seq_len=seq_len)
     dtype = args.dtype or ("fp32" if cluster.shared_compute else "bf16")
     for name, value in (("--devices", devices), ("--global-batch", global_batch), ("--seq-len", seq_len),
                         ("--top", args.top)):
@@ -99,7 +119,8 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError(f"--expert-imbalance must be at least 1, got {args.expert_imbalance}")
     optimizers = {"all": OPTIMIZERS, "sharded": tuple(o for o in OPTIMIZERS if o[1]),
                   "deepspeed": tuple(o for o in OPTIMIZERS if not o[1])}[args.optimizer]
-    options = dict(dtype=dtype, pipeline=args.pipeline, optimizers=optimizers,
+    dispatches = ("alltoall", "allgather") if args.dispatch == "all" else (args.dispatch,)
+    options = dict(dtype=dtype, pipeline=not args.no_pipeline, optimizers=optimizers, dispatches=dispatches,
                    checkpointing=(False,) if args.no_checkpointing else (False, True)
                    if args.whole_layer_checkpointing else RECOMPUTE_CHOICES,
                    exchanges={"all": EXCHANGES, "per-slot": EXCHANGES[:1],
@@ -111,10 +132,10 @@ def _run(args: argparse.Namespace) -> int:
           f"{_count(model.active_params)} active; {model.flops_per_token(seq_len) / 1e9:.3g} GFLOP per token")
     print(f"{cluster.name}: {cluster.device}, {cluster.devices_per_node} per node, {cluster.memory_gib:.0f} GiB "
           f"({gib(cluster.usable_bytes):.0f} usable), {cluster.peak_tflops:g} TFLOPS x "
-          f"{cluster.compute_efficiency:.0%}")
+          f"{cluster.compute_efficiency:.0%} (experts x {cluster.expert_efficiency:.1%})")
 
     if args.scale:
-        return _scale(args, model, cluster, seq_len, global_batch, devices, options, report)
+        return _scale(args, model, cluster, seq_len, global_batch, devices, options, report, fixed)
 
     plans, tried = search(model, cluster, devices, global_batch, seq_len, **options)
     print(f"{devices} devices, {global_batch} x {seq_len} tokens per step ({dtype}): {tried} layouts tried, "
@@ -123,19 +144,18 @@ def _run(args: argparse.Namespace) -> int:
         raise LayoutError(f"a global batch of {global_batch} sequences does not divide over the data-parallel "
                           f"ranks of any layout of {devices} devices; choose a multiple of {devices}")
     if not plans:
-        raise LayoutError(f"no layout of {args.model} fits on {devices} {cluster.device} devices; add devices, "
-                          "lower --global-batch or allow --pipeline")
+        raise LayoutError(f"no layout of {args.model} fits on {devices} {cluster.device} devices; add devices "
+                          "or lower --global-batch" + (" or drop --no-pipeline" if args.no_pipeline else ""))
     print(format_table(plans, args.top))
     note = ranking_note(plans, args.top)
     if note:
         print(note)
+    if fixed:
+        report["config"] = _evaluate_config(args, model, fixed, cluster, plans[0])
     report["devices"], report["global_batch"] = devices, global_batch
     report["plans"] = [p.as_dict() for p in plans[: args.top]]
-    runnable = [p for p in plans if p.layout.pp == 1]
     if args.write:
-        if not runnable:
-            raise LayoutError("every fitting layout needs pipeline parallelism, which ds_optimus.train does not run")
-        best = runnable[0]
+        best = plans[0]
         path = write_config(layout_config(best.layout, args.model, cluster, base=template), args.write)
         print(f"\nwrote {path} ({best.layout.describe()}; run it with: deepspeed --num_nodes "
               f"{-(-devices // cluster.devices_per_node)} --num_gpus {min(devices, cluster.devices_per_node)} "
@@ -145,7 +165,7 @@ def _run(args: argparse.Namespace) -> int:
         if devices > available:
             raise ValueError(f"--measure runs the layouts on this machine, which runs at most {available} ranks; "
                              f"{devices} devices asked (use --cluster local --devices {available})")
-        report["measured"] = _measure(args, runnable[: args.measure], model)
+        report["measured"] = _measure(args, plans[: args.measure], model)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
         print(f"wrote {args.json}")
@@ -199,7 +219,23 @@ def _measure(args, plans, model) -> list[dict]:
     return rows
 
 
-def _scale(args, model, cluster, seq_len, global_batch, devices, options, report) -> int:
+def _evaluate_config(args, model, layout, cluster, best) -> dict:
+    """Print --config's layout evaluated on the cluster: memory per stage, the step's parts, against the best."""
+    plan = evaluate(model, layout, cluster, args.expert_imbalance)
+    t, m = plan.time, plan.memory
+    stages = f" (stage {m.stage}; per stage {', '.join(f'{gib(x):.1f}' for x in m.stage_peaks)})" \
+        if m.stage_peaks else ""
+    fits = "fits" if plan.fits else f"does not fit the {gib(cluster.usable_bytes):.1f} usable"
+    parts = {"compute": t.compute, "EP exchange": t.all_to_all, "gradient reduction": t.grad_reduce,
+             "parameter gather": t.param_gather, "bubble": t.bubble, "stage sends": t.p2p, "fixed costs": t.overhead}
+    print(f"\n{args.config}: {layout.describe()}\n  peak {gib(m.peak):.1f} GiB{stages}, {fits}; step {t.step:.3g} s: "
+          + ", ".join(f"{name} {value:.3g}" for name, value in parts.items() if value)
+          + f"\n  {plan.tokens_per_s:,.0f} tokens/s, MFU {plan.mfu:.1%}; row 1 is "
+          f"{plan.time.step / best.time.step:.2f}x as fast")
+    return plan.as_dict()
+
+
+def _scale(args, model, cluster, seq_len, global_batch, devices, options, report, fixed=None) -> int:
     try:
         first, last = (int(x) for x in args.scale.split(":"))
     except ValueError:
@@ -207,19 +243,25 @@ def _scale(args, model, cluster, seq_len, global_batch, devices, options, report
     counts = device_counts(first, last)
     per_device = global_batch / devices
     kind = "strong scaling, global batch " + str(global_batch) if args.strong else \
-        f"weak scaling, {per_device:g} sequences per device per step"
+        f"weak scaling, {per_device:g} sequence{'' if per_device == 1 else 's'} per device per step"
     print(f"scaling from {first} to {last} devices ({kind}):")
     points = scaling(model, cluster, counts, per_device, seq_len, weak=not args.strong, global_batch=global_batch,
                      progress=lambda p: print(f"  {p.devices} devices: {p.tried} layouts", file=sys.stderr),
                      **options)
     print(format_scaling(points))
-    from .scaling import efficiency
-
-    effs = efficiency(points)
-    report["scaling"] = [{"devices": p.devices, "plan": p.plan.as_dict() if p.plan else None, "efficiency": e}
-                         for p, e in zip(points, effs, strict=True)]
+    report["scaling"] = _rows(points)
+    others = ()
+    if fixed is not None:
+        if args.strong:
+            raise ScalingError("--config scales its layout weakly (its batch per data-parallel rank); drop --strong")
+        kept = scale_layout(model, cluster, fixed, counts, args.expert_imbalance)
+        print(f"\n{args.config}'s layout at each count:")
+        print(format_scaling(kept, "layout"))
+        report["config_scaling"] = _rows(kept)
+        others = ((f"{Path(args.config).stem}'s layout", kept),)
     if args.png:
-        path = plot_scaling(points, args.png, f"{args.model} on {cluster.name}: {kind}", args.reference_efficiency)
+        path = plot_scaling(points, args.png, f"{args.model} on {cluster.name}: {kind}", args.reference_efficiency,
+                            others=others, label="planner's best at each count" if others else "predicted")
         print(f"wrote {path}")
     if args.write:
         _write_scaled(args, points, cluster)
@@ -227,6 +269,11 @@ def _scale(args, model, cluster, seq_len, global_batch, devices, options, report
         Path(args.json).write_text(json.dumps(report, indent=2))
         print(f"wrote {args.json}")
     return 0
+
+
+def _rows(points) -> list[dict]:
+    return [{"devices": p.devices, "plan": p.plan.as_dict() if p.plan else None, "efficiency": e}
+            for p, e in zip(points, efficiency(points), strict=True)]
 
 
 def _write_scaled(args, points, cluster) -> None:
@@ -237,9 +284,6 @@ def _write_scaled(args, points, cluster) -> None:
         path = target.with_name(f"{target.stem}-{point.devices}{target.suffix or '.json'}")
         if point.plan is None:
             print(f"not written: {path} (no layout fits on {point.devices} devices)")
-        elif point.plan.layout.pp > 1:
-            print(f"not written: {path} ({point.plan.layout.describe()} needs pipeline parallelism, which "
-                  "ds_optimus.train does not run yet)")
         else:
             written = write_config(layout_config(point.plan.layout, args.model, cluster, base=template), path)
             print(f"wrote {written} ({point.plan.layout.describe()})")

@@ -39,9 +39,10 @@ class Cluster:
     # Memory kept free of the planner's estimate: the allocator's caching and fragmentation, the
     # framework's workspaces, the communication library's own buffers.
     memory_reserve_gib: float = 4.0
-    # Rate of the MoE experts (permutation, grouped GEMMs, combine) relative to dense matmuls of the
-    # same FLOPs: what the expert kernels reach (benchmarks/moe_kernels.py measures it).
-    expert_efficiency: float = 0.45
+    # Fraction of peak the MoE experts (permutation, grouped GEMMs, combine) reach on their own FLOPs,
+    # as compute_efficiency is for the dense matmuls: each applies to its own FLOPs against peak_tflops
+    # (benchmarks/moe_kernels.py measures it). Default: what an H100 measured (see "h100" below).
+    expert_efficiency: float = 0.29
     # Fixed costs of one micro-batch's forward and backward beyond its FLOPs (kernel launches, Python,
     # the engine's hooks): per micro-batch, and per layer.
     overhead_per_micro_batch_s: float = 5e-3
@@ -90,9 +91,16 @@ class Cluster:
         return max(0.0, (self.memory_gib - self.memory_reserve_gib) * 2**30)
 
     def rate(self, ranks_on_node: int) -> float:
-        """Matmul FLOP/s one rank reaches."""
+        """Dense matmul FLOP/s one rank reaches."""
+        return self._peak_share(ranks_on_node) * self.compute_efficiency
+
+    def expert_rate(self, ranks_on_node: int) -> float:
+        """FLOP/s one rank's MoE experts reach (their own fraction of peak, not a fraction of `rate`)."""
+        return self._peak_share(ranks_on_node) * self.expert_efficiency
+
+    def _peak_share(self, ranks_on_node: int) -> float:
         share = self.peak_tflops / max(1, ranks_on_node) if self.shared_compute else self.peak_tflops
-        return share * 1e12 * self.compute_efficiency
+        return share * 1e12
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -134,15 +142,22 @@ BUILTIN: dict[str, Cluster] = {
     # 16.7 GB/s per tile. Inside the node, the GPUs are all-to-all connected by Xe Link; with the
     # tile-to-tile MDFI link faster still, we take 50 GB/s per tile and direction as the practical
     # figure for collectives spanning the node (an assumption: ALCF quotes links, not collectives).
-    # 10,624 nodes. The Slingshot fabric is a dragonfly; we take groups of 64 nodes and, for traffic
-    # between groups, half the injection bandwidth (global links are tapered relative to the NICs;
-    # both figures are assumptions to be replaced by measured ones), and a 3 % step-time jitter.
+    # 10,624 nodes. The Slingshot fabric is a dragonfly (Ibeid et al., "Scaling MPI Applications on
+    # Aurora", arXiv:2512.04291, 2025): 166 compute groups of 32 Rosetta switches, 2 nodes (16 NICs) per
+    # switch, so 64 nodes and 512 NIC endpoints a group, the groups joined all-to-all by 2 global links
+    # per pair, 1.38 PB/s of global bandwidth. A compute group has 2 x 165 = 330 global links to the
+    # other compute groups for 512 endpoints at the same 200 Gb/s: 330 / 512 = 0.645 of the injection
+    # bandwidth for traffic between groups (check: 166 x 165 links x 25 GB/s x 2 directions = 1.37 PB/s).
+    # An assumption still: collectives reach that under minimal routing only (adaptive routing through
+    # an intermediate group takes two global hops). A 3 % step-time jitter (assumed).
     "aurora": Cluster(
         name="aurora", device="Intel Max 1550 tile", devices_per_node=12, memory_gib=64 * 1e9 / 2**30,
         peak_tflops=419.0, intra_node_gbps=50.0, inter_node_gbps=200.0 / 12, intra_node_latency_us=8.0,
         inter_node_latency_us=15.0, nodes=10624, compute_efficiency=0.35, comm_efficiency=0.6,
-        memory_reserve_gib=6.0, overhead_per_layer_s=4e-4, group_nodes=64, global_bandwidth_fraction=0.5,
-        step_jitter=0.03, expert_efficiency=0.35,  # not measured there: below the H100's 0.45
+        memory_reserve_gib=6.0, overhead_per_layer_s=4e-4, group_nodes=64, global_bandwidth_fraction=0.645,
+        # the experts: not measured there; the H100's measured ratio of expert to dense efficiency
+        # (0.29 / 0.45 = 0.64) applied to the assumed dense 0.35: 0.35 x 0.64 = 0.225
+        step_jitter=0.03, expert_efficiency=0.225,
         notes="ALCF Aurora: 6 x Intel Max 1550 (12 tiles) per node, 8 x Slingshot-11 200 Gb/s NICs"),
     # Frontier (OLCF): 4 AMD MI250X per node, each two GCDs, 8 GCD ranks per node with 64 GB HBM2e
     # each (OLCF Frontier user guide). MI250X peak dense bf16 383 TFLOPS, 191.5 per GCD (AMD data
@@ -155,7 +170,8 @@ BUILTIN: dict[str, Cluster] = {
         peak_tflops=191.5, intra_node_gbps=50.0, inter_node_gbps=100.0 / 8, intra_node_latency_us=8.0,
         inter_node_latency_us=15.0, nodes=9408, compute_efficiency=0.35, comm_efficiency=0.6,
         memory_reserve_gib=6.0, overhead_per_layer_s=4e-4, group_nodes=128, global_bandwidth_fraction=0.5,
-        step_jitter=0.03, expert_efficiency=0.35,  # not measured there: below the H100's 0.45
+        # the experts: not measured there; as for Aurora, the H100's expert/dense ratio x the dense 0.35
+        step_jitter=0.03, expert_efficiency=0.225,
         notes="OLCF Frontier: 4 x MI250X (8 GCDs) per node, 4 x Slingshot-11 200 Gb/s NICs"),
     # A DGX H100-style cluster: 8 H100 SXM5 80 GB per node, 989 TFLOPS dense bf16 each (NVIDIA H100
     # data sheet); NVLink 4 through NVSwitch, 900 GB/s bidirectional = 450 GB/s per direction; one
@@ -166,9 +182,11 @@ BUILTIN: dict[str, Cluster] = {
         peak_tflops=989.0, intra_node_gbps=450.0, inter_node_gbps=50.0, intra_node_latency_us=5.0,
         inter_node_latency_us=10.0, nodes=128, compute_efficiency=0.45, comm_efficiency=0.75,
         memory_reserve_gib=5.0, overhead_per_layer_s=2e-4, step_jitter=0.02,
-        # the grouped-GEMM experts of an OLMoE-shaped layer ran at 43-46 % of the dense rate on one
-        # H100 (benchmarks/results/moe_kernels_NVIDIA_H100_80GB_HBM3.json)
-        expert_efficiency=0.45,
+        # the grouped-GEMM experts of an OLMoE-shaped layer (forward and backward, 8,192 and 16,384
+        # tokens) ran at 269 and 314 TFLOP/s on one H100 (benchmarks/results/
+        # moe_kernels_NVIDIA_H100_80GB_HBM3.json, "ours_grouped_mm"): 0.27 and 0.32 of the 989 peak, 0.29
+        # between them (43-46 % of the 623-683 TFLOP/s a dense matmul of the same FLOPs reached there)
+        expert_efficiency=0.29,
         notes="DGX H100: 8 x H100 SXM5 per node, NVLink 4 / NVSwitch, 8 x ConnectX-7 400 Gb/s"),
 }
 
@@ -184,7 +202,9 @@ def get_cluster(name_or_path: str | Cluster) -> Cluster:
     return Cluster.from_json(name_or_path)
 
 
-EXPERT_EFFICIENCY_CPU = 0.3
+# the experts on a CPU: calibrated (benchmarks/plan_validation.py) as 0.3 of the dense rate at its
+# efficiency of 0.5, so 0.15 of the measured peak
+EXPERT_EFFICIENCY_CPU = 0.15
 
 
 def local_cluster(efficiency: float = 0.5) -> Cluster:

@@ -7,8 +7,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..parallel.traffic import dedup_sends_fewer_bytes
 from .cluster import Cluster
-from .layout import Layout, LayoutError, hierarchy_node_size
+from .layout import DTYPE_BYTES, Layout, LayoutError, hierarchy_node_size
+from .model import ModelShape
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
 
@@ -27,9 +29,6 @@ def layout_config(layout: Layout, preset: str, cluster: Cluster | None = None,
                   base: dict[str, Any] | None = None) -> dict[str, Any]:
     """The DeepSpeed config that runs `preset` under `layout` (from `base`, or the preset's shipped
     config, keeping its optimizer, data and schedule)."""
-    if layout.pp > 1:
-        raise LayoutError(f"layout {layout.describe()} uses pipeline parallelism, which ds_optimus.train does "
-                          "not run; it is planned only")
     config = copy.deepcopy(base if base is not None else template_for(preset))
     config["train_batch_size"] = layout.global_batch
     config["train_micro_batch_size_per_gpu"] = layout.micro
@@ -56,6 +55,13 @@ def layout_config(layout: Layout, preset: str, cluster: Cluster | None = None,
         if layout.hierarchical and cluster is not None else None
     optimus["expert_parallel"] = {"size": layout.ep, "node_size": node_size, "dedup": layout.dedup,
                                   "chunks": layout.chunks}
+    if layout.dispatch != "alltoall":  # the default is left out
+        optimus["expert_parallel"]["dispatch"] = layout.dispatch
+    if layout.pp > 1:  # the runtime's balanced split of the layers (`layers` null)
+        optimus["pipeline_parallel"] = {"size": layout.pp, "schedule": layout.schedule,
+                                        "virtual_stages": layout.virtual_stages, "layers": None}
+    else:
+        optimus.pop("pipeline_parallel", None)
     sharded = optimus.setdefault("sharded_optimizer", {})
     sharded["enabled"] = layout.sharded
     if layout.sharded:
@@ -75,6 +81,53 @@ def layout_config(layout: Layout, preset: str, cluster: Cluster | None = None,
     if cluster is not None and not cluster.shared_compute:
         train["peak_tflops"] = cluster.peak_tflops
     return config
+
+
+def layout_of(opt: Any, ds_config: dict[str, Any], world: int, micro: int, accumulation: int,
+              model: ModelShape | None = None) -> Layout:
+    """The layout a parsed training config (`opt`, the `OptimusConfig` of `ds_config`) runs at `world`
+    ranks with its resolved micro-batch and accumulation: the inverse of `layout_config`. `dedup`
+    "auto" is decided as the runtime decides it, by the bytes (`model` needed; else per slot)."""
+    dtype = "bf16" if ds_config.get("bf16", {}).get("enabled") else "fp16" if ds_config.get("fp16", {}).get(
+        "enabled") else "fp32"
+    ep, pp, sharded = opt.expert_parallel, opt.pipeline_parallel, opt.sharded_optimizer
+    dispatch = getattr(ep, "dispatch", "alltoall")
+    hierarchical = bool(ep.node_size and ep.node_size < ep.size) and dispatch == "alltoall"
+    dedup = ep.dedup
+    if dispatch != "alltoall":
+        dedup = False
+    elif dedup == "auto":
+        destinations = ep.size // ep.node_size if hierarchical else ep.size
+        dedup = ep.chunks > 1 or bool(model is not None and model.experts and ep.size > 1 and dedup_sends_fewer_bytes(
+            model.experts, model.top_k, destinations, model.hidden * DTYPE_BYTES[dtype], DTYPE_BYTES[dtype]))
+    zero = ds_config.get("zero_optimization", {})
+    return Layout(world=world, ep=ep.size, pp=pp.size, zero=zero.get("stage", 0), sharded=sharded.enabled,
+                  micro=micro, accumulation=accumulation, checkpointing=opt.train.recompute, hierarchical=hierarchical,
+                  dedup=bool(dedup), chunks=ep.chunks, seq_len=opt.data.seq_len, dtype=dtype,
+                  reduce_dtype=sharded.reduce_dtype, bucket_size=sharded.bucket_size, schedule=pp.schedule,
+                  virtual_stages=pp.virtual_stages, dispatch=dispatch)
+
+
+def layout_from_config(ds_config: dict[str, Any], world: int | None = None) -> tuple[ModelShape, Layout]:
+    """(its model, its layout) of a training config at `world` ranks (default: the world its batch
+    sizes record, times its pipeline stages); a one-line error where they do not fit together."""
+    from ..config import OptimusConfig, resolve_batch_sizes
+
+    config = copy.deepcopy(ds_config)
+    opt = OptimusConfig.from_ds_config(config)
+    model = ModelShape.from_config(opt.model.mula_config(), name=opt.model.preset or opt.model.path)
+    stages = opt.pipeline_parallel.size
+    if world is None:
+        keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+        total, micro, accumulation = (config.get(k) for k in keys)
+        if not all(isinstance(v, int) and v > 0 for v in (total, micro, accumulation)):
+            raise LayoutError("the config does not record its world size (train_batch_size, micro-batch and "
+                              "accumulation): give --devices")
+        world = total // (micro * accumulation) * stages
+    if world % stages:
+        raise LayoutError(f"optimus.pipeline_parallel.size {stages} does not divide the {world} ranks")
+    micro, accumulation = resolve_batch_sizes(config, world // stages)
+    return model, layout_of(opt, config, world, micro, accumulation, model)
 
 
 def write_config(config: dict[str, Any], path: str | Path) -> Path:

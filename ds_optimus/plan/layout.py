@@ -6,10 +6,18 @@ from dataclasses import asdict, dataclass, replace
 from math import gcd
 from typing import Any
 
+from ..parallel.stages import MULTI_STAGE_SCHEDULES, SCHEDULES
+
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # The parts of a decoder layer that selective activation recomputation recomputes, in the order
 # `MulaDecoderLayer.recompute` keeps them (`optimus.train.activation_checkpointing` as a list).
 RECOMPUTE_PARTS = ("moe", "attention", "norms")
+# The EP exchanges (`optimus.expert_parallel.dispatch`): all-to-all of the routed rows, or the seed's
+# all-gather of the group's tokens and reduce-scatter of the outputs (flat, one chunk, no dedup).
+DISPATCHES = ("alltoall", "allgather")
+# Short labels of the pipeline schedules in `Layout.describe`: none for 1F1B, and none for the interleaved
+# 1F1B with virtual stages (`pp8v2`)
+SCHEDULE_LABELS = {"gpipe": ":gpipe", "interleaved_1f1b": ":interleaved", "looped_bfs": ":bfs"}
 
 
 class LayoutError(ValueError):
@@ -20,7 +28,7 @@ class LayoutError(ValueError):
 class Layout:
     world: int  # ranks (devices)
     ep: int = 1  # expert-parallel size
-    pp: int = 1  # pipeline stages (planned only: ds_optimus.train has no pipeline engine)
+    pp: int = 1  # pipeline stages (`optimus.pipeline_parallel.size`); stage s = ranks [s·dp, (s+1)·dp)
     zero: int = 1  # ZeRO stage 0, 1 or 2
     sharded: bool = True  # the EP-aware sharded optimizer (stage 1/2) instead of DeepSpeed's
     micro: int = 1  # sequences per rank per micro-batch
@@ -36,6 +44,9 @@ class Layout:
     reduce_dtype: str | None = None  # gradient reduction dtype; null: the parameters' dtype
     bucket_size: int = 50_000_000  # elements per communication bucket
     overlap_comm: bool = True  # reduce gradient buckets while the backward pass goes on (not on gloo)
+    schedule: str = "1f1b"  # pipeline schedule (`ds_optimus.parallel.stages.SCHEDULES`) over the accumulation
+    virtual_stages: int = 1  # chunks of layers per stage rank (the interleaved and looped schedules)
+    dispatch: str = "alltoall"  # the EP exchange, one of DISPATCHES
 
     def __post_init__(self) -> None:
         # a list of parts (from JSON) in RECOMPUTE_PARTS' order, so equal choices compare equal
@@ -78,7 +89,8 @@ class Layout:
 
     def check(self, experts: int = 0, layers: int | None = None) -> None:
         """A one-line LayoutError when the layout is impossible for a model."""
-        for key in ("world", "ep", "pp", "micro", "accumulation", "seq_len", "bucket_size", "chunks"):
+        for key in ("world", "ep", "pp", "micro", "accumulation", "seq_len", "bucket_size", "chunks",
+                    "virtual_stages"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"{key} must be a positive integer, got {value!r}")
@@ -90,8 +102,7 @@ class Layout:
             raise LayoutError(f"expert-parallel size {self.ep} does not divide the {experts} experts")
         if not experts and self.ep > 1:
             raise LayoutError("expert parallelism needs an MoE model")
-        if layers is not None and layers % self.pp:
-            raise LayoutError(f"pipeline size {self.pp} does not divide the {layers} layers")
+        self._check_pipeline(layers)
         if self.zero not in (0, 1, 2):
             raise LayoutError(f"ZeRO stage must be 0, 1 or 2, got {self.zero!r}")
         if self.sharded and self.zero == 0:
@@ -108,12 +119,43 @@ class Layout:
             raise LayoutError(f"chunks {self.chunks} needs dedup: the overlapped exchange is the deduplicated one")
         if self.dtype not in DTYPE_BYTES or (self.reduce_dtype or self.dtype) not in DTYPE_BYTES:
             raise LayoutError(f"dtype must be one of {', '.join(DTYPE_BYTES)}")
+        if self.dispatch not in DISPATCHES:
+            raise LayoutError(f"dispatch must be one of {', '.join(DISPATCHES)}, got {self.dispatch!r}")
+        if self.dispatch == "allgather" and (self.dedup or self.chunks > 1 or self.hierarchical):
+            raise LayoutError("the allgather dispatch is a flat exchange in one chunk without dedup; it does not take "
+                              "hierarchical, dedup or chunks")
+
+    def _check_pipeline(self, layers: int | None) -> None:
+        """The pipeline's constraints, as `ds_optimus.train` and PyTorch's schedules state them."""
+        if self.pp == 1:
+            return
+        if self.schedule not in SCHEDULES:
+            raise LayoutError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.virtual_stages > 1 and self.schedule not in MULTI_STAGE_SCHEDULES:
+            raise LayoutError(f"virtual_stages {self.virtual_stages} needs a schedule with several stages per rank "
+                              f"({', '.join(MULTI_STAGE_SCHEDULES)}); {self.schedule} runs one")
+        if layers is not None and self.pp * self.virtual_stages > layers:
+            raise LayoutError(f"{self.pp} x {self.virtual_stages} chunks of layers need at least as many layers; the "
+                              f"model has {layers}")
+        if not self.sharded:
+            raise LayoutError("pipeline parallelism runs with the EP-aware sharded optimizer (it reduces the "
+                              "gradients once, after the schedule)")
+        m = self.accumulation
+        if self.schedule == "1f1b" and m < self.pp:
+            raise LayoutError(f"1f1b needs at least as many micro-batches as stages: accumulation {m} < {self.pp}")
+        rounds = max(1, m // self.pp)
+        if self.schedule == "interleaved_1f1b" and m % rounds:
+            raise LayoutError(f"interleaved_1f1b runs rounds of {self.pp} micro-batches; accumulation {m} must divide "
+                              "into them")
 
     def describe(self) -> str:
-        """A short label: `ep8 zero1(opt) mb2x4 ckpt` (`ckpt:moe+attn+norms`: those parts recomputed)."""
+        """A short label: `dp48 ep8 pp4 zero1+opt mb2x4 ckpt` (`ckpt:moe+attn+norms`: those parts
+        recomputed; `pp4v2`: 2 virtual stages; `:gpipe`, `:bfs`: those schedules; `ag`: the allgather dispatch)."""
         parts = [f"dp{self.dp}", f"ep{self.ep}"]
         if self.pp > 1:
-            parts.append(f"pp{self.pp}")
+            virtual = f"v{self.virtual_stages}" if self.virtual_stages > 1 else ""
+            plain = self.schedule == "1f1b" or (self.schedule == "interleaved_1f1b" and virtual)
+            parts.append(f"pp{self.pp}{virtual}{'' if plain else SCHEDULE_LABELS.get(self.schedule, self.schedule)}")
         parts.append(f"zero{self.zero}" + ("+opt" if self.sharded else ""))
         parts.append(f"mb{self.micro}x{self.accumulation}")
         if self.checkpointing is True:
@@ -126,6 +168,8 @@ class Layout:
             parts.append("dedup")
         if self.chunks > 1:
             parts.append(f"ovl{self.chunks}")
+        if self.dispatch == "allgather":
+            parts.append("ag")
         return " ".join(parts)
 
     def to_json(self) -> dict[str, Any]:

@@ -5,14 +5,21 @@ DeepSpeed's ZeRO stage 0/1/2 optimizers); activations follow `ModelShape`'s coun
 autograd saves. The peak is taken at the start of the backward pass, where the activations of the
 whole micro-batch and the loss's vocabulary-sized gradients are alive at once, or, with activation
 checkpointing, at the recomputation of a layer (or of the recomputed parts of one), whichever is larger.
+
+With pipeline stages each stage is counted on its own: the parameters and optimizer state of its layers
+(the runtime's split, `pipeline.stages`; the embedding on the first, the head on the last), the
+activations of the micro-batches its schedule keeps in flight (1F1B: P - s on stage s, so P on the
+first; GPipe: all m), and the head's logits and their gradients on the last; the peak is the largest.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from .layout import Layout
 from .model import ModelShape
+from .pipeline import in_flight, stages, virtual_of
 
 
 @dataclass(frozen=True)
@@ -27,6 +34,8 @@ class MemoryEstimate:
     all_to_all: float  # one MoE layer's exchange buffers (alive inside that layer only)
     later: float  # bytes at the other candidate moment (gradients arriving, end of backward)
     moment: str  # which moment is the peak
+    stage: int = 0  # with pipeline stages: the stage whose peak this is (the largest)
+    stage_peaks: tuple[float, ...] = ()  # with pipeline stages: every stage's peak, first to last
 
     @property
     def static(self) -> float:
@@ -44,17 +53,72 @@ class MemoryEstimate:
     def as_dict(self) -> dict[str, float | str]:
         keys = ("weights", "gradients", "gradients_at_peak", "optimizer_state", "buffers", "activations",
                 "transient", "all_to_all", "static", "peak", "moment")
-        return {key: getattr(self, key) for key in keys}
+        out = {key: getattr(self, key) for key in keys}
+        if self.stage_peaks:
+            out.update(stage=self.stage, stage_peaks=list(self.stage_peaks))
+        return out
+
+
+@dataclass(frozen=True)
+class _Part:
+    """What one rank holds of the model: the whole model, or a pipeline stage's layers."""
+
+    dense: float  # parameter elements
+    expert: float
+    saved: float  # activation bytes per token of one micro-batch (its layers, and the head's on the last)
+    head: float  # of which the head's (not yet there inside the last MoE layer's forward)
+    in_flight: float  # micro-batches whose activations are held at once
+    loss: bool  # holds the LM head and loss: their vocabulary-sized transients
+    first: bool  # holds the embedding
+    moe: bool  # has MoE layers
+    recompute: float = 0.0  # bytes per token the largest recomputed region rebuilds at once
+
+
+def _layer_dense(model: ModelShape) -> tuple[float, float, float]:
+    """Dense parameter elements of a decoder layer: (attention and norms, an MoE layer's router, a dense FFN)."""
+    router, ffn = model.experts * model.hidden, 3 * model.hidden * model.intermediate
+    outside = model.vocab * model.hidden * (1 if model.tied else 2) + model.hidden  # embedding, head, final norm
+    layers = model.dense_params - outside
+    attention = (layers - model.moe_layers * router - (model.layers - model.moe_layers) * ffn) / model.layers
+    return attention, float(router), float(ffn)
+
+
+def _parts(model: ModelShape, layout: Layout, imbalance: float) -> tuple[_Part, ...]:
+    """The whole model (no pipeline), or each pipeline stage's part, first to last."""
+    return _parts_of(model, layout.pp, layout.schedule, layout.virtual_stages, layout.accumulation, layout.ep,
+                     layout.checkpointing, layout.param_bytes, layout.seq_len, imbalance)
+
+
+@lru_cache(maxsize=4096)  # the search asks again for every optimizer, exchange and micro-batch split
+def _parts_of(model: ModelShape, pp: int, schedule: str, virtual: int, accumulation: int, ep: int,
+              checkpointing: bool | tuple[str, ...], a: int, seq_len: int, imbalance: float) -> tuple[_Part, ...]:
+    recompute = model.recompute_bytes_per_token(a, imbalance, checkpointing)
+    if pp == 1:
+        head = model.head_bytes(a)
+        return (_Part(dense=float(model.dense_params), expert=model.expert_params / ep,
+                      saved=model.saved_bytes_per_token(a, checkpointing, imbalance), head=head, in_flight=1.0,
+                      loss=True, first=True, moe=model.moe_layers > 0, recompute=recompute),)
+    attention, router, ffn = _layer_dense(model)
+    moe_layer = model.layer_saved_bytes_per_token(a, True, checkpointing, imbalance)
+    dense_layer = model.layer_saved_bytes_per_token(a, False, checkpointing)
+    parts = []
+    for st in stages(model, seq_len, pp, virtual_of(schedule, virtual)):
+        dense_layers = st.layers - st.moe_layers
+        dense = st.layers * attention + st.moe_layers * router + dense_layers * ffn
+        dense += model.vocab * model.hidden * (st.first + st.last) + (model.hidden if st.last else 0)
+        head = model.head_bytes(a) if st.last else 0.0
+        parts.append(_Part(dense=dense, expert=st.moe_layers * model.expert_params_per_layer / ep,
+                           saved=st.moe_layers * moe_layer + dense_layers * dense_layer + head, head=head,
+                           loss=st.last, first=st.first, moe=st.moe_layers > 0, recompute=recompute,
+                           in_flight=in_flight(schedule, pp, accumulation, virtual, st.index)))
+    return tuple(parts)
 
 
 def local_params(model: ModelShape, layout: Layout) -> tuple[float, float]:
-    """(dense, expert) parameter elements one rank holds, for the most loaded pipeline stage (the
-    last: its layers plus the LM head and, untied, the embedding's share)."""
-    if layout.pp == 1:
-        return float(model.dense_params), model.expert_params / layout.ep
-    per_layer_dense = (model.dense_params - model.vocab * model.hidden * (1 if model.tied else 2)) / model.layers
-    dense = per_layer_dense * model.layers / layout.pp + model.vocab * model.hidden
-    return dense, model.expert_params / layout.ep / layout.pp
+    """(dense, expert) parameter elements one rank holds: the whole model's, or with pipeline stages
+    the stage's with the most."""
+    most = max(_parts(model, layout, 1.0), key=lambda part: part.dense + part.expert)
+    return most.dense, most.expert
 
 
 def _buckets(elements: float, bucket_size: int) -> float:
@@ -63,12 +127,27 @@ def _buckets(elements: float, bucket_size: int) -> float:
 
 
 def estimate_memory(model: ModelShape, layout: Layout, expert_imbalance: float = 1.0) -> MemoryEstimate:
-    """Peak per-rank bytes of training `model` under `layout`.
+    """Peak per-rank bytes of training `model` under `layout`; with pipeline stages, of the stage whose
+    peak is the largest (every stage's in `stage_peaks`).
 
     `expert_imbalance`: rows the busiest rank's experts receive over the mean (1.0 balanced).
     """
+    estimates = stage_memory(model, layout, expert_imbalance)
+    if len(estimates) == 1:
+        return estimates[0]
+    worst = max(range(len(estimates)), key=lambda i: estimates[i].peak)
+    return replace(estimates[worst], stage=worst, stage_peaks=tuple(e.peak for e in estimates))
+
+
+def stage_memory(model: ModelShape, layout: Layout, expert_imbalance: float = 1.0) -> list[MemoryEstimate]:
+    """Every pipeline stage's estimate, first to last (one, the whole model's, without a pipeline)."""
+    return [_estimate(model, layout, part, expert_imbalance, i) for i, part in enumerate(
+        _parts(model, layout, expert_imbalance))]
+
+
+def _estimate(model: ModelShape, layout: Layout, part: _Part, expert_imbalance: float, stage: int) -> MemoryEstimate:
     p, r = layout.param_bytes, layout.reduce_bytes
-    dense, expert = local_params(model, layout)
+    dense, expert = part.dense, part.expert
     n_local = dense + expert
     weights = p * n_local
     # elements of this rank's shard of the optimizer state
@@ -77,29 +156,35 @@ def estimate_memory(model: ModelShape, layout: Layout, expert_imbalance: float =
     second = min(_buckets(dense, layout.bucket_size), _buckets(expert, layout.bucket_size)) if expert else (
         _buckets(max(dense - layout.bucket_size, 0), layout.bucket_size))
     two_buckets = largest + second
-    grad_transient = p * model.largest_dense_param  # one parameter's .grad before a hook takes it
+    # one parameter's .grad before a hook takes it: the embedding or head where the rank holds them
+    grad_transient = p * (model.largest_dense_param if part.first or part.loss else model.hidden * max(
+        model.q_width, model.intermediate if model.moe_layers < model.layers else 0))
 
     tokens = layout.tokens_per_micro
-    saved = model.saved_bytes_per_token(p, layout.checkpointing, expert_imbalance)
-    in_flight = min(layout.pp, layout.accumulation) if layout.pp > 1 else 1  # 1F1B warm-up depth
-    head = model.head_bytes(p)
-    activations = tokens * ((saved - head) / layout.pp * in_flight + head)
-    loss = tokens * model.loss_transient_bytes_per_token(p)
-    recompute = tokens * model.recompute_bytes_per_token(p, expert_imbalance, layout.checkpointing)
+    head = part.head
+    # every micro-batch in flight (pipeline stages: the schedule's count, `pipeline.in_flight`)
+    activations = tokens * part.saved * part.in_flight
+    loss = tokens * model.loss_transient_bytes_per_token(p) if part.loss else 0.0  # the logits' gradients
+    recompute = tokens * part.recompute
     transient = max(loss, recompute) + grad_transient
     # The all-to-all's send and receive rows (and, hierarchical, the rows between its two steps)
     # live only inside a MoE layer: at most, inside the last one's forward, with every activation
-    # but the head's already saved.
+    # but the head's already saved. The allgather dispatch holds the group's gathered tokens and
+    # their partial outputs instead: 2 x EP rows per token, whatever top-k is.
     all_to_all = 0.0
-    if layout.ep > 1 and model.moe_layers:
-        all_to_all = (3 if layout.hierarchical else 2) * tokens * model.top_k * model.hidden * p * expert_imbalance
+    if layout.ep > 1 and part.moe:
+        if layout.dispatch == "allgather":
+            all_to_all = 2 * layout.ep * tokens * model.hidden * p
+        else:
+            all_to_all = (3 if layout.hierarchical else 2) * tokens * model.top_k * model.hidden * p * expert_imbalance
 
     later, moment = 0.0, "start of backward"
     if layout.sharded:
         # fp32 master, exp_avg, exp_avg_sq and the fp32 reduced-gradient shard
         optimizer_state = 16 * shard
-        # ZeRO-1 keeps full-size gradient buckets (reduce dtype) from one backward pass to the next
-        gradients = gradients_at_peak = r * n_local if layout.zero == 1 else 0.0
+        # ZeRO-1 keeps full-size gradient buckets (reduce dtype) from one backward pass to the next;
+        # under a pipeline schedule, ZeRO-2 too (the reduction waits for the schedule's end)
+        gradients = gradients_at_peak = r * n_local if layout.zero == 1 or layout.pp > 1 else 0.0
         # the optimizer's reused buffers: the all-gather of the new weights (two buckets in flight,
         # parameter dtype), and under ZeRO-2 the gradient buckets being filled during the backward
         buffers = p * two_buckets + (r * two_buckets if layout.zero == 2 else 0.0)
@@ -126,7 +211,7 @@ def estimate_memory(model: ModelShape, layout: Layout, expert_imbalance: float =
             optimizer_state = 12 * shard
             staging = r * layout.bucket_size * (2 if layout.overlap_comm else 1)
             gradients = staging + 4 * shard + (p * n_local if layout.zero == 1 else 0.0)
-            vocab = tokens * model.vocab
+            vocab = tokens * model.vocab if part.loss else 0.0
             first = (weights + optimizer_state + staging + activations - 4 * vocab + (p + 4) * vocab
                      + grad_transient)
             # ZeRO-1 keeps every .grad until the reduction at the end of the backward pass
@@ -139,7 +224,7 @@ def estimate_memory(model: ModelShape, layout: Layout, expert_imbalance: float =
         later, moment = inside_moe, "all-to-all of the last MoE layer"
     return MemoryEstimate(weights=weights, gradients=gradients, gradients_at_peak=gradients_at_peak,
                           optimizer_state=optimizer_state, buffers=buffers, activations=activations,
-                          transient=transient, all_to_all=all_to_all, later=later, moment=moment)
+                          transient=transient, all_to_all=all_to_all, later=later, moment=moment, stage=stage)
 
 
 def gib(value: float) -> float:

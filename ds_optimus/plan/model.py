@@ -35,6 +35,7 @@ class ModelShape:
     tied: bool
     total_params: int  # from hf_models.mula.count_parameters
     active_params: int  # parameters one token uses (its top-k experts, not all of them)
+    moe_layer_freq: int = 1  # layer i is an MoE layer when (i + 1) % moe_layer_freq == 0 (`MulaConfig.is_moe_layer`)
 
     @classmethod
     def from_config(cls, config: Any, name: str | None = None) -> ModelShape:
@@ -49,7 +50,8 @@ class ModelShape:
             kv_heads=config.num_key_value_heads, head_dim=config.head_dim, intermediate=config.intermediate_size,
             experts=config.num_experts if moe_layers else 0, top_k=config.num_experts_per_tok if moe_layers else 0,
             expert_intermediate=config.moe_intermediate_size, moe_layers=moe_layers, qk_norm=bool(config.qk_norm),
-            tied=bool(config.tie_word_embeddings), total_params=total, active_params=active)
+            tied=bool(config.tie_word_embeddings), total_params=total, active_params=active,
+            moe_layer_freq=int(getattr(config, "moe_layer_freq", 1) or 1))
 
     @classmethod
     def from_preset(cls, preset: str, **overrides: Any) -> ModelShape:

@@ -17,9 +17,10 @@ from typing import Any
 from ..schema import ConfigError
 
 
-def resolve_world(ds_config: dict[str, Any], world: int | None) -> tuple[int, str]:
+def resolve_world(ds_config: dict[str, Any], world: int | None, stages: int = 1) -> tuple[int, str]:
     """The world size to check against and where it comes from: `--world`, the launcher's
-    WORLD_SIZE, or the config's three batch sizes; else one process."""
+    WORLD_SIZE, or the config's three batch sizes (the data-parallel size, times the `stages` of a
+    pipeline); else one process per stage."""
     if world is not None:
         if world < 1:
             raise ConfigError(f"--world must be a positive integer, got {world}")
@@ -30,8 +31,11 @@ def resolve_world(ds_config: dict[str, Any], world: int | None) -> tuple[int, st
     total, micro, accumulation = (ds_config.get(k) for k in keys)
     if all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (total, micro, accumulation)):
         if total % (micro * accumulation) == 0:
+            if stages > 1:
+                return (total // (micro * accumulation) * stages,
+                        f"train_batch_size / (micro-batch x accumulation) x {stages} pipeline stages")
             return total // (micro * accumulation), "train_batch_size / (micro-batch x accumulation)"
-    return 1, "no --world given"
+    return stages, "no --world given"
 
 
 def check_run(ds_config: dict[str, Any], world: int | None = None, cluster: str | None = None) -> list[str]:
@@ -48,8 +52,12 @@ def check_run(ds_config: dict[str, Any], world: int | None = None, cluster: str 
 
     config = copy.deepcopy(ds_config)
     opt = check_run_config(config)
-    world, source = resolve_world(config, world)
-    micro, accumulation = resolve_batch_sizes(config, world)
+    stages = opt.pipeline_parallel.size
+    world, source = resolve_world(config, world, stages)
+    if world % stages:
+        raise ConfigError(f"optimus.pipeline_parallel.size {stages} does not divide the {world} ranks")
+    dp = world // stages  # the ranks of a pipeline stage: its data parallelism
+    micro, accumulation = resolve_batch_sizes(config, dp)
     name = opt.data.tokenizer
     try:  # a Hub tokenizer from the local cache only: a check never waits on the network
         tokenizer = load_tokenizer(name, local_files_only=True)
@@ -60,10 +68,12 @@ def check_run(ds_config: dict[str, Any], world: int | None = None, cluster: str 
     model_config = opt.model.mula_config(tokenizer)
     ep = opt.expert_parallel
     if model_config.num_experts:
-        check_layout(world, ep.size, model_config.num_experts, ep.node_size)
+        check_layout(dp, ep.size, model_config.num_experts, ep.node_size)
     elif ep.size > 1:
         raise ConfigError("optimus.expert_parallel.size > 1 needs an MoE model (num_experts > 0); this one is "
                               "dense: set optimus.expert_parallel.size=1")
+    if stages > 1:
+        _check_pipeline(opt, model_config)
     with torch.device("meta"):
         model = MulaForCausalLM(model_config)
     _check_weights(opt.model.path, model)
@@ -74,21 +84,46 @@ def check_run(ds_config: dict[str, Any], world: int | None = None, cluster: str 
     optimizer = "the EP-aware sharded optimizer" if opt.sharded_optimizer.enabled else "DeepSpeed's optimizer"
     exchange = ""
     if ep.size > 1:
-        hierarchy = f", hierarchical over nodes of {ep.node_size}" if ep.node_size and ep.node_size < ep.size else ""
-        exchange = f", expert parallel {ep.size} (dedup {ep.dedup}, chunks {ep.chunks}{hierarchy})"
-    tokens = micro * accumulation * world * opt.data.seq_len
+        if getattr(ep, "dispatch", "alltoall") == "allgather":
+            exchange = f", expert parallel {ep.size} (allgather dispatch)"
+        else:
+            hierarchy = f", hierarchical over nodes of {ep.node_size}" if ep.node_size and ep.node_size < ep.size \
+                else ""
+            exchange = f", expert parallel {ep.size} (dedup {ep.dedup}, chunks {ep.chunks}{hierarchy})"
+    pipeline = ""
+    if stages > 1:
+        pp = opt.pipeline_parallel
+        virtual = f", {pp.virtual_stages} virtual stages" if pp.virtual_stages > 1 else ""
+        pipeline = f", pipeline {stages} stages of {dp} ranks ({pp.schedule}{virtual}, {accumulation} micro-batches)"
+    ranks = f"{world} ranks" if stages == 1 else f"{dp} data-parallel ranks"
+    tokens = micro * accumulation * dp * opt.data.seq_len
     lines = [
         f"model     {opt.model.describe()}: {total / 1e6:,.2f}M parameters ({active / 1e6:,.2f}M active per token), "
         f"{model_config.num_hidden_layers} layers{experts}; built on the meta device",
-        f"layout    {world} ranks ({source}): data parallel {world}{exchange}; ZeRO-{stage} with {optimizer}"
+        f"layout    {world} ranks ({source}): data parallel {dp}{exchange}{pipeline}; ZeRO-{stage} with {optimizer}"
         + _recompute_note(opt.train.recompute),
-        f"batch     {micro} sequences x {accumulation} accumulation x {world} ranks = {micro * accumulation * world} "
+        f"batch     {micro} sequences x {accumulation} accumulation x {ranks} = {micro * accumulation * dp} "
         f"sequences of {opt.data.seq_len} tokens ({tokens:,} tokens) per step",
         *_data_lines(opt, tokenizer),
         _memory_line(model_config, opt, config, world, micro, accumulation, cluster),
         _run_line(opt),
     ]
     return lines
+
+
+def _check_pipeline(opt, model_config) -> None:
+    """What a pipeline-parallel run needs of the model and the trainer (the layout's own constraints,
+    schedule and micro-batches, are `Layout.check`'s, in the memory line)."""
+    where = "optimus.pipeline_parallel"
+    if model_config.tie_word_embeddings:
+        raise ConfigError(f"{where}: the model ties its embedding and head, which sit on the first and last stages; "
+                          "set tie_word_embeddings false (optimus.model.overrides)")
+    if opt.train.compile:
+        raise ConfigError(f"{where} does not run compiled layers; set optimus.train.compile false")
+    try:
+        opt.pipeline_parallel.split(model_config, opt.data.seq_len)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _recompute_note(recompute: bool | tuple[str, ...]) -> str:
@@ -147,25 +182,26 @@ def _data_lines(opt, tokenizer) -> list[str]:
 
 def _memory_line(model_config, opt, config, world, micro, accumulation, cluster) -> str:
     from .cluster import get_cluster
-    from .layout import Layout
+    from .configs import layout_of
+    from .layout import LayoutError
     from .memory import estimate_memory, gib
     from .model import ModelShape
 
-    dtype = "bf16" if config.get("bf16", {}).get("enabled") else "fp16" if config.get("fp16", {}).get("enabled") \
-        else "fp32"
-    ep = opt.expert_parallel
-    layout = Layout(world=world, ep=ep.size, zero=config.get("zero_optimization", {}).get("stage", 0),
-                    sharded=opt.sharded_optimizer.enabled, micro=micro, accumulation=accumulation,
-                    checkpointing=opt.train.recompute,
-                    hierarchical=bool(ep.node_size and ep.node_size < ep.size), seq_len=opt.data.seq_len,
-                    dtype=dtype, reduce_dtype=opt.sharded_optimizer.reduce_dtype,
-                    bucket_size=opt.sharded_optimizer.bucket_size)
-    memory = estimate_memory(ModelShape.from_config(model_config), layout)
+    shape = ModelShape.from_config(model_config)
+    layout = layout_of(opt, config, world, micro, accumulation, shape)
+    try:
+        layout.check(shape.experts, shape.layers)
+    except LayoutError as err:
+        raise ConfigError(f"layout: {err}") from None
+    memory = estimate_memory(shape, layout)
     parts = {"weights": memory.weights, "optimizer state": memory.optimizer_state,
              "gradients and buffers": memory.gradients_at_peak + memory.buffers, "activations": memory.activations}
     parts["the rest at the peak (loss gradients, a recomputed layer, the exchange)"] = memory.peak - sum(parts.values())
-    line = (f"memory    predicted peak {gib(memory.peak):,.2f} GiB per rank ("
+    where = f" (stage {memory.stage} of {layout.pp}, the largest)" if layout.pp > 1 else ""
+    line = (f"memory    predicted peak {gib(memory.peak):,.2f} GiB per rank{where} ("
             + ", ".join(f"{name} {gib(value):,.2f}" for name, value in parts.items()) + "; the planner's estimate)")
+    if memory.stage_peaks:
+        line += "; per stage " + ", ".join(f"{gib(peak):,.1f}" for peak in memory.stage_peaks) + " GiB"
     if cluster is not None:
         device = get_cluster(cluster)
         usable = device.usable_bytes if hasattr(device, "usable_bytes") else device.memory_bytes

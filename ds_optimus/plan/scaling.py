@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from .cluster import Cluster
+from .layout import Layout, LayoutError
 from .model import ModelShape
-from .search import Plan, search, text_table
+from .search import Plan, evaluate, search, text_table
 
 
 class ScalingError(ValueError):
@@ -55,30 +56,50 @@ def scaling(model: ModelShape, cluster: Cluster, counts: list[int], seqs_per_dev
     return points
 
 
+def scale_layout(model: ModelShape, cluster: Cluster, layout: Layout, counts: list[int],
+                 expert_imbalance: float = 1.0) -> list[ScalingPoint]:
+    """One layout's shape at each device count (weak scaling: its EP, pipeline, exchange, optimizer,
+    recomputation and sequences per data-parallel rank kept, the data-parallel size grown); a count
+    it cannot run at has no plan. A plan is kept where it does not fit in memory (`Plan.fits`)."""
+    points = []
+    for devices in counts:
+        candidate = layout.with_(world=devices)
+        try:
+            plan = evaluate(model, candidate, cluster, expert_imbalance)
+        except LayoutError:
+            plan = None
+        points.append(ScalingPoint(devices, plan, 1))
+    return points
+
+
 def efficiency(points: list[ScalingPoint]) -> list[float]:
     """Tokens/s per device at each count over that at the first count."""
     base = points[0].tokens_per_s / points[0].devices if points and points[0].plan else 0.0
     return [(p.tokens_per_s / p.devices / base) if base else 0.0 for p in points]
 
 
-def format_scaling(points: list[ScalingPoint]) -> str:
+def format_scaling(points: list[ScalingPoint], label: str = "best layout") -> str:
     effs = efficiency(points)
-    header = ("devices", "best layout", "tokens/s", "per device", "MFU", "a2a %", "grad %", "efficiency")
+    header = ("devices", label, "tokens/s", "per device", "MFU", "a2a %", "grad %", "bubble %", "efficiency")
     rows = []
     for point, eff in zip(points, effs, strict=True):
         if point.plan is None:
-            rows.append((str(point.devices), "nothing fits", "-", "-", "-", "-", "-", "-"))
+            rows.append((str(point.devices), "nothing fits", "-", "-", "-", "-", "-", "-", "-"))
             continue
         t = point.plan.time
-        rows.append((str(point.devices), point.plan.layout.describe(), f"{point.tokens_per_s:,.0f}",
+        fits = "" if point.plan.fits else " (does not fit)"
+        rows.append((str(point.devices), point.plan.layout.describe() + fits, f"{point.tokens_per_s:,.0f}",
                      f"{point.tokens_per_s / point.devices:,.0f}", f"{point.plan.mfu:.1%}",
-                     f"{t.all_to_all / t.step:.0%}", f"{(t.grad_reduce + t.param_gather) / t.step:.0%}", f"{eff:.1%}"))
+                     f"{t.all_to_all / t.step:.0%}", f"{(t.grad_reduce + t.param_gather) / t.step:.0%}",
+                     f"{(t.bubble + t.p2p) / t.step:.0%}", f"{eff:.1%}"))
     return text_table(header, rows)
 
 
-def plot_scaling(points: list[ScalingPoint], path: str | Path, title: str, reference: float | None = None) -> Path:
+def plot_scaling(points: list[ScalingPoint], path: str | Path, title: str, reference: float | None = None,
+                 others: tuple[tuple[str, list[ScalingPoint]], ...] = (), label: str = "predicted") -> Path:
     """Tokens/s against devices (log-log, with the ideal line from the first point) and the
-    scaling efficiency, to a PNG. `reference`: an efficiency to mark at the last count."""
+    scaling efficiency, to a PNG. `reference`: an efficiency to mark at the last count; `others`:
+    more (label, points) series, such as one fixed layout's."""
     try:
         import matplotlib
     except ImportError:
@@ -96,16 +117,22 @@ def plot_scaling(points: list[ScalingPoint], path: str | Path, title: str, refer
     effs = [e for p, e in zip(points, efficiency(points), strict=True) if p.plan is not None]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     ax.loglog(devices, ideal, "--", color="grey", label="linear from the first point")
-    ax.loglog(devices, tps, "o-", color="C0", label="predicted")
+    ax.loglog(devices, tps, "o-", color="C0", label=label)
+    series = [(name, [p for p in pts_ if p.plan is not None], pts_) for name, pts_ in others]
+    for i, (name, kept, _) in enumerate(series, 2):
+        ax.loglog([p.devices for p in kept], [p.tokens_per_s for p in kept], "s-", color=f"C{i}", label=name)
     ax.set_xlabel("devices")
     ax.set_ylabel("tokens / s")
     ax.set_xticks(devices)
     ax.set_xticklabels([str(d) for d in devices], rotation=45)
     ax.minorticks_off()
     ax.grid(True, which="major", alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     ax.set_title("throughput")
-    ax2.semilogx(devices, [100 * e for e in effs], "o-", color="C1", label="predicted")
+    ax2.semilogx(devices, [100 * e for e in effs], "o-", color="C0", label=label)
+    for i, (name, kept, all_points) in enumerate(series, 2):
+        kept_effs = [e for p, e in zip(all_points, efficiency(all_points), strict=True) if p.plan is not None]
+        ax2.semilogx([p.devices for p in kept], [100 * e for e in kept_effs], "s-", color=f"C{i}", label=name)
     if reference is not None:
         ax2.plot([devices[-1]], [100 * reference], "s", color="C3", markersize=9,
                  label=f"reference measurement ({reference:.0%})")
@@ -116,7 +143,7 @@ def plot_scaling(points: list[ScalingPoint], path: str | Path, title: str, refer
     ax2.set_xlabel("devices")
     ax2.set_ylabel("scaling efficiency (%)")
     ax2.grid(True, alpha=0.3)
-    ax2.legend(loc="lower left")
+    ax2.legend(loc="lower left", fontsize=8)
     ax2.set_title("efficiency against the first point")
     fig.suptitle(title)
     fig.tight_layout()

@@ -1,7 +1,8 @@
-"""Search over layouts: every combination of data/expert(/pipeline) parallel sizes, optimizer and
-ZeRO stage, micro-batch and accumulation, activation recomputation (none, parts of each layer, or
-whole layers), and EP exchange (flat or hierarchical, per slot or deduplicated, overlapped in
-chunks) that fits in memory, ranked by predicted tokens per second."""
+"""Search over layouts: every combination of data/expert/pipeline parallel sizes (with the pipeline's
+schedule and virtual stages), optimizer and ZeRO stage, micro-batch and accumulation, activation
+recomputation (none, parts of each layer, or whole layers), and EP exchange (all-to-all flat or
+hierarchical, per slot or deduplicated, overlapped in chunks; or the allgather dispatch) that fits in
+memory, ranked by predicted tokens per second."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .cluster import Cluster
-from .layout import Layout, hierarchy_node_size
+from .layout import DISPATCHES, Layout, hierarchy_node_size
 from .memory import MemoryEstimate, estimate_memory
 from .model import ModelShape
 from .timing import TimeEstimate, estimate_time
@@ -22,6 +23,8 @@ TIE_BAND = 0.02  # predicted step times closer than this are ranked as a tie
 OPTIMIZERS = ((1, True), (2, True), (0, False), (1, False), (2, False))
 # EP exchanges (dedup, chunks): per slot, deduplicated, deduplicated and overlapped in 2 or 4 chunks
 EXCHANGES = ((False, 1), (True, 1), (True, 2), (True, 4))
+# pipeline: virtual stages (chunks of layers per stage rank) the interleaved 1F1B is tried with
+VIRTUAL_STAGES = (2, 4)
 # activation recomputation: none; the norms (almost free); the attention with them; the MoE block
 # (the largest activations; its forward at the expert kernels' rate and its exchange run again), also
 # with the norms; MoE, attention and norms (each layer's input and middle residual kept); whole layers
@@ -68,30 +71,56 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def schedules(pp: int, micro_batches: int, layers: int, virtual_stages=VIRTUAL_STAGES) -> list[tuple[str, int]]:
+    """The (schedule, virtual stages) tried for `pp` stages and a step of `micro_batches`: 1F1B (GPipe
+    where there are fewer micro-batches than stages, which 1F1B cannot run), and the interleaved 1F1B
+    with V chunks per rank where P·V divides the layers, cutting the bubble from (P-1)/(m+P-1) to
+    (P-1)/(V·m+P-1) for V times the sends between stages."""
+    if pp == 1:
+        return [("1f1b", 1)]
+    m = micro_batches
+    out = [("1f1b", 1) if m >= pp else ("gpipe", 1)]
+    rounds = max(1, m // pp)
+    out += [("interleaved_1f1b", v) for v in virtual_stages if layers % (pp * v) == 0 and m % rounds == 0]
+    return out
+
+
 def candidate_layouts(model: ModelShape, cluster: Cluster, devices: int, global_batch: int, seq_len: int, *,
-                      dtype: str = "bf16", pipeline: bool = False, optimizers=OPTIMIZERS,
+                      dtype: str = "bf16", pipeline: bool = True, optimizers=OPTIMIZERS,
                       checkpointing: tuple = RECOMPUTE_CHOICES, max_ep: int | None = None,
                       reduce_dtype: str | None = None, bucket_size: int = 50_000_000,
-                      exchanges=EXCHANGES) -> list[Layout]:
+                      exchanges=EXCHANGES, dispatches=DISPATCHES, virtual_stages=VIRTUAL_STAGES) -> list[Layout]:
     """Every layout of `devices` ranks that trains `global_batch` sequences per step; `exchanges`:
-    the (dedup, chunks) pairs to try where there is an EP exchange."""
+    the (dedup, chunks) pairs of the all-to-all to try where there is an EP exchange, `dispatches` the
+    exchanges (the allgather one where the EP group is inside a node); `pipeline`: also pipeline
+    stages (sizes up to 16 dividing the layers and the devices; untied models only), with the
+    sharded optimizer at ZeRO-1 (the runtime reduces once after the schedule, so ZeRO-2 holds the same)."""
     overlap = not cluster.shared_compute  # gloo: no overlap
     layouts = []
-    for pp in ([p for p in _divisors(devices) if p <= 16 and model.layers % p == 0] if pipeline else [1]):
+    sizes = [p for p in _divisors(devices) if p <= 16 and model.layers % p == 0] if pipeline and not model.tied \
+        else [1]
+    for pp in sizes:
         dp = devices // pp
         if global_batch % dp:
             continue
         per_rank = global_batch // dp
         eps = [e for e in _divisors(dp) if model.experts % e == 0 and (max_ep is None or e <= max_ep)] \
             if model.experts else [1]
+        opts = optimizers if pp == 1 else [o for o in optimizers if o == (1, True)]
         for ep in eps:
             # a hierarchical exchange where the group spans (sub-)nodes; dedup and chunks where there
-            # is an exchange, chunks only where communication overlaps compute (not on shared cores)
+            # is an exchange, chunks only where communication overlaps compute (not on shared cores);
+            # the allgather dispatch inside a node
             hierarchies = (False, True) if hierarchy_node_size(ep, cluster.devices_per_node) else (False,)
             tried = [(d, c) for d, c in exchanges if ep > 1 and (overlap or c == 1)] or [(False, 1)]
-            for zero, sharded in optimizers:
+            modes = [(h, d, c, "alltoall") for h in hierarchies for d, c in tried] \
+                if "alltoall" in dispatches or ep == 1 else []
+            if ep > 1 and "allgather" in dispatches and cluster.devices_per_node % ep == 0:
+                modes.append((False, False, 1, "allgather"))
+            for zero, sharded in opts:
                 for micro in _divisors(per_rank):
-                    for ckpt, hier, (dedup, chunks) in itertools.product(checkpointing, hierarchies, tried):
+                    for (schedule, virtual), ckpt, (hier, dedup, chunks, dispatch) in itertools.product(
+                            schedules(pp, per_rank // micro, model.layers, virtual_stages), checkpointing, modes):
                         # ZeRO-1 buckets add up the micro-batches' gradients: in fp32 when the
                         # weights are 16-bit, as the shipped configs do
                         reduce = reduce_dtype or ("fp32" if sharded and zero == 1 and dtype != "fp32" else None)
@@ -99,7 +128,8 @@ def candidate_layouts(model: ModelShape, cluster: Cluster, devices: int, global_
                             world=devices, ep=ep, pp=pp, zero=zero, sharded=sharded, micro=micro,
                             accumulation=per_rank // micro, checkpointing=ckpt, hierarchical=hier, dedup=dedup,
                             chunks=chunks, seq_len=seq_len, dtype=dtype, reduce_dtype=reduce,
-                            bucket_size=bucket_size, overlap_comm=overlap))
+                            bucket_size=bucket_size, overlap_comm=overlap, schedule=schedule,
+                            virtual_stages=virtual, dispatch=dispatch))
     return layouts
 
 
@@ -111,17 +141,18 @@ def search(model: ModelShape, cluster: Cluster, devices: int, global_batch: int,
     fitting = [plan for plan in plans if plan.fits]
     # fastest first, in bands of 2 % (finer than the model can tell apart); within a band the EP-aware
     # sharded optimizer first (its checkpoints reshard, the step guards act through it), then fewer
-    # chunks (fewer collectives to go wrong), then the faster, then the smaller; ties keep the
-    # candidates' order
+    # pipeline stages and chunks (fewer collectives to go wrong), then the faster, then the smaller;
+    # ties keep the candidates' order
     fastest = min((plan.time.step for plan in fitting), default=1.0)
     fitting.sort(key=lambda plan: (math.floor((plan.time.step / fastest - 1) / TIE_BAND + 1e-9),
-                                   not plan.layout.sharded, plan.layout.chunks, plan.time.step, plan.memory.peak))
+                                   not plan.layout.sharded, plan.layout.pp, plan.layout.chunks, plan.time.step,
+                                   plan.memory.peak))
     return fitting, len(plans)
 
 
 def ranking_note(plans: list[Plan], top: int = 10) -> str | None:
     """A line saying so when the first plan is not the fastest (the ranking's 2 % bands put the
-    sharded optimizer and fewer chunks first among layouts the model cannot tell apart); None else."""
+    sharded optimizer, fewer stages and fewer chunks first among layouts the model cannot tell apart); None else."""
     if not plans:
         return None
     fastest = min(range(len(plans)), key=lambda i: plans[i].time.step)
@@ -130,7 +161,8 @@ def ranking_note(plans: list[Plan], top: int = 10) -> str | None:
     gain = plans[0].time.step / plans[fastest].time.step - 1
     where = f"row {fastest + 1}" if fastest < top else f"{plans[fastest].layout.describe()} (not shown)"
     return (f"note: row 1 is not the fastest: {where} is predicted {gain:.1%} faster; layouts within "
-            f"{TIE_BAND:.0%} of each other are ranked by the sharded optimizer first, then fewer chunks, then speed")
+            f"{TIE_BAND:.0%} of each other are ranked by the sharded optimizer first, then fewer pipeline stages and "
+            "chunks, then speed")
 
 
 def format_table(plans: list[Plan], top: int = 10) -> str:
@@ -142,7 +174,7 @@ def format_table(plans: list[Plan], top: int = 10) -> str:
     for i, plan in enumerate(plans[:top], 1):
         m, t = plan.memory, plan.time
         states = m.weights + m.gradients_at_peak + m.optimizer_state + m.buffers
-        comm = (t.all_to_all + t.grad_reduce + t.param_gather) / t.step
+        comm = t.communication / t.step
         rows.append((str(i), plan.layout.describe(), f"{m.peak / scale:.1f}", f"{states / scale:.1f}",
                      f"{(m.activations + m.transient) / scale:.1f}", f"{t.step:.3g}", f"{plan.tokens_per_s:,.0f}",
                      f"{plan.mfu:.1%}", f"{comm:.0%}"))

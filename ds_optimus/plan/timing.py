@@ -1,5 +1,5 @@
-"""Per-step time of a layout: compute, expert-parallel all-to-all, gradient reduction, parameter
-all-gather, and the pipeline bubble.
+"""Per-step time of a layout: compute, the expert-parallel exchange, gradient reduction, parameter
+all-gather, and with pipeline stages the schedule's bubble and the sends between stages.
 
 Ranks are placed as `ds_optimus.parallel` places them: consecutive ranks form an EP group, so an EP
 group stays inside a node while `ep` divides `devices_per_node` (else some groups straddle two
@@ -8,7 +8,13 @@ ranks) span nodes as soon as the run does.
 
 The EP exchange sends a token as `top_k` rows (per slot) or once per rank, or hierarchically per
 node, owning one of its experts (deduplicated; expected counts from `ds_optimus.parallel.traffic`
-under uniform routing). With `chunks` > 1 it is pipelined against the layer's experts.
+under uniform routing). With `chunks` > 1 it is pipelined against the layer's experts. The allgather
+dispatch instead all-gathers the group's tokens and reduce-scatters the experts' outputs.
+
+With P pipeline stages (stage s = ranks [s·D, (s+1)·D)), each stage runs its layers (the runtime's
+balanced split) for every micro-batch; the slowest stage sets the pace, and the schedule adds (P-1)/V of
+its micro-batch slots of fill and drain, (P-1)/(V·m+P-1) of the step. Gradients are reduced over a
+stage's D ranks once, after the schedule.
 
 Collectives cost bandwidth time (bytes each rank sends over its link's rate x the cluster's
 `comm_efficiency`) plus latency (one step per peer for all-to-all; 2 log2(n) steps for the
@@ -25,6 +31,7 @@ from .cluster import Cluster
 from .layout import Layout, hierarchy_node_size
 from .memory import local_params
 from .model import ModelShape
+from .pipeline import stages, virtual_of
 
 
 @dataclass(frozen=True)
@@ -37,15 +44,23 @@ class TimeEstimate:
     overhead: float  # per-layer fixed costs (launches, Python)
     experts: float = 0.0  # of compute: the experts' grouped GEMMs (before the stragglers' share)
     all_to_all_hidden: float = 0.0  # EP exchange time hidden under the experts' compute (not in step)
+    p2p: float = 0.0  # the pipeline's sends of activations and their gradients between stages
 
     @property
     def step(self) -> float:
-        return self.compute + self.all_to_all + self.grad_reduce + self.param_gather + self.bubble + self.overhead
+        return (self.compute + self.all_to_all + self.grad_reduce + self.param_gather + self.bubble + self.overhead
+                + self.p2p)
+
+    @property
+    def communication(self) -> float:
+        """Exposed communication: the EP exchange, gradient reduction, parameter gather, stage sends."""
+        return self.all_to_all + self.grad_reduce + self.param_gather + self.p2p
 
     def as_dict(self) -> dict[str, float]:
         return {"compute": self.compute, "all_to_all": self.all_to_all, "grad_reduce": self.grad_reduce,
-                "param_gather": self.param_gather, "bubble": self.bubble, "overhead": self.overhead,
-                "step": self.step, "experts": self.experts, "all_to_all_hidden": self.all_to_all_hidden}
+                "param_gather": self.param_gather, "bubble": self.bubble, "p2p": self.p2p,
+                "overhead": self.overhead, "step": self.step, "experts": self.experts,
+                "all_to_all_hidden": self.all_to_all_hidden}
 
 
 def _link(cluster: Cluster, nodes: int) -> tuple[float, float]:
@@ -151,12 +166,63 @@ def overlapped(a: float, b: float, chunks: int) -> float:
     return max(a, b) + min(a, b) / chunks - b
 
 
+def exchange_seconds(model: ModelShape, layout: Layout, cluster: Cluster, expert_imbalance: float,
+                     passes: tuple[int, ...], overlap: bool) -> tuple[float, float, float]:
+    """Seconds of one MoE layer's EP exchange for one micro-batch over every pass (forward, backward,
+    recomputation): (exposed, hidden under the experts, the token counts' exchange)."""
+    tokens, p, ep = layout.tokens_per_micro, layout.param_bytes, layout.ep
+    if ep <= 1:
+        return 0.0, 0.0, 0.0
+    counts_passes = 2 if len(passes) == 3 else 1  # each forward first exchanges the counts (latency only)
+    if layout.dispatch == "allgather":
+        # all-gather the group's tokens with their routing, run the local experts, reduce-scatter the
+        # partial outputs (backward: the reverse): (EP-1)·T·H each way, whatever top-k is
+        # (`ds_optimus.parallel.allgather`); flat, on the links of the nodes the group spans
+        nodes = 1 if cluster.devices_per_node % ep == 0 else max(2, -(-ep // cluster.devices_per_node))
+        gathered = ep * tokens * (model.hidden * p + metadata_bytes(model.top_k, ROUTING_WEIGHT_BYTES))
+        link = ring_time(gathered, ep, cluster, nodes) + ring_time(ep * tokens * model.hidden * p, ep, cluster, nodes)
+        counts = ring_time(4.0 * ep * (model.experts // ep + 1), ep, cluster, nodes)  # one small all-gather
+        return link * len(passes), 0.0, counts * counts_passes
+    # per pass a dispatch and a combine of the routed rows of the rank's tokens (the busiest rank's:
+    # `expert_imbalance` times the mean). Deduplicated rows carry their slots' ids and weights;
+    # counted on every exchange (at most 48 bytes a row for top-8: under 1 % of a 4096-wide bf16 row)
+    rows = Exchange(tokens=tokens * expert_imbalance, row_bytes=model.hidden * p, experts=model.experts,
+                    top_k=model.top_k, dedup=layout.dedup,
+                    meta_bytes=metadata_bytes(model.top_k, ROUTING_WEIGHT_BYTES) if layout.dedup else 0.0)
+    link = 2 * all_to_all_time(rows, ep, cluster, layout.hierarchical, layout.chunks)
+    # in chunks, the exchange of one runs while the experts compute another; only the layer's experts
+    # hide it (not attention), and only where communication and compute do not share cores
+    layer_forward = expert_seconds(model, layout, cluster, expert_imbalance)
+    hides = overlap and layout.chunks > 1
+    exposed = sum(overlapped(link, layer_forward * k, layout.chunks) if hides else link for k in passes)
+    counts = all_to_all_time(4.0 * model.experts, ep, cluster, layout.hierarchical)
+    return exposed, len(passes) * link - exposed, counts * counts_passes
+
+
+def p2p_seconds(model: ModelShape, layout: Layout, cluster: Cluster) -> float:
+    """The pipeline's point-to-point sends on a step's critical path: each of the V·m + P - 1 slots of
+    the schedule receives a micro-batch's activations (micro x seq x hidden) forward and their gradient
+    backward, from the rank at the same place in the neighbouring stage, D ranks away (another node
+    once a stage fills one; another dragonfly group once it fills one)."""
+    if layout.pp <= 1:
+        return 0.0
+    per_node = cluster.devices_per_node
+    nodes = 1 if layout.dp < per_node else layout.dp // per_node + 1  # the two ranks' nodes and those between
+    bandwidth, latency = _link(cluster, nodes)
+    send = layout.tokens_per_micro * model.hidden * layout.param_bytes / bandwidth + latency
+    slots = virtual_of(layout.schedule, layout.virtual_stages) * layout.accumulation + layout.pp - 1
+    return 2 * send * slots
+
+
 def estimate_time(model: ModelShape, layout: Layout, cluster: Cluster, expert_imbalance: float = 1.0,
                   overlap: bool | None = None) -> TimeEstimate:
-    """Seconds per optimizer step of `model` under `layout` on `cluster`."""
+    """Seconds per optimizer step of `model` under `layout` on `cluster`; with pipeline stages, the
+    slowest stage's micro-batches, the schedule's bubble and the sends between stages."""
     rate = _rate(layout, cluster)
     tokens = layout.tokens_per_micro
     micro_batches = layout.accumulation
+    if overlap is None:
+        overlap = not cluster.shared_compute  # gloo on CPU: the sharded optimizer does not overlap
     # recomputation runs the recomputed parts' forward again: the whole layers (not the LM head), or
     # the attention (projections and products) and/or the FFN (router and experts, with their exchange)
     dense_again, experts_again = model.recompute_flops_per_token(layout.checkpointing, layout.seq_len)
@@ -167,45 +233,43 @@ def estimate_time(model: ModelShape, layout: Layout, cluster: Cluster, expert_im
     recompute = 4 / 3 if again else 1.0
     passes = (1, 2, 1) if again else (1, 2)  # forward, backward, recomputation
     experts_flops = 6.0 * model.moe_layers * model.top_k * 3 * model.hidden * model.expert_intermediate * tokens
-    layer_forward = expert_seconds(model, layout, cluster, expert_imbalance)
-    experts = layer_forward * sum(passes) * model.moe_layers
-    seconds = (flops - experts_flops * recompute) / rate + experts
-    per_micro = seconds / layout.pp
-    compute = per_micro * micro_batches
+    expert_layer = expert_seconds(model, layout, cluster, expert_imbalance) * sum(passes)
+    head = 6.0 * model.vocab * model.hidden * tokens / rate  # the LM head, forward and backward
+    # the layers' matmuls but the experts' (recomputation included), one micro-batch
+    layers = (flops - experts_flops * recompute) / rate - head
     # a layer's fixed costs: a third more for its recomputed forward, a ninth per part recomputed
     launches = 1 / 3 if layout.checkpointing is True else len(layout.checkpointing or ()) / 9
-    overhead = (cluster.overhead_per_micro_batch_s
-                + cluster.overhead_per_layer_s * model.layers / layout.pp * (1 + launches)) * micro_batches
-    if overlap is None:
-        overlap = not cluster.shared_compute  # gloo on CPU: the sharded optimizer does not overlap
-
-    p, r = layout.param_bytes, layout.reduce_bytes
-    # per MoE layer and pass (forward, backward, recomputation) a dispatch and a combine of the
-    # routed rows of the rank's tokens (the busiest rank's: `expert_imbalance` times the mean).
-    # Deduplicated rows carry their slots' ids and weights; counted on every exchange (at most
-    # 48 bytes a row for top-8: under 1 % of a 4096-wide bf16 row)
-    rows = Exchange(tokens=tokens * expert_imbalance, row_bytes=model.hidden * p, experts=model.experts,
-                    top_k=model.top_k, dedup=layout.dedup,
-                    meta_bytes=metadata_bytes(model.top_k, ROUTING_WEIGHT_BYTES) if layout.dedup else 0.0)
-    link = 2 * all_to_all_time(rows, layout.ep, cluster, layout.hierarchical, layout.chunks)
-    # in chunks, the exchange of one runs while the experts compute another; only the layer's experts
-    # hide it (not attention), and only where communication and compute do not share cores
-    hides = overlap and layout.chunks > 1
-    per_layer = sum(overlapped(link, layer_forward * k, layout.chunks) if hides else link for k in passes)
-    hidden = len(passes) * link - per_layer
-    a2a = per_layer * model.moe_layers / layout.pp * micro_batches
-    # each forward first exchanges the token counts (a few bytes: latency only, once for all chunks)
-    counts = (2 if again else 1) * model.moe_layers / layout.pp
-    a2a += counts * all_to_all_time(4.0 * model.experts, layout.ep, cluster, layout.hierarchical) * micro_batches
-
-    dense, expert = local_params(model, layout)
-    run_nodes = -(-layout.world // cluster.devices_per_node)
-    dp_nodes = run_nodes  # the data-parallel group is every rank (of a pipeline stage)
-    # the expert-data-parallel group takes every ep-th rank: one per node once ep >= a node
-    edp_nodes = min(layout.edp, run_nodes) if run_nodes > 1 else 1
+    exposed_layer, hidden_layer, counts_layer = exchange_seconds(model, layout, cluster, expert_imbalance, passes,
+                                                                 overlap)
     # the slowest of the ranks sets the pace of every synchronising step
     straggle = cluster.step_jitter * math.sqrt(2 * math.log(layout.world)) if layout.world > 1 else 0.0
-    compute *= 1 + straggle
+
+    # one micro-batch on each stage (the whole model without a pipeline): its share of the layers, its
+    # MoE layers' experts and exchanges, the head on the last; the slowest stage sets the pace
+    virtual = virtual_of(layout.schedule, layout.virtual_stages)
+    parts = [(1.0, model.layers, model.moe_layers, True)] if layout.pp == 1 else [
+        (st.layer_share, st.layers, st.moe_layers, st.last) for st in stages(model, layout.seq_len, layout.pp, virtual)]
+    slowest = None
+    for share, n_layers, n_moe, last in parts:
+        compute = (layers * share + expert_layer * n_moe + (head if last else 0.0)) * (1 + straggle)
+        a2a = (exposed_layer + counts_layer) * n_moe
+        # a micro-batch's fixed costs once per chunk of layers the stage runs it through
+        overhead = cluster.overhead_per_micro_batch_s * virtual + cluster.overhead_per_layer_s * n_layers * (
+            1 + launches)
+        if slowest is None or compute + a2a + overhead > sum(slowest[:3]):
+            slowest = (compute, a2a, overhead, n_moe)
+    compute, a2a, overhead, n_moe = slowest
+    # the schedule's fill and drain: (P - 1) / V of the slowest stage's micro-batch slots
+    # (`pipeline.bubble_fraction` of the step's compute, exchanges and fixed costs)
+    bubble = (layout.pp - 1) / virtual * (compute + a2a + overhead)
+    compute, a2a, overhead = compute * micro_batches, a2a * micro_batches, overhead * micro_batches
+
+    p, r = layout.param_bytes, layout.reduce_bytes
+    dense, expert = local_params(model, layout)
+    # the data-parallel group is a pipeline stage's ranks (all ranks without a pipeline)
+    dp_nodes = -(-layout.dp // cluster.devices_per_node)
+    # the expert-data-parallel group takes every ep-th rank: one per node once ep >= a node
+    edp_nodes = min(layout.edp, dp_nodes) if dp_nodes > 1 else 1
     if layout.zero == 0:
         # all-reduce = reduce-scatter + all-gather, once per step after the last micro-batch
         reduce = 2 * (ring_time(p * dense, layout.dp, cluster, dp_nodes)
@@ -215,11 +279,12 @@ def estimate_time(model: ModelShape, layout: Layout, cluster: Cluster, expert_im
     else:
         once = (ring_time(r * dense, layout.dp, cluster, dp_nodes)
                 + ring_time(r * expert, layout.edp, cluster, edp_nodes))
-        reductions = micro_batches if layout.zero == 2 else 1
+        # ZeRO-2 reduces at every micro-batch; under a pipeline schedule once, after it
+        reductions = micro_batches if layout.zero == 2 and layout.pp == 1 else 1
         reduce = once * reductions
         gather = (ring_time(p * dense, layout.dp, cluster, dp_nodes)
                   + ring_time(p * expert, layout.edp, cluster, edp_nodes))
-        if overlap:
+        if overlap and layout.pp == 1:
             # buckets are reduced while the backward pass goes on (two thirds of the compute); the
             # last bucket's reduction is always exposed
             backward = compute * 2 / 3 / micro_batches
@@ -227,23 +292,22 @@ def estimate_time(model: ModelShape, layout: Layout, cluster: Cluster, expert_im
             exposed = max(reduce / buckets, reduce - backward * reductions)
         else:
             exposed = reduce
-    bubble = 0.0
-    if layout.pp > 1:
-        # 1F1B: (pp - 1) micro-batch slots of fill and drain, plus the activations sent between stages
-        send = ring_time(tokens * model.hidden * p * 2, 2, cluster, min(run_nodes, 2))
-        bubble = (layout.pp - 1) * (per_micro + send) + micro_batches * 2 * send
     return TimeEstimate(compute=compute, all_to_all=a2a, grad_reduce=exposed, param_gather=gather,
-                        bubble=bubble, overhead=overhead, experts=experts / layout.pp * micro_batches,
-                        all_to_all_hidden=hidden * model.moe_layers / layout.pp * micro_batches)
+                        bubble=bubble, overhead=overhead,
+                        experts=expert_layer * n_moe * micro_batches,
+                        all_to_all_hidden=hidden_layer * n_moe * micro_batches,
+                        p2p=p2p_seconds(model, layout, cluster))
 
 
 def _rate(layout: Layout, cluster: Cluster) -> float:
-    """Matmul FLOP/s of one rank (on a CPU the processes share the cores, however many there are)."""
+    """Dense matmul FLOP/s of one rank (on a CPU the processes share the cores, however many there are)."""
     return cluster.rate(layout.world if cluster.shared_compute else min(layout.world, cluster.devices_per_node))
 
 
 def expert_seconds(model: ModelShape, layout: Layout, cluster: Cluster, expert_imbalance: float = 1.0) -> float:
     """Forward seconds of one MoE layer's experts (grouped GEMMs) for one micro-batch, at the expert
-    kernels' rate, on the busiest rank (its experts get `expert_imbalance` times the mean rows)."""
+    kernels' rate (`Cluster.expert_efficiency` of the peak), on the busiest rank (its experts get
+    `expert_imbalance` times the mean rows)."""
     flops = 2.0 * model.top_k * 3 * model.hidden * model.expert_intermediate * layout.tokens_per_micro
-    return flops * expert_imbalance / (_rate(layout, cluster) * cluster.expert_efficiency)
+    ranks = layout.world if cluster.shared_compute else min(layout.world, cluster.devices_per_node)
+    return flops * expert_imbalance / cluster.expert_rate(ranks)
