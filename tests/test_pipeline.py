@@ -214,12 +214,50 @@ def test_a_checkpoint_of_two_stages_resumes_on_one_stage_and_on_four(tmp_path, c
 @pytest.mark.parametrize("fault", [{"kind": "raise", "step": 3, "rank": 1}, {"kind": "kill", "step": 3, "rank": 1}],
                          ids=["error", "kill"])
 def test_an_error_or_a_kill_on_one_stage_ends_every_stage(tmp_path, cache, fault):
+    """The failing stage's error is printed; the stage that lost its peer says so in one line, without
+    a traceback of its own, and nobody is left waiting."""
     config = run_config(tmp_path, cache, "fault", micro=2, pipeline_parallel={"size": 2})
     try:
         proc = launch(write_config(tmp_path, config), faults=[fault], timeout=240)
     except subprocess.TimeoutExpired:
         pytest.fail("a stage was left waiting after the other failed")
+    output = proc.stdout + proc.stderr
     assert proc.returncode != 0
+    assert "[rank0]: Traceback" not in output, output[-3000:]
     if fault["kind"] == "raise":
-        said = [line for line in (proc.stdout + proc.stderr).splitlines() if "fault injected on rank 1" in line]
-        assert said, proc.stderr[-3000:]
+        assert "RuntimeError: fault injected on rank 1 at step 3" in output, output[-3000:]
+        lost = [line for line in output.splitlines() if "rank 0: stopped, another rank failed first" in line]
+        assert len(lost) == 1, output[-3000:]
+
+
+@pytest.mark.slow
+def test_guards_skip_and_roll_back_a_pipelined_run(tmp_path, cache, monkeypatch):
+    """A NaN on either stage is skipped on every rank; two in a row roll every stage back."""
+    faults = [{"kind": "nan_loss", "step": 3, "rank": 0},
+              {"kind": "nan_loss", "step": 5, "rank": 1}, {"kind": "nan_loss", "step": 6, "rank": 0}]
+    monkeypatch.setenv("DS_OPTIMUS_FAULTS", json.dumps(faults))
+    config = run_config(tmp_path, cache, "guards", micro=2, pipeline_parallel={"size": 2},
+                        checkpoint={"interval": 2}, guards={"rollback_after": 2}, train={"steps": 8})
+    summaries = run_distributed(pretrain_worker, 2, config)
+    log = (Path(config["optimus"]["train"]["output_dir"]) / "log.txt").read_text()
+    assert "step 3: update skipped on every rank (loss is nan)" in log
+    assert "step 6: 2 bad steps in a row (loss is nan); rolled back to step_00000004" in log
+    assert summaries[0]["rollbacks"] == summaries[1]["rollbacks"] == 1
+    losses = [{step: loss for step, loss in summary["losses"].items() if step != 3} for summary in summaries]
+    assert losses[0] == losses[1] and sorted(losses[0]) == [1, 2, 4, 5, 6, 7, 8]
+    assert all(loss == loss for loss in losses[0].values())  # finite after the rollback (no NaN)
+
+
+@pytest.mark.slow
+def test_watchdog_stops_a_hung_stage(tmp_path, cache):
+    from ds_optimus.reliability.watchdog import EXIT_HUNG
+
+    config = run_config(tmp_path, cache, "hung", micro=2, pipeline_parallel={"size": 2},
+                        watchdog={"step_timeout_s": 5, "first_step_timeout_s": 120})
+    proc = launch(write_config(tmp_path, config), faults=[{"kind": "sleep", "step": 3, "rank": 0, "seconds": 300}],
+                  timeout=240)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == EXIT_HUNG, output[-3000:]
+    assert "rank 0: step 3 exceeded its 5 s time-out" in output, output[-3000:]
+    hung = "\n".join(line for line in output.splitlines() if line.startswith("[rank 0] "))
+    assert "in sleep_inside_step" in hung, output[-3000:]

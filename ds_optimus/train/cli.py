@@ -12,10 +12,26 @@ naming the problem and exit status 2.
 from __future__ import annotations
 
 import argparse
+import sys
 
-from ..cli import ArgumentParser, fail, said_by_every_rank
+from ..cli import ArgumentParser, fail, launch_rank, said_by_every_rank
 
 NAME = "ds_optimus.train"
+
+# How the communication backends report a peer that died or closed its connections (gloo, NCCL, oneCCL).
+PEER_LOST = ("connection closed by peer", "connection reset by peer", "remote worker crashing",
+             "remote process exited", "communicator was aborted", "broken pipe")
+
+
+def lost_a_peer(error: BaseException) -> bool:
+    """Whether `error` only says that another rank went away (the failure is that rank's)."""
+    text = str(error).lower()
+    return any(marker in text for marker in PEER_LOST)
+
+
+def _first_line(error: BaseException) -> str:
+    line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return line if len(line) <= 160 else line[:157] + "..."
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,6 +83,14 @@ def main(argv: list[str] | None = None) -> int:
         summary = pretrain(config)
     except (ConfigError, DataError, LayoutError, CheckpointError) as err:
         return fail(NAME, err, launched=True)
+    except Exception as err:
+        if not lost_a_peer(err):
+            raise
+        # Another rank failed first (its own error is printed above) or was killed: this one only lost its
+        # connection, in a collective or a pipeline stage's send; one line, not a second traceback.
+        print(f"{NAME}: rank {launch_rank()}: stopped, another rank failed first ({_first_line(err)})",
+              file=sys.stderr, flush=True)
+        return 1
     losses = list(summary["losses"].values())
     if losses and summary.get("rank", 0) == 0:
         print(f"trained steps {summary['start_step'] + 1}-{summary['start_step'] + len(losses)}: "

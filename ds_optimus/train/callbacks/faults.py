@@ -62,12 +62,14 @@ class FaultInjectionCallback(Callback):
         fault = self.due("signal", step)
         if fault:
             os.kill(os.getpid(), getattr(signal, fault.get("signal", "SIGTERM")))
-        model = self.trainer.engine.module
+        model, runner = self.trainer.engine.module, getattr(self.trainer, "runner", None)
+        # with pipeline stages the schedule calls this rank's chunks of layers, not the model
+        first, last = (model, model) if runner is None else (runner.chunks[0][1], runner.chunks[-1][1])
         fault = self.due("sleep", step)
         if fault:
-            _once(model.register_forward_pre_hook, _sleeper(float(fault.get("seconds", 3600))))
-        if self.due("nan_loss", step):
-            _once(model.register_forward_hook, _poison_loss)
+            _once(first.register_forward_pre_hook, _sleeper(float(fault.get("seconds", 3600))))
+        if self.due("nan_loss", step):  # on a stage before the last, its NaN output makes the loss NaN
+            _once(last.register_forward_hook, _poison_loss if runner is None else _poison_output)
 
     def _file_written(self, path: Path, step: int | None) -> None:
         if step is not None and self.due("kill_in_save", step):
@@ -84,6 +86,12 @@ def _sleeper(seconds: float):
 def _poison_loss(module, args, output):
     output.loss = output.loss * float("nan")
     return output
+
+
+def _poison_output(module, args, output):
+    if isinstance(output, tuple):
+        return (output[0] * float("nan"), *output[1:])
+    return output * float("nan")
 
 
 def _once(register, hook) -> None:
