@@ -130,9 +130,15 @@ def run_config(tmp: Path, cache: Path, name: str, micro: int, **optimus) -> dict
 
 
 def hf_weights(config: dict) -> dict[str, torch.Tensor]:
+    """The exported folder's weights: one file, or the shards its index names (each stage's own)."""
     from safetensors.torch import load_file
 
-    return load_file(str(Path(config["optimus"]["train"]["output_dir"]) / "hf" / "model.safetensors"))
+    folder = Path(config["optimus"]["train"]["output_dir"]) / "hf"
+    index = folder / "model.safetensors.index.json"
+    if not index.exists():
+        return load_file(str(folder / "model.safetensors"))
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    return {name: value for file in files for name, value in load_file(str(folder / file)).items()}
 
 
 def assert_same_run(summary: dict, weights: dict, reference: dict, rtol: float = 1e-5) -> None:
@@ -172,6 +178,13 @@ def test_two_stages_train_as_one_process(tmp_path, cache, reference, schedule, r
     summaries = run_distributed(pretrain_worker, 2, config)
     assert summaries[0]["losses"] == summaries[1]["losses"]  # every stage reports the step's loss
     assert_same_run(summaries[0], hf_weights(config), reference)
+    hf = Path(config["optimus"]["train"]["output_dir"]) / "hf"
+    assert sorted(p.name for p in hf.glob("*.safetensors")) == ["model-00001-of-00002.safetensors",
+                                                                 "model-00002-of-00002.safetensors"]
+    from transformers import AutoModelForCausalLM  # each stage wrote its shard; the index joins them
+
+    loaded = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).state_dict()
+    assert torch.equal(loaded["lm_head.weight"], hf_weights(config)["lm_head.weight"])
 
 
 @pytest.mark.slow

@@ -207,7 +207,8 @@ def export_pretrained(model: nn.Module, folder: str | os.PathLike, groups: Exper
     Every rank calls it: collective when torch.distributed is initialised. Under expert parallelism
     (`groups`; by default the layout the model's experts declare) the experts are gathered over the
     EP group; global rank 0 writes, and no rank returns before the folder is complete. A `state_dict`
-    given (rank 0's, gathered already: every pipeline stage's part) is written instead of the model's own.
+    given (rank 0's, gathered already) is written instead of the model's own; an empty one writes no
+    weights (a pipelined model's stages write theirs: `parallel.pipeline.write_stage_weights`).
     """
     groups = groups if groups is not None else expert_groups_of(model)
     distributed = dist.is_available() and dist.is_initialized()

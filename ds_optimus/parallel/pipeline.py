@@ -16,6 +16,8 @@ trainer reduces them once after the schedule (`ShardedOptimizer.defer_reduction`
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -211,19 +213,47 @@ def _receive(module: StageChunk, batch: torch.Tensor, source: int) -> tuple[torc
     return hidden, stats
 
 
-def gather_stages(state: dict[str, torch.Tensor], pipeline: PipelineGroups) -> dict[str, torch.Tensor] | None:
-    """Every stage's part of the model (`state`, this rank's stage, every expert) joined on the first
-    rank of the pipeline that holds global rank 0; None elsewhere. Collective over that pipeline."""
-    if 0 not in pipeline.ranks:
-        return None
-    parts = [None] * pipeline.size if pipeline.first else None
-    dist.gather_object({k: v.detach().cpu() for k, v in state.items()}, parts, dst=0, group=pipeline.group)
-    if not pipeline.first:
-        return None
-    joined: dict[str, torch.Tensor] = {}
-    for part in parts:
-        joined.update(part)
-    return joined
+def write_stage_weights(folder, state: dict[str, torch.Tensor], pipeline: PipelineGroups,
+                        max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write a pipelined model's weights into Hugging Face folder `folder` without joining them anywhere:
+    the first rank of each stage writes its stage's part (`state`, every expert) as safetensors shards
+    of at most `max_shard_bytes` (a tensor is never cut), numbered across the stages, and rank 0 the
+    index `model.safetensors.index.json` that `from_pretrained` reads. Collective over every rank."""
+    from safetensors.torch import save_file
+
+    writer = dist.get_rank() == pipeline.stage_ranks[0]
+    shards: list[dict[str, torch.Tensor]] = []
+    if writer:
+        size = max_shard_bytes
+        for name, tensor in state.items():
+            nbytes = tensor.numel() * tensor.element_size()
+            if size + nbytes > max_shard_bytes and (not shards or shards[-1]):
+                shards.append({})
+                size = 0
+            shards[-1][name] = tensor
+            size += nbytes
+    mine = (pipeline.stage, [list(shard) for shard in shards],
+            sum(t.numel() * t.element_size() for t in state.values())) if writer else None
+    plans: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(plans, mine)
+    plans = sorted(plan for plan in plans if plan is not None)  # one per stage, in stage order
+    total = sum(len(names) for _, names, _ in plans)
+    weight_map, files, number = {}, [], 0
+    for stage, names, _ in plans:
+        for shard_names in names:
+            number += 1
+            file = f"model-{number:05d}-of-{total:05d}.safetensors"
+            weight_map.update(dict.fromkeys(shard_names, file))
+            if writer and stage == pipeline.stage:
+                files.append(file)
+    for file, shard in zip(files, shards, strict=True):
+        save_file({k: v.detach().contiguous().cpu() for k, v in shard.items()}, str(Path(folder) / file),
+                  metadata={"format": "pt"})
+    if dist.get_rank() == 0:
+        index = {"metadata": {"total_size": sum(size for _, _, size in plans)},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        (Path(folder) / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    dist.barrier()  # the folder is complete when any rank returns
 
 
 class StageParallelism:

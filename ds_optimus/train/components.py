@@ -161,15 +161,16 @@ def export(model, tokenizer, folder: Path, groups, record=None) -> None:
         tokenizer.model_max_length = model.config.max_position_embeddings  # not the "unlimited" 1e30
     card = model_card(model.config, record=record, tokenizer=tokenizer) if is_mula else None
     generation = generation_config(tokenizer) if tokenizer is not None else None
-    state = None
-    if groups is not None and groups.pipeline is not None:  # every stage's part, joined on rank 0
+    if groups is not None and groups.pipeline is not None:  # rank 0 the rest, each stage its own weights
         from ..parallel.expert_parallel import full_state_dict
-        from ..parallel.pipeline import gather_stages
+        from ..parallel.pipeline import write_stage_weights
 
-        state = gather_stages(full_state_dict(model, groups) if groups.ep_size > 1 else model.state_dict(),
-                              groups.pipeline)
-    export_pretrained(model, folder, groups, tokenizer=tokenizer, model_card=card, generation_config=generation,
-                      state_dict=state)
+        state = full_state_dict(model, groups) if groups.ep_size > 1 else model.state_dict()
+        export_pretrained(model, folder, groups, tokenizer=tokenizer, model_card=card, generation_config=generation,
+                          state_dict={})
+        write_stage_weights(folder, state, groups.pipeline)
+        return
+    export_pretrained(model, folder, groups, tokenizer=tokenizer, model_card=card, generation_config=generation)
 
 
 def generation_config(tokenizer):

@@ -545,9 +545,10 @@ class MulaPreTrainedModel(PreTrainedModel):
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save as usual; when the classes are registered for the Auto classes (as `import ds_optimus`
         does), `auto_map` also names the base model, so AutoModel loads the folder as remote code too.
-        A model whose experts are sharded over ranks is refused unless `state_dict` holds every expert."""
+        A model whose experts are sharded over ranks is refused unless `state_dict` holds every expert
+        (an empty `state_dict` writes the configuration alone)."""
         state = kwargs.get("state_dict")
-        for name, module in self.named_modules():
+        for name, module in self.named_modules() if state is None or state else ():
             if not isinstance(module, MulaExperts) or module.num_local_experts == module.num_experts:
                 continue
             weights = [state.get(f"{name}.{w}") if state is not None else None for w in ("gate_up_proj", "down_proj")]
