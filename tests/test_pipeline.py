@@ -244,6 +244,27 @@ def test_an_error_or_a_kill_on_one_stage_ends_every_stage(tmp_path, cache, fault
 
 
 @pytest.mark.slow
+def test_what_a_pipeline_cannot_run_is_one_line_from_rank_zero(tmp_path, cache):
+    from train_workers import cli_errors_worker
+
+    config = run_config(tmp_path, cache, "bad", micro=2, pipeline_parallel={"size": 2})
+    pp = ["optimus.pipeline_parallel.size=2"]
+    cases = [(config, ["optimus.sharded_optimizer.enabled=false"]),
+             (config, ["optimus.model.overrides.tie_word_embeddings=true"]),
+             (config, ["optimus.pipeline_parallel.size=4"]),
+             (config, [*pp, "optimus.pipeline_parallel.layers=[3,2]"]),
+             (config, ["optimus.pipeline_parallel.virtual_stages=4", "optimus.pipeline_parallel.schedule=looped_bfs"])]
+    first, second = run_distributed(cli_errors_worker, 2, cases, str(tmp_path))
+    assert [status for status, _ in first] == [2] * len(cases) and [err for _, err in second] == [""] * len(cases)
+    said = [err.strip().splitlines()[-1] for _, err in first]
+    assert said[0].startswith("ds_optimus.train: error: optimus.pipeline_parallel needs optimus.sharded_optimizer")
+    assert "ties its embedding and head" in said[1]
+    assert said[2] == "ds_optimus.train: error: optimus.pipeline_parallel.size 4 does not divide the 2 ranks"
+    assert said[3].endswith("optimus.pipeline_parallel.layers adds up to 5 layers; the model has 4")
+    assert "8 chunks of layers (size 2 x virtual_stages 4) need at least as many decoder layers" in said[4]
+
+
+@pytest.mark.slow
 def test_guards_skip_and_roll_back_a_pipelined_run(tmp_path, cache, monkeypatch):
     """A NaN on either stage is skipped on every rank; two in a row roll every stage back."""
     faults = [{"kind": "nan_loss", "step": 3, "rank": 0},

@@ -146,7 +146,7 @@ def load_folder(engine, path: Path, groups, *, load_module_strict: bool = True, 
 
     state = {}
     for name in sorted(f for f in meta["files"] if f.startswith("model_dense")):  # one per pipeline stage
-        state.update(load(path / name))
+        state.update(load(path / name, mmap=True))  # mapped: a stage copies only its own part
     state.update(_expert_weights(engine, path, meta, state, groups))
     own = module.state_dict().keys()
     if any(k not in own for k in state):  # a pipeline stage loads its own part of a whole model's weights
