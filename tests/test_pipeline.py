@@ -115,11 +115,14 @@ def cache(tmp_path_factory):
 
 def run_config(tmp: Path, cache: Path, name: str, micro: int, **optimus) -> dict:
     """10 steps of 8 sequences (global micro-batches of 2, 4 micro-steps), global-batch load balancing
-    (so that how the micro-batch is spread over ranks does not change the aux loss), fp32."""
+    (so that how the micro-batch is spread over ranks does not change the aux loss) and the aux-free
+    router bias besides it (each stage moves its routers' biases from its own layers' loads), fp32."""
+    overrides = {"router_aux_loss_scope": "global_batch", "router_bias_update_rate": 1e-3}
     sections = {"train": {"steps": STEPS, "eval_interval": 5, "eval_batches": 1, "warmup_steps": 2},
-                "checkpoint": {"interval": 0},
-                "model": {"preset": "mula-tiny-moe", "overrides": {"router_aux_loss_scope": "global_batch"}}}
+                "checkpoint": {"interval": 0}, "model": {"preset": "mula-tiny-moe", "overrides": overrides}}
     for section, values in optimus.items():
+        if section == "model":  # the model's overrides add to these
+            values = {**values, "overrides": {**overrides, **values.get("overrides", {})}}
         sections[section] = {**sections.get(section, {}), **values}
     config = tiny_config(tmp / name, cache, **sections)
     config.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=4)
@@ -141,9 +144,17 @@ def hf_weights(config: dict) -> dict[str, torch.Tensor]:
     return {name: value for file in files for name, value in load_file(str(folder / file)).items()}
 
 
-def assert_same_run(summary: dict, weights: dict, reference: dict, rtol: float = 1e-5) -> None:
+def grad_norms(config: dict) -> dict[int, float]:
+    metrics = Path(config["optimus"]["train"]["output_dir"]) / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return {r["step"]: r["grad_norm"] for r in records if "grad_norm" in r}
+
+
+def assert_same_run(summary: dict, weights: dict, reference: dict, rtol: float = 1e-5, config=None) -> None:
     summary_ref, weights_ref = reference["summary"], reference["weights"]
     assert sorted(summary["losses"]) == list(range(1, STEPS + 1))
+    if config is not None:  # the gradient norm is every stage's (one stage's would be far smaller)
+        assert grad_norms(config)[1] == pytest.approx(reference["grad_norms"][1], rel=1e-4)
     for step, loss in summary_ref["losses"].items():
         assert summary["losses"][step] == pytest.approx(loss, rel=rtol), step
     for step, loss in summary_ref["evals"].items():  # held-out losses: after the weights' rounding (below)
@@ -163,7 +174,7 @@ def reference(tmp_path_factory, cache):
     """The one-process run every pipelined run must reproduce."""
     config = run_config(tmp_path_factory.mktemp("one"), cache, "one", micro=2)
     summary = run_distributed(pretrain_worker, 1, config)[0]
-    return {"summary": summary, "weights": hf_weights(config)}
+    return {"summary": summary, "weights": hf_weights(config), "grad_norms": grad_norms(config)}
 
 
 @pytest.mark.slow
@@ -177,7 +188,7 @@ def test_two_stages_train_as_one_process(tmp_path, cache, reference, schedule, r
                         train={"activation_checkpointing": recompute})
     summaries = run_distributed(pretrain_worker, 2, config)
     assert summaries[0]["losses"] == summaries[1]["losses"]  # every stage reports the step's loss
-    assert_same_run(summaries[0], hf_weights(config), reference)
+    assert_same_run(summaries[0], hf_weights(config), reference, config=config)
     hf = Path(config["optimus"]["train"]["output_dir"]) / "hf"
     assert sorted(p.name for p in hf.glob("*.safetensors")) == ["model-00001-of-00002.safetensors",
                                                                  "model-00002-of-00002.safetensors"]
@@ -192,7 +203,7 @@ def test_two_stages_train_as_one_process(tmp_path, cache, reference, schedule, r
 def test_two_stages_with_expert_or_data_parallelism_inside_train_as_one_process(tmp_path, cache, reference, inside):
     config = run_config(tmp_path, cache, "pp2x2", micro=1, pipeline_parallel={"size": 2}, **inside)
     summaries = run_distributed(pretrain_worker, 4, config)
-    assert_same_run(summaries[0], hf_weights(config), reference)
+    assert_same_run(summaries[0], hf_weights(config), reference, config=config)
 
 
 @pytest.mark.slow
@@ -266,12 +277,13 @@ def test_what_a_pipeline_cannot_run_is_one_line_from_rank_zero(tmp_path, cache):
 
 @pytest.mark.slow
 def test_guards_skip_and_roll_back_a_pipelined_run(tmp_path, cache, monkeypatch):
-    """A NaN on either stage is skipped on every rank; two in a row roll every stage back."""
+    """A NaN on either stage is skipped on every rank; two in a row roll every stage back (bf16)."""
     faults = [{"kind": "nan_loss", "step": 3, "rank": 0},
               {"kind": "nan_loss", "step": 5, "rank": 1}, {"kind": "nan_loss", "step": 6, "rank": 0}]
     monkeypatch.setenv("DS_OPTIMUS_FAULTS", json.dumps(faults))
     config = run_config(tmp_path, cache, "guards", micro=2, pipeline_parallel={"size": 2},
                         checkpoint={"interval": 2}, guards={"rollback_after": 2}, train={"steps": 8})
+    config["bf16"] = {"enabled": True}  # in bf16, as pipelined runs train
     summaries = run_distributed(pretrain_worker, 2, config)
     log = (Path(config["optimus"]["train"]["output_dir"]) / "log.txt").read_text()
     assert "step 3: update skipped on every rank (loss is nan)" in log
