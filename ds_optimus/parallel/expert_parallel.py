@@ -21,7 +21,7 @@ from ..moe.layer import IMPLEMENTATION_NAME, declare_expert_attributes, register
 from ..schema import Section, need, positive_int
 from .allgather import AllGatherDispatcher
 from .dedup import DedupDispatcher
-from .dispatch import ExpertParallelDispatcher
+from .dispatch import ExpertParallelDispatcher, wire
 from .groups import ExpertParallelGroups, check_layout, init_expert_parallel_groups
 from .traffic import dedup_sends_fewer_bytes
 
@@ -197,6 +197,22 @@ def full_state_dict(model: nn.Module, groups: ExpertParallelGroups) -> dict[str,
     return state
 
 
+def gather_experts(model: nn.Module, groups: ExpertParallelGroups, dst: int) -> dict[str, torch.Tensor] | None:
+    """The model's state dict with every expert weight joined to its full [E, ...] shape on global rank
+    `dst` of this rank's EP group, None on the group's other ranks (collective over that group only:
+    the other EP groups, replicas of the same experts, take no part). What a writer needs, without
+    every rank holding every expert as `full_state_dict` makes them."""
+    state, rank = model.state_dict(), dist.get_rank()
+    for name in [n for n, p in model.named_parameters() if is_expert_param(p)]:  # same order on every rank
+        local = state[name].contiguous()
+        parts = [torch.empty_like(local) for _ in range(groups.ep_size)] if rank == dst else None
+        dist.gather(wire(local, groups.ep_group), [wire(p, groups.ep_group) for p in parts] if parts else None,
+                    dst=dst, group=groups.ep_group)
+        if parts is not None:
+            state[name] = torch.cat(parts)
+    return state if rank == dst else None
+
+
 def export_pretrained(model: nn.Module, folder: str | os.PathLike, groups: ExpertParallelGroups | None = None,
                       tokenizer=None, *, model_card: str | None = None, generation_config=None,
                       state_dict: dict[str, torch.Tensor] | None = None) -> None:
@@ -213,7 +229,8 @@ def export_pretrained(model: nn.Module, folder: str | os.PathLike, groups: Exper
     groups = groups if groups is not None else expert_groups_of(model)
     distributed = dist.is_available() and dist.is_initialized()
     gather = state_dict is None and groups is not None and groups.ep_size > 1 and groups.pipeline is None
-    full = full_state_dict(model, groups) if gather else state_dict
+    # the experts joined on rank 0 alone, by rank 0's EP group alone
+    full = gather_experts(model, groups, 0) if gather and 0 in groups.ep_ranks else state_dict
     if not distributed or dist.get_rank() == 0:
         if full is None:
             model.save_pretrained(folder, is_main_process=True)

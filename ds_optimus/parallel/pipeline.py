@@ -213,10 +213,11 @@ def _receive(module: StageChunk, batch: torch.Tensor, source: int) -> tuple[torc
     return hidden, stats
 
 
-def write_stage_weights(folder, state: dict[str, torch.Tensor], pipeline: PipelineGroups,
+def write_stage_weights(folder, state: dict[str, torch.Tensor] | None, pipeline: PipelineGroups,
                         max_shard_bytes: int = 5 * 2**30) -> None:
     """Write a pipelined model's weights into Hugging Face folder `folder` without joining them anywhere:
-    the first rank of each stage writes its stage's part (`state`, every expert) as safetensors shards
+    the first rank of each stage writes its stage's part (`state`, every expert; the other ranks' is
+    not read) as safetensors shards
     of at most `max_shard_bytes` (a tensor is never cut), numbered across the stages, and rank 0 the
     index `model.safetensors.index.json` that `from_pretrained` reads. Collective over every rank."""
     from safetensors.torch import save_file

@@ -162,10 +162,12 @@ def export(model, tokenizer, folder: Path, groups, record=None) -> None:
     card = model_card(model.config, record=record, tokenizer=tokenizer) if is_mula else None
     generation = generation_config(tokenizer) if tokenizer is not None else None
     if groups is not None and groups.pipeline is not None:  # rank 0 the rest, each stage its own weights
-        from ..parallel.expert_parallel import full_state_dict
+        from ..parallel.expert_parallel import gather_experts
         from ..parallel.pipeline import write_stage_weights
 
-        state = full_state_dict(model, groups) if groups.ep_size > 1 else model.state_dict()
+        writer = groups.pipeline.stage_ranks[0]  # each stage's first rank writes; its EP group gathers
+        state = model.state_dict() if groups.ep_size == 1 else (
+            gather_experts(model, groups, writer) if writer in groups.ep_ranks else None)
         export_pretrained(model, folder, groups, tokenizer=tokenizer, model_card=card, generation_config=generation,
                           state_dict={})
         write_stage_weights(folder, state, groups.pipeline)
