@@ -51,6 +51,7 @@ def test_split_balances_layer_cost_with_the_head_on_the_last_chunk():
     ({"schedule": "zb"}, "optimus.pipeline_parallel.schedule must be one of gpipe, 1f1b, interleaved_1f1b"),
     ({"size": 2, "virtual_stages": 2}, "virtual_stages 2 needs a schedule with several stages per rank"),
     ({"size": 2, "layers": [1, 1, 1]}, "optimus.pipeline_parallel.layers has 3 entries; size 2 x virtual_stages 1"),
+    ({"virtual_stages": 2, "schedule": "looped_bfs"}, "and optimus.pipeline_parallel.layers need pipeline stages"),
 ])
 def test_bad_pipeline_sections_are_one_line_errors(section, message):
     with pytest.raises(ConfigError) as err:
@@ -96,6 +97,14 @@ def test_stage_chunks_compute_the_models_loss_and_gradients():
         hidden = chunk(*hidden)
     loss = loss_fn(hidden, ids)
     loss.backward()
+    # evaluation (the model in eval mode; a chunk's own flag is not the model's) counts no router loads
+    biased = MulaConfig(**PRESETS["mula-tiny-moe"], tie_word_embeddings=False, router_bias_update_rate=1e-3)
+    model = build_model(biased, seed=1).eval()
+    keep_stage(model, [0, 1, 2, 3], True, True)
+    with torch.no_grad():
+        StageChunk(model, range(0, 4), True, True)(ids)
+    assert all(m.load_since_update is None or not m.load_since_update.any()
+               for m in model.modules() if hasattr(m, "load_since_update"))
     record = loss_fn.records[0]
     assert loss.item() == out.loss.item() and record["aux_loss"].item() == out.aux_loss.item()
     assert record["z_loss"].item() == out.z_loss.item()
@@ -183,9 +192,13 @@ def reference(tmp_path_factory, cache):
     ({"size": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2}, ["moe", "attention", "norms"]),
 ], ids=["1f1b", "interleaved"])
 def test_two_stages_train_as_one_process(tmp_path, cache, reference, schedule, recompute):
-    """Also with activation recomputation: whole layers, or the parts of each."""
+    """Also with activation recomputation: whole layers, or the parts of each. The export replaces the
+    weights an earlier one left in the folder (from_pretrained would read those first)."""
     config = run_config(tmp_path, cache, "pp2", micro=2, pipeline_parallel=schedule,
                         train={"activation_checkpointing": recompute})
+    stale = Path(config["optimus"]["train"]["output_dir"]) / "hf" / "model.safetensors"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"an earlier export")
     summaries = run_distributed(pretrain_worker, 2, config)
     assert summaries[0]["losses"] == summaries[1]["losses"]  # every stage reports the step's loss
     assert_same_run(summaries[0], hf_weights(config), reference, config=config)
@@ -264,7 +277,10 @@ def test_what_a_pipeline_cannot_run_is_one_line_from_rank_zero(tmp_path, cache):
              (config, ["optimus.model.overrides.tie_word_embeddings=true"]),
              (config, ["optimus.pipeline_parallel.size=4"]),
              (config, [*pp, "optimus.pipeline_parallel.layers=[3,2]"]),
-             (config, ["optimus.pipeline_parallel.virtual_stages=4", "optimus.pipeline_parallel.schedule=looped_bfs"])]
+             (config, ["optimus.pipeline_parallel.virtual_stages=4", "optimus.pipeline_parallel.schedule=looped_bfs"]),
+             (config, ["gradient_accumulation_steps=1", "train_micro_batch_size_per_gpu=8"]),
+             (config, ['fp16={"enabled": true}']),
+             (config, ["optimus.expert_parallel.size=2"])]
     first, second = run_distributed(cli_errors_worker, 2, cases, str(tmp_path))
     assert [status for status, _ in first] == [2] * len(cases) and [err for _, err in second] == [""] * len(cases)
     said = [err.strip().splitlines()[-1] for _, err in first]
@@ -273,6 +289,19 @@ def test_what_a_pipeline_cannot_run_is_one_line_from_rank_zero(tmp_path, cache):
     assert said[2] == "ds_optimus.train: error: optimus.pipeline_parallel.size 4 does not divide the 2 ranks"
     assert said[3].endswith("optimus.pipeline_parallel.layers adds up to 5 layers; the model has 4")
     assert "8 chunks of layers (size 2 x virtual_stages 4) need at least as many decoder layers" in said[4]
+    assert said[5].endswith('1f1b needs at least as many micro-batches (gradient_accumulation_steps, 1) as stages '
+                            '(2); raise it, or use schedule "gpipe"')
+    assert "runs in bf16 or fp32" in said[6]
+    assert said[7].endswith("expert parallel size 2 does not divide the 1 ranks of each of the 2 pipeline stages")
+
+
+def test_only_a_communication_backends_lost_peer_is_another_ranks_failure():
+    from ds_optimus.train.cli import lost_a_peer
+
+    assert lost_a_peer(RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1"))
+    assert lost_a_peer(RuntimeError("NCCL communicator was aborted on rank 3"))
+    assert not lost_a_peer(BrokenPipeError("[Errno 32] Broken pipe"))
+    assert not lost_a_peer(ConnectionResetError("Connection reset by peer (wandb)"))
 
 
 @pytest.mark.slow

@@ -69,7 +69,7 @@ def checkpoint_files(engine, groups, client_state=None, exclude_frozen_parameter
     state = {k: v.detach() for k, v in module.state_dict().items() if k not in frozen}
     files: dict[str, Any] = {}
     # With pipeline stages, each stage's first rank writes its stage's part (names are the whole model's).
-    pipeline = getattr(groups, "pipeline", None)
+    pipeline = _pipeline(engine, groups)
     part = f"_pp{pipeline.stage:03d}" if pipeline is not None else ""
     if rank == (pipeline.stage_ranks[0] if pipeline is not None else 0):
         files[f"model_dense{part}.pt"] = {k: v for k, v in state.items() if k not in experts}
@@ -148,9 +148,9 @@ def load_folder(engine, path: Path, groups, *, load_module_strict: bool = True, 
     for name in sorted(f for f in meta["files"] if f.startswith("model_dense")):  # one per pipeline stage
         state.update(load(path / name, mmap=True))  # mapped: a stage copies only its own part
     state.update(_expert_weights(engine, path, meta, state, groups))
-    own = module.state_dict().keys()
-    if any(k not in own for k in state):  # a pipeline stage loads its own part of a whole model's weights
-        state = {k: v for k, v in state.items() if k in own}
+    if _pipeline(engine, groups) is not None:  # a stage keeps its part; a name of no stage stays, and fails
+        own, whole = module.state_dict().keys(), _whole_model_names(module)
+        state = {k: v for k, v in state.items() if k in own or k not in whole}
     try:
         module.load_state_dict(state, strict=load_module_strict)
     except RuntimeError as err:
@@ -208,6 +208,17 @@ def _expert_weights(engine, path: Path, meta: dict, dense: dict[str, torch.Tenso
                 pieces.append(files[q][name][a - q * per:b - q * per])
         out[name] = torch.cat(pieces).clone()
     return out
+
+
+def _pipeline(engine, groups):
+    """The pipeline layout of `engine`'s model: its groups', or the one its engine was given."""
+    return getattr(groups, "pipeline", None) or getattr(getattr(engine, "mpu", None), "pipeline", None)
+
+
+def _whole_model_names(module) -> set[str]:
+    """The state-dict names of the whole model a pipeline stage is part of (built on the meta device)."""
+    with torch.device("meta"):
+        return set(type(module)(module.config).state_dict())
 
 
 def _fit_scheduler_state(state, saved_groups: list[dict], groups: list[dict]):

@@ -8,6 +8,7 @@ them, and reads the layout a model was given from them (`expert_groups_of`, `exp
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from dataclasses import dataclass
@@ -201,7 +202,8 @@ def gather_experts(model: nn.Module, groups: ExpertParallelGroups, dst: int) -> 
     """The model's state dict with every expert weight joined to its full [E, ...] shape on global rank
     `dst` of this rank's EP group, None on the group's other ranks (collective over that group only:
     the other EP groups, replicas of the same experts, take no part). What a writer needs, without
-    every rank holding every expert as `full_state_dict` makes them."""
+    every rank holding every expert as `full_state_dict` makes them; each joined weight is moved to
+    the host at once, so the device never holds more than one of them whole."""
     state, rank = model.state_dict(), dist.get_rank()
     for name in [n for n, p in model.named_parameters() if is_expert_param(p)]:  # same order on every rank
         local = state[name].contiguous()
@@ -209,7 +211,8 @@ def gather_experts(model: nn.Module, groups: ExpertParallelGroups, dst: int) -> 
         dist.gather(wire(local, groups.ep_group), [wire(p, groups.ep_group) for p in parts] if parts else None,
                     dst=dst, group=groups.ep_group)
         if parts is not None:
-            state[name] = torch.cat(parts)
+            state[name] = torch.cat(parts).cpu()
+            del parts
     return state if rank == dst else None
 
 
@@ -232,6 +235,9 @@ def export_pretrained(model: nn.Module, folder: str | os.PathLike, groups: Exper
     # the experts joined on rank 0 alone, by rank 0's EP group alone
     full = gather_experts(model, groups, 0) if gather and 0 in groups.ep_ranks else state_dict
     if not distributed or dist.get_rank() == 0:
+        # An earlier export's weights (one file, or shards and their index) would be loaded instead of these.
+        for stale in glob.glob(os.path.join(glob.escape(os.fspath(folder)), "model*.safetensors*")):
+            os.remove(stale)
         if full is None:
             model.save_pretrained(folder, is_main_process=True)
         else:

@@ -56,12 +56,15 @@ class ExpertParallelGroups:
 
 
 def check_layout(world_size: int, ep_size: int, num_experts: int | None = None,
-                 node_size: int | None = None) -> None:
-    """Raise `LayoutError` (one line naming the problem) unless the sizes fit together."""
+                 node_size: int | None = None, stages: int = 1) -> None:
+    """Raise `LayoutError` (one line naming the problem) unless the sizes fit together (`world_size`:
+    the ranks of one pipeline stage, with `stages` > 1)."""
     if not isinstance(ep_size, int) or ep_size < 1:
         raise LayoutError(f"expert parallel size must be a positive integer, got {ep_size!r}")
     if world_size % ep_size:
-        raise LayoutError(f"expert parallel size {ep_size} does not divide the world size {world_size}")
+        where = f"the {world_size} ranks of each of the {stages} pipeline stages" if stages > 1 else \
+            f"the world size {world_size}"
+        raise LayoutError(f"expert parallel size {ep_size} does not divide {where}")
     if num_experts is not None and num_experts % ep_size:
         raise LayoutError(f"expert parallel size {ep_size} does not divide the number of experts {num_experts}")
     if node_size is not None:
@@ -149,7 +152,7 @@ def init_expert_parallel_groups(ep_size: int, node_size: int | None = None,
     if key in _CACHE:
         return _CACHE[key]
     per_stage = world // pipeline_size
-    check_layout(per_stage, ep_size, node_size=node_size)
+    check_layout(per_stage, ep_size, node_size=node_size, stages=pipeline_size)
 
     mine: dict[str, tuple[list[int], object]] = {}
 

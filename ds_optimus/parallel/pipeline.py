@@ -88,7 +88,7 @@ class StageChunk(nn.Module):
                                              position_embeddings=position_embeddings, **{CACHE_NAME: None})
             if index is None:
                 continue
-            if self.training and layer.mlp.gate.uses_bias:
+            if layer.training and layer.mlp.gate.uses_bias:  # the model's mode (eval() does not reach a chunk)
                 layer.mlp.gate.record_load(index)
             mean_prob, z, count, tokens = router_layer_stats(logits, index, self.config.num_experts,
                                                              self.config.router_scoring_func)
@@ -233,11 +233,12 @@ def write_stage_weights(folder, state: dict[str, torch.Tensor] | None, pipeline:
                 size = 0
             shards[-1][name] = tensor
             size += nbytes
-    mine = (pipeline.stage, [list(shard) for shard in shards],
-            sum(t.numel() * t.element_size() for t in state.values())) if writer else None
-    plans: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(plans, mine)
-    plans = sorted(plan for plan in plans if plan is not None)  # one per stage, in stage order
+    plans: list[Any] = [None] * pipeline.size
+    if writer:  # the stages' first ranks are exactly the pipeline of global rank 0: only they take part
+        mine = (pipeline.stage, [list(shard) for shard in shards],
+                sum(t.numel() * t.element_size() for t in state.values()))
+        dist.all_gather_object(plans, mine, group=pipeline.group)
+    plans = sorted(plans) if writer else []  # one per stage, in stage order
     total = sum(len(names) for _, names, _ in plans)
     weight_map, files, number = {}, [], 0
     for stage, names, _ in plans:
@@ -250,7 +251,7 @@ def write_stage_weights(folder, state: dict[str, torch.Tensor] | None, pipeline:
     for file, shard in zip(files, shards, strict=True):
         save_file({k: v.detach().contiguous().cpu() for k, v in shard.items()}, str(Path(folder) / file),
                   metadata={"format": "pt"})
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0:  # rank 0 is stage 0's writer
         index = {"metadata": {"total_size": sum(size for _, _, size in plans)},
                  "weight_map": dict(sorted(weight_map.items()))}
         (Path(folder) / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

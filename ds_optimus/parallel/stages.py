@@ -37,6 +37,8 @@ class PipelineParallelConfig(Section):
              f"{where}.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         need(positive_int(self.virtual_stages),
              f"{where}.virtual_stages must be a positive integer, got {self.virtual_stages!r}")
+        need(self.size > 1 or (self.virtual_stages == 1 and self.layers is None),
+             f"{where}.virtual_stages and {where}.layers need pipeline stages ({where}.size > 1)")
         need(self.virtual_stages == 1 or self.schedule in MULTI_STAGE_SCHEDULES,
              f"{where}.virtual_stages {self.virtual_stages} needs a schedule with several stages per rank "
              f"({', '.join(MULTI_STAGE_SCHEDULES)}); {self.schedule} runs one")

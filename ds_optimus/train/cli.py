@@ -20,13 +20,19 @@ NAME = "ds_optimus.train"
 
 # How the communication backends report a peer that died or closed its connections (gloo, NCCL, oneCCL).
 PEER_LOST = ("connection closed by peer", "connection reset by peer", "remote worker crashing",
-             "remote process exited", "communicator was aborted", "broken pipe")
+             "remote process exited", "communicator was aborted")
+BACKENDS = ("gloo", "nccl", "ccl", "c10d", "processgroup")
 
 
 def lost_a_peer(error: BaseException) -> bool:
-    """Whether `error` only says that another rank went away (the failure is that rank's)."""
+    """Whether `error` is a communication backend's saying that another rank went away (the failure is
+    that rank's); other errors, a broken pipe of this process's own output among them, are not."""
+    import torch.distributed as dist
+
     text = str(error).lower()
-    return any(marker in text for marker in PEER_LOST)
+    from_backend = isinstance(error, getattr(dist, "DistBackendError", ())) or (
+        isinstance(error, RuntimeError) and any(name in text for name in BACKENDS))
+    return from_backend and any(marker in text for marker in PEER_LOST)
 
 
 def _first_line(error: BaseException) -> str:

@@ -39,12 +39,18 @@ def check_pipeline(opt, ds_config: dict[str, Any], model_config, accumulation: i
                           "and last stages; set tie_word_embeddings false (optimus.model.overrides)")
     if opt.train.compile:
         raise ConfigError("optimus.pipeline_parallel does not run compiled layers yet; set optimus.train.compile false")
-    if pp.schedule == "interleaved_1f1b":
-        rounds = max(1, accumulation // pp.size)
-        if accumulation % rounds:
-            raise ConfigError(f"optimus.pipeline_parallel: interleaved_1f1b runs rounds of {pp.size} micro-batches; "
-                              f"gradient_accumulation_steps {accumulation} must divide into them (a multiple of "
-                              f"{pp.size}, or fewer)")
+    if ds_config.get("fp16", {}).get("enabled"):
+        raise ConfigError("optimus.pipeline_parallel runs in bf16 or fp32: the pipeline schedule's backward passes "
+                          "do not scale the loss as fp16 needs; use bf16")
+    if pp.schedule == "1f1b" and accumulation < pp.size:
+        raise ConfigError(f"optimus.pipeline_parallel: 1f1b needs at least as many micro-batches "
+                          f"(gradient_accumulation_steps, {accumulation}) as stages ({pp.size}); raise it, or use "
+                          "schedule \"gpipe\"")
+    rounds = max(1, accumulation // pp.size)
+    if pp.schedule == "interleaved_1f1b" and accumulation % rounds:
+        raise ConfigError(f"optimus.pipeline_parallel: interleaved_1f1b splits the micro-batches into rounds of at "
+                          f"least {pp.size}; gradient_accumulation_steps {accumulation} does not split into {rounds} "
+                          f"equal rounds (use a multiple of {pp.size}, or fewer than {2 * pp.size})")
     try:
         return pp.split(model_config, opt.data.seq_len)
     except ValueError as err:

@@ -117,7 +117,7 @@ class Trainer:
         with every_rank_alike():
             num_experts = opt.model.mula_config(self.tokenizer).num_experts
             if num_experts:
-                check_layout(self.world, ep.size, num_experts, ep.node_size)
+                check_layout(self.dp_world, ep.size, num_experts, ep.node_size, stages=opt.pipeline_parallel.size)
             elif ep.size > 1:
                 raise ConfigError("optimus.expert_parallel.size > 1 needs an MoE model (num_experts > 0); this one is "
                               "dense: set optimus.expert_parallel.size=1")
