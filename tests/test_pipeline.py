@@ -153,17 +153,22 @@ def hf_weights(config: dict) -> dict[str, torch.Tensor]:
     return {name: value for file in files for name, value in load_file(str(folder / file)).items()}
 
 
-def grad_norms(config: dict) -> dict[int, float]:
+def step_metrics(config: dict) -> dict[int, dict]:
     metrics = Path(config["optimus"]["train"]["output_dir"]) / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return {r["step"]: r["grad_norm"] for r in records if "grad_norm" in r}
+    return {r["step"]: r for r in records if "grad_norm" in r}
 
 
 def assert_same_run(summary: dict, weights: dict, reference: dict, rtol: float = 1e-5, config=None) -> None:
     summary_ref, weights_ref = reference["summary"], reference["weights"]
     assert sorted(summary["losses"]) == list(range(1, STEPS + 1))
-    if config is not None:  # the gradient norm is every stage's (one stage's would be far smaller)
-        assert grad_norms(config)[1] == pytest.approx(reference["grad_norms"][1], rel=1e-4)
+    if config is not None:
+        first, first_ref = step_metrics(config)[1], reference["metrics"][1]
+        # the gradient norm is every stage's (one stage's would be far smaller)
+        assert first["grad_norm"] == pytest.approx(first_ref["grad_norm"], rel=1e-4)
+        # every layer's expert loads, counted on the last stage from the statistics the others sent
+        imbalance = {k: v for k, v in first_ref.items() if k.startswith("expert_imbalance")}
+        assert len(imbalance) > 4 and {k: first[k] for k in imbalance} == pytest.approx(imbalance, rel=1e-6)
     for step, loss in summary_ref["losses"].items():
         assert summary["losses"][step] == pytest.approx(loss, rel=rtol), step
     for step, loss in summary_ref["evals"].items():  # held-out losses: after the weights' rounding (below)
@@ -183,7 +188,7 @@ def reference(tmp_path_factory, cache):
     """The one-process run every pipelined run must reproduce."""
     config = run_config(tmp_path_factory.mktemp("one"), cache, "one", micro=2)
     summary = run_distributed(pretrain_worker, 1, config)[0]
-    return {"summary": summary, "weights": hf_weights(config), "grad_norms": grad_norms(config)}
+    return {"summary": summary, "weights": hf_weights(config), "metrics": step_metrics(config)}
 
 
 @pytest.mark.slow
@@ -212,9 +217,12 @@ def test_two_stages_train_as_one_process(tmp_path, cache, reference, schedule, r
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("schedule", [{"size": 2}, {"size": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2}],
+                         ids=["1f1b", "interleaved"])
 @pytest.mark.parametrize("inside", [{"expert_parallel": {"size": 2}}, {}], ids=["pp2-ep2", "pp2-dp2"])
-def test_two_stages_with_expert_or_data_parallelism_inside_train_as_one_process(tmp_path, cache, reference, inside):
-    config = run_config(tmp_path, cache, "pp2x2", micro=1, pipeline_parallel={"size": 2}, **inside)
+def test_two_stages_with_expert_or_data_parallelism_inside_train_as_one_process(tmp_path, cache, reference, inside,
+                                                                                 schedule):
+    config = run_config(tmp_path, cache, "pp2x2", micro=1, pipeline_parallel=schedule, **inside)
     summaries = run_distributed(pretrain_worker, 4, config)
     assert_same_run(summaries[0], hf_weights(config), reference, config=config)
 
