@@ -357,9 +357,12 @@ def check_run_config(ds_config: dict[str, Any]):
     return opt
 
 
-def resolve_batch_sizes(ds_config: dict[str, Any], world_size: int) -> tuple[int, int]:
-    """(micro-batch per rank, accumulation steps), made consistent with train_batch_size; a
-    one-line ConfigError when they cannot be."""
+def resolve_batch_sizes(ds_config: dict[str, Any], world_size: int, stages: int = 1) -> tuple[int, int]:
+    """(micro-batch per rank, accumulation steps), made consistent with train_batch_size over
+    `world_size` data-parallel ranks (those of one of `stages` pipeline stages); a one-line
+    ConfigError when they cannot be."""
+    ranks = f"{world_size} ranks" if stages == 1 else \
+        f"{world_size} data-parallel ranks ({world_size * stages} ranks / {stages} pipeline stages)"
     micro = ds_config.get("train_micro_batch_size_per_gpu")
     accumulation = ds_config.get("gradient_accumulation_steps")
     total = ds_config.get("train_batch_size")
@@ -372,17 +375,17 @@ def resolve_batch_sizes(ds_config: dict[str, Any], world_size: int) -> tuple[int
     if accumulation is None and micro is not None and total is not None:
         if total % (micro * world_size):
             raise ConfigError(f"train_batch_size {total} does not divide by train_micro_batch_size_per_gpu "
-                              f"{micro} x {world_size} ranks")
+                              f"{micro} x {ranks}")
         accumulation = total // (micro * world_size)
     accumulation = accumulation or 1
     if micro is None:
         if total % (accumulation * world_size):
             raise ConfigError(f"train_batch_size {total} does not divide by gradient_accumulation_steps "
-                              f"{accumulation} x {world_size} ranks")
+                              f"{accumulation} x {ranks}")
         micro = total // (accumulation * world_size)
     if total is not None and total != micro * accumulation * world_size:
         raise ConfigError(f"train_batch_size {total} is not train_micro_batch_size_per_gpu {micro} x "
-                          f"gradient_accumulation_steps {accumulation} x {world_size} ranks (change one of them with "
+                          f"gradient_accumulation_steps {accumulation} x {ranks} (change one of them with "
                           "--set; train_batch_size=null lets the other two decide)")
     ds_config.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accumulation,
                      train_batch_size=micro * accumulation * world_size)

@@ -52,6 +52,7 @@ def test_split_balances_layer_cost_with_the_head_on_the_last_chunk():
     ({"size": 2, "virtual_stages": 2}, "virtual_stages 2 needs a schedule with several stages per rank"),
     ({"size": 2, "layers": [1, 1, 1]}, "optimus.pipeline_parallel.layers has 3 entries; size 2 x virtual_stages 1"),
     ({"virtual_stages": 2, "schedule": "looped_bfs"}, "and optimus.pipeline_parallel.layers need pipeline stages"),
+    ({"size": 2, "schedule": "interleaved_1f1b"}, "interleaved_1f1b runs several chunks of layers per rank"),
 ])
 def test_bad_pipeline_sections_are_one_line_errors(section, message):
     with pytest.raises(ConfigError) as err:
@@ -301,6 +302,18 @@ def test_what_a_pipeline_cannot_run_is_one_line_from_rank_zero(tmp_path, cache):
                             '(2); raise it, or use schedule "gpipe"')
     assert "runs in bf16 or fp32" in said[6]
     assert said[7].endswith("expert parallel size 2 does not divide the 1 ranks of each of the 2 pipeline stages")
+    # --check says the same as the run, before it starts
+    from ds_optimus.plan.preflight import check_run
+    from ds_optimus.schema import ConfigError as Refused
+
+    for (bad, overrides), line in zip(cases[5:7], said[5:7], strict=True):
+        bad = json.loads(json.dumps(bad))
+        for override in overrides:
+            key, value = override.split("=", 1)
+            bad[key] = json.loads(value) if key == "fp16" else int(value)
+        with pytest.raises(Refused) as err:
+            check_run(bad, world=2)
+        assert line.endswith(str(err.value)), (line, str(err.value))
 
 
 def test_only_a_communication_backends_lost_peer_is_another_ranks_failure():

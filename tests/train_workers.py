@@ -43,7 +43,7 @@ def cli_errors_worker(rank: int, world: int, configs: list[tuple[dict, list[str]
 
     results = []
     for i, (config, overrides) in enumerate(configs):
-        path = f"{tmp}/bad{i}.json"
+        path = f"{tmp}/bad{i}-rank{rank}.json"  # one file per rank: a rank must not read another's half-written one
         with open(path, "w") as f:
             json.dump(config, f)
         err = io.StringIO()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..schema import Section, need, positive_int
+from ..schema import ConfigError, Section, need, positive_int
 
 # The schedules of torch.distributed.pipelining a run can name: one stage per rank, or several.
 SINGLE_STAGE_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
@@ -39,6 +39,9 @@ class PipelineParallelConfig(Section):
              f"{where}.virtual_stages must be a positive integer, got {self.virtual_stages!r}")
         need(self.size > 1 or (self.virtual_stages == 1 and self.layers is None),
              f"{where}.virtual_stages and {where}.layers need pipeline stages ({where}.size > 1)")
+        need(self.size == 1 or self.virtual_stages > 1 or self.schedule in SINGLE_STAGE_SCHEDULES,
+             f"{where}.schedule {self.schedule} runs several chunks of layers per rank: set {where}.virtual_stages "
+             "to 2 or more, or use 1f1b")
         need(self.virtual_stages == 1 or self.schedule in MULTI_STAGE_SCHEDULES,
              f"{where}.virtual_stages {self.virtual_stages} needs a schedule with several stages per rank "
              f"({', '.join(MULTI_STAGE_SCHEDULES)}); {self.schedule} runs one")
@@ -130,3 +133,34 @@ def split_layers(costs: list[float], embedding: float, head: float, chunks: int)
 def chunk_stage(chunk: int, stages: int) -> int:
     """The stage rank that runs chunk `chunk` (the loop order: chunk c on rank c mod stages)."""
     return chunk % stages
+
+
+def check_pipeline(opt, ds_config: dict, model_config, accumulation: int) -> list[range]:
+    """What a pipeline-parallel run of the parsed `optimus` section `opt` needs beyond the config's own
+    checks (one-line ConfigErrors, alike on every rank; the trainer and `--check` both ask); returns the
+    layers of every chunk."""
+    pp = opt.pipeline_parallel
+    if not opt.sharded_optimizer.enabled:
+        raise ConfigError("optimus.pipeline_parallel needs optimus.sharded_optimizer.enabled true (the pipeline "
+                          "schedule runs the backward passes; the sharded optimizer reduces their gradients)")
+    if model_config.tie_word_embeddings:
+        raise ConfigError("optimus.pipeline_parallel: the model ties its embedding and head, which sit on the first "
+                          "and last stages; set tie_word_embeddings false (optimus.model.overrides)")
+    if opt.train.compile:
+        raise ConfigError("optimus.pipeline_parallel does not run compiled layers yet; set optimus.train.compile false")
+    if ds_config.get("fp16", {}).get("enabled"):
+        raise ConfigError("optimus.pipeline_parallel runs in bf16 or fp32: the pipeline schedule's backward passes "
+                          "do not scale the loss as fp16 needs; use bf16")
+    if pp.schedule == "1f1b" and accumulation < pp.size:
+        raise ConfigError(f"optimus.pipeline_parallel: 1f1b needs at least as many micro-batches "
+                          f"(gradient_accumulation_steps, {accumulation}) as stages ({pp.size}); raise it, or use "
+                          "schedule \"gpipe\"")
+    rounds = max(1, accumulation // pp.size)
+    if pp.schedule == "interleaved_1f1b" and accumulation % rounds:
+        raise ConfigError(f"optimus.pipeline_parallel: interleaved_1f1b splits the micro-batches into rounds of at "
+                          f"least {pp.size}; gradient_accumulation_steps {accumulation} does not split into {rounds} "
+                          f"equal rounds (use a multiple of {pp.size}, or fewer than {2 * pp.size})")
+    try:
+        return pp.split(model_config, opt.data.seq_len)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None

@@ -94,16 +94,20 @@ def _run(args: argparse.Namespace) -> int:
                   f"{c.intra_node_gbps:g} GB/s in node, {c.inter_node_gbps:.1f} GB/s between nodes ({c.notes})")
         return 0
     cluster = get_cluster(args.cluster)
-    fixed = None  # the layout of --config
+    fixed = template = None  # the layout of --config; what --write keeps (its recipe, data, run settings)
     if args.config:
-        model, fixed = layout_from_config(json.loads(Path(args.config).read_text()), args.devices)
+        given = json.loads(Path(args.config).read_text())
+        model, fixed = layout_from_config(given, args.devices)
         args.model = args.model or model.name
         if args.model != model.name:
             model = ModelShape.from_preset(args.model)
+        else:
+            template = given
     else:
         args.model = args.model or "mula-7b-a1b"
         model = ModelShape.from_preset(args.model)
-    template = template_for(args.model)
+    template = template if template is not None else template_for(args.model)
+    args.template = template
     seq_len = args.seq_len or (fixed.seq_len if fixed else template.get("optimus", {}).get("data", {}).get(
         "seq_len", 4096))
     devices = args.devices or (fixed.world if fixed else cluster.devices_per_node)
@@ -279,7 +283,7 @@ def _rows(points) -> list[dict]:
 def _write_scaled(args, points, cluster) -> None:
     """--write with --scale: the best layout at each device count, as PATH with the count in its name."""
     target = Path(args.write)
-    template = template_for(args.model)
+    template = args.template
     for point in points:
         path = target.with_name(f"{target.stem}-{point.devices}{target.suffix or '.json'}")
         if point.plan is None:

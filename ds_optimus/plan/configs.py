@@ -126,7 +126,7 @@ def layout_from_config(ds_config: dict[str, Any], world: int | None = None) -> t
         world = total // (micro * accumulation) * stages
     if world % stages:
         raise LayoutError(f"optimus.pipeline_parallel.size {stages} does not divide the {world} ranks")
-    micro, accumulation = resolve_batch_sizes(config, world // stages)
+    micro, accumulation = resolve_batch_sizes(config, world // stages, stages)
     return model, layout_of(opt, config, world, micro, accumulation, model)
 
 

@@ -49,6 +49,7 @@ def check_run(ds_config: dict[str, Any], world: int | None = None, cluster: str 
     from ..data.tokenizer import looks_like_a_path
     from ..hf_models.mula import MulaForCausalLM, count_parameters
     from ..parallel.groups import check_layout
+    from ..parallel.stages import check_pipeline
 
     config = copy.deepcopy(ds_config)
     opt = check_run_config(config)
@@ -57,7 +58,7 @@ def check_run(ds_config: dict[str, Any], world: int | None = None, cluster: str 
     if world % stages:
         raise ConfigError(f"optimus.pipeline_parallel.size {stages} does not divide the {world} ranks")
     dp = world // stages  # the ranks of a pipeline stage: its data parallelism
-    micro, accumulation = resolve_batch_sizes(config, dp)
+    micro, accumulation = resolve_batch_sizes(config, dp, stages)
     name = opt.data.tokenizer
     try:  # a Hub tokenizer from the local cache only: a check never waits on the network
         tokenizer = load_tokenizer(name, local_files_only=True)
@@ -68,12 +69,12 @@ def check_run(ds_config: dict[str, Any], world: int | None = None, cluster: str 
     model_config = opt.model.mula_config(tokenizer)
     ep = opt.expert_parallel
     if model_config.num_experts:
-        check_layout(dp, ep.size, model_config.num_experts, ep.node_size)
+        check_layout(dp, ep.size, model_config.num_experts, ep.node_size, stages=stages)
     elif ep.size > 1:
         raise ConfigError("optimus.expert_parallel.size > 1 needs an MoE model (num_experts > 0); this one is "
                               "dense: set optimus.expert_parallel.size=1")
-    if stages > 1:
-        _check_pipeline(opt, model_config)
+    if stages > 1:  # the trainer's own checks, with its words
+        check_pipeline(opt, config, model_config, accumulation)
     with torch.device("meta"):
         model = MulaForCausalLM(model_config)
     _check_weights(opt.model.path, model)
@@ -89,7 +90,8 @@ def check_run(ds_config: dict[str, Any], world: int | None = None, cluster: str 
         else:
             hierarchy = f", hierarchical over nodes of {ep.node_size}" if ep.node_size and ep.node_size < ep.size \
                 else ""
-            exchange = f", expert parallel {ep.size} (dedup {ep.dedup}, chunks {ep.chunks}{hierarchy})"
+            dedup = str(ep.dedup).lower() if isinstance(ep.dedup, bool) else f'"{ep.dedup}"'  # as the JSON has it
+            exchange = f", expert parallel {ep.size} (dedup {dedup}, chunks {ep.chunks}{hierarchy})"
     pipeline = ""
     if stages > 1:
         pp = opt.pipeline_parallel
@@ -109,21 +111,6 @@ def check_run(ds_config: dict[str, Any], world: int | None = None, cluster: str 
         _run_line(opt),
     ]
     return lines
-
-
-def _check_pipeline(opt, model_config) -> None:
-    """What a pipeline-parallel run needs of the model and the trainer (the layout's own constraints,
-    schedule and micro-batches, are `Layout.check`'s, in the memory line)."""
-    where = "optimus.pipeline_parallel"
-    if model_config.tie_word_embeddings:
-        raise ConfigError(f"{where}: the model ties its embedding and head, which sit on the first and last stages; "
-                          "set tie_word_embeddings false (optimus.model.overrides)")
-    if opt.train.compile:
-        raise ConfigError(f"{where} does not run compiled layers; set optimus.train.compile false")
-    try:
-        opt.pipeline_parallel.split(model_config, opt.data.seq_len)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
 
 
 def _recompute_note(recompute: bool | tuple[str, ...]) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..parallel.stages import check_pipeline  # noqa: F401  (the trainer's: one-line errors, as --check's)
 from ..schema import ConfigError
 
 
@@ -27,36 +28,6 @@ def data_parallel_size(opt, world: int) -> int:
     return world // size
 
 
-def check_pipeline(opt, ds_config: dict[str, Any], model_config, accumulation: int) -> list[range]:
-    """What a pipeline-parallel run needs beyond the config's own checks (one-line ConfigErrors, alike on
-    every rank); returns the layers of every chunk."""
-    pp = opt.pipeline_parallel
-    if not opt.sharded_optimizer.enabled:
-        raise ConfigError("optimus.pipeline_parallel needs optimus.sharded_optimizer.enabled true (the pipeline "
-                          "schedule runs the backward passes; the sharded optimizer reduces their gradients)")
-    if model_config.tie_word_embeddings:
-        raise ConfigError("optimus.pipeline_parallel: the model ties its embedding and head, which sit on the first "
-                          "and last stages; set tie_word_embeddings false (optimus.model.overrides)")
-    if opt.train.compile:
-        raise ConfigError("optimus.pipeline_parallel does not run compiled layers yet; set optimus.train.compile false")
-    if ds_config.get("fp16", {}).get("enabled"):
-        raise ConfigError("optimus.pipeline_parallel runs in bf16 or fp32: the pipeline schedule's backward passes "
-                          "do not scale the loss as fp16 needs; use bf16")
-    if pp.schedule == "1f1b" and accumulation < pp.size:
-        raise ConfigError(f"optimus.pipeline_parallel: 1f1b needs at least as many micro-batches "
-                          f"(gradient_accumulation_steps, {accumulation}) as stages ({pp.size}); raise it, or use "
-                          "schedule \"gpipe\"")
-    rounds = max(1, accumulation // pp.size)
-    if pp.schedule == "interleaved_1f1b" and accumulation % rounds:
-        raise ConfigError(f"optimus.pipeline_parallel: interleaved_1f1b splits the micro-batches into rounds of at "
-                          f"least {pp.size}; gradient_accumulation_steps {accumulation} does not split into {rounds} "
-                          f"equal rounds (use a multiple of {pp.size}, or fewer than {2 * pp.size})")
-    try:
-        return pp.split(model_config, opt.data.seq_len)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-
-
 class PipelineRunner:
     """This rank's chunks of the model and the schedule that runs them; `step` trains one step's
     micro-batches, `evaluate` gives the LM loss of a batch (on the last stage)."""
@@ -65,7 +36,7 @@ class PipelineRunner:
         from ..parallel.pipeline import StageChunk
         from ..parallel.stages import chunk_stage
 
-        self.config, self.pipeline, self.accumulation = opt.pipeline_parallel, pipeline, accumulation
+        self.config, self.pipeline, self.accumulation, self.split = opt.pipeline_parallel, pipeline, accumulation, split
         self.micro, self.seq_len = micro, opt.data.seq_len
         self.total = len(split)
         self.chunks = [(c, StageChunk(model, layers, c == 0, c == self.total - 1))
@@ -84,6 +55,14 @@ class PipelineRunner:
         pipeline = groups.pipeline
         mine = [c for c in range(len(split)) if chunk_stage(c, pipeline.size) == pipeline.stage]
         return groups, ([i for c in mine for i in split[c]], 0 in mine, len(split) - 1 in mine)
+
+    def describe(self) -> str:
+        """One line for the run's log: stages, schedule, micro-batches and the layers of each chunk."""
+        config = self.config
+        chunks = f" x {config.virtual_stages} chunks" if config.virtual_stages > 1 else ""
+        return (f"pipeline: {config.size} stages{chunks}, {config.schedule} over {self.accumulation} micro-batches; "
+                f"decoder layers per chunk {'/'.join(str(len(r)) for r in self.split)} (the first chunk also "
+                "embeds, the last has the head)")
 
     def attach(self, engine) -> None:
         """Build the schedule over the engine's module (after DeepSpeed has cast and placed it)."""

@@ -64,7 +64,8 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         with every_rank_alike():  # data parallelism: the ranks of one pipeline stage (all of them without)
             self.dp_world = data_parallel_size(opt, self.world)
-            self.micro_batch, self.accumulation = C.resolve_batch_sizes(self.ds_config, self.dp_world)
+            self.micro_batch, self.accumulation = C.resolve_batch_sizes(self.ds_config, self.dp_world,
+                                                                        opt.pipeline_parallel.size)
         self.dp_rank, self.runner = self.rank % self.dp_world, None
         C.scheduler_defaults(self.ds_config, opt.train.steps)
         C.seed_everything(opt.train.seed)  # the same initial weights on every rank
@@ -206,7 +207,7 @@ class Trainer:
         if self.packed.documents and self.rank == 0:
             self.message(f"data: {self.packed.train_tokens:,} train / {self.packed.val_tokens:,} held-out tokens "
                          f"from {self.packed.documents:,} documents ({self.packed.root})")
-        for note in notes:
+        for note in notes + ([self.runner.describe()] if self.runner is not None else []):
             self.message(note)
         if self.resumed_from:
             self.message(f"resumed from {self.resumed_from} at step {start}")
