@@ -189,7 +189,8 @@ def reference(tmp_path_factory, cache):
     """The one-process run every pipelined run must reproduce."""
     config = run_config(tmp_path_factory.mktemp("one"), cache, "one", micro=2)
     summary = run_distributed(pretrain_worker, 1, config)[0]
-    return {"summary": summary, "weights": hf_weights(config), "metrics": step_metrics(config)}
+    return {"summary": summary, "weights": hf_weights(config), "metrics": step_metrics(config),
+            "weight_files": list((Path(config["optimus"]["train"]["output_dir"]) / "hf").glob("*.safetensors"))}
 
 
 @pytest.mark.slow
@@ -211,6 +212,8 @@ def test_two_stages_train_as_one_process(tmp_path, cache, reference, schedule, r
     hf = Path(config["optimus"]["train"]["output_dir"]) / "hf"
     assert sorted(p.name for p in hf.glob("*.safetensors")) == ["model-00001-of-00002.safetensors",
                                                                  "model-00002-of-00002.safetensors"]
+    config_mode = (hf / "config.json").stat().st_mode & 0o777  # weights as readable as the rest (umask)
+    assert {p.stat().st_mode & 0o777 for p in [*hf.glob("*.safetensors"), *reference["weight_files"]]} == {config_mode}
     from transformers import AutoModelForCausalLM  # each stage wrote its shard; the index joins them
 
     loaded = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).state_dict()

@@ -216,6 +216,15 @@ def gather_experts(model: nn.Module, groups: ExpertParallelGroups, dst: int) -> 
     return state if rank == dst else None
 
 
+def readable_as_umask(paths) -> None:
+    """Give files the permissions the process's umask gives new files (safetensors writes its files
+    readable by their owner alone, so nobody else on a shared cluster could load an exported model)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in paths:
+        os.chmod(path, 0o666 & ~umask)
+
+
 def export_pretrained(model: nn.Module, folder: str | os.PathLike, groups: ExpertParallelGroups | None = None,
                       tokenizer=None, *, model_card: str | None = None, generation_config=None,
                       state_dict: dict[str, torch.Tensor] | None = None) -> None:
@@ -256,6 +265,7 @@ def export_pretrained(model: nn.Module, folder: str | os.PathLike, groups: Exper
                     json.dump({**saved, "tokenizer_class": "PreTrainedTokenizerFast"}, f, indent=2, sort_keys=True)
         if generation_config is not None:
             generation_config.save_pretrained(folder)
+        readable_as_umask(glob.glob(os.path.join(glob.escape(os.fspath(folder)), "model*.safetensors")))
         if model_card is not None:
             with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as f:
                 f.write(model_card)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..hf_models.mula.modeling_mula import CACHE_NAME, combine_router_stats, create_causal_mask, router_layer_stats
+from .expert_parallel import readable_as_umask
 from .groups import PipelineGroups
 from .stages import MULTI_STAGE_SCHEDULES, SCHEDULES, PipelineParallelConfig, chunk_stage
 
@@ -251,6 +252,7 @@ def write_stage_weights(folder, state: dict[str, torch.Tensor] | None, pipeline:
     for file, shard in zip(files, shards, strict=True):
         save_file({k: v.detach().contiguous().cpu() for k, v in shard.items()}, str(Path(folder) / file),
                   metadata={"format": "pt"})
+    readable_as_umask([Path(folder) / file for file in files])
     if dist.get_rank() == 0:  # rank 0 is stage 0's writer
         index = {"metadata": {"total_size": sum(size for _, _, size in plans)},
                  "weight_map": dict(sorted(weight_map.items()))}
