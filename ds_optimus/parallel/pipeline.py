@@ -49,11 +49,6 @@ def keep_stage(model: nn.Module, layers: list[int], first: bool, last: bool) -> 
         model.lm_head = None
 
 
-def moe_layer_indices(config) -> list[int]:
-    """The decoder layers with experts, in order (a row each in the router statistics)."""
-    return [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
-
-
 class StageChunk(nn.Module):
     """Consecutive decoder layers of a pipelined Mula model, run as `MulaModel.forward` runs them.
     Input: token ids (the first chunk) or hidden states, with the router statistics so far for an MoE
@@ -67,7 +62,7 @@ class StageChunk(nn.Module):
         self.norm = inner.norm if last else None
         self.lm_head = model.lm_head if last else None
         self.rotary_emb = inner.rotary_emb
-        moe = moe_layer_indices(self.config)
+        moe = self.config.moe_layers  # a row each in the router statistics
         self.rows = [moe.index(i) for i in layers if i in moe]  # this chunk's rows in the statistics
         self.num_rows = len(moe)
         self.width = 2 * self.config.num_experts + 2 if moe else 0

@@ -10,9 +10,10 @@ and loss (so the last stage is stage P - 1 and the first stage 0).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from types import SimpleNamespace
 
+from ..hf_models.mula.configuration_mula import MulaConfig
 from ..parallel.stages import MULTI_STAGE_SCHEDULES, chunk_stage, layer_costs, split_layers
 from .model import ModelShape
 
@@ -28,13 +29,15 @@ class Stage:
 
 
 def _config(model: ModelShape) -> SimpleNamespace:
-    """The `MulaConfig` fields `layer_costs` reads, from a model shape."""
-    return SimpleNamespace(
+    """The `MulaConfig` fields `layer_costs` reads, from a model shape; which layers have experts is
+    `MulaConfig.is_moe_layer`'s own rule, not a copy of it."""
+    config = SimpleNamespace(
         hidden_size=model.hidden, num_attention_heads=model.heads, num_key_value_heads=model.kv_heads,
         head_dim=model.head_dim, num_hidden_layers=model.layers, num_experts=model.experts,
         num_experts_per_tok=model.top_k, moe_intermediate_size=model.expert_intermediate,
-        intermediate_size=model.intermediate, vocab_size=model.vocab,
-        is_moe_layer=lambda i: model.experts > 0 and (i + 1) % model.moe_layer_freq == 0)
+        intermediate_size=model.intermediate, vocab_size=model.vocab, moe_layer_freq=model.moe_layer_freq)
+    config.is_moe_layer = partial(MulaConfig.is_moe_layer, config)
+    return config
 
 
 @lru_cache(maxsize=512)

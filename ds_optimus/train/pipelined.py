@@ -79,7 +79,7 @@ class PipelineRunner:
         gradients reduced into the optimizer's shards. Adds the mean of the micro-batches' loss parts
         (`LOSS_PARTS`; the last stage's, zero on the others) to `parts`, and returns the step's token slots
         per MoE layer and expert (zero except on the last stage; None for a dense model)."""
-        from ..parallel.pipeline import moe_layer_indices, run_schedule
+        from ..parallel.pipeline import run_schedule
         from .metrics import LOSS_PARTS
 
         optimizer = self.engine.optimizer
@@ -89,7 +89,7 @@ class PipelineRunner:
         optimizer.finalize_gradient_accumulation_boundary()
         config, loads = self.engine.module.config, None
         if config.num_experts:  # the same shape on every rank: the step's one all-reduce adds them
-            loads = torch.zeros(len(moe_layer_indices(config)), config.num_experts, device=parts.device)
+            loads = torch.zeros(len(config.moe_layers), config.num_experts, device=parts.device)
         for record in self.loss.records:
             zero = torch.zeros((), dtype=parts.dtype, device=parts.device)
             parts += torch.stack([zero if record[k] is None else record[k].to(parts.dtype) for k in LOSS_PARTS]) \
