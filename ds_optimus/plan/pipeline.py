@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from functools import lru_cache, partial
 from types import SimpleNamespace
 
-from ..hf_models.mula.configuration_mula import MulaConfig
 from ..parallel.stages import MULTI_STAGE_SCHEDULES, chunk_stage, layer_costs, split_layers
 from .model import ModelShape
 
@@ -30,7 +29,9 @@ class Stage:
 
 def _config(model: ModelShape) -> SimpleNamespace:
     """The `MulaConfig` fields `layer_costs` reads, from a model shape; which layers have experts is
-    `MulaConfig.is_moe_layer`'s own rule, not a copy of it."""
+    `MulaConfig.is_moe_layer`'s own rule, not a copy of it (imported here: `--help` imports no torch)."""
+    from ..hf_models.mula.configuration_mula import MulaConfig
+
     config = SimpleNamespace(
         hidden_size=model.hidden, num_attention_heads=model.heads, num_key_value_heads=model.kv_heads,
         head_dim=model.head_dim, num_hidden_layers=model.layers, num_experts=model.experts,
