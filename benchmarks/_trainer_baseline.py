@@ -11,7 +11,7 @@ import time
 import torch
 from transformers import OlmoeConfig, OlmoeForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-from ds_optimus.data import PackedData
+from ds_optimus.data.pack import folder_stream
 from ds_optimus.train.hf_trainer import PackedSequences, trainer_ds_config
 
 
@@ -55,7 +55,7 @@ def main() -> None:
         model.set_experts_implementation(args.experts_implementation)
     timer = StepTimes()
     trainer = Trainer(model=model, args=training_args, callbacks=[timer],
-                      train_dataset=PackedSequences(PackedData.open(args.data).tokens("train"), args.seq_len))
+                      train_dataset=PackedSequences(folder_stream(args.data), args.seq_len))
     trainer.train()
     if trainer.is_world_process_zero():
         losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]

@@ -35,7 +35,8 @@ def test_check_says_what_would_run_without_a_process_group(tmp_path, capsys):
     assert lines[2].startswith("  layout    2 ranks (train_batch_size / (micro-batch x accumulation)): data parallel 2,"
                                " expert parallel 2")
     assert "8 sequences x 1 accumulation x 2 ranks = 16 sequences of 128 tokens (2,048 tokens) per step" in out
-    assert f"tokenized at the start into {tmp_path}/cache/" in out and "predicted peak 0.15 GiB per rank" in out
+    assert f"tokens    cache {tmp_path}/cache; embedded tokenized at the start (every rank its share)" in out
+    assert "predicted peak 0.15 GiB per rank" in out
     assert out.rstrip().endswith("starts at step 0")
     assert not dist.is_initialized() and not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
 

@@ -10,16 +10,20 @@ import torch
 
 from ds_optimus.data import (
     DataError,
-    PackedData,
     TokenBatches,
     embedded_documents,
     eval_batches,
     iter_documents,
     load_tokenizer,
     parse_source,
-    prepare,
+    prepare_data,
     token_dtype,
 )
+from ds_optimus.data.pack import folder_stream
+
+
+def _all(stream) -> np.ndarray:
+    return stream.read(0, stream.total)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +60,8 @@ def test_a_tokenizer_path_that_does_not_exist_is_named_as_a_missing_folder(tmp_p
 def test_sources_parse_and_fail_with_one_line(tmp_path):
     assert parse_source("embedded").kind == "embedded"
     assert parse_source({"hf": "org/name", "split": "validation"}).split == "validation"
-    for bad, match in [({"hf": "x", "colour": 1}, "unknown key 'colour'"), ({"what": 1}, "needs a 'path' or an 'hf'"),
+    for bad, match in [({"hf": "x", "colour": 1}, "unknown key 'colour'"),
+                       ({"what": 1}, "needs exactly one of 'path', 'hf', 'tokens'"),
                        ({"path": "x", "max_documents": 0}, "max_documents")]:
         with pytest.raises(DataError, match=match):
             parse_source(bad)
@@ -102,19 +107,22 @@ def test_prepare_packs_documents_with_eos_and_caches_by_fingerprint(tmp_path, to
     texts = [f"document number {i} says hello" for i in range(40)]
     corpus.write_text("\n".join(json.dumps({"text": t}) for t in texts))
     source = parse_source(str(corpus))
-    packed = prepare([source], tokenizer, tmp_path / "cache", val_fraction=0.1, progress=False)
-    assert packed.dtype == np.uint16 and packed.documents == 40 and packed.val_tokens > 0
-    stream = np.concatenate([packed.tokens("train"), packed.tokens("val")])
+    packed = prepare_data([source], tokenizer, tmp_path / "cache", val_fraction=0.1, progress=False)
+    (prepared,) = packed.sources
+    assert prepared.train.arrays[0].dtype == np.uint16 and packed.documents == 40 and packed.val_tokens > 0
+    stream = np.concatenate([_all(packed.tokens("train")), _all(packed.tokens("val"))])
     assert (stream == tokenizer.eos_token_id).sum() == 40  # one EOS after every document
     expected = sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) + 1 for t in texts)
     assert packed.train_tokens + packed.val_tokens == expected
-    train_docs = tokenizer.decode(packed.tokens("train")).split("<eos>")
+    train_docs = tokenizer.decode(_all(packed.tokens("train"))).split("<eos>")
     assert train_docs[0] == texts[1]  # document 0 is held out; the rest keep their order
     # same inputs: the finished folder is reused; a changed file gets a new one
-    assert prepare([source], tokenizer, tmp_path / "cache", val_fraction=0.1, progress=False).root == packed.root
+    again = prepare_data([source], tokenizer, tmp_path / "cache", val_fraction=0.1, progress=False)
+    assert again.sources[0].folder == prepared.folder and again.fingerprint == packed.fingerprint
     corpus.write_text(corpus.read_text() + "\n" + json.dumps({"text": "one more"}))
-    assert prepare([source], tokenizer, tmp_path / "cache", val_fraction=0.1, progress=False).root != packed.root
-    assert not list((tmp_path / "cache").glob("*.tmp-*"))
+    changed = prepare_data([source], tokenizer, tmp_path / "cache", val_fraction=0.1, progress=False)
+    assert changed.sources[0].folder != prepared.folder and changed.fingerprint != packed.fingerprint
+    assert not list((tmp_path / "cache").rglob("*.tmp-*"))
 
 
 def test_token_dtype_fits_the_vocabulary():
@@ -177,11 +185,11 @@ def test_eval_batches_are_fixed_and_sharded():
     assert torch.equal(r0[0][:, 0], torch.tensor([0, 8])) and torch.equal(r1[0][:, 0], torch.tensor([16, 24]))
 
 
-def test_packed_data_reopens(tmp_path, tokenizer):
-    packed = prepare([parse_source("embedded")], tokenizer, tmp_path, val_fraction=0.02, progress=False)
-    again = PackedData.open(packed.root)
-    assert again.train_tokens == packed.train_tokens > 100_000
-    assert np.array_equal(again.tokens("val")[:50], packed.tokens("val")[:50])
+def test_a_prepared_folder_reopens(tmp_path, tokenizer):
+    packed = prepare_data([parse_source("embedded")], tokenizer, tmp_path, val_fraction=0.02, progress=False)
+    again = folder_stream(packed.sources[0].folder, "val")
+    assert packed.train_tokens == folder_stream(packed.sources[0].folder).total > 100_000
+    assert np.array_equal(again.head(50), packed.tokens("val").head(50))
 
 
 def test_null_text_is_skipped_and_non_strings_refused(tmp_path):
@@ -196,6 +204,7 @@ def test_null_text_is_skipped_and_non_strings_refused(tmp_path):
 def test_a_failed_tokenization_leaves_no_partial_cache(tmp_path, tokenizer):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"text": "fine"}\n{"other": 1}\n')
-    with pytest.raises(DataError):
-        prepare([parse_source(str(path))], tokenizer, tmp_path / "cache", progress=False)
-    assert list((tmp_path / "cache").iterdir()) == []
+    with pytest.raises(DataError, match="bad.jsonl:2: record has no 'text' field"):
+        prepare_data([parse_source(str(path))], tokenizer, tmp_path / "cache", progress=False)
+    (folder,) = (tmp_path / "cache").iterdir()  # the error, said for the other ranks; nothing that looks done
+    assert sorted(p.name for p in folder.iterdir()) == ["error.rank0"]

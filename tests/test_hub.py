@@ -66,14 +66,14 @@ def hub(tmp_path_factory):
     """A tiny MoE model exported by `ds_optimus.train.export` with the default tokenizer and a
     training record, its outputs on fixed input, and the folder laid out as a Hub cache."""
     from ds_optimus.data import parse_source
-    from ds_optimus.data.pack import fingerprint
+    from ds_optimus.data.pack import source_key
 
     root = tmp_path_factory.mktemp("hub")
     torch.manual_seed(0)
     model = MulaForCausalLM(MulaConfig.from_preset("mula-tiny-moe")).eval()
     tokenizer = load_tokenizer(None)
     config = json.loads((ROOT / "ds_configs" / "mula-tiny-moe-cpu.json").read_text())
-    record = TrainingRecord(config=config, data_fingerprint=fingerprint([parse_source("embedded")], tokenizer, 0.05),
+    record = TrainingRecord(config=config, data_fingerprint=source_key(parse_source("embedded"), tokenizer, 0.05),
                             steps=8, tokens=8 * 16 * 128, loss=5.4321, eval_loss=5.6789, eval_step=8)
     folder = root / "export"
     export(model, tokenizer, folder, None, record=record)
@@ -276,8 +276,12 @@ def test_the_training_entry_point_exports_a_folder_ready_for_the_hub(tmp_path):
     assert json.loads((hf / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
 
     (cache,) = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
-    meta = json.loads((cache / "meta.json").read_text())
-    assert record.data_fingerprint == meta["fingerprint"] and meta["fingerprint"].startswith(cache.name)
+    from ds_optimus.data import PreparedData, PreparedSource, parse_source
+    from ds_optimus.data.pack import folder_stream
+
+    meta = json.loads((cache / "meta.json").read_text())  # the fingerprint of the one source, by name and identity
+    prepared = PreparedSource(parse_source("embedded"), meta["key"], folder_stream(cache), None, meta["documents"])
+    assert record.data_fingerprint == PreparedData([prepared], 1, cache.parent).fingerprint
     assert record.steps == 3 and record.tokens == 3 * 4 * 32  # steps x micro-batch 4 x sequence 32, 1 rank
     assert record.loss == summary["losses"][3] and (record.eval_step, record.eval_loss) == (3, summary["evals"][3])
     assert record.config["train_batch_size"] == 4 and record.config["optimus"]["train"]["steps"] == 3

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import re
 import struct
 import subprocess
@@ -261,11 +262,21 @@ def test_a_real_run_records_each_experts_tokens_and_leaves_its_plots(tmp_path):
         previous = record["step"]
 
     run = tmp_path / "run"
-    assert {p.name for p in (run / "plots").iterdir()} == MOE_PLOTS  # drawn by rank 0 at the end of the run
-    assert f"plots: 7 PNGs in {run / 'plots'}/" in (run / "log.txt").read_text()
+    trained = MOE_PLOTS | {"data_mixture.png"}  # a run logs each data source's tokens
+    assert {p.name for p in (run / "plots").iterdir()} == trained  # drawn by rank 0 at the end of the run
+    assert f"plots: 8 PNGs in {run / 'plots'}/" in (run / "log.txt").read_text()
     loads = load_metrics(run).expert_loads()
     assert loads.steps == [2, 4, 5] and loads.counts.shape == (layers, experts, 3)
     np.testing.assert_array_equal(loads.counts.sum(axis=1), np.array([[2, 2, 1]] * layers) * tokens_per_step * top_k)
     status, out, _ = _cli(run, "--out", tmp_path / "again", "--dpi", "60")
-    assert status == 0 and {Path(line).name for line in out.splitlines()} == MOE_PLOTS
+    assert status == 0 and {Path(line).name for line in out.splitlines()} == trained
     _png(tmp_path / "again" / "expert_load.png")
+
+
+def test_the_data_mixture_is_drawn_from_each_sources_tokens(tmp_path):
+    records = [{"step": step, "loss": 5.0, "tokens/wiki": 100 * step, "tokens/code": 300 * step,
+                "epochs/wiki": step / 10, "epochs/code": step / 40} for step in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    written = write_report(tmp_path, say=lambda _: None)
+    assert "data_mixture.png" in {p.name for p in written}
+    assert load_metrics(tmp_path).series("tokens/code") == ([1, 2, 3], [300.0, 600.0, 900.0])

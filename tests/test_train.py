@@ -115,11 +115,11 @@ def test_checkpoints_metrics_wandb_and_export(tmp_path, cache):
         loss = model(ids, labels=ids).lm_loss.item()
     assert loss < 8.0  # trained (random weights give ln(4096) = 8.3)
     prompt = summary["sample_prompt"]  # the run's own data: the first words of its first held-out document
-    from ds_optimus.data import load_tokenizer, parse_source, prepare
+    from ds_optimus.data import load_tokenizer, parse_source, prepare_data
 
     data = config["optimus"]["data"]
-    packed = prepare([parse_source("embedded")], load_tokenizer(), data["cache_dir"], data["val_fraction"])
-    first = load_tokenizer().decode(packed.tokens("val")[:200].tolist())
+    packed = prepare_data([parse_source("embedded")], load_tokenizer(), data["cache_dir"], data["val_fraction"])
+    first = load_tokenizer().decode(packed.tokens("val").head(200).tolist())
     assert first.startswith(prompt) and summary["sample"].startswith(prompt) and len(summary["sample"]) > len(prompt)
     assert tokenizer.model_max_length == model.config.max_position_embeddings  # was 1e30
 

@@ -1,23 +1,29 @@
-"""Pretraining data: sources (embedded corpus, local files, HF datasets), tokenizers, tokenize and
-pack into cached token files, and a resumable data-parallel loader."""
+"""Pretraining data: sources (the embedded corpus, local files plain or compressed, `datasets`
+folders and names, pre-tokenized token files), tokenizers, parallel and resumable tokenization
+into memory-mapped token shards, and a resumable data-parallel loader over a weighted mixture."""
 
-from .corpus import DataError, Source, describe, embedded_documents, iter_documents, parse_source
+from .corpus import DataError, Source, describe, embedded_documents, iter_documents, parse_source, parse_sources
 from .loader import TokenBatches, eval_batches
-from .pack import PackedData, prepare, token_dtype
+from .pack import PreparedData, PreparedSource, prepare_data, token_dtype
 from .tokenizer import load_tokenizer, train_default_tokenizer
+from .tokens import TokenStream, open_token_files
 
 __all__ = [
     "DataError",
-    "PackedData",
+    "PreparedData",
+    "PreparedSource",
     "Source",
     "TokenBatches",
+    "TokenStream",
     "describe",
     "embedded_documents",
     "eval_batches",
     "iter_documents",
     "load_tokenizer",
+    "open_token_files",
     "parse_source",
-    "prepare",
+    "parse_sources",
+    "prepare_data",
     "token_dtype",
     "train_default_tokenizer",
 ]

@@ -1,28 +1,44 @@
-"""Text sources for pretraining: the embedded default corpus, local files, and Hugging Face datasets.
+"""Pretraining sources: the embedded default corpus, local files (plain or compressed), `datasets`
+folders and names, and pre-tokenized token files.
 
 A source is given in the config's `optimus.data.sources` list as a string or an object:
 
     "embedded"                                  the Python reference manual every CPython ships
                                                 (`pydoc_data.topics`, ~465 KB, one document per topic)
-    "path/to/file.jsonl" | "dir/" | "*.txt"     local files: .txt/.md (a file is a document),
-                                                .jsonl/.json (one record per line), .parquet
+    "path/to/file.jsonl" | "dir/" | "*.json.zst" local files: .txt/.md (a file is a document),
+                                                .jsonl/.json (one record per line), each also
+                                                .gz- or .zst-compressed, .parquet; or a folder
+                                                written by `datasets`' `save_to_disk`
     {"path": "...", "text_field": "content"}    the same, with options
-    {"hf": "allenai/OLMoE-mix-0924", "name": null, "split": "train", "data_files": null,
+    {"hf": "allenai/OLMoE-mix-0924", "config": null, "split": "train", "data_files": null,
      "text_field": "text", "max_documents": 100000}
                                                 a `datasets` name on the Hub or a local dataset
                                                 folder, streamed (nothing is downloaded up front)
+    {"tokens": "tok/*.npy", "dtype": null, "val": null}
+                                                pre-tokenized flat token files (.npy, or raw .bin
+                                                with a "dtype"), read in place; "val": held-out ones
+
+Every object also takes `"name"` (the source's name in logs and metrics; by default from its path)
+and `"weight"` (its share of the sampled sequences; give every source one, or none: then each
+source is drawn in proportion to its size).
 
 `describe()` gives what identifies a source's content (file sizes and times, dataset revision) for
-the fingerprint of a tokenized cache.
+the fingerprint of a tokenized cache; `source_units()` splits a source into the pieces that
+preparation hands to its workers (a file each, or row ranges of a `save_to_disk` folder).
 """
 
 from __future__ import annotations
 
 import glob
+import gzip
 import hashlib
+import io
 import json
+import math
 import os
+import re
 import sys
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +47,8 @@ from typing import Any
 TEXT_SUFFIXES = (".txt", ".md", ".text")
 JSON_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
+COMPRESSED_SUFFIXES = (".gz", ".zst")
+DISK_ROWS_PER_UNIT = 100_000  # rows of a save_to_disk folder per preparation work unit
 
 
 class DataError(ValueError):
@@ -39,20 +57,30 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class Source:
-    kind: str  # "embedded" | "files" | "hf"
+    kind: str  # "embedded" | "files" | "hf" | "tokens"
     target: str = ""  # the path/glob, or the dataset name or folder
     text_field: str = "text"
-    name: str | None = None  # dataset configuration name
+    name: str = ""  # the source's name in logs and metrics (`source_name` when empty)
     split: str = "train"
     data_files: Any = None
     max_documents: int | None = None
+    weight: float | None = None  # share of the sampled sequences (None: by size)
+    config_name: str | None = None  # a dataset's configuration name ("name" of an "hf" source)
+    dtype: str | None = None  # a "tokens" source's .bin dtype
+    val: str | None = None  # a "tokens" source's held-out files
 
     def __str__(self) -> str:
         return self.kind if self.kind == "embedded" else f"{self.kind}:{self.target}"
 
+    @property
+    def label(self) -> str:
+        return self.name or source_name(self)
 
-_OPTIONS = {"text_field", "max_documents"}
-_HF_OPTIONS = _OPTIONS | {"name", "split", "data_files"}
+
+_COMMON = {"name", "weight"}
+_OPTIONS = _COMMON | {"text_field", "max_documents", "split"}  # split: of a saved DatasetDict
+_HF_OPTIONS = _OPTIONS | {"data_files", "config"}
+_TOKEN_OPTIONS = _COMMON | {"dtype", "val"}
 
 
 def parse_source(spec: str | dict[str, Any]) -> Source:
@@ -61,21 +89,71 @@ def parse_source(spec: str | dict[str, Any]) -> Source:
         return Source("embedded") if spec == "embedded" else Source("files", spec)
     if not isinstance(spec, dict):
         raise DataError(f"a data source must be a string or an object, got {type(spec).__name__}")
-    if "hf" in spec:
-        unknown = sorted(set(spec) - _HF_OPTIONS - {"hf"})
-        kind, target = "hf", spec["hf"]
-    elif "path" in spec:
-        unknown = sorted(set(spec) - _OPTIONS - {"path"})
-        kind, target = "files", spec["path"]
-    else:
-        raise DataError(f"a data source object needs a 'path' or an 'hf' key, got {sorted(spec)}")
+    keys = [k for k in ("hf", "path", "tokens", "embedded") if k in spec]
+    if len(keys) != 1:
+        raise DataError(f"a data source object needs exactly one of 'path', 'hf', 'tokens', got {sorted(spec)}")
+    kind = {"hf": "hf", "path": "files", "tokens": "tokens", "embedded": "embedded"}[keys[0]]
+    allowed = {"hf": _HF_OPTIONS, "files": _OPTIONS, "tokens": _TOKEN_OPTIONS, "embedded": _OPTIONS}[kind]
+    target = spec[keys[0]]
+    if kind == "embedded":
+        target = ""
+    elif not isinstance(target, str) or not target:
+        raise DataError(f"data source {keys[0]!r} must be a non-empty string, got {target!r}")
+    unknown = sorted(set(spec) - allowed - {keys[0]})
     if unknown:
-        raise DataError(f"data source {target!r}: unknown key {unknown[0]!r}")
-    options = {k: v for k, v in spec.items() if k not in ("hf", "path")}
+        raise DataError(f"data source {target or 'embedded'!r}: unknown key {unknown[0]!r}")
+    options = {k: v for k, v in spec.items() if k != keys[0]}
+    where = f"data source {target or 'embedded'!r}"
     max_docs = options.get("max_documents")
     if max_docs is not None and (not isinstance(max_docs, int) or max_docs < 1):
-        raise DataError(f"data source {target!r}: max_documents must be a positive integer, got {max_docs!r}")
+        raise DataError(f"{where}: max_documents must be a positive integer, got {max_docs!r}")
+    weight = options.get("weight")
+    if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float))
+                               or not math.isfinite(weight) or weight <= 0):
+        raise DataError(f"{where}: weight must be a number > 0, got {weight!r}")
+    name = options.get("name")
+    if name is not None and (not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name)):
+        raise DataError(f"{where}: name must be letters, digits, '_', '.' or '-', got {name!r}")
+    if options.get("dtype") is not None:
+        from .tokens import check_token_dtype
+
+        try:
+            check_token_dtype(options["dtype"])
+        except DataError as err:
+            raise DataError(f"{where}: {err}") from None
+    if "config" in options:  # a dataset's configuration name ("name" in datasets' words)
+        options["config_name"] = options.pop("config")
     return Source(kind, str(target), **options)
+
+
+def parse_sources(specs: list) -> list[Source]:
+    """Every source of `optimus.data.sources`, with unique names and weights on all or none."""
+    sources = [parse_source(spec) for spec in specs]
+    seen: dict[str, int] = {}
+    for i, source in enumerate(sources):
+        if source.label in seen:
+            raise DataError(f"sources {seen[source.label]} and {i} are both named {source.label!r}: give one a "
+                            "\"name\" (to weight a source up, give it a \"weight\" rather than listing it twice)")
+        seen[source.label] = i
+    weighted = [s.weight is not None for s in sources]
+    if any(weighted) and not all(weighted):
+        missing = sources[weighted.index(False)].label
+        raise DataError(f"source {missing!r} has no \"weight\" while others have one: give every source a weight, "
+                        "or none (then sources are drawn in proportion to their sizes)")
+    return sources
+
+
+def source_name(source: Source) -> str:
+    """A source's default name: "embedded", the last plain part of its path, or its dataset's name."""
+    if source.kind == "embedded":
+        return "embedded"
+    parts = [p for p in re.split(r"[\\/]", source.target) if p and not any(ch in p for ch in "*?[")]
+    base = parts[-1] if parts else source.kind
+    if source.kind != "hf":
+        while "." in base.strip(".") and base.rsplit(".", 1)[-1].lower() in (
+                "gz", "zst", "jsonl", "json", "txt", "md", "text", "parquet", "npy", "bin"):
+            base = base.rsplit(".", 1)[0]
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", base) or source.kind
 
 
 def resolve_files(source: Source) -> list[Path]:
@@ -90,15 +168,33 @@ def resolve_files(source: Source) -> list[Path]:
     else:
         raise DataError(f"data path {source.target!r} does not exist")
     if not files:
-        raise DataError(f"data path {source.target!r} holds no .txt, .md, .jsonl, .json or .parquet files")
+        raise DataError(f"data path {source.target!r} holds no .txt, .md, .jsonl, .json (each also .gz or .zst) "
+                        "or .parquet files")
     for path in files:
         if not _supported(path):
-            raise DataError(f"data file {str(path)!r} has an unsupported type (use .txt, .md, .jsonl, .json, .parquet)")
+            raise DataError(f"data file {str(path)!r} has an unsupported type (use .txt, .md, .jsonl, .json, each "
+                            "also .gz or .zst, or .parquet)")
     return files
 
 
+def _inner_suffix(path: Path) -> str:
+    """The format suffix under any compression: "wiki-0000.json.gz" -> ".json"."""
+    suffixes = [s.lower() for s in path.suffixes]
+    if suffixes and suffixes[-1] in COMPRESSED_SUFFIXES:
+        suffixes = suffixes[:-1]
+    return suffixes[-1] if suffixes else ""
+
+
 def _supported(path: Path) -> bool:
-    return path.suffix.lower() in TEXT_SUFFIXES + JSON_SUFFIXES + PARQUET_SUFFIXES
+    if path.suffix.lower() in PARQUET_SUFFIXES:
+        return True
+    return _inner_suffix(path) in TEXT_SUFFIXES + JSON_SUFFIXES
+
+
+def is_saved_dataset(target: str) -> bool:
+    """Whether `target` is a folder written by `datasets`' `save_to_disk` (a Dataset or DatasetDict)."""
+    root = Path(os.path.expanduser(target))
+    return root.is_dir() and ((root / "state.json").is_file() or (root / "dataset_dict.json").is_file())
 
 
 def iter_documents(source: Source) -> Iterator[str]:
@@ -116,13 +212,46 @@ def iter_documents(source: Source) -> Iterator[str]:
 def _documents(source: Source) -> Iterator[str]:
     if source.kind == "embedded":
         yield from embedded_documents()
+    elif source.kind in ("files", "hf") and is_saved_dataset(source.target):
+        yield from _saved_documents(source, None)
     elif source.kind == "files":
         for path in resolve_files(source):
             yield from _file_documents(path, source.text_field)
     elif source.kind == "hf":
         yield from _hf_documents(source)
     else:
-        raise DataError(f"unknown data source kind {source.kind!r}")
+        raise DataError(f"a {source.kind!r} source holds no text documents")
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A piece of a source that one preparation worker tokenizes: a file, a row range, or all of it."""
+
+    label: str
+    size: int  # bytes or rows: what balances the work between workers
+    part: Any = None  # a Path, a (start, stop) row range, or None for the whole source
+
+
+def source_units(source: Source) -> list[Unit]:
+    """The source's work units, in order (their tokens, concatenated, are the source's stream). A
+    source with `max_documents`, the embedded corpus and a streamed dataset are one unit each."""
+    if source.kind in ("files", "hf") and is_saved_dataset(source.target) and source.max_documents is None:
+        rows = len(_load_saved(source))
+        return [Unit(f"rows {lo}-{min(lo + DISK_ROWS_PER_UNIT, rows)}", min(DISK_ROWS_PER_UNIT, rows - lo),
+                     (lo, min(lo + DISK_ROWS_PER_UNIT, rows))) for lo in range(0, max(rows, 1), DISK_ROWS_PER_UNIT)]
+    if source.kind == "files" and source.max_documents is None:
+        return [Unit(str(p), p.stat().st_size, p) for p in resolve_files(source)]
+    return [Unit(str(source), 0, None)]
+
+
+def unit_documents(source: Source, unit: Unit) -> Iterator[str]:
+    """The documents of one unit of `source` (empty ones left out), in order."""
+    if unit.part is None:
+        yield from iter_documents(source)
+    elif isinstance(unit.part, tuple):
+        yield from (t for t in _saved_documents(source, unit.part) if t)
+    else:
+        yield from (t for t in _file_documents(unit.part, source.text_field) if t)
 
 
 def embedded_documents() -> list[str]:
@@ -132,12 +261,43 @@ def embedded_documents() -> list[str]:
     return [topics[key] for key in sorted(topics)]
 
 
-def _file_documents(path: Path, text_field: str) -> Iterator[str]:
+def _open_text(path: Path):
+    """A text reader of `path`, decompressing .gz and .zst."""
     suffix = path.suffix.lower()
-    if suffix in TEXT_SUFFIXES:
-        yield path.read_text(encoding="utf-8", errors="replace")
-    elif suffix in JSON_SUFFIXES:
-        with path.open(encoding="utf-8", errors="replace") as f:
+    if suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8", errors="replace")
+    if suffix == ".zst":
+        try:
+            import zstandard
+        except ImportError:
+            raise DataError(f"{path}: reading .zst files needs the zstandard package (pip install zstandard)") from None
+        raw = path.open("rb")
+        return io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True), encoding="utf-8",
+                                errors="replace")
+    return path.open(encoding="utf-8", errors="replace")
+
+
+def _decode_errors() -> tuple[type[BaseException], ...]:
+    errors: tuple[type[BaseException], ...] = (gzip.BadGzipFile, EOFError, zlib.error)
+    try:
+        import zstandard
+
+        errors += (zstandard.ZstdError,)
+    except ImportError:
+        pass
+    return errors
+
+
+def _file_documents(path: Path, text_field: str) -> Iterator[str]:
+    if path.suffix.lower() in PARQUET_SUFFIXES:
+        yield from _parquet_documents(path, text_field)
+        return
+    compressed = path.suffix.lower() in COMPRESSED_SUFFIXES
+    try:
+        with _open_text(path) as f:
+            if _inner_suffix(path) in TEXT_SUFFIXES:
+                yield f.read()
+                return
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -148,15 +308,24 @@ def _file_documents(path: Path, text_field: str) -> Iterator[str]:
                 if not isinstance(record, dict) or text_field not in record:
                     raise DataError(f"{path}:{lineno}: record has no {text_field!r} field")
                 yield from _text(record[text_field], f"{path}:{lineno}")
-    else:
-        import pyarrow.parquet as pq
+    except _decode_errors() as err:
+        kind = f"{path.suffix.lower()[1:]}-compressed " if compressed else ""
+        raise DataError(f"{path}: not a readable {kind}file ({type(err).__name__}: {err})") from None
 
+
+def _parquet_documents(path: Path, text_field: str) -> Iterator[str]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
         parquet = pq.ParquetFile(path)
-        if text_field not in parquet.schema_arrow.names:
-            raise DataError(f"{path}: no {text_field!r} column (columns: {', '.join(parquet.schema_arrow.names)})")
-        for batch in parquet.iter_batches(columns=[text_field], batch_size=1024):
-            for text in batch.column(0).to_pylist():
-                yield from _text(text, str(path))
+    except (pa.ArrowException, OSError) as err:
+        raise DataError(f"{path}: not a readable parquet file ({err})") from None
+    if text_field not in parquet.schema_arrow.names:
+        raise DataError(f"{path}: no {text_field!r} column (columns: {', '.join(parquet.schema_arrow.names)})")
+    for batch in parquet.iter_batches(columns=[text_field], batch_size=1024):
+        for text in batch.column(0).to_pylist():
+            yield from _text(text, str(path))
 
 
 def _text(value, where: str) -> Iterator[str]:
@@ -168,11 +337,38 @@ def _text(value, where: str) -> Iterator[str]:
     yield value
 
 
+def _load_saved(source: Source):
+    """A `save_to_disk` folder's dataset (memory-mapped Arrow), the source's split of a DatasetDict."""
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(os.path.expanduser(source.target))
+    except (FileNotFoundError, ValueError, OSError) as err:
+        raise DataError(f"dataset folder {source.target!r}: {err}") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if source.split not in loaded:
+            raise DataError(f"dataset folder {source.target!r} has no split {source.split!r} "
+                            f"(splits: {', '.join(loaded)}; set the source's \"split\")")
+        loaded = loaded[source.split]
+    if source.text_field not in loaded.column_names:
+        raise DataError(f"dataset folder {source.target!r}: no {source.text_field!r} column "
+                        f"(columns: {', '.join(loaded.column_names)}; set the source's \"text_field\")")
+    return loaded
+
+
+def _saved_documents(source: Source, rows: tuple[int, int] | None) -> Iterator[str]:
+    dataset = _load_saved(source).select_columns([source.text_field])
+    lo, hi = rows if rows is not None else (0, len(dataset))
+    for start in range(lo, hi, 1024):
+        for text in dataset[start:min(start + 1024, hi)][source.text_field]:
+            yield from _text(text, f"dataset folder {source.target!r}")
+
+
 def _hf_documents(source: Source) -> Iterator[str]:
     import datasets
 
     try:
-        stream = datasets.load_dataset(source.target, source.name, split=source.split,
+        stream = datasets.load_dataset(source.target, source.config_name, split=source.split,
                                        data_files=source.data_files, streaming=True)
     except FileNotFoundError as err:
         raise DataError(f"dataset {source.target!r} not found: {err}") from None
@@ -186,18 +382,24 @@ def _hf_documents(source: Source) -> Iterator[str]:
 
 
 def describe(source: Source) -> dict[str, Any]:
-    """What identifies the content of a source, for cache fingerprints."""
+    """What identifies the content of a source, for cache fingerprints: never its bytes (names,
+    sizes and modification times of its files)."""
     info: dict[str, Any] = {"kind": source.kind, "text_field": source.text_field,
                             "max_documents": source.max_documents}
     if source.kind == "embedded":
         digest = hashlib.sha256("\x00".join(embedded_documents()).encode()).hexdigest()
         info.update(python=sys.version.split()[0], sha256=digest)
-    elif source.kind == "files":
+    elif source.kind == "tokens":
+        from .tokens import describe_token_files
+
+        info.update(dtype=source.dtype, files=describe_token_files(source.target),
+                    val=describe_token_files(source.val) if source.val else None)
+    elif source.kind == "files" and not is_saved_dataset(source.target):
         info["files"] = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in resolve_files(source)]
     else:
-        info.update(target=source.target, name=source.name, split=source.split, data_files=source.data_files)
-        if os.path.exists(source.target):  # a local dataset folder: its files identify it
-            root = Path(source.target)
+        info.update(target=source.target, name=source.config_name, split=source.split, data_files=source.data_files)
+        if os.path.exists(os.path.expanduser(source.target)):  # a local dataset folder: its files identify it
+            root = Path(os.path.expanduser(source.target))
             info["files"] = [(str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns)
                              for p in sorted(root.rglob("*")) if p.is_file()]
     return info

@@ -1,10 +1,16 @@
-"""A resumable, data-parallel loader over a packed token file.
+"""A resumable, data-parallel loader over a weighted mixture of token streams.
 
-The token stream is cut into sequences of `seq_len` tokens. Each epoch visits every sequence once
-in an order fixed by (seed, epoch). Global sample position p maps to epoch p // N and to the
-(p % N)-th sequence of that epoch's order, so the loader's whole state is the number of tokens
-consumed: a resumed run sees exactly the batches the uninterrupted one would have. A global
-micro-batch holds `micro_batch_size * dp_size` consecutive positions; rank r takes its block.
+Each source's stream is cut into sequences of `seq_len` tokens (across its files' boundaries).
+Global sample position p is drawn from source s(p), a low-discrepancy draw by the weights
+(`shuffle.mixture_sources`); it is that source's k-th draw, and k gives the source's epoch
+k // N and, in it, the sequence `permute(k % N, N, key(seed, source, epoch))`: a keyed bijection,
+so an epoch of 2x10^9 sequences costs no memory and every epoch of every source has its own order.
+A source that runs out starts again in a new order, and says so once. A global micro-batch holds
+`micro_batch_size * dp_size` consecutive positions; rank r takes its block.
+
+The loader's state is the position and how many sequences each source has given (a few integers
+per source), with what identifies each source: a resumed run sees exactly the batches the
+uninterrupted one would have, and a run resumed on other data is told what changed.
 """
 
 from __future__ import annotations
@@ -15,33 +21,72 @@ import numpy as np
 import torch
 
 from .corpus import DataError
+from .shuffle import mixture_sources, mixture_thresholds, permute, stable_key
+from .tokens import TokenStream
 
 
-def sequence(tokens: np.ndarray, seq_len: int, index: int) -> torch.Tensor:
-    """The `index`-th sequence of `seq_len` tokens of a packed token stream, as int64."""
+def sequence(tokens, seq_len: int, index: int) -> torch.Tensor:
+    """The `index`-th sequence of `seq_len` tokens of a token array or stream, as int64."""
+    if isinstance(tokens, TokenStream):
+        return torch.from_numpy(tokens.read(index * seq_len, seq_len))
     start = index * seq_len
     return torch.from_numpy(np.asarray(tokens[start:start + seq_len], dtype=np.int64))
 
 
-class TokenBatches:
-    """Micro-batches `[micro_batch_size, seq_len]` (int64) for one data-parallel rank."""
+def _parts(data, split: str) -> list[tuple[str, TokenStream, float | None, str]]:
+    """(name, stream, weight, identity) of each source of `data` with tokens of `split`."""
+    if isinstance(data, TokenStream):
+        return [("data", data, None, "")]
+    if isinstance(data, np.ndarray):
+        return [("data", TokenStream([data]), None, "")]
+    parts = []
+    for source in data.sources:
+        stream = source.train if split == "train" else source.val
+        if stream is not None:
+            parts.append((source.name, stream, source.weight, source.identity))
+    return parts
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, micro_batch_size: int, dp_rank: int = 0,
-                 dp_size: int = 1, seed: int = 0, shuffle: bool = True, split: str = "train") -> None:
+
+class TokenBatches:
+    """Micro-batches `[micro_batch_size, seq_len]` (int64) for one data-parallel rank, from a
+    `PreparedData` (its sources mixed by their weights, or by their sizes without weights), a
+    `TokenStream` or a flat token array."""
+
+    def __init__(self, data, seq_len: int, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
+                 seed: int = 0, shuffle: bool = True, split: str = "train", vocab_size: int | None = None) -> None:
         if seq_len < 2 or micro_batch_size < 1:
             raise DataError(f"seq_len must be >= 2 and micro_batch_size >= 1, got {seq_len} and {micro_batch_size}")
         if not 0 <= dp_rank < dp_size:
             raise DataError(f"dp_rank {dp_rank} is not in [0, {dp_size})")
-        self.tokens = tokens
+        parts = _parts(data, split)
+        self.names = [name for name, *_ in parts]
+        self.streams = [stream for _, stream, *_ in parts]
+        self.identities = [identity for *_, identity in parts]
+        self.sizes = np.array([s.num_sequences(seq_len) for s in self.streams], dtype=np.int64)
         self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.seed, self.shuffle = seed, shuffle
-        self.num_sequences = len(tokens) // seq_len
+        self.seed, self.shuffle, self.vocab_size = seed, shuffle, vocab_size
+        self.num_sequences = int(self.sizes.sum())
+        total = sum(s.total for s in self.streams)
         if self.num_sequences < micro_batch_size * dp_size:
-            raise DataError(f"the {split} split has {len(tokens):,} tokens: {self.num_sequences} sequences of "
+            raise DataError(f"the {split} split has {total:,} tokens: {self.num_sequences} sequences of "
                             f"{seq_len}, fewer than one global micro-batch ({micro_batch_size} x {dp_size} ranks)")
+        given = [w for _, _, w, _ in parts]
+        if all(w is not None for w in given):
+            for name, size in zip(self.names, self.sizes, strict=True):
+                if size == 0:
+                    raise DataError(f"source {name!r} has fewer than {seq_len} {split} tokens: not one sequence "
+                                    "to draw (give it more data, or leave it out)")
+            weights = np.array(given, dtype=np.float64)
+        else:  # in proportion to the sizes: one uniform order over all the sources' sequences
+            weights = self.sizes.astype(np.float64)
+        self.weights = weights / weights.sum()
+        self._thresholds = mixture_thresholds(self.weights)
+        self._mix_key = stable_key(seed, "mixture", split)
         self.position = 0  # global samples consumed
-        self._epoch, self._order = -1, None
+        self.drawn = np.zeros(len(self.streams), dtype=np.int64)  # sequences each source has given
+        self._epochs_said = np.zeros(len(self.streams), dtype=np.int64)
+        self.events: list[str] = []  # what the log should say once (a source starting another epoch)
 
     @property
     def tokens_consumed(self) -> int:
@@ -49,25 +94,75 @@ class TokenBatches:
 
     @property
     def epoch(self) -> int:
+        """Whole epochs of the mixture so far (of a single source: its epochs)."""
         return self.position // self.num_sequences
 
-    def _sequence_index(self, position: int) -> int:
-        epoch, offset = divmod(position, self.num_sequences)
-        if not self.shuffle:
-            return offset
-        if epoch != self._epoch:
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._order = torch.randperm(self.num_sequences, generator=gen).numpy()
-            self._epoch = epoch
-        return int(self._order[offset])
+    def source_tokens(self) -> dict[str, int]:
+        """Tokens each source has given so far (over all ranks)."""
+        return {name: int(n) * self.seq_len for name, n in zip(self.names, self.drawn, strict=True)}
+
+    def source_epochs(self) -> dict[str, float]:
+        """Epochs of each source so far (sequences given over the source's sequences)."""
+        return {name: float(n) / max(int(size), 1) for name, n, size in zip(self.names, self.drawn, self.sizes,
+                                                                           strict=True)}
+
+    def _draws(self, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """Source and per-source draw index of the next `count` global positions."""
+        positions = np.arange(self.position, self.position + count, dtype=np.int64)
+        sources = (mixture_sources(positions, self._thresholds, self._mix_key) if len(self.streams) > 1
+                   else np.zeros(count, dtype=np.int64))
+        draws = np.empty(count, dtype=np.int64)
+        for s in np.unique(sources):
+            mask = sources == s
+            draws[mask] = self.drawn[s] + np.arange(int(mask.sum()))
+        return sources, draws
+
+    def _rows(self, sources: np.ndarray, draws: np.ndarray) -> np.ndarray:
+        rows = np.empty((len(sources), self.seq_len), dtype=np.int64)
+        for row, (s, k) in enumerate(zip(sources.tolist(), draws.tolist(), strict=True)):
+            size = int(self.sizes[s])
+            epoch, offset = divmod(k, size)
+            index = int(permute([offset], size, stable_key(self.seed, self.names[s], epoch))[0]) if self.shuffle \
+                else offset
+            rows[row] = self.streams[s].read(index * self.seq_len, self.seq_len)
+            if self.vocab_size is not None and rows[row].max() >= self.vocab_size:
+                raise DataError(f"source {self.names[s]!r} holds token id {int(rows[row].max())}, outside the model's "
+                                f"vocabulary of {self.vocab_size} (tokenized with another tokenizer?)")
+        return rows
+
+    def sample(self, index: int) -> torch.Tensor:
+        """Sequence `index` of `num_sequences` by random access (the Hugging Face Trainer's datasets,
+        whose sampler shuffles the indices): the sources own consecutive ranges of the indices in
+        proportion to their weights, and a source's range runs through its sequences in order
+        (again from the start where its share exceeds its size)."""
+        if not 0 <= index < self.num_sequences:
+            raise IndexError(f"sequence {index} of {self.num_sequences}")
+        ends = np.floor(np.cumsum(self.weights) * self.num_sequences).astype(np.int64)
+        s = int(np.searchsorted(ends, index, side="right"))
+        draw = index - (int(ends[s - 1]) if s else 0)
+        return torch.from_numpy(self._rows(np.array([s]), np.array([draw]))[0])
 
     def next_batch(self) -> torch.Tensor:
         """This rank's next micro-batch; every rank advances by one global micro-batch."""
-        first = self.position + self.dp_rank * self.micro_batch_size
-        rows = [sequence(self.tokens, self.seq_len, self._sequence_index(p))
-                for p in range(first, first + self.micro_batch_size)]
-        self.position += self.micro_batch_size * self.dp_size
-        return torch.stack(rows)
+        count = self.micro_batch_size * self.dp_size
+        sources, draws = self._draws(count)
+        mine = slice(self.dp_rank * self.micro_batch_size, (self.dp_rank + 1) * self.micro_batch_size)
+        rows = self._rows(sources[mine], draws[mine])
+        self.position += count
+        self.drawn += np.bincount(sources, minlength=len(self.streams))
+        self._note_epochs()
+        return torch.from_numpy(rows)
+
+    def _note_epochs(self) -> None:
+        started = np.where(self.drawn > 0, (self.drawn - 1) // np.maximum(self.sizes, 1), 0)
+        for s in np.flatnonzero(started > self._epochs_said):
+            self.events.append(f"data: source {self.names[s]!r} ran through its {int(self.sizes[s]):,} sequences; "
+                               f"epoch {int(started[s]) + 1} of it goes on in a new order")
+        self._epochs_said = np.maximum(self._epochs_said, started)
+
+    def take_events(self) -> list[str]:
+        events, self.events = self.events, []
+        return events
 
     def __iter__(self):
         while True:
@@ -75,20 +170,49 @@ class TokenBatches:
 
     def state_dict(self) -> dict[str, Any]:
         return {"tokens_consumed": self.tokens_consumed, "seq_len": self.seq_len, "seed": self.seed,
-                "global_micro_batch": self.micro_batch_size * self.dp_size}
+                "global_micro_batch": self.micro_batch_size * self.dp_size,
+                "sources": {name: {"drawn": int(n), "identity": identity, "share": float(w), "sequences": int(size)}
+                            for name, n, identity, w, size in zip(self.names, self.drawn, self.identities,
+                                                                  self.weights, self.sizes, strict=True)}}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], allow_change: bool = False) -> list[str]:
+        """Continue from `state`; returns what changed in the data since it was saved (a change is
+        a one-line `DataError` unless `allow_change`: then sources kept by name keep their place)."""
         if state["seq_len"] != self.seq_len or state["seed"] != self.seed:
             raise DataError(f"the loader state was saved with seq_len {state['seq_len']} and seed {state['seed']}, "
                             f"this run uses {self.seq_len} and {self.seed}")
         if state["tokens_consumed"] % self.seq_len:
             raise DataError(f"tokens_consumed {state['tokens_consumed']} is not a multiple of seq_len {self.seq_len}")
         self.position = state["tokens_consumed"] // self.seq_len
+        saved = state.get("sources")
+        if saved is None:  # a checkpoint from before per-source records: one stream, all of it drawn in order
+            saved = {self.names[0]: {"drawn": self.position, "identity": self.identities[0], "share": 1.0}} \
+                if len(self.names) == 1 else {}
+        changes = _changes(saved, self.names, self.identities, self.weights)
+        if changes and not allow_change:
+            more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
+            raise DataError(f"the data changed since the checkpoint: {changes[0]}{more}; set optimus.data.allow_change "
+                            "to true to continue on the new data")
+        self.drawn = np.array([saved.get(name, {}).get("drawn", 0) for name in self.names], dtype=np.int64)
+        self._epochs_said = np.where(self.drawn > 0, (self.drawn - 1) // np.maximum(self.sizes, 1), 0)
+        return changes
 
 
-def eval_batches(tokens: np.ndarray, seq_len: int, micro_batch_size: int, dp_rank: int, dp_size: int,
+def _changes(saved: dict, names: list[str], identities: list[str], shares: np.ndarray) -> list[str]:
+    changes = [f"source {name!r} was dropped" for name in saved if name not in names]
+    for name, identity, share in zip(names, identities, shares, strict=True):
+        if name not in saved:
+            changes.append(f"source {name!r} was added")
+        elif saved[name].get("identity") != identity:
+            changes.append(f"source {name!r} holds other data (its files, their sizes or times, or the tokenizer)")
+        elif abs(saved[name].get("share", share) - share) > 1e-9:
+            changes.append(f"source {name!r}'s share went from {saved[name]['share']:.4g} to {share:.4g}")
+    return changes
+
+
+def eval_batches(data, seq_len: int, micro_batch_size: int, dp_rank: int, dp_size: int,
                  max_batches: int) -> list[torch.Tensor]:
     """This rank's share of the first held-out sequences, in order: the same every evaluation."""
-    loader = TokenBatches(tokens, seq_len, micro_batch_size, dp_rank, dp_size, shuffle=False, split="held-out")
+    loader = TokenBatches(data, seq_len, micro_batch_size, dp_rank, dp_size, shuffle=False, split="val")
     count = min(max_batches, loader.num_sequences // (micro_batch_size * dp_size))
     return [loader.next_batch() for _ in range(count)]

@@ -1,180 +1,202 @@
-"""Tokenize documents and pack them into flat token files, cached under a content fingerprint.
+"""Tokenize text sources into flat token shards, in parallel and resumably; open every source as a
+memory-mapped token stream.
 
-Every document is tokenized (the Rust tokenizer encodes batches on all cores), followed by the
-end-of-text token, and appended to `train.bin` or `val.bin` (numpy `uint16` when the vocabulary
-fits, else `uint32`). Every `1/val_fraction`-th document (by a hash of its position, at least one)
-goes to the held-out split. The folder is named by a fingerprint of the sources, the tokenizer and
-these settings, so a changed input never reuses a stale cache; it is written under a temporary name
-and renamed when complete, so an interrupted run leaves nothing that looks finished.
+Each text source is prepared into its own folder, `<cache_dir>/<name>-<key>/`, the key a hash of
+what identifies the source's content (file names, sizes, times), the tokenizer, the held-out
+fraction and this format: a changed input never reuses a stale shard, and changing the mixture
+re-tokenizes nothing. A source is split into work units (`corpus.source_units`: a file each, or row
+ranges of a `save_to_disk` folder). Unit i becomes `unit-i.train.bin` and `unit-i.val.bin` (uint16
+when the vocabulary fits, else uint32; every document followed by the end-of-text id; a document
+goes to the held-out split by a hash of its unit and position, 1 in `1/val_fraction`), written
+under temporary names and renamed, then its completion marker `unit-i.json`, written last. A
+killed preparation resumes at the first unit without a marker; a unit without one is never read.
+
+The units of all pending sources are dealt to the `world` processes of a launch (largest first,
+each to the least loaded; every process computes the same deal) and each process tokenizes its
+share with `workers` local processes. A process that finishes waits for the others' markers on the
+shared filesystem, not in a collective (tokenizing a corpus takes longer than any collective's
+time-out); an error is written beside the markers, so every process stops with the same line.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from ..schema import ConfigError, Section, need, number, positive_int
-from .corpus import DataError, Source, describe, iter_documents, parse_source
+from .corpus import DataError, Source, describe, parse_sources, source_units
 from .tokenizer import tokenizer_fingerprint
+from .tokens import TokenStream, open_token_files
 
-FORMAT_VERSION = 1
-BATCH_DOCUMENTS = 256
+FORMAT_VERSION = 2
 
 
 @dataclass(frozen=True)
 class DataConfig(Section):
-    """`optimus.data`: the corpora, the tokenizer (null: the embedded default), the sequence length,
-    the held-out fraction and the token cache folder."""
+    """`optimus.data`: the corpora (with mixture weights), the tokenizer (null: the embedded
+    default), the sequence length, the held-out fraction, the token cache folder (on a filesystem
+    every rank sees), the tokenizing processes per rank, and whether a resumed run may continue on
+    changed data."""
 
     sources: list = field(default_factory=lambda: ["embedded"])
     tokenizer: str | None = None  # an HF tokenizer name or folder; null: the embedded default
     seq_len: int = 256
     val_fraction: float = 0.02
     cache_dir: str = "data_cache"
+    workers: int = 1  # tokenizing processes per rank when the data must be prepared at the start
+    allow_change: bool = False  # resume on sources that differ from the checkpoint's (logged)
 
     def check(self, where: str) -> None:
         need(isinstance(self.sources, list) and len(self.sources) > 0, f"{where}.sources must be a non-empty list")
         for i, spec in enumerate(self.sources):
             try:
-                parse_source(spec)
+                parse_sources([spec])
             except DataError as err:
                 raise ConfigError(f"{where}.sources[{i}]: {err}") from None
+        try:
+            parse_sources(self.sources)
+        except DataError as err:
+            raise ConfigError(f"{where}.sources: {err}") from None
         need(positive_int(self.seq_len) and self.seq_len >= 8, f"{where}.seq_len must be an integer >= 8")
         need(number(self.val_fraction) and 0 <= self.val_fraction < 0.5,
              f"{where}.val_fraction must be in [0, 0.5), got {self.val_fraction!r}")
+        need(positive_int(self.workers), f"{where}.workers must be a positive integer, got {self.workers!r}")
+        need(isinstance(self.allow_change, bool), f"{where}.allow_change must be true or false")
 
 
-@dataclass(frozen=True)
-class PackedData:
-    """A finished cache folder: token files and what they hold."""
+@dataclass
+class PreparedSource:
+    """One source, ready: its token streams and what identifies it."""
 
-    root: Path
-    dtype: np.dtype
-    train_tokens: int
-    val_tokens: int
-    documents: int
+    source: Source
+    identity: str  # a hash of the source's content identity (and, for text, the tokenizer's)
+    train: TokenStream
+    val: TokenStream | None
+    documents: int | None  # None for a pre-tokenized source (never scanned)
+    folder: Path | None = None
+
+    @property
+    def name(self) -> str:
+        return self.source.label
+
+    @property
+    def weight(self) -> float | None:
+        return self.source.weight
+
+
+@dataclass
+class PreparedData:
+    """Every source of a run, ready to read."""
+
+    sources: list[PreparedSource]
     eos_id: int
+    root: Path  # the cache folder
 
-    def tokens(self, split: str) -> np.memmap | np.ndarray:
-        path = self.root / f"{split}.bin"
-        count = self.train_tokens if split == "train" else self.val_tokens
-        if count == 0:
-            return np.zeros(0, dtype=self.dtype)
-        return np.memmap(path, dtype=self.dtype, mode="r", shape=(count,))
+    @property
+    def train_tokens(self) -> int:
+        return sum(s.train.total for s in self.sources)
 
-    @classmethod
-    def open(cls, root: str | Path) -> PackedData:
-        root = Path(root)
-        meta = json.loads((root / "meta.json").read_text())
-        return cls(root, np.dtype(meta["dtype"]), meta["train_tokens"], meta["val_tokens"], meta["documents"],
-                   meta["eos_id"])
+    @property
+    def val_tokens(self) -> int:
+        return sum(s.val.total for s in self.sources if s.val is not None)
+
+    @property
+    def documents(self) -> int:
+        return sum(s.documents or 0 for s in self.sources)
+
+    @property
+    def fingerprint(self) -> str:
+        """A hash of every source's identity and weight."""
+        parts = [(s.name, s.identity, s.weight) for s in self.sources]
+        return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+    def tokens(self, split: str) -> TokenStream:
+        """All sources' tokens of `split` ("train" or "val"), one after another."""
+        streams = [s.train if split == "train" else s.val for s in self.sources]
+        streams = [s for s in streams if s is not None]
+        return TokenStream([a for s in streams for a in s.arrays], [n for s in streams for n in s.names])
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
 
 
-def fingerprint(sources: Iterable[Source], tokenizer, val_fraction: float) -> str:
-    """A hash of the sources' content identity, the tokenizer and the packing settings."""
-    payload = {"format": FORMAT_VERSION, "sources": [describe(s) for s in sources],
-               "tokenizer": tokenizer_fingerprint(tokenizer), "val_fraction": val_fraction}
+def source_key(source: Source, tokenizer, val_fraction: float) -> str:
+    """A hash of the source's content identity, the tokenizer and the packing settings."""
+    payload = {"format": FORMAT_VERSION, "source": describe(source), "val_fraction": val_fraction,
+               "tokenizer": tokenizer_fingerprint(tokenizer) if tokenizer is not None else None}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _is_val(index: int, every: int | None) -> bool:
+def source_folder(source: Source, tokenizer, cache_dir: str | Path, val_fraction: float) -> Path:
+    return Path(cache_dir) / f"{source.label}-{source_key(source, tokenizer, val_fraction)[:16]}"
+
+
+def _is_val(unit: int, index: int, every: int | None) -> bool:
     if every is None:
         return False
-    mixed = (index * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & (2**64 - 1)
-    return index == 0 or (mixed >> 32) % every == 0
+    mixed = ((unit * 0xD1B54A32D192ED03 + index) * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & (2**64 - 1)
+    return (unit, index) == (0, 0) or (mixed >> 32) % every == 0
 
 
-def prepare(sources: list[Source], tokenizer, cache_dir: str | Path, val_fraction: float = 0.01,
-            progress: bool = True) -> PackedData:
-    """Tokenize and pack `sources` into `cache_dir/<fingerprint>/`, or reuse a finished one there."""
+def prepare_data(sources: list[Source], tokenizer, cache_dir: str | Path, val_fraction: float = 0.01, *,
+                 workers: int = 1, rank: int = 0, world: int = 1, progress: bool = True,
+                 threads: int | None = None, poll_seconds: float = 1.0) -> PreparedData:
+    """Tokenize what is not prepared yet (this process's share of it), wait for the rest, and open
+    every source. Every process of a launch calls it alike, with its `rank` of `world`."""
     if not sources:
         raise DataError("optimus.data.sources is empty")
     if not 0.0 <= val_fraction < 0.5:
         raise DataError(f"optimus.data.val_fraction must be in [0, 0.5), got {val_fraction}")
-    key = fingerprint(sources, tokenizer, val_fraction)
-    root = Path(cache_dir) / key[:20]
-    if (root / "meta.json").exists():
-        return PackedData.open(root)
+    pending = []
+    for source in sources:
+        if source.kind != "tokens":
+            folder = source_folder(source, tokenizer, cache_dir, val_fraction)
+            if not (folder / "meta.json").exists():
+                pending.append((source, folder, source_units(source)))
+    if pending:
+        from .workers import run_units
 
-    tmp = root.with_name(f"{root.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    dtype = token_dtype(len(tokenizer))
-    eos = tokenizer.eos_token_id
-    every = None if val_fraction == 0 else max(2, round(1 / val_fraction))
-    backend = tokenizer.backend_tokenizer
-    counts = {"train": 0, "val": 0}
-    started = time.time()
-    bar = None
-    if progress:
-        from ..progress import progress
+        run_units(pending, tokenizer, val_fraction, workers=workers, rank=rank, world=world, progress=progress,
+                  threads=threads, poll_seconds=poll_seconds)
+    prepared = [_open_tokens(s) if s.kind == "tokens" else _open_folder(s, tokenizer, cache_dir, val_fraction)
+                for s in sources]
+    return PreparedData(prepared, tokenizer.eos_token_id, Path(cache_dir))
 
-        bar = progress(desc="tokenizing", unit="doc")
+
+def _open_tokens(source: Source) -> PreparedSource:
+    identity = hashlib.sha256(json.dumps(describe(source), default=str).encode()).hexdigest()
     try:
-        documents = _tokenize_into(tmp, sources, backend, eos, dtype, every, counts, bar)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays behind
-        raise
-    finally:
-        if bar is not None:
-            bar.close()
-    if documents == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise DataError(f"the data sources hold no documents: {', '.join(map(str, sources))}")
-    meta = {"format": FORMAT_VERSION, "fingerprint": key, "dtype": dtype.name, "eos_id": eos,
-            "vocab_size": len(tokenizer), "documents": documents, "train_tokens": counts["train"],
-            "val_tokens": counts["val"], "sources": [str(s) for s in sources],
-            "seconds": round(time.time() - started, 2)}
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-    try:
-        os.replace(tmp, root)
-    except OSError:  # another process finished the same cache first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return PackedData.open(root)
+        train = open_token_files(source.target, source.dtype)
+        val = open_token_files(source.val, source.dtype) if source.val else None
+    except DataError as err:
+        raise DataError(f"source {source.label!r}: {err}") from None
+    return PreparedSource(source, identity, train, val, None)
 
 
-def _tokenize_into(tmp: Path, sources, backend, eos, dtype, every, counts, bar) -> int:
-    documents = 0
-    with open(tmp / "train.bin", "wb") as train_f, open(tmp / "val.bin", "wb") as val_f:
-        for source in sources:
-            batch: list[str] = []
-            for text in iter_documents(source):
-                batch.append(text)
-                if len(batch) == BATCH_DOCUMENTS:
-                    documents = _write_batch(batch, backend, eos, dtype, documents, every, train_f, val_f, counts)
-                    batch = []
-                    if bar is not None:
-                        bar.update(BATCH_DOCUMENTS)
-                        bar.set_postfix(tokens=f"{counts['train'] + counts['val']:,}")
-            if batch:
-                documents = _write_batch(batch, backend, eos, dtype, documents, every, train_f, val_f, counts)
-                if bar is not None:
-                    bar.update(len(batch))
-    if bar is not None:
-        bar.set_postfix(tokens=f"{counts['train'] + counts['val']:,}")
-    return documents
+def _open_folder(source: Source, tokenizer, cache_dir, val_fraction) -> PreparedSource:
+    folder = source_folder(source, tokenizer, cache_dir, val_fraction)
+    meta = json.loads((folder / "meta.json").read_text())
+    if meta["documents"] == 0:
+        raise DataError(f"source {source.label!r} holds no documents ({source})")
+    val = folder_stream(folder, "val")
+    return PreparedSource(source, meta["key"], folder_stream(folder, "train"), val if val.total else None,
+                          meta["documents"], folder)
 
 
-def _write_batch(texts, backend, eos, dtype, first_index, every, train_f, val_f, counts) -> int:
-    encodings = backend.encode_batch(texts, add_special_tokens=False)
-    limit = np.iinfo(dtype).max
-    for offset, encoding in enumerate(encodings):
-        ids = np.asarray(encoding.ids + [eos], dtype=np.int64)
-        if ids.size and ids.max() > limit:
-            raise DataError(f"token id {ids.max()} does not fit {dtype.name}")
-        split = "val" if _is_val(first_index + offset, every) else "train"
-        ids.astype(dtype).tofile(val_f if split == "val" else train_f)
-        counts[split] += ids.size
-    return first_index + len(texts)
+def folder_stream(folder: str | Path, split: str = "train") -> TokenStream:
+    """A prepared source folder's tokens of `split`, memory-mapped."""
+    folder = Path(folder)
+    meta = json.loads((folder / "meta.json").read_text())
+    dtype = np.dtype(meta["dtype"])
+    arrays, names = [], []
+    for i, count in enumerate(meta[f"{split}_units"]):
+        if count:
+            path = folder / f"unit-{i:06d}.{split}.bin"
+            arrays.append(np.memmap(path, dtype=dtype, mode="r", shape=(count,)))
+            names.append(str(path))
+    return TokenStream(arrays, names)

@@ -138,32 +138,44 @@ def _check_weights(path: str | None, model) -> None:
 
 
 def _data_lines(opt, tokenizer) -> list[str]:
-    from ..data.corpus import parse_source, resolve_files
-    from ..data.pack import fingerprint
+    from ..data.corpus import is_saved_dataset, parse_sources, resolve_files
+    from ..data.pack import source_folder
+    from ..data.tokens import resolve_token_files
 
-    sources, described = [], []
-    for spec in opt.data.sources:
-        source = parse_source(spec)
-        sources.append(source)
-        if source.kind == "files":
+    sources = parse_sources(opt.data.sources)
+    described = []
+    for source in sources:
+        share = f", weight {source.weight:g}" if source.weight is not None else ""
+        if source.kind == "files" and not is_saved_dataset(source.target):
             files = resolve_files(source)  # a missing path is the error it would be at start
-            described.append(f"{source.target} ({len(files)} files, {sum(p.stat().st_size for p in files):,} bytes)")
-        elif source.kind == "hf":
+            described.append(f"{source.label}: {source.target} ({len(files)} files, "
+                             f"{sum(p.stat().st_size for p in files):,} bytes{share})")
+        elif source.kind == "tokens":
+            files = resolve_token_files(source.target)
+            described.append(f"{source.label}: {source.target} ({len(files)} token files, read in place{share})")
+        elif source.kind in ("hf", "files"):
             where = "a local dataset folder" if os.path.exists(source.target) else "from the Hub, not checked here"
-            described.append(f"{source.target} ({where})")
+            described.append(f"{source.label}: {source.target} ({where}{share})")
         else:
-            described.append("embedded (the Python reference manual)")
+            described.append(f"embedded (the Python reference manual{share})")
     if tokenizer is None:
         return [f"data      {'; '.join(described)}; tokenizer {opt.data.tokenizer} (from the Hub, not in the local "
                 "cache: downloaded at the start; its size against the model's vocabulary not checked here)",
                 "tokens    tokenized at the start, unless a cache made with that tokenizer is found then"]
     name = opt.data.tokenizer or f"the shipped {len(tokenizer)}-token BPE"
-    root = Path(opt.data.cache_dir) / fingerprint(sources, tokenizer, opt.data.val_fraction)[:20]
-    if (root / "meta.json").exists():
-        meta = json.loads((root / "meta.json").read_text())
-        cache = f"tokenized already in {root} ({meta['train_tokens']:,} train tokens)"
-    else:
-        cache = f"tokenized at the start into {root}"
+    ready, todo = 0, []
+    for source in sources:
+        if source.kind == "tokens":
+            continue
+        folder = source_folder(source, tokenizer, opt.data.cache_dir, opt.data.val_fraction)
+        if (folder / "meta.json").exists():
+            ready += json.loads((folder / "meta.json").read_text())["train_tokens"]
+        else:
+            todo.append(source.label)
+    cache = f"{ready:,} train tokens prepared in {opt.data.cache_dir}" if ready else f"cache {opt.data.cache_dir}"
+    if todo:
+        cache += (f"; {', '.join(todo)} tokenized at the start (every rank its share), or before with python -m "
+                  "ds_optimus.data.prepare")
     return [f"data      {'; '.join(described)}; tokenizer {name}", f"tokens    {cache}"]
 
 

@@ -136,6 +136,27 @@ def plot_throughput(run: RunMetrics, folder: Path, dpi: int, written: list[Path]
     _save(fig, folder, "throughput.png", dpi, written)
 
 
+def plot_data_mixture(run: RunMetrics, folder: Path, dpi: int, written: list[Path]) -> None:
+    """Each data source's tokens so far (`tokens/<name>`) and its share of all tokens drawn."""
+    names = sorted({k[len("tokens/"):] for record in run.records for k in record if k.startswith("tokens/")})
+    if not names:
+        return
+    fig, axes = _figure(rows=2, height=2.8)
+    series = {name: run.series(f"tokens/{name}") for name in names}
+    for i, name in enumerate(names):
+        steps, tokens = series[name]
+        epochs = run.series(f"epochs/{name}")[1]
+        label = f"{name} ({epochs[-1]:.2f} epochs)" if epochs else name
+        axes[0].plot(steps, tokens, color=f"C{i % 10}", label=label)
+        totals = [sum(series[n][1][series[n][0].index(step)] for n in names if step in series[n][0]) for step in steps]
+        axes[1].plot(steps, [100 * t / max(total, 1) for t, total in zip(tokens, totals, strict=True)],
+                     color=f"C{i % 10}")
+    axes[0].set(ylabel="tokens drawn", title="data mixture: tokens of each source so far")
+    axes[1].set(ylabel="share of tokens (%)", xlabel="step", ylim=(0, 100))
+    _legend(axes[0], loc="upper left")
+    _save(fig, folder, "data_mixture.png", dpi, written)
+
+
 def plot_skipped(run: RunMetrics, folder: Path, dpi: int, written: list[Path]) -> None:
     steps, total = run.series("skipped_steps")
     if not steps:
@@ -246,7 +267,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None, *, dpi: int
     except OSError as err:
         raise ReportError(f"cannot make {folder}: {err.strerror or err}") from None
     written: list[Path] = []
-    for plot in (plot_loss, plot_lr, plot_grad_norm, plot_throughput, plot_skipped):
+    for plot in (plot_loss, plot_lr, plot_grad_norm, plot_throughput, plot_skipped, plot_data_mixture):
         plot(run, folder, dpi, written)
     loads = run.expert_loads()
     if loads is not None:

@@ -1,5 +1,5 @@
 """The pieces the trainer assembles, each usable on its own: the process group, batch sizes, the LR
-schedule, data preparation on one rank, activation checkpointing and compilation of the decoder
+schedule, data preparation on every rank, activation checkpointing and compilation of the decoder
 layers, the Hugging Face export and a sample from the exported folder."""
 
 from __future__ import annotations
@@ -97,25 +97,54 @@ def scheduler_defaults(ds_config: dict[str, Any], steps: int) -> None:
         scheduler.setdefault("params", {}).setdefault("total_num_steps", steps)
 
 
-def prepare_on_rank_zero(sources, tokenizer, cache_dir, val_fraction):
-    """Tokenize and pack on rank 0 (with progress) while the others wait, then open the cache on
-    every rank. A data error on rank 0 is raised on every rank, so none is left waiting."""
-    from ..data import DataError, prepare
+def prepare_everywhere(data, tokenizer):
+    """Open the run's data (`optimus.data`, a `DataConfig`), tokenizing what is not prepared yet:
+    every rank its share of the files, with `data.workers` processes each (rank 0 shows the
+    progress), all waiting for the others' shards on the shared cache folder. A data error is raised
+    on every rank that hears of it (rank 0 prints it)."""
+    from ..data import DataError, parse_sources, prepare_data
 
-    if not dist.is_initialized():
-        return prepare(sources, tokenizer, cache_dir, val_fraction, progress=True)
-    failure = [None]
+    sources = parse_sources(data.sources)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return prepare_data(sources, tokenizer, data.cache_dir, data.val_fraction, workers=data.workers)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    check_shared_folder(Path(data.cache_dir), "optimus.data.cache_dir")
+    try:
+        return prepare_data(sources, tokenizer, data.cache_dir, data.val_fraction, workers=data.workers, rank=rank,
+                            world=world, progress=rank == 0)
+    except DataError as err:
+        raise said_by_every_rank(err) from None
+
+
+def describe_data(packed, loader) -> str:
+    """One line on the run's data: tokens, documents and each source's share of the draws."""
+    docs = f" from {packed.documents:,} documents" if packed.documents else ""
+    line = f"data: {packed.train_tokens:,} train / {packed.val_tokens:,} held-out tokens{docs} ({packed.root})"
+    if len(loader.names) > 1:
+        line += "; drawn " + ", ".join(f"{name} {share:.1%}" for name, share in zip(loader.names, loader.weights,
+                                                                                    strict=True))
+    return line
+
+
+def check_shared_folder(folder: Path, what: str) -> None:
+    """Raise on every rank unless every rank sees the files rank 0 writes in `folder` (collective)."""
+    token = [os.urandom(8).hex() if dist.get_rank() == 0 else None]
+    probe = folder / ".shared-probe"
     if dist.get_rank() == 0:
-        try:
-            prepare(sources, tokenizer, cache_dir, val_fraction, progress=True)
-        except Exception as err:  # any failure must reach the ranks waiting below
-            failure[0] = (isinstance(err, DataError), f"{err}" if isinstance(err, DataError)
-                          else f"preparing the data failed: {type(err).__name__}: {err}")
-    dist.broadcast_object_list(failure, src=0)
-    if failure[0] is not None:  # rank 0's, broadcast: every rank raises it alike
-        is_data_error, message = failure[0]
-        raise said_by_every_rank(DataError(message) if is_data_error else RuntimeError(message))
-    return prepare(sources, tokenizer, cache_dir, val_fraction, progress=False)
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_text(token[0])
+    dist.broadcast_object_list(token, src=0)
+    try:
+        seen = probe.read_text() == token[0]
+    except OSError:
+        seen = False
+    blind = [None] * dist.get_world_size()
+    dist.all_gather_object(blind, None if seen else socket.gethostname())
+    blind = sorted({host for host in blind if host is not None})
+    if blind:
+        raise said_by_every_rank(ValueError(
+            f"{what} {str(folder)!r} is not shared: rank 0's files there are not seen on {', '.join(blind[:4])}"
+            f"{' ...' if len(blind) > 4 else ''}; put it on a filesystem every node mounts"))
 
 
 def enable_activation_checkpointing(model, parts: bool | Sequence[str] = True) -> None:
@@ -207,7 +236,7 @@ def data_prompt(packed, tokenizer, tokens: int = 6) -> str:
     """A prompt in the run's own data: the first `tokens` tokens of the first held-out document (of the
     training data without a held-out split), up to its end."""
     for split in ("val", "train"):
-        ids = np.asarray(packed.tokens(split)[:tokens]).tolist()
+        ids = packed.tokens(split).head(tokens).tolist()
         if tokenizer.eos_token_id in ids:
             ids = ids[:ids.index(tokenizer.eos_token_id)]
         if ids:

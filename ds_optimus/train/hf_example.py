@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import ds_optimus  # noqa: F401
     from ds_optimus.config import ConfigError, OptimusConfig, apply_overrides, load_json_config
-    from ds_optimus.data import DataError, load_tokenizer, parse_source
-    from ds_optimus.train.components import prepare_on_rank_zero, resolve_batch_sizes
+    from ds_optimus.data import DataError, load_tokenizer
+    from ds_optimus.train.components import prepare_everywhere, resolve_batch_sizes
     from ds_optimus.train.hf_trainer import PackedSequences, trainer_ds_config
 
     try:
@@ -80,13 +80,12 @@ def main(argv: list[str] | None = None) -> int:
         model = opt.model.build(tokenizer, ep_size=ep, ep_rank=int(os.environ.get("RANK", "0")) % ep,
                                 seed=opt.train.seed)
 
-        sources = [parse_source(s) for s in opt.data.sources]
-        packed = prepare_on_rank_zero(sources, tokenizer, opt.data.cache_dir, opt.data.val_fraction)
+        packed = prepare_everywhere(opt.data, tokenizer)
     except (ConfigError, DataError, ValueError) as err:
         return fail(NAME, err, launched=True)
 
     trainer = Trainer(model=model, args=training_args, processing_class=tokenizer, data_collator=default_data_collator,
-                      train_dataset=PackedSequences(packed.tokens("train"), opt.data.seq_len))
+                      train_dataset=PackedSequences(packed, opt.data.seq_len, seed=opt.train.seed))
     try:
         trainer.train()  # DeepSpeed's engine is built here: it applies the optimus section
     except ConfigError as err:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback
 
@@ -73,16 +72,19 @@ class MulaTrainer(Trainer):
 
 
 class PackedSequences(torch.utils.data.Dataset):
-    """Fixed-length sequences of a packed token file as Trainer examples (`input_ids`, `labels`)."""
+    """The run's sequences as Trainer examples (`input_ids`, `labels`): example i is the loader's
+    i-th global sample, drawn from the sources by their weights (the Trainer's sampler then
+    shuffles the indices); one epoch is as many samples as the sources hold sequences."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int) -> None:
-        self.tokens, self.seq_len = tokens, seq_len
+    def __init__(self, data, seq_len: int, seed: int = 0) -> None:
+        from ..data.loader import TokenBatches
+
+        self.loader = TokenBatches(data, seq_len, 1, seed=seed, shuffle=False)
+        self.seq_len = seq_len
 
     def __len__(self) -> int:
-        return len(self.tokens) // self.seq_len
+        return self.loader.num_sequences
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        from ..data.loader import sequence
-
-        ids = sequence(self.tokens, self.seq_len, index)
+        ids = self.loader.sample(index)
         return {"input_ids": ids, "labels": ids}

@@ -8,7 +8,6 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 
@@ -29,11 +28,8 @@ class TrainingRecord:
 def training_record(trainer) -> TrainingRecord:
     """The record of a `ds_optimus.train.Trainer` that has trained: its effective config, the
     fingerprint of its packed data, steps and tokens so far, and its last losses."""
-    fingerprint = None
-    root = getattr(getattr(trainer, "packed", None), "root", None)
-    if root is not None:
-        meta = Path(root) / "meta.json"
-        fingerprint = json.loads(meta.read_text())["fingerprint"] if meta.exists() else Path(root).name
+    packed = getattr(trainer, "packed", None)
+    fingerprint = packed.fingerprint if packed is not None else None
     sources = trainer.ds_config.get("optimus", {}).get("data", {}).get("sources", [])
     datasets = tuple(s["hf"] for s in sources if isinstance(s, dict) and isinstance(s.get("hf"), str)
                      and not os.path.exists(s["hf"]))  # a name on the Hub, not a local folder
@@ -121,9 +117,8 @@ def _training(record: TrainingRecord) -> str:
         after = f" (after step {record.eval_step:,})" if record.eval_step is not None else ""
         facts.append(f"- held-out LM loss: {record.eval_loss:.4f}{after}")
     if record.data_fingerprint is not None:
-        facts.append(f"- data fingerprint: `{record.data_fingerprint}` (a hash of the data sources' identity, "
-                     "the tokenizer and the held-out split; the packed token cache is named by its first 20 "
-                     "characters)")
+        facts.append(f"- data fingerprint: `{record.data_fingerprint}` (a hash of each data source's identity and "
+                     "weight; a text source's identity covers its files, the tokenizer and the held-out split)")
     lines = ["## Training\n", "\n".join(facts) + "\n" if facts else ""]
     if record.config is not None:
         text = json.dumps(record.config, indent=2, default=str)

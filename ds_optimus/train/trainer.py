@@ -141,17 +141,16 @@ class Trainer:
         self.model = model
 
     def _build_data(self) -> None:
-        from ..data import DataError, eval_batches, parse_source
-        from ..data.loader import TokenBatches
+        from ..data import DataError, TokenBatches, eval_batches
 
         data, seed = self.opt.data, self.opt.train.seed
-        self.packed = C.prepare_on_rank_zero([parse_source(s) for s in data.sources], self.tokenizer,
-                                             data.cache_dir, data.val_fraction)
+        self.packed = C.prepare_everywhere(data, self.tokenizer)  # every rank tokenizes its share, if need be
         # every stage of a pipeline reads the same batches: the first feeds them, the last scores them
-        self.train_loader = TokenBatches(self.packed.tokens("train"), data.seq_len, self.micro_batch, self.dp_rank,
-                                         self.dp_world, seed=seed)
+        with every_rank_alike():
+            self.train_loader = TokenBatches(self.packed, data.seq_len, self.micro_batch, self.dp_rank, self.dp_world,
+                                             seed=seed, vocab_size=self.model.config.vocab_size)
         try:
-            self.held_out = eval_batches(self.packed.tokens("val"), data.seq_len, self.micro_batch, self.dp_rank,
+            self.held_out = eval_batches(self.packed, data.seq_len, self.micro_batch, self.dp_rank,
                                          self.dp_world, self.opt.train.eval_batches)
         except DataError:
             self.held_out = []
@@ -197,16 +196,17 @@ class Trainer:
         start, self.resumed_from = 0, None
         if latest is not None:
             start, extra = checkpoints.load(latest, self.engine)
-            self.train_loader.load_state_dict(extra["loader"])
+            with every_rank_alike():  # the same checkpoint and data on every rank
+                notes += [f"data changed since the checkpoint (optimus.data.allow_change): {change}" for change in
+                          self.train_loader.load_state_dict(extra["loader"], self.opt.data.allow_change)]
             for callback in self.callbacks:
                 if callback.state_key is not None:
                     callback.load_state_dict(extra.get(callback.state_key, {}))
             self.resumed_from = str(latest)
         self.sink = MetricsSink(self.output_dir, self.opt.train.steps, start, self.opt.wandb, self.ds_config,
                                 enabled=self.rank == 0 or self.log_every_rank)
-        if self.packed.documents and self.rank == 0:
-            self.message(f"data: {self.packed.train_tokens:,} train / {self.packed.val_tokens:,} held-out tokens "
-                         f"from {self.packed.documents:,} documents ({self.packed.root})")
+        if self.rank == 0:
+            self.message(C.describe_data(self.packed, self.train_loader))
         for note in notes + ([self.runner.describe()] if self.runner is not None else []):
             self.message(note)
         if self.resumed_from:

@@ -18,7 +18,8 @@ class MetricsCallback(Callback):
     last): learning rate, gradient norm, throughput and MFU over the interval, skipped steps, and the
     experts' load imbalance and token counts (`expert_tokens`: per MoE layer, the tokens routed to
     each expert, summed over ranks and the interval) over the interval, written through the
-    trainer's metrics sink. When the run ends without an error (and not preempted), rank 0 draws
+    trainer's metrics sink, with each data source's tokens and epochs so far (`tokens/<name>`,
+    `epochs/<name>`). When the run ends without an error (and not preempted), rank 0 draws
     `metrics.jsonl` into `<output_dir>/plots/` (`ds_optimus.report`)."""
 
     loop_ended = False
@@ -37,6 +38,8 @@ class MetricsCallback(Callback):
         self.window_steps += 1
         if not math.isfinite(loss) and not trainer.update_skipped:
             trainer.message(f"step {step}: loss is {loss}")
+        for event in trainer.train_loader.take_events():  # a source that ran out and starts again
+            trainer.message(event)
         if not trainer.is_log_step(step):
             return
         grad_norm = trainer.engine.get_global_grad_norm()
@@ -48,6 +51,9 @@ class MetricsCallback(Callback):
         peak = trainer.opt.train.peak_tflops
         if peak:
             metrics["mfu"] = self.flops_per_token * trainer.tokens_per_step / seconds / (peak * 1e12 * trainer.world)
+        loader = trainer.train_loader  # what each source has given so far (the same on every rank)
+        metrics.update({f"tokens/{name}": count for name, count in loader.source_tokens().items()})
+        metrics.update({f"epochs/{name}": count for name, count in loader.source_epochs().items()})
         if trainer.step_loads is not None:
             per_layer = expert_imbalance(trainer.step_loads)
             metrics["expert_imbalance_max"] = max(per_layer)

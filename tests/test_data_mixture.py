@@ -1,0 +1,174 @@
+"""Data at scale, part 2: the keyed-bijection shuffle, weighted mixtures (shares, resume, a source
+running out), data changed under a resumed run, and a 4-trillion-token source that costs nothing
+to open."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from ds_optimus.data import DataError, TokenBatches, TokenStream, load_tokenizer, parse_sources, prepare_data
+from ds_optimus.data.shuffle import mixture_sources, mixture_thresholds, permute, stable_key
+
+
+def test_the_keyed_permutation_is_a_bijection_for_every_size():
+    for n in [*range(1, 70), 127, 128, 129, 1000, 4097, 65_536, 100_003]:
+        image = permute(np.arange(n), n, key=n)
+        assert np.array_equal(np.sort(image), np.arange(n)), n
+    a, b = permute(np.arange(1000), 1000, 1), permute(np.arange(1000), 1000, 2)
+    assert not np.array_equal(a, b) and np.array_equal(a, permute(np.arange(1000), 1000, 1))
+    assert abs(np.corrcoef(np.arange(1000), a)[0, 1]) < 0.1  # no trace of the input order
+    # 2x10^9 sequences (4T tokens at 2048): any offset is a few integer operations, nothing stored
+    n = 2_000_000_000
+    started = time.perf_counter()
+    far = permute(np.array([0, 1, n // 2, n - 1]), n, 7)
+    assert time.perf_counter() - started < 0.05 and ((far >= 0) & (far < n)).all() and len(set(far.tolist())) == 4
+    with pytest.raises(ValueError, match=r"offsets must lie in \[0, 10\)"):
+        permute([10], 10, 0)
+
+
+def test_mixture_draws_follow_the_weights_in_every_window():
+    thresholds = mixture_thresholds([0.75, 0.25])
+    key = stable_key(0, "mixture")
+    for start in (0, 10_000, 3_000_000_000):  # the share holds anywhere in the run, not only on average
+        draws = mixture_sources(np.arange(start, start + 200), thresholds, key)
+        assert abs((draws == 0).mean() - 0.75) < 0.02
+    three = mixture_sources(np.arange(10_000), mixture_thresholds([5, 3, 2]), key)
+    assert np.allclose(np.bincount(three) / 10_000, [0.5, 0.3, 0.2], atol=0.002)
+
+
+def _sources(tmp_path, sizes, weights=None):
+    specs = []
+    for i, size in enumerate(sizes):
+        np.save(tmp_path / f"s{i}.npy", (np.arange(size) + 1_000_000 * i).astype(np.uint32))  # source, position
+        spec = {"tokens": str(tmp_path / f"s{i}.npy"), "name": f"src{i}"}
+        if weights:
+            spec["weight"] = weights[i]
+        specs.append(spec)
+    return prepare_data(parse_sources(specs), load_tokenizer(), tmp_path / "cache")
+
+
+def test_a_weighted_mixture_draws_its_shares_and_resumes_exactly(tmp_path):
+    data = _sources(tmp_path, [8 * 400, 8 * 400], weights=[0.75, 0.25])
+    run = TokenBatches(data, 8, 5, dp_rank=0, dp_size=2, seed=3)
+    other = TokenBatches(data, 8, 5, dp_rank=1, dp_size=2, seed=3)
+    rows = []
+    for step in range(20):  # 200 sequences
+        rows += [run.next_batch(), other.next_batch()]
+        if step == 9:  # a restart in the middle: the state through JSON, new loaders
+            state = json.loads(json.dumps(run.state_dict()))
+            resumed = [TokenBatches(data, 8, 5, dp_rank=r, dp_size=2, seed=3) for r in range(2)]
+            for loader in resumed:
+                assert loader.load_state_dict(state) == []
+            after = [torch.cat([resumed[0].next_batch(), resumed[1].next_batch()]) for _ in range(10)]
+    drawn = torch.cat(rows)
+    from_first = (drawn[:, 0] < 1_000_000).float().mean().item()  # which source a row is from
+    assert abs(from_first - 0.75) < 0.05
+    assert all(torch.equal(a, torch.cat(rows[20 + 2 * i:22 + 2 * i])) for i, a in enumerate(after))
+    tokens = run.source_tokens()
+    assert tokens == other.source_tokens() and sum(tokens.values()) == 200 * 8 and abs(tokens["src0"] - 150 * 8) <= 16
+
+
+def test_without_weights_sources_are_drawn_by_size_and_every_sequence_once(tmp_path):
+    data = _sources(tmp_path, [8 * 30, 8 * 10])
+    loader = TokenBatches(data, 8, 4, seed=1)
+    rows = torch.cat([loader.next_batch() for _ in range(10)])
+    keys = sorted((int(r[0]) // 1_000_000, int(r[0]) % 1_000_000 // 8) for r in rows)
+    assert keys == [(0, i) for i in range(30)] + [(1, i) for i in range(10)]  # one epoch of the union
+    assert loader.take_events() == []
+
+
+def test_a_source_that_runs_out_repeats_in_a_new_order_and_says_so_once(tmp_path):
+    data = _sources(tmp_path, [8 * 100, 8 * 6], weights=[1, 1])
+    loader = TokenBatches(data, 8, 4, seed=0)
+    small = []
+    for _ in range(7):  # 28 draws: ~14 of the small source, over two of its epochs
+        batch = loader.next_batch()
+        small += [int(r[0]) % 1_000_000 // 8 for r in batch if int(r[0]) >= 1_000_000]
+    assert sorted(small[:6]) == list(range(6)) and sorted(small[6:12]) == list(range(6))
+    assert small[:6] != small[6:12]  # a new order
+    events = loader.take_events()  # one line as each epoch of it begins
+    assert events == [f"data: source 'src1' ran through its 6 sequences; epoch {e} of it goes on in a new order"
+                      for e in range(2, (len(small) - 1) // 6 + 2)] and len(events) >= 1
+    assert loader.take_events() == [] and loader.source_epochs()["src1"] == pytest.approx(len(small) / 6)
+
+
+def test_data_changed_under_a_resume_is_refused_in_one_line_unless_allowed(tmp_path):
+    data = _sources(tmp_path, [8 * 50, 8 * 50], weights=[0.5, 0.5])
+    run = TokenBatches(data, 8, 4, seed=0)
+    for _ in range(3):
+        run.next_batch()
+    state = json.loads(json.dumps(run.state_dict()))
+    reweighted = prepare_data(parse_sources([{**s, "weight": w} for s, w in zip(
+        [{"tokens": str(tmp_path / "s0.npy"), "name": "src0"}, {"tokens": str(tmp_path / "s1.npy"), "name": "src1"}],
+        [0.8, 0.2], strict=True)]), load_tokenizer(), tmp_path / "cache")
+    with pytest.raises(DataError, match=r"^the data changed since the checkpoint: source 'src0''s share went from 0.5 "
+                                        r"to 0.8 \(and 1 more\); set optimus.data.allow_change to true") as err:
+        TokenBatches(reweighted, 8, 4, seed=0).load_state_dict(state)
+    assert "\n" not in str(err.value)
+    np.save(tmp_path / "s1.npy", np.arange(8 * 60, dtype=np.uint32))  # new content: another size
+    with pytest.raises(DataError, match=r"changed since the checkpoint: source 'src1' holds other data \(its files"):
+        TokenBatches(_sources_named(tmp_path, ["s0", "s1"]), 8, 4, seed=0).load_state_dict(state)
+    loader = TokenBatches(_sources_named(tmp_path, ["s0", "s1", "s2"]), 8, 4, seed=0)
+    notes = loader.load_state_dict(state, allow_change=True)
+    assert notes == ["source 'src0''s share went from 0.5 to 0.3333",
+                     "source 'src1' holds other data (its files, their sizes or times, or the tokenizer)",
+                     "source 'src2' was added"]
+    assert loader.drawn.tolist()[:2] == [run.drawn[0], run.drawn[1]] and loader.drawn[2] == 0  # kept by name
+    loader.next_batch()
+
+
+def _sources_named(tmp_path, stems):
+    np.save(tmp_path / "s2.npy", np.arange(8 * 20, dtype=np.uint32))
+    return prepare_data(parse_sources([{"tokens": str(tmp_path / f"{s}.npy"), "name": f"src{s[1:]}", "weight": 1}
+                                       for s in stems]), load_tokenizer(), tmp_path / "cache")
+
+
+PROBE = """
+import resource, sys, time
+from ds_optimus.data import TokenBatches, load_tokenizer, parse_sources, prepare_data
+tokenizer = load_tokenizer()
+imported = time.perf_counter()
+data = prepare_data(parse_sources([{"tokens": sys.argv[1]}]), tokenizer, sys.argv[2])
+loader = TokenBatches(data, 2048, 8, dp_rank=3, dp_size=12288, seed=0)
+batches = [loader.next_batch() for _ in range(2)]
+built = time.perf_counter()
+print(data.train_tokens, loader.num_sequences, built - imported, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def test_a_four_trillion_token_source_opens_and_draws_at_once(tmp_path):
+    """A sparse 4T-token .npy (no disk used): mapped, sized from its header, drawn from at rank 3 of
+    12,288 with no allocation that grows with it (peak RSS against a 400M-token file)."""
+    from numpy.lib.format import open_memmap
+
+    runs = {}
+    for name, tokens in (("small", 400_000_000), ("huge", 4_000_000_000_000)):
+        path = tmp_path / f"{name}.npy"
+        array = open_memmap(path, mode="w+", dtype=np.uint16, shape=(tokens,))
+        array[-4096:] = 7  # the only pages written
+        del array
+        out = subprocess.run([sys.executable, "-c", PROBE, str(path), str(tmp_path)], capture_output=True,
+                             text=True, timeout=300, check=True).stdout.split()
+        runs[name] = [int(out[0]), int(out[1]), float(out[2]), int(out[3])]
+    assert runs["huge"][:2] == [4_000_000_000_000, 4_000_000_000_000 // 2048]
+    assert runs["huge"][2] < 1.0  # seconds to open, build the loader and draw two batches
+    assert runs["huge"][3] - runs["small"][3] < 50 * 1024  # KiB of peak RSS: as for 10,000 times fewer tokens
+
+
+def test_the_trainer_glue_draws_by_weight_with_random_access(tmp_path):
+    from ds_optimus.train.hf_trainer import PackedSequences
+
+    data = _sources(tmp_path, [8 * 400, 8 * 400], weights=[0.75, 0.25])
+    dataset = PackedSequences(data, 8)
+    assert len(dataset) == 800
+    every = np.array([int(dataset[i]["input_ids"][0]) for i in range(800)])
+    # shares exact; source 0 (400 sequences) wraps round once its 400 are used, source 1 gives its first 200
+    assert (every < 1_000_000).sum() == 600 and len(set(every.tolist())) == 400 + 200
+    assert isinstance(data.tokens("train"), TokenStream)
