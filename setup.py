@@ -37,6 +37,8 @@ setup(
         "wandb>=0.18",
         "tqdm>=4.60",
         "numpy>=1.24",
+        "zstandard>=0.22",  # .zst-compressed JSON lines (OLMoE-mix-0924's DCLM files)
+        "pyarrow>=14",  # parquet sources (datasets needs it too)
     ],
     extras_require={
         "dev": ["pytest>=8", "ruff>=0.8", "matplotlib>=3.7"],

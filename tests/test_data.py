@@ -109,7 +109,7 @@ def test_prepare_packs_documents_with_eos_and_caches_by_fingerprint(tmp_path, to
     source = parse_source(str(corpus))
     packed = prepare_data([source], tokenizer, tmp_path / "cache", val_fraction=0.1, progress=False)
     (prepared,) = packed.sources
-    assert prepared.train.arrays[0].dtype == np.uint16 and packed.documents == 40 and packed.val_tokens > 0
+    assert prepared.train.array(0).dtype == np.uint16 and packed.documents == 40 and packed.val_tokens > 0
     stream = np.concatenate([_all(packed.tokens("train")), _all(packed.tokens("val"))])
     assert (stream == tokenizer.eos_token_id).sum() == 40  # one EOS after every document
     expected = sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) + 1 for t in texts)
@@ -206,5 +206,6 @@ def test_a_failed_tokenization_leaves_no_partial_cache(tmp_path, tokenizer):
     path.write_text('{"text": "fine"}\n{"other": 1}\n')
     with pytest.raises(DataError, match="bad.jsonl:2: record has no 'text' field"):
         prepare_data([parse_source(str(path))], tokenizer, tmp_path / "cache", progress=False)
-    (folder,) = (tmp_path / "cache").iterdir()  # the error, said for the other ranks; nothing that looks done
-    assert sorted(p.name for p in folder.iterdir()) == ["error.rank0"]
+    folder, error = sorted((tmp_path / "cache").iterdir())  # the error, said for the other ranks
+    assert error.name == f"{folder.name}.error.rank0" and "record has no 'text' field" in error.read_text()
+    assert list(folder.iterdir()) == []  # nothing that looks done, nothing half-written

@@ -288,5 +288,5 @@ def test_the_training_entry_point_exports_a_folder_ready_for_the_hub(tmp_path):
 
     _, text, blocks = _card(tmp_path / "with-record")
     assert blocks == [json.loads(json.dumps(record.config))]
-    assert f"`{meta['fingerprint']}`" in text and "training tokens: 384" in text
+    assert f"`{record.data_fingerprint}`" in text and "training tokens: 384" in text
     assert f"final training loss: {summary['losses'][3]:.4f}" in text

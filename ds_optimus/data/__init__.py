@@ -1,29 +1,19 @@
 """Pretraining data: sources (the embedded corpus, local files plain or compressed, `datasets`
 folders and names, pre-tokenized token files), tokenizers, parallel and resumable tokenization
-into memory-mapped token shards, and a resumable data-parallel loader over a weighted mixture."""
+into memory-mapped token shards, and a resumable data-parallel loader over a weighted mixture.
 
-from .corpus import DataError, Source, describe, embedded_documents, iter_documents, parse_source, parse_sources
-from .loader import TokenBatches, eval_batches
-from .pack import PreparedData, PreparedSource, prepare_data, token_dtype
-from .tokenizer import load_tokenizer, train_default_tokenizer
-from .tokens import TokenStream, open_token_files
+Names are imported on first use: a tokenizing worker process imports neither PyTorch nor
+Transformers."""
 
-__all__ = [
-    "DataError",
-    "PreparedData",
-    "PreparedSource",
-    "Source",
-    "TokenBatches",
-    "TokenStream",
-    "describe",
-    "embedded_documents",
-    "eval_batches",
-    "iter_documents",
-    "load_tokenizer",
-    "open_token_files",
-    "parse_source",
-    "parse_sources",
-    "prepare_data",
-    "token_dtype",
-    "train_default_tokenizer",
-]
+from .._lazy import lazy_exports
+
+_EXPORTS = {
+    "DataError": ".corpus", "Source": ".corpus", "describe": ".corpus", "embedded_documents": ".corpus",
+    "iter_documents": ".corpus", "parse_source": ".corpus", "parse_sources": ".corpus",
+    "TokenBatches": ".loader", "eval_batches": ".loader",
+    "PreparedData": ".pack", "PreparedSource": ".pack", "prepare_data": ".pack", "token_dtype": ".pack",
+    "load_tokenizer": ".tokenizer", "train_default_tokenizer": ".tokenizer",
+    "TokenStream": ".tokens", "open_token_files": ".tokens",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

@@ -28,9 +28,9 @@ from pathlib import Path
 import numpy as np
 
 from ..schema import ConfigError, Section, need, number, positive_int
-from .corpus import DataError, Source, describe, parse_sources, source_units
+from .corpus import DataError, Source, Unit, describe, parse_sources, source_units
 from .tokenizer import tokenizer_fingerprint
-from .tokens import TokenStream, open_token_files
+from .tokens import TokenFile, TokenStream, token_files
 
 FORMAT_VERSION = 2
 
@@ -117,8 +117,7 @@ class PreparedData:
     def tokens(self, split: str) -> TokenStream:
         """All sources' tokens of `split` ("train" or "val"), one after another."""
         streams = [s.train if split == "train" else s.val for s in self.sources]
-        streams = [s for s in streams if s is not None]
-        return TokenStream([a for s in streams for a in s.arrays], [n for s in streams for n in s.names])
+        return TokenStream.concat([s for s in streams if s is not None])
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -143,60 +142,75 @@ def _is_val(unit: int, index: int, every: int | None) -> bool:
     return (unit, index) == (0, 0) or (mixed >> 32) % every == 0
 
 
-def prepare_data(sources: list[Source], tokenizer, cache_dir: str | Path, val_fraction: float = 0.01, *,
-                 workers: int = 1, rank: int = 0, world: int = 1, progress: bool = True,
-                 threads: int | None = None, poll_seconds: float = 1.0) -> PreparedData:
-    """Tokenize what is not prepared yet (this process's share of it), wait for the rest, and open
-    every source. Every process of a launch calls it alike, with its `rank` of `world`."""
+@dataclass
+class SourcePlan:
+    """What preparing and opening a source needs, found on the filesystem (by one rank, at scale)."""
+
+    source: Source
+    identity: str
+    folder: Path | None = None  # a text source's shard folder
+    units: list[Unit] | None = None  # a text source's work, when not prepared yet
+    train_files: list[TokenFile] | None = None  # a token source's files
+    val_files: list[TokenFile] | None = None
+
+
+def plan_sources(sources: list[Source], tokenizer, cache_dir: str | Path, val_fraction: float) -> list[SourcePlan]:
+    """Each source's identity, folder and pending units, or token files: every stat, glob and header
+    read the data needs, done once (a training launch does it on rank 0 and sends it to the others)."""
     if not sources:
         raise DataError("optimus.data.sources is empty")
     if not 0.0 <= val_fraction < 0.5:
         raise DataError(f"optimus.data.val_fraction must be in [0, 0.5), got {val_fraction}")
-    pending = []
+    plans = []
     for source in sources:
-        if source.kind != "tokens":
-            folder = source_folder(source, tokenizer, cache_dir, val_fraction)
-            if not (folder / "meta.json").exists():
-                pending.append((source, folder, source_units(source)))
+        if source.kind == "tokens":
+            try:
+                identity = hashlib.sha256(json.dumps(describe(source), default=str).encode()).hexdigest()
+                plans.append(SourcePlan(source, identity, train_files=token_files(source.target, source.dtype),
+                                        val_files=token_files(source.val, source.dtype) if source.val else None))
+            except DataError as err:
+                raise DataError(f"source {source.label!r}: {err}") from None
+            continue
+        key = source_key(source, tokenizer, val_fraction)
+        folder = Path(cache_dir) / f"{source.label}-{key[:16]}"
+        units = None if (folder / "meta.json").exists() else source_units(source)
+        plans.append(SourcePlan(source, key[:16], folder, units))
+    return plans
+
+
+def prepare_data(sources: list[Source], tokenizer, cache_dir: str | Path, val_fraction: float = 0.01, *,
+                 workers: int = 1, rank: int = 0, world: int = 1, progress: bool = True,
+                 threads: int | None = None, poll_seconds: float = 1.0,
+                 plan: list[SourcePlan] | None = None) -> PreparedData:
+    """Tokenize what is not prepared yet (this process's share of it), wait for the rest, and open
+    every source. Every process of a launch calls it alike, with its `rank` of `world` (and the
+    `plan_sources` of rank 0, where there is a process group to send it)."""
+    plan = plan if plan is not None else plan_sources(sources, tokenizer, cache_dir, val_fraction)
+    pending = [(p.source, p.folder, p.units) for p in plan if p.units is not None]
     if pending:
         from .workers import run_units
 
-        run_units(pending, tokenizer, val_fraction, workers=workers, rank=rank, world=world, progress=progress,
-                  threads=threads, poll_seconds=poll_seconds)
-    prepared = [_open_tokens(s) if s.kind == "tokens" else _open_folder(s, tokenizer, cache_dir, val_fraction)
-                for s in sources]
-    return PreparedData(prepared, tokenizer.eos_token_id, Path(cache_dir))
+        run_units(pending, tokenizer, val_fraction, Path(cache_dir), workers=workers, rank=rank, world=world,
+                  progress=progress, threads=threads, poll_seconds=poll_seconds)
+    return PreparedData([_open(p) for p in plan], tokenizer.eos_token_id, Path(cache_dir))
 
 
-def _open_tokens(source: Source) -> PreparedSource:
-    identity = hashlib.sha256(json.dumps(describe(source), default=str).encode()).hexdigest()
-    try:
-        train = open_token_files(source.target, source.dtype)
-        val = open_token_files(source.val, source.dtype) if source.val else None
-    except DataError as err:
-        raise DataError(f"source {source.label!r}: {err}") from None
-    return PreparedSource(source, identity, train, val, None)
-
-
-def _open_folder(source: Source, tokenizer, cache_dir, val_fraction) -> PreparedSource:
-    folder = source_folder(source, tokenizer, cache_dir, val_fraction)
-    meta = json.loads((folder / "meta.json").read_text())
+def _open(plan: SourcePlan) -> PreparedSource:
+    if plan.source.kind == "tokens":
+        val = TokenStream(plan.val_files) if plan.val_files else None
+        return PreparedSource(plan.source, plan.identity, TokenStream(plan.train_files), val, None)
+    meta = json.loads((plan.folder / "meta.json").read_text())
     if meta["documents"] == 0:
-        raise DataError(f"source {source.label!r} holds no documents ({source})")
-    val = folder_stream(folder, "val")
-    return PreparedSource(source, meta["key"], folder_stream(folder, "train"), val if val.total else None,
-                          meta["documents"], folder)
+        raise DataError(f"source {plan.source.label!r} holds no documents ({plan.source})")
+    val = folder_stream(plan.folder, "val", meta)
+    return PreparedSource(plan.source, meta["key"], folder_stream(plan.folder, "train", meta),
+                          val if val.total else None, meta["documents"], plan.folder)
 
 
-def folder_stream(folder: str | Path, split: str = "train") -> TokenStream:
-    """A prepared source folder's tokens of `split`, memory-mapped."""
+def folder_stream(folder: str | Path, split: str = "train", meta: dict | None = None) -> TokenStream:
+    """A prepared source folder's tokens of `split`, each shard mapped when first read."""
     folder = Path(folder)
-    meta = json.loads((folder / "meta.json").read_text())
-    dtype = np.dtype(meta["dtype"])
-    arrays, names = [], []
-    for i, count in enumerate(meta[f"{split}_units"]):
-        if count:
-            path = folder / f"unit-{i:06d}.{split}.bin"
-            arrays.append(np.memmap(path, dtype=dtype, mode="r", shape=(count,)))
-            names.append(str(path))
-    return TokenStream(arrays, names)
+    meta = meta if meta is not None else json.loads((folder / "meta.json").read_text())
+    dtype = np.dtype(meta["dtype"]).str
+    return TokenStream([TokenFile(str(folder / f"unit-{i:06d}.{split}.bin"), count, dtype)
+                        for i, count in enumerate(meta[f"{split}_units"]) if count])

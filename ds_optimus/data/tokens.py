@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import glob
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -21,18 +22,42 @@ from .corpus import DataError
 TOKEN_SUFFIXES = (".npy", ".bin")
 
 
-class TokenStream:
-    """Token arrays read as one stream."""
+@dataclass(frozen=True)
+class TokenFile:
+    """Where one token file's ids lie: its path, count, dtype and the byte offset of the first."""
 
-    def __init__(self, arrays, names=()) -> None:
-        pairs = [(a, n) for a, n in zip(arrays, list(names) or [""] * len(arrays), strict=True) if len(a)]
-        self.arrays = [a for a, _ in pairs]
-        self.names = [n for _, n in pairs]
-        self.ends = np.cumsum([len(a) for a in self.arrays], dtype=np.int64)
+    path: str
+    length: int
+    dtype: str
+    offset: int = 0
+
+    def open(self) -> np.ndarray:
+        return np.memmap(self.path, dtype=self.dtype, mode="r", offset=self.offset, shape=(self.length,))
+
+
+class TokenStream:
+    """Token arrays, or token files mapped on first read, read as one stream. Built from `TokenFile`
+    records it opens nothing until a read needs a file: at 12,288 ranks and thousands of files, a
+    rank maps only the files its batches come from."""
+
+    def __init__(self, parts, names=()) -> None:
+        parts = list(parts)
+        names = list(names) or [p.path if isinstance(p, TokenFile) else "" for p in parts]
+        kept = [(p, n) for p, n in zip(parts, names, strict=True) if (p.length if isinstance(p, TokenFile) else len(p))]
+        self.files = [p if isinstance(p, TokenFile) else None for p, _ in kept]
+        self.arrays = [None if isinstance(p, TokenFile) else p for p, _ in kept]
+        self.names = [n for _, n in kept]
+        self.ends = np.cumsum([p.length if isinstance(p, TokenFile) else len(p) for p, _ in kept], dtype=np.int64)
         self.total = int(self.ends[-1]) if len(self.ends) else 0
 
     def __len__(self) -> int:
         return self.total
+
+    def array(self, i: int) -> np.ndarray:
+        """The i-th file's ids, mapped now if not yet."""
+        if self.arrays[i] is None:
+            self.arrays[i] = self.files[i].open()
+        return self.arrays[i]
 
     def num_sequences(self, seq_len: int) -> int:
         return self.total // seq_len
@@ -47,8 +72,8 @@ class TokenStream:
         while done < count:
             first = int(self.ends[i - 1]) if i else 0
             lo = start + done - first
-            take = min(count - done, len(self.arrays[i]) - lo)
-            out[done:done + take] = self.arrays[i][lo:lo + take]
+            take = min(count - done, int(self.ends[i]) - first - lo)
+            out[done:done + take] = self.array(i)[lo:lo + take]
             done += take
             i += 1
         return out
@@ -63,6 +88,12 @@ class TokenStream:
         for row, index in enumerate(indices.tolist()):
             out[row] = self.read(index * seq_len, seq_len)
         return out
+
+    @staticmethod
+    def concat(streams) -> TokenStream:
+        """The streams one after another (nothing is opened)."""
+        parts = [f if f is not None else a for s in streams for f, a in zip(s.files, s.arrays, strict=True)]
+        return TokenStream(parts, [n for s in streams for n in s.names])
 
 
 def resolve_token_files(target: str) -> list[Path]:
@@ -84,8 +115,8 @@ def resolve_token_files(target: str) -> list[Path]:
     return files
 
 
-def open_token_file(path: Path, dtype: str | None = None) -> np.ndarray:
-    """One token file, memory-mapped read-only."""
+def token_file(path: Path, dtype: str | None = None) -> TokenFile:
+    """Where a token file's ids lie, from its header (`.npy`) or its size (`.bin`); one-line errors."""
     if path.suffix == ".npy":
         try:
             array = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -97,21 +128,28 @@ def open_token_file(path: Path, dtype: str | None = None) -> np.ndarray:
             raise DataError(f"{path}: holds {array.dtype} values, not integer token ids")
         if dtype is not None and np.dtype(dtype) != array.dtype:
             raise DataError(f"{path}: holds {array.dtype}, but the source says dtype {dtype!r}")
-        return array
+        return TokenFile(str(path), len(array), array.dtype.str, int(getattr(array, "offset", 0)))
     if dtype is None:
         raise DataError(f"{path}: raw .bin token files need the source's \"dtype\" (e.g. \"uint16\" or \"uint32\")")
     itemsize = np.dtype(dtype).itemsize
     size = path.stat().st_size
     if size % itemsize:
         raise DataError(f"{path}: {size} bytes is not a whole number of {dtype} tokens")
-    if size == 0:
-        return np.zeros(0, dtype=dtype)
-    return np.memmap(path, dtype=dtype, mode="r", shape=(size // itemsize,))
+    return TokenFile(str(path), size // itemsize, np.dtype(dtype).str)
+
+
+def open_token_file(path: Path, dtype: str | None = None) -> np.ndarray:
+    """One token file, memory-mapped read-only."""
+    spec = token_file(path, dtype)
+    return spec.open() if spec.length else np.zeros(0, dtype=spec.dtype)
+
+
+def token_files(target: str, dtype: str | None = None) -> list[TokenFile]:
+    return [token_file(p, dtype) for p in resolve_token_files(target)]
 
 
 def open_token_files(target: str, dtype: str | None = None) -> TokenStream:
-    files = resolve_token_files(target)
-    return TokenStream([open_token_file(p, dtype) for p in files], [str(p) for p in files])
+    return TokenStream(token_files(target, dtype))
 
 
 def describe_token_files(target: str) -> list[tuple[str, int, int]]:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..cli import said_by_every_rank
 from .corpus import DataError, Source, Unit, unit_documents
 
 BATCH_DOCUMENTS = 256
@@ -35,19 +36,22 @@ def _marker(folder: Path, index: int) -> Path:
     return folder / f"unit-{index:06d}.json"
 
 
-def run_units(pending: list[tuple[Source, Path, list[Unit]]], tokenizer, val_fraction: float, *, workers: int,
-              rank: int, world: int, progress: bool, threads: int | None, poll_seconds: float) -> None:
-    """Tokenize this process's share of the pending sources' units, wait for all of them, and
-    write each source's `meta.json`."""
+def run_units(pending: list[tuple[Source, Path, list[Unit]]], tokenizer, val_fraction: float, cache_dir: Path, *,
+              workers: int, rank: int, world: int, progress: bool, threads: int | None, poll_seconds: float) -> None:
+    """Tokenize this process's share of the pending sources' units and wait until every source is
+    done: rank 0 watches the markers and writes each source's `meta.json`, the others wait for it.
+    Errors go to `<cache_dir>/<source folder>.error.rank<R>`, a small folder to watch (at 12,288
+    ranks, nobody but rank 0 lists the shard folders, and the others look less often)."""
     from .pack import token_dtype
 
     jobs = [(source, folder, i, unit) for source, folder, units in pending for i, unit in enumerate(units)]
     owner = deal([unit.size for *_, unit in jobs], world)
     for _, folder, _ in pending:
         folder.mkdir(parents=True, exist_ok=True)
-        for stale in folder.glob("error.rank*"):  # this process's, or a rank this launch has not, from before
-            if stale.name == f"error.rank{rank}" or int(stale.name[len("error.rank"):] or 0) >= world:
-                stale.unlink(missing_ok=True)
+    for name in _error_files(pending, cache_dir):  # this rank's, or a rank this launch has not, from before
+        other = int(name.rsplit(".rank", 1)[1])
+        if other == rank or other >= world:
+            (cache_dir / name).unlink(missing_ok=True)
     backend = tokenizer.backend_tokenizer.to_str()
     dtype = token_dtype(len(tokenizer)).name
     every = None if val_fraction == 0 else max(2, round(1 / val_fraction))
@@ -59,25 +63,59 @@ def run_units(pending: list[tuple[Source, Path, list[Unit]]], tokenizer, val_fra
     if progress:
         from ..progress import progress as make_bar
 
-        done = sum(_marker(folder, i).exists() for _, folder, i, _ in jobs)
+        done = _markers_done(pending)
         if done:
             print(f"tokenizing: going on from an earlier preparation ({done} of {len(jobs)} files done)",
                   file=sys.stderr, flush=True)
         bar = make_bar(total=len(jobs), initial=done, desc="tokenizing", unit="file")
     try:
-        _work(mine, workers, threads, lambda: _show(bar, jobs))
-        _wait(jobs, pending, bar, poll_seconds)
+        _work(mine, workers, threads, lambda: _tick(bar, pending, cache_dir, count=bar is not None))
+        if rank == 0:
+            _wait(lambda: _tick(bar, pending, cache_dir) == len(jobs), poll_seconds)
+            for source, folder, units in pending:
+                _write_meta(source, folder, units, dtype)
+        else:  # rank 0 writes the meta files when every marker is there
+            _wait(lambda: not _tick(None, pending, cache_dir, count=False) and all(
+                (folder / "meta.json").exists() for _, folder, _ in pending), poll_seconds * min(30, 1 + world // 256))
     except DataError as err:
-        _say_error(pending, rank, str(err))
+        if not getattr(err, "every_rank", False):  # this process's own: the others must hear of it
+            _say_error(pending, cache_dir, rank, str(err))
         raise
     except Exception as err:  # the others must hear of it too
-        _say_error(pending, rank, f"preparing the data failed on rank {rank}: {type(err).__name__}: {err}")
+        _say_error(pending, cache_dir, rank, f"preparing the data failed on rank {rank}: {type(err).__name__}: {err}")
         raise
     finally:
         if bar is not None:
             bar.close()
-    for source, folder, units in pending:
-        _write_meta(source, folder, units, dtype)
+
+
+def _error_files(pending, cache_dir: Path) -> list[str]:
+    prefixes = tuple(f"{folder.name}.error.rank" for _, folder, _ in pending)
+    return sorted(name for name in os.listdir(cache_dir) if name.startswith(prefixes) and ".tmp-" not in name)
+
+
+def _markers_done(pending) -> int:
+    """Units with their marker, one listing per shard folder."""
+    return sum(sum(1 for name in os.listdir(folder) if name.startswith("unit-") and name.endswith(".json"))
+               for _, folder, _ in pending)
+
+
+def _tick(bar, pending, cache_dir: Path, count: bool = True) -> int:
+    """Raise an error another process wrote; count the finished units (rank 0) and show them."""
+    errors = _error_files(pending, cache_dir)
+    if errors:  # another process's: it prints it itself, and rank 0 does (the launcher may stop it first)
+        raise said_by_every_rank(DataError((cache_dir / errors[0]).read_text().strip()))
+    if not count:
+        return 0
+    done = _markers_done(pending)
+    if bar is not None:
+        bar.update(done - bar.n)
+    return done
+
+
+def _wait(finished, poll_seconds: float) -> None:
+    while not finished():
+        time.sleep(poll_seconds)
 
 
 def _remove_leftovers(jobs, owner: list[int], rank: int) -> None:
@@ -173,30 +211,10 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _show(bar, jobs) -> None:
-    if bar is None:
-        return
-    done = sum(_marker(folder, i).exists() for _, folder, i, _ in jobs)
-    bar.update(done - bar.n)
-
-
-def _wait(jobs, pending, bar, poll_seconds: float) -> None:
-    """Until every unit has its marker; an error another process wrote is raised here."""
-    while True:
-        missing = [(folder, i) for _, folder, i, _ in jobs if not _marker(folder, i).exists()]
-        _show(bar, jobs)
-        if not missing:
-            return
-        for _, folder, _ in pending:
-            for error in sorted(folder.glob("error.rank*")):
-                raise DataError(error.read_text().strip())
-        time.sleep(poll_seconds)
-
-
-def _say_error(pending, rank: int, message: str) -> None:
+def _say_error(pending, cache_dir: Path, rank: int, message: str) -> None:
     for _, folder, _ in pending:
         try:
-            _write_atomic(folder / f"error.rank{rank}", message + "\n")
+            _write_atomic(cache_dir / f"{folder.name}.error.rank{rank}", message + "\n")
         except OSError:
             pass
 

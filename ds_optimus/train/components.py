@@ -99,21 +99,37 @@ def scheduler_defaults(ds_config: dict[str, Any], steps: int) -> None:
 
 def prepare_everywhere(data, tokenizer):
     """Open the run's data (`optimus.data`, a `DataConfig`), tokenizing what is not prepared yet:
-    every rank its share of the files, with `data.workers` processes each (rank 0 shows the
-    progress), all waiting for the others' shards on the shared cache folder. A data error is raised
-    on every rank that hears of it (rank 0 prints it)."""
+    rank 0 looks at the filesystem once (every glob, stat and header read) and sends what it found;
+    then every rank tokenizes its share of the files, with `data.workers` processes each (rank 0
+    shows the progress), all waiting for the others' shards on the shared cache folder. A rank's
+    data error is printed by that rank and by rank 0, which hears of it. Without a process group the
+    launcher's variables give the ranks (the Hugging Face Trainer's script prepares before its
+    group exists)."""
     from ..data import DataError, parse_sources, prepare_data
+    from ..data.pack import plan_sources
 
     sources = parse_sources(data.sources)
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return prepare_data(sources, tokenizer, data.cache_dir, data.val_fraction, workers=data.workers)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    check_shared_folder(Path(data.cache_dir), "optimus.data.cache_dir")
-    try:
+    if not dist.is_initialized():
+        from ..data.prepare import launch_world
+
+        rank, world = launch_world()
         return prepare_data(sources, tokenizer, data.cache_dir, data.val_fraction, workers=data.workers, rank=rank,
                             world=world, progress=rank == 0)
-    except DataError as err:
-        raise said_by_every_rank(err) from None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world > 1:
+        check_shared_folder(Path(data.cache_dir), "optimus.data.cache_dir")
+    found: list[Any] = [None]
+    if rank == 0:
+        try:
+            found[0] = ("plan", plan_sources(sources, tokenizer, data.cache_dir, data.val_fraction))
+        except DataError as err:
+            found[0] = ("error", str(err))
+    if world > 1:
+        dist.broadcast_object_list(found, src=0)
+    if found[0][0] == "error":
+        raise said_by_every_rank(DataError(found[0][1]))
+    return prepare_data(sources, tokenizer, data.cache_dir, data.val_fraction, workers=data.workers, rank=rank,
+                        world=world, progress=rank == 0, plan=found[0][1])
 
 
 def describe_data(packed, loader) -> str:
