@@ -172,3 +172,18 @@ def test_the_trainer_glue_draws_by_weight_with_random_access(tmp_path):
     # shares exact; source 0 (400 sequences) wraps round once its 400 are used, source 1 gives its first 200
     assert (every < 1_000_000).sum() == 600 and len(set(every.tolist())) == 400 + 200
     assert isinstance(data.tokens("train"), TokenStream)
+
+
+def test_held_out_batches_come_from_the_sources_that_have_enough(tmp_path):
+    from ds_optimus.data import eval_batches
+
+    for name, size in (("a", 800), ("b", 800), ("va", 80), ("vb", 5)):
+        offset = 1_000_000 if name.endswith("b") else 0  # which source a token is from
+        np.save(tmp_path / f"{name}.npy", (np.arange(size) + offset).astype(np.uint32))
+    data = prepare_data(parse_sources([
+        {"tokens": str(tmp_path / "a.npy"), "val": str(tmp_path / "va.npy"), "weight": 1},
+        {"tokens": str(tmp_path / "b.npy"), "val": str(tmp_path / "vb.npy"), "weight": 3}]), load_tokenizer(), tmp_path)
+    batches = eval_batches(data, 8, 2, 0, 1, max_batches=100)  # source b's 5 held-out tokens make no sequence
+    rows = torch.cat(batches)
+    assert len(batches) == 5 and (rows < 1_000_000).all()
+    assert torch.equal(rows[:, 0], torch.arange(0, 80, 8))  # in order: the same every evaluation

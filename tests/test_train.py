@@ -167,9 +167,10 @@ def test_bad_input_fails_with_one_line(tmp_path, cache):
 
 @pytest.mark.slow
 def test_a_data_error_on_rank_zero_stops_every_rank_and_every_error_is_said_once(tmp_path, cache):
-    """Rank 0 alone tokenizes; its error must reach the other ranks instead of leaving them waiting.
-    An error every rank raises (a layout that does not fit, a checkpoint of another model in the run's
-    folder) is printed by rank 0 alone, not once per rank among a launcher's lines."""
+    """Rank 0 looks at the data sources for every rank; its error must reach the others instead of
+    leaving them waiting. An error every rank raises (a layout that does not fit, a checkpoint of
+    another model in the run's folder) is printed by rank 0 alone, not once per rank among a
+    launcher's lines."""
     config = tiny_config(tmp_path, cache)
     other = tiny_config(tmp_path / "other", cache, train={"steps": 2}, checkpoint={"interval": 2})
     run_distributed(pretrain_worker, 2, other)  # a checkpoint of the MoE model, which a dense model meets next

@@ -59,6 +59,8 @@ class TokenBatches:
         if not 0 <= dp_rank < dp_size:
             raise DataError(f"dp_rank {dp_rank} is not in [0, {dp_size})")
         parts = _parts(data, split)
+        if split != "train":  # a source whose held-out split is under one sequence is left out of it
+            parts = [p for p in parts if p[1].num_sequences(seq_len) > 0] or parts
         self.names = [name for name, *_ in parts]
         self.streams = [stream for _, stream, *_ in parts]
         self.identities = [identity for *_, identity in parts]

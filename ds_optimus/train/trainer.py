@@ -1,7 +1,7 @@
 """The pretraining loop behind `deepspeed --module ds_optimus.train --config ds_configs/NAME.json`.
 
 `Trainer(ds_config)` assembles the run from the parsed config: the Mula model (a preset or an HF
-folder) with its MoE settings and expert parallelism, the packed data (tokenized once, on rank 0),
+folder) with its MoE settings and expert parallelism, the data (each rank tokenizing its share once),
 DeepSpeed's engine (ZeRO, bf16, accumulation, clipping, optimizer and LR schedule from the config)
 and the checkpoint manager, then resumes from the newest intact checkpoint. `train_step()` is one
 optimizer step; `train()` is the loop; `close()` is the one clean-up path. Everything around the
