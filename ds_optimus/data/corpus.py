@@ -158,22 +158,27 @@ def source_name(source: Source) -> str:
 
 def resolve_files(source: Source) -> list[Path]:
     """The files a "files" source names, sorted; a one-line `DataError` if there are none."""
-    target = os.path.expanduser(source.target)
-    if os.path.isdir(target):
-        files = [p for p in sorted(Path(target).rglob("*")) if p.is_file() and _supported(p)]
-    elif any(ch in target for ch in "*?["):
-        files = [Path(p) for p in sorted(glob.glob(target, recursive=True)) if os.path.isfile(p)]
-    elif os.path.isfile(target):
-        files = [Path(target)]
+    return matching_files(source.target, _supported, "data",
+                          ".txt, .md, .jsonl, .json (each also .gz or .zst) or .parquet")
+
+
+def matching_files(target: str, supported, what: str, kinds: str) -> list[Path]:
+    """The files a path, folder or glob names, sorted (a folder's: those `supported` accepts), with
+    one-line errors naming `what` files ("data", "token") and the `kinds` that are read."""
+    expanded = os.path.expanduser(target)
+    if os.path.isdir(expanded):
+        files = [p for p in sorted(Path(expanded).rglob("*")) if p.is_file() and supported(p)]
+    elif any(ch in expanded for ch in "*?["):
+        files = [Path(p) for p in sorted(glob.glob(expanded, recursive=True)) if os.path.isfile(p)]
+    elif os.path.isfile(expanded):
+        files = [Path(expanded)]
     else:
-        raise DataError(f"data path {source.target!r} does not exist")
+        raise DataError(f"{what} path {target!r} does not exist")
     if not files:
-        raise DataError(f"data path {source.target!r} holds no .txt, .md, .jsonl, .json (each also .gz or .zst) "
-                        "or .parquet files")
+        raise DataError(f"{what} path {target!r} holds no {kinds} files")
     for path in files:
-        if not _supported(path):
-            raise DataError(f"data file {str(path)!r} has an unsupported type (use .txt, .md, .jsonl, .json, each "
-                            "also .gz or .zst, or .parquet)")
+        if not supported(path):
+            raise DataError(f"{what} file {str(path)!r} has an unsupported type (use {kinds})")
     return files
 
 

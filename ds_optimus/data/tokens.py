@@ -10,14 +10,12 @@ Token files: `.npy` (the dtype and length from the header) or raw `.bin` (the dt
 
 from __future__ import annotations
 
-import glob
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from .corpus import DataError
+from .corpus import DataError, matching_files
 
 TOKEN_SUFFIXES = (".npy", ".bin")
 
@@ -98,21 +96,7 @@ class TokenStream:
 
 def resolve_token_files(target: str) -> list[Path]:
     """The `.npy`/`.bin` files a path, folder or glob names, sorted; one-line errors."""
-    expanded = os.path.expanduser(target)
-    if os.path.isdir(expanded):
-        files = sorted(p for p in Path(expanded).rglob("*") if p.is_file() and p.suffix in TOKEN_SUFFIXES)
-    elif any(ch in expanded for ch in "*?["):
-        files = [Path(p) for p in sorted(glob.glob(expanded, recursive=True)) if os.path.isfile(p)]
-    elif os.path.isfile(expanded):
-        files = [Path(expanded)]
-    else:
-        raise DataError(f"token path {target!r} does not exist")
-    if not files:
-        raise DataError(f"token path {target!r} holds no .npy or .bin files")
-    for path in files:
-        if path.suffix not in TOKEN_SUFFIXES:
-            raise DataError(f"token file {str(path)!r} is neither .npy nor .bin")
-    return files
+    return matching_files(target, lambda p: p.suffix in TOKEN_SUFFIXES, "token", ".npy or .bin")
 
 
 def token_file(path: Path, dtype: str | None = None) -> TokenFile:
