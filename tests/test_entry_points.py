@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = ["ds_optimus.train", "ds_optimus.train.hf_example", "ds_optimus.evaluate", "ds_optimus.plan",
            "ds_optimus.report", "ds_optimus.reliability.supervise", "ds_optimus.hf_models.mula.convert_olmoe",
-           "ds_optimus.demo"]
+           "ds_optimus.demo", "ds_optimus.data.prepare"]
 SCRIPTS = ["ds-optimus-train", "ds-optimus-plan", "ds-optimus-evaluate"]
 HEAVY = ("torch", "transformers", "deepspeed", "accelerate", "datasets")
 
