@@ -137,7 +137,19 @@ def test_bad_mixtures_and_bad_files_are_one_line(tmp_path, tokenizer):
 
     one_line(lambda: parse_sources([{"path": "a", "weight": 1}, {"path": "b"}]),
              r"source 'b' has no \"weight\" while others have one")
-    one_line(lambda: parse_sources(["data/wiki.jsonl", "data/wiki.jsonl"]), "sources 0 and 1 are both named 'wiki'")
+    one_line(lambda: parse_sources(["data/wiki.jsonl", "other/wiki.jsonl"]), "sources 0 and 1 are both named 'wiki'")
+    one_line(lambda: parse_sources(["data/web/", {"path": "data/web", "name": "web2"}]),  # the same files, renamed
+             r"sources 0 and 1 read the same data \(files:data/web\): list it once, with the \"weight\" it")
+    one_line(lambda: parse_sources([{"path": "x", "wieght": 2}]), r"unknown key 'wieght' \(did you mean 'weight'\?\)")
+    one_line(lambda: list(iter_documents(parse_source(str(tmp_path / "*.jsonl.zst")))),
+             r"data path '.*\*.jsonl.zst' matches no .txt, .md")
+    (tmp_path / "cut.json.zst").write_bytes(__import__("zstandard").ZstdCompressor().compress(
+        _lines(DOCS).encode())[:3000])  # a cut download
+    one_line(lambda: list(iter_documents(parse_source(str(tmp_path / "cut.json.zst")))),
+             r"cut.json.zst: not a readable zst-compressed file \(ZstdError: the file ends inside a zstd frame")
+    (tmp_path / "fields.jsonl").write_text('{"content": "x", "id": 1}\n')
+    one_line(lambda: list(iter_documents(parse_source(str(tmp_path / "fields.jsonl")))),
+             r"fields.jsonl:1: record has no 'text' field \(its fields: content, id; set the source's \"text_field\"\)")
     (tmp_path / "corrupt.jsonl.gz").write_bytes(gzip.compress(_lines(DOCS[:50]).encode())[:400])
     one_line(lambda: list(iter_documents(parse_source(str(tmp_path / "corrupt.jsonl.gz")))),
              r"corrupt.jsonl.gz: not a readable gz-compressed file \(EOFError")

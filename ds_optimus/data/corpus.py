@@ -30,29 +30,25 @@ preparation hands to its workers (a file each, or row ranges of a `save_to_disk`
 from __future__ import annotations
 
 import glob
-import gzip
 import hashlib
-import io
 import json
 import math
 import os
 import re
 import sys
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from .compressed import decode_errors, open_text
+from .errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".md", ".text")
 JSON_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
 COMPRESSED_SUFFIXES = (".gz", ".zst")
 DISK_ROWS_PER_UNIT = 100_000  # rows of a save_to_disk folder per preparation work unit
-
-
-class DataError(ValueError):
-    """A data source that cannot be used; the message names it."""
 
 
 @dataclass(frozen=True)
@@ -101,7 +97,11 @@ def parse_source(spec: str | dict[str, Any]) -> Source:
         raise DataError(f"data source {keys[0]!r} must be a non-empty string, got {target!r}")
     unknown = sorted(set(spec) - allowed - {keys[0]})
     if unknown:
-        raise DataError(f"data source {target or 'embedded'!r}: unknown key {unknown[0]!r}")
+        import difflib
+
+        close = difflib.get_close_matches(unknown[0], sorted(allowed), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(sorted(allowed))})"
+        raise DataError(f"data source {target or 'embedded'!r}: unknown key {unknown[0]!r}{hint}")
     options = {k: v for k, v in spec.items() if k != keys[0]}
     where = f"data source {target or 'embedded'!r}"
     max_docs = options.get("max_documents")
@@ -130,7 +130,14 @@ def parse_sources(specs: list) -> list[Source]:
     """Every source of `optimus.data.sources`, with unique names and weights on all or none."""
     sources = [parse_source(spec) for spec in specs]
     seen: dict[str, int] = {}
+    read: dict[tuple, int] = {}
     for i, source in enumerate(sources):
+        same = (source.kind, os.path.normpath(os.path.expanduser(source.target)) if source.target else "",
+                source.text_field, source.split, source.config_name, str(source.data_files))
+        if same in read:
+            raise DataError(f"sources {read[same]} and {i} read the same data ({source}): list it once, with the "
+                            "\"weight\" it should have")
+        read[same] = i
         if source.label in seen:
             raise DataError(f"sources {seen[source.label]} and {i} are both named {source.label!r}: give one a "
                             "\"name\" (to weight a source up, give it a \"weight\" rather than listing it twice)")
@@ -175,7 +182,8 @@ def matching_files(target: str, supported, what: str, kinds: str) -> list[Path]:
     else:
         raise DataError(f"{what} path {target!r} does not exist")
     if not files:
-        raise DataError(f"{what} path {target!r} holds no {kinds} files")
+        raise DataError(f"{what} path {target!r} {'holds' if os.path.isdir(expanded) else 'matches'} no {kinds} "
+                        "files")
     for path in files:
         if not supported(path):
             raise DataError(f"{what} file {str(path)!r} has an unsupported type (use {kinds})")
@@ -266,40 +274,13 @@ def embedded_documents() -> list[str]:
     return [topics[key] for key in sorted(topics)]
 
 
-def _open_text(path: Path):
-    """A text reader of `path`, decompressing .gz and .zst."""
-    suffix = path.suffix.lower()
-    if suffix == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8", errors="replace")
-    if suffix == ".zst":
-        try:
-            import zstandard
-        except ImportError:
-            raise DataError(f"{path}: reading .zst files needs the zstandard package (pip install zstandard)") from None
-        raw = path.open("rb")
-        return io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True), encoding="utf-8",
-                                errors="replace")
-    return path.open(encoding="utf-8", errors="replace")
-
-
-def _decode_errors() -> tuple[type[BaseException], ...]:
-    errors: tuple[type[BaseException], ...] = (gzip.BadGzipFile, EOFError, zlib.error)
-    try:
-        import zstandard
-
-        errors += (zstandard.ZstdError,)
-    except ImportError:
-        pass
-    return errors
-
-
 def _file_documents(path: Path, text_field: str) -> Iterator[str]:
     if path.suffix.lower() in PARQUET_SUFFIXES:
         yield from _parquet_documents(path, text_field)
         return
     compressed = path.suffix.lower() in COMPRESSED_SUFFIXES
     try:
-        with _open_text(path) as f:
+        with open_text(path) as f:
             if _inner_suffix(path) in TEXT_SUFFIXES:
                 yield f.read()
                 return
@@ -309,11 +290,13 @@ def _file_documents(path: Path, text_field: str) -> Iterator[str]:
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as err:
-                    raise DataError(f"{path}:{lineno}: not a JSON record ({err.msg})") from None
+                    raise DataError(f"{path}:{lineno}: not a JSON record ({err.msg} at column {err.colno})") from None
                 if not isinstance(record, dict) or text_field not in record:
-                    raise DataError(f"{path}:{lineno}: record has no {text_field!r} field")
+                    fields = f" (its fields: {', '.join(record)[:200]}; set the source's \"text_field\")" \
+                        if isinstance(record, dict) else ""
+                    raise DataError(f"{path}:{lineno}: record has no {text_field!r} field{fields}")
                 yield from _text(record[text_field], f"{path}:{lineno}")
-    except _decode_errors() as err:
+    except decode_errors() as err:
         kind = f"{path.suffix.lower()[1:]}-compressed " if compressed else ""
         raise DataError(f"{path}: not a readable {kind}file ({type(err).__name__}: {err})") from None
 

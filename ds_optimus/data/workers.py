@@ -7,6 +7,7 @@ from __future__ import annotations
 import heapq
 import json
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -74,6 +75,8 @@ def run_units(pending: list[tuple[Source, Path, list[Unit]]], tokenizer, val_fra
             _wait(lambda: _tick(bar, pending, cache_dir) == len(jobs), poll_seconds)
             for source, folder, units in pending:
                 _write_meta(source, folder, units, dtype)
+            for name in _error_files(pending, cache_dir):  # those of earlier, failed launches
+                (cache_dir / name).unlink(missing_ok=True)
         else:  # rank 0 writes the meta files when every marker is there
             _wait(lambda: not _tick(None, pending, cache_dir, count=False) and all(
                 (folder / "meta.json").exists() for _, folder, _ in pending), poll_seconds * min(30, 1 + world // 256))
@@ -118,16 +121,53 @@ def _wait(finished, poll_seconds: float) -> None:
         time.sleep(poll_seconds)
 
 
+STALE_SECONDS = 600  # a worker appends to its file every batch of documents: older ones are a dead worker's
+
+
+def _tmp_suffix() -> str:
+    """Temporary names say who writes them: `.tmp-<host>-<pid>`."""
+    return f".tmp-{socket.gethostname()}-{os.getpid()}"
+
+
+def _dead_writer(name: str) -> bool:
+    """Whether the process that wrote temporary file `name` is known dead (it ran on this host)."""
+    host, _, pid = name.rpartition(".tmp-")[2].rpartition("-")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
 def _remove_leftovers(jobs, owner: list[int], rank: int) -> None:
-    """Half-written files of this process's units, left by a killed preparation (one listing per folder)."""
+    """Half-written files of this process's units left by a killed preparation (one listing per
+    folder): those of a process of this host that is gone, and any not written to for minutes. A
+    live one is another preparation's on the same cache: it is left alone (both write the same
+    bytes, and the last rename wins)."""
     mine: dict[Path, set[str]] = {}
     for (_, folder, i, _), r in zip(jobs, owner, strict=True):
         if r == rank:
             mine.setdefault(folder, set()).add(f"unit-{i:06d}")
+    live = 0
     for folder, stems in mine.items():
         for name in os.listdir(folder):
             if ".tmp-" in name and name.split(".", 1)[0] in stems:
-                (folder / name).unlink(missing_ok=True)
+                path = folder / name
+                try:
+                    if _dead_writer(name) or time.time() - path.stat().st_mtime > STALE_SECONDS:
+                        path.unlink(missing_ok=True)
+                    else:
+                        live += 1
+                except FileNotFoundError:
+                    pass
+    if live:
+        print(f"tokenizing: {live} files of this cache are being written right now, by another preparation "
+              "(or one killed minutes ago); both go on, and the files both do are done twice", file=sys.stderr,
+              flush=True)
 
 
 def _work(mine, workers: int, threads: int | None, tick) -> None:
@@ -147,7 +187,17 @@ def _work(mine, workers: int, threads: int | None, tick) -> None:
 
 
 def _limit_threads(threads: int | None) -> None:
-    """Hold a worker's Rust tokenizer to `threads` threads (before its thread pool starts)."""
+    """A worker process's start: its Rust tokenizer held to `threads` threads (before its thread
+    pool starts); Ctrl-C left to the parent (which ends the pool); the worker ends with its parent."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:  # Linux: SIGTERM to this worker when the parent dies (a killed preparation leaves no orphans)
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
     if threads is not None:
         os.environ["RAYON_NUM_THREADS"] = str(threads)
         os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
@@ -165,7 +215,7 @@ def tokenize_unit(job) -> dict:
     backend, dtype = _TOKENIZERS[key], np.dtype(dtype_name)
     started = time.time()
     stem = folder / f"unit-{index:06d}"
-    tmp = {split: Path(f"{stem}.{split}.bin.tmp-{os.getpid()}") for split in ("train", "val")}
+    tmp = {split: Path(f"{stem}.{split}.bin{_tmp_suffix()}") for split in ("train", "val")}
     counts = {"train": 0, "val": 0}
     documents = 0
     try:
@@ -206,7 +256,7 @@ def _write_batch(texts, backend, eos, dtype, unit, first_index, every, files, co
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f"{path.name}{_tmp_suffix()}")
     tmp.write_text(text)
     os.replace(tmp, path)
 
