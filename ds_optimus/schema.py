@@ -89,8 +89,9 @@ def load_json_config(config: dict[str, Any] | str | Path) -> dict[str, Any]:
 
 
 def apply_overrides(config: dict[str, Any], assignments: list[str]) -> dict[str, Any]:
-    """Set dotted keys from `KEY=VALUE` strings (`optimus.train.steps=20`); a VALUE that parses as
-    JSON is used as such (numbers, true/false/null, lists, objects), anything else as a string."""
+    """Set dotted keys from `KEY=VALUE` strings (`optimus.train.steps=20`; a list's item by its index,
+    `optimus.data.sources.1.weight=2`); a VALUE that parses as JSON is used as such (numbers,
+    true/false/null, lists, objects), anything else as a string."""
     for assignment in assignments:
         key, sep, raw = assignment.partition("=")
         if not sep or not key or any(not part for part in key.split(".")):
@@ -102,9 +103,25 @@ def apply_overrides(config: dict[str, Any], assignments: list[str]) -> dict[str,
         node = config
         parts = key.split(".")
         for i, part in enumerate(parts[:-1]):
+            if isinstance(node, list):  # a list's item by its index: optimus.data.sources.1.weight
+                node = _item(node, part, key, ".".join(parts[:i]))
+                if not isinstance(node, (dict, list)):
+                    raise ConfigError(f"--set {key}: {'.'.join(parts[:i + 1])} is not an object")
+                continue
             child = node.setdefault(part, {})
-            if not isinstance(child, dict):
+            if not isinstance(child, (dict, list)):
                 raise ConfigError(f"--set {key}: {'.'.join(parts[:i + 1])} is not an object")
             node = child
-        node[parts[-1]] = value
+        if isinstance(node, list):
+            _item(node, parts[-1], key, ".".join(parts[:-1]))
+            node[int(parts[-1])] = value
+        else:
+            node[parts[-1]] = value
     return config
+
+
+def _item(items: list, index: str, key: str, where: str):
+    if not index.isdigit() or int(index) >= len(items):
+        raise ConfigError(f"--set {key}: {where} is a list of {len(items)}; give an index from 0 to {len(items) - 1}, "
+                          f"not {index!r}")
+    return items[int(index)]

@@ -137,3 +137,22 @@ def test_check_reads_an_olmoe_folders_weights_from_their_headers_and_names_a_dam
     weights.write_bytes(b"\xff" * 64)  # a damaged header
     status, _, err = _run(capsys, str(TINY), "--check", "--set", f"optimus.model.path={tmp_path / 'olmoe'}")
     assert status == 2 and ": model.safetensors cannot be read (" in err and len(err.splitlines()) == 1, err
+
+
+def test_check_reads_token_sources_headers_and_first_tokens(tmp_path, capsys):
+    import numpy as np
+
+    np.save(tmp_path / "good.npy", np.arange(4000, dtype=np.uint16))
+    np.save(tmp_path / "other.npy", np.arange(60_000, dtype=np.uint16))  # another tokenizer's ids
+    np.zeros(7, dtype=np.uint8).tofile(tmp_path / "raw.bin")
+    good = json.dumps([{"tokens": str(tmp_path / "good.npy")}])
+    status, out, err = _run(capsys, str(TINY), "--check", "--set", f"optimus.data.sources={good}")
+    assert status == 0, err
+    assert f"good: {tmp_path}/good.npy (1 token file, 4,000 tokens read in place)" in out
+    assert "tokens    pre-tokenized sources only: nothing to tokenize" in out
+    for sources, message in [([{"tokens": str(tmp_path / "other.npy")}], "source 'other' holds token id 59999, "
+                                                                          "outside the tokenizer's 4096 tokens"),
+                             ([{"tokens": str(tmp_path / "raw.bin")}], "raw .bin token files need the source's "
+                                                                       "\"dtype\"")]:
+        status, out, err = _run(capsys, str(TINY), "--check", "--set", f"optimus.data.sources={json.dumps(sources)}")
+        assert status == 2 and message in err and len(err.splitlines()) == 1, err

@@ -108,8 +108,8 @@ def test_data_changed_under_a_resume_is_refused_in_one_line_unless_allowed(tmp_p
     reweighted = prepare_data(parse_sources([{**s, "weight": w} for s, w in zip(
         [{"tokens": str(tmp_path / "s0.npy"), "name": "src0"}, {"tokens": str(tmp_path / "s1.npy"), "name": "src1"}],
         [0.8, 0.2], strict=True)]), load_tokenizer(), tmp_path / "cache")
-    with pytest.raises(DataError, match=r"^the data changed since the checkpoint: source 'src0''s share went from 0.5 "
-                                        r"to 0.8 \(and 1 more\); set optimus.data.allow_change to true") as err:
+    with pytest.raises(DataError, match=r"^the data changed since the checkpoint: the share of source 'src0' went "
+                                        r"from 0.5 to 0.8 \(and 1 more\); set optimus.data.allow_change to") as err:
         TokenBatches(reweighted, 8, 4, seed=0).load_state_dict(state)
     assert "\n" not in str(err.value)
     np.save(tmp_path / "s1.npy", np.arange(8 * 60, dtype=np.uint32))  # new content: another size
@@ -117,7 +117,7 @@ def test_data_changed_under_a_resume_is_refused_in_one_line_unless_allowed(tmp_p
         TokenBatches(_sources_named(tmp_path, ["s0", "s1"]), 8, 4, seed=0).load_state_dict(state)
     loader = TokenBatches(_sources_named(tmp_path, ["s0", "s1", "s2"]), 8, 4, seed=0)
     notes = loader.load_state_dict(state, allow_change=True)
-    assert notes == ["source 'src0''s share went from 0.5 to 0.3333",
+    assert notes == ["the share of source 'src0' went from 0.5 to 0.3333",
                      "source 'src1' holds other data (its files, their sizes or times, or the tokenizer)",
                      "source 'src2' was added"]
     assert loader.drawn.tolist()[:2] == [run.drawn[0], run.drawn[1]] and loader.drawn[2] == 0  # kept by name

@@ -181,9 +181,16 @@ def test_bad_mixtures_and_bad_files_are_one_line(tmp_path, tokenizer):
     data = prepare_data(parse_sources([{"tokens": str(tmp_path / "tiny.npy"), "weight": 1},
                                        {"tokens": str(tmp_path / "big.npy"), "weight": 1}]), tokenizer, tmp_path)
     one_line(lambda: TokenBatches(data, 16, 2), "source 'tiny' has fewer than 16 train tokens")
-    # token ids the model cannot embed (another tokenizer's files) are named at the batch that holds them
-    loader = TokenBatches(data.sources[1].train, 16, 2, vocab_size=100)
-    one_line(loader.next_batch, r"source 'data' holds token id \d+, outside the model's vocabulary of 100")
+    # token ids the model cannot embed (another tokenizer's files): in a source's first tokens at the start,
+    one_line(lambda: TokenBatches(data.sources[1].train, 16, 2, vocab_size=100),
+             r"source 'data' holds token id 499 in its first 500 tokens, outside the model's vocabulary of 100")
+    np.save(tmp_path / "late.npy", np.arange(70_000, dtype=np.uint32))  # and past them, at the batch that holds one
+    loader = TokenBatches(np.load(tmp_path / "late.npy", mmap_mode="r"), 16, 2, vocab_size=66_000)
+
+    def draw_until_refused():
+        for _ in range(1000):
+            loader.next_batch()
+    one_line(draw_until_refused, r"source 'data' holds token id \d+, outside the model's vocabulary of 66000")
 
 
 def _files(folder: Path) -> dict[str, bytes]:
@@ -249,6 +256,8 @@ def test_a_killed_preparation_resumes_and_gives_the_same_tokens(tmp_path, tokeni
     out, err = again.communicate(timeout=300)
     assert again.returncode == 0, err
     assert f"going on from an earlier preparation ({markers} of 25 files done)" in err
+    done = _prepare_cli(config)
+    assert "nothing to tokenize: every source is prepared" in done.communicate(timeout=300)[1]
     for source in reference.sources:
         (folder,) = (tmp_path / "killed").glob(source.folder.name)
         assert _files(folder) == _files(source.folder), source.name

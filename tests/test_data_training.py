@@ -87,11 +87,11 @@ def test_every_source_kind_trains_in_a_weighted_mixture_and_a_data_change_is_ref
 
     kind, message, every_rank = first["refused"]
     assert kind == "DataError" and every_rank and "\n" not in message
-    assert message.startswith("the data changed since the checkpoint: source 'web''s share went from 0.3333 to "
+    assert message.startswith("the data changed since the checkpoint: the share of source 'web' went from 0.3333 to "
                               "0.3 (and 6 more); set optimus.data.allow_change to true")
     assert first["allowed"]["start_step"] == 4 and first["allowed"]["finished"]
     log = (tmp_path / "run" / "log.txt").read_text()
-    assert "data changed since the checkpoint (optimus.data.allow_change): source 'code''s share went from " \
+    assert "data changed since the checkpoint (optimus.data.allow_change): the share of source 'code' went from " \
            "0.1111 to 0.2" in log
     assert second["allowed"]["losses"] == first["allowed"]["losses"]
 

@@ -388,6 +388,11 @@ def test_overrides_parse_json_values_and_reject_bad_assignments():
     for bad in ["steps", "=3", "optimus..steps=1", "optimus.train.steps.x=1"]:
         with pytest.raises(ConfigError):
             apply_overrides({"optimus": {"train": {"steps": 1}}}, [bad])
+    listed = {"optimus": {"data": {"sources": [{"path": "a", "weight": 1}, "embedded"]}}}
+    assert apply_overrides(listed, ["optimus.data.sources.0.weight=3"])["optimus"]["data"]["sources"][0] == \
+        {"path": "a", "weight": 3}  # a list's item by its index
+    with pytest.raises(ConfigError, match=r"optimus.data.sources is a list of 2; give an index from 0 to 1, not '2'"):
+        apply_overrides(listed, ["optimus.data.sources.2.weight=1"])
 
 
 def test_cpu_ranks_share_the_cores(monkeypatch):

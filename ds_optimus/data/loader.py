@@ -83,6 +83,13 @@ class TokenBatches:
         else:  # in proportion to the sizes: one uniform order over all the sources' sequences
             weights = self.sizes.astype(np.float64)
         self.weights = weights / weights.sum()
+        if vocab_size is not None:  # the first tokens of each source: another tokenizer's files fail here, once
+            for name, stream in zip(self.names, self.streams, strict=True):
+                head = stream.head(1 << 16)
+                if head.size and head.max() >= vocab_size:
+                    raise DataError(f"source {name!r} holds token id {int(head.max())} in its first {head.size:,} "
+                                    f"tokens, outside the model's vocabulary of {vocab_size} (tokenized with another "
+                                    "tokenizer?)")
         self._thresholds = mixture_thresholds(self.weights)
         self._mix_key = stable_key(seed, "mixture", split)
         self.position = 0  # global samples consumed
@@ -208,7 +215,7 @@ def _changes(saved: dict, names: list[str], identities: list[str], shares: np.nd
         elif saved[name].get("identity") != identity:
             changes.append(f"source {name!r} holds other data (its files, their sizes or times, or the tokenizer)")
         elif abs(saved[name].get("share", share) - share) > 1e-9:
-            changes.append(f"source {name!r}'s share went from {saved[name]['share']:.4g} to {share:.4g}")
+            changes.append(f"the share of source {name!r} went from {saved[name]['share']:.4g} to {share:.4g}")
     return changes
 
 

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..schema import ConfigError, apply_overrides, load_json_config
     from .corpus import DataError, parse_sources
-    from .pack import DataConfig, prepare_data
+    from .pack import DataConfig, plan_sources, prepare_data
     from .tokenizer import load_tokenizer
 
     rank, world = launch_world()
@@ -67,8 +67,17 @@ def main(argv: list[str] | None = None) -> int:
         workers = args.workers or data.workers
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         threads = args.threads or (max(1, cores // workers) if workers > 1 else None)
-        prepared = prepare_data(parse_sources(data.sources), tokenizer, data.cache_dir, data.val_fraction,
-                                workers=workers, rank=rank, world=world, progress=rank == 0, threads=threads)
+        sources = parse_sources(data.sources)
+        plan = plan_sources(sources, tokenizer, data.cache_dir, data.val_fraction)
+        if rank == 0 and not any(p.units is not None for p in plan):
+            print(f"nothing to tokenize: every source is prepared in {data.cache_dir} or read in place",
+                  file=sys.stderr)
+        prepared = prepare_data(sources, tokenizer, data.cache_dir, data.val_fraction, workers=workers, rank=rank,
+                                world=world, progress=rank == 0, threads=threads, plan=plan)
+    except KeyboardInterrupt:
+        if rank == 0:
+            print(f"{NAME}: interrupted; the same command goes on from the files already done", file=sys.stderr)
+        return 130
     except (ConfigError, DataError, ValueError, OSError) as err:
         return fail(NAME, err, launched=True)
     if rank == 0:

@@ -137,10 +137,14 @@ def _check_weights(path: str | None, model) -> None:
     check_folder_weights(folder, model.config, kind, when=" at the start")
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _data_lines(opt, tokenizer) -> list[str]:
     from ..data.corpus import is_saved_dataset, parse_sources, resolve_files
     from ..data.pack import source_folder
-    from ..data.tokens import resolve_token_files
+    from ..data.tokens import TokenStream, token_files
 
     sources = parse_sources(opt.data.sources)
     described = []
@@ -148,11 +152,18 @@ def _data_lines(opt, tokenizer) -> list[str]:
         share = f", weight {source.weight:g}" if source.weight is not None else ""
         if source.kind == "files" and not is_saved_dataset(source.target):
             files = resolve_files(source)  # a missing path is the error it would be at start
-            described.append(f"{source.label}: {source.target} ({len(files)} files, "
+            described.append(f"{source.label}: {source.target} ({_count(len(files), 'file')}, "
                              f"{sum(p.stat().st_size for p in files):,} bytes{share})")
-        elif source.kind == "tokens":
-            files = resolve_token_files(source.target)
-            described.append(f"{source.label}: {source.target} ({len(files)} token files, read in place{share})")
+        elif source.kind == "tokens":  # the headers, and the first tokens against the vocabulary, as at start
+            files = token_files(source.target, source.dtype) + (token_files(source.val, source.dtype)
+                                                                if source.val else [])
+            first = TokenStream(files).head(1 << 16)
+            if tokenizer is not None and first.size and first.max() >= len(tokenizer):
+                raise ConfigError(f"optimus.data.sources: source {source.label!r} holds token id {int(first.max())}, "
+                                  f"outside the tokenizer's {len(tokenizer)} tokens (tokenized with another one?)")
+            tokens = sum(f.length for f in files)
+            described.append(f"{source.label}: {source.target} ({_count(len(files), 'token file')}, {tokens:,} "
+                             f"tokens read in place{share})")
         elif source.kind in ("hf", "files"):
             where = "a local dataset folder" if os.path.exists(source.target) else "from the Hub, not checked here"
             described.append(f"{source.label}: {source.target} ({where}{share})")
@@ -172,7 +183,10 @@ def _data_lines(opt, tokenizer) -> list[str]:
             ready += json.loads((folder / "meta.json").read_text())["train_tokens"]
         else:
             todo.append(source.label)
+    in_place = sum(1 for s in sources if s.kind == "tokens")
     cache = f"{ready:,} train tokens prepared in {opt.data.cache_dir}" if ready else f"cache {opt.data.cache_dir}"
+    if in_place == len(sources):
+        cache = "pre-tokenized sources only: nothing to tokenize"
     if todo:
         cache += (f"; {', '.join(todo)} tokenized at the start (every rank its share), or before with python -m "
                   "ds_optimus.data.prepare")

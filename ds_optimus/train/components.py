@@ -134,7 +134,10 @@ def prepare_everywhere(data, tokenizer):
 
 def describe_data(packed, loader) -> str:
     """One line on the run's data: tokens, documents and each source's share of the draws."""
+    tokens_only = sum(1 for s in packed.sources if s.documents is None)
     docs = f" from {packed.documents:,} documents" if packed.documents else ""
+    if tokens_only:
+        docs += f"{' and' if docs else ' from'} {tokens_only} pre-tokenized source{'s' if tokens_only > 1 else ''}"
     line = f"data: {packed.train_tokens:,} train / {packed.val_tokens:,} held-out tokens{docs} ({packed.root})"
     if len(loader.names) > 1:
         line += "; drawn " + ", ".join(f"{name} {share:.1%}" for name, share in zip(loader.names, loader.weights,
