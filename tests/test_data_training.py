@@ -95,6 +95,26 @@ def test_every_source_kind_trains_in_a_weighted_mixture_and_a_data_change_is_ref
            "0.1111 to 0.2" in log
     assert second["allowed"]["losses"] == first["allowed"]["losses"]
 
+    # --check reads the data's record in the newest checkpoint's manifest (step 6, saved on the changed
+    # weights) and stops on the line the run would stop on; allowed, it is ready
+    import contextlib
+    import io
+
+    from ds_optimus.train.cli import main
+
+    config["optimus"]["train"].update(steps=8, stop_after_steps=None)
+    (tmp_path / "again.json").write_text(json.dumps(config))
+    said = []
+    for extra in ([], ["--set", "optimus.data.allow_change=true"]):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            said.append((main(["--config", str(tmp_path / "again.json"), "--check", "--world", "2", *extra]),
+                         err.getvalue()))
+    (refused, message), (allowed, _) = said
+    assert (refused, allowed) == (2, 0) and len(message.splitlines()) == 1, said
+    assert "step_00000006: the share of source 'web' went from 0.3 to 0.3333 (and 6 more); set " \
+           "optimus.data.allow_change to true" in message
+
 
 def _run(config: dict, path: Path) -> tuple[float, int, str]:
     """Seconds to the end of step 1 (the trainer's log line) and the child's peak RSS (KiB)."""

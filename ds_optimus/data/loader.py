@@ -197,24 +197,30 @@ class TokenBatches:
         if saved is None:  # a checkpoint from before per-source records: one stream, all of it drawn in order
             saved = {self.names[0]: {"drawn": self.position, "identity": self.identities[0], "share": 1.0}} \
                 if len(self.names) == 1 else {}
-        changes = _changes(saved, self.names, self.identities, self.weights)
+        changes = data_changes(saved, self.names, self.identities, self.weights)
         if changes and not allow_change:
-            more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
-            raise DataError(f"the data changed since the checkpoint: {changes[0]}{more}; set optimus.data.allow_change "
-                            "to true to continue on the new data")
+            raise DataError(changed_data_message(changes))
         self.drawn = np.array([saved.get(name, {}).get("drawn", 0) for name in self.names], dtype=np.int64)
         self._epochs_said = np.where(self.drawn > 0, (self.drawn - 1) // np.maximum(self.sizes, 1), 0)
         return changes
 
 
-def _changes(saved: dict, names: list[str], identities: list[str], shares: np.ndarray) -> list[str]:
+def changed_data_message(changes: list[str], since: str = "the checkpoint") -> str:
+    more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
+    return (f"the data changed since {since}: {changes[0]}{more}; set optimus.data.allow_change to true to continue "
+            "on the new data")
+
+
+def data_changes(saved: dict, names: list[str], identities: list[str], shares) -> list[str]:
+    """What differs between a checkpoint's sources (`state_dict()["sources"]`) and these (a share of
+    None: not known, not compared)."""
     changes = [f"source {name!r} was dropped" for name in saved if name not in names]
     for name, identity, share in zip(names, identities, shares, strict=True):
         if name not in saved:
             changes.append(f"source {name!r} was added")
         elif saved[name].get("identity") != identity:
             changes.append(f"source {name!r} holds other data (its files, their sizes or times, or the tokenizer)")
-        elif abs(saved[name].get("share", share) - share) > 1e-9:
+        elif share is not None and abs(saved[name].get("share", share) - share) > 1e-9:
             changes.append(f"the share of source {name!r} went from {saved[name]['share']:.4g} to {share:.4g}")
     return changes
 

@@ -108,7 +108,7 @@ def check_run(ds_config: dict[str, Any], world: int | None = None, cluster: str 
         f"sequences of {opt.data.seq_len} tokens ({tokens:,} tokens) per step",
         *_data_lines(opt, tokenizer),
         _memory_line(model_config, opt, config, world, micro, accumulation, cluster),
-        _run_line(opt),
+        _run_line(opt, tokenizer),
     ]
     return lines
 
@@ -227,7 +227,43 @@ def _memory_line(model_config, opt, config, world, micro, accumulation, cluster)
     return line
 
 
-def _run_line(opt) -> str:
+def _data_change(opt, tokenizer, checkpoint: Path) -> None:
+    """The one line the run would stop on when its data differs from `checkpoint`'s (its manifest
+    holds the loader's record; shares of sources not prepared yet are not compared)."""
+    import numpy as np
+
+    from ..data.corpus import parse_sources
+    from ..data.loader import changed_data_message, data_changes
+    from ..data.pack import plan_sources
+
+    try:
+        saved = json.loads((checkpoint / "meta.json").read_text()).get("data", {}).get("sources")
+    except (OSError, ValueError):
+        return
+    if saved is None or tokenizer is None or opt.data.allow_change:
+        return
+    plans = plan_sources(parse_sources(opt.data.sources), tokenizer, opt.data.cache_dir, opt.data.val_fraction)
+    sizes = []
+    for plan in plans:
+        if plan.train_files is not None:
+            sizes.append(sum(f.length for f in plan.train_files) // opt.data.seq_len)
+        elif (plan.folder / "meta.json").exists():
+            sizes.append(json.loads((plan.folder / "meta.json").read_text())["train_tokens"] // opt.data.seq_len)
+        else:
+            sizes.append(None)
+    weights = [p.source.weight for p in plans]
+    if all(w is not None for w in weights):
+        shares = list(np.asarray(weights, dtype=float) / sum(weights))
+    elif all(n is not None for n in sizes) and sum(sizes):
+        shares = [n / sum(sizes) for n in sizes]
+    else:
+        shares = [None] * len(plans)
+    changes = data_changes(saved, [p.source.label for p in plans], [p.identity for p in plans], shares)
+    if changes:
+        raise ConfigError(changed_data_message(changes, since=str(checkpoint)))
+
+
+def _run_line(opt, tokenizer=None) -> str:
     from ..reliability.checkpoint import CheckpointManager
 
     train, checkpoint = opt.train, opt.checkpoint
@@ -238,6 +274,7 @@ def _run_line(opt) -> str:
         start = (f"nothing to train: {complete[-1]} is step {done} of {train.steps} (raise optimus.train.steps to "
                  "train further; the LR schedule then stretches to the new length)")
     elif complete and checkpoint.resume:
+        _data_change(opt, tokenizer, complete[-1])
         start = f"resumes from {complete[-1]} (if intact)"
     elif complete:
         raise ConfigError(f"checkpoint.resume is false but {manager.directory} holds checkpoints of an earlier run; "

@@ -259,10 +259,12 @@ class CheckpointManager:
             return set()
         return {name for name, p in model.named_parameters() if is_expert_param(p)}
 
-    def save(self, step: int, engine, extra: dict[str, Any] | None = None, background: bool = False) -> Path:
+    def save(self, step: int, engine, extra: dict[str, Any] | None = None, background: bool = False,
+             manifest: dict[str, Any] | None = None) -> Path:
         """Write checkpoint `step` (collective: every rank calls it) and prune old ones. With
         `background`, the state is copied and written by a thread while training goes on (one save
-        in flight: this waits for the previous one first)."""
+        in flight: this waits for the previous one first). `manifest`: small JSON facts kept in the
+        checkpoint's `meta.json` too, readable without loading any state (`--check` reads the data's)."""
         self.wait()
         name = f"{STEP_PREFIX}{step:08d}"
         self.writer.prepare(self.directory, name)
@@ -275,6 +277,7 @@ class CheckpointManager:
         else:
             files, meta = self._per_rank_files(engine, client, copy=background)
         meta["step"] = step
+        meta.update(manifest or {})
         if self.rank == 0 and self.model_record is not None:
             files[MODEL_FILE] = self.model_record
         try:
