@@ -115,7 +115,11 @@ def test_prepare_packs_documents_with_eos_and_caches_by_fingerprint(tmp_path, to
     expected = sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) + 1 for t in texts)
     assert packed.train_tokens + packed.val_tokens == expected
     train_docs = tokenizer.decode(_all(packed.tokens("train"))).split("<eos>")
-    assert train_docs[0] == texts[1]  # document 0 is held out; the rest keep their order
+    assert train_docs[:2] == [texts[0], texts[2]]  # document 1 is held out always; the rest keep their order
+    one = tmp_path / "book.txt"  # a source of one document keeps it for training
+    one.write_text("a single long document " * 50)
+    book = prepare_data([parse_source(str(one))], tokenizer, tmp_path / "cache", val_fraction=0.1, progress=False)
+    assert book.train_tokens > 0 and book.val_tokens == 0
     # same inputs: the finished folder is reused; a changed file gets a new one
     again = prepare_data([source], tokenizer, tmp_path / "cache", val_fraction=0.1, progress=False)
     assert again.sources[0].folder == prepared.folder and again.fingerprint == packed.fingerprint

@@ -187,3 +187,30 @@ def test_held_out_batches_come_from_the_sources_that_have_enough(tmp_path):
     rows = torch.cat(batches)
     assert len(batches) == 5 and (rows < 1_000_000).all()
     assert torch.equal(rows[:, 0], torch.arange(0, 80, 8))  # in order: the same every evaluation
+
+
+def test_a_stream_of_many_files_keeps_few_mapped_and_every_index_is_reachable(tmp_path):
+    from ds_optimus.data.tokens import MAX_MAPPED, TokenFile
+
+    files = []
+    for i in range(MAX_MAPPED + 40):  # more files than a stream keeps mapped
+        np.arange(i * 64, (i + 1) * 64, dtype=np.uint32).tofile(tmp_path / f"{i}.bin")
+        files.append(TokenFile(str(tmp_path / f"{i}.bin"), 64, np.dtype(np.uint32).str))
+    stream = TokenStream(files)
+    for _ in range(2):
+        for i in range(len(files) - 1):  # each read crosses into the next file
+            assert stream.read(i * 64 + 60, 8).tolist() == list(range(i * 64 + 60, i * 64 + 68))
+    assert sum(a is not None for a in stream.arrays) <= MAX_MAPPED
+    # the Trainer glue reaches its last index whatever the float sum of the shares; a source of no
+    # sequence at the end of the list is never drawn
+    thresholds = mixture_thresholds([3, 3, 3, 1, 0])
+    assert thresholds[-1] == np.uint64(2**64 - 1)
+    from ds_optimus.train.hf_trainer import PackedSequences
+
+    parts = [np.arange(n * 8, dtype=np.uint16) for n in (30, 30, 30, 10)]
+    for i, part in enumerate(parts):
+        np.save(tmp_path / f"p{i}.npy", part)
+    data = prepare_data(parse_sources([{"tokens": str(tmp_path / f"p{i}.npy")} for i in range(4)]), load_tokenizer(),
+                        tmp_path)
+    dataset = PackedSequences(data, 8)
+    assert len(dataset) == 100 and dataset[99]["input_ids"].shape == (8,)

@@ -162,6 +162,9 @@ def test_bad_mixtures_and_bad_files_are_one_line(tmp_path, tokenizer):
     np.save(tmp_path / "floats.npy", np.zeros(10, dtype=np.float32))
     one_line(lambda: prepare_data(parse_sources([{"tokens": str(tmp_path / "floats.npy")}]), tokenizer, tmp_path),
              r"source 'floats': .*floats.npy: holds float32 values, not integer token ids")
+    (tmp_path / "empty.npy").write_bytes(b"")
+    one_line(lambda: prepare_data(parse_sources([{"tokens": str(tmp_path / "empty.npy")}]), tokenizer, tmp_path),
+             r"empty.npy: not a readable .npy file \(EOFError")
     np.save(tmp_path / "square.npy", np.zeros((3, 3), dtype=np.int32))
     one_line(lambda: prepare_data(parse_sources([{"tokens": str(tmp_path / "square.npy")}]), tokenizer, tmp_path),
              r"must be flat \(1-D\)")

@@ -147,6 +147,7 @@ class TokenBatches:
         if not 0 <= index < self.num_sequences:
             raise IndexError(f"sequence {index} of {self.num_sequences}")
         ends = np.floor(np.cumsum(self.weights) * self.num_sequences).astype(np.int64)
+        ends[-1] = self.num_sequences  # not a float's rounding short of it
         s = int(np.searchsorted(ends, index, side="right"))
         draw = index - (int(ends[s - 1]) if s else 0)
         return torch.from_numpy(self._rows(np.array([s]), np.array([draw]))[0])

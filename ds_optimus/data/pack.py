@@ -7,7 +7,7 @@ fraction and this format: a changed input never reuses a stale shard, and changi
 re-tokenizes nothing. A source is split into work units (`corpus.source_units`: a file each, or row
 ranges of a `save_to_disk` folder). Unit i becomes `unit-i.train.bin` and `unit-i.val.bin` (uint16
 when the vocabulary fits, else uint32; every document followed by the end-of-text id; a document
-goes to the held-out split by a hash of its unit and position, 1 in `1/val_fraction`), written
+goes to the held-out split by a hash of its unit and position, a `val_fraction` of them), written
 under temporary names and renamed, then its completion marker `unit-i.json`, written last. A
 killed preparation resumes at the first unit without a marker; a unit without one is never read.
 
@@ -32,7 +32,7 @@ from .corpus import DataError, Source, Unit, describe, parse_sources, source_uni
 from .tokenizer import tokenizer_fingerprint
 from .tokens import TokenFile, TokenStream, token_files
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -135,11 +135,13 @@ def source_folder(source: Source, tokenizer, cache_dir: str | Path, val_fraction
     return Path(cache_dir) / f"{source.label}-{source_key(source, tokenizer, val_fraction)[:16]}"
 
 
-def _is_val(unit: int, index: int, every: int | None) -> bool:
-    if every is None:
+def _is_val(unit: int, index: int, fraction: float) -> bool:
+    """Whether document `index` of unit `unit` is held out: a hash of the two below `fraction`, and
+    the second document of the first unit always (a source of one document keeps it for training)."""
+    if fraction == 0:
         return False
     mixed = ((unit * 0xD1B54A32D192ED03 + index) * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & (2**64 - 1)
-    return (unit, index) == (0, 0) or (mixed >> 32) % every == 0
+    return (unit, index) == (0, 1) or (mixed >> 11) < fraction * 2**53
 
 
 @dataclass

@@ -28,11 +28,12 @@ def launch_world() -> tuple[int, int]:
     rank = launch_rank()
     if "PALS_RANKID" in os.environ and os.environ["PALS_RANKID"].isdigit() and not rank:
         rank = int(os.environ["PALS_RANKID"])
-    for key in SIZE_KEYS:
-        value = os.environ.get(key, "")
-        if value.isdigit() and int(value) > 0:
-            return rank, int(value)
-    return rank, 1
+    world = next((int(os.environ[k]) for k in SIZE_KEYS if os.environ.get(k, "").isdigit() and int(os.environ[k]) > 0),
+                 1)
+    if rank >= world:
+        raise ValueError(f"this process is rank {rank} but the launcher's size variables ({', '.join(SIZE_KEYS)}) "
+                         f"say {world} process{'es' if world > 1 else ''}: set the size with the rank")
+    return rank, world
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,9 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     from .pack import DataConfig, plan_sources, prepare_data
     from .tokenizer import load_tokenizer
 
-    rank, world = launch_world()
-    started = time.time()
+    rank, world, started = launch_rank(), 1, time.time()
     try:
+        rank, world = launch_world()
         config = apply_overrides(load_json_config(args.config), args.overrides)
         data = DataConfig.parse(config.get("optimus", {}).get("data", {}), "optimus.data")
         tokenizer = load_tokenizer(data.tokenizer)

@@ -68,8 +68,9 @@ def mixture_thresholds(weights: Sequence[float]) -> np.ndarray:
     w = np.asarray(weights, dtype=np.float64)
     if w.ndim != 1 or len(w) == 0 or (w < 0).any() or w.sum() <= 0:
         raise ValueError(f"mixture weights must be non-negative with a positive sum, got {list(weights)}")
-    cumulative = np.cumsum(w / w.sum())[:-1]
-    return np.array([min(int(c * 2.0**64), 2**64 - 1) for c in cumulative], dtype=np.uint64)
+    cumulative = np.cumsum(w / w.sum())
+    cumulative[np.flatnonzero(w)[-1]:] = 1.0  # sources of weight 0 at the end get no sliver of rounding
+    return np.array([min(int(c * 2.0**64), 2**64 - 1) for c in cumulative[:-1]], dtype=np.uint64)
 
 
 def mixture_sources(positions, thresholds: np.ndarray, key: int) -> np.ndarray:

@@ -10,6 +10,7 @@ Token files: `.npy` (the dtype and length from the header) or raw `.bin` (the dt
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import numpy as np
 from .corpus import DataError, matching_files
 
 TOKEN_SUFFIXES = (".npy", ".bin")
+MAX_MAPPED = 128  # token files one stream keeps mapped at once (a rank's open files stay well under its limit)
 
 
 @dataclass(frozen=True)
@@ -46,15 +48,23 @@ class TokenStream:
         self.arrays = [None if isinstance(p, TokenFile) else p for p, _ in kept]
         self.names = [n for _, n in kept]
         self.ends = np.cumsum([p.length if isinstance(p, TokenFile) else len(p) for p, _ in kept], dtype=np.int64)
+        self._mapped: OrderedDict[int, None] = OrderedDict()  # the files mapped now, least recently read first
         self.total = int(self.ends[-1]) if len(self.ends) else 0
 
     def __len__(self) -> int:
         return self.total
 
     def array(self, i: int) -> np.ndarray:
-        """The i-th file's ids, mapped now if not yet."""
+        """The i-th file's ids, mapped now if not yet. At most `MAX_MAPPED` files stay mapped (each
+        map holds a file descriptor): the least recently read is let go first."""
+        if self.files[i] is None:
+            return self.arrays[i]
         if self.arrays[i] is None:
             self.arrays[i] = self.files[i].open()
+            while len(self._mapped) >= MAX_MAPPED:
+                self.arrays[self._mapped.popitem(last=False)[0]] = None
+        self._mapped[i] = None
+        self._mapped.move_to_end(i)
         return self.arrays[i]
 
     def num_sequences(self, seq_len: int) -> int:
@@ -104,8 +114,8 @@ def token_file(path: Path, dtype: str | None = None) -> TokenFile:
     if path.suffix == ".npy":
         try:
             array = np.load(path, mmap_mode="r", allow_pickle=False)
-        except (ValueError, OSError) as err:
-            raise DataError(f"{path}: not a readable .npy file ({err})") from None
+        except (ValueError, OSError, EOFError) as err:
+            raise DataError(f"{path}: not a readable .npy file ({type(err).__name__}: {err})") from None
         if array.ndim != 1:
             raise DataError(f"{path}: a token file must be flat (1-D), this one has shape {array.shape}")
         if not np.issubdtype(array.dtype, np.integer):

@@ -55,8 +55,7 @@ def run_units(pending: list[tuple[Source, Path, list[Unit]]], tokenizer, val_fra
             (cache_dir / name).unlink(missing_ok=True)
     backend = tokenizer.backend_tokenizer.to_str()
     dtype = token_dtype(len(tokenizer)).name
-    every = None if val_fraction == 0 else max(2, round(1 / val_fraction))
-    mine = [(source, folder, i, unit, backend, tokenizer.eos_token_id, dtype, every, rank)
+    mine = [(source, folder, i, unit, backend, tokenizer.eos_token_id, dtype, val_fraction, rank)
             for (source, folder, i, unit), r in zip(jobs, owner, strict=True)
             if r == rank and not _marker(folder, i).exists()]
     _remove_leftovers(jobs, owner, rank)
@@ -92,9 +91,23 @@ def run_units(pending: list[tuple[Source, Path, list[Unit]]], tokenizer, val_fra
             bar.close()
 
 
-def _error_files(pending, cache_dir: Path) -> list[str]:
+STARTED = time.time()  # this process's start: error files much older are an earlier launch's
+
+
+def _error_files(pending, cache_dir: Path, since: float | None = None) -> list[str]:
+    """Error files of the pending sources (written since `since`, when given)."""
     prefixes = tuple(f"{folder.name}.error.rank" for _, folder, _ in pending)
-    return sorted(name for name in os.listdir(cache_dir) if name.startswith(prefixes) and ".tmp-" not in name)
+    names = sorted(name for name in os.listdir(cache_dir) if name.startswith(prefixes) and ".tmp-" not in name)
+    if since is None:
+        return names
+    fresh = []
+    for name in names:
+        try:
+            if (cache_dir / name).stat().st_mtime >= since:
+                fresh.append(name)
+        except FileNotFoundError:
+            pass
+    return fresh
 
 
 def _markers_done(pending) -> int:
@@ -105,7 +118,7 @@ def _markers_done(pending) -> int:
 
 def _tick(bar, pending, cache_dir: Path, count: bool = True) -> int:
     """Raise an error another process wrote; count the finished units (rank 0) and show them."""
-    errors = _error_files(pending, cache_dir)
+    errors = _error_files(pending, cache_dir, since=STARTED - LAUNCH_SKEW_SECONDS)
     if errors:  # another process's: it prints it itself, and rank 0 does (the launcher may stop it first)
         raise said_by_every_rank(DataError((cache_dir / errors[0]).read_text().strip()))
     if not count:
@@ -121,6 +134,7 @@ def _wait(finished, poll_seconds: float) -> None:
         time.sleep(poll_seconds)
 
 
+LAUNCH_SKEW_SECONDS = 120  # the processes of one launch start within this of each other
 STALE_SECONDS = 600  # a worker appends to its file every batch of documents: older ones are a dead worker's
 
 
@@ -205,7 +219,7 @@ def _limit_threads(threads: int | None) -> None:
 
 def tokenize_unit(job) -> dict:
     """Tokenize one unit into its shard files and write its marker (last)."""
-    source, folder, index, unit, backend_json, eos, dtype_name, every, rank = job
+    source, folder, index, unit, backend_json, eos, dtype_name, val_fraction, rank = job
     key = hash(backend_json)
     if key not in _TOKENIZERS:
         from tokenizers import Tokenizer
@@ -225,10 +239,10 @@ def tokenize_unit(job) -> dict:
             for text in unit_documents(source, unit):
                 batch.append(text)
                 if len(batch) == BATCH_DOCUMENTS:
-                    documents = _write_batch(batch, backend, eos, dtype, index, documents, every, files, counts)
+                    documents = _write_batch(batch, backend, eos, dtype, index, documents, val_fraction, files, counts)
                     batch = []
             if batch:
-                documents = _write_batch(batch, backend, eos, dtype, index, documents, every, files, counts)
+                documents = _write_batch(batch, backend, eos, dtype, index, documents, val_fraction, files, counts)
         for split in ("train", "val"):
             os.replace(tmp[split], f"{stem}.{split}.bin")
     finally:
@@ -240,7 +254,7 @@ def tokenize_unit(job) -> dict:
     return record
 
 
-def _write_batch(texts, backend, eos, dtype, unit, first_index, every, files, counts) -> int:
+def _write_batch(texts, backend, eos, dtype, unit, first_index, val_fraction, files, counts) -> int:
     from .pack import _is_val
 
     encodings = backend.encode_batch(texts, add_special_tokens=False)
@@ -249,7 +263,7 @@ def _write_batch(texts, backend, eos, dtype, unit, first_index, every, files, co
         ids = np.asarray(encoding.ids + [eos], dtype=np.int64)
         if ids.size and ids.max() > limit:
             raise DataError(f"token id {ids.max()} does not fit {dtype.name}")
-        split = "val" if _is_val(unit, first_index + offset, every) else "train"
+        split = "val" if _is_val(unit, first_index + offset, val_fraction) else "train"
         ids.astype(dtype).tofile(files[split])
         counts[split] += ids.size
     return first_index + len(texts)

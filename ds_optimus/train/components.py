@@ -122,8 +122,8 @@ def prepare_everywhere(data, tokenizer):
     if rank == 0:
         try:
             found[0] = ("plan", plan_sources(sources, tokenizer, data.cache_dir, data.val_fraction))
-        except DataError as err:
-            found[0] = ("error", str(err))
+        except Exception as err:  # whatever it is, the ranks waiting below must hear of it
+            found[0] = ("error", str(err) if isinstance(err, DataError) else f"{type(err).__name__}: {err}")
     if world > 1:
         dist.broadcast_object_list(found, src=0)
     if found[0][0] == "error":
@@ -148,11 +148,16 @@ def describe_data(packed, loader) -> str:
 def check_shared_folder(folder: Path, what: str) -> None:
     """Raise on every rank unless every rank sees the files rank 0 writes in `folder` (collective)."""
     token = [os.urandom(8).hex() if dist.get_rank() == 0 else None]
-    probe = folder / ".shared-probe"
     if dist.get_rank() == 0:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe.write_text(token[0])
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f".shared-probe-{token[0]}").write_text(token[0])
+        except OSError as err:
+            token[0] = f"error: {err}"
     dist.broadcast_object_list(token, src=0)
+    if token[0].startswith("error: "):
+        raise said_by_every_rank(ValueError(f"{what} {str(folder)!r}: {token[0][7:]}"))
+    probe = folder / f".shared-probe-{token[0]}"  # one launch's own, beside another's that started with it
     try:
         seen = probe.read_text() == token[0]
     except OSError:
@@ -160,6 +165,8 @@ def check_shared_folder(folder: Path, what: str) -> None:
     blind = [None] * dist.get_world_size()
     dist.all_gather_object(blind, None if seen else socket.gethostname())
     blind = sorted({host for host in blind if host is not None})
+    if dist.get_rank() == 0:
+        probe.unlink(missing_ok=True)
     if blind:
         raise said_by_every_rank(ValueError(
             f"{what} {str(folder)!r} is not shared: rank 0's files there are not seen on {', '.join(blind[:4])}"
