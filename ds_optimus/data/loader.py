@@ -25,14 +25,6 @@ from .shuffle import mixture_sources, mixture_thresholds, permute, stable_key
 from .tokens import TokenStream
 
 
-def sequence(tokens, seq_len: int, index: int) -> torch.Tensor:
-    """The `index`-th sequence of `seq_len` tokens of a token array or stream, as int64."""
-    if isinstance(tokens, TokenStream):
-        return torch.from_numpy(tokens.read(index * seq_len, seq_len))
-    start = index * seq_len
-    return torch.from_numpy(np.asarray(tokens[start:start + seq_len], dtype=np.int64))
-
-
 def _parts(data, split: str) -> list[tuple[str, TokenStream, float | None, str]]:
     """(name, stream, weight, identity) of each source of `data` with tokens of `split`."""
     if isinstance(data, TokenStream):
@@ -100,11 +92,6 @@ class TokenBatches:
     @property
     def tokens_consumed(self) -> int:
         return self.position * self.seq_len
-
-    @property
-    def epoch(self) -> int:
-        """Whole epochs of the mixture so far (of a single source: its epochs)."""
-        return self.position // self.num_sequences
 
     def source_tokens(self) -> dict[str, int]:
         """Tokens each source has given so far (over all ranks)."""

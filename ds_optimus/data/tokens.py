@@ -89,14 +89,6 @@ class TokenStream:
     def head(self, count: int) -> np.ndarray:
         return self.read(0, min(count, self.total))
 
-    def sequences(self, indices, seq_len: int) -> np.ndarray:
-        """Rows `[len(indices), seq_len]` (int64): the `i`-th sequence of `seq_len` tokens for each i."""
-        indices = np.asarray(indices, dtype=np.int64)
-        out = np.empty((len(indices), seq_len), dtype=np.int64)
-        for row, index in enumerate(indices.tolist()):
-            out[row] = self.read(index * seq_len, seq_len)
-        return out
-
     @staticmethod
     def concat(streams) -> TokenStream:
         """The streams one after another (nothing is opened)."""
@@ -130,12 +122,6 @@ def token_file(path: Path, dtype: str | None = None) -> TokenFile:
     if size % itemsize:
         raise DataError(f"{path}: {size} bytes is not a whole number of {dtype} tokens")
     return TokenFile(str(path), size // itemsize, np.dtype(dtype).str)
-
-
-def open_token_file(path: Path, dtype: str | None = None) -> np.ndarray:
-    """One token file, memory-mapped read-only."""
-    spec = token_file(path, dtype)
-    return spec.open() if spec.length else np.zeros(0, dtype=spec.dtype)
 
 
 def token_files(target: str, dtype: str | None = None) -> list[TokenFile]:
