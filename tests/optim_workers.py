@@ -96,8 +96,34 @@ def train(rank: int, world: int, spec: dict) -> dict:
               "skipped_steps": engine.skipped_steps}
     if hasattr(engine.optimizer, "state_bytes"):
         result["state_bytes"] = engine.optimizer.state_bytes()
-    result["params"] = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+        result["gather"] = {"launch_s": engine.optimizer.gather.launch_s, "wait_s": engine.optimizer.gather.wait_s,
+                            "pending": len(engine.optimizer.gather.pending)}
+    # through state_dict(): it waits for an overlapped parameter gather still on its way
+    state = engine.module.state_dict()
+    result["params"] = {n: state[n].detach().float().clone() for n, _ in engine.module.named_parameters()}
     return result
+
+
+def hybrid_runs(rank: int, world: int, cases: dict[str, dict]) -> dict[str, dict]:
+    """Several `train` runs in one launch (hybrid sharding, the overlapped gather: each case its own
+    engine), each case's result without its parameters but with a digest of them."""
+    from ds_optimus.optim.sharded import ShardedOptimizerError
+
+    out = {}
+    for name, spec in cases.items():
+        if spec.get("expect_error"):
+            try:
+                train(rank, world, spec)
+                out[name] = {"error": "accepted"}
+            except ShardedOptimizerError as err:
+                out[name] = {"error": str(err)}
+            continue
+        result = train(rank, world, spec)
+        params = result.pop("params")
+        result["digest"] = {n: float(p.double().sum()) for n, p in params.items()}
+        result["first_param"] = next(iter(params.values()))
+        out[name] = result
+    return out
 
 
 def reference(spec: dict, world: int) -> dict:

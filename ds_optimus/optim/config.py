@@ -22,6 +22,12 @@ class ShardedOptimizerConfig(Section):
     # reduce buckets while the backward pass goes on; null: yes, except on gloo (CPU), where the
     # collectives' threads compete with the backward pass for the same cores
     overlap_comm: bool | None = None
+    # hybrid sharding: ranks per shard group (state sharded inside one, replicated across them; dense
+    # and expert state alike, a group of at most this many ranks stays whole); null: the whole group
+    shard_group_size: int | None = None
+    # all-gather the updated parameters while the next forward pass runs, each module waiting for its
+    # own; null: yes, except on gloo (CPU), for the same reason as overlap_comm
+    overlap_param_gather: bool | None = None
 
     def check(self, where: str) -> None:
         check_flags(self, where, "enabled")
@@ -29,8 +35,11 @@ class ShardedOptimizerConfig(Section):
              f"{where}.bucket_size must be a positive integer, got {self.bucket_size!r}")
         need(self.reduce_dtype in (None, "fp32", "bf16", "fp16"),
              f"{where}.reduce_dtype must be fp32, bf16, fp16 or null, got {self.reduce_dtype!r}")
-        need(self.overlap_comm is None or isinstance(self.overlap_comm, bool),
-             f"{where}.overlap_comm must be true, false or null, got {self.overlap_comm!r}")
+        for key in ("overlap_comm", "overlap_param_gather"):
+            value = getattr(self, key)
+            need(value is None or isinstance(value, bool), f"{where}.{key} must be true, false or null, got {value!r}")
+        need(self.shard_group_size is None or positive_int(self.shard_group_size),
+             f"{where}.shard_group_size must be a positive integer or null, got {self.shard_group_size!r}")
 
 
 # What `python -m ds_optimus.train` reads and `deepspeed.initialize` cannot apply: such a key in a config

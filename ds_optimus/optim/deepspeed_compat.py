@@ -87,8 +87,7 @@ class ShardedOptimizer(sharded.ShardedOptimizer, ZeROOptimizer):
     def __init__(self, init_optimizer, **kwargs) -> None:
         ZeROOptimizer.__init__(self)  # the backward-hook state manager and the boundary flag
         # What DeepSpeed's `needs_scaler` reads besides `dynamic_loss_scale`: no other loss scaler here.
-        self.custom_loss_scaler = False
-        self.torch_autocast_gradscaler = None
+        self.custom_loss_scaler, self.torch_autocast_gradscaler = False, None
         sharded.ShardedOptimizer.__init__(self, init_optimizer, **kwargs)
         self.dp_process_group = self.dense_group  # what the engine reads
 
@@ -163,11 +162,12 @@ def build_sharded_optimizer(engine, basic_optimizer, settings) -> ShardedOptimiz
                                         hysteresis=args["delayed_shift"], min_scale=args["min_scale"])
         else:
             scaler = sharded.LossScaler(engine.loss_scale())
+    keys = ("bucket_size", "overlap_comm", "shard_group_size", "overlap_param_gather")
+    options = {k: getattr(settings, k) for k in keys}
     return ShardedOptimizer(basic_optimizer, param_names=dict(engine.param_names), stage=stage,
-                            expert_groups=expert_layouts(engine.module), dense_group=group,
-                            clip_grad=engine.gradient_clipping(), bucket_size=settings.bucket_size,
-                            reduce_dtype=reduce_dtype, overlap_comm=settings.overlap_comm, loss_scaler=scaler,
-                            norm_group=dist.group.WORLD if stages is not None else None)
+                            expert_groups=expert_layouts(engine.module), dense_group=group, module=engine.module,
+                            clip_grad=engine.gradient_clipping(), reduce_dtype=reduce_dtype, loss_scaler=scaler,
+                            norm_group=dist.group.WORLD if stages is not None else None, **options)
 
 
 def _configure_zero_optimizer(self, optimizer):

@@ -20,9 +20,13 @@ MOMENTS = ("master", "exp_avg", "exp_avg_sq")
 
 
 def shard_state(spaces: list[Space]) -> list[dict[str, Any]]:
-    """Per space, this rank's pieces and the tensors they index (on the CPU)."""
+    """Per space, this rank's pieces and the tensors they index (on the CPU). With hybrid sharding only
+    the first replica of a shard saves it (the others hold the same values): every element is saved once."""
     saved = []
     for space in spaces:
+        if space.replica_rank > 0:
+            saved.append({"key": space.key, "pieces": [], **{key: torch.zeros(0) for key in MOMENTS}})
+            continue
         pieces = [(space.names[i], space.offsets[i] + start, length, pos) for i, start, length, pos in space.own_runs()]
         saved.append({"key": space.key, "pieces": pieces, **{key: getattr(space, key).cpu() for key in MOMENTS}})
     return saved

@@ -14,7 +14,14 @@ Per step:
   held by exactly one rank's shard (dense over DP, experts over EDP, EP groups disjoint);
 - Adam/AdamW runs on the shard with PyTorch's fused multi-tensor kernel, the unscaling, the
   averaging over ranks and the clipping folded into its gradient divisor;
-- the updated shard is cast to the parameters' dtype and all-gathered, one collective per bucket.
+- the updated shard is cast to the parameters' dtype and all-gathered, one collective per bucket,
+  at the end of `step()` or overlapped with the next forward pass (`gather.py`).
+
+Hybrid sharding (`shard_group_size`): each group is cut into shard groups of that many consecutive
+ranks (`ds_optimus.parallel.groups.hybrid_shard_groups`); the state is sharded inside a shard group
+and replicated across them. Gradients are reduce-scattered inside the shard group and the reduced
+shard all-reduced across the replicas (once per step, at its last reduction); the all-gather stays
+inside the shard group. The replicas run the same update on the same values and stay bitwise equal.
 
 Averaging: every rank's loss is the mean over its own tokens, so the global mean's gradient is the
 sum over ranks over the data-parallel world size, for experts too (an expert's local gradient
@@ -32,7 +39,9 @@ import torch
 import torch.distributed as dist
 
 from ..parallel.expert_parallel import is_expert_param
-from ..parallel.groups import ExpertParallelGroups
+from ..parallel.groups import ExpertParallelGroups, LayoutError, hybrid_shard_groups
+from .adam import adam_kind, adam_segments, fused_adam
+from .gather import ParamGather
 from .loss_scale import LossScaler
 from .shard_state import STATE_FORMAT, load_spaces, restore_hyperparameters, shard_state
 from .spaces import Bucket, BufferPool, ShardedOptimizerError, Space, collective
@@ -43,17 +52,21 @@ __all__ = ["LossScaler", "STATE_FORMAT", "ShardedOptimizer", "ShardedOptimizerEr
 class ShardedOptimizer:
     """ZeRO-1 (`stage=1`) or ZeRO-2 (`stage=2`) over the param groups of `init_optimizer` (torch or
     DeepSpeed Adam/AdamW), with expert parameters sharded over the EDP group of their layout in
-    `expert_groups` (the `ExpertParallelGroups` that `apply_expert_parallel` returned)."""
+    `expert_groups` (the `ExpertParallelGroups` that `apply_expert_parallel` returned). `shard_group_size`:
+    ranks per shard group (None: the whole group); `module`: the model, whose forward pass waits for its
+    own parameters when `overlap_param_gather` (None: yes, except on gloo)."""
 
     def __init__(self, init_optimizer, *, param_names: dict[torch.nn.Parameter, str], stage: int,
                  expert_groups: Iterable[ExpertParallelGroups] = (), dense_group=None, clip_grad: float = 0.0,
                  bucket_size: int = 50_000_000, reduce_dtype: torch.dtype | None = None,
-                 overlap_comm: bool | None = None, loss_scaler: LossScaler | None = None, norm_group=None) -> None:
+                 overlap_comm: bool | None = None, loss_scaler: LossScaler | None = None, norm_group=None,
+                 shard_group_size: int | None = None, module: torch.nn.Module | None = None,
+                 overlap_param_gather: bool | None = None) -> None:
         if stage not in (1, 2):
             raise ShardedOptimizerError(f"the sharded optimizer runs ZeRO stage 1 or 2, not {stage}")
         self.optimizer = init_optimizer
         self.param_groups = init_optimizer.param_groups  # shared: LR schedulers act on these dicts
-        self.decoupled, self.amsgrad = _adam_kind(init_optimizer)
+        self.decoupled, self.amsgrad = adam_kind(init_optimizer)
         if self.amsgrad:
             raise ShardedOptimizerError("the sharded optimizer does not implement amsgrad")
         self.stage = stage
@@ -78,9 +91,7 @@ class ShardedOptimizer:
         self._reduced_this_step = 0  # reductions added to the shard since the last step
         self._finished = True
         self._pool = BufferPool()
-        # The all-gathers' work handles live until the next step: a gloo worker thread dropping the last
-        # one would free its tensors, needing the GIL, which aborts a process exiting right after a step.
-        self._gather_works: list = []
+        self.shard_group_size = shard_group_size
         self.spaces = self._build_spaces(param_names, bucket_size, reduce_dtype)
         device = self.spaces[0].device if self.spaces else torch.device("cpu")
         self._step = torch.zeros((), dtype=torch.float32, device=device)  # the fused kernels read it on device
@@ -92,9 +103,15 @@ class ShardedOptimizer:
         self._next = 0
         self._in_flight: list[tuple[Space, Bucket]] = []
         self._num_params = sum(len(s.params) for s in self.spaces)
-        self._segments = self._adam_segments()
+        self._segments = adam_segments(self.spaces, self._group_of)
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, space, i))
                        for space in self.spaces for i, p in enumerate(space.params)]
+        if overlap_param_gather is None:
+            overlap_param_gather = dist.get_backend(self.dense_group) != "gloo"
+        # the next forward pass takes the parameters in the order of their definition
+        forward = sorted(((s, b) for s in self.spaces for b in s.buckets),
+                         key=lambda sb: min(self._position[id(sb[0].params[i])] for i in sb[1].params))
+        self.gather = ParamGather(forward, self._pool, module, overlap_param_gather)
 
     def _build_spaces(self, param_names, bucket_size: int, reduce_dtype) -> list[Space]:
         self._group_of: dict[int, int] = {}
@@ -112,37 +129,29 @@ class ShardedOptimizer:
                 self._group_of[id(p)] = g
                 kind = p.group_name if is_expert_param(p) else "dense"
                 members.setdefault((kind, p.dtype), []).append(p)
+        kinds = {"dense": self.dense_group, **{name: g.edp_group for name, g in self.expert_groups.items()}}
+        try:
+            hybrid = hybrid_shard_groups(kinds, self.shard_group_size)
+        except LayoutError as err:
+            raise ShardedOptimizerError(str(err)) from None
         spaces = []
         for (kind, dtype), params in members.items():
             params = params[::-1]  # gradients arrive roughly in reverse order of definition
             names = [param_names.get(p) or f"param{i}" for i, p in enumerate(params)]
             if kind == "dense":
-                group, offsets, chunked = self.dense_group, [0] * len(params), False
+                offsets, chunked = [0] * len(params), False
             else:
                 ep = self.expert_groups.get(kind)
                 if ep is None:
                     raise ShardedOptimizerError(f"expert parameters of layout {kind!r} but no such layout in "
                                                 "expert_groups; pass the groups apply_expert_parallel returned")
-                group, chunked = ep.edp_group, True
+                chunked = True
                 offsets = [ep.ep_rank * p.numel() for p in params]  # the local experts' place in the full weight
             rdtype = reduce_dtype or dtype
-            spaces.append(Space(f"{kind}:{str(dtype).removeprefix('torch.')}", params, names, offsets, group,
-                                 chunked, bucket_size, rdtype))
+            shard, replicas = hybrid[kind]
+            spaces.append(Space(f"{kind}:{str(dtype).removeprefix('torch.')}", params, names, offsets, shard,
+                                 chunked, bucket_size, rdtype, replicas))
         return spaces
-
-    def _adam_segments(self) -> dict[int, list[tuple[Space, int, int]]]:
-        """Per param group, (space, shard position, length) runs of this rank's shard, adjacent runs
-        of the same group merged: the tensors of one fused multi-tensor Adam call."""
-        segments: dict[int, list[list]] = {}
-        for space in self.spaces:
-            for param, _, length, pos in sorted(space.own_runs(), key=lambda r: r[3]):
-                g = self._group_of[id(space.params[param])]
-                mine = segments.setdefault(g, [])
-                if mine and mine[-1][0] is space and mine[-1][1] + mine[-1][2] == pos:
-                    mine[-1][2] += length
-                else:
-                    mine.append([space, pos, length])
-        return {g: [tuple(s) for s in segs] for g, segs in segments.items()}
 
     # -- gradients ----------------------------------------------------------------------------------
 
@@ -164,6 +173,10 @@ class ShardedOptimizer:
         if grad is None:
             return
         self._finished = False
+        if self.gather.waits_for(param):
+            raise ShardedOptimizerError(
+                f"{space.names[i]} was used before its updated value arrived: something uses it outside the "
+                "forward pass of the module that owns it; set optimus.sharded_optimizer.overlap_param_gather false")
         bucket = space.bucket_of[i]
         if bucket.launched:
             raise ShardedOptimizerError(
@@ -325,10 +338,12 @@ class ShardedOptimizer:
         if self._reduced_this_step == 0:
             self._finished = False  # a step whose gradients never went through the hooks
             self._finish_reduction()
+        self._reduce_across_replicas()
         inv = 1.0 / (self.world_size * self.cur_scale)
         squares = torch.zeros((), dtype=torch.float32, device=self.spaces[0].device if self.spaces else "cpu")
-        for space in self.spaces:
-            squares += torch.dot(space.grad, space.grad)
+        for space in self.spaces:  # each element counted once: by the first replica of its shard
+            if space.replica_rank == 0:
+                squares += torch.dot(space.grad, space.grad)
         dist.all_reduce(squares, group=self.norm_group)
         norm = math.sqrt(squares.item()) * inv
         self._global_grad_norm = norm
@@ -346,43 +361,27 @@ class ShardedOptimizer:
         clip = self.clip_grad / (norm + 1e-6) if self.clip_grad > 0 and norm > self.clip_grad else 1.0
         divisor = torch.full((), 1.0 / (inv * clip), dtype=torch.float32, device=self._step.device)  # no copy
         self._step += 1
-        for g, segments in self._segments.items():
-            group = self.param_groups[g]
-            views = {key: [getattr(s, key)[pos:pos + n] for s, pos, n in segments]
-                     for key in ("master", "grad", "exp_avg", "exp_avg_sq")}
-            beta1, beta2 = group.get("betas", (0.9, 0.999))
-            update = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
-            update(views["master"], views["grad"], views["exp_avg"], views["exp_avg_sq"], [],
-                   [self._step] * len(segments), lr=float(group["lr"]), beta1=beta1, beta2=beta2,
-                   weight_decay=group.get("weight_decay", 0.0), eps=group.get("eps", 1e-8), amsgrad=False,
-                   maximize=False, grad_scale=divisor, found_inf=None)
-        self._gather_params()
+        fused_adam(self._segments, self.param_groups, self._step, self.decoupled, divisor)
+        self.gather.launch()
 
-    @torch.no_grad()
-    def _gather_params(self) -> None:
-        """Cast the shards to the parameters' dtype and all-gather them, two buckets in flight."""
-        pending = []
-        self._gather_works = []  # see __init__
-        for space in self.spaces:
-            for bucket in space.buckets:
-                buf = self._pool.get(bucket.size, space.dtype, space.device)
-                own = buf[space.rank * bucket.shard:(space.rank + 1) * bucket.shard]
-                own.copy_(space.master[bucket.shard_offset:bucket.shard_offset + bucket.shard])
-                work = collective("all_gather")(buf, own, group=space.group, async_op=True)
-                self._gather_works.append(work)
-                pending.append((space, bucket, buf, work))
-                if len(pending) > 1:
-                    self._scatter_into_params(*pending.pop(0))
-        for item in pending:
-            self._scatter_into_params(*item)
+    def _reduce_across_replicas(self) -> None:
+        """Hybrid sharding: sum every reduced shard over its replicas (in the reduction dtype), one
+        all-reduce per bucket, all in flight at once."""
+        works = []
+        for space, bucket in self._order:
+            if space.replicas is not None:
+                view = space.grad[bucket.shard_offset:bucket.shard_offset + bucket.shard]
+                wire = view if space.reduce_dtype == torch.float32 else view.to(space.reduce_dtype)
+                works.append((view, wire, dist.all_reduce(wire, group=space.replicas, async_op=True)))
+        for view, wire, work in works:
+            work.wait()
+            if wire is not view:
+                view.copy_(wire)
 
-    def _scatter_into_params(self, space: Space, bucket: Bucket, buf: torch.Tensor, work) -> None:
-        work.wait()
-        for i, copies in bucket.copies.items():
-            flat = space.params[i].data.view(-1)
-            for start, offset, length in copies:
-                flat[start:start + length].copy_(buf[offset:offset + length])
-        self._pool.put(buf)
+    def wait_for_params(self) -> None:
+        """Wait until every parameter has its value of the last step (only needed, with the overlapped
+        gather, by code that reads `param.data` itself before the next forward pass)."""
+        self.gather.wait_all()
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -425,10 +424,11 @@ class ShardedOptimizer:
                 self.loss_scaler.load_state_dict(first["loss_scaler"])
             if first.get("param_groups"):
                 restore_hyperparameters(self.param_groups, first["param_groups"])
-        self._gather_params()
+        self.gather.launch()
 
     def refresh_master_from_params(self) -> None:
         """Set the fp32 master shard from the current parameters (after loading weights only)."""
+        self.gather.wait_all()
         for space in self.spaces:
             space.refresh_master()
 
@@ -436,15 +436,5 @@ class ShardedOptimizer:
         """Detach the optimizer from the parameters' gradient hooks."""
         [handle.remove() for handle in self._hooks]
         self._hooks = []
+        self.gather.remove_hooks()
 
-
-def _adam_kind(optimizer) -> tuple[bool, bool]:
-    """(decoupled weight decay, amsgrad) of a torch or DeepSpeed Adam/AdamW; a clear error otherwise."""
-    name = type(optimizer).__name__
-    if isinstance(optimizer, torch.optim.AdamW):
-        return True, bool(optimizer.defaults.get("amsgrad"))
-    if isinstance(optimizer, torch.optim.Adam):
-        return bool(optimizer.defaults.get("decoupled_weight_decay", False)), bool(optimizer.defaults.get("amsgrad"))
-    if name in ("FusedAdam", "DeepSpeedCPUAdam"):
-        return bool(getattr(optimizer, "adam_w_mode", True)), bool(optimizer.defaults.get("amsgrad", False))
-    raise ShardedOptimizerError(f"the sharded optimizer runs Adam or AdamW; the config's optimizer is {name}")

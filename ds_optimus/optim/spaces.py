@@ -3,7 +3,8 @@ reused communication buffers (pure PyTorch).
 
 A `Space` is a set of parameters reduced over one process group (the dense parameters over the
 data-parallel group, one EP layout's experts over its expert-data-parallel group) with this rank's
-shard of their fp32 master weights, Adam moments and reduced gradients. Its parameters are cut into
+shard of their fp32 master weights, Adam moments and reduced gradients. With hybrid sharding the
+group is cut into shard groups: the state is sharded inside one and replicated across them. Its parameters are cut into
 `Bucket`s, each reduce-scattered and all-gathered with one collective; `layout.py` says which
 elements of which parameter lie where in a bucket and in which rank's shard.
 """
@@ -80,13 +81,17 @@ class Space:
     """Parameters reduced over one process group: the dense ones, or one EP layout's experts."""
 
     def __init__(self, key: str, params: list[torch.nn.Parameter], names: list[str], offsets: list[int],
-                 group, chunked: bool, bucket_size: int, reduce_dtype: torch.dtype) -> None:
+                 group, chunked: bool, bucket_size: int, reduce_dtype: torch.dtype, replicas=None) -> None:
         self.key = key
         self.params, self.names = params, names
         self.offsets = offsets  # where each (local) parameter starts in the full parameter, flattened
-        self.group = group
+        self.group = group  # the shard group: the state is sharded over its ranks
         self.group_size = dist.get_world_size(group=group)
         self.rank = dist.get_rank(group=group)
+        # hybrid sharding: the ranks holding the same shard in the other shard groups (None: none)
+        self.replicas = replicas
+        self.replica_size = dist.get_world_size(group=replicas) if replicas is not None else 1
+        self.replica_rank = dist.get_rank(group=replicas) if replicas is not None else 0
         self.dtype = params[0].dtype
         self.device = params[0].device
         self.reduce_dtype = reduce_dtype

@@ -189,3 +189,59 @@ def destroy_expert_parallel_groups() -> None:
     """Forget the cached layouts (call before `dist.destroy_process_group`)."""
     _CACHE.clear()
     _PIPELINES.clear()
+    _SHARD_GROUPS.clear()
+
+
+_SHARD_GROUPS: dict[tuple, dict[str, tuple[object, object]]] = {}
+
+
+def hybrid_shard_groups(groups: dict[str, object], size: int | None) -> dict[str, tuple[object, object]]:
+    """For each of this rank's process groups `groups` (by kind: "dense", an EP layout's name), the
+    (shard group, replica group) of hybrid sharding with `size` ranks per shard group: a group's
+    ranks, in its own order, cut into runs of `size` (consecutive ranks, so the runs are nodes or
+    groups of nodes), and the ranks at the same place of every run. A group of at most `size`
+    ranks is one shard group and has no replica group (None). `size` None: no hybrid sharding.
+
+    Collective over the world (creating groups is): every rank calls it with the same `size` and
+    the same kinds, even a rank without parameters of some kind. Each rank sends the place it holds in
+    each of its groups (its group's first rank, size and its index), so every rank knows every group
+    and creates them all in one order. Made once per layout."""
+    if size is None:
+        return {kind: (group, None) for kind, group in groups.items()}
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise LayoutError(f"shard group size must be a positive integer, got {size!r}")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = {}
+    for kind, group in groups.items():
+        ranks = dist.get_process_group_ranks(group)
+        if len(ranks) > size and len(ranks) % size:
+            raise LayoutError(f"shard group size {size} does not divide the {len(ranks)} ranks of the "
+                              f"{'data' if kind == 'dense' else 'expert-data'}-parallel group ({kind})")
+        mine[kind] = (ranks[0], len(ranks), ranks.index(rank))
+    places: list = [None] * world
+    dist.all_gather_object(places, sorted(mine.items()))
+    key = (size, tuple(tuple(p) for p in places))
+    if key in _SHARD_GROUPS:
+        return _SHARD_GROUPS[key]
+    # every group of every kind: {(kind, first rank): [members by index]}
+    members: dict[tuple[str, int], list[int]] = {}
+    for r, held in enumerate(places):
+        for kind, (first, count, index) in held:
+            members.setdefault((kind, first), [None] * count)[index] = r
+    made: dict[str, list] = {kind: [group, None] for kind, group in groups.items()}
+    for (kind, _), ranks in sorted(members.items()):
+        if len(ranks) <= size:
+            continue  # one shard group: the group itself
+        runs = [ranks[i:i + size] for i in range(0, len(ranks), size)]
+        for run in runs:
+            group = dist.new_group(run)  # collective over the world: every rank makes every group
+            if rank in run and kind in made:
+                made[kind][0] = group
+        for place in range(size):
+            across = [run[place] for run in runs]
+            group = dist.new_group(across)
+            if rank in across and kind in made:
+                made[kind][1] = group
+    result = {kind: (shard, replica) for kind, (shard, replica) in made.items()}
+    _SHARD_GROUPS[key] = result
+    return result

@@ -1,0 +1,51 @@
+"""The sharded optimizer's update: Adam or AdamW on this rank's shard with PyTorch's fused
+multi-tensor kernel, one call per param group (pure PyTorch)."""
+
+from __future__ import annotations
+
+import torch
+
+from .spaces import ShardedOptimizerError, Space
+
+
+def adam_kind(optimizer) -> tuple[bool, bool]:
+    """(decoupled weight decay, amsgrad) of a torch or DeepSpeed Adam/AdamW; a clear error otherwise."""
+    name = type(optimizer).__name__
+    if isinstance(optimizer, torch.optim.AdamW):
+        return True, bool(optimizer.defaults.get("amsgrad"))
+    if isinstance(optimizer, torch.optim.Adam):
+        return bool(optimizer.defaults.get("decoupled_weight_decay", False)), bool(optimizer.defaults.get("amsgrad"))
+    if name in ("FusedAdam", "DeepSpeedCPUAdam"):
+        return bool(getattr(optimizer, "adam_w_mode", True)), bool(optimizer.defaults.get("amsgrad", False))
+    raise ShardedOptimizerError(f"the sharded optimizer runs Adam or AdamW; the config's optimizer is {name}")
+
+
+def adam_segments(spaces: list[Space], group_of: dict[int, int]) -> dict[int, list[tuple[Space, int, int]]]:
+    """Per param group (`group_of`: id(param) -> group index), (space, shard position, length) runs of
+    this rank's shard, adjacent runs of the same group merged: the tensors of one fused Adam call."""
+    segments: dict[int, list[list]] = {}
+    for space in spaces:
+        for param, _, length, pos in sorted(space.own_runs(), key=lambda r: r[3]):
+            g = group_of[id(space.params[param])]
+            mine = segments.setdefault(g, [])
+            if mine and mine[-1][0] is space and mine[-1][1] + mine[-1][2] == pos:
+                mine[-1][2] += length
+            else:
+                mine.append([space, pos, length])
+    return {g: [tuple(s) for s in segs] for g, segs in segments.items()}
+
+
+def fused_adam(segments: dict[int, list[tuple[Space, int, int]]], param_groups: list[dict], step: torch.Tensor,
+               decoupled: bool, divisor: torch.Tensor) -> None:
+    """One Adam/AdamW step of every segment's master weights and moments, the gradients divided by
+    `divisor` (unscaling, averaging and clipping in one number); `step` already counts this step."""
+    for g, segs in segments.items():
+        group = param_groups[g]
+        views = {key: [getattr(s, key)[pos:pos + n] for s, pos, n in segs]
+                 for key in ("master", "grad", "exp_avg", "exp_avg_sq")}
+        beta1, beta2 = group.get("betas", (0.9, 0.999))
+        update = torch._fused_adamw_ if decoupled else torch._fused_adam_
+        update(views["master"], views["grad"], views["exp_avg"], views["exp_avg_sq"], [],
+               [step] * len(segs), lr=float(group["lr"]), beta1=beta1, beta2=beta2,
+               weight_decay=group.get("weight_decay", 0.0), eps=group.get("eps", 1e-8), amsgrad=False,
+               maximize=False, grad_scale=divisor, found_inf=None)

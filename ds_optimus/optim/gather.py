@@ -1,0 +1,142 @@
+"""The sharded optimizer's parameter all-gather: each space's updated shards, cast to the parameters'
+dtype, all-gathered inside the shard group and copied into the parameters (pure PyTorch).
+
+Two ways:
+
+- at once (`overlap=False`): at the end of `step()`, one all-gather per bucket, two in flight;
+- overlapped with the next forward pass (`overlap=True`): every bucket's all-gather is launched at
+  the end of `step()`, in the order the forward pass needs them (embeddings first), and a forward
+  pre-hook on each module that owns parameters waits for its own buckets only, so that layer k's
+  computation runs while the buckets of layers k+1... are still on the wire. Every collective is
+  launched inside `step()`, by every rank in the same order: the hooks only wait, so a read of the
+  weights by one rank alone (rank 0 saving a model) cannot hang the others. Reading the weights
+  other than through a forward pass (`state_dict()`, `load_state_dict()`, a checkpoint, an export)
+  waits for all of them first (hooks on the root module); code that reads `param.data` directly
+  right after `step()` calls `wait_all()` (the optimizer's `wait_for_params()`). A skipped step
+  launches nothing, and the parameters keep their values. A compiled module (`Module.compile()`)
+  waits for all its parameters before it starts: one break of its graph, at its start.
+
+Cost of the overlapped way: until the forward pass takes them, every bucket's gathered copy is held,
+one copy of this rank's parameters in their dtype (the at-once way holds two buckets).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+
+from .spaces import Bucket, BufferPool, Space, collective
+
+
+class ParamGather:
+    """The all-gathers of one optimizer's spaces; `order`: its (space, bucket) pairs in the order the
+    forward pass uses them; `module`: the model whose forward waits (overlapped way only)."""
+
+    def __init__(self, order: list[tuple[Space, Bucket]], pool: BufferPool, module=None, overlap: bool = False) -> None:
+        self.order, self.pool = order, pool
+        self.overlap = bool(overlap and module is not None)
+        self.pending: dict[int, tuple] = {}  # id(bucket) -> (space, bucket, buffer, work)
+        self.bucket_of: dict[int, int] = {}  # id(param) -> id(its bucket), while the bucket is pending
+        # The work handles live until the next gather: a gloo worker thread dropping the last one would
+        # free its tensors, needing the GIL, which aborts a process exiting right after a step.
+        self.works: list = []
+        self.launch_s = 0.0  # seconds of the last step spent gathering (at once) or launching (overlapped)
+        self.wait_s = 0.0  # seconds the forward pass waited for parameters since the last step
+        self.sent_bytes = 0  # bytes every rank put into its all-gathers (its own shards), all steps
+        self._hooks: list = []
+        if self.overlap:
+            self._register(module)
+
+    def _register(self, module) -> None:
+        params = {id(space.params[i]) for space, bucket in self.order for i in bucket.params}
+        units = []
+        compiled = [m for m in module.modules() if getattr(m, "_compiled_call_impl", None) is not None]
+        inside = {id(sub) for m in compiled for sub in m.modules() if sub is not m}
+        for m in compiled:  # the outermost compiled modules wait for their whole subtree
+            if id(m) not in inside:
+                units.append((m, [id(p) for p in m.parameters() if id(p) in params]))
+        for m in module.modules():
+            if id(m) in inside or getattr(m, "_compiled_call_impl", None) is not None:
+                continue
+            own = [id(p) for p in m._parameters.values() if p is not None and id(p) in params]
+            if own:
+                units.append((m, own))
+        for m, ids in units:
+            self._hooks.append(m.register_forward_pre_hook(functools.partial(_before_forward, self, tuple(ids))))
+        self._hooks.append(module.register_state_dict_pre_hook(lambda *args, **kwargs: self.wait_all()))
+        self._hooks.append(module.register_load_state_dict_pre_hook(lambda *args, **kwargs: self.wait_all()))
+
+    @torch.no_grad()
+    def launch(self) -> None:
+        """Gather every space's updated shards: at once, or launched for the next forward pass."""
+        self.wait_all()  # a gather not yet taken (no forward since the last step) lands first
+        start = time.perf_counter()
+        self.works, self.wait_s = [], 0.0
+        in_flight = []
+        for space, bucket in self.order:
+            buf = self.pool.get(bucket.size, space.dtype, space.device)
+            own = buf[space.rank * bucket.shard:(space.rank + 1) * bucket.shard]
+            own.copy_(space.master[bucket.shard_offset:bucket.shard_offset + bucket.shard])
+            self.sent_bytes += own.numel() * own.element_size() * (space.group_size > 1)
+            work = collective("all_gather")(buf, own, group=space.group, async_op=True)
+            self.works.append(work)
+            if self.overlap:
+                self.pending[id(bucket)] = (space, bucket, buf, work)
+                for i in bucket.params:
+                    self.bucket_of[id(space.params[i])] = id(bucket)
+            else:
+                in_flight.append((space, bucket, buf, work))
+                if len(in_flight) > 1:
+                    _scatter(*in_flight.pop(0), self.pool)
+        for item in in_flight:
+            _scatter(*item, self.pool)
+        self.launch_s = time.perf_counter() - start
+
+    def waits_for(self, param: torch.nn.Parameter) -> bool:
+        """Whether `param`'s new value is still on its way."""
+        return id(param) in self.bucket_of
+
+    @torch.no_grad()
+    def wait_for(self, param_ids) -> None:
+        """Wait for the buckets holding these parameters and copy them in."""
+        for pid in param_ids:
+            key = self.bucket_of.get(pid)
+            if key is not None:
+                self._take(key)
+
+    @torch.no_grad()
+    def wait_all(self) -> None:
+        """Wait for every bucket still on its way and copy them in."""
+        for key in list(self.pending):
+            self._take(key)
+
+    def _take(self, key: int) -> None:
+        space, bucket, buf, work = self.pending.pop(key)
+        start = time.perf_counter()
+        _scatter(space, bucket, buf, work, self.pool)
+        self.wait_s += time.perf_counter() - start
+        for i in bucket.params:
+            self.bucket_of.pop(id(space.params[i]), None)
+
+    def remove_hooks(self) -> None:
+        self.wait_all()
+        [handle.remove() for handle in self._hooks]
+        self._hooks = []
+
+
+@torch.compiler.disable  # host-side bookkeeping: a compiled module breaks its graph here, at its start
+def _before_forward(gather: ParamGather, param_ids: tuple[int, ...], module, args) -> None:
+    if gather.pending:
+        gather.wait_for(param_ids)
+
+
+def _scatter(space: Space, bucket: Bucket, buf: torch.Tensor, work, pool: BufferPool) -> None:
+    """Wait for a bucket's all-gather and copy it into its parameters."""
+    work.wait()
+    for i, copies in bucket.copies.items():
+        flat = space.params[i].data.view(-1)
+        for start, offset, length in copies:
+            flat[start:start + length].copy_(buf[offset:offset + length])
+    pool.put(buf)
