@@ -40,7 +40,8 @@ def ds_config(spec: dict) -> dict:
         "zero_optimization": {"stage": spec["stage"], **spec.get("zero", {})},
         "gradient_clipping": spec.get("clip", 0.0),
         "steps_per_print": 10 ** 9,
-        "optimus": {"expert_parallel": {"size": spec["ep"]}, "moe": {"experts_backend": "looped"},
+        "optimus": {"expert_parallel": {"size": spec["ep"], **spec.get("exchange", {})},
+                    "moe": {"experts_backend": "looped"},
                     "sharded_optimizer": {"enabled": spec["sharded"], "bucket_size": spec.get("bucket", 20000),
                                           **spec.get("sharded_options", {})}},
     }

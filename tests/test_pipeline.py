@@ -226,7 +226,12 @@ def test_two_stages_train_as_one_process(tmp_path, cache, reference, schedule, r
 @pytest.mark.parametrize("inside", [{"expert_parallel": {"size": 2}}, {}], ids=["pp2-ep2", "pp2-dp2"])
 def test_two_stages_with_expert_or_data_parallelism_inside_train_as_one_process(tmp_path, cache, reference, inside,
                                                                                  schedule):
-    config = run_config(tmp_path, cache, "pp2x2", micro=1, pipeline_parallel=schedule, **inside)
+    """Also with the sharded optimizer's state replicated over the stage's two data-parallel ranks
+    (shard groups of one rank) and each stage's parameters gathered while its next forward runs: the
+    export at the end has every stage's last update."""
+    hybrid = {"shard_group_size": 1, "overlap_param_gather": True}
+    config = run_config(tmp_path, cache, "pp2x2", micro=1, pipeline_parallel=schedule, sharded_optimizer=hybrid,
+                        **inside)
     summaries = run_distributed(pretrain_worker, 4, config)
     assert_same_run(summaries[0], hf_weights(config), reference, config=config)
 
@@ -242,7 +247,8 @@ def test_a_checkpoint_of_two_stages_resumes_on_one_stage_and_on_four(tmp_path, c
                        model=quiet)
     expected = run_distributed(pretrain_worker, 4, whole)[0]["losses"]
     first = run_config(tmp_path, cache, "first", micro=1, pipeline_parallel={"size": 2}, expert_parallel=seed_exchange,
-                       model=quiet, checkpoint={"interval": 5}, train={"stop_after_steps": 5})
+                       model=quiet, checkpoint={"interval": 5}, train={"stop_after_steps": 5},
+                       sharded_optimizer={"shard_group_size": 1})  # saved replicated, resumed sharded
     assert sorted(run_distributed(pretrain_worker, 4, first)[0]["losses"]) == [1, 2, 3, 4, 5]
     for name, layout, micro, accumulation in (("pp1-ep4", {"expert_parallel": {"size": 4}}, 1, 2),
                                              ("pp4", {"pipeline_parallel": {"size": 4}}, 2, 4)):
@@ -335,7 +341,8 @@ def test_guards_skip_and_roll_back_a_pipelined_run(tmp_path, cache, monkeypatch)
               {"kind": "nan_loss", "step": 5, "rank": 1}, {"kind": "nan_loss", "step": 6, "rank": 0}]
     monkeypatch.setenv("DS_OPTIMUS_FAULTS", json.dumps(faults))
     config = run_config(tmp_path, cache, "guards", micro=2, pipeline_parallel={"size": 2},
-                        checkpoint={"interval": 2}, guards={"rollback_after": 2}, train={"steps": 8})
+                        checkpoint={"interval": 2}, guards={"rollback_after": 2}, train={"steps": 8},
+                        sharded_optimizer={"overlap_param_gather": True})  # a skipped step gathers nothing
     config["bf16"] = {"enabled": True}  # in bf16, as pipelined runs train
     summaries = run_distributed(pretrain_worker, 2, config)
     log = (Path(config["optimus"]["train"]["output_dir"]) / "log.txt").read_text()

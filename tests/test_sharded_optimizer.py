@@ -237,7 +237,15 @@ def _hybrid_cases(tmp_path) -> dict[str, dict]:
         "group 1 from group 2": case(1, False, load=hybrid),
         "full from group 2": case(None, True, load=hybrid),
         "group 3": case(3, expect_error=True),
+        # every EP exchange: full sharding against shard groups of 2 with the overlapped gather
+        **{f"{label} {kind}": case(*args, steps=5, **layout) for label, layout in EXCHANGES.items()
+           for kind, args in (("full", ()), ("group 2 overlapped", (2, True)))},
     }
+
+
+EXCHANGES = {"deduplicated in 2 chunks": {"exchange": {"dedup": True, "chunks": 2}},
+             "allgather": {"exchange": {"dispatch": "allgather"}},
+             "hierarchical EP 4": {"ep": 4, "exchange": {"node_size": 2, "dedup": True}}}
 
 
 @pytest.mark.slow
@@ -288,5 +296,7 @@ def test_hybrid_sharding_and_the_overlapped_gather_train_as_full_sharding(tmp_pa
                          ("full from group 2", "group 2 overlapped")]:
         assert sorted(losses(name)) == [6, 7, 8, 9, 10]
         assert _rel(losses(name), {k: losses(source)[k] for k in losses(name)}) < 2e-6, name
+    for label in EXCHANGES:
+        assert close(f"{label} group 2 overlapped", f"{label} full"), label
     assert first["group 3"]["error"] == ("shard group size 3 does not divide the 4 ranks of the data-parallel "
                                          "group (dense)")
