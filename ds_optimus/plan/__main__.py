@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from ..cli import ArgumentParser, fail
+from ..schema import apply_overrides
 from .cluster import BUILTIN, ClusterError, get_cluster
 from .configs import layout_config, layout_from_config, template_for, write_config
 from .layout import LayoutError
@@ -37,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                                             "accumulation,\nrecomputation, and the EP exchange (two-step, "
                                             "deduplicated, overlapped with the experts in C chunks;\nag: the "
                                             "allgather dispatch).")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key of --config (repeatable), as ds_optimus.train's --set does")
     p.add_argument("--model", default=None, help="Mula preset (default: --config's, else mula-7b-a1b)")
     p.add_argument("--config", metavar="PATH",
                    help="a training config whose layout is evaluated beside the search (and scaled with --scale); "
@@ -95,8 +98,10 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     cluster = get_cluster(args.cluster)
     fixed = template = None  # the layout of --config; what --write keeps (its recipe, data, run settings)
+    if args.set and not args.config:
+        raise ValueError("--set changes keys of --config: give --config")
     if args.config:
-        given = json.loads(Path(args.config).read_text())
+        given = apply_overrides(json.loads(Path(args.config).read_text()), args.set)
         model, fixed = layout_from_config(given, args.devices)
         args.model = args.model or model.name
         if args.model != model.name:

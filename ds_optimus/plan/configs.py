@@ -67,12 +67,14 @@ def layout_config(layout: Layout, preset: str, cluster: Cluster | None = None,
     if layout.sharded:
         sharded["bucket_size"] = layout.bucket_size
         sharded["overlap_comm"] = layout.overlap_comm
+        sharded["shard_group_size"] = layout.shard_group
+        sharded["overlap_param_gather"] = layout.gather_overlap
         if layout.reduce_dtype:
             sharded["reduce_dtype"] = layout.reduce_dtype
         else:
             sharded.pop("reduce_dtype", None)
     else:
-        for key in ("bucket_size", "reduce_dtype", "overlap_comm"):
+        for key in ("bucket_size", "reduce_dtype", "overlap_comm", "shard_group_size", "overlap_param_gather"):
             sharded.pop(key, None)
     optimus.setdefault("data", {})["seq_len"] = layout.seq_len
     train = optimus.setdefault("train", {})
@@ -105,7 +107,9 @@ def layout_of(opt: Any, ds_config: dict[str, Any], world: int, micro: int, accum
                   micro=micro, accumulation=accumulation, checkpointing=opt.train.recompute, hierarchical=hierarchical,
                   dedup=bool(dedup), chunks=ep.chunks, seq_len=opt.data.seq_len, dtype=dtype,
                   reduce_dtype=sharded.reduce_dtype, bucket_size=sharded.bucket_size, schedule=pp.schedule,
-                  virtual_stages=pp.virtual_stages, dispatch=dispatch)
+                  virtual_stages=pp.virtual_stages, dispatch=dispatch,
+                  shard_group=sharded.shard_group_size if sharded.enabled else None,
+                  gather_overlap=sharded.overlap_param_gather is not False)
 
 
 def layout_from_config(ds_config: dict[str, Any], world: int | None = None) -> tuple[ModelShape, Layout]:

@@ -47,6 +47,9 @@ class Layout:
     schedule: str = "1f1b"  # pipeline schedule (`ds_optimus.parallel.stages.SCHEDULES`) over the accumulation
     virtual_stages: int = 1  # chunks of layers per stage rank (the interleaved and looped schedules)
     dispatch: str = "alltoall"  # the EP exchange, one of DISPATCHES
+    # the sharded optimizer's hybrid sharding: ranks per shard group (`shard_group_size`); None: whole groups
+    shard_group: int | None = None
+    gather_overlap: bool = True  # its parameter all-gather under the next forward (`overlap_param_gather`)
 
     def __post_init__(self) -> None:
         # a list of parts (from JSON) in RECOMPUTE_PARTS' order, so equal choices compare equal
@@ -119,6 +122,14 @@ class Layout:
             raise LayoutError(f"chunks {self.chunks} needs dedup: the overlapped exchange is the deduplicated one")
         if self.dtype not in DTYPE_BYTES or (self.reduce_dtype or self.dtype) not in DTYPE_BYTES:
             raise LayoutError(f"dtype must be one of {', '.join(DTYPE_BYTES)}")
+        if self.shard_group is not None:
+            if not isinstance(self.shard_group, int) or isinstance(self.shard_group, bool) or self.shard_group < 1:
+                raise LayoutError(f"shard_group must be a positive integer or null, got {self.shard_group!r}")
+            if not self.sharded:
+                raise LayoutError("shard_group is the sharded optimizer's hybrid sharding")
+            for size, name in ((self.dp, "data-parallel"), (self.edp, "expert-data-parallel")):
+                if size > self.shard_group and size % self.shard_group:
+                    raise LayoutError(f"shard group size {self.shard_group} does not divide the {name} size {size}")
         if self.dispatch not in DISPATCHES:
             raise LayoutError(f"dispatch must be one of {', '.join(DISPATCHES)}, got {self.dispatch!r}")
         if self.dispatch == "allgather" and (self.dedup or self.chunks > 1 or self.hierarchical):
@@ -150,13 +161,16 @@ class Layout:
 
     def describe(self) -> str:
         """A short label: `dp48 ep8 pp4 zero1+opt mb2x4 ckpt` (`ckpt:moe+attn+norms`: those parts
-        recomputed; `pp4v2`: 2 virtual stages; `:gpipe`, `:bfs`: those schedules; `ag`: the allgather dispatch)."""
+        recomputed; `pp4v2`: 2 virtual stages; `:gpipe`, `:bfs`: those schedules; `ag`: the allgather dispatch;
+        `zero1+opt/sg12`: hybrid sharding in groups of 12; `/gsync`: the parameter gather not overlapped)."""
         parts = [f"dp{self.dp}", f"ep{self.ep}"]
         if self.pp > 1:
             virtual = f"v{self.virtual_stages}" if self.virtual_stages > 1 else ""
             plain = self.schedule == "1f1b" or (self.schedule == "interleaved_1f1b" and virtual)
             parts.append(f"pp{self.pp}{virtual}{'' if plain else SCHEDULE_LABELS.get(self.schedule, self.schedule)}")
-        parts.append(f"zero{self.zero}" + ("+opt" if self.sharded else ""))
+        parts.append(f"zero{self.zero}" + ("+opt" if self.sharded else "")
+                     + (f"/sg{self.shard_group}" if self.sharded and self.shard_group else "")
+                     + ("/gsync" if self.sharded and not self.gather_overlap else ""))
         parts.append(f"mb{self.micro}x{self.accumulation}")
         if self.checkpointing is True:
             parts.append("ckpt")

@@ -151,7 +151,9 @@ def _estimate(model: ModelShape, layout: Layout, part: _Part, expert_imbalance: 
     n_local = dense + expert
     weights = p * n_local
     # elements of this rank's shard of the optimizer state
-    shard = dense / layout.dp + expert / layout.edp if layout.zero > 0 else n_local
+    # (hybrid sharding: over the shard group, at most the whole group)
+    shards = (min(layout.shard_group or layout.dp, layout.dp), min(layout.shard_group or layout.edp, layout.edp))
+    shard = dense / shards[0] + expert / shards[1] if layout.zero > 0 else n_local
     largest = max(_buckets(dense, layout.bucket_size), _buckets(expert, layout.bucket_size))
     second = min(_buckets(dense, layout.bucket_size), _buckets(expert, layout.bucket_size)) if expert else (
         _buckets(max(dense - layout.bucket_size, 0), layout.bucket_size))
@@ -186,8 +188,10 @@ def _estimate(model: ModelShape, layout: Layout, part: _Part, expert_imbalance: 
         # under a pipeline schedule, ZeRO-2 too (the reduction waits for the schedule's end)
         gradients = gradients_at_peak = r * n_local if layout.zero == 1 or layout.pp > 1 else 0.0
         # the optimizer's reused buffers: the all-gather of the new weights (two buckets in flight,
-        # parameter dtype), and under ZeRO-2 the gradient buckets being filled during the backward
-        buffers = p * two_buckets + (r * two_buckets if layout.zero == 2 else 0.0)
+        # parameter dtype; overlapped with the next forward, every bucket until that forward takes it),
+        # and under ZeRO-2 the gradient buckets being filled during the backward
+        gathered = n_local if layout.gather_overlap else two_buckets
+        buffers = p * gathered + (r * two_buckets if layout.zero == 2 else 0.0)
         if r != p:  # the pairwise reduce-scatter's receive buffer cannot reuse a parameter-dtype one
             buffers += r * largest
     else:

@@ -18,6 +18,7 @@ from .model import ModelShape
 from .timing import TimeEstimate, estimate_time
 
 TIE_BAND = 0.02  # predicted step times closer than this are ranked as a tie
+HYBRID_TRIED = 200  # the fastest layouts tried again with the sharded optimizer's hybrid sharding
 
 # (ZeRO stage, EP-aware sharded optimizer)
 OPTIMIZERS = ((1, True), (2, True), (0, False), (1, False), (2, False))
@@ -129,8 +130,18 @@ def candidate_layouts(model: ModelShape, cluster: Cluster, devices: int, global_
                             accumulation=per_rank // micro, checkpointing=ckpt, hierarchical=hier, dedup=dedup,
                             chunks=chunks, seq_len=seq_len, dtype=dtype, reduce_dtype=reduce,
                             bucket_size=bucket_size, overlap_comm=overlap, schedule=schedule,
-                            virtual_stages=virtual, dispatch=dispatch))
+                            virtual_stages=virtual, dispatch=dispatch, gather_overlap=overlap))
     return layouts
+
+
+def shard_groups(dp: int, edp: int, devices_per_node: int) -> list[int | None]:
+    """The sharded optimizer's shard group sizes tried: whole groups (None), and a node's devices, 8, 16
+    or 64 ranks where that divides the data- and expert-data-parallel groups it cuts."""
+    tried: list[int | None] = [None]
+    for size in (devices_per_node, 8, 16, 64):
+        if size < max(dp, edp) and all(n <= size or n % size == 0 for n in (dp, edp)) and size not in tried:
+            tried.append(size)
+    return tried
 
 
 def search(model: ModelShape, cluster: Cluster, devices: int, global_batch: int, seq_len: int, *,
@@ -139,6 +150,12 @@ def search(model: ModelShape, cluster: Cluster, devices: int, global_batch: int,
     layouts = candidate_layouts(model, cluster, devices, global_batch, seq_len, **kwargs)
     plans = [evaluate(model, layout, cluster, expert_imbalance) for layout in layouts]
     fitting = [plan for plan in plans if plan.fits]
+    # hybrid sharding changes only the optimizer's collectives and state: tried on the fastest layouts
+    # that fit with whole groups (it holds more state, so it never makes one fit that did not)
+    fastest_first = sorted(fitting, key=lambda plan: plan.time.step)[:HYBRID_TRIED]
+    hybrid = [plan.layout.with_(shard_group=size) for plan in fastest_first if plan.layout.sharded
+              for size in shard_groups(plan.layout.dp, plan.layout.edp, cluster.devices_per_node)[1:]]
+    fitting += [plan for plan in (evaluate(model, layout, cluster, expert_imbalance) for layout in hybrid) if plan.fits]
     # fastest first, in bands of 2 % (finer than the model can tell apart); within a band the EP-aware
     # sharded optimizer first (its checkpoints reshard, the step guards act through it), then fewer
     # pipeline stages and chunks (fewer collectives to go wrong), then the faster, then the smaller;
@@ -147,7 +164,7 @@ def search(model: ModelShape, cluster: Cluster, devices: int, global_batch: int,
     fitting.sort(key=lambda plan: (math.floor((plan.time.step / fastest - 1) / TIE_BAND + 1e-9),
                                    not plan.layout.sharded, plan.layout.pp, plan.layout.chunks, plan.time.step,
                                    plan.memory.peak))
-    return fitting, len(plans)
+    return fitting, len(plans) + len(hybrid)
 
 
 def ranking_note(plans: list[Plan], top: int = 10) -> str | None:

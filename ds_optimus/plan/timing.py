@@ -45,6 +45,8 @@ class TimeEstimate:
     experts: float = 0.0  # of compute: the experts' grouped GEMMs (before the stragglers' share)
     all_to_all_hidden: float = 0.0  # EP exchange time hidden under the experts' compute (not in step)
     p2p: float = 0.0  # the pipeline's sends of activations and their gradients between stages
+    reduce_across: float = 0.0  # of grad_reduce: hybrid sharding's all-reduce across shard groups
+    gather_hidden: float = 0.0  # parameter all-gather time hidden under the next forward (not in step)
 
     @property
     def step(self) -> float:
@@ -60,7 +62,8 @@ class TimeEstimate:
         return {"compute": self.compute, "all_to_all": self.all_to_all, "grad_reduce": self.grad_reduce,
                 "param_gather": self.param_gather, "bubble": self.bubble, "p2p": self.p2p,
                 "overhead": self.overhead, "step": self.step, "experts": self.experts,
-                "all_to_all_hidden": self.all_to_all_hidden}
+                "all_to_all_hidden": self.all_to_all_hidden, "reduce_across": self.reduce_across,
+                "gather_hidden": self.gather_hidden}
 
 
 def _link(cluster: Cluster, nodes: int) -> tuple[float, float]:
@@ -259,17 +262,19 @@ def estimate_time(model: ModelShape, layout: Layout, cluster: Cluster, expert_im
         if slowest is None or compute + a2a + overhead > sum(slowest[:3]):
             slowest = (compute, a2a, overhead, n_moe)
     compute, a2a, overhead, n_moe = slowest
+    micro_forward = compute / 3  # one micro-batch's forward on the slowest stage (a third of forward + backward)
     # the schedule's fill and drain: (P - 1) / V of the slowest stage's micro-batch slots
     # (`pipeline.bubble_fraction` of the step's compute, exchanges and fixed costs)
     bubble = (layout.pp - 1) / virtual * (compute + a2a + overhead)
     compute, a2a, overhead = compute * micro_batches, a2a * micro_batches, overhead * micro_batches
 
-    p, r = layout.param_bytes, layout.reduce_bytes
+    p = layout.param_bytes
     dense, expert = local_params(model, layout)
     # the data-parallel group is a pipeline stage's ranks (all ranks without a pipeline)
     dp_nodes = -(-layout.dp // cluster.devices_per_node)
     # the expert-data-parallel group takes every ep-th rank: one per node once ep >= a node
     edp_nodes = min(layout.edp, dp_nodes) if dp_nodes > 1 else 1
+    across = gather_hidden = 0.0
     if layout.zero == 0:
         # all-reduce = reduce-scatter + all-gather, once per step after the last micro-batch
         reduce = 2 * (ring_time(p * dense, layout.dp, cluster, dp_nodes)
@@ -277,13 +282,16 @@ def estimate_time(model: ModelShape, layout: Layout, cluster: Cluster, expert_im
         gather = 0.0
         exposed = reduce
     else:
-        once = (ring_time(r * dense, layout.dp, cluster, dp_nodes)
-                + ring_time(r * expert, layout.edp, cluster, edp_nodes))
+        once, across, gather = optimizer_collectives(dense, expert, layout, cluster)
         # ZeRO-2 reduces at every micro-batch; under a pipeline schedule once, after it
         reductions = micro_batches if layout.zero == 2 and layout.pp == 1 else 1
         reduce = once * reductions
-        gather = (ring_time(p * dense, layout.dp, cluster, dp_nodes)
-                  + ring_time(p * expert, layout.edp, cluster, edp_nodes))
+        if layout.sharded and layout.gather_overlap and overlap:
+            # every bucket launched at the step's end, each layer waiting for its own: hidden under the
+            # first micro-batch's forward, but the first bucket (the embedding's)
+            first = gather * min(1.0, layout.bucket_size / max(dense + expert, 1.0))
+            hidden = min(gather - first, micro_forward)
+            gather, gather_hidden = gather - hidden, hidden
         if overlap and layout.pp == 1:
             # buckets are reduced while the backward pass goes on (two thirds of the compute); the
             # last bucket's reduction is always exposed
@@ -292,11 +300,35 @@ def estimate_time(model: ModelShape, layout: Layout, cluster: Cluster, expert_im
             exposed = max(reduce / buckets, reduce - backward * reductions)
         else:
             exposed = reduce
+        exposed += across  # at the step's start, after the last reduction
     return TimeEstimate(compute=compute, all_to_all=a2a, grad_reduce=exposed, param_gather=gather,
                         bubble=bubble, overhead=overhead,
                         experts=expert_layer * n_moe * micro_batches,
                         all_to_all_hidden=hidden_layer * n_moe * micro_batches,
-                        p2p=p2p_seconds(model, layout, cluster))
+                        p2p=p2p_seconds(model, layout, cluster), reduce_across=across, gather_hidden=gather_hidden)
+
+
+def optimizer_collectives(dense: float, expert: float, layout: Layout, cluster: Cluster) -> tuple[float, float, float]:
+    """Seconds of one step's (gradient reduce-scatter inside the shard groups, all-reduce of the shards
+    across them, parameter all-gather inside them) for `dense` and `expert` elements per rank. Dense
+    state is sharded over the data-parallel group (consecutive ranks), expert state over the
+    expert-data-parallel group (every ep-th rank, one per node once ep >= a node); with hybrid sharding
+    (`shard_group`) each over runs of that many of the group's ranks, replicated across the runs."""
+    per_node = cluster.devices_per_node
+    dp_nodes = -(-layout.dp // per_node)
+    out = [0.0, 0.0, 0.0]
+    for elements, size, stride in ((dense, layout.dp, 1), (expert, layout.edp, layout.ep)):
+        if not elements or size <= 1:
+            continue
+        nodes = min(size, -(-size * stride // per_node), dp_nodes)  # the group's ranks are on this many nodes
+        shard = min(layout.shard_group or size, size)
+        replicas = size // shard
+        shard_nodes = nodes if replicas == 1 else min(shard, -(-shard * stride // per_node))
+        out[0] += ring_time(layout.reduce_bytes * elements, shard, cluster, shard_nodes)
+        # all-reduce (reduce-scatter + all-gather) of the shard, over ranks on separate nodes mostly
+        out[1] += 2 * ring_time(layout.reduce_bytes * elements / shard, replicas, cluster, min(replicas, nodes))
+        out[2] += ring_time(layout.param_bytes * elements, shard, cluster, shard_nodes)
+    return out[0], out[1], out[2]
 
 
 def _rate(layout: Layout, cluster: Cluster) -> float:
