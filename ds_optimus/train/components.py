@@ -275,4 +275,5 @@ def dense_fingerprint(model) -> float:
     from ..parallel.expert_parallel import is_expert_param
 
     with torch.no_grad():
+        model.state_dict(keep_vars=True)  # waits for a parameter all-gather still under way (overlap_param_gather)
         return float(sum(p.detach().double().sum() for p in model.parameters() if not is_expert_param(p)))
