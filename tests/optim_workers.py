@@ -249,3 +249,29 @@ def reentrant_twice(rank: int, world: int) -> str:
     except ShardedOptimizerError as err:
         return str(err)
     return "accepted"
+
+
+def stale_use(rank: int, world: int) -> str:
+    """With the gather overlapped, a weight read outside the forward of the module that owns it would
+    be the last step's: its gradient is refused in one line, naming it."""
+    from ds_optimus.optim.sharded import ShardedOptimizerError
+
+    class Odd(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.nn.functional.linear(x, self.a.weight) + self.b(x)  # a.weight without a's forward
+
+    torch.manual_seed(0)
+    model = Odd()
+    optimizer = direct_optimizer(2, model, bucket_size=10, module=model, overlap_param_gather=True)
+    x = torch.randn(3, 4)
+    try:
+        for _ in range(2):
+            optimizer.backward(model(x).square().mean())
+            optimizer.step()
+    except ShardedOptimizerError as err:
+        return str(err)
+    return "accepted"

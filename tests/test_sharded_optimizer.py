@@ -212,6 +212,13 @@ def test_a_second_gradient_after_its_bucket_was_reduced_is_a_clear_error():
     assert "got a second gradient in one backward pass" in message and "use_reentrant" in message
 
 
+@pytest.mark.slow
+def test_a_weight_read_outside_its_module_with_the_overlapped_gather_is_a_clear_error():
+    message = run_distributed(W.stale_use, 1)[0]
+    assert message.startswith("a.weight was used before its updated value arrived")
+    assert "overlap_param_gather" in message
+
+
 def _hybrid_cases(tmp_path) -> dict[str, dict]:
     base = dict(ep=2, stage=2, sharded=True, micro=1, gas=2, clip=0.5, steps=10, bucket=3000, scheduler=True)
 

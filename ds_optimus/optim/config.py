@@ -26,8 +26,8 @@ class ShardedOptimizerConfig(Section):
     # and expert state alike, a group of at most this many ranks stays whole); null: the whole group
     shard_group_size: int | None = None
     # all-gather the updated parameters while the next forward pass runs, each module waiting for its
-    # own; null: yes, except on gloo (CPU), for the same reason as overlap_comm
-    overlap_param_gather: bool | None = None
+    # own (holds a copy of the rank's weights until that forward takes it); false: at the step's end
+    overlap_param_gather: bool = False
 
     def check(self, where: str) -> None:
         check_flags(self, where, "enabled")
@@ -35,9 +35,9 @@ class ShardedOptimizerConfig(Section):
              f"{where}.bucket_size must be a positive integer, got {self.bucket_size!r}")
         need(self.reduce_dtype in (None, "fp32", "bf16", "fp16"),
              f"{where}.reduce_dtype must be fp32, bf16, fp16 or null, got {self.reduce_dtype!r}")
-        for key in ("overlap_comm", "overlap_param_gather"):
-            value = getattr(self, key)
-            need(value is None or isinstance(value, bool), f"{where}.{key} must be true, false or null, got {value!r}")
+        need(self.overlap_comm is None or isinstance(self.overlap_comm, bool),
+             f"{where}.overlap_comm must be true, false or null, got {self.overlap_comm!r}")
+        check_flags(self, where, "overlap_param_gather")
         need(self.shard_group_size is None or positive_int(self.shard_group_size),
              f"{where}.shard_group_size must be a positive integer or null, got {self.shard_group_size!r}")
 

@@ -39,8 +39,9 @@ class ParamGather:
         self.overlap = bool(overlap and module is not None)
         self.pending: dict[int, tuple] = {}  # id(bucket) -> (space, bucket, buffer, work)
         self.bucket_of: dict[int, int] = {}  # id(param) -> id(its bucket), while the bucket is pending
-        # The work handles live until the next gather: a gloo worker thread dropping the last one would
-        # free its tensors, needing the GIL, which aborts a process exiting right after a step.
+        # On gloo the work handles live until the next gather: a gloo worker thread dropping the last one
+        # would free its tensors, needing the GIL, which aborts a process exiting right after a step.
+        # (Elsewhere a handle holds its output buffer: dropped once the bucket is copied in.)
         self.works: list = []
         self.launch_s = 0.0  # seconds of the last step spent gathering (at once) or launching (overlapped)
         self.wait_s = 0.0  # seconds the forward pass waited for parameters since the last step
@@ -64,7 +65,9 @@ class ParamGather:
             if own:
                 units.append((m, own))
         for m, ids in units:
-            self._hooks.append(m.register_forward_pre_hook(functools.partial(_before_forward, self, tuple(ids))))
+            # first among the module's pre-hooks: any other one sees the new weights
+            self._hooks.append(m.register_forward_pre_hook(functools.partial(_before_forward, self, tuple(ids)),
+                                                           prepend=True))
         self._hooks.append(module.register_state_dict_pre_hook(lambda *args, **kwargs: self.wait_all()))
         self._hooks.append(module.register_load_state_dict_pre_hook(lambda *args, **kwargs: self.wait_all()))
 
@@ -81,7 +84,8 @@ class ParamGather:
             own.copy_(space.master[bucket.shard_offset:bucket.shard_offset + bucket.shard])
             self.sent_bytes += own.numel() * own.element_size() * (space.group_size > 1)
             work = collective("all_gather")(buf, own, group=space.group, async_op=True)
-            self.works.append(work)
+            if space.device.type == "cpu":
+                self.works.append(work)
             if self.overlap:
                 self.pending[id(bucket)] = (space, bucket, buf, work)
                 for i in bucket.params:
@@ -132,11 +136,13 @@ def _before_forward(gather: ParamGather, param_ids: tuple[int, ...], module, arg
         gather.wait_for(param_ids)
 
 
+@torch.no_grad()
 def _scatter(space: Space, bucket: Bucket, buf: torch.Tensor, work, pool: BufferPool) -> None:
-    """Wait for a bucket's all-gather and copy it into its parameters."""
+    """Wait for a bucket's all-gather and copy it into its parameters: in place on the parameter, so
+    that autograd refuses a backward through a value read before it arrived (its version moves)."""
     work.wait()
     for i, copies in bucket.copies.items():
-        flat = space.params[i].data.view(-1)
+        flat = space.params[i].view(-1)
         for start, offset, length in copies:
             flat[start:start + length].copy_(buf[offset:offset + length])
     pool.put(buf)

@@ -54,14 +54,14 @@ class ShardedOptimizer:
     DeepSpeed Adam/AdamW), with expert parameters sharded over the EDP group of their layout in
     `expert_groups` (the `ExpertParallelGroups` that `apply_expert_parallel` returned). `shard_group_size`:
     ranks per shard group (None: the whole group); `module`: the model, whose forward pass waits for its
-    own parameters when `overlap_param_gather` (None: yes, except on gloo)."""
+    own parameters when `overlap_param_gather`."""
 
     def __init__(self, init_optimizer, *, param_names: dict[torch.nn.Parameter, str], stage: int,
                  expert_groups: Iterable[ExpertParallelGroups] = (), dense_group=None, clip_grad: float = 0.0,
                  bucket_size: int = 50_000_000, reduce_dtype: torch.dtype | None = None,
                  overlap_comm: bool | None = None, loss_scaler: LossScaler | None = None, norm_group=None,
                  shard_group_size: int | None = None, module: torch.nn.Module | None = None,
-                 overlap_param_gather: bool | None = None) -> None:
+                 overlap_param_gather: bool = False) -> None:
         if stage not in (1, 2):
             raise ShardedOptimizerError(f"the sharded optimizer runs ZeRO stage 1 or 2, not {stage}")
         self.optimizer = init_optimizer
@@ -95,19 +95,18 @@ class ShardedOptimizer:
         self.spaces = self._build_spaces(param_names, bucket_size, reduce_dtype)
         device = self.spaces[0].device if self.spaces else torch.device("cpu")
         self._step = torch.zeros((), dtype=torch.float32, device=device)  # the fused kernels read it on device
-        # One launch order over all spaces (latest-defined parameters first, as backward produces
-        # them): every rank issues the same collectives in the same sequence, across the dense and
-        # expert groups too, even when a parameter gets no gradient on some ranks.
+        # One launch order over all spaces, in the order backward completes the buckets (the one whose
+        # earliest-defined parameter is latest first): every rank issues the same collectives in the
+        # same sequence, across the dense and expert groups too, even when a parameter gets no gradient
+        # on some ranks.
         self._order = sorted(((s, b) for s in self.spaces for b in s.buckets),
-                             key=lambda sb: -max(self._position[id(sb[0].params[i])] for i in sb[1].params))
+                             key=lambda sb: -min(self._position[id(sb[0].params[i])] for i in sb[1].params))
         self._next = 0
         self._in_flight: list[tuple[Space, Bucket]] = []
         self._num_params = sum(len(s.params) for s in self.spaces)
         self._segments = adam_segments(self.spaces, self._group_of)
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, space, i))
                        for space in self.spaces for i, p in enumerate(space.params)]
-        if overlap_param_gather is None:
-            overlap_param_gather = dist.get_backend(self.dense_group) != "gloo"
         # the next forward pass takes the parameters in the order of their definition
         forward = sorted(((s, b) for s in self.spaces for b in s.buckets),
                          key=lambda sb: min(self._position[id(sb[0].params[i])] for i in sb[1].params))
@@ -117,13 +116,16 @@ class ShardedOptimizer:
         self._group_of: dict[int, int] = {}
         self._position: dict[int, int] = {}
         members: dict[tuple[str, torch.dtype], list[torch.nn.Parameter]] = {}
+        # positions in the model's definition order (`param_names` is named_parameters()'s), not the
+        # param groups' (which put every norm after every weight): the order forward uses them
+        defined = {id(p): i for i, p in enumerate(param_names)}
         seen = set()
         for g, group in enumerate(self.param_groups):
             for p in group["params"]:
                 if not p.requires_grad or id(p) in seen:
                     continue
                 seen.add(id(p))
-                self._position[id(p)] = len(self._position)
+                self._position[id(p)] = defined.get(id(p), len(defined) + len(self._position))
                 if not p.is_contiguous():
                     raise ShardedOptimizerError(f"parameter {param_names.get(p, '?')} is not contiguous")
                 self._group_of[id(p)] = g
@@ -136,7 +138,8 @@ class ShardedOptimizer:
             raise ShardedOptimizerError(str(err)) from None
         spaces = []
         for (kind, dtype), params in members.items():
-            params = params[::-1]  # gradients arrive roughly in reverse order of definition
+            # gradients arrive roughly in reverse order of definition
+            params = sorted(params, key=lambda p: self._position[id(p)], reverse=True)
             names = [param_names.get(p) or f"param{i}" for i, p in enumerate(params)]
             if kind == "dense":
                 offsets, chunked = [0] * len(params), False
@@ -369,9 +372,9 @@ class ShardedOptimizer:
         all-reduce per bucket, all in flight at once."""
         works = []
         for space, bucket in self._order:
-            if space.replicas is not None:
+            if space.replicas is not None:  # fp16 sums of several micro-steps could overflow: fp32 then
                 view = space.grad[bucket.shard_offset:bucket.shard_offset + bucket.shard]
-                wire = view if space.reduce_dtype == torch.float32 else view.to(space.reduce_dtype)
+                wire = view if space.reduce_dtype in (torch.float32, torch.float16) else view.to(space.reduce_dtype)
                 works.append((view, wire, dist.all_reduce(wire, group=space.replicas, async_op=True)))
         for view, wire, work in works:
             work.wait()
@@ -406,7 +409,8 @@ class ShardedOptimizer:
                 "spaces": shard_state(self.spaces)}
 
     def load_state_dict(self, state_dict, load_optimizer_states: bool = True, **kwargs) -> None:
-        """Load this rank's `state_dict()` (same layout) or a list of all ranks' (any layout)."""
+        """Load this rank's `state_dict()` (same layout, without hybrid sharding: there a shard's later
+        replicas save nothing) or a list of all ranks' (any layout)."""
         sources = list(state_dict) if isinstance(state_dict, (list, tuple)) else [state_dict]
         self.load_shards(sources)
 
@@ -427,7 +431,8 @@ class ShardedOptimizer:
         self.gather.launch()
 
     def refresh_master_from_params(self) -> None:
-        """Set the fp32 master shard from the current parameters (after loading weights only)."""
+        """Set the fp32 master shard from the current parameters (after loading weights only; code that
+        writes the parameters itself calls `wait_for_params()` before, so no gather lands on them after)."""
         self.gather.wait_all()
         for space in self.spaces:
             space.refresh_master()

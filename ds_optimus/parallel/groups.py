@@ -214,21 +214,23 @@ def hybrid_shard_groups(groups: dict[str, object], size: int | None) -> dict[str
     mine = {}
     for kind, group in groups.items():
         ranks = dist.get_process_group_ranks(group)
-        if len(ranks) > size and len(ranks) % size:
-            raise LayoutError(f"shard group size {size} does not divide the {len(ranks)} ranks of the "
-                              f"{'data' if kind == 'dense' else 'expert-data'}-parallel group ({kind})")
         mine[kind] = (ranks[0], len(ranks), ranks.index(rank))
     places: list = [None] * world
     dist.all_gather_object(places, sorted(mine.items()))
-    key = (size, tuple(tuple(p) for p in places))
-    if key in _SHARD_GROUPS:
-        return _SHARD_GROUPS[key]
     # every group of every kind: {(kind, first rank): [members by index]}
     members: dict[tuple[str, int], list[int]] = {}
     for r, held in enumerate(places):
         for kind, (first, count, index) in held:
             members.setdefault((kind, first), [None] * count)[index] = r
-    made: dict[str, list] = {kind: [group, None] for kind, group in groups.items()}
+    for (kind, _), ranks in sorted(members.items()):  # checked on every rank alike, even one without the kind
+        if len(ranks) > size and len(ranks) % size:
+            raise LayoutError(f"shard group size {size} does not divide the {len(ranks)} ranks of the "
+                              f"{'data' if kind == 'dense' else 'expert-data'}-parallel group ({kind})")
+    key = (size, tuple(tuple(p) for p in places))
+    if key in _SHARD_GROUPS:
+        return {kind: (shard if shard is not None else groups[kind], replica)
+                for kind, (shard, replica) in _SHARD_GROUPS[key].items() if kind in groups}
+    made: dict[str, list] = {kind: [None, None] for kind in groups}  # None: the group itself
     for (kind, _), ranks in sorted(members.items()):
         if len(ranks) <= size:
             continue  # one shard group: the group itself
@@ -242,6 +244,5 @@ def hybrid_shard_groups(groups: dict[str, object], size: int | None) -> dict[str
             group = dist.new_group(across)
             if rank in across and kind in made:
                 made[kind][1] = group
-    result = {kind: (shard, replica) for kind, (shard, replica) in made.items()}
-    _SHARD_GROUPS[key] = result
-    return result
+    _SHARD_GROUPS[key] = {kind: (shard, replica) for kind, (shard, replica) in made.items()}
+    return {kind: (shard if shard is not None else groups[kind], replica) for kind, (shard, replica) in made.items()}

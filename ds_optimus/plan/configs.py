@@ -109,7 +109,7 @@ def layout_of(opt: Any, ds_config: dict[str, Any], world: int, micro: int, accum
                   reduce_dtype=sharded.reduce_dtype, bucket_size=sharded.bucket_size, schedule=pp.schedule,
                   virtual_stages=pp.virtual_stages, dispatch=dispatch,
                   shard_group=sharded.shard_group_size if sharded.enabled else None,
-                  gather_overlap=sharded.overlap_param_gather is not False)
+                  gather_overlap=bool(sharded.enabled and sharded.overlap_param_gather))
 
 
 def layout_from_config(ds_config: dict[str, Any], world: int | None = None) -> tuple[ModelShape, Layout]:

@@ -49,7 +49,7 @@ class Layout:
     dispatch: str = "alltoall"  # the EP exchange, one of DISPATCHES
     # the sharded optimizer's hybrid sharding: ranks per shard group (`shard_group_size`); None: whole groups
     shard_group: int | None = None
-    gather_overlap: bool = True  # its parameter all-gather under the next forward (`overlap_param_gather`)
+    gather_overlap: bool = False  # its parameter all-gather under the next forward (`overlap_param_gather`)
 
     def __post_init__(self) -> None:
         # a list of parts (from JSON) in RECOMPUTE_PARTS' order, so equal choices compare equal
@@ -162,7 +162,7 @@ class Layout:
     def describe(self) -> str:
         """A short label: `dp48 ep8 pp4 zero1+opt mb2x4 ckpt` (`ckpt:moe+attn+norms`: those parts
         recomputed; `pp4v2`: 2 virtual stages; `:gpipe`, `:bfs`: those schedules; `ag`: the allgather dispatch;
-        `zero1+opt/sg12`: hybrid sharding in groups of 12; `/gsync`: the parameter gather not overlapped)."""
+        `zero1+opt/sg12`: hybrid sharding in groups of 12; `/pgo`: the parameter gather under the next forward)."""
         parts = [f"dp{self.dp}", f"ep{self.ep}"]
         if self.pp > 1:
             virtual = f"v{self.virtual_stages}" if self.virtual_stages > 1 else ""
@@ -170,7 +170,7 @@ class Layout:
             parts.append(f"pp{self.pp}{virtual}{'' if plain else SCHEDULE_LABELS.get(self.schedule, self.schedule)}")
         parts.append(f"zero{self.zero}" + ("+opt" if self.sharded else "")
                      + (f"/sg{self.shard_group}" if self.sharded and self.shard_group else "")
-                     + ("/gsync" if self.sharded and not self.gather_overlap else ""))
+                     + ("/pgo" if self.sharded and self.gather_overlap else ""))
         parts.append(f"mb{self.micro}x{self.accumulation}")
         if self.checkpointing is True:
             parts.append("ckpt")

@@ -18,7 +18,7 @@ from .model import ModelShape
 from .timing import TimeEstimate, estimate_time
 
 TIE_BAND = 0.02  # predicted step times closer than this are ranked as a tie
-HYBRID_TRIED = 200  # the fastest layouts tried again with the sharded optimizer's hybrid sharding
+HYBRID_TRIED = 200  # the fastest layouts tried again with hybrid sharding and the overlapped gather
 
 # (ZeRO stage, EP-aware sharded optimizer)
 OPTIMIZERS = ((1, True), (2, True), (0, False), (1, False), (2, False))
@@ -130,7 +130,7 @@ def candidate_layouts(model: ModelShape, cluster: Cluster, devices: int, global_
                             accumulation=per_rank // micro, checkpointing=ckpt, hierarchical=hier, dedup=dedup,
                             chunks=chunks, seq_len=seq_len, dtype=dtype, reduce_dtype=reduce,
                             bucket_size=bucket_size, overlap_comm=overlap, schedule=schedule,
-                            virtual_stages=virtual, dispatch=dispatch, gather_overlap=overlap))
+                            virtual_stages=virtual, dispatch=dispatch))
     return layouts
 
 
@@ -150,11 +150,14 @@ def search(model: ModelShape, cluster: Cluster, devices: int, global_batch: int,
     layouts = candidate_layouts(model, cluster, devices, global_batch, seq_len, **kwargs)
     plans = [evaluate(model, layout, cluster, expert_imbalance) for layout in layouts]
     fitting = [plan for plan in plans if plan.fits]
-    # hybrid sharding changes only the optimizer's collectives and state: tried on the fastest layouts
-    # that fit with whole groups (it holds more state, so it never makes one fit that did not)
+    # hybrid sharding and the overlapped parameter gather change only the optimizer's collectives and
+    # memory: tried on the fastest layouts that fit without them (both hold more, so neither makes one
+    # fit that did not); the gather overlaps only where communication overlaps compute
     fastest_first = sorted(fitting, key=lambda plan: plan.time.step)[:HYBRID_TRIED]
-    hybrid = [plan.layout.with_(shard_group=size) for plan in fastest_first if plan.layout.sharded
-              for size in shard_groups(plan.layout.dp, plan.layout.edp, cluster.devices_per_node)[1:]]
+    gathers = (False, True) if not cluster.shared_compute else (False,)
+    hybrid = [plan.layout.with_(shard_group=size, gather_overlap=gather) for plan in fastest_first
+              if plan.layout.sharded for size in shard_groups(plan.layout.dp, plan.layout.edp, cluster.devices_per_node)
+              for gather in gathers if size is not None or gather]
     fitting += [plan for plan in (evaluate(model, layout, cluster, expert_imbalance) for layout in hybrid) if plan.fits]
     # fastest first, in bands of 2 % (finer than the model can tell apart); within a band the EP-aware
     # sharded optimizer first (its checkpoints reshard, the step guards act through it), then fewer

@@ -262,7 +262,8 @@ def estimate_time(model: ModelShape, layout: Layout, cluster: Cluster, expert_im
         if slowest is None or compute + a2a + overhead > sum(slowest[:3]):
             slowest = (compute, a2a, overhead, n_moe)
     compute, a2a, overhead, n_moe = slowest
-    micro_forward = compute / 3  # one micro-batch's forward on the slowest stage (a third of forward + backward)
+    # one micro-batch's forward on the slowest stage: a third of forward + backward, a quarter with recomputation
+    micro_forward = compute / (4 if layout.checkpointing else 3)
     # the schedule's fill and drain: (P - 1) / V of the slowest stage's micro-batch slots
     # (`pipeline.bubble_fraction` of the step's compute, exchanges and fixed costs)
     bubble = (layout.pp - 1) / virtual * (compute + a2a + overhead)
