@@ -109,6 +109,7 @@ def hybrid_runs(rank: int, world: int, cases: dict[str, dict]) -> dict[str, dict
     """Several `train` runs in one launch (hybrid sharding, the overlapped gather: each case its own
     engine), each case's result without its parameters but with a digest of them."""
     from ds_optimus.optim.sharded import ShardedOptimizerError
+    from ds_optimus.parallel.groups import LayoutError
 
     out = {}
     for name, spec in cases.items():
@@ -116,8 +117,8 @@ def hybrid_runs(rank: int, world: int, cases: dict[str, dict]) -> dict[str, dict
             try:
                 train(rank, world, spec)
                 out[name] = {"error": "accepted"}
-            except ShardedOptimizerError as err:
-                out[name] = {"error": str(err)}
+            except (ShardedOptimizerError, LayoutError) as err:  # LayoutError: ds_optimus.train's one line
+                out[name] = {"error": f"{type(err).__name__}: {err}"}
             continue
         result = train(rank, world, spec)
         params = result.pop("params")

@@ -116,8 +116,10 @@ MEMORY_RUNS = [
     dict(world=2, ep=1, zero=1, sharded=False, micro=8, bucket_size=5_000_000),
     dict(world=4, ep=4, zero=2, micro=8),
     dict(world=4, ep=2, zero=1, micro=8, checkpointing=True),
-    # dense state over 2 of the 4 ranks, twice, and the gather's copy of the weights held into the forward
-    dict(world=4, ep=2, zero=1, micro=8, shard_group=2, gather_overlap=True),
+    # dense state over 2 of the 4 ranks, twice (not with the overlapped gather: gloo's all-gathers
+    # running in its own threads inside the profiled window break torch's memory profiler, "cannot
+    # create std::vector larger than max_size()")
+    dict(world=4, ep=2, zero=1, micro=8, shard_group=2),
 ]
 
 

@@ -305,5 +305,5 @@ def test_hybrid_sharding_and_the_overlapped_gather_train_as_full_sharding(tmp_pa
         assert _rel(losses(name), {k: losses(source)[k] for k in losses(name)}) < 2e-6, name
     for label in EXCHANGES:
         assert close(f"{label} group 2 overlapped", f"{label} full"), label
-    assert first["group 3"]["error"] == ("shard group size 3 does not divide the 4 ranks of the data-parallel "
-                                         "group (dense)")
+    assert first["group 3"]["error"] == ("LayoutError: shard group size 3 does not divide the 4 ranks of the "
+                                         "data-parallel group (dense)")

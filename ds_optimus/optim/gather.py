@@ -138,11 +138,13 @@ def _before_forward(gather: ParamGather, param_ids: tuple[int, ...], module, arg
 
 @torch.no_grad()
 def _scatter(space: Space, bucket: Bucket, buf: torch.Tensor, work, pool: BufferPool) -> None:
-    """Wait for a bucket's all-gather and copy it into its parameters: in place on the parameter, so
-    that autograd refuses a backward through a value read before it arrived (its version moves)."""
+    """Wait for a bucket's all-gather and copy it into its parameters, moving their version counters:
+    autograd refuses a backward through a value read before it arrived. (Through `.data`: an in-place
+    copy into a view of the parameter breaks the profiler's memory tracking.)"""
     work.wait()
     for i, copies in bucket.copies.items():
-        flat = space.params[i].view(-1)
+        flat = space.params[i].data.view(-1)
         for start, offset, length in copies:
             flat[start:start + length].copy_(buf[offset:offset + length])
+        torch.autograd.graph.increment_version(space.params[i])
     pool.put(buf)

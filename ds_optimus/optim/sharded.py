@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel.expert_parallel import is_expert_param
-from ..parallel.groups import ExpertParallelGroups, LayoutError, hybrid_shard_groups
+from ..parallel.groups import ExpertParallelGroups, hybrid_shard_groups
 from .adam import adam_kind, adam_segments, fused_adam
 from .gather import ParamGather
 from .loss_scale import LossScaler
@@ -132,10 +132,7 @@ class ShardedOptimizer:
                 kind = p.group_name if is_expert_param(p) else "dense"
                 members.setdefault((kind, p.dtype), []).append(p)
         kinds = {"dense": self.dense_group, **{name: g.edp_group for name, g in self.expert_groups.items()}}
-        try:
-            hybrid = hybrid_shard_groups(kinds, self.shard_group_size)
-        except LayoutError as err:
-            raise ShardedOptimizerError(str(err)) from None
+        hybrid = hybrid_shard_groups(kinds, self.shard_group_size)  # a LayoutError (one line) for a bad size
         spaces = []
         for (kind, dtype), params in members.items():
             # gradients arrive roughly in reverse order of definition

@@ -135,10 +135,10 @@ def candidate_layouts(model: ModelShape, cluster: Cluster, devices: int, global_
 
 
 def shard_groups(dp: int, edp: int, devices_per_node: int) -> list[int | None]:
-    """The sharded optimizer's shard group sizes tried: whole groups (None), and a node's devices, 8, 16
-    or 64 ranks where that divides the data- and expert-data-parallel groups it cuts."""
+    """The sharded optimizer's shard group sizes tried: whole groups (None), and a node's devices, 4, 8,
+    16, 32 or 64 ranks where that divides the data- and expert-data-parallel groups it cuts."""
     tried: list[int | None] = [None]
-    for size in (devices_per_node, 8, 16, 64):
+    for size in (devices_per_node, 4, 8, 16, 32, 64):
         if size < max(dp, edp) and all(n <= size or n % size == 0 for n in (dp, edp)) and size not in tried:
             tried.append(size)
     return tried

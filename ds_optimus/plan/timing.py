@@ -324,7 +324,11 @@ def optimizer_collectives(dense: float, expert: float, layout: Layout, cluster: 
         nodes = min(size, -(-size * stride // per_node), dp_nodes)  # the group's ranks are on this many nodes
         shard = min(layout.shard_group or size, size)
         replicas = size // shard
-        shard_nodes = nodes if replicas == 1 else min(shard, -(-shard * stride // per_node))
+        # the nodes the most spread run touches: runs start at multiples of their span of ranks, and one
+        # that does not line up with the nodes straddles one more
+        span = shard * stride
+        touched = max(-(-((k * span) % per_node + span) // per_node) for k in range(per_node))
+        shard_nodes = nodes if replicas == 1 else min(shard, touched)
         out[0] += ring_time(layout.reduce_bytes * elements, shard, cluster, shard_nodes)
         # all-reduce (reduce-scatter + all-gather) of the shard, over ranks on separate nodes mostly
         out[1] += 2 * ring_time(layout.reduce_bytes * elements / shard, replicas, cluster, min(replicas, nodes))
