@@ -45,7 +45,6 @@ class ParamGather:
         self.works: list = []
         self.launch_s = 0.0  # seconds of the last step spent gathering (at once) or launching (overlapped)
         self.wait_s = 0.0  # seconds the forward pass waited for parameters since the last step
-        self.sent_bytes = 0  # bytes every rank put into its all-gathers (its own shards), all steps
         self._hooks: list = []
         if self.overlap:
             self._register(module)
@@ -82,7 +81,6 @@ class ParamGather:
             buf = self.pool.get(bucket.size, space.dtype, space.device)
             own = buf[space.rank * bucket.shard:(space.rank + 1) * bucket.shard]
             own.copy_(space.master[bucket.shard_offset:bucket.shard_offset + bucket.shard])
-            self.sent_bytes += own.numel() * own.element_size() * (space.group_size > 1)
             work = collective("all_gather")(buf, own, group=space.group, async_op=True)
             if space.device.type == "cpu":
                 self.works.append(work)

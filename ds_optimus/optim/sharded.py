@@ -20,7 +20,7 @@ Per step:
 Hybrid sharding (`shard_group_size`): each group is cut into shard groups of that many consecutive
 ranks (`ds_optimus.parallel.groups.hybrid_shard_groups`); the state is sharded inside a shard group
 and replicated across them. Gradients are reduce-scattered inside the shard group and the reduced
-shard all-reduced across the replicas (once per step, at its last reduction); the all-gather stays
+shard all-reduced across the replicas (once per step, at the start of `step()`); the all-gather stays
 inside the shard group. The replicas run the same update on the same values and stay bitwise equal.
 
 Averaging: every rank's loss is the mean over its own tokens, so the global mean's gradient is the
@@ -99,18 +99,16 @@ class ShardedOptimizer:
         # earliest-defined parameter is latest first): every rank issues the same collectives in the
         # same sequence, across the dense and expert groups too, even when a parameter gets no gradient
         # on some ranks.
-        self._order = sorted(((s, b) for s in self.spaces for b in s.buckets),
-                             key=lambda sb: -min(self._position[id(sb[0].params[i])] for i in sb[1].params))
+        first = {id(b): min(self._position[id(s.params[i])] for i in b.params) for s in self.spaces for b in s.buckets}
+        self._order = sorted(((s, b) for s in self.spaces for b in s.buckets), key=lambda sb: -first[id(sb[1])])
         self._next = 0
         self._in_flight: list[tuple[Space, Bucket]] = []
         self._num_params = sum(len(s.params) for s in self.spaces)
         self._segments = adam_segments(self.spaces, self._group_of)
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, space, i))
                        for space in self.spaces for i, p in enumerate(space.params)]
-        # the next forward pass takes the parameters in the order of their definition
-        forward = sorted(((s, b) for s in self.spaces for b in s.buckets),
-                         key=lambda sb: min(self._position[id(sb[0].params[i])] for i in sb[1].params))
-        self.gather = ParamGather(forward, self._pool, module, overlap_param_gather)
+        # the next forward pass takes the buckets in the opposite order: earliest-defined parameter first
+        self.gather = ParamGather(self._order[::-1], self._pool, module, overlap_param_gather)
 
     def _build_spaces(self, param_names, bucket_size: int, reduce_dtype) -> list[Space]:
         self._group_of: dict[int, int] = {}

@@ -90,7 +90,6 @@ class Space:
         self.rank = dist.get_rank(group=group)
         # hybrid sharding: the ranks holding the same shard in the other shard groups (None: none)
         self.replicas = replicas
-        self.replica_size = dist.get_world_size(group=replicas) if replicas is not None else 1
         self.replica_rank = dist.get_rank(group=replicas) if replicas is not None else 0
         self.dtype = params[0].dtype
         self.device = params[0].device

@@ -186,6 +186,11 @@ class Layout:
             parts.append("ag")
         return " ".join(parts)
 
+    def shard_size(self, group: int) -> int:
+        """Ranks the sharded optimizer shards a group of `group` ranks over: its shard group, at most
+        the whole group (hybrid sharding), or the whole group."""
+        return min(self.shard_group or group, group)
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 

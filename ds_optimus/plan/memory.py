@@ -150,10 +150,9 @@ def _estimate(model: ModelShape, layout: Layout, part: _Part, expert_imbalance: 
     dense, expert = part.dense, part.expert
     n_local = dense + expert
     weights = p * n_local
-    # elements of this rank's shard of the optimizer state
-    # (hybrid sharding: over the shard group, at most the whole group)
-    shards = (min(layout.shard_group or layout.dp, layout.dp), min(layout.shard_group or layout.edp, layout.edp))
-    shard = dense / shards[0] + expert / shards[1] if layout.zero > 0 else n_local
+    # elements of this rank's shard of the optimizer state (hybrid sharding: over the shard group)
+    shard = dense / layout.shard_size(layout.dp) + expert / layout.shard_size(layout.edp)
+    shard = shard if layout.zero > 0 else n_local
     largest = max(_buckets(dense, layout.bucket_size), _buckets(expert, layout.bucket_size))
     second = min(_buckets(dense, layout.bucket_size), _buckets(expert, layout.bucket_size)) if expert else (
         _buckets(max(dense - layout.bucket_size, 0), layout.bucket_size))

@@ -322,7 +322,7 @@ def optimizer_collectives(dense: float, expert: float, layout: Layout, cluster: 
         if not elements or size <= 1:
             continue
         nodes = min(size, -(-size * stride // per_node), dp_nodes)  # the group's ranks are on this many nodes
-        shard = min(layout.shard_group or size, size)
+        shard = layout.shard_size(size)
         replicas = size // shard
         # the nodes the most spread run touches: runs start at multiples of their span of ranks, and one
         # that does not line up with the nodes straddles one more
