@@ -16,17 +16,16 @@ import torch
 from distributed import run_distributed
 
 import ds_optimus.checkpoint_io as checkpoint_io
+import ds_optimus.rng_state as rng_state_module
 from ds_optimus.checkpoint_io import (
     CheckpointError,
     CheckpointWriter,
     atomic_save,
     load,
-    numpy_array_types,
-    rng_state,
-    set_rng_state,
     verify,
 )
 from ds_optimus.reliability import CheckpointManager
+from ds_optimus.rng_state import numpy_array_types, rng_state, set_rng_state
 
 PLANTED = f"{os.system.__module__}.system"  # how pickle names os.system (posix.system here)
 
@@ -65,8 +64,12 @@ def save(manager: CheckpointManager, step: int, files: dict | None = None) -> Pa
 
 # -- the leaf ---------------------------------------------------------------------------------------
 
-def test_the_leaf_imports_nothing_of_ds_optimus():
-    tree = ast.parse(Path(checkpoint_io.__file__).read_text())
+@pytest.mark.parametrize("leaf, expected", [
+    (checkpoint_io, {"torch"}),
+    (rng_state_module, {"torch", "numpy", "deepspeed"}),
+])
+def test_the_leaves_import_nothing_of_ds_optimus(leaf, expected):
+    tree = ast.parse(Path(leaf.__file__).read_text())
     imported = set()
     for node in ast.walk(tree):  # function bodies included
         if isinstance(node, ast.Import):
@@ -75,7 +78,7 @@ def test_the_leaf_imports_nothing_of_ds_optimus():
             assert node.level == 0, f"relative import on line {node.lineno}"
             imported.add(node.module.split(".")[0])
     assert "ds_optimus" not in imported
-    assert {"torch", "numpy", "deepspeed"} <= imported  # the walk saw the imports, inside functions too
+    assert expected <= imported  # the walk saw the imports, inside functions too
     assert imported <= {"__future__", "collections", "json", "os", "pickle", "random", "re", "shutil",
                         "threading", "time", "zlib", "pathlib", "typing", "numpy", "torch", "deepspeed"}
 

@@ -119,6 +119,7 @@ SHARED_LEAVES = {"ds_optimus.cli", "ds_optimus._lazy", "ds_optimus.progress"}
     ("ds_optimus.config", "ds_optimus.train"),
     ("ds_optimus.train", "ds_optimus.plan"),
     ("ds_optimus.checkpoint_io", "ds_optimus"),
+    ("ds_optimus.rng_state", "ds_optimus"),
     ("ds_optimus.schema", "ds_optimus"),
     ("ds_optimus.report", "ds_optimus"),  # a reader of metrics files, usable without the training code
     ("ds_optimus.cli", "ds_optimus"),

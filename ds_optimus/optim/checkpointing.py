@@ -30,9 +30,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..checkpoint_io import CheckpointError, CheckpointWriter, copy_to_cpu, load, numpy_array_types
+from ..checkpoint_io import CheckpointError, CheckpointWriter, copy_to_cpu, load
 from ..cli import said_by_every_rank
 from ..parallel.expert_parallel import expert_groups_of, is_expert_param
+from ..rng_state import numpy_array_types
 
 ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
 

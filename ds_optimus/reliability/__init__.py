@@ -5,5 +5,6 @@ from .._lazy import lazy_exports
 
 __all__ = ["CheckpointError", "CheckpointManager", "CheckpointWriter", "rng_state", "set_rng_state", "verify"]
 __getattr__, __dir__ = lazy_exports(__name__, {
-    **dict.fromkeys(("CheckpointError", "CheckpointWriter", "rng_state", "set_rng_state", "verify"), "..checkpoint_io"),
+    **dict.fromkeys(("CheckpointError", "CheckpointWriter", "verify"), "..checkpoint_io"),
+    **dict.fromkeys(("rng_state", "set_rng_state"), "..rng_state"),
     "CheckpointManager": ".checkpoint"})

@@ -46,12 +46,10 @@ from ..checkpoint_io import (  # noqa: F401  (atomic_save, file_record, write_te
     copy_to_cpu,
     file_record,
     load,
-    numpy_array_types,
-    rng_state,
-    set_rng_state,
     verify,
     write_text_atomic,
 )
+from ..rng_state import numpy_array_types, rng_state, set_rng_state
 from ..schema import Section, check_flags, need, non_negative_int, positive_int
 
 STEP_PREFIX = "step_"
