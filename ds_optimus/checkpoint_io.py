@@ -230,13 +230,28 @@ def manifest_files(path: Path, required: tuple[str, ...] = ()) -> tuple[dict[str
     return files, None
 
 
-def gather(world: int, value: Any) -> list[Any]:
-    """`value` of every rank (collective when `world` > 1 and torch.distributed is initialized)."""
+def manifest_text(meta: dict[str, Any], records: dict[str, dict[str, Any]]) -> str:
+    """`meta.json`: `meta` indented, then "files", each file's record on one line (12,288 ranks'
+    optimizer files with the element ranges each holds stay a few MB, one line a file)."""
+    lines = [f"  {json.dumps(k)}: {json.dumps(v, separators=(', ', ': '))}" for k, v in sorted(records.items())]
+    rest = {k: v for k, v in meta.items() if k != "files"}
+    head = json.dumps(rest, indent=1)[:-2] + ",\n" if rest else "{\n"
+    return head + ' "files": {' + ("\n" + ",\n".join(lines) + "\n " if lines else "") + "}\n}\n"
+
+
+def gather(world: int, value: Any, root_only: bool = False) -> list[Any]:
+    """`value` of every rank (collective when `world` > 1 and torch.distributed is initialized); with
+    `root_only`, on rank 0 only (the others get []): 12,288 ranks' manifest records go to the one rank
+    that writes the manifest, not to all of them."""
     if world == 1 or not dist.is_initialized():
         return [value]
-    out = [None] * world
-    dist.all_gather_object(out, value)
-    return out
+    root = dist.get_rank() == 0
+    out = [None] * world if root or not root_only else None
+    if root_only:
+        dist.gather_object(value, out, dst=0)
+    else:
+        dist.all_gather_object(out, value)
+    return out if out is not None else []
 
 
 def barrier() -> None:
@@ -287,11 +302,14 @@ class CheckpointWriter:
         return tmp
 
     def write(self, root: Path, name: str, files: dict[str, Any], meta: dict[str, Any] | None, *,
-              background: bool = False, save_latest: bool = True, keep: Callable[[Path], None] | None = None) -> None:
+              background: bool = False, save_latest: bool = True, keep: Callable[[Path], None] | None = None,
+              about: dict[str, dict[str, Any]] | None = None) -> None:
         """Write this rank's `files` ({file name: object}) of checkpoint `name` (collective; call
-        `prepare` first). `meta` (rank 0) goes into the manifest; `keep(root)` runs on rank 0 after
-        the checkpoint is in place (pruning)."""
+        `prepare` first). `meta` (rank 0) goes into the manifest, and so do `about`'s JSON facts of this
+        rank's files ({file name: {key: value}}), beside each file's size and CRC-32; `keep(root)` runs
+        on rank 0 after the checkpoint is in place (pruning)."""
         tmp = root / f"{name}.tmp"
+        files = {k: (v, (about or {}).get(k, {})) for k, v in files.items()}
         args = (root, name, tmp, files, meta, save_latest, keep)
         if background:
             self._thread = threading.Thread(target=self._background, args=args, name="ds_optimus-checkpoint",
@@ -304,7 +322,7 @@ class CheckpointWriter:
             records = self._write_files(tmp, files, (meta or {}).get("step"))
         except Exception as err:  # whatever it is, every rank must hear of it (none may wait forever)
             error, records = f"rank {self.rank}: {_describe(err)}", {}
-        gathered = gather(self.world, (error, records))
+        gathered = gather(self.world, (error, records), root_only=True)  # every rank's records: rank 0's alone
         errors = [e for e, _ in gathered if e]
         if not errors and self.rank == 0:
             try:
@@ -336,8 +354,8 @@ class CheckpointWriter:
 
     def _write_files(self, folder: Path, files: dict[str, Any], step: int | None) -> dict[str, Any]:
         records = {}
-        for name, obj in files.items():
-            records[name] = atomic_save(obj, folder / name)
+        for name, (obj, facts) in files.items():
+            records[name] = {**atomic_save(obj, folder / name), **facts}
             for hook in self.file_hooks:
                 hook(folder / name, step)
         return records
@@ -372,12 +390,17 @@ class CheckpointWriter:
     def _collect_markers(self, tmp: Path) -> dict[str, Any]:
         deadline = time.monotonic() + self.timeout_s
         markers = [tmp / f"done_rank{r:05d}.json" for r in range(self.world)]
-        while not all(m.exists() for m in markers):
-            if any(tmp.glob("failed_rank*")):
+        done, polls = 0, 0  # each marker is looked for until it is there, in rank order: ~one stat a rank
+        while done < self.world:
+            if markers[done].exists():
+                done += 1
+                continue
+            if polls % 20 == 0 and any(tmp.glob("failed_rank*")):  # a listing of the folder once a second
                 raise CheckpointError("another rank failed to write its files")
             if time.monotonic() > deadline:
                 missing = [r for r, m in enumerate(markers) if not m.exists()]
                 raise CheckpointError(f"ranks {missing} did not finish writing within {self.timeout_s:.0f} s")
+            polls += 1
             time.sleep(0.05)
         merged: dict[str, Any] = {}
         for marker in markers:
@@ -386,8 +409,7 @@ class CheckpointWriter:
         return merged
 
     def _finish(self, root, name, tmp, records, meta, save_latest, keep) -> None:
-        meta = {**meta, "time": time.time(), "files": dict(sorted(records.items()))}
-        write_text_atomic(tmp / "meta.json", json.dumps(meta, indent=1))
+        write_text_atomic(tmp / "meta.json", manifest_text({**meta, "time": time.time()}, records))
         _fsync_dir(tmp)
         final, old = root / name, root / f"{name}.old"
         if final.exists():  # the same name saved again: set the old one aside until the new is in place

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -67,9 +68,16 @@ def train(rank: int, world: int, spec: dict) -> dict:
     setup_moe(model, OptimusConfig.from_ds_config(config))
     engine, *_ = deepspeed.initialize(model=model, config=config,
                                       model_parameters=moe_param_groups(model, weight_decay=WEIGHT_DECAY))
-    start = 0
-    if spec.get("load"):
-        path, client = engine.load_checkpoint(spec["load"])
+    start, opened = 0, []
+    if spec.get("load"):  # which of the checkpoint's files this rank opens, in order
+        from ds_optimus.optim import checkpointing
+
+        real = checkpointing.load
+        checkpointing.load = lambda file, *a, **k: (opened.append(Path(file).name), real(file, *a, **k))[1]
+        try:
+            path, client = engine.load_checkpoint(spec["load"])
+        finally:
+            checkpointing.load = real
         start = client["step"]
     losses, norms, lrs = {}, {}, {}
     vocab = model.config.vocab_size
@@ -94,7 +102,7 @@ def train(rank: int, world: int, spec: dict) -> dict:
         if spec.get("save_at") == step:
             engine.save_checkpoint(spec["save_dir"], client_state={"step": step})
     result = {"losses": losses, "norms": norms, "lrs": lrs, "optimizer": type(engine.optimizer).__name__,
-              "skipped_steps": engine.skipped_steps}
+              "skipped_steps": engine.skipped_steps, "opened": opened}
     if hasattr(engine.optimizer, "state_bytes"):
         result["state_bytes"] = engine.optimizer.state_bytes()
         result["gather"] = {"launch_s": engine.optimizer.gather.launch_s, "wait_s": engine.optimizer.gather.wait_s,
@@ -159,7 +167,8 @@ def bad_settings(rank: int, world: int) -> list[str]:
 
     messages = []
     base = dict(ep=2, stage=2, sharded=True, micro=1, gas=1)
-    for change in ({"stage": 0}, {"stage": 3}, {"sgd": True}, {"sharded_options": {"bucket_size": 0}}):
+    for change in ({"stage": 0}, {"stage": 3}, {"sgd": True}, {"sharded_options": {"bucket_size": 0}},
+                   {"sharded": False, "sharded_options": {"shard_group_size": 2}}):
         spec = {**base, **change}
         model = tiny_model()
         config = ds_config(spec)

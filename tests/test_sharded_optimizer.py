@@ -3,6 +3,7 @@ DeepSpeed's ZeRO, checkpoints resumed on other layouts, mixed precision, guards 
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import optim_workers as W
@@ -10,7 +11,9 @@ import pytest
 import torch
 from distributed import run_distributed
 
+from ds_optimus.optim.checkpointing import optimizer_files
 from ds_optimus.optim.layout import chunked_runs, flat_runs, merge_copies, padding, split_buckets
+from ds_optimus.optim.shard_state import files_holding
 
 WORLD = 4
 
@@ -118,6 +121,7 @@ def test_checkpoint_resumes_on_other_layouts(tmp_path):
     assert (meta["world_size"], meta["ep_size"]) == (4, 2)
     assert {"model_dense.pt", "model_experts_ep000.pt", "model_experts_ep001.pt", "optim_rank00003.pt",
             "engine.pt"} <= set(meta["files"])
+    _assert_the_manifest_holds_every_element_once(meta)
     for world, spec in [(4, dict(ep=2, stage=2, gas=1)), (2, dict(ep=2, stage=2, gas=2)),
                         (4, dict(ep=4, stage=1, gas=1)), (1, dict(ep=1, stage=2, gas=4))]:
         resumed = run_distributed(W.train, world, dict(spec, sharded=True, micro=1, steps=10, scheduler=True,
@@ -125,6 +129,52 @@ def test_checkpoint_resumes_on_other_layouts(tmp_path):
         losses = resumed[0]["losses"]
         assert sorted(losses) == [6, 7, 8, 9, 10]
         assert _rel(losses, {k: full[k] for k in losses}) < 1e-6, (world, spec)
+        # A rank opens only the optimizer files its elements were saved in (the manifest says which
+        # file holds what), and only the expert files of the saved EP ranks whose experts it holds.
+        optim = [[f for f in r["opened"] if f.startswith("optim_")] for r in resumed]
+        experts = [[f for f in r["opened"] if f.startswith("model_experts_")] for r in resumed]
+        if world == 4 and spec["ep"] == 2:  # the saved layout: its own file
+            assert optim == [[f"optim_rank{r:05d}.pt"] for r in range(4)], optim
+        elif world > 1:
+            assert 1 <= min(map(len, optim)) and max(map(len, optim)) < 4, optim
+        else:
+            assert optim == [[f"optim_rank{r:05d}.pt" for r in range(4)]], optim
+        assert all(len(e) == (2 if world == 1 else 1) for e in experts), experts
+
+
+def _assert_the_manifest_holds_every_element_once(meta: dict) -> None:
+    """The manifest's index of optimizer files covers every element of every parameter exactly once."""
+    held: dict[str, list[tuple[int, int]]] = {}
+    for name, record in meta["files"].items():
+        if name.startswith("optim_"):
+            for param, start, length in record["holds"]:
+                held.setdefault(param, []).append((start, start + length))
+    numels = {n: p.numel() for n, p in W.tiny_model().named_parameters()}
+    assert held.keys() == numels.keys()
+    for param, runs in held.items():
+        runs.sort()
+        assert runs[0][0] == 0 and runs[-1][1] == numels[param], param
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(runs)), param  # no gap, no overlap
+
+
+def test_a_rank_opens_the_optimizer_files_that_hold_its_elements_or_all_without_an_index():
+    class Space:  # this rank's runs: elements [10, 30) of "w" and [0, 5) of "b"
+        names, offsets = ["w", "b"], [0, 0]
+
+        def own_runs(self):
+            return [(0, 10, 20, 0), (1, 0, 5, 20)]
+
+    held = {"f0": [["w", 0, 10], ["b", 0, 2]], "f1": [["w", 10, 10]], "f2": [["w", 20, 20]], "f3": [["w", 40, 9]],
+            "f4": [], "f5": [["b", 5, 3]]}
+    assert files_holding(held, [Space()]) == ["f0", "f1", "f2"]
+    assert files_holding({**held, "f6": None}, [Space()]) == [*held, "f6"]  # a manifest from before the index
+    meta = {"world_size": 3, "files": {"optim_rank00000.pt": {"holds": [["x", 0, 4]]},
+                                       "optim_rank00001.pt": {"holds": []}, "optim_rank00002.pt": {"holds": []}}}
+    assert optimizer_files(meta, [Space()]) == ["optim_rank00000.pt"]  # none holds its elements: still a step
+    meta["files"]["optim_rank00002.pt"] = {"holds": [["b", 3, 1]]}
+    assert optimizer_files(meta, [Space()]) == ["optim_rank00002.pt"]
+    assert optimizer_files({"world_size": 2, "files": ["optim_rank00000.pt", "optim_rank00001.pt"]},
+                           [Space()]) == ["optim_rank00000.pt", "optim_rank00001.pt"]  # names-only manifest
 
 
 @pytest.mark.slow
@@ -192,11 +242,14 @@ def test_a_non_finite_gradient_skips_the_step_on_every_rank():
 def test_bad_settings_are_one_line_errors():
     errors = run_distributed(W.bad_settings, 2)
     assert errors[0] == errors[1]
-    stage0, stage3, sgd, bucket = errors[0]
+    stage0, stage3, sgd, bucket, unused = errors[0]
     assert stage0 == "optimus.sharded_optimizer needs zero_optimization.stage 1 or 2, got 0"
     assert stage3 == "optimus.sharded_optimizer needs zero_optimization.stage 1 or 2, got 3"
     assert sgd == "the sharded optimizer runs Adam or AdamW; the config's optimizer is SGD"
     assert bucket.startswith("optimus.sharded_optimizer.bucket_size must be a positive integer")
+    assert unused == ("optimus.sharded_optimizer.shard_group_size is set but optimus.sharded_optimizer.enabled is "
+                      "false: DeepSpeed's ZeRO optimizer would run without it; enable the sharded optimizer or drop "
+                      "the setting")
 
 
 @pytest.mark.slow
@@ -303,6 +356,16 @@ def test_hybrid_sharding_and_the_overlapped_gather_train_as_full_sharding(tmp_pa
                          ("full from group 2", "group 2 overlapped")]:
         assert sorted(losses(name)) == [6, 7, 8, 9, 10]
         assert _rel(losses(name), {k: losses(source)[k] for k in losses(name)}) < 2e-6, name
+    # only a shard's first replica saves it: the manifest's index still covers every element once, and
+    # no resume opens every optimizer file. In shard groups of 2, ranks 2 and 3 replicate the dense
+    # state of 0 and 1 and save none of it; a rank with all its state (S = 1) opens the files of the
+    # dense shards (0, 1) and of its own EP rank's expert shards (0, 2 or 1, 3).
+    _assert_the_manifest_holds_every_element_once(json.loads((tmp_path / "hybrid" / "global_step5" / "meta.json")
+                                                             .read_text()))
+    opened = {name: [sorted(f for f in r[name]["opened"] if f.startswith("optim_")) for r in runs]
+              for name in ("group 2 from full", "group 1 from group 2", "full from group 2")}
+    assert opened["group 1 from group 2"] == [[f"optim_rank{q:05d}.pt" for q in (0, 1, 2 + r % 2)] for r in range(4)]
+    assert all(len(files) < 4 for per_rank in opened.values() for files in per_rank), opened
     for label in EXCHANGES:
         assert close(f"{label} group 2 overlapped", f"{label} full"), label
     assert first["group 3"]["error"] == ("LayoutError: shard group size 3 does not divide the 4 ranks of the "

@@ -9,7 +9,8 @@ names it, so the Hugging Face Trainer finds it), and `<save_dir>/latest` names t
                            range of the full parameter (`ShardedOptimizer.state_dict`)
     engine.pt              LR scheduler, step counters (rank 0)
     client_rank00005.pt    rank 5's `client_state`
-    meta.json              layout and file list, written last
+    meta.json              layout and file list, written last; each optimizer file's entry lists the
+                           element ranges it holds, so a rank opens only the files its elements are in
 
 Every piece of state is keyed by parameter name and global element range, never by rank, so a
 checkpoint loads on any layout: another world size, EP size, ZeRO stage or bucket size. Files go
@@ -34,6 +35,7 @@ from ..checkpoint_io import CheckpointError, CheckpointWriter, copy_to_cpu, load
 from ..cli import said_by_every_rank
 from ..parallel.expert_parallel import expert_groups_of, is_expert_param
 from ..rng_state import numpy_array_types
+from .shard_state import files_holding, held_ranges
 
 ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
 
@@ -59,10 +61,11 @@ def engine_state_types() -> list[Any]:
 
 
 def checkpoint_files(engine, groups, client_state=None, exclude_frozen_parameters: bool = False,
-                     copy: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+                     copy: bool = False) -> tuple[dict[str, Any], dict[str, Any], dict[str, dict[str, Any]]]:
     """This rank's files of a checkpoint of `engine`, whose experts are sharded over `groups`
-    (`ExpertParallelGroups`, or None), as {file name: object}, and the manifest fields
-    (collective-free). `copy` snapshots every tensor, for a save that runs while training goes on."""
+    (`ExpertParallelGroups`, or None), as {file name: object}, the manifest fields, and what the manifest
+    says of this rank's files (`CheckpointWriter.write`'s `about`); collective-free. `copy` snapshots
+    every tensor, for a save that runs while training goes on."""
     rank = dist.get_rank()
     module = engine.module
     frozen = {n for n, p in module.named_parameters() if not p.requires_grad} if exclude_frozen_parameters else set()
@@ -78,7 +81,7 @@ def checkpoint_files(engine, groups, client_state=None, exclude_frozen_parameter
         files[f"model_experts_ep{groups.ep_rank:03d}{part}.pt"] = {
             "ep_size": groups.ep_size, "ep_rank": groups.ep_rank,
             "weights": {k: v for k, v in state.items() if k in experts}}
-    files[f"optim_rank{rank:05d}.pt"] = engine.optimizer.state_dict()
+    optim = files[f"optim_rank{rank:05d}.pt"] = engine.optimizer.state_dict()
     files[f"client_rank{rank:05d}.pt"] = client_state or {}
     if rank == 0:
         scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
@@ -86,7 +89,7 @@ def checkpoint_files(engine, groups, client_state=None, exclude_frozen_parameter
     files = copy_to_cpu(files, copy)
     meta = {"format": "ds_optimus.checkpoint/1", "world_size": dist.get_world_size(),
             "ep_size": groups.ep_size if groups is not None else 1, "zero_stage": engine.optimizer.stage}
-    return files, meta
+    return files, meta, {f"optim_rank{rank:05d}.pt": {"holds": held_ranges(optim)}}
 
 
 def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True,
@@ -103,8 +106,9 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     root = Path(save_dir)
     writer = CheckpointWriter(rank, world)
     writer.prepare(root, tag)
-    files, meta = checkpoint_files(engine, expert_groups_of(engine.module), client_state, exclude_frozen_parameters)
-    writer.write(root, tag, files, {**meta, "tag": tag}, save_latest=save_latest)
+    files, meta, about = checkpoint_files(engine, expert_groups_of(engine.module), client_state,
+                                          exclude_frozen_parameters)
+    writer.write(root, tag, files, {**meta, "tag": tag}, save_latest=save_latest, about=about)
     return True
 
 
@@ -164,7 +168,7 @@ def load_folder(engine, path: Path, groups, *, load_module_strict: bool = True, 
     optimizer = engine.optimizer
     shards = []
     if load_optimizer_states and not load_module_only:
-        shards = [load(path / f"optim_rank{r:05d}.pt", mmap=True) for r in range(meta["world_size"])]
+        shards = [load(path / name, mmap=True) for name in optimizer_files(meta, optimizer.spaces)]
         optimizer.load_shards(shards)
     else:
         optimizer.refresh_master_from_params()
@@ -179,24 +183,34 @@ def load_folder(engine, path: Path, groups, *, load_module_strict: bool = True, 
     return client
 
 
+def optimizer_files(meta: dict, spaces) -> list[str]:
+    """The optimizer files of the checkpoint with manifest `meta` that hold elements of this rank's
+    shard (`spaces`); at least one (the step and hyper-parameters are in each), every rank's where the
+    manifest does not say what each holds (checkpoints written before it did)."""
+    names = [f"optim_rank{r:05d}.pt" for r in range(meta["world_size"])]
+    records = meta["files"] if isinstance(meta["files"], dict) else {}
+    return files_holding({n: (records.get(n) or {}).get("holds") for n in names}, spaces) or names[:1]
+
+
 def _expert_weights(engine, path: Path, meta: dict, dense: dict[str, torch.Tensor], groups) -> dict[str, torch.Tensor]:
     """This rank's slice of every expert weight (sharded over `groups`, or None), cut from the saved
-    weights of any EP size (an EP-1 run keeps its experts among the dense weights)."""
+    weights of any EP size (an EP-1 run keeps its experts among the dense weights). Only the saved EP
+    ranks that hold some of this rank's experts are opened."""
     params = dict(engine.module.named_parameters())
     if groups is not None and groups.ep_size > 1:
-        wanted = {n: (groups.ep_rank * p.shape[0], (groups.ep_rank + 1) * p.shape[0])
+        wanted = {n: (groups.ep_rank * p.shape[0], (groups.ep_rank + 1) * p.shape[0], p.shape[0] * groups.ep_size)
                   for n, p in params.items() if is_expert_param(p)}
     else:  # every expert here; those the checkpoint keeps in its EP shards
         shards = any(f.startswith("model_experts_") for f in meta["files"])
-        wanted = {n: (0, p.shape[0]) for n, p in params.items() if n not in dense and shards}
+        wanted = {n: (0, p.shape[0], p.shape[0]) for n, p in params.items() if n not in dense and shards}
     files: dict[int, dict] = {}
     out = {}
-    for name, (lo, hi) in wanted.items():
+    for name, (lo, hi, experts) in wanted.items():
         if name in dense:
             out[name] = dense.pop(name)[lo:hi].clone()
             continue
-        pieces = []
-        for q in range(meta["ep_size"]):
+        pieces, saved_per = [], -(-experts // meta["ep_size"])
+        for q in range(lo // saved_per, min(meta["ep_size"], -(-hi // saved_per))):
             if q not in files:  # EP rank q's file, or one per pipeline stage
                 files[q] = {}
                 for file in sorted(f for f in meta["files"] if f.startswith(f"model_experts_ep{q:03d}")):
@@ -207,6 +221,8 @@ def _expert_weights(engine, path: Path, meta: dict, dense: dict[str, torch.Tenso
             a, b = max(lo, q * per), min(hi, (q + 1) * per)
             if a < b:
                 pieces.append(files[q][name][a - q * per:b - q * per])
+        if sum(len(piece) for piece in pieces) != hi - lo:  # saved for another number of experts
+            raise CheckpointLoadError(f"{path} holds {name} for another number of experts: {_OTHER_MODEL}")
         out[name] = torch.cat(pieces).clone()
     return out
 

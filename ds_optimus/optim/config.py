@@ -40,6 +40,9 @@ class ShardedOptimizerConfig(Section):
         check_flags(self, where, "overlap_param_gather")
         need(self.shard_group_size is None or positive_int(self.shard_group_size),
              f"{where}.shard_group_size must be a positive integer or null, got {self.shard_group_size!r}")
+        unused = [k for k in ("shard_group_size", "overlap_param_gather") if getattr(self, k) not in (None, False)]
+        need(self.enabled or not unused, f"{where}.{(unused or [''])[0]} is set but {where}.enabled is false: "
+             "DeepSpeed's ZeRO optimizer would run without it; enable the sharded optimizer or drop the setting")
 
 
 # What `python -m ds_optimus.train` reads and `deepspeed.initialize` cannot apply: such a key in a config

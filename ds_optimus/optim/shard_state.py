@@ -32,14 +32,38 @@ def shard_state(spaces: list[Space]) -> list[dict[str, Any]]:
     return saved
 
 
-@torch.no_grad()
-def load_spaces(spaces: list[Space], sources: Iterable[dict[str, Any]]) -> None:
-    """Fill this rank's shard of every space from the saved states of any layout (every rank's, or
-    at least those holding this rank's elements); a one-line error when some element is missing."""
+def held_ranges(state: dict[str, Any]) -> list[list]:
+    """What a saved `state_dict()` holds, as [parameter name, first element, length] runs: the
+    checkpoint manifest keeps them for every optimizer file, so a rank opens only the files it needs."""
+    return [[name, start, length] for saved in state["spaces"] for name, start, length, _ in saved["pieces"]]
+
+
+def files_holding(held: dict[str, list | None], spaces: list[Space]) -> list[str]:
+    """The files of `held` ({file: its `held_ranges`, or None where a manifest predates them}) that hold
+    some element of this rank's shard; every file when one is unknown. At 12,288 ranks a rank then
+    opens the one to few files its elements came from, instead of all 12,288."""
+    if any(runs is None for runs in held.values()):
+        return list(held)
+    wanted = _wanted(spaces)
+    return [file for file, runs in held.items()
+            if any(lo < start + length and start < lo + n for name, start, length in runs
+                   for lo, n, _, _ in wanted.get(name, ()))]
+
+
+def _wanted(spaces: list[Space]) -> dict[str, list[tuple[int, int, Space, int]]]:
+    # this rank's runs by parameter: (first element in the full parameter, length, space, position)
     wanted: dict[str, list[tuple[int, int, Space, int]]] = {}
     for space in spaces:
         for i, start, length, pos in space.own_runs():
             wanted.setdefault(space.names[i], []).append((space.offsets[i] + start, length, space, pos))
+    return wanted
+
+
+@torch.no_grad()
+def load_spaces(spaces: list[Space], sources: Iterable[dict[str, Any]]) -> None:
+    """Fill this rank's shard of every space from the saved states of any layout (every rank's, or
+    at least those holding this rank's elements); a one-line error when some element is missing."""
+    wanted = _wanted(spaces)
     covered = dict.fromkeys(wanted, 0)
     for source in sources:
         if source.get("format") != STATE_FORMAT:

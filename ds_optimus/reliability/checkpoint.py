@@ -270,16 +270,16 @@ class CheckpointManager:
         if _sharded(engine):
             from ..optim import checkpointing
 
-            files, meta = checkpointing.checkpoint_files(engine, self.groups, client, copy=background)
+            files, meta, about = checkpointing.checkpoint_files(engine, self.groups, client, copy=background)
             meta["tag"] = name
         else:
-            files, meta = self._per_rank_files(engine, client, copy=background)
+            (files, meta), about = self._per_rank_files(engine, client, copy=background), None
         meta["step"] = step
         meta.update(manifest or {})
         if self.rank == 0 and self.model_record is not None:
             files[MODEL_FILE] = self.model_record
         try:
-            self.writer.write(self.directory, name, files, meta, background=background, keep=self._prune)
+            self.writer.write(self.directory, name, files, meta, background=background, keep=self._prune, about=about)
         except CheckpointError as err:  # gathered from every rank: the same on each
             raise CollectiveCheckpointError(str(err)) from None
         return self.directory / name
