@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zlib
@@ -16,6 +17,7 @@ from distributed import run_distributed
 from train_workers import ROOT, cli_errors_worker, pretrain_worker, tiny_config
 
 from ds_optimus.plan.measure import free_port
+from ds_optimus.train.components import batch_change
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +69,28 @@ def test_run_with_the_sharded_optimizer_resumes_on_another_layout(tmp_path, cach
     one["optimus"]["expert_parallel"] = {"size": 1}
     one["optimus"]["train"]["stop_after_steps"] = None
     one["gradient_accumulation_steps"] = 2
+    halved = copy.deepcopy(one)  # the same checkpoint resumed with half the global batch, for one step
+    halved["optimus"]["train"].update(output_dir=str(tmp_path / "halved" / "run"), stop_after_steps=5)
+    halved["gradient_accumulation_steps"] = 1
+    shutil.copytree(tmp_path / "parts" / "run", tmp_path / "halved" / "run")
     second = run_distributed(pretrain_worker, 1, one)[0]
     assert (first["start_step"], second["start_step"]) == (0, 4) and second["finished"]
     expected, got = _losses(straight)[4:], _losses(second)
     assert len(got) == 4 and max(abs(a - b) / b for a, b in zip(got, expected, strict=True)) < 1e-5
+    # a resume says when the global batch changed since the checkpoint, and only then
+    assert "global batch changed" not in (tmp_path / "parts" / "run" / "log.txt").read_text()
+    assert run_distributed(pretrain_worker, 1, halved)[0]["start_step"] == 4
+    tokens = 2 * whole["optimus"]["data"]["seq_len"] * whole["train_micro_batch_size_per_gpu"]  # 2 ranks, gas 1
+    assert (f"the global batch changed since the checkpoint: {tokens:,} -> {tokens // 2:,} tokens a step; the LR "
+            "schedule and train.steps count steps, so each remaining step takes 0.5x the tokens") in \
+        (tmp_path / "halved" / "run" / "log.txt").read_text()
+
+
+def test_a_resume_says_a_changed_global_batch_only():
+    assert batch_change(None, 4096) == [] and batch_change(4096, 4096) == []  # older checkpoints: nothing
+    assert batch_change(4096, 8192) == ["the global batch changed since the checkpoint: 4,096 -> 8,192 tokens a "
+                                        "step; the LR schedule and train.steps count steps, so each remaining step "
+                                        "takes 2x the tokens"]
 
 
 @pytest.mark.slow

@@ -277,3 +277,13 @@ def dense_fingerprint(model) -> float:
     with torch.no_grad():
         model.state_dict(keep_vars=True)  # waits for a parameter all-gather still under way (overlap_param_gather)
         return float(sum(p.detach().double().sum() for p in model.parameters() if not is_expert_param(p)))
+
+
+def batch_change(saved: int | None, tokens_per_step: int) -> list[str]:
+    """What a resume says when a step takes other tokens than at the checkpoint (`saved`; None for
+    checkpoints from before it was kept): the global batch changed (the loader refuses another seq_len)."""
+    if saved is None or saved == tokens_per_step:
+        return []
+    return [f"the global batch changed since the checkpoint: {saved:,} -> {tokens_per_step:,} tokens a step; "
+            "the LR schedule and train.steps count steps, so each remaining step takes "
+            f"{tokens_per_step / saved:.3g}x the tokens"]

@@ -67,6 +67,7 @@ class Trainer:
             self.micro_batch, self.accumulation = C.resolve_batch_sizes(self.ds_config, self.dp_world,
                                                                         opt.pipeline_parallel.size)
         self.dp_rank, self.runner = self.rank % self.dp_world, None
+        self.tokens_per_step = self.micro_batch * self.accumulation * self.dp_world * opt.data.seq_len
         C.scheduler_defaults(self.ds_config, opt.train.steps)
         C.seed_everything(opt.train.seed)  # the same initial weights on every rank
         self.output_dir = Path(opt.train.output_dir)
@@ -92,7 +93,6 @@ class Trainer:
         self.end_step = opt.train.steps
         if opt.train.stop_after_steps is not None:
             self.end_step = min(self.end_step, self.start_step + opt.train.stop_after_steps)
-        self.tokens_per_step = self.micro_batch * self.accumulation * self.dp_world * opt.data.seq_len
         self.summary: dict[str, Any] = {
             "rank": self.rank, "start_step": self.start_step, "resumed_from": self.resumed_from, "losses": {},
             "evals": {}, "step_seconds": {}, "finished": self.end_step == opt.train.steps, "rollbacks": 0}
@@ -199,9 +199,9 @@ class Trainer:
             with every_rank_alike():  # the same checkpoint and data on every rank
                 notes += [f"data changed since the checkpoint (optimus.data.allow_change): {change}" for change in
                           self.train_loader.load_state_dict(extra["loader"], self.opt.data.allow_change)]
-            for callback in self.callbacks:
-                if callback.state_key is not None:
-                    callback.load_state_dict(extra.get(callback.state_key, {}))
+            notes += C.batch_change(extra.get("tokens_per_step"), self.tokens_per_step)
+            for callback in (c for c in self.callbacks if c.state_key is not None):
+                callback.load_state_dict(extra.get(callback.state_key, {}))
             self.resumed_from = str(latest)
         self.sink = MetricsSink(self.output_dir, self.opt.train.steps, start, self.opt.wandb, self.ds_config,
                                 enabled=self.rank == 0 or self.log_every_rank)
@@ -386,7 +386,7 @@ class Trainer:
 
     def checkpoint_state(self) -> dict[str, Any]:
         """What a checkpoint keeps besides the engine: the data loader's position, callbacks' state."""
-        state = {"loader": self.train_loader.state_dict()}
+        state = {"loader": self.train_loader.state_dict(), "tokens_per_step": self.tokens_per_step}
         state.update({c.state_key: c.state_dict() for c in self.callbacks if c.state_key is not None})
         return state
 
