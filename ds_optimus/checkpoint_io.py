@@ -147,7 +147,6 @@ def copy_to_cpu(obj: Any, copy: bool = True) -> Any:
     return obj
 
 
-
 def load(path: Path, allow: Iterable[Any] = (), mmap: bool = False) -> Any:
     """`torch.load` of one of this library's checkpoint files onto the CPU, unpickling only tensors,
     plain containers and the types in `allow`; anything else is a one-line CheckpointError."""
@@ -239,19 +238,15 @@ def manifest_text(meta: dict[str, Any], records: dict[str, dict[str, Any]]) -> s
     return head + ' "files": {' + ("\n" + ",\n".join(lines) + "\n " if lines else "") + "}\n}\n"
 
 
-def gather(world: int, value: Any, root_only: bool = False) -> list[Any]:
-    """`value` of every rank (collective when `world` > 1 and torch.distributed is initialized); with
-    `root_only`, on rank 0 only (the others get []): 12,288 ranks' manifest records go to the one rank
-    that writes the manifest, not to all of them."""
+def gather(world: int, value: Any) -> list[Any]:
+    """`value` of every rank (collective when `world` > 1 and torch.distributed is initialized). An
+    all-gather on the communicator's own rings: a gather to one rank would be, on NCCL, point-to-point
+    connections from every rank to it (12,288 at the seed's scale)."""
     if world == 1 or not dist.is_initialized():
         return [value]
-    root = dist.get_rank() == 0
-    out = [None] * world if root or not root_only else None
-    if root_only:
-        dist.gather_object(value, out, dst=0)
-    else:
-        dist.all_gather_object(out, value)
-    return out if out is not None else []
+    out = [None] * world
+    dist.all_gather_object(out, value)
+    return out
 
 
 def barrier() -> None:
@@ -322,7 +317,7 @@ class CheckpointWriter:
             records = self._write_files(tmp, files, (meta or {}).get("step"))
         except Exception as err:  # whatever it is, every rank must hear of it (none may wait forever)
             error, records = f"rank {self.rank}: {_describe(err)}", {}
-        gathered = gather(self.world, (error, records), root_only=True)  # every rank's records: rank 0's alone
+        gathered = gather(self.world, (error, records))
         errors = [e for e, _ in gathered if e]
         if not errors and self.rank == 0:
             try:

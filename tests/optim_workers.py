@@ -168,7 +168,8 @@ def bad_settings(rank: int, world: int) -> list[str]:
     messages = []
     base = dict(ep=2, stage=2, sharded=True, micro=1, gas=1)
     for change in ({"stage": 0}, {"stage": 3}, {"sgd": True}, {"sharded_options": {"bucket_size": 0}},
-                   {"sharded": False, "sharded_options": {"shard_group_size": 2}}):
+                   {"sharded": False, "sharded_options": {"shard_group_size": 2}},
+                   {"sharded": False, "sharded_options": {"overlap_param_gather": True}}):
         spec = {**base, **change}
         model = tiny_model()
         config = ds_config(spec)

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from distributed import run_distributed
 
 import ds_optimus.checkpoint_io as checkpoint_io
@@ -42,11 +43,12 @@ class _Planted:
 
 def plant(path: Path, marker: Path) -> None:
     """Replace checkpoint file `path` by a pickle that would create `marker` when loaded, and make the
-    folder's manifest agree with it: only the unpickling itself can stop it."""
+    folder's manifest agree with it (its size and checksum; what else it says of the file stays): only
+    the unpickling itself can stop it."""
     record = atomic_save({"weights": torch.zeros(3), "payload": _Planted(marker)}, path)
     manifest = path.parent / "meta.json"
     meta = json.loads(manifest.read_text())
-    meta["files"][path.name] = record
+    meta["files"][path.name] = {**(meta["files"].get(path.name) or {}), **record}
     manifest.write_text(json.dumps(meta))
 
 
@@ -345,6 +347,29 @@ def _refusal_worker(rank: int, world: int, root: str) -> dict:
     plant(folder / "rank00000.pt", root / "per_rank_ran")
     attempt("per_rank_manager", lambda: manager.load(folder, engine), root / "per_rank_ran")
     return out
+
+
+def _refused_on_another_rank(rank: int, world: int, root: str) -> dict:
+    engine = _engine(1, sharded=True)
+    engine.save_checkpoint(root, tag="t")
+    if rank == 0:  # rank 1's optimizer file: on the same layout, rank 0 has no reason to open it
+        plant(Path(root) / "t" / "optim_rank00001.pt", Path(root) / "ran")
+    dist.barrier()
+    try:
+        engine.load_checkpoint(root, tag="t")
+        return {"error": None}
+    except CheckpointError as err:
+        return {"error": (type(err).__name__, str(err), getattr(err, "every_rank", False)),
+                "ran": (Path(root) / "ran").exists()}
+
+
+@pytest.mark.slow
+def test_a_file_only_one_rank_reads_is_refused_on_every_rank(tmp_path):
+    """Each rank opens only the optimizer files its elements are in: a refused one stops every rank
+    with the same line (none is left waiting in the optimizer's collectives)."""
+    out = run_distributed(_refused_on_another_rank, 2, str(tmp_path))
+    expected = ("CheckpointError", refusal(tmp_path / "t" / "optim_rank00001.pt"), True)
+    assert [o["error"] for o in out] == [expected, expected] and not any(o["ran"] for o in out)
 
 
 @pytest.mark.slow

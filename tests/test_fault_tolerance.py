@@ -369,7 +369,9 @@ def test_asynchronous_saves_resume_exactly(tmp_path, cache):
     checkpoints = Path(config["optimus"]["train"]["output_dir"]) / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_00000004", "step_00000005"]
     assert all(verify(checkpoints / name) is None for name in ("step_00000004", "step_00000005"))
-    assert not list(checkpoints.glob("*/done_rank*"))  # the markers are folded into the manifest
+    assert not list(checkpoints.glob("*/done_rank*"))  # the markers are folded into the manifest, with
+    files = json.loads((checkpoints / "step_00000005" / "meta.json").read_text())["files"]  # the ranges each
+    assert [sorted(r) for n, r in files.items() if n.startswith("optim_")] == [["bytes", "crc32", "holds"]] * 2
     second = run_distributed(pretrain_worker, 2, config)[0]
     assert second["start_step"] == 5
     assert {**first["losses"], **second["losses"]} == straight["losses"]

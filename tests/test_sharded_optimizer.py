@@ -3,8 +3,10 @@ DeepSpeed's ZeRO, checkpoints resumed on other layouts, mixed precision, guards 
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
+from pathlib import Path
 
 import optim_workers as W
 import pytest
@@ -16,6 +18,7 @@ from ds_optimus.optim.layout import chunked_runs, flat_runs, merge_copies, paddi
 from ds_optimus.optim.shard_state import files_holding
 
 WORLD = 4
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _covered(runs, numels):
@@ -122,6 +125,16 @@ def test_checkpoint_resumes_on_other_layouts(tmp_path):
     assert {"model_dense.pt", "model_experts_ep000.pt", "model_experts_ep001.pt", "optim_rank00003.pt",
             "engine.pt"} <= set(meta["files"])
     _assert_the_manifest_holds_every_element_once(meta)
+    # benchmarks/checkpoint_index.py, which sizes the index at the seed's scale, lays the state out as
+    # the optimizer does: for this layout (EP 2 on 4 ranks, buckets of 20,000) its runs are the manifest's
+    found = importlib.util.spec_from_file_location("checkpoint_index", ROOT / "benchmarks" / "checkpoint_index.py")
+    bench = importlib.util.module_from_spec(found)
+    found.loader.exec_module(bench)
+    model = W.tiny_model()
+    laid = bench.spaces(model, model.config, pp=1, ep=2, dp=4, shard=None, bucket_size=20000)
+    assert sorted(tuple(run) for owners in laid.values() for runs in owners.values() for run in runs) == \
+        sorted(tuple(run) for name, record in meta["files"].items() if name.startswith("optim_")
+               for run in record["holds"])
     for world, spec in [(4, dict(ep=2, stage=2, gas=1)), (2, dict(ep=2, stage=2, gas=2)),
                         (4, dict(ep=4, stage=1, gas=1)), (1, dict(ep=1, stage=2, gas=4))]:
         resumed = run_distributed(W.train, world, dict(spec, sharded=True, micro=1, steps=10, scheduler=True,
@@ -135,8 +148,10 @@ def test_checkpoint_resumes_on_other_layouts(tmp_path):
         experts = [[f for f in r["opened"] if f.startswith("model_experts_")] for r in resumed]
         if world == 4 and spec["ep"] == 2:  # the saved layout: its own file
             assert optim == [[f"optim_rank{r:05d}.pt"] for r in range(4)], optim
-        elif world > 1:
-            assert 1 <= min(map(len, optim)) and max(map(len, optim)) < 4, optim
+        elif world == 2:  # a rank's shards span two saved ranks' dense and expert shards
+            assert optim == [[f"optim_rank{q:05d}.pt" for q in qs] for qs in ((0, 1, 2), (1, 2, 3))], optim
+        elif world == 4:  # EP 4, ZeRO-1: the ranks in the middle take elements from two saved ranks
+            assert optim == [[f"optim_rank{q:05d}.pt" for q in qs] for qs in ((0,), (1, 2), (1, 2), (3,))], optim
         else:
             assert optim == [[f"optim_rank{r:05d}.pt" for r in range(4)]], optim
         assert all(len(e) == (2 if world == 1 else 1) for e in experts), experts
@@ -165,9 +180,10 @@ def test_a_rank_opens_the_optimizer_files_that_hold_its_elements_or_all_without_
             return [(0, 10, 20, 0), (1, 0, 5, 20)]
 
     held = {"f0": [["w", 0, 10], ["b", 0, 2]], "f1": [["w", 10, 10]], "f2": [["w", 20, 20]], "f3": [["w", 40, 9]],
-            "f4": [], "f5": [["b", 5, 3]]}
-    assert files_holding(held, [Space()]) == ["f0", "f1", "f2"]
-    assert files_holding({**held, "f6": None}, [Space()]) == [*held, "f6"]  # a manifest from before the index
+            "f4": [], "f5": [["b", 5, 3]], "f6": [["w", 0, 10]], "f7": [["w", 30, 10]], "f8": [["w", 29, 1]]}
+    # f6 ends where this rank's run of w starts, f7 starts where it ends: neither holds any of it
+    assert files_holding(held, [Space()]) == ["f0", "f1", "f2", "f8"]
+    assert files_holding({**held, "f9": None}, [Space()]) == [*held, "f9"]  # a manifest from before the index
     meta = {"world_size": 3, "files": {"optim_rank00000.pt": {"holds": [["x", 0, 4]]},
                                        "optim_rank00001.pt": {"holds": []}, "optim_rank00002.pt": {"holds": []}}}
     assert optimizer_files(meta, [Space()]) == ["optim_rank00000.pt"]  # none holds its elements: still a step
@@ -242,7 +258,7 @@ def test_a_non_finite_gradient_skips_the_step_on_every_rank():
 def test_bad_settings_are_one_line_errors():
     errors = run_distributed(W.bad_settings, 2)
     assert errors[0] == errors[1]
-    stage0, stage3, sgd, bucket, unused = errors[0]
+    stage0, stage3, sgd, bucket, unused, unused_overlap = errors[0]
     assert stage0 == "optimus.sharded_optimizer needs zero_optimization.stage 1 or 2, got 0"
     assert stage3 == "optimus.sharded_optimizer needs zero_optimization.stage 1 or 2, got 3"
     assert sgd == "the sharded optimizer runs Adam or AdamW; the config's optimizer is SGD"
@@ -250,6 +266,7 @@ def test_bad_settings_are_one_line_errors():
     assert unused == ("optimus.sharded_optimizer.shard_group_size is set but optimus.sharded_optimizer.enabled is "
                       "false: DeepSpeed's ZeRO optimizer would run without it; enable the sharded optimizer or drop "
                       "the setting")
+    assert unused_overlap.startswith("optimus.sharded_optimizer.overlap_param_gather is set but")
 
 
 @pytest.mark.slow

@@ -70,7 +70,7 @@ def test_run_with_the_sharded_optimizer_resumes_on_another_layout(tmp_path, cach
     one["optimus"]["train"]["stop_after_steps"] = None
     one["gradient_accumulation_steps"] = 2
     halved = copy.deepcopy(one)  # the same checkpoint resumed with half the global batch, for one step
-    halved["optimus"]["train"].update(output_dir=str(tmp_path / "halved" / "run"), stop_after_steps=5)
+    halved["optimus"]["train"].update(output_dir=str(tmp_path / "halved" / "run"), stop_after_steps=1)
     halved["gradient_accumulation_steps"] = 1
     shutil.copytree(tmp_path / "parts" / "run", tmp_path / "halved" / "run")
     second = run_distributed(pretrain_worker, 1, one)[0]
@@ -84,6 +84,8 @@ def test_run_with_the_sharded_optimizer_resumes_on_another_layout(tmp_path, cach
     assert (f"the global batch changed since the checkpoint: {tokens:,} -> {tokens // 2:,} tokens a step; the LR "
             "schedule and train.steps count steps, so each remaining step takes 0.5x the tokens") in \
         (tmp_path / "halved" / "run" / "log.txt").read_text()
+    logged = [json.loads(line) for line in (tmp_path / "halved" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["tokens"] for r in logged if r.get("step") == 5 and "tokens" in r] == [4 * tokens + tokens // 2]
 
 
 def test_a_resume_says_a_changed_global_batch_only():

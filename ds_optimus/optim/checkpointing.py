@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..checkpoint_io import CheckpointError, CheckpointWriter, copy_to_cpu, load
+from ..checkpoint_io import CheckpointError, CheckpointWriter, copy_to_cpu, gather, load
 from ..cli import said_by_every_rank
 from ..parallel.expert_parallel import expert_groups_of, is_expert_param
 from ..rng_state import numpy_array_types
@@ -85,7 +85,8 @@ def checkpoint_files(engine, groups, client_state=None, exclude_frozen_parameter
     files[f"client_rank{rank:05d}.pt"] = client_state or {}
     if rank == 0:
         scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
-        files["engine.pt"] = {"lr_scheduler": scheduler, "counters": {k: getattr(engine, k) for k in ENGINE_COUNTERS}}
+        files["engine.pt"] = {"lr_scheduler": scheduler, "counters": {k: getattr(engine, k) for k in ENGINE_COUNTERS},
+                              "param_groups": optim["param_groups"]}  # what the scheduler's lists follow
     files = copy_to_cpu(files, copy)
     meta = {"format": "ds_optimus.checkpoint/1", "world_size": dist.get_world_size(),
             "ep_size": groups.ep_size if groups is not None else 1, "zero_stage": engine.optimizer.stage}
@@ -132,23 +133,53 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
 
 
 def load_folder(engine, path: Path, groups, *, load_module_strict: bool = True, load_optimizer_states: bool = True,
-                load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> Any:
-    """Load checkpoint folder `path` into `engine`, whose experts are sharded over `groups`
-    (`ExpertParallelGroups`, or None); returns the client state. Raises CheckpointLoadError or, for a
-    file that is unreadable or holds more than tensors and containers, CheckpointError."""
-    path = Path(path)
+                load_lr_scheduler_states: bool = True, load_module_only: bool = False, meta: dict | None = None) -> Any:
+    """Load checkpoint folder `path` (its manifest `meta`, when already read) into `engine`, whose
+    experts are sharded over `groups` (`ExpertParallelGroups`, or None); returns the client state.
+    Raises CheckpointLoadError or, for a file that is unreadable or holds more than tensors and
+    containers, CheckpointError: on every rank alike, although each rank reads only some files."""
+    path, optimizer, error = Path(path), engine.optimizer, None
+    optim = load_optimizer_states and not load_module_only
     try:
-        meta = json.loads((path / "meta.json").read_text())
+        meta = meta or _manifest(path)
+        client, saved, shards = _read_and_load_weights(engine, path, groups, meta, load_module_strict, optim,
+                                                       not load_module_only)
+    except CheckpointError as err:
+        error = err
+    _agree(error)  # before the optimizer's collectives: no rank goes on while another stopped
+    if optim:
+        optimizer.load_shards(shards)
+    else:
+        optimizer.refresh_master_from_params()
+    if saved is not None:
+        if load_lr_scheduler_states and saved["lr_scheduler"] is not None and engine.lr_scheduler is not None:
+            engine.lr_scheduler.load_state_dict(  # its per-group lists follow rank 0's param groups
+                _fit_scheduler_state(saved["lr_scheduler"], saved["param_groups"], optimizer.param_groups))
+        for key, value in saved["counters"].items():
+            setattr(engine, key, value)
+        engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
+    return client
+
+
+def _manifest(path: Path) -> dict:
+    try:
+        return json.loads((path / "meta.json").read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise CheckpointLoadError(f"{path} is not a complete ds_optimus checkpoint ({type(err).__name__})") from None
-    rank, world = dist.get_rank(), dist.get_world_size()
-    module = engine.module
+
+
+def _read_and_load_weights(engine, path: Path, groups, meta: dict, strict: bool, optim: bool, engine_state: bool):
+    """This rank's reads of the checkpoint and the model's weights loaded: (client state, engine state
+    or None, the optimizer files holding this rank's elements, mapped)."""
+    rank, world, module = dist.get_rank(), dist.get_world_size(), engine.module
     # A rank's own client state when the world size is unchanged, rank 0's otherwise. The small files
     # are read first: one that is refused leaves the engine untouched.
     source = rank if meta["world_size"] == world else 0
     client = load(path / f"client_rank{source:05d}.pt", allow=numpy_array_types())  # numpy: older RNG states
-    saved = None if load_module_only else load(path / "engine.pt")
-
+    saved = load(path / "engine.pt") if engine_state else None
+    if saved is not None and "param_groups" not in saved:  # written before engine.pt kept rank 0's groups
+        saved["param_groups"] = load(path / "optim_rank00000.pt", mmap=True)["param_groups"]
+    shards = [load(path / name, mmap=True) for name in optimizer_files(meta, engine.optimizer.spaces)] if optim else []
     state = {}
     for name in sorted(f for f in meta["files"] if f.startswith("model_dense")):  # one per pipeline stage
         state.update(load(path / name, mmap=True))  # mapped: a stage copies only its own part
@@ -157,30 +188,21 @@ def load_folder(engine, path: Path, groups, *, load_module_strict: bool = True, 
         own, whole = module.state_dict().keys(), _whole_model_names(module)
         state = {k: v for k, v in state.items() if k in own or k not in whole}
     try:
-        module.load_state_dict(state, strict=load_module_strict)
+        module.load_state_dict(state, strict=strict)
     except RuntimeError as err:
         lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
         first = next((line for line in lines if "key" in line or "size mismatch" in line), lines[0] if lines else "")
         first = first if len(first) <= 160 else first[:157] + "..."
-        error = CheckpointLoadError(f"{path} does not fit this model ({first}); {_OTHER_MODEL}")
-        raise said_by_every_rank(error) from None
+        raise CheckpointLoadError(f"{path} does not fit this model ({first}); {_OTHER_MODEL}") from None
+    return client, saved, shards
 
-    optimizer = engine.optimizer
-    shards = []
-    if load_optimizer_states and not load_module_only:
-        shards = [load(path / name, mmap=True) for name in optimizer_files(meta, optimizer.spaces)]
-        optimizer.load_shards(shards)
-    else:
-        optimizer.refresh_master_from_params()
-    if saved is not None:
-        if load_lr_scheduler_states and saved["lr_scheduler"] is not None and engine.lr_scheduler is not None:
-            first = shards[0] if shards else load(path / "optim_rank00000.pt", mmap=True)
-            engine.lr_scheduler.load_state_dict(
-                _fit_scheduler_state(saved["lr_scheduler"], first["param_groups"], optimizer.param_groups))
-        for key, value in saved["counters"].items():
-            setattr(engine, key, value)
-        engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
-    return client
+
+def _agree(error: CheckpointError | None) -> None:
+    """Raise the first failing rank's error on every rank (collective), or nothing if none failed."""
+    errors = [e for e in gather(dist.get_world_size(), (type(error).__name__, str(error)) if error else None) if e]
+    if errors:
+        kind, message = errors[0]
+        raise said_by_every_rank((CheckpointLoadError if kind == "CheckpointLoadError" else CheckpointError)(message))
 
 
 def optimizer_files(meta: dict, spaces) -> list[str]:
@@ -216,7 +238,7 @@ def _expert_weights(engine, path: Path, meta: dict, dense: dict[str, torch.Tenso
                 for file in sorted(f for f in meta["files"] if f.startswith(f"model_experts_ep{q:03d}")):
                     files[q].update(load(path / file, mmap=True)["weights"])
             if name not in files[q]:
-                raise said_by_every_rank(CheckpointLoadError(f"{path} has no weight {name}: {_OTHER_MODEL}"))
+                raise CheckpointLoadError(f"{path} has no weight {name}: {_OTHER_MODEL}")
             per = files[q][name].shape[0]
             a, b = max(lo, q * per), min(hi, (q + 1) * per)
             if a < b:

@@ -331,7 +331,7 @@ class CheckpointManager:
         if engine_format:
             from ..optim import checkpointing
 
-            client = checkpointing.load_folder(engine, path, self.groups)  # its errors are CheckpointErrors
+            client = checkpointing.load_folder(engine, path, self.groups, meta=meta)  # errors: CheckpointErrors
             if meta["world_size"] == self.world_size:  # on another layout the generators stay as seeded
                 set_rng_state(client["rng"])
             return _step(path), client["extra"]

@@ -47,7 +47,7 @@ class MetricsCallback(Callback):
         metrics = {key: trainer.metrics[key] for key in LOSS_PARTS}
         metrics.update(lr=trainer.lr, grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
                        tokens_per_s=trainer.tokens_per_step / seconds, step_seconds=seconds,
-                       tokens=step * trainer.tokens_per_step, skipped_steps=trainer.engine.skipped_steps)
+                       tokens=trainer.train_loader.tokens_consumed, skipped_steps=trainer.engine.skipped_steps)
         peak = trainer.opt.train.peak_tflops
         if peak:
             metrics["mfu"] = self.flops_per_token * trainer.tokens_per_step / seconds / (peak * 1e12 * trainer.world)
