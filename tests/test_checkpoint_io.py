@@ -350,26 +350,36 @@ def _refusal_worker(rank: int, world: int, root: str) -> dict:
 
 
 def _refused_on_another_rank(rank: int, world: int, root: str) -> dict:
-    engine = _engine(1, sharded=True)
-    engine.save_checkpoint(root, tag="t")
+    engine, out = _engine(1, sharded=True), {}
+    for tag in ("planted", "index"):
+        engine.save_checkpoint(root, tag=tag)
     if rank == 0:  # rank 1's optimizer file: on the same layout, rank 0 has no reason to open it
-        plant(Path(root) / "t" / "optim_rank00001.pt", Path(root) / "ran")
+        plant(Path(root) / "planted" / "optim_rank00001.pt", Path(root) / "ran")
+        manifest = Path(root) / "index" / "meta.json"  # an index that says rank 1's file holds nothing
+        meta = json.loads(manifest.read_text())
+        meta["files"]["optim_rank00001.pt"]["holds"] = []
+        manifest.write_text(json.dumps(meta))
     dist.barrier()
-    try:
-        engine.load_checkpoint(root, tag="t")
-        return {"error": None}
-    except CheckpointError as err:
-        return {"error": (type(err).__name__, str(err), getattr(err, "every_rank", False)),
-                "ran": (Path(root) / "ran").exists()}
+    for tag in ("planted", "index"):
+        try:
+            engine.load_checkpoint(root, tag=tag)
+            out[tag] = None
+        except CheckpointError as err:
+            out[tag] = (type(err).__name__, str(err), getattr(err, "every_rank", False))
+    return {**out, "ran": (Path(root) / "ran").exists()}
 
 
 @pytest.mark.slow
 def test_a_file_only_one_rank_reads_is_refused_on_every_rank(tmp_path):
-    """Each rank opens only the optimizer files its elements are in: a refused one stops every rank
-    with the same line (none is left waiting in the optimizer's collectives)."""
+    """Each rank opens only the optimizer files its elements are in: a refused one, or state that
+    the files it opened lack, stops every rank with the same line (none is left waiting in the
+    optimizer's collectives)."""
     out = run_distributed(_refused_on_another_rank, 2, str(tmp_path))
-    expected = ("CheckpointError", refusal(tmp_path / "t" / "optim_rank00001.pt"), True)
-    assert [o["error"] for o in out] == [expected, expected] and not any(o["ran"] for o in out)
+    planted = ("CheckpointError", refusal(tmp_path / "planted" / "optim_rank00001.pt"), True)
+    assert [o["planted"] for o in out] == [planted, planted] and not any(o["ran"] for o in out)
+    assert out[0]["index"] == out[1]["index"] == (
+        "CheckpointLoadError", f"{tmp_path / 'index'}: the checkpoint has no optimizer state for 0.weight; was the "
+        "model changed?", True)
 
 
 @pytest.mark.slow

@@ -35,7 +35,8 @@ from ..checkpoint_io import CheckpointError, CheckpointWriter, copy_to_cpu, gath
 from ..cli import said_by_every_rank
 from ..parallel.expert_parallel import expert_groups_of, is_expert_param
 from ..rng_state import numpy_array_types
-from .shard_state import files_holding, held_ranges
+from .shard_state import files_holding, held_ranges, load_spaces
+from .spaces import ShardedOptimizerError
 
 ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
 
@@ -144,11 +145,15 @@ def load_folder(engine, path: Path, groups, *, load_module_strict: bool = True, 
         meta = meta or _manifest(path)
         client, saved, shards = _read_and_load_weights(engine, path, groups, meta, load_module_strict, optim,
                                                        not load_module_only)
+        if optim:  # this rank's state from the files (a one-line error for an element none holds)
+            load_spaces(optimizer.spaces, shards)
+    except ShardedOptimizerError as err:
+        error = CheckpointLoadError(f"{path}: {err}")
     except CheckpointError as err:
         error = err
     _agree(error)  # before the optimizer's collectives: no rank goes on while another stopped
     if optim:
-        optimizer.load_shards(shards)
+        optimizer.load_shards(shards, filled=True)
     else:
         optimizer.refresh_master_from_params()
     if saved is not None:

@@ -81,8 +81,9 @@ def load_spaces(spaces: list[Space], sources: Iterable[dict[str, Any]]) -> None:
                     covered[name] += hi - lo
     missing = [n for n, runs in wanted.items() if covered[n] != sum(r[1] for r in runs)]
     if missing:
-        raise ShardedOptimizerError(f"the checkpoint has no optimizer state for {missing[0]} "
-                                    f"(and {len(missing) - 1} more); was the model changed?")
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ShardedOptimizerError(f"the checkpoint has no optimizer state for {missing[0]}{more}; was the model "
+                                    "changed?")
 
 
 def restore_hyperparameters(param_groups: list[dict[str, Any]], saved_groups: list[dict[str, Any]]) -> None:

@@ -410,11 +410,13 @@ class ShardedOptimizer:
         self.load_shards(sources)
 
     @torch.no_grad()
-    def load_shards(self, sources: Iterable[dict[str, Any]]) -> None:
+    def load_shards(self, sources: Iterable[dict[str, Any]], filled: bool = False) -> None:
         """Fill this rank's shard from the `state_dict()`s of a run on any layout (every rank's, or
-        at least those holding this rank's elements), then set the parameters from it."""
+        at least those holding this rank's elements; `filled`: `load_spaces` did it), then set the
+        parameters from it."""
         sources = list(sources)
-        load_spaces(self.spaces, sources)
+        if not filled:
+            load_spaces(self.spaces, sources)
         if sources:
             first = sources[0]
             self._step.fill_(first["step"])
