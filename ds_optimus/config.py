@@ -18,7 +18,7 @@ validated once, up front. An unknown key or a bad value is a one-line `ConfigErr
       "sharded_optimizer": {"enabled": false, "bucket_size": 50000000, "reduce_dtype": null,
                             "overlap_comm": null, "shard_group_size": null, "overlap_param_gather": false},
       "guards": {"enabled": true, "window": 100, "min_window": 20, "sigmas": 6.0, "skip_spikes": true,
-                 "rollback_after": 3},
+                 "rollback_after": 3, "max_rollbacks": 3},
       "watchdog": {"step_timeout_s": 900, "first_step_timeout_s": 3600, "checkpoint_timeout_s": 3600},
       "eval": {"downstream": {"tasks": [], "include": [], "limit": null, "num_fewshot": 0, "batch_size": 8}}
     }

@@ -81,9 +81,11 @@ def test_run_with_the_sharded_optimizer_resumes_on_another_layout(tmp_path, cach
     assert "global batch changed" not in (tmp_path / "parts" / "run" / "log.txt").read_text()
     assert run_distributed(pretrain_worker, 1, halved)[0]["start_step"] == 4
     tokens = 2 * whole["optimus"]["data"]["seq_len"] * whole["train_micro_batch_size_per_gpu"]  # 2 ranks, gas 1
+    log = (tmp_path / "halved" / "run" / "log.txt").read_text()
     assert (f"the global batch changed since the checkpoint: {tokens:,} -> {tokens // 2:,} tokens a step; the LR "
-            "schedule and train.steps count steps, so each remaining step takes 0.5x the tokens") in \
-        (tmp_path / "halved" / "run" / "log.txt").read_text()
+            "schedule and train.steps count steps, so each remaining step takes 0.5x the tokens") in log
+    # the guards' statistics describe the old batch's noise: they start afresh rather than judge the new one
+    assert f"the numerical guards' statistics start afresh: they were measured at {tokens:,} tokens a step" in log
     logged = [json.loads(line) for line in (tmp_path / "halved" / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["tokens"] for r in logged if r.get("step") == 5 and "tokens" in r] == [4 * tokens + tokens // 2]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import json
 import re
+from pathlib import Path
 
 import pytest
 from distributed import run_distributed
@@ -236,6 +237,84 @@ def test_lasting_spikes_before_the_first_checkpoint_become_the_new_level():
     with pytest.raises(CheckpointError, match=r"3 bad steps in a row \(loss is nan\) and no checkpoint to roll back "
                                               r"to \(the first checkpoint is due at step 100\)$"):
         callback.post_step(12)
+
+
+class _StubTrainerWithCheckpoint(_StubTrainer):
+    """A stub trainer with one checkpoint (of step 4) to roll back to."""
+
+    def __init__(self) -> None:
+        super().__init__(interval=4)
+        self.callbacks, self.engine, self.summary, self.tokens_per_step = [], None, {"rollbacks": 0}, 256
+        self.train_loader = self
+
+    def latest_good(self, report):
+        return Path("step_00000004")
+
+    def load(self, target, engine):
+        return 4, {}
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_rollbacks_to_one_checkpoint_stop_at_max_rollbacks():
+    """Spikes that outlast `max_rollbacks` rollbacks to one checkpoint become the new level (rolling
+    back again would only throw data away); non-finite steps that do stop the run."""
+    from ds_optimus.reliability import CheckpointError
+    from ds_optimus.reliability.guards import GuardsConfig
+    from ds_optimus.train.callbacks import GuardCallback
+
+    callback = GuardCallback(GuardsConfig(window=20, min_window=5, sigmas=3.0, rollback_after=2, max_rollbacks=2))
+    callback.trainer = trainer = _StubTrainerWithCheckpoint()
+    guard = callback.guard
+
+    def bad_row(values, nan=False):
+        for value in values:
+            guard.observe_loss(float("nan") if nan else 1.0)
+            assert guard.decide(value).skip
+
+    for norm in [1.0, 1.1, 0.9, 1.0, 1.05, 0.95]:
+        assert not guard.decide(norm).skip
+    for attempt in (1, 2):  # rolled back twice to step 4
+        bad_row([25.0, 24.0])
+        callback.post_step(6)
+        assert trainer.rewound == 4 and trainer.summary["rollbacks"] == attempt
+        assert trainer.messages[-1].startswith("step 6: 2 bad steps in a row (gradient norm 24 is")
+    trainer.rewound = None
+    bad_row([25.0, 24.0])
+    callback.post_step(6)
+    assert trainer.rewound is None and trainer.summary["rollbacks"] == 2 and not guard.wants_rollback
+    assert trainer.messages[-1].startswith("step 6: 2 spikes in a row (gradient norm 24 is") and \
+        trainer.messages[-1].endswith("after 2 rollbacks to step_00000004; taking them as the new level (the guards' "
+                                      "statistics start afresh)")
+    bad_row([1.0, 1.0], nan=True)
+    with pytest.raises(CheckpointError, match=r"^step 8: 2 bad steps in a row \(loss is nan\) after 2 rollbacks to "
+                                              r"step_00000004: the run does not get past them; look at the learning "
+                                              r"rate and the data$"):
+        callback.post_step(8)
+
+
+def test_a_resume_with_another_global_batch_starts_the_guards_statistics_afresh():
+    from ds_optimus.reliability.guards import GuardsConfig
+    from ds_optimus.train.callbacks import GuardCallback
+
+    saver = GuardCallback(GuardsConfig())
+    saver.trainer = _StubTrainerWithCheckpoint()
+    for norm in [1.0, 1.1, 0.9]:
+        saver.guard.decide(norm)
+    state = saver.state_dict()
+    assert state["norms"] == [1.0, 1.1, 0.9] and state["tokens_per_step"] == 256
+    for tokens, kept in [(256, [1.0, 1.1, 0.9]), (128, [])]:
+        resumed = GuardCallback(GuardsConfig())
+        resumed.trainer = _StubTrainerWithCheckpoint()
+        resumed.trainer.tokens_per_step = tokens
+        resumed.load_state_dict(state)
+        assert list(resumed.guard.norms) == kept and resumed.guard.skipped == 0
+        assert resumed.note == (None if kept else "the numerical guards' statistics start afresh: they were "
+                                                  "measured at 256 tokens a step")
 
 
 @pytest.mark.slow

@@ -114,6 +114,9 @@ class GuardsConfig(Section):
     sigmas: float = 6.0  # a loss or gradient norm this many standard deviations above the mean is a spike
     skip_spikes: bool = True  # skip spiking steps (non-finite ones are always skipped)
     rollback_after: int = 3  # consecutive bad steps before rolling back to the last checkpoint; 0: never
+    # rollbacks to one checkpoint before lasting spikes are taken as the new level (non-finite steps
+    # stop the run instead); 0: no limit
+    max_rollbacks: int = 3
 
     def check(self, where: str) -> None:
         check_flags(self, where, "enabled", "skip_spikes")
@@ -123,6 +126,8 @@ class GuardsConfig(Section):
         need(number(self.sigmas) and self.sigmas > 0, f"{where}.sigmas must be a positive number, got {self.sigmas!r}")
         need(non_negative_int(self.rollback_after),
              f"{where}.rollback_after must be an integer >= 0, got {self.rollback_after!r}")
+        need(non_negative_int(self.max_rollbacks),
+             f"{where}.max_rollbacks must be an integer >= 0, got {self.max_rollbacks!r}")
 
     def build(self) -> StepGuard | None:
         """The guard these settings describe, or None when they are off."""

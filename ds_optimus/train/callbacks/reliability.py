@@ -73,12 +73,17 @@ class GuardCallback(Callback):
     """Plugs the numerical guard into the sharded optimizer's step (it judges the step's loss,
     reduced over ranks, and its gradient norm), reports skipped updates, and after
     `guards.rollback_after` bad steps in a row rolls the run back to the last intact checkpoint,
-    keeping the data loader where it is (the batches that went wrong are not seen again)."""
+    keeping the data loader where it is (the batches that went wrong are not seen again). After
+    `guards.max_rollbacks` rollbacks to one checkpoint, lasting spikes become the run's new level
+    and non-finite steps stop it: rolling back again would only throw more data away."""
 
     state_key = "guard"
 
     def __init__(self, config: GuardsConfig) -> None:
         self.guard = config.build()
+        self.max_rollbacks = config.max_rollbacks
+        self.rollbacks: dict[str, int] = {}  # rollbacks to each checkpoint in this invocation
+        self.note: str | None = None  # said once the run's log is open
 
     def pre_train(self) -> None:
         from ...optim.sharded import ShardedOptimizer
@@ -86,6 +91,8 @@ class GuardCallback(Callback):
         trainer = self.trainer
         if self.guard is None:  # optimus.guards.enabled is false
             return
+        if self.note:
+            trainer.message(self.note)
         if not isinstance(trainer.engine.optimizer, ShardedOptimizer):
             trainer.message("numerical guards act through the sharded optimizer (optimus.sharded_optimizer.enabled); "
                             "they are off for this run")
@@ -112,6 +119,17 @@ class GuardCallback(Callback):
         trainer, guard = self.trainer, self.guard
         trainer.checkpoints.wait()  # a save in flight finishes first
         target = trainer.checkpoints.latest_good(report=trainer.message)
+        again = self.rollbacks.get(target.name, 0) if target is not None else 0
+        if target is not None and 0 < self.max_rollbacks <= again:
+            if not guard.spikes_only:
+                raise CheckpointError(f"step {step}: {guard.bad_in_a_row} bad steps in a row ({guard.last.reason}) "
+                                      f"after {again} rollbacks to {target.name}: the run does not get past them; "
+                                      "look at the learning rate and the data")
+            trainer.message(f"step {step}: {guard.bad_in_a_row} spikes in a row ({guard.last.reason}) after {again} "
+                            f"rollbacks to {target.name}; taking them as the new level (the guards' statistics start "
+                            "afresh)")
+            guard.accept_new_level()
+            return
         if target is None and guard.spikes_only:
             # Finite spikes that last have become the run's level (a routing shift, a new data mix):
             # with nothing to roll back to, stopping would only lose the run.
@@ -135,12 +153,21 @@ class GuardCallback(Callback):
         trainer.message(f"step {step}: {guard.bad_in_a_row} bad steps in a row ({guard.last.reason}); rolled back to "
                         f"{target.name} and skipping the data read since")
         guard.reset_after_rollback()
+        self.rollbacks[target.name] = again + 1
         trainer.summary["rollbacks"] += 1
         trainer.rewind(resumed)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.guard.state_dict() if self.guard is not None else {}
+        if self.guard is None:
+            return {}
+        return {**self.guard.state_dict(), "tokens_per_step": self.trainer.tokens_per_step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.guard is not None:
-            self.guard.load_state_dict(state)
+        if self.guard is None:
+            return
+        saved = state.get("tokens_per_step")
+        if saved is not None and saved != self.trainer.tokens_per_step:  # another batch: another noise level
+            state = {k: v for k, v in state.items() if k not in ("losses", "norms")}
+            self.note = (f"the numerical guards' statistics start afresh: they were measured at {saved:,} tokens a "
+                         "step")
+        self.guard.load_state_dict(state)
