@@ -31,6 +31,8 @@ assembles them, and holds the sections of the training run itself (model, train,
 
 from __future__ import annotations
 
+import difflib
+import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -115,6 +117,11 @@ class ModelConfig(Section):
 
         folder = Path(self.path) if self.path is not None else None
         kind = self._folder_kind(folder) if folder is not None else "preset"
+        known = set(MulaConfig().to_dict()) | set(inspect.signature(MulaConfig.__init__).parameters) - {"self"}
+        for key in self.overrides:  # a misspelled one would only become an unused attribute
+            close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+            need(key in known, f"optimus.model.overrides.{key} is not a MulaConfig setting"
+                               + (f" (did you mean {close[0]!r}?)" if close else ""))
         try:
             if kind in ("olmoe", "olmo"):
                 from .hf_models.mula.convert_common import read_config

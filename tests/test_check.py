@@ -64,6 +64,8 @@ def test_check_says_what_would_run_without_a_process_group(tmp_path, capsys):
     (["--set", "optimus.model.overrides={\"num_experts\": 5}"], "expert parallel size 2 does not divide the number "
                                                                  "of experts 5"),
     (["--world", "2", "--cluster", "no-such-cluster"], "--cluster: "),
+    (["--set", "optimus.model.overrides.num_expert_per_tok=4"],
+     "optimus.model.overrides.num_expert_per_tok is not a MulaConfig setting (did you mean 'num_experts_per_tok'?)"),
 ])
 def test_check_stops_on_the_error_the_run_would_stop_on(capsys, args, message):
     status, out, err = _run(capsys, str(TINY), "--check", *args)
