@@ -6,6 +6,7 @@ import copy
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import zlib
@@ -400,6 +401,23 @@ def test_op_builds_are_said_before_they_start_kept_per_environment_and_skipped_w
     said.clear()
     builder.jit_load()
     assert said == [] and len(calls) == 2  # built before: loaded without a word
+
+
+def test_a_busy_rendezvous_port_is_one_line(tmp_path):
+    """Another job holding the launcher's port: one line that says how to pick another, not torch's traceback."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+               "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        proc = subprocess.run([sys.executable, "-m", "ds_optimus.train", "--config",
+                               str(ROOT / "ds_configs" / "mula-tiny-moe-cpu.json")],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"ds_optimus.train: error: port {port} on 127.0.0.1 is in use (another job on this machine?): launch with "
+        "`deepspeed --master_port N` for a free port N")
 
 
 def test_overrides_parse_json_values_and_reject_bad_assignments():

@@ -104,7 +104,8 @@ def check_run(ds_config: dict[str, Any], world: int | None = None, cluster: str 
         f"{model_config.num_hidden_layers} layers{experts}; built on the meta device",
         f"layout    {world} ranks ({source}): data parallel {dp}{exchange}{pipeline}; ZeRO-{stage} with {optimizer}"
         + _recompute_note(opt.train.recompute),
-        f"batch     {micro} sequences x {accumulation} accumulation x {ranks} = {micro * accumulation * dp} "
+        f"batch     {micro} sequence{'s' * (micro != 1)} x {accumulation} accumulation x {ranks} = "
+        f"{micro * accumulation * dp} "
         f"sequences of {opt.data.seq_len} tokens ({tokens:,} tokens) per step",
         *_data_lines(opt, tokenizer),
         _memory_line(model_config, opt, config, world, micro, accumulation, cluster),
@@ -220,9 +221,9 @@ def _memory_line(model_config, opt, config, world, micro, accumulation, cluster)
         usable = device.usable_bytes if hasattr(device, "usable_bytes") else device.memory_bytes
         if memory.peak > usable:
             raise ConfigError(f"predicted peak {gib(memory.peak):,.1f} GiB per rank does not fit the "
-                              f"{gib(usable):,.1f} GiB usable on a {device.device} ({device.name}); see "
+                              f"{gib(usable):,.1f} GiB usable on {_a(device.device)} ({device.name}); see "
                               "python -m ds_optimus.plan for layouts that fit")
-        line += (f"; fits the {gib(usable):,.1f} GiB usable on a {device.device} ({device.memory_gib:.1f} GiB less "
+        line += (f"; fits the {gib(usable):,.1f} GiB usable on {_a(device.device)} ({device.memory_gib:.1f} GiB less "
                  f"{device.memory_reserve_gib:g} reserved)")
     return line
 
@@ -284,3 +285,10 @@ def _run_line(opt, tokenizer=None) -> str:
     every = f"every {checkpoint.interval} steps and " if checkpoint.interval else ""
     return (f"run       {train.steps} steps into {train.output_dir}; checkpoints {every}at the end (keep "
             f"{checkpoint.keep_last}); {start}")
+
+
+def _a(noun: str) -> str:
+    """`noun` with its indefinite article, by sound: "an Intel Max 1550 tile", "an NVIDIA H100", "a CPU"."""
+    first = noun.split()[0] if noun.split() else ""
+    vowel = first[:1] in "AEFHILMNORSX" if first.isupper() else first[:1].lower() in "aeio"
+    return f"{'an' if vowel else 'a'} {noun}"

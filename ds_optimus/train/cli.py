@@ -2,7 +2,7 @@
 
     deepspeed --num_gpus N --module ds_optimus.train --config ds_configs/NAME.json [--set KEY=VALUE ...]
     ds-optimus-train --config ds_configs/mula-tiny-moe-cpu.json         # one process, no launcher
-    python -m ds_optimus.train --config ds_configs/mula-7b-a1b.json --check --world 64   # check, do not run
+    python -m ds_optimus.train --config ds_configs/mula-7b-a1b.json --check --world 32   # check, do not run
 
 `--set optimus.train.steps=20 --set train_micro_batch_size_per_gpu=4` overrides config keys
 (values parse as JSON when they can). A bad config, data path or layout ends the run with one line

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..cli import said_by_every_rank
-from ..config import check_run_config, resolve_batch_sizes  # noqa: F401  (re-exported: the trainer's pieces)
+from ..config import ConfigError, check_run_config, resolve_batch_sizes  # noqa: F401  (re-exported: the trainer's pieces)
 
 
 def init_distributed() -> None:
@@ -44,7 +44,13 @@ def init_distributed() -> None:
             import oneccl_bindings_for_pytorch  # noqa: F401
         except ImportError:
             backend = "gloo"
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    try:
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    except RuntimeError as err:  # torch's DistNetworkError: rank 0 could not open the rendezvous port
+        if "EADDRINUSE" not in str(err) and "address already in use" not in str(err).lower():
+            raise
+        raise ConfigError(f"port {os.environ.get('MASTER_PORT')} on {os.environ.get('MASTER_ADDR')} is in use (another "
+                          "job on this machine?): launch with `deepspeed --master_port N` for a free port N") from None
     if accelerator.device_name() == "cpu":
         cpu_threads_per_rank()
 
