@@ -125,6 +125,7 @@ class CheckpointManager:
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.ep_size = groups.ep_size if groups is not None else 1
         self.writer = CheckpointWriter(self.rank, self.world_size)
+        self.layout_note: str | None = None  # what the last load says of a checkpoint saved on another layout
         self.model_record: dict[str, Any] | None = None  # `model_record(...)`: rank 0 saves it as MODEL_FILE
         self.keep_for_now: set[Path] = set()  # not pruned while something still reads them (rank 0)
 
@@ -334,6 +335,11 @@ class CheckpointManager:
             client = checkpointing.load_folder(engine, path, self.groups, meta=meta)  # errors: CheckpointErrors
             if meta["world_size"] == self.world_size:  # on another layout the generators stay as seeded
                 set_rng_state(client["rng"])
+            saved, now = (meta["world_size"], meta.get("ep_size", 1)), (self.world_size, self.ep_size)
+            self.layout_note = None if saved == now else (
+                f"the checkpoint was saved by {saved[0]} ranks at EP {saved[1]}; resumed by {now[0]} at EP {now[1]}, "
+                "its state resharded" + ("" if saved[0] == now[0] else "; the random generators start from the "
+                                          "run's seed (dropout and sampling draw other numbers than before)"))
             return _step(path), client["extra"]
         if (meta["world_size"], meta["ep_size"]) != (self.world_size, self.ep_size):
             raise CheckpointError(

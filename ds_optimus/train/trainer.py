@@ -199,7 +199,7 @@ class Trainer:
             with every_rank_alike():  # the same checkpoint and data on every rank
                 notes += [f"data changed since the checkpoint (optimus.data.allow_change): {change}" for change in
                           self.train_loader.load_state_dict(extra["loader"], self.opt.data.allow_change)]
-            notes += C.batch_change(extra.get("tokens_per_step"), self.tokens_per_step)
+            notes += [checkpoints.layout_note, *C.batch_change(extra.get("tokens_per_step"), self.tokens_per_step)]
             for callback in (c for c in self.callbacks if c.state_key is not None):
                 callback.load_state_dict(extra.get(callback.state_key, {}))
             self.resumed_from = str(latest)
@@ -207,7 +207,7 @@ class Trainer:
                                 enabled=self.rank == 0 or self.log_every_rank)
         if self.rank == 0:
             self.message(C.describe_data(self.packed, self.train_loader))
-        for note in notes + ([self.runner.describe()] if self.runner is not None else []):
+        for note in [n for n in notes if n] + ([self.runner.describe()] if self.runner is not None else []):
             self.message(note)
         if self.resumed_from:
             self.message(f"resumed from {self.resumed_from} at step {start}")
