@@ -110,9 +110,9 @@ class ModelConfig(Section):
         except WeightsError as err:
             raise ConfigError(f"optimus.model.path {str(folder)!r}: {err}") from None
 
-    def mula_config(self, tokenizer=None):
-        """The `MulaConfig` of the model `build` makes (a one-line ConfigError where it cannot be made),
-        with `tokenizer`'s end and padding ids."""
+    def mula_config(self, tokenizer=None, seq_len: int | None = None):
+        """The `MulaConfig` of the model `build` makes (a one-line ConfigError where it cannot be made,
+        or where its positions are fewer than `seq_len`), with `tokenizer`'s end and padding ids."""
         from .hf_models.mula import MulaConfig
 
         folder = Path(self.path) if self.path is not None else None
@@ -140,6 +140,10 @@ class ModelConfig(Section):
                 raise
             where = "optimus.model.overrides" if self.overrides else f"optimus.model.path {str(folder)!r}"
             raise ConfigError(f"{where}: {str(err).splitlines()[0]}") from None
+        need(seq_len is None or seq_len <= config.max_position_embeddings,
+             f"optimus.data.seq_len {seq_len} is longer than the model's max_position_embeddings "
+             f"{config.max_position_embeddings}: set optimus.model.overrides.max_position_embeddings, or a shorter "
+             "seq_len")
         if tokenizer is not None:
             if len(tokenizer) > config.vocab_size:
                 fix = ("set optimus.data.tokenizer to the model's own tokenizer: its weights fix the vocabulary"

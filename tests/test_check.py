@@ -64,6 +64,9 @@ def test_check_says_what_would_run_without_a_process_group(tmp_path, capsys):
     (["--set", "optimus.model.overrides={\"num_experts\": 5}"], "expert parallel size 2 does not divide the number "
                                                                  "of experts 5"),
     (["--world", "2", "--cluster", "no-such-cluster"], "--cluster: "),
+    (["--set", "optimus.data.seq_len=4096"], "optimus.data.seq_len 4096 is longer than the model's "
+                                             "max_position_embeddings 1024: set optimus.model.overrides."
+                                             "max_position_embeddings, or a shorter seq_len"),
     (["--set", "optimus.model.overrides.num_expert_per_tok=4"],
      "optimus.model.overrides.num_expert_per_tok is not a MulaConfig setting (did you mean 'num_experts_per_tok'?)"),
 ])

@@ -66,7 +66,7 @@ def check_run(ds_config: dict[str, Any], world: int | None = None, cluster: str 
         if name is None or os.path.exists(os.path.expanduser(name)) or looks_like_a_path(name):
             raise ConfigError(f"optimus.data.tokenizer: {err}") from None
         tokenizer = None  # a Hub name not cached here: the run downloads it
-    model_config = opt.model.mula_config(tokenizer)
+    model_config = opt.model.mula_config(tokenizer, opt.data.seq_len)
     ep = opt.expert_parallel
     if model_config.num_experts:
         check_layout(dp, ep.size, model_config.num_experts, ep.node_size, stages=stages)

@@ -59,6 +59,11 @@ class MetricsSink:
         if mode != "disabled":  # before the bar: what wandb prints at its start does not cut through it
             import wandb
 
+            from ..verbosity import verbose_requested
+
+            if not verbose_requested():  # the run's own wandb run stays quiet in a script too, as in the command
+                os.environ.setdefault("WANDB_SILENT", "true")  # line: no banner, no summary table
+
             self.wandb = wandb.init(project=wandb_config.project, name=wandb_config.name, entity=wandb_config.entity,
                                     dir=str(output_dir), mode=mode, config=run_config, resume="allow")
         from ..progress import progress

@@ -116,7 +116,7 @@ class Trainer:
             raise ConfigError(f"optimus.data.tokenizer: {err}") from None
         ep = opt.expert_parallel
         with every_rank_alike():
-            num_experts = opt.model.mula_config(self.tokenizer).num_experts
+            num_experts = opt.model.mula_config(self.tokenizer, opt.data.seq_len).num_experts
             if num_experts:
                 check_layout(self.dp_world, ep.size, num_experts, ep.node_size, stages=opt.pipeline_parallel.size)
             elif ep.size > 1:
