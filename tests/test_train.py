@@ -18,7 +18,7 @@ from distributed import run_distributed
 from train_workers import ROOT, cli_errors_worker, pretrain_worker, tiny_config
 
 from ds_optimus.plan.measure import free_port
-from ds_optimus.train.components import batch_change
+from ds_optimus.train.components import resume_changes
 
 
 @pytest.fixture(scope="module")
@@ -94,11 +94,16 @@ def test_run_with_the_sharded_optimizer_resumes_on_another_layout(tmp_path, cach
     assert [r["tokens"] for r in logged if r.get("step") == 5 and "tokens" in r] == [4 * tokens + tokens // 2]
 
 
-def test_a_resume_says_a_changed_global_batch_only():
-    assert batch_change(None, 4096) == [] and batch_change(4096, 4096) == []  # older checkpoints: nothing
-    assert batch_change(4096, 8192) == ["the global batch changed since the checkpoint: 4,096 -> 8,192 tokens a "
-                                        "step; the LR schedule and train.steps count steps, so each remaining step "
-                                        "takes 2x the tokens"]
+def test_a_resume_says_what_changed_since_the_checkpoint_only():
+    same = {"tokens_per_step": 4096, "steps": 200}
+    assert resume_changes({}, 4096, 200) == resume_changes(same, 4096, 200) == []  # older checkpoints: nothing
+    assert resume_changes(same, 8192, 220) == [
+        "the global batch changed since the checkpoint: 4,096 -> 8,192 tokens a step; the LR schedule and "
+        "train.steps count steps, so each remaining step takes 2x the tokens",
+        "train.steps changed since the checkpoint: 200 -> 220; the LR schedule stretches to the new length from "
+        "here on"]
+    assert resume_changes(same, 4096, 150)[0].endswith("200 -> 150; the LR schedule shrinks to the new length "
+                                                      "from here on")
 
 
 @pytest.mark.slow

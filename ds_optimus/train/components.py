@@ -285,11 +285,16 @@ def dense_fingerprint(model) -> float:
         return float(sum(p.detach().double().sum() for p in model.parameters() if not is_expert_param(p)))
 
 
-def batch_change(saved: int | None, tokens_per_step: int) -> list[str]:
-    """What a resume says when a step takes other tokens than at the checkpoint (`saved`; None for
-    checkpoints from before it was kept): the global batch changed (the loader refuses another seq_len)."""
-    if saved is None or saved == tokens_per_step:
-        return []
-    return [f"the global batch changed since the checkpoint: {saved:,} -> {tokens_per_step:,} tokens a step; "
-            "the LR schedule and train.steps count steps, so each remaining step takes "
-            f"{tokens_per_step / saved:.3g}x the tokens"]
+def resume_changes(extra: dict[str, Any], tokens_per_step: int, steps: int) -> list[str]:
+    """What a resume says of a checkpoint's `extra` state taken with other tokens a step (the global
+    batch changed: the loader refuses another seq_len) or another `train.steps`; nothing for
+    checkpoints from before they were kept."""
+    notes, saved, saved_steps = [], extra.get("tokens_per_step"), extra.get("steps")
+    if saved is not None and saved != tokens_per_step:
+        notes.append(f"the global batch changed since the checkpoint: {saved:,} -> {tokens_per_step:,} tokens a step; "
+                     "the LR schedule and train.steps count steps, so each remaining step takes "
+                     f"{tokens_per_step / saved:.3g}x the tokens")
+    if saved_steps is not None and saved_steps != steps:
+        notes.append(f"train.steps changed since the checkpoint: {saved_steps:,} -> {steps:,}; the LR schedule "
+                     f"{'stretches' if steps > saved_steps else 'shrinks'} to the new length from here on")
+    return notes

@@ -199,7 +199,7 @@ class Trainer:
             with every_rank_alike():  # the same checkpoint and data on every rank
                 notes += [f"data changed since the checkpoint (optimus.data.allow_change): {change}" for change in
                           self.train_loader.load_state_dict(extra["loader"], self.opt.data.allow_change)]
-            notes += [checkpoints.layout_note, *C.batch_change(extra.get("tokens_per_step"), self.tokens_per_step)]
+            notes += [checkpoints.layout_note, *C.resume_changes(extra, self.tokens_per_step, self.opt.train.steps)]
             for callback in (c for c in self.callbacks if c.state_key is not None):
                 callback.load_state_dict(extra.get(callback.state_key, {}))
             self.resumed_from = str(latest)
@@ -386,9 +386,9 @@ class Trainer:
 
     def checkpoint_state(self) -> dict[str, Any]:
         """What a checkpoint keeps besides the engine: the data loader's position, callbacks' state."""
-        state = {"loader": self.train_loader.state_dict(), "tokens_per_step": self.tokens_per_step}
-        state.update({c.state_key: c.state_dict() for c in self.callbacks if c.state_key is not None})
-        return state
+        state = {"loader": self.train_loader.state_dict(), "tokens_per_step": self.tokens_per_step,
+                 "steps": self.opt.train.steps}
+        return {**state, **{c.state_key: c.state_dict() for c in self.callbacks if c.state_key is not None}}
 
     def notify_checkpoint(self, step: int, path: Path) -> None:
         for callback in self.callbacks:
