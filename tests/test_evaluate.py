@@ -138,6 +138,16 @@ def test_bad_input_is_one_line(run, capsys, args, message):
     assert len(err.splitlines()) == 1
 
 
+@pytest.mark.slow
+def test_a_misspelled_task_stops_before_a_checkpoint_is_exported(run, capsys, monkeypatch):
+    import ds_optimus.evaluate.run as evaluate_run
+
+    exported = []  # an export is the whole model written out: minutes at scale, for a typo
+    monkeypatch.setattr(evaluate_run, "export_checkpoint", lambda *args: exported.append(args))
+    status, _, err = _run(capsys, run, "--tasks", "pydoc_clozee")
+    assert status == 2 and "unknown task 'pydoc_clozee'" in err and exported == [], err
+
+
 def test_a_folder_that_is_no_model_and_a_damaged_checkpoint_are_named(tmp_path, capsys):
     status, _, err = _run(capsys, tmp_path, "--tasks", "pydoc_cloze")
     assert status == 2 and "is neither a Hugging Face folder (config.json), a run (checkpoints/) nor a" in err

@@ -41,16 +41,12 @@ def task_names(folders: list[str]) -> set[str]:
     return names
 
 
-def score(folder: str | Path, tasks: list[str], *, include: list[str] = (), limit: int | None = None,
-          num_fewshot: int = 0, batch_size: int = 8, device: str = "cpu", dtype: str = "float32",
-          work_dir: str | Path | None = None, verbose: bool = False) -> dict[str, Any]:
-    """Score the Hugging Face model in `folder` on `tasks` (see `tasks.expand`; `pydoc_cloze` is made
-    in `work_dir`); returns {"tasks": {task: {metric: value, "samples": n}}, "seconds", "lm_eval"}."""
+def load_tasks(tasks: list[str], include: list[str] = (), work_dir: str | Path = ".", verbose: bool = False):
+    """lm-eval's task manager for `tasks` (see `tasks.expand`; `pydoc_cloze` is made in `work_dir`), with
+    (names, manager); a task it does not know is a one-line EvaluationError. Cheap next to an export:
+    called before one, a misspelled task stops the command before it writes the model."""
     lm_eval = require_lm_eval()
-    import torch
-    from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     names = expand(list(tasks))
     include = [str(Path(p).expanduser()) for p in include]
@@ -58,18 +54,37 @@ def score(folder: str | Path, tasks: list[str], *, include: list[str] = (), limi
         if not Path(path).is_dir():
             raise EvaluationError(f"task folder {path!r} does not exist")
     if BUILTIN & set(names):
-        include.append(str(write_pydoc_cloze(Path(work_dir or folder) / "tasks")))
+        include.append(str(write_pydoc_cloze(Path(work_dir) / "tasks")))
     local = set(names) <= task_names(include)
     if local:  # nothing to fetch: no dataset lookup may go to the network
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     if not verbose:
         _quiet(lm_eval)
-    try:  # a task file lm-eval cannot read, a model folder that does not load: one line, not a traceback
+    try:  # a task file lm-eval cannot read: one line, not a traceback
         manager = TaskManager(include_path=include or None, include_defaults=not local)
-        unknown = [name for name in names if name not in manager.all_tasks]
-        if unknown:
-            raise EvaluationError(f"unknown task {unknown[0]!r} (lm-eval {lm_eval.__version__} knows "
-                                  f"{len(manager.all_tasks):,} tasks; give YAML tasks with --include)")
+    except Exception as err:
+        text = str(err).strip()
+        raise EvaluationError(f"{type(err).__name__}: {text.splitlines()[0] if text else ''}") from None
+    unknown = [name for name in names if name not in manager.all_tasks]
+    if unknown:
+        raise EvaluationError(f"unknown task {unknown[0]!r} (lm-eval {lm_eval.__version__} knows "
+                              f"{len(manager.all_tasks):,} tasks; give YAML tasks with --include)")
+    return names, manager
+
+
+def score(folder: str | Path, tasks: list[str], *, include: list[str] = (), limit: int | None = None,
+          num_fewshot: int = 0, batch_size: int = 8, device: str = "cpu", dtype: str = "float32",
+          work_dir: str | Path | None = None, verbose: bool = False, loaded=None) -> dict[str, Any]:
+    """Score the Hugging Face model in `folder` on `tasks` (`loaded`: what `load_tasks` returned for
+    them, else it is called here); returns {"tasks": {task: {metric: value, "samples": n}}, "seconds",
+    "lm_eval"}."""
+    lm_eval = require_lm_eval()
+    import torch
+    from lm_eval.models.huggingface import HFLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    names, manager = loaded or load_tasks(tasks, include, work_dir or folder, verbose)
+    try:  # a model folder that does not load: one line, not a traceback
         began = time.perf_counter()
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(device).eval()
         tokenizer = AutoTokenizer.from_pretrained(folder)

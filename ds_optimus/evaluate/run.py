@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .harness import EvaluationError, score
+from .harness import EvaluationError, load_tasks, score
 
 
 def checkpoints_of(run: Path) -> list[Path]:
@@ -110,7 +110,8 @@ def evaluate(model: Path, run: Path, step: int | None, tasks: list[str], *, out:
     from ..checkpoint_io import write_text_atomic
 
     export = None
-    if (model / "meta.json").exists():
+    options["loaded"] = load_tasks(tasks, options.get("include", ()), run / "eval", options.get("verbose", False))
+    if (model / "meta.json").exists():  # the tasks are known before the export is written
         export = run / "eval" / f"hf-{model.name}"
         shutil.rmtree(export, ignore_errors=True)
         folder = export_checkpoint(model, export)
