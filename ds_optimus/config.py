@@ -118,6 +118,7 @@ class ModelConfig(Section):
         folder = Path(self.path) if self.path is not None else None
         kind = self._folder_kind(folder) if folder is not None else "preset"
         known = set(MulaConfig().to_dict()) | set(inspect.signature(MulaConfig.__init__).parameters) - {"self"}
+        known |= {"attn_implementation", "rope_theta", "rope_scaling", "torch_dtype"}  # converted or popped by HF
         for key in self.overrides:  # a misspelled one would only become an unused attribute
             close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
             need(key in known, f"optimus.model.overrides.{key} is not a MulaConfig setting"

@@ -240,3 +240,16 @@ def test_a_folder_s_vocabulary_and_a_dense_model_under_ep_say_what_to_change(tmp
     with pytest.raises(ConfigError, match=r"needs an MoE model \(num_experts > 0\); this one is dense: set "
                                           r"optimus.expert_parallel.size=1$"):
         check_run(config, 2)
+
+
+def test_overrides_take_every_setting_the_config_takes_and_name_a_misspelled_one():
+    """What PretrainedConfig converts or pops (rope_theta into rope_parameters, attn_implementation,
+    torch_dtype) stays accepted; a name MulaConfig has nowhere is one line with the closest one."""
+    config = ModelConfig(preset="mula-tiny-moe", overrides={"rope_theta": 5e5, "attn_implementation": "eager",
+                                                            "torch_dtype": "float32", "tie_word_embeddings": False,
+                                                            "num_experts_per_tok": 1}).mula_config()
+    assert config.rope_parameters["rope_theta"] == 5e5 and config._attn_implementation == "eager"
+    assert config.num_experts_per_tok == 1
+    with pytest.raises(ConfigError, match=r"^optimus.model.overrides.hiden_size is not a MulaConfig setting \(did "
+                                          r"you mean 'hidden_size'\?\)$"):
+        ModelConfig(preset="mula-tiny-moe", overrides={"hiden_size": 6}).mula_config()

@@ -95,15 +95,26 @@ def test_run_with_the_sharded_optimizer_resumes_on_another_layout(tmp_path, cach
 
 
 def test_a_resume_says_what_changed_since_the_checkpoint_only():
+    from types import SimpleNamespace
+
+    def trainer(tokens, steps, scheduler=None):
+        return SimpleNamespace(tokens_per_step=tokens, opt=SimpleNamespace(train=SimpleNamespace(steps=steps)),
+                               ds_config={"scheduler": scheduler} if scheduler else {})
+
     same = {"tokens_per_step": 4096, "steps": 200}
-    assert resume_changes({}, 4096, 200) == resume_changes(same, 4096, 200) == []  # older checkpoints: nothing
-    assert resume_changes(same, 8192, 220) == [
+    assert resume_changes({}, trainer(4096, 200)) == resume_changes(same, trainer(4096, 200)) == []  # older: nothing
+    assert resume_changes(same, trainer(8192, 220)) == [
         "the global batch changed since the checkpoint: 4,096 -> 8,192 tokens a step; the LR schedule and "
         "train.steps count steps, so each remaining step takes 2x the tokens",
         "train.steps changed since the checkpoint: 200 -> 220; the LR schedule stretches to the new length from "
         "here on"]
-    assert resume_changes(same, 4096, 150)[0].endswith("200 -> 150; the LR schedule shrinks to the new length "
-                                                      "from here on")
+    assert resume_changes(same, trainer(4096, 150))[0].endswith("200 -> 150; the LR schedule shrinks to the new "
+                                                               "length from here on")
+    # a schedule whose length the config sets itself does not follow train.steps: nothing to say of it
+    fixed = {"type": "WarmupCosineLR", "params": {"total_num_steps": 1000}}
+    assert resume_changes(same, trainer(4096, 220, fixed)) == []
+    follows = {"type": "WarmupCosineLR", "params": {"total_num_steps": 220}}  # filled in from train.steps
+    assert len(resume_changes(same, trainer(4096, 220, follows))) == 1
 
 
 @pytest.mark.slow

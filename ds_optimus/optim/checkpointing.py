@@ -147,10 +147,12 @@ def load_folder(engine, path: Path, groups, *, load_module_strict: bool = True, 
                                                        not load_module_only)
         if optim:  # this rank's state from the files (a one-line error for an element none holds)
             load_spaces(optimizer.spaces, shards)
-    except ShardedOptimizerError as err:
-        error = CheckpointLoadError(f"{path}: {err}")
     except CheckpointError as err:
         error = err
+    except Exception as err:  # a file that loads but is not what it should be: no rank may go on alone
+        text = str(err).strip().splitlines()
+        error = CheckpointLoadError(f"{path}: " + (str(err) if isinstance(err, ShardedOptimizerError) else
+                                                   f"{type(err).__name__}: {text[0] if text else ''}"))
     _agree(error)  # before the optimizer's collectives: no rank goes on while another stopped
     if optim:
         optimizer.load_shards(shards, filled=True)

@@ -97,16 +97,16 @@ def check_run(ds_config: dict[str, Any], world: int | None = None, cluster: str 
         pp = opt.pipeline_parallel
         virtual = f", {pp.virtual_stages} virtual stages" if pp.virtual_stages > 1 else ""
         pipeline = f", pipeline {stages} stages of {dp} ranks ({pp.schedule}{virtual}, {accumulation} micro-batches)"
-    ranks = f"{world} ranks" if stages == 1 else f"{dp} data-parallel ranks"
+    ranks = _count(world, "rank") if stages == 1 else _count(dp, "data-parallel rank")
     tokens = micro * accumulation * dp * opt.data.seq_len
     lines = [
         f"model     {opt.model.describe()}: {total / 1e6:,.2f}M parameters ({active / 1e6:,.2f}M active per token), "
         f"{model_config.num_hidden_layers} layers{experts}; built on the meta device",
-        f"layout    {world} ranks ({source}): data parallel {dp}{exchange}{pipeline}; ZeRO-{stage} with {optimizer}"
+        f"layout    {_count(world, 'rank')} ({source}): data parallel {dp}{exchange}{pipeline}; ZeRO-{stage} with "
+        f"{optimizer}"
         + _recompute_note(opt.train.recompute),
-        f"batch     {micro} sequence{'s' * (micro != 1)} x {accumulation} accumulation x {ranks} = "
-        f"{micro * accumulation * dp} "
-        f"sequences of {opt.data.seq_len} tokens ({tokens:,} tokens) per step",
+        f"batch     {_count(micro, 'sequence')} x {accumulation} accumulation x {ranks} = "
+        f"{_count(micro * accumulation * dp, 'sequence')} of {opt.data.seq_len} tokens ({tokens:,} tokens) per step",
         *_data_lines(opt, tokenizer),
         _memory_line(model_config, opt, config, world, micro, accumulation, cluster),
         _run_line(opt, tokenizer),
@@ -285,6 +285,11 @@ def _run_line(opt, tokenizer=None) -> str:
     every = f"every {checkpoint.interval} steps and " if checkpoint.interval else ""
     return (f"run       {train.steps} steps into {train.output_dir}; checkpoints {every}at the end (keep "
             f"{checkpoint.keep_last}); {start}")
+
+
+def _count(n: int, noun: str) -> str:
+    """ "1 rank", "2 ranks"."""
+    return f"{n} {noun}{'s' * (n != 1)}"
 
 
 def _a(noun: str) -> str:

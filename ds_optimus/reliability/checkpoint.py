@@ -337,7 +337,8 @@ class CheckpointManager:
                 set_rng_state(client["rng"])
             saved, now = (meta["world_size"], meta.get("ep_size", 1)), (self.world_size, self.ep_size)
             self.layout_note = None if saved == now else (
-                f"the checkpoint was saved by {saved[0]} ranks at EP {saved[1]}; resumed by {now[0]} at EP {now[1]}, "
+                f"the checkpoint was saved by {saved[0]} rank{'s' * (saved[0] != 1)} at EP {saved[1]}; resumed by "
+                f"{now[0]} at EP {now[1]}, "
                 "its state resharded" + ("" if saved[0] == now[0] else "; the random generators start from the "
                                           "run's seed (dropout and sampling draw other numbers than before)"))
             return _step(path), client["extra"]

@@ -46,7 +46,7 @@ def init_distributed() -> None:
             backend = "gloo"
     try:
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
-    except RuntimeError as err:  # torch's DistNetworkError: rank 0 could not open the rendezvous port
+    except dist.DistNetworkError as err:  # rank 0 could not open the rendezvous port
         if "EADDRINUSE" not in str(err) and "address already in use" not in str(err).lower():
             raise
         raise ConfigError(f"port {os.environ.get('MASTER_PORT')} on {os.environ.get('MASTER_ADDR')} is in use (another "
@@ -285,16 +285,20 @@ def dense_fingerprint(model) -> float:
         return float(sum(p.detach().double().sum() for p in model.parameters() if not is_expert_param(p)))
 
 
-def resume_changes(extra: dict[str, Any], tokens_per_step: int, steps: int) -> list[str]:
+def resume_changes(extra: dict[str, Any], trainer) -> list[str]:
     """What a resume says of a checkpoint's `extra` state taken with other tokens a step (the global
-    batch changed: the loader refuses another seq_len) or another `train.steps`; nothing for
-    checkpoints from before they were kept."""
+    batch changed: the loader refuses another seq_len) or, where `train.steps` sets the LR schedule's
+    length (the built-in schedule, or DeepSpeed's decaying ones without their own total), another
+    `train.steps`; nothing for checkpoints from before they were kept."""
+    tokens, steps = trainer.tokens_per_step, trainer.opt.train.steps
     notes, saved, saved_steps = [], extra.get("tokens_per_step"), extra.get("steps")
-    if saved is not None and saved != tokens_per_step:
-        notes.append(f"the global batch changed since the checkpoint: {saved:,} -> {tokens_per_step:,} tokens a step; "
+    if saved is not None and saved != tokens:
+        notes.append(f"the global batch changed since the checkpoint: {saved:,} -> {tokens:,} tokens a step; "
                      "the LR schedule and train.steps count steps, so each remaining step takes "
-                     f"{tokens_per_step / saved:.3g}x the tokens")
-    if saved_steps is not None and saved_steps != steps:
+                     f"{tokens / saved:.3g}x the tokens")
+    scheduler = trainer.ds_config.get("scheduler")
+    follows = not scheduler or scheduler.get("params", {}).get("total_num_steps") == steps
+    if saved_steps is not None and saved_steps != steps and follows:
         notes.append(f"train.steps changed since the checkpoint: {saved_steps:,} -> {steps:,}; the LR schedule "
                      f"{'stretches' if steps > saved_steps else 'shrinks'} to the new length from here on")
     return notes

@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             use_cpu=not torch.cuda.is_available(), dataloader_drop_last=True, disable_tqdm=False,
         )
         ep = opt.expert_parallel.size  # applied with DeepSpeed's engine; EP groups are consecutive ranks
+        opt.model.mula_config(tokenizer, opt.data.seq_len)  # a seq_len beyond the model's positions: one line
         model = opt.model.build(tokenizer, ep_size=ep, ep_rank=int(os.environ.get("RANK", "0")) % ep,
                                 seed=opt.train.seed)
 

@@ -61,11 +61,11 @@ class MetricsSink:
 
             from ..verbosity import verbose_requested
 
-            if not verbose_requested():  # the run's own wandb run stays quiet in a script too, as in the command
-                os.environ.setdefault("WANDB_SILENT", "true")  # line: no banner, no summary table
-
+            # the run's own wandb run is quiet in a script too, as in the command line: no banner, no summary
+            settings = None if verbose_requested() or os.environ.get("WANDB_SILENT") else wandb.Settings(silent=True)
             self.wandb = wandb.init(project=wandb_config.project, name=wandb_config.name, entity=wandb_config.entity,
-                                    dir=str(output_dir), mode=mode, config=run_config, resume="allow")
+                                    dir=str(output_dir), mode=mode, config=run_config, resume="allow",
+                                    settings=settings)
         from ..progress import progress
 
         self.bar = progress(total=total_steps, initial=start_step, desc="training", unit="step")

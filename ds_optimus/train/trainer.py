@@ -199,7 +199,7 @@ class Trainer:
             with every_rank_alike():  # the same checkpoint and data on every rank
                 notes += [f"data changed since the checkpoint (optimus.data.allow_change): {change}" for change in
                           self.train_loader.load_state_dict(extra["loader"], self.opt.data.allow_change)]
-            notes += [checkpoints.layout_note, *C.resume_changes(extra, self.tokens_per_step, self.opt.train.steps)]
+            notes += [checkpoints.layout_note, *C.resume_changes(extra, self)]
             for callback in (c for c in self.callbacks if c.state_key is not None):
                 callback.load_state_dict(extra.get(callback.state_key, {}))
             self.resumed_from = str(latest)

@@ -91,14 +91,14 @@ class GuardCallback(Callback):
         trainer = self.trainer
         if self.guard is None:  # optimus.guards.enabled is false
             return
-        if self.note:
-            trainer.message(self.note)
         if not isinstance(trainer.engine.optimizer, ShardedOptimizer):
             trainer.message("numerical guards act through the sharded optimizer (optimus.sharded_optimizer.enabled); "
                             "they are off for this run")
             self.guard = None
             return
         trainer.engine.optimizer.step_filter = self._decide
+        if self.note:
+            trainer.message(self.note)
 
     def _decide(self, grad_norm: float):
         self.guard.observe_loss(self.trainer.metrics["loss"])
