@@ -11,9 +11,10 @@ validated once, up front. An unknown key or a bad value is a one-line `ConfigErr
       "train": {"steps": 100, "seed": 0, "output_dir": "runs/mula", "eval_interval": 50, "eval_batches": 8,
                 "log_interval": 1, "peak_tflops": null, "warmup_steps": 0, "min_lr_ratio": 0.1,
                 "sample_prompt": null, "sample_tokens": 48, "activation_checkpointing": false,
-                "compile": false, "measure_memory_steps": 0, "clip_after_warmup": false,
-                "decay_all_params": false},
-      "checkpoint": {"interval": 0, "keep_last": 2, "dir": null, "resume": true, "async_save": false},
+                "compile": false, "measure_memory_steps": 0, "profile_steps": null,
+                "clip_after_warmup": false, "decay_all_params": false, "export": true},
+      "checkpoint": {"interval": 0, "enabled": true, "keep_last": 2, "dir": null, "resume": true,
+                     "async_save": false},
       "wandb": {"mode": null, "project": "ds_optimus", "name": null, "entity": null},
       "sharded_optimizer": {"enabled": false, "bucket_size": 50000000, "reduce_dtype": null,
                             "overlap_comm": null, "shard_group_size": null, "overlap_param_gather": false},
@@ -262,6 +263,9 @@ class TrainConfig(Section):
     stop_after_steps: int | None = None
     sample_prompt: str | None = None  # null: the first words of the first held-out document
     sample_tokens: int = 48
+    # At the end: the Hugging Face folder <output_dir>/hf (every expert) and a sample from it. false:
+    # neither (summary.json is still written), for throughput measurements of big models.
+    export: bool = True
     # Recompute activations in the backward pass instead of keeping them: true, each decoder layer
     # whole; a list, those parts of each layer (selective recomputation, `recompute_parts`).
     activation_checkpointing: bool | list[str] = False
@@ -271,6 +275,9 @@ class TrainConfig(Section):
     # summary (on CPU through the profiler's allocation events, which slows those steps; on
     # accelerators from the allocator's statistics). 0: off.
     measure_memory_steps: int = 0
+    # [first, last]: record steps first..last with torch.profiler; rank 0 writes the operators and
+    # kernels by device time to <output_dir>/profile.txt. null: off.
+    profile_steps: list[int] | None = None
 
     # "moe": the FFN after the post-attention norm (router, experts, their expert-parallel exchange);
     # "attention": the attention after the input norm; "norms": the layer norms
@@ -285,7 +292,7 @@ class TrainConfig(Section):
 
     def check(self, where: str) -> None:
         check_flags(self, where, "compile")
-        check_flags(self, where, "clip_after_warmup", "decay_all_params")
+        check_flags(self, where, "clip_after_warmup", "decay_all_params", "export")
         value, key, allowed = self.activation_checkpointing, f"{where}.activation_checkpointing", \
             ", ".join(f'"{p}"' for p in self.recompute_parts)
         need(isinstance(value, (bool, list)), f"{key} must be true, false or a list of parts to recompute ({allowed}), "
@@ -306,6 +313,10 @@ class TrainConfig(Section):
         for key in ("eval_batches", "log_interval"):
             value = getattr(self, key)
             need(positive_int(value), f"{where}.{key} must be a positive integer, got {value!r}")
+        value = self.profile_steps
+        need(value is None or (isinstance(value, list) and len(value) == 2 and all(map(positive_int, value))
+                               and value[0] <= value[1]),
+             f"{where}.profile_steps must be null or [first, last] steps (1 <= first <= last), got {value!r}")
         need(self.stop_after_steps is None or positive_int(self.stop_after_steps),
              f"{where}.stop_after_steps must be null or a positive integer, got {self.stop_after_steps!r}")
         need(self.sample_prompt is None or isinstance(self.sample_prompt, str),

@@ -283,8 +283,9 @@ def _run_line(opt, tokenizer=None) -> str:
     else:
         start = "starts at step 0"
     every = f"every {checkpoint.interval} steps and " if checkpoint.interval else ""
-    return (f"run       {train.steps} steps into {train.output_dir}; checkpoints {every}at the end (keep "
-            f"{checkpoint.keep_last}); {start}")
+    saves = f"checkpoints {every}at the end (keep {checkpoint.keep_last})" if checkpoint.enabled else \
+        "no checkpoints (checkpoint.enabled is false)"
+    return f"run       {train.steps} steps into {train.output_dir}; {saves}; {start}"
 
 
 def _count(n: int, noun: str) -> str:

@@ -369,6 +369,9 @@ class CheckpointConfig(Section):
     """`optimus.checkpoint`: when to save, how many to keep, where, and whether to resume."""
 
     interval: int = 0  # every N steps, and always at the end; 0: only at the end
+    # false: no checkpoint at all, not even at the end or before a stop (throughput measurements,
+    # where writing the optimizer state costs more than the steps); a crash then loses the run
+    enabled: bool = True
     keep_last: int = 2
     dir: str | None = None  # null: <train.output_dir>/checkpoints
     resume: bool = True  # continue from the latest complete checkpoint in dir, if there is one
@@ -377,7 +380,7 @@ class CheckpointConfig(Section):
     def check(self, where: str) -> None:
         need(non_negative_int(self.interval), f"{where}.interval must be an integer >= 0, got {self.interval!r}")
         need(positive_int(self.keep_last), f"{where}.keep_last must be a positive integer, got {self.keep_last!r}")
-        check_flags(self, where, "resume", "async_save")
+        check_flags(self, where, "enabled", "resume", "async_save")
 
     def build(self, output_dir: str | Path, groups=None) -> CheckpointManager:
         """The run's checkpoint manager (`dir`, or `<output_dir>/checkpoints`); collective-free."""

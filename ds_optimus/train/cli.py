@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     if losses and summary.get("rank", 0) == 0:
         print(f"trained steps {summary['start_step'] + 1}-{summary['start_step'] + len(losses)}: "
               f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; "
-              + (f"model saved to {summary['hf_dir']}" if summary["finished"] else "stopped early, resumable"),
+              + (("finished, not exported (train.export is false)" if "hf_dir" not in summary
+                  else f"model saved to {summary['hf_dir']}") if summary["finished"] else "stopped early, resumable"),
               flush=True)
     return 0

@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
             adam_beta1=betas[0], adam_beta2=betas[1], adam_epsilon=optimizer.get("eps", 1e-8),
             max_grad_norm=config.get("gradient_clipping", 1.0), lr_scheduler_type="cosine",
             warmup_steps=opt.train.warmup_steps, logging_steps=1, report_to=[],
-            save_strategy="steps" if opt.checkpoint.interval else "no", save_steps=opt.checkpoint.interval or 500,
+            save_strategy="steps" if opt.checkpoint.interval and opt.checkpoint.enabled else "no",
+            save_steps=opt.checkpoint.interval or 500,
             save_total_limit=opt.checkpoint.keep_last, save_only_model=False,
             seed=opt.train.seed, bf16=bool(config.get("bf16", {}).get("enabled", False)),
             use_cpu=not torch.cuda.is_available(), dataloader_drop_last=True, disable_tqdm=False,
@@ -91,12 +92,14 @@ def main(argv: list[str] | None = None) -> int:
         trainer.train()  # DeepSpeed's engine is built here: it applies the optimus section
     except ConfigError as err:
         return fail(NAME, err, launched=True)
-    trainer.save_model(str(out / "hf-trainer"))  # every rank: the experts are gathered
+    if opt.train.export:
+        trainer.save_model(str(out / "hf-trainer"))  # every rank: the experts are gathered
     if trainer.is_world_process_zero():
         losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
         summary = {"losses": losses, "optimizer": type(trainer.model_wrapped.optimizer).__name__}
         (out / "trainer_summary.json").write_text(json.dumps(summary, indent=2))
-        print(f"Trainer: loss {losses[0]:.4f} -> {losses[-1]:.4f}; model saved to {out / 'hf-trainer'}", flush=True)
+        saved = f"; model saved to {out / 'hf-trainer'}" if opt.train.export else ""
+        print(f"Trainer: loss {losses[0]:.4f} -> {losses[-1]:.4f}{saved}", flush=True)
     return 0
 
 

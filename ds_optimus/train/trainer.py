@@ -329,17 +329,17 @@ class Trainer:
         return bool(found[0])
 
     def _export(self) -> None:
-        """The Hugging Face folder (every expert), a sample from it, and `summary.json`, last."""
-        hf_dir = self.output_dir / "hf"
-        self.begin_long_work("the export")
-        from .model_card import training_record
+        """The Hugging Face folder and a sample from it (unless `train.export` is false); summary.json last."""
+        hf_dir, sample = self.output_dir / "hf", self.rank == 0 and self.opt.train.sample_tokens
+        if self.opt.train.export:
+            self.begin_long_work("the export")
+            from .model_card import training_record
 
-        C.export(self.engine.module, self.tokenizer, hf_dir, self.groups, record=training_record(self))
-        self.summary["hf_dir"] = str(hf_dir)
-        if self.rank == 0 and self.opt.train.sample_tokens:
+            C.export(self.engine.module, self.tokenizer, hf_dir, self.groups, record=training_record(self))
+            self.summary["hf_dir"] = str(hf_dir)
+        if self.opt.train.export and sample:
             prompt = self.opt.train.sample_prompt or C.data_prompt(self.packed, self.tokenizer)
-            self.summary.update(sample_prompt=prompt,
-                                sample=C.sample(hf_dir, prompt, self.opt.train.sample_tokens))
+            self.summary.update(sample_prompt=prompt, sample=C.sample(hf_dir, prompt, self.opt.train.sample_tokens))
             self.message(f"sample from {hf_dir}:\n{self.summary['sample']}")
         if self.rank == 0:
             (self.output_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))

@@ -2,11 +2,12 @@
 
 `default_callbacks(opt, extra)` gives a run's callbacks in the order their hooks run: the watchdog
 first (it re-arms before anything else can hang), fault injection (only with `DS_OPTIMUS_FAULTS`),
-the memory meter, clipping after the warm-up (`optimus.train.clip_after_warmup`), the router-bias
-update right after the optimizer step, metrics and the progress file, the guards (whose rollback
-ends the step's remaining `post_step` calls), then the `extra` callbacks of the user, so that what
-they do or ask for (a stop) is in the step's evaluation and checkpoint, then evaluation, preemption
-(whose stop wins over others) and the checkpoints, last. The downstream tasks scored on each
+the memory meter, the profiler (`optimus.train.profile_steps`), clipping after the warm-up
+(`optimus.train.clip_after_warmup`), the router-bias update right after the optimizer step, metrics
+and the progress file, the guards (whose rollback ends the step's remaining `post_step` calls), then
+the `extra` callbacks of the user, so that what they do or ask for (a stop) is in the step's
+evaluation and checkpoint, then evaluation, preemption (whose stop wins over others) and the
+checkpoints, last. The downstream tasks scored on each
 checkpoint (`optimus.eval.downstream`) come first, so they close last.
 """
 
@@ -20,6 +21,7 @@ from .evaluation import EvaluationCallback
 from .faults import FaultInjectionCallback
 from .logging import MetricsCallback, ProgressFileCallback
 from .memory import MemoryCallback
+from .profiling import ProfileCallback
 from .reliability import GuardCallback, PreemptionCallback, WatchdogCallback
 from .router_bias import RouterBiasCallback, uses_router_bias
 
@@ -34,6 +36,7 @@ __all__ = [
     "MemoryCallback",
     "MetricsCallback",
     "PreemptionCallback",
+    "ProfileCallback",
     "ProgressFileCallback",
     "RouterBiasCallback",
     "WatchdogCallback",
@@ -53,8 +56,12 @@ def default_callbacks(opt, extra: list[Callback] = ()) -> list[Callback]:
         callbacks.append(faults)
     if opt.train.measure_memory_steps:
         callbacks.append(MemoryCallback(opt.train.measure_memory_steps))
+    if opt.train.profile_steps:
+        callbacks.append(ProfileCallback(*opt.train.profile_steps))
     if opt.train.clip_after_warmup:
         callbacks.append(ClipAfterWarmupCallback())
     callbacks += [RouterBiasCallback(), MetricsCallback(), ProgressFileCallback(), GuardCallback(opt.guards),
-                  *extra, EvaluationCallback(), PreemptionCallback(), CheckpointCallback()]
+                  *extra, EvaluationCallback(), PreemptionCallback()]
+    if opt.checkpoint.enabled:
+        callbacks.append(CheckpointCallback())
     return callbacks

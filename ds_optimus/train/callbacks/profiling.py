@@ -1,0 +1,55 @@
+"""Where a step's time goes: `torch.profiler` over steps `train.profile_steps = [first, last]`.
+
+Rank 0 writes the table of the operators and kernels that took the most device time (or CPU time,
+with no accelerator) over those steps to `<output_dir>/profile.txt`, and says so in the log. The
+profiled steps run slower (the profiler records every launch): their step times are the run's but
+not its speed, so leave them out of a throughput figure (`metrics.jsonl` names each step).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .base import Callback
+
+ROWS = 25  # the table's operators, by self time
+
+
+class ProfileCallback(Callback):
+    def __init__(self, first: int, last: int) -> None:
+        self.first, self.last = first, last
+        self.profiler = None
+        self.sort_key = "self_cpu_time_total"
+
+    def pre_step(self, step: int) -> None:
+        if step != self.first:
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(ProfilerActivity.CUDA)
+            self.sort_key = "self_device_time_total"
+        os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's start/stop chatter
+        self.profiler = profile(activities=activities)
+        self.profiler.__enter__()
+
+    def post_step(self, step: int) -> None:
+        if self.profiler is None or step < self.last:
+            return
+        profiler, self.profiler = self.profiler, None
+        profiler.__exit__(None, None, None)
+        trainer = self.trainer
+        if trainer.rank != 0:
+            return
+        table = profiler.key_averages().table(sort_by=self.sort_key, row_limit=ROWS)
+        path = trainer.output_dir / "profile.txt"
+        path.write_text(f"steps {self.first}-{step}, rank 0, sorted by {self.sort_key}\n{table}\n")
+        trainer.message(f"profile: steps {self.first}-{step} in {path}")
+
+    def close(self, error: BaseException | None) -> None:
+        if self.profiler is not None:
+            self.profiler.__exit__(None, None, None)
+            self.profiler = None
