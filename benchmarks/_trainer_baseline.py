@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -50,7 +51,11 @@ def main() -> None:
         bf16=bool(config.get("bf16", {}).get("enabled")),  # must agree with the DeepSpeed config's
     )
     torch.manual_seed(0)
-    model = OlmoeForCausalLM(OlmoeConfig(**json.loads(args.model)))
+    # Initialised on this rank's GPU where there is one (billions of parameters drawn on the CPU take
+    # minutes); the Trainer would move it there anyway, so its steps are the same either way.
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = OlmoeForCausalLM(OlmoeConfig(**json.loads(args.model)))
     if args.experts_implementation:
         model.set_experts_implementation(args.experts_implementation)
     timer = StepTimes()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import socket
 import statistics
 import subprocess
@@ -16,6 +17,16 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def deepspeed_launcher() -> str:
+    """The `deepspeed` launcher script: beside this Python (a venv), else the one on PATH (a
+    `pip install --target` puts it in that folder's bin/, which the caller adds to PATH)."""
+    beside = Path(sys.executable).with_name("deepspeed")
+    found = str(beside) if beside.exists() else shutil.which("deepspeed")
+    if found is None:
+        raise FileNotFoundError(f"no `deepspeed` launcher beside {sys.executable} or on PATH")
+    return found
 
 
 def synchronize(device: torch.device | str) -> None:
@@ -65,6 +76,32 @@ def _cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
+def profile_table(fn: Callable[[], object], device: str, iters: int = 3, rows: int = 15) -> str:
+    """torch.profiler's table of the operators and kernels of `iters` calls of `fn` (after one
+    untimed call), by self device time (CPU time on a CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    synchronize(device)
+    cuda = torch.device(device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(iters):
+            fn()
+        synchronize(device)
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    return f"{iters} calls, sorted by {key}\n" + prof.key_averages().table(sort_by=key, row_limit=rows)
+
+
+def write_text_result(name: str, text: str) -> Path:
+    """Write `text` to benchmarks/results/<name> (or $BENCH_RESULTS), beside the JSON results."""
+    out_dir = Path(os.environ.get("BENCH_RESULTS", RESULTS))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / name
+    path.write_text(text + "\n")
+    return path
+
+
 def write_result(name: str, payload: dict) -> Path:
     """Write `payload` (plus the machine) to benchmarks/results/<name>.json (or $BENCH_RESULTS)."""
     out_dir = Path(os.environ.get("BENCH_RESULTS", RESULTS))
@@ -82,7 +119,7 @@ def launch_deepspeed(command: list[str], work: Path, gpus: int) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    launcher = Path(sys.executable).with_name("deepspeed")
+    launcher = deepspeed_launcher()
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run([str(launcher), "--num_gpus", str(gpus), "--master_port", str(port), *command], cwd=work,
                           env=env, capture_output=True, text=True, timeout=3600)

@@ -12,7 +12,10 @@ TFLOP/s counts the expert matmuls only (forward 2 GEMMs, backward 4), so every c
 measured against the same useful work. Targets of the Triton kernels: at least 1.2x the speed of
 ours_grouped_mm (the layer on torch's grouped GEMM) and 50 % of the dense rate. Needs no DeepSpeed.
 
-    python benchmarks/moe_kernels.py [--tokens 8192,16384] [--repeats 20]
+    python benchmarks/moe_kernels.py [--tokens 8192,16384] [--repeats 20] [--profile]
+
+`--profile` adds, for the last token count, torch.profiler's table of the top kernels of ours_triton
+and ours_grouped_mm (moe_kernels_profile_<GPU>.txt beside the JSON).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import interleaved_medians, write_result  # noqa: E402
+from common import interleaved_medians, profile_table, write_result, write_text_result  # noqa: E402
 
 import ds_optimus  # noqa: E402,F401
 from ds_optimus.moe import MoELayer, available_backends  # noqa: E402
@@ -95,6 +98,7 @@ def main() -> None:
     parser.add_argument("--tokens", default="8192,16384")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="top-kernel tables of ours at the last token count")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("moe_kernels.py measures on a GPU; none is visible")
@@ -129,7 +133,12 @@ def main() -> None:
                                         "met": speedup >= 1.2 and share >= 0.5}
             print(f"triton: {speedup:.2f}x ours_grouped_mm (target 1.2x), {share:.0%} of dense (target 50 %)")
         payload["results"][str(tokens)] = result
-    print(f"\nwrote {write_result('moe_kernels_' + torch.cuda.get_device_name().replace(' ', '_'), payload)}")
+    gpu = torch.cuda.get_device_name().replace(" ", "_")
+    print(f"\nwrote {write_result('moe_kernels_' + gpu, payload)}")
+    if args.profile:
+        tables = [f"== {name}, {tokens} tokens, forward + backward\n{profile_table(runs[name], device)}"
+                  for name in ("ours_triton", "ours_grouped_mm") if name in runs]
+        print(f"wrote {write_text_result(f'moe_kernels_profile_{gpu}.txt', chr(10).join(tables))}")
 
 
 if __name__ == "__main__":

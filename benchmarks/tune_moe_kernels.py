@@ -8,6 +8,12 @@ the best tiling per kernel; `--write` stores the best ones in `ops/tuned_blocks.
 GPU's name, where the kernels look them up. Needs no DeepSpeed.
 
     python benchmarks/tune_moe_kernels.py [--tokens 8192] [--repeats 20] [--write]
+    python benchmarks/tune_moe_kernels.py --compile-only --jobs 12   # fill Triton's cache, in parallel
+
+Compiling every candidate takes most of a tuning run (one kernel at a time, a second or more each);
+`--compile-only --jobs N` compiles them in N processes at once into Triton's on-disk cache (each
+launches every candidate of its share once, untimed), so that the timed run that follows only
+loads them. The battery runs it beside the correctness tests.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -32,7 +39,8 @@ CANDIDATES = [
         (64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (128, 64, 64, 4, 3), (128, 64, 64, 8, 3),
         (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 32, 8, 4),
         (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (64, 256, 64, 8, 3), (128, 128, 128, 8, 2),
-        (128, 64, 128, 8, 3), (64, 128, 128, 4, 3),
+        (128, 64, 128, 8, 3), (64, 128, 128, 4, 3), (128, 128, 64, 8, 4), (256, 128, 64, 8, 4),
+        (128, 256, 64, 8, 4),
     ]
 ]
 
@@ -56,9 +64,21 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--write", action="store_true", help="store the best tilings in ops/tuned_blocks.json")
+    parser.add_argument("--compile-only", action="store_true", help="launch each candidate once, untimed")
+    parser.add_argument("--jobs", type=int, default=1, help="with --compile-only: processes compiling at once")
+    parser.add_argument("--shard", default=None, help=argparse.SUPPRESS)  # "i/n": this process's share
     args = parser.parse_args()
+    if args.jobs < 1:
+        parser.error("--jobs must be a positive integer")
+    if args.jobs > 1 and not args.compile_only:
+        parser.error("--jobs compiles in parallel: it needs --compile-only (timings must not overlap)")
     if not torch.cuda.is_available():
         sys.exit("tune_moe_kernels.py measures on a GPU; none is visible")
+    if args.compile_only and args.jobs > 1 and args.shard is None:
+        procs = [subprocess.Popen([sys.executable, __file__, "--compile-only", "--tokens", str(args.tokens),
+                                   "--shard", f"{i}/{args.jobs}"]) for i in range(args.jobs)]
+        failed = [i for i, proc in enumerate(procs) if proc.wait() != 0]
+        sys.exit(f"compile shards {failed} failed" if failed else 0)
     from ds_optimus.ops import _triton_moe as k
 
     dev, dt = "cuda", torch.bfloat16
@@ -106,6 +126,16 @@ def main() -> None:
                lambda: torch.mm(rows_2i, w_2i_h)),
     }
     k.launch_gate_up(x, src, gate_up, gu, h, sched, k.resolve_blocks("gate_up", dev), num)  # real gu for backward
+    if args.compile_only:
+        index, count = map(int, (args.shard or "0/1").split("/"))
+        work = [(name, cfg) for name, (_, launch, _) in kernels.items() for cfg in CANDIDATES]
+        for name, cfg in work[index::count]:
+            try:
+                kernels[name][1](cfg)
+            except Exception as error:  # noqa: BLE001  (does not fit; the timed run skips it too)
+                print(f"  {name} {cfg}: skipped ({type(error).__name__})")
+        torch.cuda.synchronize()
+        return
     gpu = torch.cuda.get_device_name()
     report = {"gpu": gpu, "tokens": tokens, "kernels": {}}
     best = {}

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed import run_distributed
-from train_workers import ROOT, pretrain_worker, tiny_config
+from train_workers import child_pythonpath, deepspeed_launcher, pretrain_worker, tiny_config
 
 from ds_optimus.checkpoint_io import CheckpointWriter, atomic_save
 from ds_optimus.reliability import CheckpointError, CheckpointManager, verify
@@ -29,7 +29,7 @@ from ds_optimus.reliability.signals import EXIT_PREEMPTED
 from ds_optimus.reliability.supervise import supervise
 from ds_optimus.reliability.watchdog import EXIT_HUNG
 
-LAUNCHER = Path(sys.executable).with_name("deepspeed")
+LAUNCHER = deepspeed_launcher()
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def write_config(tmp_path: Path, config: dict) -> Path:
 
 
 def env_with(faults: list[dict] | None = None) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1"}
     env.pop("DS_OPTIMUS_FAULTS", None)
     if faults:
         env["DS_OPTIMUS_FAULTS"] = json.dumps(faults)

@@ -15,6 +15,7 @@ import pytest
 import torch
 from distributed import run_distributed
 from engine_workers import client_optimizer_worker, engine_refusals_worker, engine_router_bias_worker
+from train_workers import child_pythonpath, deepspeed_launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "hf_trainer_script.py"
@@ -93,7 +94,7 @@ def _check_run(out: Path, world: int = 2) -> None:
 
 
 def _launch(command: list[str], cwd: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -108,7 +109,7 @@ def test_a_plain_trainer_script_through_the_deepspeed_launcher(tmp_path):
     """`TrainingArguments(deepspeed=<json with EP 2>)`, no optimizer section: the Trainer's own
     optimizer is re-pointed at the expert shards."""
     (tmp_path / "ds.json").write_text(json.dumps(DS_CONFIG))
-    launcher = Path(sys.executable).with_name("deepspeed")
+    launcher = deepspeed_launcher()
     _launch([str(launcher), "--num_gpus", "2", str(SCRIPT), str(tmp_path / "out"), str(tmp_path / "ds.json")], tmp_path)
     _check_run(tmp_path / "out")
 

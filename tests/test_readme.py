@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from train_workers import child_pythonpath, deepspeed_launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -40,9 +41,9 @@ def test_the_hugging_face_trainer_example_runs_as_written(tmp_path):
     (tmp_path / "train_hf.py").write_text(readme_block("A complete script, `train_hf.py`", "python"))
     (tmp_path / "ds.json").write_text(readme_block("with `ds.json`", "json"))
     command = shlex.split(readme_block("launched on 2 processes", "bash"))
-    launcher = str(Path(sys.executable).with_name(command[0]))
+    launcher = deepspeed_launcher() if command[0] == "deepspeed" else str(Path(sys.executable).with_name(command[0]))
     command = [launcher, "--master_port", str(free_port()), *command[1:]]  # a free port, beside other runs
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath()}
     proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     output = proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.returncode == 0, output

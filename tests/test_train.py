@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed import run_distributed
-from train_workers import ROOT, cli_errors_worker, pretrain_worker, tiny_config
+from train_workers import ROOT, child_pythonpath, cli_errors_worker, deepspeed_launcher, pretrain_worker, tiny_config
 
 from ds_optimus.plan.measure import free_port
 from ds_optimus.train.components import resume_changes
@@ -170,6 +170,21 @@ def test_checkpoints_metrics_wandb_and_export(tmp_path, cache):
 
 
 @pytest.mark.slow
+def test_a_throughput_run_writes_no_checkpoint_no_export_and_a_profile_of_the_steps_asked_for(tmp_path, cache):
+    """checkpoint.enabled false and train.export false: nothing but the metrics, the summary and the
+    profiler's table of steps 5-6 (train.profile_steps) in the output folder."""
+    config = tiny_config(tmp_path, cache, checkpoint={"enabled": False}, train={"export": False, "steps": 6,
+                                                                              "profile_steps": [5, 6]})
+    summary = run_distributed(pretrain_worker, 1, config)[0]
+    run = tmp_path / "run"
+    assert summary["finished"] and "hf_dir" not in summary and len(summary["losses"]) == 6
+    assert not (run / "checkpoints").exists() and not (run / "hf").exists()
+    assert json.loads((run / "summary.json").read_text())["finished"]
+    profile = (run / "profile.txt").read_text()
+    assert profile.startswith("steps 5-6, rank 0, sorted by self_cpu_time_total")
+    assert "aten::mm" in profile  # the model's matmuls are in the table
+
+
 def test_bad_input_fails_with_one_line(tmp_path, cache):
     good = tiny_config(tmp_path, cache)
     cases = [
@@ -194,6 +209,10 @@ def test_bad_input_fails_with_one_line(tmp_path, cache):
         (good, ["optimizer.params.betas=[0.9, 1.0]"], "optimizer.params.betas must be two numbers in [0, 1)"),
         (good, ["optimus.model.overrides={\"num_experts\": 0, \"router_bias_update_rate\": 0.01}"],
          "router_bias_update_rate 0.01 needs MoE layers"),
+        (good, ["optimus.train.profile_steps=[3, 2]"], "optimus.train.profile_steps must be null or [first, last]"),
+        (good, ["optimus.train.profile_steps=4"], "optimus.train.profile_steps must be null or [first, last]"),
+        (good, ["optimus.checkpoint.enabled=\"no\""], "optimus.checkpoint.enabled must be"),
+        (good, ["optimus.train.export=1"], "optimus.train.export must be"),
     ]
     old_checkpoint = tmp_path / "old" / "checkpoints" / "step_00000004"
     old_checkpoint.mkdir(parents=True)
@@ -239,8 +258,8 @@ def test_deepspeed_launcher_runs_the_tiny_moe_job(tmp_path, cache):
                          train={"sample_tokens": 8})
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
-    launcher = Path(sys.executable).with_name("deepspeed")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline"}
+    launcher = deepspeed_launcher()
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "WANDB_MODE": "offline"}
     port = free_port()
     proc = subprocess.run([str(launcher), "--num_gpus", "2", "--master_port", str(port), "--module", "ds_optimus.train",
                            "--config", str(path), "--set", "optimus.train.steps=6"], cwd=tmp_path, env=env,
@@ -292,8 +311,8 @@ def test_hf_trainer_example_with_expert_parallelism_through_the_launcher(tmp_pat
                          checkpoint={"interval": 6, "keep_last": 2}, sharded_optimizer={"enabled": True})
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
-    launcher = Path(sys.executable).with_name("deepspeed")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    launcher = deepspeed_launcher()
+    env = {**os.environ, "PYTHONPATH": child_pythonpath()}
     proc = subprocess.run([str(launcher), "--num_gpus", "2", "--module", "ds_optimus.train.hf_example",
                            "--config", str(path)], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=600)
@@ -428,7 +447,7 @@ def test_a_busy_rendezvous_port_is_one_line(tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         port = busy.getsockname()[1]
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+        env = {**os.environ, "PYTHONPATH": child_pythonpath(), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
                "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         proc = subprocess.run([sys.executable, "-m", "ds_optimus.train", "--config",
                                str(ROOT / "ds_configs" / "mula-tiny-moe-cpu.json")],

@@ -42,7 +42,7 @@ def correctness(out: Path) -> dict | None:
 
 def kernels(out: Path) -> dict:
     """Per token count: the Triton layer's fraction of the dense rate and its speed over ours_grouped_mm."""
-    found = sorted(out.glob("moe_kernels_*.json"))
+    found = sorted(p for p in out.glob("moe_kernels_*.json") if not p.name.startswith("moe_kernels_tuning_"))
     if not found:
         return {}
     data = json.loads(found[0].read_text())

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -39,6 +40,7 @@ from common import launch_deepspeed, write_result  # noqa: E402
 
 PEAK_TFLOPS = {"H100 80GB HBM3": 989.0, "H100 SXM": 989.0, "H200": 989.0, "H100 PCIe": 756.0}
 TINY = {"preset": "mula-tiny-moe", "overrides": {}}
+PROFILED = 2  # with --profile: the last steps of ours' first round, recorded by torch.profiler
 
 
 def ds_config(work: Path, name: str, model: dict, args, *, before: bool) -> dict:
@@ -54,8 +56,9 @@ def ds_config(work: Path, name: str, model: dict, args, *, before: bool) -> dict
             "data": {"sources": ["embedded"], "seq_len": args.seq_len, "val_fraction": 0.02,
                      "cache_dir": str(work / "cache")},
             "train": {"steps": args.steps, "output_dir": str(work / name), "eval_interval": 0, "eval_batches": 1,
-                      "sample_tokens": 0, "warmup_steps": 2, "measure_memory_steps": 0 if before else 3},
-            "checkpoint": {"interval": 0, "resume": False},
+                      "sample_tokens": 0, "warmup_steps": 2, "measure_memory_steps": 0 if before else 3,
+                      "export": False},  # neither the export nor a checkpoint: a throughput measurement
+            "checkpoint": {"enabled": False, "resume": False},
             "wandb": {"mode": "disabled"},
         },
     }
@@ -68,13 +71,20 @@ def launch(command: list[str], work: Path) -> None:
     launch_deepspeed(command, work, gpus=1)
 
 
-def run_ours(work: Path, name: str, model: dict, args, before: bool) -> dict:
+def run_ours(work: Path, name: str, model: dict, args, before: bool, profile: bool = False) -> dict:
     config = ds_config(work, name, model, args, before=before)
+    profiled = [args.steps - PROFILED + 1, args.steps] if profile else None
+    config["optimus"]["train"]["profile_steps"] = profiled
     shutil.rmtree(work / name, ignore_errors=True)  # a fresh run each round
     path = work / f"{name}.json"
     path.write_text(json.dumps(config))
     launch(["--module", "ds_optimus.train", "--config", str(path)], work)
     records = [json.loads(line) for line in (work / name / "metrics.jsonl").read_text().splitlines()]
+    if profiled:  # the profiler's table beside the results; its steps are slower, so left out of the timing
+        records = [r for r in records if r.get("step", 0) < profiled[0]]
+        table = (work / name / "profile.txt").read_text()
+        Path(os.environ.get("BENCH_RESULTS", ROOT / "benchmarks" / "results"), f"train_e2e_profile_{name}.txt") \
+            .write_text(table)
     summary = json.loads((work / name / "summary.json").read_text())
     peaks = [m["peak_bytes"] for m in summary.get("memory") or []]
     return {"step_seconds": [r["step_seconds"] for r in records if "step_seconds" in r],
@@ -132,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="rounds of every contestant")
     parser.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak (default: by GPU name)")
     parser.add_argument("--only", default=None, help="comma-separated contestants (default: all)")
+    parser.add_argument("--profile", action="store_true",
+                        help=f"record ours' last {PROFILED} steps of the first round with torch.profiler (left out of "
+                             "its timing): the top kernels in train_e2e_profile_ours.txt beside the JSON")
     parser.add_argument("--dry-run", action="store_true", help="the tiny preset on the CPU, 3 steps, float32")
     args = parser.parse_args(argv)
     for key in ("layers", "seq_len", "micro", "steps", "repeats"):
@@ -139,10 +152,13 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{key.replace('_', '-')} must be a positive integer")
     if args.warmup >= args.steps:
         parser.error("--warmup must be below --steps")
+    if args.profile and args.warmup + PROFILED >= args.steps:
+        parser.error(f"--profile records the last {PROFILED} steps: --steps must exceed --warmup + {PROFILED}")
     args.dtype = "bf16"
     model = {"preset": "mula-7b-a1b", "overrides": {"num_hidden_layers": args.layers}}
     if args.dry_run:
         args.seq_len, args.micro, args.steps, args.warmup, args.repeats, args.dtype = 64, 2, 3, 1, 1, "fp32"
+        args.steps += PROFILED if args.profile else 0
         model = TINY
     names = ["ours", "before", "hf_trainer"] + (["hf_trainer_sonicmoe"] if sonicmoe_available() else [])
     if args.only:
@@ -177,11 +193,21 @@ def main(argv: list[str] | None = None) -> int:
                 elif name == "hf_trainer":
                     result = run_trainer(work, model, args, "grouped_mm")
                 else:
-                    result = run_ours(work, name, model, args, before=name == "before")
-                step = statistics.median(result["step_seconds"][args.warmup:])
+                    profile = args.profile and name == "ours" and r == 0  # the first round: kept if cut off
+                    result = run_ours(work, name, model, args, before=name == "before", profile=profile)
+                step = statistics.median(result["step_seconds"][args.warmup:])  # profiled steps left out
                 rounds[name].append(tokens_per_step / step)
                 details[name] = {k: v for k, v in result.items() if k != "step_seconds"}
                 print(f"round {r + 1}: {name:<20}{tokens_per_step / step:>10.0f} tokens/s", flush=True)
+            report(args, model, rounds, details, skipped, flops_per_token, tokens_per_step, peak,
+                   final=r == args.repeats - 1)
+    return 0
+
+
+def report(args, model: dict, rounds: dict, details: dict, skipped: dict, flops_per_token: float,
+           tokens_per_step: int, peak: float | None, final: bool) -> None:
+    """The figures of the rounds so far into train_e2e.json (written after every round, so that a run
+    cut off keeps what it finished); the table too once the last round is in."""
     results = {}
     for name, values in rounds.items():
         if not values:
@@ -190,21 +216,24 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = {"tokens_per_s": tps, "tokens_per_s_rounds": values, **details[name],
                          "step_seconds": tokens_per_step / tps,
                          "mfu": tps * flops_per_token / (peak * 1e12) if peak else None}
-    print(f"\n{'contestant':<20}{'tokens/s':>10}{'MFU':>7}{'vs Trainer+OLMoE':>18}{'vs before':>11}")
-    for name, v in results.items():
+    for v in results.values():
         v["vs_hf_trainer"] = v["tokens_per_s"] / results["hf_trainer"]["tokens_per_s"] if "hf_trainer" in results \
             else None
         v["vs_before"] = v["tokens_per_s"] / results["before"]["tokens_per_s"] if "before" in results else None
-        mfu = f"{v['mfu']:.1%}" if v["mfu"] is not None else "-"
-        vs = [f"{x:.2f}x" if x is not None else "-" for x in (v["vs_hf_trainer"], v["vs_before"])]
-        print(f"{name:<20}{v['tokens_per_s']:>10.0f}{mfu:>7}{vs[0]:>18}{vs[1]:>11}")
+    if final:
+        print(f"\n{'contestant':<20}{'tokens/s':>10}{'MFU':>7}{'vs Trainer+OLMoE':>18}{'vs before':>11}")
+        for name, v in results.items():
+            mfu = f"{v['mfu']:.1%}" if v["mfu"] is not None else "-"
+            vs = [f"{x:.2f}x" if x is not None else "-" for x in (v["vs_hf_trainer"], v["vs_before"])]
+            print(f"{name:<20}{v['tokens_per_s']:>10.0f}{mfu:>7}{vs[0]:>18}{vs[1]:>11}")
     payload = {"shape": {"preset": model["preset"], **model["overrides"], "seq_len": args.seq_len,
                          "micro_batch": args.micro, "dtype": args.dtype, "zero_stage": 1, "processes": 1},
                "flops_per_token": flops_per_token, "peak_tflops": peak, "steps": args.steps, "warmup": args.warmup,
-               "repeats": args.repeats, "results": results, "not_run": skipped}
-    name = "train_e2e_dry_run" if args.dry_run else "train_e2e"
-    print(f"wrote {write_result(name, payload)}")
-    return 0
+               "repeats": args.repeats, "rounds_done": max(map(len, rounds.values()), default=0),
+               "results": results, "not_run": skipped}
+    path = write_result("train_e2e_dry_run" if args.dry_run else "train_e2e", payload)
+    if final:
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -49,6 +49,8 @@ from .spaces import Bucket, BufferPool, ShardedOptimizerError, Space, collective
 __all__ = ["LossScaler", "STATE_FORMAT", "ShardedOptimizer", "ShardedOptimizerError"]
 
 
+DOT_CHUNK = 2**30  # elements per torch.dot in the gradient norm (BLAS takes at most 2**31 - 1)
+
 class ShardedOptimizer:
     """ZeRO-1 (`stage=1`) or ZeRO-2 (`stage=2`) over the param groups of `init_optimizer` (torch or
     DeepSpeed Adam/AdamW), with expert parameters sharded over the EDP group of their layout in
@@ -340,8 +342,9 @@ class ShardedOptimizer:
         inv = 1.0 / (self.world_size * self.cur_scale)
         squares = torch.zeros((), dtype=torch.float32, device=self.spaces[0].device if self.spaces else "cpu")
         for space in self.spaces:  # each element counted once: by the first replica of its shard
-            if space.replica_rank == 0:
-                squares += torch.dot(space.grad, space.grad)
+            if space.replica_rank == 0:  # in chunks: BLAS dot takes at most 2**31 - 1 elements
+                for chunk in space.grad.split(DOT_CHUNK):
+                    squares += torch.dot(chunk, chunk)
         dist.all_reduce(squares, group=self.norm_group)
         norm = math.sqrt(squares.item()) * inv
         self._global_grad_norm = norm
