@@ -18,7 +18,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=packages,
-    package_data={"ds_optimus.data": ["default_tokenizer.json"]},
+    package_data={"ds_optimus.data": ["default_tokenizer.json"], "ds_optimus.ops": ["tuned_blocks.json"]},
     package_dir={
         "ds_optimus": "ds_optimus",
         "ds_optimus.ops": "ops",

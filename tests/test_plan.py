@@ -541,14 +541,16 @@ def test_allgather_dispatch_where_the_bytes_say_so():
 
 def test_each_efficiency_applies_to_its_own_flops_against_the_peak():
     h100 = BUILTIN["h100"]
-    measured = json.loads((ROOT / "benchmarks" / "results" / "moe_kernels_NVIDIA_H100_80GB_HBM3.json").read_text())
-    rates = [r["times"]["ours_grouped_mm"]["tflops"] / h100.peak_tflops for r in measured["results"].values()]
-    assert min(rates) <= h100.expert_efficiency <= max(rates) and 0.27 < min(rates) < max(rates) < 0.32
+    # both rates from one run on a Hopper GPU (an H200: the H100 SXM's peak and SMs), 8k and 16k tokens
+    measured = json.loads((ROOT / "benchmarks" / "results" / "moe_kernels_NVIDIA_H200.json").read_text())
+    for name, assumed in (("ours_triton", h100.expert_efficiency), ("dense", h100.compute_efficiency)):
+        rates = [r["times"][name]["tflops"] / h100.peak_tflops for r in measured["results"].values()]
+        assert min(rates) <= assumed <= max(rates), (name, rates)
     # the experts run at their own fraction of peak, not at a fraction of the dense rate
     shape, layout = ModelShape.from_preset("mula-7b-a1b"), Layout(world=8, ep=8, micro=2)
     flops = 2 * shape.top_k * 3 * shape.hidden * shape.expert_intermediate * 2 * 4096
     assert expert_seconds(shape, layout, h100) == pytest.approx(flops / (989e12 * h100.expert_efficiency))
-    assert h100.expert_rate(8) == pytest.approx(989e12 * 0.29) and h100.rate(8) == pytest.approx(989e12 * 0.45)
+    assert h100.expert_rate(8) == pytest.approx(989e12 * 0.30) and h100.rate(8) == pytest.approx(989e12 * 0.68)
     # Aurora's dragonfly: 2 global links to each of the other 165 compute groups, for the 512 NIC endpoints
     # of a group (arXiv:2512.04291)
     assert BUILTIN["aurora"].global_bandwidth_fraction == pytest.approx(2 * 165 / 512, abs=0.001)
@@ -633,9 +635,9 @@ def test_scaling_report_of_mula_220b_on_aurora(tmp_path):
 
 # -- the command line ---------------------------------------------------------------------------
 
-def test_cli_plans_7b_on_64_h100_and_writes_a_runnable_config(tmp_path, capsys):
+def test_cli_plans_7b_on_16_h100_and_writes_a_runnable_config(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    code = plan_main(["--model", "mula-7b-a1b", "--cluster", "h100", "--devices", "64", "--top", "5",
+    code = plan_main(["--model", "mula-7b-a1b", "--cluster", "h100", "--devices", "16", "--top", "5",
                       "--write", str(out)])
     text = capsys.readouterr().out
     assert code == 0
