@@ -81,16 +81,30 @@ def test_router_bias_balances_experts_without_the_auxiliary_loss(tmp_path, cache
 def test_compiled_layers_train_like_eager(tmp_path, cache, world):
     """`train.compile` compiles every decoder layer (the experts' grouped GEMM is a custom op with a
     fake implementation, so float32 on the CPU traces too; the expert-parallel exchange stays eager);
-    12 steps match eager within 1e-5, and no step recompiles."""
-    def run(name: str, compile_: bool) -> tuple[list[float], int]:
+    no step recompiles, and 12 steps match eager as closely as float32 rounding allows.
+
+    Compiling changes only the order of float32 operations (fused kernels sum in another order), so
+    compiled and eager differ by roundings, which 12 steps of Adam then amplify by a factor that
+    depends on the machine's kernels (1.26e-5 relative was seen on one, under 1e-5 on another). The
+    bound is measured, not guessed: the same eager run started from weights changed by one float32
+    rounding (x (1 +- 2**-24)) drifts from eager by D; compiled may drift by at most 10 D (a few
+    roundings per operation, and their amplification alike), and at step 1 (before any update) by
+    at most 1e-5 (a forward pass of a few hundred float32 additions per output: ~1e-6)."""
+    def run(name: str, compile_: bool, perturb: bool = False) -> tuple[list[float], int]:
         config = tiny_config(tmp_path / name, cache, train={"steps": 12, "eval_interval": 0, "compile": compile_},
                              checkpoint={"interval": 0}, expert_parallel={"size": world})
-        return run_distributed(compiled_losses_worker, world, config)[0]
+        return run_distributed(compiled_losses_worker, world, config, perturb)[0]
+
+    def drift(a: list[float], b: list[float]) -> float:
+        return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
     (eager, no_graphs), (compiled, graphs) = run("eager", False), run("compiled", True)
+    rounded, _ = run("rounded", False, perturb=True)
     assert no_graphs == 0 and graphs > 0
-    assert len(eager) == len(compiled) == 12
-    assert max(abs(a - b) / abs(b) for a, b in zip(compiled, eager, strict=True)) < 1e-5
+    assert len(eager) == len(compiled) == len(rounded) == 12
+    assert 0 < drift(rounded, eager) < 1e-4  # the perturbation is felt, and stays small
+    assert drift(compiled, eager) <= 10 * drift(rounded, eager), (drift(compiled, eager), drift(rounded, eager))
+    assert abs(compiled[0] - eager[0]) / abs(eager[0]) < 1e-5
 
 
 def test_a_model_path_alone_wins_over_the_default_preset(tmp_path):

@@ -136,13 +136,25 @@ def metrics_worker(rank: int, world: int, config: dict) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if rank == 0 else []
 
 
-def compiled_losses_worker(rank: int, world: int, config: dict) -> tuple[list[float], int]:
+class RoundingPerturbation(Callback):
+    """Before the first step, every parameter element times (1 +- 2**-24), signs drawn from a fixed
+    seed: one float32 rounding's worth of change, the size of what reordering a float32 sum does."""
+
+    def pre_train(self) -> None:
+        gen = torch.Generator().manual_seed(1234)
+        with torch.no_grad():
+            for param in self.trainer.engine.module.parameters():
+                signs = torch.randint(0, 2, param.shape, generator=gen).to(param.dtype) * 2 - 1
+                param.mul_(1 + signs.to(param.device) * 2.0**-24)
+
+
+def compiled_losses_worker(rank: int, world: int, config: dict, perturb: bool = False) -> tuple[list[float], int]:
     """Train `config`; returns the per-step losses and how many graphs torch.compile captured. A code
     object compiled more than twice (training, then the evaluation's no-grad mode) fails the run:
-    no step may recompile."""
+    no step may recompile. `perturb`: with `RoundingPerturbation`."""
     torch._dynamo.config.recompile_limit = 2
     torch._dynamo.config.fail_on_recompile_limit_hit = True
-    summary = pretrain(config)
+    summary = Trainer(config, callbacks=[RoundingPerturbation()] if perturb else []).train()
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     return [summary["losses"][s] for s in sorted(summary["losses"])], graphs
 
