@@ -65,6 +65,8 @@ SPECS = {
     "EP=4 ZeRO-2, accumulation 2, clipping, small buckets": dict(ep=4, stage=2, micro=1, gas=2, clip=0.5, bucket=3000),
     "EP=2 ZeRO-2, accumulation 2, overlapped reduction": dict(ep=2, stage=2, micro=1, gas=2, bucket=3000,
                                                               sharded_options={"overlap_comm": True}),
+    # the norm's torch.dot in chunks of 97 elements, as a shard over 2**31 elements is (BLAS's limit)
+    "EP=2 ZeRO-1, clipping, the gradient norm in chunks": dict(ep=2, stage=1, micro=1, gas=1, clip=0.5, dot_chunk=97),
 }
 
 
