@@ -6,11 +6,13 @@ where it already is):
 
 - Transformers: the Mula models are registered with its Auto classes and the dropless MoE layer
   with its experts interface (as "ds_optimus", the Mula default);
-- DeepSpeed: its engine is hooked (`ds_optimus.optim.deepspeed_compat`), so a config with an
-  `optimus` section gets expert parallelism and the EP-aware sharded optimizer from
-  `deepspeed.initialize`, also under the Hugging Face Trainer;
+- DeepSpeed: its engine is hooked, so a config with an `optimus` section gets expert parallelism
+  and the EP-aware sharded optimizer from `deepspeed.initialize`, also under the Hugging Face Trainer;
 - accelerate: it leaves the `optimus` section of a DeepSpeed config alone (it would take the
-  section's `"auto"` values for its own placeholders and stop).
+  section's `"auto"` values for its own placeholders and stop), and gathers every expert of an
+  expert-parallel model in `get_state_dict`.
+
+What each of these changes and why is in `ds_optimus.integrations` (`PATCHES`).
 
 So `python -m ds_optimus.train --help` starts in a fraction of a second, and the models, kernels
 and planner load on machines without DeepSpeed.
@@ -42,20 +44,9 @@ def _register_with_transformers(finishing: str | None = None) -> None:
         return
     _registered = True
     _Hooks.pending = False
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    from .integrations.transformers import register_mula
 
-    from .hf_models.mula import MulaConfig, MulaForCausalLM, MulaModel
-    from .moe.layer import register_experts_implementation
-
-    AutoConfig.register(MulaConfig.model_type, MulaConfig, exist_ok=True)
-    AutoModel.register(MulaConfig, MulaModel, exist_ok=True)
-    AutoModelForCausalLM.register(MulaConfig, MulaForCausalLM, exist_ok=True)
-    # save_pretrained then writes `auto_map` and copies the configuration and modeling files into
-    # the folder, so it also loads with trust_remote_code=True where ds_optimus is not installed.
-    MulaConfig.register_for_auto_class("AutoConfig")
-    MulaModel.register_for_auto_class("AutoModel")
-    MulaForCausalLM.register_for_auto_class("AutoModelForCausalLM")
-    register_experts_implementation()
+    register_mula()
 
 
 def _own_import_running(finishing: str | None = None) -> bool:
@@ -67,36 +58,22 @@ def _own_import_running(finishing: str | None = None) -> bool:
     return False
 
 
-def _install_engine_hook() -> None:
+def _hook_deepspeed() -> None:
     try:
-        # The module hooks the engine when its import completes (this may run while it is being
-        # imported: deepspeed_compat's own `import deepspeed` brings us here).
-        importlib.import_module(f"{__name__}.optim.deepspeed_compat")
+        # Each module hooks its part when its import completes (this may run while one of them is
+        # being imported: its own `import deepspeed` brings us here; it hooks when it finishes).
+        importlib.import_module(f"{__name__}.integrations.deepspeed_ops")
+        importlib.import_module(f"{__name__}.integrations.deepspeed_engine")
     except Exception as err:  # an untested DeepSpeed version, or one that fails to import here
         warnings.warn(f"ds_optimus: DeepSpeed's engine is not hooked ({err})", stacklevel=2)
 
 
-def _leave_optimus_to_us() -> None:
-    """accelerate fills every `"auto"` of a DeepSpeed config from the Trainer's arguments and stops
-    at one it has no value for (`optimus.moe.experts_backend not found in kwargs`); the `optimus`
-    section is this library's, so its walk skips it."""
-    plugin = getattr(sys.modules.get("accelerate.utils.dataclasses"), "DeepSpeedPlugin", None)
-    original = getattr(plugin, "deepspeed_config_process", None)
-    if original is None or getattr(original, "skips_optimus", False):
-        return
+def _hook_accelerate_plugin() -> None:
+    importlib.import_module(f"{__name__}.integrations.accelerate").skip_optimus_section()
 
-    def deepspeed_config_process(self, prefix="", mismatches=None, config=None, must_match=True, **kwargs):
-        top = self.deepspeed_config if config is None else config
-        section = top.pop("optimus", None) if prefix == "" and isinstance(top, dict) else None
-        try:
-            return original(self, prefix=prefix, mismatches=mismatches, config=config, must_match=must_match,
-                            **kwargs)
-        finally:
-            if section is not None:
-                top["optimus"] = section
 
-    deepspeed_config_process.skips_optimus = True
-    plugin.deepspeed_config_process = deepspeed_config_process
+def _hook_accelerator() -> None:
+    importlib.import_module(f"{__name__}.integrations.accelerate").gather_experts_in_state_dict()
 
 
 class _Then(importlib.abc.Loader):
@@ -124,8 +101,9 @@ class _Hooks(importlib.abc.MetaPathFinder):
     it imports nothing itself (`importlib.util.find_spec(name)`, with which Transformers and
     accelerate probe for packages, asks here too), and leaves reloads alone."""
 
-    WATCHED: dict[str, list] = {"transformers": [_register_with_transformers], "deepspeed": [_install_engine_hook],
-                                "accelerate.utils.dataclasses": [_leave_optimus_to_us]}
+    WATCHED: dict[str, list] = {"transformers": [_register_with_transformers], "deepspeed": [_hook_deepspeed],
+                                "accelerate.utils.dataclasses": [_hook_accelerate_plugin],
+                                "accelerate.accelerator": [_hook_accelerator]}
     pending = False  # the registration waits for an import of ours to finish
     local = threading.local()  # `busy`: this thread is finding the spec (other threads import freely)
 

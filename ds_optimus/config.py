@@ -32,8 +32,6 @@ assembles them, and holds the sections of the training run itself (model, train,
 
 from __future__ import annotations
 
-import difflib
-import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,145 +90,22 @@ class ModelConfig(Section):
 
     def build(self, tokenizer=None, *, ep_size: int = 1, ep_rank: int = 0, seed: int = 0, stage=None):
         """The Mula model in fp32, built on the meta device and holding only experts
-        [ep_rank*E/ep_size, (ep_rank+1)*E/ep_size) of each MoE layer: random initial values that do not
-        depend on the layout (seeded by `seed`, name and expert) for a preset or a folder without
-        weights, else the folder's weights, of which only those rows are read; ids of `tokenizer`'s end
-        and padding tokens. An OLMoE folder is converted on the fly; a folder of another architecture,
-        and weights that leave a parameter uninitialised, are one-line ConfigErrors. `stage` (decoder
-        layers, has the embedding, has the head) keeps a pipeline stage's part only."""
-        from .parallel.build import WeightsError, build_model
+        [ep_rank*E/ep_size, (ep_rank+1)*E/ep_size) of each MoE layer (`parallel.model_source.build`)."""
+        from .parallel.model_source import build
 
-        config = self.mula_config(tokenizer)
-        folder = Path(self.path) if self.path is not None else None
-        kind = self._folder_kind(folder) if folder is not None and has_weights(folder) else None
-        if kind is not None:
-            check_folder_weights(folder, config, kind)
-        try:
-            return build_model(config, ep_size=ep_size, ep_rank=ep_rank, seed=seed,
-                               folder=folder if kind else None, kind=kind or "mula", stage=stage)
-        except WeightsError as err:
-            raise ConfigError(f"optimus.model.path {str(folder)!r}: {err}") from None
+        return build(self, tokenizer, ep_size=ep_size, ep_rank=ep_rank, seed=seed, stage=stage)
 
     def mula_config(self, tokenizer=None, seq_len: int | None = None):
-        """The `MulaConfig` of the model `build` makes (a one-line ConfigError where it cannot be made,
-        or where its positions are fewer than `seq_len`), with `tokenizer`'s end and padding ids."""
-        from .hf_models.mula import MulaConfig
+        """The `MulaConfig` of the model `build` makes (`parallel.model_source.mula_config`)."""
+        from .parallel.model_source import mula_config
 
-        folder = Path(self.path) if self.path is not None else None
-        kind = self._folder_kind(folder) if folder is not None else "preset"
-        known = set(MulaConfig().to_dict()) | set(inspect.signature(MulaConfig.__init__).parameters) - {"self"}
-        known |= {"attn_implementation", "rope_theta", "rope_scaling", "torch_dtype"}  # converted or popped by HF
-        for key in self.overrides:  # a misspelled one would only become an unused attribute
-            close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
-            need(key in known, f"optimus.model.overrides.{key} is not a MulaConfig setting"
-                               + (f" (did you mean {close[0]!r}?)" if close else ""))
-        try:
-            if kind in ("olmoe", "olmo"):
-                from .hf_models.mula.convert_common import read_config
-                from .hf_models.mula.convert_olmo import olmo_to_mula_config
-                from .hf_models.mula.convert_olmoe import olmoe_to_mula_config
-
-                convert = olmoe_to_mula_config if kind == "olmoe" else olmo_to_mula_config
-                config = convert(read_config(folder))
-                config = MulaConfig(**{**config.to_dict(), **self.overrides})
-            elif kind == "mula":
-                config = MulaConfig.from_pretrained(folder, **self.overrides)
-            else:
-                config = MulaConfig.from_preset(self.preset, **self.overrides)
-        except (TypeError, ValueError) as err:
-            if isinstance(err, ConfigError):
-                raise
-            where = "optimus.model.overrides" if self.overrides else f"optimus.model.path {str(folder)!r}"
-            raise ConfigError(f"{where}: {str(err).splitlines()[0]}") from None
-        need(seq_len is None or seq_len <= config.max_position_embeddings,
-             f"optimus.data.seq_len {seq_len} is longer than the model's max_position_embeddings "
-             f"{config.max_position_embeddings}: set optimus.model.overrides.max_position_embeddings, or a shorter "
-             "seq_len")
-        if tokenizer is not None:
-            if len(tokenizer) > config.vocab_size:
-                fix = ("set optimus.data.tokenizer to the model's own tokenizer: its weights fix the vocabulary"
-                       if folder is not None and has_weights(folder) else "set optimus.model.overrides.vocab_size")
-                raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens, more than the model's vocab_size "
-                                  f"{config.vocab_size} ({fix})")
-            config.eos_token_id = tokenizer.eos_token_id
-            pad = tokenizer.pad_token_id
-            config.pad_token_id = pad if pad is not None else tokenizer.eos_token_id
-        return config
+        return mula_config(self, tokenizer, seq_len)
 
     def describe(self) -> str:
         """What the model comes from, in words."""
-        if self.path is None:
-            return f"preset {self.preset}"
-        folder = Path(self.path)
-        weights = "with its weights" if has_weights(folder) else "without weights: random initial values"
-        kind = {"olmoe": "an OLMoE folder, converted on the fly", "olmo": "an OLMo folder, read as Mula"}.get(
-            self._folder_kind(folder), "a Mula folder")
-        return f"{folder} ({kind}, {weights})"
+        from .parallel.model_source import describe
 
-    def _folder_kind(self, folder: Path) -> str:
-        """"mula", "olmoe" or "olmo", from the folder's config.json; anything else is a ConfigError."""
-        import json
-
-        where = f"optimus.model.path {str(folder)!r}"
-        if not folder.is_dir():
-            raise ConfigError(f"{where} is not a folder")
-        if not (folder / "config.json").exists():
-            raise ConfigError(f"{where} has no config.json")
-        try:
-            model_type = json.loads((folder / "config.json").read_text()).get("model_type")
-        except (OSError, ValueError, AttributeError) as err:
-            raise ConfigError(f"{where}: config.json is not a readable JSON object ({type(err).__name__})") from None
-        if model_type in ("mula", "olmoe", "olmo"):
-            return model_type
-        raise ConfigError(f"{where} holds a {model_type!r} model, not a Mula, OLMoE or OLMo one (OLMoE and OLMo "
-                          "folders are converted on the fly; other architectures are not trained by ds_optimus)")
-
-
-def check_folder_weights(folder: Path, config, kind: str, when: str = "") -> None:
-    """A one-line ConfigError where `folder`'s weights (read from the files' headers: names and shapes,
-    no tensor data) would not fill `MulaForCausalLM(config)`: a tensor missing or of another shape;
-    for an OLMoE folder (`kind` "olmoe"), as its conversion would find them. `when` ends the OLMoE
-    message's "converted on the fly" (e.g. " at the start")."""
-    import torch
-
-    from .hf_models.mula import MulaForCausalLM
-    from .hf_models.mula.convert_olmoe import ConversionError, check_tensors, stack_experts
-    from .parallel.build import WeightsError, folder_shapes
-
-    where = f"optimus.model.path {str(folder)!r}"
-    try:
-        shapes = folder_shapes(folder)
-    except WeightsError as err:
-        raise ConfigError(f"{where}: {err}") from None
-    if kind == "olmoe":
-        empty = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
-        try:  # as the conversion does, on tensors without data
-            check_tensors(MulaForCausalLM, config, stack_experts(empty, config.num_experts))
-        except ConversionError as err:
-            raise ConfigError(f"{where} (an OLMoE checkpoint, converted on the fly{when}): {err}") from None
-        return
-    with torch.device("meta"):
-        expected = {name: tuple(t.shape) for name, t in MulaForCausalLM(config).state_dict().items()}
-    if config.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)
-    refuse_uninitialised(folder, sorted(name for name in expected if name not in shapes),
-                         sorted(name for name in expected if name in shapes and shapes[name] != expected[name]))
-
-
-def refuse_uninitialised(folder: Path, missing: list[str], wrong: list[str]) -> None:
-    """A one-line ConfigError when a model folder's weights leave parameters `missing` (or of another
-    shape: `wrong`), which would otherwise train from their random initial values."""
-    names = missing or wrong
-    if names:
-        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
-        what = "has no weights for" if missing else "has weights of another shape for"
-        raise ConfigError(f"optimus.model.path {str(folder)!r} {what} {', '.join(names[:3])}{more}: they would train "
-                          "from random values (is it a checkpoint of another layout or architecture?)")
-
-
-def has_weights(folder: Path) -> bool:
-    """Whether an HF folder holds weights (safetensors or PyTorch .bin, single or sharded)."""
-    return any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))
+        return describe(self)
 
 
 def first_line(err: BaseException) -> str:
@@ -365,7 +240,7 @@ class OptimusConfig(Section):
 def check_run_config(ds_config: dict[str, Any]):
     """The parsed `optimus` section of a training config, after the checks that need no process
     group: every key known (DeepSpeed's too), the ZeRO stage, the optimizer's hyper-parameters."""
-    from .optim.config_keys import check_config_keys
+    from .integrations.deepspeed_config import check_config_keys
 
     opt = OptimusConfig.from_ds_config(ds_config)
     stage = ds_config.get("zero_optimization", {}).get("stage", 0)
@@ -374,7 +249,7 @@ def check_run_config(ds_config: dict[str, Any]):
     check_optimizer_section(ds_config)
     check_config_keys(ds_config)
     if opt.train.clip_after_warmup:  # something to clip, and a warm-up to wait for
-        from .optim.clipping import delayed_clipping
+        from .optim.warmup_clipping import delayed_clipping
 
         delayed_clipping(ds_config, opt.train.warmup_steps)
     return opt

@@ -89,3 +89,23 @@ def engine_router_bias_worker(rank: int, world: int) -> list[dict]:
         seen.append({"bias_moved": float(gate.expert_bias.abs().sum()), "pending": float(gate.load_since_update.sum()),
                      "drives": engine.drives_router_bias})
     return seen
+
+
+def plain_engine_worker(rank: int, world: int, stage: int) -> dict:
+    """A plain torch model and a DeepSpeed config without an `optimus` section through
+    deepspeed.initialize, ds_optimus imported: what the engine built and whether ds_optimus left any
+    state on it (attributes whose names it uses)."""
+    import deepspeed
+
+    import ds_optimus  # noqa: F401
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    config = {**BASE, "zero_optimization": {"stage": stage}}
+    engine, optimizer, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    loss = engine(torch.randn(2, 8)).square().mean()
+    engine.backward(loss)
+    engine.step()
+    ours = sorted(n for n in vars(engine) if "ds_optimus" in n or n == "drives_router_bias")
+    return {"optimizer": type(engine.optimizer).__name__, "ours": ours, "moe": engine.has_moe_layers,
+            "hooked": type(engine)._configure_distributed_model.__module__}

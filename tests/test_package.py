@@ -117,7 +117,7 @@ def test_deepspeed_engine_is_hooked_whatever_the_import_order(imports):
         "print(E._configure_zero_optimizer.__module__, E.save_checkpoint.__module__)"
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    hooked = "ds_optimus.optim.deepspeed_compat"
+    hooked = "ds_optimus.integrations.deepspeed_engine"
     assert result.stdout.strip().splitlines()[-1] == f"{hooked} {hooked}"
 
 

@@ -10,7 +10,7 @@ from train_workers import tiny_config
 
 from ds_optimus.config import OptimusConfig
 from ds_optimus.hf_models.mula import MulaConfig, MulaForCausalLM
-from ds_optimus.optim.clipping import clip_for_step, delayed_clipping
+from ds_optimus.optim.warmup_clipping import clip_for_step, delayed_clipping
 from ds_optimus.parallel import moe_param_groups
 from ds_optimus.schema import ConfigError
 from ds_optimus.train import Callback, Trainer

@@ -412,7 +412,7 @@ def test_op_builds_are_said_before_they_start_kept_per_environment_and_skipped_w
     from deepspeed.accelerator import get_accelerator
     from deepspeed.ops.op_builder.builder import OpBuilder
 
-    from ds_optimus.optim.deepspeed_compat import UNNEEDED_OPS, extensions_dir, prepare_op_builds
+    from ds_optimus.integrations.deepspeed_ops import UNNEEDED_OPS, extensions_dir, prepare_op_builds
 
     calls = []
     monkeypatch.setattr(OpBuilder, "jit_load", lambda self, verbose=True: calls.append((self.name, verbose)) or "op")

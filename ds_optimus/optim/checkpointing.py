@@ -51,7 +51,7 @@ class CheckpointLoadError(CheckpointError):
 
 
 def engine_state_types() -> list[Any]:
-    """The DeepSpeed classes in a per-rank engine state (`deepspeed_compat.engine_state`: DeepSpeed
+    """The DeepSpeed classes in a per-rank engine state (`integrations.deepspeed_engine.engine_state`: DeepSpeed
     0.19's ZeRO-1/2 and BF16 optimizers keep their loss scaler, stage and fragment addresses as objects);
     the only ones besides tensors and containers that loading such a file may build."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler

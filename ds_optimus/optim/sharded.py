@@ -3,7 +3,7 @@
 Dense parameters' fp32 master weights and Adam moments are sharded over the data-parallel group,
 each EP layout's expert parameters' over its expert-data-parallel (EDP) group, aligned to whole
 experts when the EDP size divides the local expert count (`layout.py`, `spaces.py`). Pure PyTorch,
-it runs on its own (`backward(loss)`, `step()`), or as DeepSpeed's ZeRO optimizer (`deepspeed_compat.py`).
+it runs on its own (`backward(loss)`, `step()`), or as DeepSpeed's ZeRO optimizer (`integrations.deepspeed_engine`).
 
 Per step:
 - gradients are copied, as the backward pass produces them, into communication buckets, and each
@@ -285,7 +285,7 @@ class ShardedOptimizer:
         self._finish_reduction()
 
     # What a framework driving the optimizer adds around the backward pass (DeepSpeed's engine:
-    # `deepspeed_compat.ShardedOptimizer`); on its own there is nothing to add.
+    # `ds_optimus.integrations.deepspeed_engine.ShardedOptimizer`); on its own there is nothing to add.
     def _backward_started(self) -> None: ...
     def _backward_ended(self) -> None: ...
     def _gradient_arrived(self) -> None: ...

@@ -6,7 +6,7 @@ Layout (DeepSpeed's): with world size W and EP size P, the EP groups are consecu
 exchange, EP groups are cut into nodes of `node_size` consecutive ranks: an intra-node group per node
 and an inter-node group per local rank index. With pipeline stages (`init_pipeline_groups`), all of this
 is made inside each stage's ranks, and the stage's ranks are its data-parallel group. Nothing here
-talks to DeepSpeed: its engine hook (`ds_optimus.optim.deepspeed_compat`) registers the layouts a
+talks to DeepSpeed: its engine hook (`ds_optimus.integrations.deepspeed_engine`) registers the layouts a
 model's experts declare, under DeepSpeed's name for them (``ep_size_{P}``), when the engine is built.
 """
 

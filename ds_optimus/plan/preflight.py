@@ -129,7 +129,7 @@ def _recompute_note(recompute: bool | tuple[str, ...]) -> str:
 def _check_weights(path: str | None, model) -> None:
     """A Mula or OLMoE folder's weights against the model built on the meta device, from the files'
     headers only (names and shapes; no tensor is read), as the start checks them."""
-    from ..config import check_folder_weights, has_weights
+    from ..parallel.model_source import check_folder_weights, has_weights
 
     folder = Path(path) if path else None
     if folder is None or not has_weights(folder):

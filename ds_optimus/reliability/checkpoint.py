@@ -293,7 +293,7 @@ class CheckpointManager:
             raise CollectiveCheckpointError(str(err)) from None
 
     def _per_rank_files(self, engine, client: dict, copy: bool) -> tuple[dict[str, Any], dict[str, Any]]:
-        from ..optim.deepspeed_compat import engine_state
+        from ..integrations.deepspeed_engine import engine_state
 
         model = engine.module
         state = model.state_dict()
@@ -318,7 +318,7 @@ class CheckpointManager:
     def load(self, path: str | Path, engine) -> tuple[int, dict[str, Any]]:
         """Restore model, optimizer, scheduler, counters and RNG from `path` on every rank; returns
         (step, the extra state saved with it)."""
-        from ..optim.deepspeed_compat import load_engine_state
+        from ..integrations.deepspeed_engine import load_engine_state
 
         path = Path(path)
         try:

@@ -26,7 +26,7 @@ def init_distributed() -> None:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    from ..optim.deepspeed_compat import prepare_op_builds
+    from ..integrations.deepspeed_ops import prepare_op_builds
 
     if dist.is_initialized():
         return

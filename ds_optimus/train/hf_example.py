@@ -53,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = apply_overrides(load_json_config(args.config), args.overrides)
         opt = OptimusConfig.from_ds_config(config)
-        from ds_optimus.optim.config_keys import check_config_keys
-        from ds_optimus.optim.deepspeed_compat import prepare_op_builds
+        from ds_optimus.integrations.deepspeed_config import check_config_keys
+        from ds_optimus.integrations.deepspeed_ops import prepare_op_builds
 
         check_config_keys(config)
         prepare_op_builds()  # before the Trainer's accelerate starts DeepSpeed's communication

@@ -6,7 +6,7 @@ nothing from here: `import ds_optimus` hooks DeepSpeed's engine, which applies t
 expert parameters in DeepSpeed's `moe` param groups (from the Trainer's own optimizer or from the
 flat parameter list it passes with an "optimizer" section), moves a Mula router's bias after each
 optimizer step, and makes `Trainer.save_model` gather every expert (see
-`ds_optimus.optim.deepspeed_compat`). What is left here:
+`ds_optimus.integrations.deepspeed_engine`). What is left here:
 
 - `trainer_ds_config(ds_config)`: a config of `python -m ds_optimus.train` made fit for the Trainer
   (its training-only `optimus` keys, "optimizer" and "scheduler" dropped, batch sizes "auto");

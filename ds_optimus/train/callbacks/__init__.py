@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from .base import Callback
 from .checkpointing import CheckpointCallback
-from .clipping import ClipAfterWarmupCallback
+from .clip_after_warmup import ClipAfterWarmupCallback
 from .downstream import DownstreamCallback
 from .evaluation import EvaluationCallback
 from .faults import FaultInjectionCallback

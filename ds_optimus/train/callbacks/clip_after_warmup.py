@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ...cli import said_by_every_rank
-from ...optim.clipping import clip_for_step, delayed_clipping, set_gradient_clipping
+from ...integrations.deepspeed_engine import set_gradient_clipping
+from ...optim.warmup_clipping import clip_for_step, delayed_clipping
 from ...schema import ConfigError
 from .base import Callback
 

@@ -58,7 +58,7 @@ def check_config_keys(ds_config: dict) -> None:
     from deepspeed.runtime.config import DeepSpeedConfig
     from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 
-    from .deepspeed_compat import check_version
+    from .deepspeed_version import check_version
 
     check_version()
     batch_keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")

@@ -1,40 +1,35 @@
-"""The one module that touches DeepSpeed's private API, pinned to the tested DeepSpeed versions.
+"""DeepSpeed's engine, patched so that a config's `optimus` section works however
+`deepspeed.initialize` is reached (`ds_optimus.train`, the Hugging Face Trainer through accelerate,
+`accelerate launch`, a script). Written against DeepSpeed 0.19.8 (`TESTED_VERSIONS`); every method
+replaced here is listed with its reason and upstream signature in `ds_optimus.integrations.PATCHES`,
+and `tests/test_integrations.py` fails when one of those signatures changes upstream.
 
-- The `optimus` section of the engine's config (`EngineSection`: `moe`, `expert_parallel`,
-  `sharded_optimizer`) is applied by the engine itself to the model it is given, however
-  `deepspeed.initialize` is reached (the Hugging Face Trainer through accelerate, `accelerate
-  launch`, a script): the experts backend, expert parallelism where the model is not yet
+An engine is left exactly as DeepSpeed built it (no patched code path runs beyond the check) unless
+its config has an `optimus` section or its model holds ds_optimus' expert-parallel experts or a
+Mula router bias. Otherwise:
+
+- The section's `moe`, `expert_parallel` and `sharded_optimizer` are applied by the engine to the
+  model it is given: the experts backend, expert parallelism where the model is not yet
   expert-parallel (reported to DeepSpeed as a module replacement, so the parameter lists and the
   client optimizer built before it are re-pointed at the shards), expert parameters split into
-  DeepSpeed's `moe` param groups, the router-bias update after each optimizer step, and
-  `Accelerator.get_state_dict` gathering every expert (what `Trainer.save_model` calls on every
-  rank). CPU runs release DeepSpeed's shared-memory workspace once the engine exists.
-- `install_engine_hook`: DeepSpeed's engine enables its MoE gradient handling only when the model
-  contains its own `deepspeed.moe.layer.MoE` modules. When the engine meets the model, the hook
-  registers the EP/EDP groups that the model's expert modules declare (`expert_groups`, set by
-  `apply_expert_parallel`) in DeepSpeed's group registry (`register_expert_groups`, under DeepSpeed's
-  name ``ep_size_{P}``, which ZeRO looks up through a parameter's `group_name`) and enables the MoE
-  handling, so DeepSpeed's own ZeRO-1/2 reduce expert gradients over the EDP group.
-- `ShardedOptimizer` (the adapter) and the builders installed by `install_engine_hook`: when the
-  config's `optimus.sharded_optimizer.enabled` is true, the engine builds the EP-aware sharded
-  optimizer (`ds_optimus.optim.sharded`, pure PyTorch) as a DeepSpeed `ZeROOptimizer` where it would
-  build its ZeRO stage 1/2 (or BF16) optimizer, and `engine.save_checkpoint` /
-  `engine.load_checkpoint` write and read ds_optimus' layout-independent checkpoints
-  (`ds_optimus.optim.checkpointing`).
+  DeepSpeed's `moe` param groups, and the router-bias update after each optimizer step.
+- DeepSpeed enables its MoE gradient handling only for its own `deepspeed.moe.layer.MoE` modules:
+  the EP/EDP groups the model's experts declare (`expert_groups`, set by `apply_expert_parallel`)
+  are registered in DeepSpeed's group registry under its name ``ep_size_{P}`` (which ZeRO looks up
+  through a parameter's `group_name`) and the handling is enabled, so DeepSpeed's own ZeRO-1/2
+  reduce expert gradients over the EDP group.
+- With `optimus.sharded_optimizer.enabled`, the engine builds the EP-aware sharded optimizer
+  (`ds_optimus.optim.sharded`, pure PyTorch, adapted here as a DeepSpeed `ZeROOptimizer`) where it
+  would build its ZeRO stage 1/2 (or BF16) optimizer, and `save_checkpoint`/`load_checkpoint` write
+  and read ds_optimus' layout-independent checkpoints; DeepSpeed's own checkpoints of an
+  expert-parallel model are refused (they would hold one rank's experts for all).
 - `engine_state` / `load_engine_state`: this rank's optimizer partition (through the ZeRO and BF16
-  optimizers' list-of-ranks `load_state_dict`), LR scheduler and the engine's step counters, for
-  ds_optimus' own per-rank checkpoints (`ds_optimus.reliability.checkpoint`).
+  optimizers' list-of-ranks `load_state_dict`), LR scheduler and step counters, for ds_optimus' own
+  per-rank checkpoints; `set_gradient_clipping` switches clipping in place (the engine's config).
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-import sys
-import time
-from pathlib import Path
-
-import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
@@ -42,31 +37,18 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import groups as ds_groups
 
 from ..moe.layer import uses_router_bias
+from ..optim import sharded
+from ..optim.config import EngineSection
 from ..parallel.expert_parallel import (
     EXPERT_WEIGHTS,
-    expert_groups_of,
     expert_layouts,
     expert_parallel_modules,
     experts_modules,
-    full_state_dict,
     is_expert_param,
     setup_moe,
 )
 from ..schema import ConfigError
-from . import sharded
-from .config import EngineSection
-
-TESTED_VERSIONS = ("0.19.",)
-
-
-def check_version(version: str | None = None) -> None:
-    """Raise RuntimeError unless DeepSpeed's version is one this module was tested with."""
-    version = version or deepspeed.__version__
-    if not version.startswith(TESTED_VERSIONS):
-        raise RuntimeError(
-            f"ds_optimus supports DeepSpeed {', '.join(v + 'x' for v in TESTED_VERSIONS)}, found {version}; "
-            "install a supported version (pip install 'deepspeed>=0.19.8,<0.20')"
-        )
+from .deepspeed_version import check_version
 
 
 def register_expert_groups(groups) -> None:
@@ -122,18 +104,38 @@ _ORIGINAL = {
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def optimus_given(engine) -> dict | None:
+    """The `optimus` section of the engine's config as written, or None without one (also for an
+    engine whose config is not DeepSpeed's, as in DeepSpeed's own unit tests)."""
+    params = getattr(getattr(engine, "_config", None), "_param_dict", None)
+    section = params.get("optimus") if isinstance(params, dict) else None
+    return section if isinstance(section, dict) else None
+
+
 def engine_section(engine) -> EngineSection:
-    """The engine's `optimus` section, parsed once (a bad key or value there is a one-line ConfigError)."""
+    """The engine's `optimus` section, parsed once (a bad key or value there is a one-line ConfigError);
+    the defaults without one."""
+    given = optimus_given(engine)
+    if given is None:
+        return EngineSection.of({})
     cached = getattr(engine, "_ds_optimus_section", None)
     if cached is None:
-        cached = engine._ds_optimus_section = EngineSection.of(engine._config._param_dict.get("optimus", {}))
+        cached = engine._ds_optimus_section = EngineSection.of(given)
     return cached
 
 
 def sharded_optimizer_settings(engine):
     """The `optimus.sharded_optimizer` section of the engine's config when enabled, else None."""
+    if optimus_given(engine) is None:
+        return None
     settings = engine_section(engine).sharded_optimizer
     return settings if settings.enabled else None
+
+
+def ours(engine, model) -> bool:
+    """Whether ds_optimus has anything to do with this engine: an `optimus` section in its config, or
+    a model holding ds_optimus' expert-parallel experts or a Mula router bias."""
+    return optimus_given(engine) is not None or bool(expert_layouts(model)) or uses_router_bias(model)
 
 
 def build_sharded_optimizer(engine, basic_optimizer, settings) -> ShardedOptimizer:
@@ -187,10 +189,10 @@ def _configure_bf16_optimizer(self, optimizer):
 
 def _configure_expert_parallel(self, model, collect_sources=None):
     replaced = _ORIGINAL["expert_parallel"](self, model, collect_sources)  # DeepSpeed's AutoEP, when enabled
-    given = self._config._param_dict.get("optimus", {})
-    section = engine_section(self)
-    if "moe" not in given and "expert_parallel" not in given:
+    given = optimus_given(self)
+    if given is None or ("moe" not in given and "expert_parallel" not in given):
         return replaced
+    section = engine_section(self)
     size, layouts = section.expert_parallel.size, expert_layouts(model)
     if layouts and "expert_parallel" in given and layouts[0].ep_size != size:
         raise ConfigError(f"the model is already expert-parallel at size {layouts[0].ep_size}, but "
@@ -257,6 +259,8 @@ def _take_model_step(self, lr_kwargs):
 
 
 def _configure_distributed_model(self, model):
+    if not ours(self, model):
+        return _ORIGINAL["configure"](self, model)
     settings = sharded_optimizer_settings(self)
     if settings is not None and int(self.zero_optimization_stage()) not in (1, 2):
         raise ConfigError("optimus.sharded_optimizer needs zero_optimization.stage 1 or 2, "
@@ -274,102 +278,16 @@ def _configure_distributed_model(self, model):
     # The engine moves a Mula router's bias after each optimizer step (auxiliary-loss-free
     # balancing); ds_optimus.train turns this off and does it in its own step.
     self.drives_router_bias = uses_router_bias(self.module)
-    if "accelerate.accelerator" in sys.modules:
-        _hook_accelerate(sys.modules["accelerate.accelerator"].Accelerator)
+    from .deepspeed_ops import release_shm_workspace  # here: that module may still be importing DeepSpeed
+
     release_shm_workspace()
-
-
-# Ops DeepSpeed builds at start-up that training never calls: the CPU shared-memory all-reduce serves
-# `inference_all_reduce` (AutoTP inference) only, yet costs a ~75 s compile and a 69 MB /dev/shm
-# workspace per rank.
-UNNEEDED_OPS = ("deepspeed_shm_comm",)
-_ADAM = "DeepSpeed's Adam on this device; optimizer.params.torch_adam: true uses PyTorch's, unbuilt"
-_WHY = {"fused_adam": _ADAM, "cpu_adam": _ADAM}
-
-
-def extensions_dir() -> Path:
-    """Where this Python environment keeps DeepSpeed's compiled ops: a folder of its own, so that two
-    environments do not rebuild each other's ops in turn, as in PyTorch's one shared default folder."""
-    key = hashlib.sha256(f"{sys.prefix}|{torch.__version__}|{deepspeed.__version__}".encode()).hexdigest()[:10]
-    return Path.home() / ".cache" / "torch_extensions" / f"ds_optimus-{Path(sys.prefix).name}-{key}"
-
-
-def prepare_op_builds(say=None) -> None:
-    """Before DeepSpeed builds or loads its ops: keep them per environment (`TORCH_EXTENSIONS_DIR`,
-    unless set), skip those training never calls (`UNNEEDED_OPS`), and say in one line (`say`, on
-    the first local rank) what is being compiled and why before a build starts. Idempotent."""
-    from deepspeed.ops.op_builder.builder import OpBuilder
-
-    check_version()
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
-    for name in UNNEEDED_OPS:
-        deepspeed.ops.__compatible_ops__[name] = False
-    original = OpBuilder.jit_load
-    if getattr(original, "says_builds", False):
-        return
-    say = say or (lambda text: print(text, file=sys.stderr, flush=True))
-
-    def jit_load(self, verbose=True):
-        root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", extensions_dir()))
-        first = os.environ.get("LOCAL_RANK", "0") in ("", "0") and not any((root / self.name).glob(f"{self.name}*.so"))
-        if first:
-            say(f"ds_optimus: compiling DeepSpeed's {self.name} op ({_WHY.get(self.name, 'this config needs it')}): "
-                f"a few minutes, once per environment, kept in {root}")
-        began = time.perf_counter()
-        module = original(self, verbose=os.environ.get("DS_OPTIMUS_VERBOSE", "") not in ("", "0", "false"))
-        if first:
-            say(f"ds_optimus: DeepSpeed's {self.name} op is ready ({time.perf_counter() - began:.0f} s)")
-        return module
-
-    jit_load.says_builds = True
-    OpBuilder.jit_load = jit_load
-
-
-def release_shm_workspace() -> None:
-    """Remove the name of this rank's shared-memory workspace that DeepSpeed's CPU communication
-    backend creates when all ranks share a host (/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_
-    <port>_<rank>, 69 MB) and never removes: every run on a new port would leave one per rank behind,
-    until /dev/shm (RAM) is full. Every rank maps every other rank's workspace while the backend
-    starts, so after a barrier the names can go; the mappings stay valid. Collective; CPU only."""
-    from deepspeed.accelerator import get_accelerator
-
-    if not dist.is_initialized() or get_accelerator().device_name() != "cpu":
-        return
-    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-            f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}")
-    dist.barrier()
-    try:
-        os.unlink(name)
-    except FileNotFoundError:
-        pass
-
-
-def _hook_accelerate(accelerator_class) -> None:
-    """`Accelerator.get_state_dict` of an expert-parallel model under DeepSpeed: every expert, gathered
-    over the EP group (it is collective: `Trainer.save_model` and `Accelerator.save_model` call it on
-    every rank), instead of this rank's shard. Idempotent."""
-    original = accelerator_class.get_state_dict
-    if getattr(original, "gathers_experts", False):
-        return
-
-    def get_state_dict(self, model, unwrap=True):
-        inner = self.unwrap_model(model) if unwrap else model
-        groups = expert_groups_of(inner) if isinstance(inner, torch.nn.Module) else None
-        if groups is None or groups.ep_size == 1 or not isinstance(model, DeepSpeedEngine):
-            return original(self, model, unwrap)
-        from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
-
-        return clone_tensors_for_torch_save(full_state_dict(inner, groups))
-
-    get_state_dict.gathers_experts = True
-    accelerator_class.get_state_dict = get_state_dict
 
 
 def _checkpoint_method(name):
     original = _ORIGINAL[name]
 
     def method(self, *args, **kwargs):
-        from . import checkpointing
+        from ..optim import checkpointing
 
         if isinstance(self.optimizer, sharded.ShardedOptimizer):
             ours = checkpointing.save_checkpoint if name == "save" else checkpointing.load_checkpoint
@@ -391,16 +309,17 @@ def install_engine_hook() -> None:
     """Make DeepSpeed's engine apply the config's `optimus` section to its model, treat ds_optimus
     expert-parallel experts as MoE layers (registering the groups they declare), build the sharded
     optimizer when the config enables it, route its checkpoints to ds_optimus, and refuse
-    DeepSpeed's own checkpoints of expert-parallel models (idempotent)."""
+    DeepSpeed's own checkpoints of expert-parallel models (idempotent). Each replacement keeps
+    DeepSpeed's method as `__wrapped__`."""
     check_version()
-    DeepSpeedEngine._configure_expert_parallel = _configure_expert_parallel
-    DeepSpeedEngine._configure_optimizer = _configure_optimizer
-    DeepSpeedEngine._take_model_step = _take_model_step
-    DeepSpeedEngine._configure_distributed_model = _configure_distributed_model
-    DeepSpeedEngine._configure_zero_optimizer = _configure_zero_optimizer
-    DeepSpeedEngine._configure_bf16_optimizer = _configure_bf16_optimizer
-    DeepSpeedEngine.save_checkpoint = _checkpoint_method("save")
-    DeepSpeedEngine.load_checkpoint = _checkpoint_method("load")
+    replacements = {"expert_parallel": _configure_expert_parallel, "optimizer": _configure_optimizer,
+                    "model_step": _take_model_step, "configure": _configure_distributed_model,
+                    "zero": _configure_zero_optimizer, "bf16": _configure_bf16_optimizer,
+                    "save": _checkpoint_method("save"), "load": _checkpoint_method("load")}
+    for key, replacement in replacements.items():
+        original = _ORIGINAL[key]
+        replacement.__wrapped__ = original
+        setattr(DeepSpeedEngine, original.__name__, replacement)
 
 
 _ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
@@ -444,7 +363,13 @@ def load_engine_state(engine, state: dict) -> None:
         setattr(engine, name, value)
 
 
-# Importing this module hooks the engine and the op builds (`import ds_optimus` imports it right after
-# `import deepspeed`), before anything of DeepSpeed's builds or loads an op.
+def set_gradient_clipping(engine, value: float) -> None:
+    """Clip the global gradient norm at `value` (0: not at all) from the engine's next step on."""
+    engine._config.gradient_clipping = float(value)  # what engine.gradient_clipping() returns
+    optimizer = getattr(engine, "optimizer", None)
+    if hasattr(optimizer, "clip_grad"):  # ZeRO-1/2, BF16, FP16 and the sharded optimizer
+        optimizer.clip_grad = float(value)
+
+
+# Importing this module hooks the engine (`import ds_optimus` imports it right after `import deepspeed`).
 install_engine_hook()
-prepare_op_builds()

@@ -1,13 +1,10 @@
 """Gradient clipping that starts after the learning-rate warm-up (`optimus.train.clip_after_warmup`,
 the seed system's recipe: its optimizers clip the global norm only once `step >= warmup_steps`).
 
-The engine is built once, with the config's `gradient_clipping`; clipping is then switched off and
-on in place before each step. DeepSpeed's engine reads the value through `gradient_clipping()` (its
-config) when it clips fp32 gradients itself, and its ZeRO-1/2, BF16 and FP16 optimizers, like the
-EP-aware sharded optimizer, keep the value they were built with as `clip_grad` and read it at every
-step; both are set. The engine's config is a private attribute of DeepSpeed's: this module is, with
-`deepspeed_compat` (which checks DeepSpeed's version), where ds_optimus touches DeepSpeed's internals.
-It needs no DeepSpeed to import.
+The recipe's arithmetic, from the config alone: the clip value and the warm-up it waits for, and
+the value of each step. The engine is built once, with the config's `gradient_clipping`; the
+switch in place before each step is `ds_optimus.integrations.deepspeed_engine.set_gradient_clipping`
+(it writes DeepSpeed's private config). Needs no DeepSpeed to import.
 """
 
 from __future__ import annotations
@@ -48,11 +45,3 @@ def delayed_clipping(ds_config: dict[str, Any], warmup_steps: int) -> tuple[floa
 def clip_for_step(step: int, clip: float, warmup_steps: int) -> float:
     """The clip value of optimizer step `step` (1-based): none during the first `warmup_steps` steps."""
     return clip if step > warmup_steps else 0.0
-
-
-def set_gradient_clipping(engine, value: float) -> None:
-    """Clip the global gradient norm at `value` (0: not at all) from the engine's next step on."""
-    engine._config.gradient_clipping = float(value)  # what engine.gradient_clipping() returns
-    optimizer = getattr(engine, "optimizer", None)
-    if hasattr(optimizer, "clip_grad"):  # ZeRO-1/2, BF16, FP16 and the sharded optimizer
-        optimizer.clip_grad = float(value)

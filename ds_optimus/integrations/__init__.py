@@ -1,0 +1,82 @@
+"""Every change ds_optimus makes to DeepSpeed, accelerate and Transformers, in one place.
+
+`import ds_optimus` installs them as each library is imported (`ds_optimus/__init__.py`'s import
+hook), so that a DeepSpeed config with an `optimus` section works under `deepspeed.initialize`, the
+Hugging Face Trainer and `accelerate launch` alike. Modules:
+
+- `deepspeed_engine`: DeepSpeed's engine (expert parallelism from the config, DeepSpeed's MoE
+  handling for ds_optimus' experts, the EP-aware sharded optimizer as its ZeRO optimizer, its
+  checkpoints), and the engine state of ds_optimus' per-rank checkpoints.
+- `deepspeed_ops`: where DeepSpeed's JIT-built ops are kept and which are built; the CPU backend's
+  shared-memory workspace.
+- `deepspeed_config`: the DeepSpeed part of a config checked against the keys the installed
+  DeepSpeed reads.
+- `deepspeed_version`: the DeepSpeed versions these were tested with.
+- `accelerate`: its DeepSpeed plugin leaves the `optimus` section alone; `get_state_dict` gathers
+  every expert of an expert-parallel model.
+- `transformers`: the Mula Auto classes and experts implementation (public registration APIs).
+
+`PATCHES` lists every upstream callable that is replaced, with why and the signature it had when
+the replacement was written; `tests/test_integrations.py` fails when an upstream signature differs,
+so an upgrade that changes what is patched is noticed before it misbehaves. A replaced DeepSpeed
+method runs DeepSpeed's own code unchanged for an engine whose config has no `optimus` section and
+whose model holds nothing of ds_optimus.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Patch:
+    target: str  # "module:Class.method" of the upstream callable that is replaced or wrapped
+    signature: str  # its signature (inspect.signature) when the replacement was written
+    written_against: str  # the upstream version
+    why: str
+
+
+DS = "deepspeed 0.19.8"
+ACCELERATE = "accelerate 1.x"
+ENGINE = "deepspeed.runtime.engine:DeepSpeedEngine"
+
+PATCHES = (
+    Patch(f"{ENGINE}._configure_expert_parallel", "(self, model, collect_sources=None)", DS,
+          "apply optimus.moe / optimus.expert_parallel to the model the engine is given, reported as a module "
+          "replacement so parameter lists and a client optimizer built before are re-pointed at the shards"),
+    Patch(f"{ENGINE}._configure_optimizer", "(self, client_optimizer, model_parameters)", DS,
+          "split expert parameters of a client optimizer (the HF Trainer's) into DeepSpeed's moe param groups"),
+    Patch(f"{ENGINE}._take_model_step", "(self, lr_kwargs)", DS,
+          "move a Mula router's bias after each optimizer step (auxiliary-loss-free balancing)"),
+    Patch(f"{ENGINE}._configure_distributed_model", "(self, model)", DS,
+          "register the EP/EDP groups ds_optimus' experts declare and enable DeepSpeed's MoE gradient handling"),
+    Patch(f"{ENGINE}._configure_zero_optimizer", "(self, optimizer)", DS,
+          "build the EP-aware sharded optimizer where ZeRO-1/2 would be built (optimus.sharded_optimizer)"),
+    Patch(f"{ENGINE}._configure_bf16_optimizer", "(self, optimizer)", DS,
+          "build the EP-aware sharded optimizer where the BF16 optimizer would be built"),
+    Patch(f"{ENGINE}.save_checkpoint",
+          "(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False)", DS,
+          "write layout-independent checkpoints with the sharded optimizer; refuse DeepSpeed's own for "
+          "expert-parallel models (they would hold one rank's experts for all)"),
+    Patch(f"{ENGINE}.load_checkpoint",
+          "(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True, "
+          "load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None)", DS,
+          "read them, on any layout"),
+    Patch("deepspeed.ops.op_builder.builder:OpBuilder.jit_load", "(self, verbose=True)", DS,
+          "say a JIT build in one line before its minutes start; ops kept per Python environment"),
+    Patch("accelerate.utils.dataclasses:DeepSpeedPlugin.deepspeed_config_process",
+          "(self, prefix='', mismatches=None, config=None, must_match=True, **kwargs)", ACCELERATE,
+          "leave the optimus section out of accelerate's \"auto\" filling (it stops at values it has none for)"),
+    Patch("accelerate.accelerator:Accelerator.get_state_dict", "(self, model, unwrap=True)", ACCELERATE,
+          "gather every expert of an expert-parallel model (Trainer.save_model calls it on every rank)"),
+)
+
+# Private state of DeepSpeed read or written (not replaced), each checked by the same test.
+PRIVATE_STATE = (
+    ("deepspeed.utils.groups", "_EXPERT_PARALLEL_GROUP", "register ds_optimus' expert groups by name"),
+    ("deepspeed.utils.groups", "_EXPERT_PARALLEL_GROUP_RANKS", "register ds_optimus' expert groups by name"),
+    ("deepspeed.utils.groups", "_EXPERT_DATA_PARALLEL_GROUP", "register ds_optimus' expert groups by name"),
+    ("deepspeed.utils.groups", "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "register ds_optimus' expert groups by name"),
+    ("deepspeed.runtime.config:DeepSpeedConfig", "_param_dict", "read the optimus section of an engine's config"),
+    ("deepspeed.runtime.config:DeepSpeedConfig", "gradient_clipping", "switch clipping after the warm-up"),
+)

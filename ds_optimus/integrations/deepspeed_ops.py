@@ -1,0 +1,94 @@
+"""DeepSpeed's compiled ops and its CPU communication backend, as ds_optimus runs them. Written
+against DeepSpeed 0.19.8 (listed in `ds_optimus.integrations.PATCHES`):
+
+- `prepare_op_builds`: DeepSpeed's JIT-built ops are kept per Python environment (two environments
+  would otherwise rebuild each other's ops in turn in PyTorch's one shared folder), the ones training
+  never calls are not built, and a build is said in one line before its minutes start
+  (`OpBuilder.jit_load` wrapped).
+- `release_shm_workspace`: the CPU backend's shared-memory workspace, which DeepSpeed never removes,
+  is unlinked once every rank has mapped it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import time
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from .deepspeed_version import check_version
+
+# Ops DeepSpeed builds at start-up that training never calls: the CPU shared-memory all-reduce serves
+# `inference_all_reduce` (AutoTP inference) only, yet costs a ~75 s compile and a 69 MB /dev/shm
+# workspace per rank.
+UNNEEDED_OPS = ("deepspeed_shm_comm",)
+_ADAM = "DeepSpeed's Adam on this device; optimizer.params.torch_adam: true uses PyTorch's, unbuilt"
+_WHY = {"fused_adam": _ADAM, "cpu_adam": _ADAM}
+
+
+def extensions_dir() -> Path:
+    """Where this Python environment keeps DeepSpeed's compiled ops: a folder of its own, so that two
+    environments do not rebuild each other's ops in turn, as in PyTorch's one shared default folder."""
+    key = hashlib.sha256(f"{sys.prefix}|{torch.__version__}|{deepspeed.__version__}".encode()).hexdigest()[:10]
+    return Path.home() / ".cache" / "torch_extensions" / f"ds_optimus-{Path(sys.prefix).name}-{key}"
+
+
+def prepare_op_builds(say=None) -> None:
+    """Before DeepSpeed builds or loads its ops: keep them per environment (`TORCH_EXTENSIONS_DIR`,
+    unless set), skip those training never calls (`UNNEEDED_OPS`), and say in one line (`say`, on
+    the first local rank) what is being compiled and why before a build starts. Idempotent."""
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    check_version()
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
+    for name in UNNEEDED_OPS:
+        deepspeed.ops.__compatible_ops__[name] = False
+    original = OpBuilder.jit_load
+    if getattr(original, "says_builds", False):
+        return
+    say = say or (lambda text: print(text, file=sys.stderr, flush=True))
+
+    def jit_load(self, verbose=True):
+        root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", extensions_dir()))
+        first = os.environ.get("LOCAL_RANK", "0") in ("", "0") and not any((root / self.name).glob(f"{self.name}*.so"))
+        if first:
+            say(f"ds_optimus: compiling DeepSpeed's {self.name} op ({_WHY.get(self.name, 'this config needs it')}): "
+                f"a few minutes, once per environment, kept in {root}")
+        began = time.perf_counter()
+        module = original(self, verbose=os.environ.get("DS_OPTIMUS_VERBOSE", "") not in ("", "0", "false"))
+        if first:
+            say(f"ds_optimus: DeepSpeed's {self.name} op is ready ({time.perf_counter() - began:.0f} s)")
+        return module
+
+    jit_load.says_builds = True
+    jit_load.__wrapped__ = original
+    OpBuilder.jit_load = jit_load
+
+
+def release_shm_workspace() -> None:
+    """Remove the name of this rank's shared-memory workspace that DeepSpeed's CPU communication
+    backend creates when all ranks share a host (/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_
+    <port>_<rank>, 69 MB) and never removes: every run on a new port would leave one per rank behind,
+    until /dev/shm (RAM) is full. Every rank maps every other rank's workspace while the backend
+    starts, so after a barrier the names can go; the mappings stay valid. Collective; CPU only."""
+    from deepspeed.accelerator import get_accelerator
+
+    if not dist.is_initialized() or get_accelerator().device_name() != "cpu":
+        return
+    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}")
+    dist.barrier()
+    try:
+        os.unlink(name)
+    except FileNotFoundError:
+        pass
+
+
+# Importing this module hooks the op builds (`import ds_optimus` imports it right after `import deepspeed`),
+# before anything of DeepSpeed's builds or loads an op.
+prepare_op_builds()
