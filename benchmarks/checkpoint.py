@@ -94,7 +94,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="training steps per async-overhead sample")
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary folder)")
     args = parser.parse_args()
-    from ds_optimus.reliability import CheckpointManager
+    from ds_optimus.checkpoint import CheckpointManager
     from ds_optimus.train.components import init_distributed
 
     init_distributed()

@@ -36,13 +36,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .checkpoint.manager import CheckpointConfig
 from .data.pack import DataConfig
 from .evaluate.config import EvalConfig
 from .moe.experts import MoEConfig
 from .optim.config import ShardedOptimizerConfig
 from .parallel.expert_parallel import ExpertParallelConfig
 from .parallel.stages import PipelineParallelConfig
-from .reliability.checkpoint import CheckpointConfig
 from .reliability.guards import GuardsConfig
 from .reliability.supervise import DEFAULT_OUTPUT_DIR
 from .reliability.watchdog import WatchdogConfig

@@ -73,7 +73,7 @@ def train(rank: int, world: int, spec: dict) -> dict:
                                       model_parameters=moe_param_groups(model, weight_decay=WEIGHT_DECAY))
     start, opened = 0, []
     if spec.get("load"):  # which of the checkpoint's files this rank opens, in order
-        from ds_optimus.optim import checkpointing
+        from ds_optimus.checkpoint import optimizer_state as checkpointing
 
         real = checkpointing.load
         checkpointing.load = lambda file, *a, **k: (opened.append(Path(file).name), real(file, *a, **k))[1]

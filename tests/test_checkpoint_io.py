@@ -16,17 +16,17 @@ import torch
 import torch.distributed as dist
 from distributed import run_distributed
 
-import ds_optimus.checkpoint_io as checkpoint_io
-import ds_optimus.rng_state as rng_state_module
-from ds_optimus.checkpoint_io import (
+import ds_optimus.checkpoint.files as checkpoint_io
+import ds_optimus.checkpoint.rng as rng_state_module
+from ds_optimus.checkpoint import CheckpointManager
+from ds_optimus.checkpoint.files import (
     CheckpointError,
     CheckpointWriter,
     atomic_save,
     load,
     verify,
 )
-from ds_optimus.reliability import CheckpointManager
-from ds_optimus.rng_state import numpy_array_types, rng_state, set_rng_state
+from ds_optimus.checkpoint.rng import numpy_array_types, rng_state, set_rng_state
 
 PLANTED = f"{os.system.__module__}.system"  # how pickle names os.system (posix.system here)
 

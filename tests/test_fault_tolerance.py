@@ -22,8 +22,8 @@ import torch
 from distributed import run_distributed
 from train_workers import child_pythonpath, deepspeed_launcher, pretrain_worker, tiny_config
 
-from ds_optimus.checkpoint_io import CheckpointWriter, atomic_save
-from ds_optimus.reliability import CheckpointError, CheckpointManager, verify
+from ds_optimus.checkpoint import CheckpointError, CheckpointManager, verify
+from ds_optimus.checkpoint.files import CheckpointWriter, atomic_save
 from ds_optimus.reliability.guards import StepGuard
 from ds_optimus.reliability.signals import EXIT_PREEMPTED
 from ds_optimus.reliability.supervise import supervise

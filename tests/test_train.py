@@ -216,7 +216,7 @@ def test_bad_input_fails_with_one_line(tmp_path, cache):
     ]
     old_checkpoint = tmp_path / "old" / "checkpoints" / "step_00000004"
     old_checkpoint.mkdir(parents=True)
-    from ds_optimus.checkpoint_io import atomic_save
+    from ds_optimus.checkpoint.files import atomic_save
 
     record = atomic_save({"step": 4}, old_checkpoint / "rank00000.pt")  # an intact per-rank checkpoint
     (old_checkpoint / "meta.json").write_text(json.dumps({"files": {"rank00000.pt": record}, "step": 4,

@@ -227,7 +227,7 @@ class _StubTrainer:
 
 
 def test_lasting_spikes_before_the_first_checkpoint_become_the_new_level():
-    from ds_optimus.reliability import CheckpointError
+    from ds_optimus.checkpoint import CheckpointError
     from ds_optimus.reliability.guards import GuardsConfig
     from ds_optimus.train.callbacks import GuardCallback
 
@@ -277,7 +277,7 @@ class _StubTrainerWithCheckpoint(_StubTrainer):
 def test_rollbacks_to_one_checkpoint_stop_at_max_rollbacks():
     """Spikes that outlast `max_rollbacks` rollbacks to one checkpoint become the new level (rolling
     back again would only throw data away); non-finite steps that do stop the run."""
-    from ds_optimus.reliability import CheckpointError
+    from ds_optimus.checkpoint import CheckpointError
     from ds_optimus.reliability.guards import GuardsConfig
     from ds_optimus.train.callbacks import GuardCallback
 

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_libraries(args.verbose)
     from pathlib import Path
 
-    from ..reliability.checkpoint import CheckpointError
+    from ..checkpoint.files import CheckpointError
     from .harness import EvaluationError, require_lm_eval
     from .run import evaluate, resolve, results_path, scored_already, summary_line
 

@@ -21,7 +21,7 @@ from .harness import EvaluationError, load_tasks, score
 
 def checkpoints_of(run: Path) -> list[Path]:
     """The run's complete checkpoint folders, oldest first."""
-    from ..reliability.checkpoint import CheckpointManager
+    from ..checkpoint.manager import CheckpointManager
 
     return CheckpointManager(run / "checkpoints").complete()
 
@@ -66,9 +66,9 @@ def export_checkpoint(checkpoint: Path, out: Path) -> Path:
     from tokenizers import Tokenizer
     from transformers import GenerationConfig, PreTrainedTokenizerFast
 
-    from ..checkpoint_io import load, verify
+    from ..checkpoint.files import load, verify
+    from ..checkpoint.manager import MANIFEST_KEYS, MODEL_FILE, consolidated_state
     from ..hf_models.mula import MulaConfig, MulaForCausalLM
-    from ..reliability.checkpoint import MANIFEST_KEYS, MODEL_FILE, consolidated_state
 
     # the files the export reads, not the optimizer's state (most of a checkpoint's bytes)
     problem = verify(checkpoint, required=MANIFEST_KEYS, only=lambda name: name.startswith(("model", "experts_")))
@@ -107,7 +107,7 @@ def evaluate(model: Path, run: Path, step: int | None, tasks: list[str], *, out:
              keep_export: bool = False, **options: Any) -> tuple[Path, dict[str, Any]]:
     """Score one model (an HF folder, or a checkpoint exported on the fly) and write the scores;
     returns (the results file, its content)."""
-    from ..checkpoint_io import write_text_atomic
+    from ..checkpoint.files import write_text_atomic
 
     export = None
     options["loaded"] = load_tasks(tasks, options.get("include", ()), run / "eval", options.get("verbose", False))

@@ -23,9 +23,7 @@ Mula router bias. Otherwise:
   would build its ZeRO stage 1/2 (or BF16) optimizer, and `save_checkpoint`/`load_checkpoint` write
   and read ds_optimus' layout-independent checkpoints; DeepSpeed's own checkpoints of an
   expert-parallel model are refused (they would hold one rank's experts for all).
-- `engine_state` / `load_engine_state`: this rank's optimizer partition (through the ZeRO and BF16
-  optimizers' list-of-ranks `load_state_dict`), LR scheduler and step counters, for ds_optimus' own
-  per-rank checkpoints; `set_gradient_clipping` switches clipping in place (the engine's config).
+- `set_gradient_clipping` switches clipping in place (the engine's private config).
 """
 
 from __future__ import annotations
@@ -287,7 +285,7 @@ def _checkpoint_method(name):
     original = _ORIGINAL[name]
 
     def method(self, *args, **kwargs):
-        from ..optim import checkpointing
+        from ..checkpoint import optimizer_state as checkpointing
 
         if isinstance(self.optimizer, sharded.ShardedOptimizer):
             ours = checkpointing.save_checkpoint if name == "save" else checkpointing.load_checkpoint
@@ -320,47 +318,6 @@ def install_engine_hook() -> None:
         original = _ORIGINAL[key]
         replacement.__wrapped__ = original
         setattr(DeepSpeedEngine, original.__name__, replacement)
-
-
-_ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
-
-
-def _takes_rank_list(optimizer) -> bool:
-    # ZeRO-1/2 and the BF16 optimizer keep one partition per data-parallel rank and load from a
-    # list indexed by that rank; a plain torch optimizer loads its own state dict.
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    return isinstance(optimizer, (DeepSpeedZeroOptimizer, BF16_Optimizer))
-
-
-def engine_state(engine) -> dict:
-    """This rank's share of the engine's training state: optimizer partition, scheduler, counters."""
-    check_version()
-    state = {"optimizer": engine.optimizer.state_dict() if engine.optimizer is not None else None,
-             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-             "counters": {name: getattr(engine, name) for name in _ENGINE_COUNTERS}}
-    return state
-
-
-def load_engine_state(engine, state: dict) -> None:
-    """Restore what `engine_state` returned on this rank (same world size and layout)."""
-    check_version()
-    optimizer = engine.optimizer
-    if state["optimizer"] is not None and optimizer is not None:
-        if _takes_rank_list(optimizer):
-            import torch.distributed as dist
-
-            rank = dist.get_rank(group=optimizer.dp_process_group)
-            states = [None] * dist.get_world_size(group=optimizer.dp_process_group)
-            states[rank] = state["optimizer"]
-            optimizer.load_state_dict(states, load_optimizer_states=True, load_from_fp32_weights=True)
-        else:
-            optimizer.load_state_dict(state["optimizer"])
-    if state["lr_scheduler"] is not None and engine.lr_scheduler is not None:
-        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    for name, value in state["counters"].items():
-        setattr(engine, name, value)
 
 
 def set_gradient_clipping(engine, value: float) -> None:

@@ -2,22 +2,18 @@
 on the fly), with `optimus.model.overrides`; its `MulaConfig`, the checks of a folder's weights
 against it (from the files' headers: names and shapes, no tensor data), and the build on the meta
 device that reads only this rank's rows (`build.build_model`). `ModelConfig` (the config section)
-calls these."""
+calls these, passing itself as `model` (its `preset`, `path` and `overrides` are read)."""
 
 from __future__ import annotations
 
 import difflib
 import inspect
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..schema import ConfigError, need
 
-if TYPE_CHECKING:
-    from ..config import ModelConfig
 
-
-def build(model: ModelConfig, tokenizer=None, *, ep_size: int = 1, ep_rank: int = 0, seed: int = 0, stage=None):
+def build(model, tokenizer=None, *, ep_size: int = 1, ep_rank: int = 0, seed: int = 0, stage=None):
     """The Mula model in fp32, built on the meta device and holding only experts
     [ep_rank*E/ep_size, (ep_rank+1)*E/ep_size) of each MoE layer: random initial values that do not
     depend on the layout (seeded by `seed`, name and expert) for a preset or a folder without
@@ -38,7 +34,7 @@ def build(model: ModelConfig, tokenizer=None, *, ep_size: int = 1, ep_rank: int 
     except WeightsError as err:
         raise ConfigError(f"optimus.model.path {str(folder)!r}: {err}") from None
 
-def mula_config(model: ModelConfig, tokenizer=None, seq_len: int | None = None):
+def mula_config(model, tokenizer=None, seq_len: int | None = None):
     """The `MulaConfig` of the model `build` makes (a one-line ConfigError where it cannot be made,
     or where its positions are fewer than `seq_len`), with `tokenizer`'s end and padding ids."""
     from ..hf_models.mula import MulaConfig
@@ -84,7 +80,7 @@ def mula_config(model: ModelConfig, tokenizer=None, seq_len: int | None = None):
         config.pad_token_id = pad if pad is not None else tokenizer.eos_token_id
     return config
 
-def describe(model: ModelConfig) -> str:
+def describe(model) -> str:
     """What the model comes from, in words."""
     if model.path is None:
         return f"preset {model.preset}"

@@ -265,7 +265,7 @@ def _data_change(opt, tokenizer, checkpoint: Path) -> None:
 
 
 def _run_line(opt, tokenizer=None) -> str:
-    from ..reliability.checkpoint import CheckpointManager
+    from ..checkpoint.manager import CheckpointManager
 
     train, checkpoint = opt.train, opt.checkpoint
     manager = CheckpointManager(checkpoint.dir or Path(train.output_dir) / "checkpoints")

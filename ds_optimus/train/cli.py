@@ -65,10 +65,10 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_libraries(args.verbose)
 
+    from ..checkpoint.files import CheckpointError
     from ..config import ConfigError, apply_overrides, load_json_config
     from ..data.corpus import DataError
     from ..parallel.groups import LayoutError
-    from ..reliability import CheckpointError
     from .trainer import pretrain
 
     try:

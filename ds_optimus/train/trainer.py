@@ -83,7 +83,7 @@ class Trainer:
             self._build_engine()
             self.checkpoints = opt.checkpoint.build(self.output_dir, self.groups)
             if self.rank == 0:  # each checkpoint exports on its own (python -m ds_optimus.evaluate)
-                from ..reliability.checkpoint import model_record
+                from ..checkpoint.manager import model_record
 
                 self.checkpoints.model_record = model_record(self.model.config, self.tokenizer)
             self.step = self.start_step = self._resume()

@@ -7,7 +7,7 @@ import json
 import math
 import time
 
-from ...checkpoint_io import write_text_atomic
+from ...checkpoint.files import write_text_atomic
 from ...hf_models.mula.sizing import flops_per_token
 from ..metrics import LOSS_PARTS, expert_imbalance, expert_token_counts
 from .base import Callback

@@ -114,7 +114,7 @@ class GuardCallback(Callback):
             self._roll_back(step)
 
     def _roll_back(self, step: int) -> None:
-        from ...reliability import CheckpointError
+        from ...checkpoint.files import CheckpointError
 
         trainer, guard = self.trainer, self.guard
         trainer.checkpoints.wait()  # a save in flight finishes first

@@ -2,7 +2,7 @@
 
 A checkpoint is a folder `step_00000100/` in the checkpoint directory (on a file system every rank
 sees). With the EP-aware sharded optimizer (`optimus.sharded_optimizer`, every shipped config) it
-holds the engine's own files (`ds_optimus.optim.checkpointing`: weights and optimizer state named
+holds the engine's own files (`optimizer_state.py`: weights and optimizer state named
 by parameter and element range, not by rank), with the RNG states and the caller's extra state (the
 data loader's position) as client state, and resumes on any world size and EP size. With
 DeepSpeed's own optimizers it holds per-rank files and resumes on the same layout:
@@ -20,8 +20,8 @@ folder that the next save removes. On resume, `latest_good` checks the files aga
 and falls back to the previous checkpoint when one is damaged (renamed `.corrupt`, reported), and
 reports a newer folder without a manifest and a `latest` that names no complete checkpoint.
 Saves can run in a background thread (`background=True`) while training goes on. Files are read
-with `checkpoint_io.load`: weights only, so a file cannot run code. The file I/O lives in
-`ds_optimus.checkpoint_io` (re-exported here).
+with `files.load`: weights only, so a file cannot run code. The file I/O lives in
+`files.py` (re-exported here).
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..checkpoint_io import (  # noqa: F401  (atomic_save, file_record, write_text_atomic: re-exported)
+from ..schema import Section, check_flags, need, non_negative_int, positive_int
+from .files import (  # noqa: F401  (atomic_save, file_record, write_text_atomic: re-exported)
     LATEST,
     CheckpointError,
     CheckpointWriter,
@@ -49,8 +50,7 @@ from ..checkpoint_io import (  # noqa: F401  (atomic_save, file_record, write_te
     verify,
     write_text_atomic,
 )
-from ..rng_state import numpy_array_types, rng_state, set_rng_state
-from ..schema import Section, check_flags, need, non_negative_int, positive_int
+from .rng import numpy_array_types, rng_state, set_rng_state
 
 STEP_PREFIX = "step_"
 
@@ -269,7 +269,7 @@ class CheckpointManager:
         self.writer.prepare(self.directory, name)
         client = {"rng": rng_state(), "extra": extra or {}}
         if _sharded(engine):
-            from ..optim import checkpointing
+            from . import optimizer_state as checkpointing
 
             files, meta, about = checkpointing.checkpoint_files(engine, self.groups, client, copy=background)
             meta["tag"] = name
@@ -293,7 +293,7 @@ class CheckpointManager:
             raise CollectiveCheckpointError(str(err)) from None
 
     def _per_rank_files(self, engine, client: dict, copy: bool) -> tuple[dict[str, Any], dict[str, Any]]:
-        from ..integrations.deepspeed_engine import engine_state
+        from .engine_state import engine_state
 
         model = engine.module
         state = model.state_dict()
@@ -318,7 +318,7 @@ class CheckpointManager:
     def load(self, path: str | Path, engine) -> tuple[int, dict[str, Any]]:
         """Restore model, optimizer, scheduler, counters and RNG from `path` on every rank; returns
         (step, the extra state saved with it)."""
-        from ..integrations.deepspeed_engine import load_engine_state
+        from .engine_state import load_engine_state
 
         path = Path(path)
         try:
@@ -330,7 +330,7 @@ class CheckpointManager:
             raise CheckpointError(f"{path} was saved {'with' if engine_format else 'without'} the sharded optimizer; "
                                   f"set optimus.sharded_optimizer.enabled to {str(engine_format).lower()} to resume it")
         if engine_format:
-            from ..optim import checkpointing
+            from . import optimizer_state as checkpointing
 
             client = checkpointing.load_folder(engine, path, self.groups, meta=meta)  # errors: CheckpointErrors
             if meta["world_size"] == self.world_size:  # on another layout the generators stay as seeded
@@ -346,7 +346,7 @@ class CheckpointManager:
             raise CheckpointError(
                 f"{path} was saved by {meta['world_size']} ranks at EP {meta['ep_size']}; this run has "
                 f"{self.world_size} ranks at EP {self.ep_size} (resuming on another layout is not supported)")
-        from ..optim.checkpointing import engine_state_types
+        from .engine_state import engine_state_types
 
         # This rank's own file first: one that is refused leaves the model untouched.
         own = load(path / f"rank{self.rank:05d}.pt", allow=[*engine_state_types(), *numpy_array_types()])

@@ -15,8 +15,8 @@ names it, so the Hugging Face Trainer finds it), and `<save_dir>/latest` names t
 Every piece of state is keyed by parameter name and global element range, never by rank, so a
 checkpoint loads on any layout: another world size, EP size, ZeRO stage or bucket size. Files go
 through a temporary name and the folder is renamed in complete; `meta.json` is the manifest (each
-file's size and CRC-32); `latest` is replaced atomically (`ds_optimus.checkpoint_io.CheckpointWriter`).
-Every file is read back through `checkpoint_io.load` (weights only: nothing in a file can run code).
+file's size and CRC-32); `latest` is replaced atomically (`files.CheckpointWriter`).
+Every file is read back through `files.load` (weights only: nothing in a file can run code).
 
 The engine's two entry points (`save_checkpoint`, `load_checkpoint`) look the model's expert-parallel
 groups up once; everything below them takes the groups as an argument.
@@ -31,12 +31,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..checkpoint_io import CheckpointError, CheckpointWriter, copy_to_cpu, gather, load
 from ..cli import said_by_every_rank
+from ..optim.shard_state import files_holding, held_ranges, load_spaces
+from ..optim.spaces import ShardedOptimizerError
 from ..parallel.expert_parallel import expert_groups_of, is_expert_param
-from ..rng_state import numpy_array_types
-from .shard_state import files_holding, held_ranges, load_spaces
-from .spaces import ShardedOptimizerError
+from .files import CheckpointError, CheckpointWriter, copy_to_cpu, gather, load
+from .rng import numpy_array_types
 
 ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
 
@@ -48,17 +48,6 @@ _OTHER_MODEL = ("it is a checkpoint of another model: start in another optimus.t
 
 class CheckpointLoadError(CheckpointError):
     """A checkpoint folder this engine cannot load; the message says why in one line."""
-
-
-def engine_state_types() -> list[Any]:
-    """The DeepSpeed classes in a per-rank engine state (`integrations.deepspeed_engine.engine_state`: DeepSpeed
-    0.19's ZeRO-1/2 and BF16 optimizers keep their loss scaler, stage and fragment addresses as objects);
-    the only ones besides tensors and containers that loading such a file may build."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
 def checkpoint_files(engine, groups, client_state=None, exclude_frozen_parameters: bool = False,
