@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ds_optimus.hf_models.mula import MulaConfig, MulaForCausalLM
-from ds_optimus.optim.layout import chunked_runs, flat_runs, split_buckets
+from ds_optimus.optim.bucket_layout import chunked_runs, flat_runs, split_buckets
 
 BUCKET = 50_000_000  # optimus.sharded_optimizer.bucket_size's default
 

@@ -38,9 +38,9 @@ from typing import Any
 
 from .checkpoint.manager import CheckpointConfig
 from .data.pack import DataConfig
-from .evaluate.config import EvalConfig
+from .evaluate.downstream_config import EvalConfig
 from .moe.experts import MoEConfig
-from .optim.config import ShardedOptimizerConfig
+from .optim.engine_section import ShardedOptimizerConfig
 from .parallel.expert_parallel import ExpertParallelConfig
 from .parallel.stages import PipelineParallelConfig
 from .reliability.guards import GuardsConfig

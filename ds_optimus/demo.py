@@ -39,7 +39,7 @@ def decode(ids: torch.Tensor) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .cli import ArgumentParser
+    from .command_line import ArgumentParser
 
     parser = ArgumentParser("ds_optimus.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="mula-tiny-moe", choices=TINY_PRESETS)

@@ -2,7 +2,7 @@
 
 Every component that takes settings from the `optimus` section of a DeepSpeed config declares them
 as a `Section` beside its own code (the guards' in `reliability/guards.py`, the sharded optimizer's
-in `optim/config.py`, ...), with `check()` for its rules and, where it has one, `build()` for the
+in `optim/engine_section.py`, ...), with `check()` for its rules and, where it has one, `build()` for the
 component; `ds_optimus.config.OptimusConfig` assembles them into the whole section. The JSON helpers
 (`load_json_config`, `apply_overrides`) live here too. This module imports nothing of ds_optimus, so
 any layer may use it.

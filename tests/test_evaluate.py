@@ -178,7 +178,7 @@ def test_a_preempted_run_stops_its_evaluations_and_says_how_to_finish_them(tmp_p
     import sys
     from types import SimpleNamespace
 
-    from ds_optimus.evaluate.config import DownstreamConfig
+    from ds_optimus.evaluate.downstream_config import DownstreamConfig
     from ds_optimus.train.callbacks import DownstreamCallback
 
     said = []

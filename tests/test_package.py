@@ -108,7 +108,8 @@ def test_sharded_optimizer_runs_without_deepspeed():
                                      # transformers and accelerate probe for DeepSpeed before importing it
                                      "import ds_optimus, importlib.util; importlib.util.find_spec('deepspeed'); "
                                      "import deepspeed",
-                                     "import ds_optimus.optim.layout; from ds_optimus.optim.sharded import LossScaler"])
+                                     "import ds_optimus.optim.bucket_layout; "
+                                     "from ds_optimus.optim.sharded import LossScaler"])
 def test_deepspeed_engine_is_hooked_whatever_the_import_order(imports):
     result = _run(
         "import warnings; warnings.simplefilter('error', UserWarning)\n"

@@ -39,7 +39,7 @@ from ds_optimus.plan.configs import layout_from_config
 from ds_optimus.plan.layout import hierarchy_node_size
 from ds_optimus.plan.measure import measurement, measuring_config
 from ds_optimus.plan.memory import local_params, stage_memory
-from ds_optimus.plan.pipeline import bubble_fraction, in_flight, stages
+from ds_optimus.plan.pipeline_model import bubble_fraction, in_flight, stages
 from ds_optimus.plan.scaling import device_counts, efficiency, scaling
 from ds_optimus.plan.search import candidate_layouts
 from ds_optimus.plan.timing import (

@@ -230,7 +230,7 @@ def test_the_report_imports_nothing_of_the_training_code():
 
     imports = {t for m, targets in GRAPH.items() if m.startswith("ds_optimus.report") for t in targets}
     assert "ds_optimus.report.reader" in imports  # the walk sees the package
-    assert all(t.startswith("ds_optimus.report") or t == "ds_optimus.cli" for t in imports), imports  # cli: a leaf
+    assert all(t.startswith("ds_optimus.report") or t == "ds_optimus.command_line" for t in imports), imports  # a leaf
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import torch
 from distributed import run_distributed
 
 from ds_optimus.checkpoint.optimizer_state import optimizer_files
-from ds_optimus.optim.layout import chunked_runs, flat_runs, merge_copies, padding, split_buckets
+from ds_optimus.optim.bucket_layout import chunked_runs, flat_runs, merge_copies, padding, split_buckets
 from ds_optimus.optim.shard_state import files_holding
 
 WORLD = 4

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..cli import said_by_every_rank
+from ..command_line import said_by_every_rank
 from ..optim.shard_state import files_holding, held_ranges, load_spaces
 from ..optim.spaces import ShardedOptimizerError
 from ..parallel.expert_parallel import expert_groups_of, is_expert_param

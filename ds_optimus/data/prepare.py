@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-from ..cli import ArgumentParser, fail, launch_rank
+from ..command_line import ArgumentParser, fail, launch_rank
 
 NAME = "ds_optimus.data.prepare"
 SIZE_KEYS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "PALS_SIZE", "SLURM_NTASKS")

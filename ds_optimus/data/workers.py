@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cli import said_by_every_rank
+from ..command_line import said_by_every_rank
 from .corpus import DataError, Source, Unit, unit_documents
 
 BATCH_DOCUMENTS = 256

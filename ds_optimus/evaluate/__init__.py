@@ -8,5 +8,6 @@ from .._lazy import lazy_exports
 
 __all__ = ["DownstreamConfig", "EvalConfig", "EvaluationError", "evaluate", "export_checkpoint", "resolve", "score"]
 __getattr__, __dir__ = lazy_exports(__name__, {
-    "DownstreamConfig": ".config", "EvalConfig": ".config", "EvaluationError": ".harness", "score": ".harness",
+    "DownstreamConfig": ".downstream_config", "EvalConfig": ".downstream_config", "EvaluationError": ".harness",
+    "score": ".harness",
     "evaluate": ".run", "export_checkpoint": ".run", "resolve": ".run"})

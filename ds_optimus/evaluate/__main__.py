@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..cli import ArgumentParser, fail
+from ..command_line import ArgumentParser, fail
 
 NAME = "ds_optimus.evaluate"
 EPILOG = """examples:

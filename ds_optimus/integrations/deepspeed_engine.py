@@ -36,7 +36,7 @@ from deepspeed.utils import groups as ds_groups
 
 from ..moe.layer import uses_router_bias
 from ..optim import sharded
-from ..optim.config import EngineSection
+from ..optim.engine_section import EngineSection
 from ..parallel.expert_parallel import (
     EXPERT_WEIGHTS,
     expert_layouts,

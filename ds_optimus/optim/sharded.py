@@ -2,7 +2,7 @@
 
 Dense parameters' fp32 master weights and Adam moments are sharded over the data-parallel group,
 each EP layout's expert parameters' over its expert-data-parallel (EDP) group, aligned to whole
-experts when the EDP size divides the local expert count (`layout.py`, `spaces.py`). Pure PyTorch,
+experts when the EDP size divides the local expert count (`bucket_layout.py`, `spaces.py`). Pure PyTorch,
 it runs on its own (`backward(loss)`, `step()`), or as DeepSpeed's ZeRO optimizer (`integrations.deepspeed_engine`).
 
 Per step:

@@ -5,7 +5,7 @@ A `Space` is a set of parameters reduced over one process group (the dense param
 data-parallel group, one EP layout's experts over its expert-data-parallel group) with this rank's
 shard of their fp32 master weights, Adam moments and reduced gradients. With hybrid sharding the
 group is cut into shard groups: the state is sharded inside one and replicated across them. Its parameters are cut into
-`Bucket`s, each reduce-scattered and all-gathered with one collective; `layout.py` says which
+`Bucket`s, each reduce-scattered and all-gathered with one collective; `bucket_layout.py` says which
 elements of which parameter lie where in a bucket and in which rank's shard.
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from .layout import chunked_runs, flat_runs, merge_copies, padding, split_buckets
+from .bucket_layout import chunked_runs, flat_runs, merge_copies, padding, split_buckets
 
 
 class ShardedOptimizerError(RuntimeError):

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..cli import ArgumentParser, fail
+from ..command_line import ArgumentParser, fail
 from ..schema import apply_overrides
 from .cluster import BUILTIN, ClusterError, get_cluster
 from .configs import layout_config, layout_from_config, template_for, write_config

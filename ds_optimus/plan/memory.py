@@ -19,7 +19,7 @@ from functools import lru_cache
 
 from .layout import Layout
 from .model import ModelShape
-from .pipeline import in_flight, stages, virtual_of
+from .pipeline_model import in_flight, stages, virtual_of
 
 
 @dataclass(frozen=True)

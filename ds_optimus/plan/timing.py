@@ -31,7 +31,7 @@ from .cluster import Cluster
 from .layout import Layout, hierarchy_node_size
 from .memory import local_params
 from .model import ModelShape
-from .pipeline import stages, virtual_of
+from .pipeline_model import stages, virtual_of
 
 
 @dataclass(frozen=True)

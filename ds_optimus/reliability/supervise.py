@@ -92,7 +92,7 @@ def supervise(command: list[str], max_restarts: int = 3, backoff: float = 30.0, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..cli import ArgumentParser
+    from ..command_line import ArgumentParser
 
     parser = ArgumentParser("ds_optimus.reliability.supervise",
                             description="Restart a failed training run from its last good checkpoint.",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from ..cli import ArgumentParser, fail
+from ..command_line import ArgumentParser, fail
 from . import ReportError, write_report
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..cli import ArgumentParser, fail, launch_rank, said_by_every_rank
+from ..command_line import ArgumentParser, fail, launch_rank, said_by_every_rank
 
 NAME = "ds_optimus.train"
 

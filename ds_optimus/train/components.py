@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..cli import said_by_every_rank
+from ..command_line import said_by_every_rank
 from ..config import ConfigError, check_run_config, resolve_batch_sizes  # noqa: F401  (re-exported: the trainer's pieces)
 
 

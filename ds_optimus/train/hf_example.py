@@ -20,7 +20,7 @@ NAME = "ds_optimus.train.hf_example"
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ds_optimus.cli import ArgumentParser, fail
+    from ds_optimus.command_line import ArgumentParser, fail
 
     parser = ArgumentParser(
         NAME, launched=True, formatter_class=argparse.RawDescriptionHelpFormatter,

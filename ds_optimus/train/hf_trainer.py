@@ -29,7 +29,7 @@ def trainer_ds_config(ds_config: dict[str, Any]) -> dict[str, Any]:
     `expert_parallel`, `sharded_optimizer`), the Trainer's arguments fill the optimizer, scheduler
     and batch sizes ("auto")."""
     from ..config import load_json_config
-    from ..optim.config import engine_ds_config
+    from ..optim.engine_section import engine_ds_config
 
     config = engine_ds_config(load_json_config(ds_config))
     for key in ("optimizer", "scheduler"):

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..cli import said_by_every_rank
+from ..command_line import said_by_every_rank
 from ..config import load_json_config
 from ..reliability.signals import EXIT_PREEMPTED
 from ..schema import ConfigError
@@ -158,7 +158,7 @@ class Trainer:
     def _build_engine(self) -> None:
         import deepspeed
 
-        from ..optim.config import engine_ds_config
+        from ..optim.engine_section import engine_ds_config
         from ..parallel.expert_parallel import moe_param_groups
 
         opt, config = self.opt, self.ds_config

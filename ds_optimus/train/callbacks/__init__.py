@@ -20,7 +20,7 @@ from .downstream import DownstreamCallback
 from .evaluation import EvaluationCallback
 from .faults import FaultInjectionCallback
 from .logging import MetricsCallback, ProgressFileCallback
-from .memory import MemoryCallback
+from .peak_memory import MemoryCallback
 from .profiling import ProfileCallback
 from .reliability import GuardCallback, PreemptionCallback, WatchdogCallback
 from .router_bias import RouterBiasCallback, uses_router_bias

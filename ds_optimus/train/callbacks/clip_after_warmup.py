@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ...cli import said_by_every_rank
+from ...command_line import said_by_every_rank
 from ...integrations.deepspeed_engine import set_gradient_clipping
 from ...optim.warmup_clipping import clip_for_step, delayed_clipping
 from ...schema import ConfigError

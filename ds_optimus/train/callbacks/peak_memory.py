@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ..memory import MemoryMeter
+from ..memory_meter import MemoryMeter
 from .base import Callback
 
 
