@@ -669,6 +669,14 @@ def test_cli_writes_a_config_per_device_count_with_scale_and_each_passes_the_che
         assert any(line.startswith(f"layout    {devices} ranks (--world)") for line in lines)
 
 
+def test_a_model_on_a_cluster_starts_from_that_clusters_shipped_config(capsys):
+    """220B on Aurora without --global-batch: the seed's Aurora run (ds_configs/mula-220b-a10b-aurora.json,
+    3,072 sequences of 2,048 tokens), not the H100 config's 8,192 of 4,096, which divides over no layout."""
+    assert plan_main(["--model", "mula-220b-a10b", "--cluster", "aurora", "--devices", "384", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "384 devices, 3072 x 2048 tokens per step (bf16)" in out and "\n1  dp" in out, out
+
+
 def test_cli_errors_are_one_line(capsys):
     done = subprocess.run([sys.executable, "-m", "ds_optimus.plan", "--cluster", "nowhere"], capture_output=True,
                           text=True, cwd=ROOT, timeout=120)  # the real command line, once
@@ -676,9 +684,16 @@ def test_cli_errors_are_one_line(capsys):
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     for argv, message in [
         (["--model", "mula-3b"], "unknown Mula preset 'mula-3b'"),
-        (["--model", "mula-220b-a10b", "--cluster", "h100", "--devices", "8"], "no layout of mula-220b-a10b fits"),
+        # what does not fit says how far it is and where it would: the smallest peak, and a device count
+        (["--model", "mula-220b-a10b", "--cluster", "h100", "--devices", "8"],
+         "no layout of mula-220b-a10b fits on 8 x NVIDIA H100 SXM5 80GB: the smallest predicted peak is "),
+        (["--model", "mula-7b-a1b", "--cluster", "h100", "--devices", "1", "--global-batch", "8"],
+         "against 69.5 GiB usable; 2 devices fit (dp2 "),
         (["--scale", "64-128"], "--scale takes N:M"),
         (["--devices", "48", "--global-batch", "1000"], "does not divide over the data-parallel ranks"),
+        (["--model", "mula-220b-a10b", "--cluster", "h100", "--devices", "384"],  # the shipped H100 config's batch
+         "a global batch of 8192 sequences (the train_batch_size of ds_configs/mula-220b-a10b.json; "
+         "set --global-batch)"),
         (["--devices", "64", "--measure", "2"], "--measure runs the layouts on this machine"),
     ]:
         assert plan_main(argv) == 2

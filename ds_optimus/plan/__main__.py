@@ -11,12 +11,21 @@ from pathlib import Path
 from ..command_line import ArgumentParser, fail
 from ..schema import apply_overrides
 from .cluster import BUILTIN, ClusterError, get_cluster
-from .configs import layout_config, layout_from_config, template_for, write_config
+from .configs import layout_config, layout_from_config, template_for, template_path, write_config
 from .layout import LayoutError
 from .memory import gib
 from .model import ModelShape
 from .scaling import ScalingError, device_counts, efficiency, format_scaling, plot_scaling, scale_layout, scaling
-from .search import EXCHANGES, OPTIMIZERS, RECOMPUTE_CHOICES, evaluate, format_table, ranking_note, search
+from .search import (
+    EXCHANGES,
+    OPTIMIZERS,
+    RECOMPUTE_CHOICES,
+    evaluate,
+    format_table,
+    ranking_note,
+    search,
+    smallest_peak,
+)
 
 EPILOG = """examples:
   python -m ds_optimus.plan --model mula-7b-a1b --cluster h100 --devices 64 --write ds_configs/mula-7b-a1b-64xh100.json
@@ -111,7 +120,8 @@ def _run(args: argparse.Namespace) -> int:
     else:
         args.model = args.model or "mula-7b-a1b"
         model = ModelShape.from_preset(args.model)
-    template = template if template is not None else template_for(args.model)
+    source = args.config or template_path(args.model, cluster.name)  # where the defaults below come from
+    template = template if template is not None else template_for(args.model, cluster.name)
     args.template = template
     seq_len = args.seq_len or (fixed.seq_len if fixed else template.get("optimus", {}).get("data", {}).get(
         "seq_len", 4096))
@@ -150,11 +160,12 @@ def _run(args: argparse.Namespace) -> int:
     print(f"{devices} devices, {global_batch} x {seq_len} tokens per step ({dtype}): {tried} layouts tried, "
           f"{len(plans)} fit in memory\n")
     if not tried:
-        raise LayoutError(f"a global batch of {global_batch} sequences does not divide over the data-parallel "
-                          f"ranks of any layout of {devices} devices; choose a multiple of {devices}")
+        origin = "" if args.global_batch or fixed else \
+            f" (the train_batch_size of {_shown(source) if source else 'the defaults'}; set --global-batch)"
+        raise LayoutError(f"a global batch of {global_batch} sequences{origin} does not divide over the "
+                          f"data-parallel ranks of any layout of {devices} devices; choose a multiple of {devices}")
     if not plans:
-        raise LayoutError(f"no layout of {args.model} fits on {devices} {cluster.device} devices; add devices "
-                          "or lower --global-batch" + (" or drop --no-pipeline" if args.no_pipeline else ""))
+        raise LayoutError(_nothing_fits(args, model, cluster, devices, global_batch, seq_len, options))
     print(format_table(plans, args.top))
     note = ranking_note(plans, args.top)
     if note:
@@ -242,6 +253,33 @@ def _evaluate_config(args, model, layout, cluster, best) -> dict:
           + f"\n  {plan.tokens_per_s:,.0f} tokens/s, MFU {plan.mfu:.1%}; row 1 is "
           f"{plan.time.step / best.time.step:.2f}x as fast")
     return plan.as_dict()
+
+
+def _shown(path) -> str:
+    path = Path(path)
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _nothing_fits(args, model, cluster, devices: int, global_batch: int, seq_len: int, options: dict) -> str:
+    """Why nothing fits, in one line: the smallest peak any layout reaches against the usable memory,
+    and the smallest device count (2x, 4x, ... 64x; the same global batch where it divides, else as many
+    sequences per device) where one fits (the memory model alone: no step times)."""
+    layout, peak = smallest_peak(model, cluster, devices, global_batch, seq_len, **options)
+    usable = cluster.usable_bytes
+    line = (f"no layout of {args.model} fits on {devices} x {cluster.device}: the smallest predicted peak is "
+            f"{gib(peak):.1f} GiB per device ({layout.describe()}) against {gib(usable):.1f} GiB usable")
+    for factor in (2, 4, 8, 16, 32, 64):
+        more = devices * factor
+        batch = global_batch if global_batch % more == 0 else global_batch * factor  # else: as many per device
+        print(f"(nothing fits on {devices}: trying {more} devices at {batch} sequences a step)", flush=True)
+        found = smallest_peak(model, cluster, more, batch, seq_len, stop_below=usable, **options)
+        if found is not None and found[1] <= usable:
+            return f"{line}; {more} devices fit ({found[0].describe()}: --devices {more} --global-batch {batch})"
+    fix = " or drop --no-pipeline" if args.no_pipeline else ""
+    return f"{line}; none fits on up to {devices * 64} devices either: a smaller --seq-len or model{fix}"
 
 
 def _scale(args, model, cluster, seq_len, global_batch, devices, options, report, fixed=None) -> int:

@@ -15,12 +15,20 @@ from .model import ModelShape
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
 
 
-def template_for(preset: str) -> dict[str, Any]:
-    """The shipped config of a preset (`ds_configs/<preset>.json`), else the tiny CPU one."""
-    for name in (f"{preset}.json", f"{preset}-cpu.json", "mula-tiny-moe-cpu.json"):
-        path = CONFIG_DIR / name
-        if path.exists():
-            return json.loads(path.read_text())
+def template_path(preset: str, cluster: str | None = None) -> Path | None:
+    """The shipped config a plan of `preset` starts from: the cluster's own (`ds_configs/<preset>-<cluster>.json`,
+    e.g. the seed's Aurora runs: their sequence length and global batch), else the preset's, else the
+    tiny CPU one; None where none is shipped."""
+    names = ([f"{preset}-{cluster}.json"] if cluster else []) + [f"{preset}.json", f"{preset}-cpu.json",
+                                                                  "mula-tiny-moe-cpu.json"]
+    return next((CONFIG_DIR / n for n in names if (CONFIG_DIR / n).exists()), None)
+
+
+def template_for(preset: str, cluster: str | None = None) -> dict[str, Any]:
+    """The shipped config of `template_path`, else a minimal one."""
+    path = template_path(preset, cluster)
+    if path is not None:
+        return json.loads(path.read_text())
     return {"optimizer": {"type": "AdamW", "params": {"lr": 4e-4, "betas": [0.9, 0.95], "eps": 1e-8,
                                                        "weight_decay": 0.1}}, "optimus": {}}
 

@@ -170,6 +170,21 @@ def search(model: ModelShape, cluster: Cluster, devices: int, global_batch: int,
     return fitting, len(plans) + len(hybrid)
 
 
+def smallest_peak(model: ModelShape, cluster: Cluster, devices: int, global_batch: int, seq_len: int, *,
+                  expert_imbalance: float = 1.0, stop_below: float = 0.0, **kwargs: Any) -> tuple[Layout, float] | None:
+    """(the layout with the smallest predicted peak per device, fitting or not; that peak in bytes), from
+    the memory model alone; the first found under `stop_below` bytes ends the search. None without any."""
+    best = None
+    for layout in candidate_layouts(model, cluster, devices, global_batch, seq_len, **kwargs):
+        layout.check(model.experts, model.layers)
+        peak = estimate_memory(model, layout, expert_imbalance).peak
+        if best is None or peak < best[1]:
+            best = (layout, peak)
+            if peak <= stop_below:
+                break
+    return best
+
+
 def ranking_note(plans: list[Plan], top: int = 10) -> str | None:
     """A line saying so when the first plan is not the fastest (the ranking's 2 % bands put the
     sharded optimizer, fewer stages and fewer chunks first among layouts the model cannot tell apart); None else."""
