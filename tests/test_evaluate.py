@@ -144,8 +144,14 @@ def test_a_misspelled_task_stops_before_a_checkpoint_is_exported(run, capsys, mo
 
     exported = []  # an export is the whole model written out: minutes at scale, for a typo
     monkeypatch.setattr(evaluate_run, "export_checkpoint", lambda *args: exported.append(args))
-    status, _, err = _run(capsys, run, "--tasks", "pydoc_clozee")
-    assert status == 2 and "unknown task 'pydoc_clozee'" in err and exported == [], err
+    status, out, err = _run(capsys, run, "--tasks", "pydoc_clozee")
+    assert status == 2 and "unknown task 'pydoc_clozee' (did you mean 'pydoc_cloze'? lm-eval" in err, err
+    assert exported == [] and "scoring" not in out, out  # found before any model is touched
+    assert "give YAML tasks of your own with --include" in err
+    tasks = run / "my_tasks"
+    tasks.mkdir()
+    status, _, err = _run(capsys, run, "--tasks", "pydoc_clozee", "--include", str(tasks))
+    assert status == 2 and f"nor in the YAML files of {tasks})" in err and "--include" not in err, err
 
 
 def test_a_folder_that_is_no_model_and_a_damaged_checkpoint_are_named(tmp_path, capsys):

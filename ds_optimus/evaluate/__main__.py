@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     from pathlib import Path
 
     from ..checkpoint.files import CheckpointError
-    from .harness import EvaluationError, require_lm_eval
+    from .harness import EvaluationError, load_tasks, require_lm_eval
     from .run import evaluate, resolve, results_path, scored_already, summary_line
 
     try:
@@ -75,9 +75,11 @@ def main(argv: list[str] | None = None) -> int:
                       f"({Path(args.target) / 'eval'})")
                 return 0
         device, dtype = _device(args.device, args.dtype)
+        print(f"loading the tasks {', '.join(tasks)}", flush=True)  # a misspelled one stops here, before any model
+        loaded = load_tasks(tasks, args.include, targets[0][1] / "eval", args.verbose)
         for model, run, step in targets:
             print(f"scoring {model} on {', '.join(tasks)} ({device}, {dtype})", flush=True)
-            path, record = evaluate(model, run, step, tasks, out=Path(args.out) if args.out else None,
+            path, record = evaluate(model, run, step, tasks, out=Path(args.out) if args.out else None, loaded=loaded,
                                     keep_export=args.keep_export, include=args.include, limit=args.limit,
                                     num_fewshot=args.num_fewshot, batch_size=args.batch_size, device=device,
                                     dtype=dtype, verbose=args.verbose)

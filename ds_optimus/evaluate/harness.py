@@ -5,6 +5,7 @@ report) is kept quiet unless asked for."""
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import re
@@ -67,8 +68,13 @@ def load_tasks(tasks: list[str], include: list[str] = (), work_dir: str | Path =
         raise EvaluationError(f"{type(err).__name__}: {text.splitlines()[0] if text else ''}") from None
     unknown = [name for name in names if name not in manager.all_tasks]
     if unknown:
-        raise EvaluationError(f"unknown task {unknown[0]!r} (lm-eval {lm_eval.__version__} knows "
-                              f"{len(manager.all_tasks):,} tasks; give YAML tasks with --include)")
+        known = [*manager.all_tasks, *sorted(BUILTIN - set(manager.all_tasks)), "mula-suite"]
+        close = difflib.get_close_matches(unknown[0], known, n=3, cutoff=0.75)
+        hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+        where = f"nor in the YAML files of {', '.join(include)}" if include else \
+            "give YAML tasks of your own with --include"
+        raise EvaluationError(f"unknown task {unknown[0]!r} ({hint}lm-eval {lm_eval.__version__} knows "
+                              f"{len(manager.all_tasks):,} tasks; {where})")
     return names, manager
 
 

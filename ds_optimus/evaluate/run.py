@@ -106,11 +106,13 @@ def results_path(run: Path, step: int | None) -> Path:
 def evaluate(model: Path, run: Path, step: int | None, tasks: list[str], *, out: Path | None = None,
              keep_export: bool = False, **options: Any) -> tuple[Path, dict[str, Any]]:
     """Score one model (an HF folder, or a checkpoint exported on the fly) and write the scores;
-    returns (the results file, its content)."""
+    returns (the results file, its content). `loaded` (from `load_tasks`, given when several models
+    are scored) saves loading the tasks again."""
     from ..checkpoint.files import write_text_atomic
 
     export = None
-    options["loaded"] = load_tasks(tasks, options.get("include", ()), run / "eval", options.get("verbose", False))
+    if options.get("loaded") is None:
+        options["loaded"] = load_tasks(tasks, options.get("include", ()), run / "eval", options.get("verbose", False))
     if (model / "meta.json").exists():  # the tasks are known before the export is written
         export = run / "eval" / f"hf-{model.name}"
         shutil.rmtree(export, ignore_errors=True)
