@@ -170,9 +170,25 @@ def save_folder(model, output_dir: Path, **kwargs) -> None:
     model.save_pretrained(output_dir, **kwargs)
 
 
-def run_conversion(prog: str, convert: Callable[[], Path]) -> Path | None:
+def quiet_libraries() -> None:
+    """What a conversion prints is its own line: Transformers' warnings below errors and its shard bars,
+    and DeepSpeed's accelerator line (DeepSpeed is imported along, by Transformers' own checks) are left
+    out. The DeepSpeed logger is filtered before DeepSpeed creates it, so its first line is caught too."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    logging.getLogger("DeepSpeed").addFilter(lambda record: record.levelno >= logging.ERROR)
+
+
+def run_conversion(prog: str, convert: Callable[[], Path], verbose: bool = False) -> Path | None:
     """One conversion for a command line: prints `wrote <folder>` and returns the folder, or prints the
-    ConversionError in one line (`<prog>: error: ...`, as ds_optimus.cli.fail) and returns None."""
+    ConversionError in one line (`<prog>: error: ...`, as ds_optimus.command_line.fail) and returns None.
+    Unless `verbose`, the libraries' own lines are left out (`quiet_libraries`)."""
+    if not verbose:
+        quiet_libraries()
     try:
         out = convert()
     except ConversionError as err:

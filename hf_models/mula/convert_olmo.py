@@ -131,11 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("input", help="checkpoint folder to read")
     parser.add_argument("output", help="folder to write (must not exist or be empty)")
     parser.add_argument("--to-olmo", action="store_true", help="convert Mula -> OLMo instead")
+    parser.add_argument("--verbose", action="store_true", help="keep Transformers' and DeepSpeed's own output")
     args = parser.parse_args(argv)
     if args.to_olmo:
-        out = run_conversion(PROG, lambda: convert_mula_to_olmo(args.input, args.output))
+        out = run_conversion(PROG, lambda: convert_mula_to_olmo(args.input, args.output), args.verbose)
     else:
-        out = run_conversion(PROG, lambda: convert_olmo_to_mula(args.input, args.output))
+        out = run_conversion(PROG, lambda: convert_olmo_to_mula(args.input, args.output), args.verbose)
     if out is None:
         return 2
     if not args.to_olmo and read_config(out).get("tie_word_embeddings"):

@@ -200,11 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--to-olmoe", action="store_true", help="convert Mula -> OLMoE instead")
     parser.add_argument("--layout", choices=("per-expert", "stacked"), default="per-expert",
                         help="expert layout of OLMoE output (default: per-expert, readable by Transformers v4 and v5)")
+    parser.add_argument("--verbose", action="store_true", help="keep Transformers' and DeepSpeed's own output")
     args = parser.parse_args(argv)
     if args.to_olmoe:
-        out = run_conversion(PROG, lambda: convert_mula_to_olmoe(args.input, args.output, args.layout))
+        out = run_conversion(PROG, lambda: convert_mula_to_olmoe(args.input, args.output, args.layout),
+                             args.verbose)
     else:
-        out = run_conversion(PROG, lambda: convert_olmoe_to_mula(args.input, args.output))
+        out = run_conversion(PROG, lambda: convert_olmoe_to_mula(args.input, args.output), args.verbose)
     return 2 if out is None else 0
 
 __all__ = [
