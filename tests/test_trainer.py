@@ -192,6 +192,13 @@ def test_guards_off_a_finished_run_launched_again_and_an_error_on_record(tmp_pat
     assert (run / "summary.json").read_text() == summary  # the finished run's record stays
     log = (run / "log.txt").read_text()
     assert "the run was already trained to step 4: nothing to do" in log
+    # launched again with fewer steps: the same, said before anything is built (no data, no schedule note)
+    fewer = {**config, "optimus": {**config["optimus"], "train": {**config["optimus"]["train"], "steps": 3}}}
+    assert run_distributed(pretrain_worker, 1, fewer)[0]["start_step"] == 4
+    added = (run / "log.txt").read_text()[len(log):]
+    said = [line[len("2026-01-01 00:00:00 "):] for line in added.strip().splitlines()]  # after the time stamp
+    assert said == ["the run was already trained to step 4: nothing to do (raise optimus.train.steps past it to train "
+                    f"further: the LR schedule then stretches to the new length; or remove {run} to start over)"], added
 
     refused = {**config, "optimus": {**config["optimus"], "checkpoint": {"interval": 2, "resume": False}}}
     with pytest.raises(Exception, match="checkpoint.resume is false"):

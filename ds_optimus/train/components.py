@@ -285,6 +285,28 @@ def dense_fingerprint(model) -> float:
         return float(sum(p.detach().double().sum() for p in model.parameters() if not is_expert_param(p)))
 
 
+def finished_already(opt, output_dir: Path) -> int | None:
+    """The step of the run's newest complete checkpoint when the run is finished there (at or past
+    `train.steps`, and its summary.json says finished): a finished run launched again, known before
+    anything is built. Rank 0's view, on every rank (collective); None otherwise."""
+    found: list[int | None] = [None]
+    if dist.get_rank() == 0 and opt.checkpoint.resume and opt.checkpoint.enabled:
+        complete = opt.checkpoint.build(output_dir).complete()
+        step = int(complete[-1].name.split("_")[-1]) if complete else 0
+        summary = output_dir / "summary.json"
+        if complete and step >= opt.train.steps and summary.exists():
+            import json
+
+            try:
+                finished = bool(json.loads(summary.read_text()).get("finished"))
+            except (OSError, ValueError):
+                finished = False
+            found = [step if finished else None]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(found, src=0)
+    return found[0]
+
+
 def resume_changes(extra: dict[str, Any], trainer) -> list[str]:
     """What a resume says of a checkpoint's `extra` state taken with other tokens a step (the global
     batch changed: the loader refuses another seq_len) or, where `train.steps` sets the LR schedule's

@@ -72,10 +72,14 @@ class Trainer:
         C.seed_everything(opt.train.seed)  # the same initial weights on every rank
         self.output_dir = Path(opt.train.output_dir)
         self.log_every_rank = log_every_rank
+        self.sink: MetricsSink | None = None
+        self.finished_at = C.finished_already(opt, self.output_dir)  # launched again after its last step
+        if self.finished_at is not None:
+            self.callbacks = []  # nothing is built: train() says so and returns
+            return
         self.callbacks = default_callbacks(opt, list(callbacks))
         for callback in self.callbacks:
             callback.trainer = self
-        self.sink: MetricsSink | None = None
         try:
             self._call("setup")
             self._build_model()
@@ -280,6 +284,15 @@ class Trainer:
     def train(self) -> dict[str, Any]:
         """Run from the resumed step to the last one (or until a callback stops the run), export
         the model at the end, and return the summary (on every rank)."""
+        if self.finished_at is not None:
+            text = (f"the run was already trained to step {self.finished_at}: nothing to do (raise optimus.train.steps "
+                    f"past it to train further: the LR schedule then stretches to the new length; or remove "
+                    f"{self.output_dir} to start over)")
+            self.message(text)
+            if self.rank == 0:
+                append_log(self.output_dir, text)
+            return {"rank": self.rank, "start_step": self.finished_at, "resumed_from": None, "losses": {},
+                    "finished": True, "nothing_to_do": True}
         try:
             self._call("pre_train")
             self.engine.train()
