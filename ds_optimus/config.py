@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .data.pack import DataConfig
+from .data.sources import DataConfig
 from .evaluate.config import EvalConfig
 from .moe.experts import MoEConfig
 from .optim.config import ShardedOptimizerConfig

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ds_optimus.data import DataError, TokenBatches, TokenStream, load_tokenizer, parse_sources, prepare_data
-from ds_optimus.data.shuffle import mixture_sources, mixture_thresholds, permute, stable_key
+from ds_optimus.data.mixture import mixture_sources, mixture_thresholds, permute, stable_key
 
 
 def test_the_keyed_permutation_is_a_bijection_for_every_size():
@@ -190,7 +190,8 @@ def test_held_out_batches_come_from_the_sources_that_have_enough(tmp_path):
 
 
 def test_a_stream_of_many_files_keeps_few_mapped_and_every_index_is_reachable(tmp_path):
-    from ds_optimus.data.tokens import MAX_MAPPED, TokenFile
+    from ds_optimus.data.shards import MAX_MAPPED
+    from ds_optimus.data.token_files import TokenFile
 
     files = []
     for i in range(MAX_MAPPED + 40):  # more files than a stream keeps mapped

@@ -2,7 +2,7 @@
 
 Each source's stream is cut into sequences of `seq_len` tokens (across its files' boundaries).
 Global sample position p is drawn from source s(p), a low-discrepancy draw by the weights
-(`shuffle.mixture_sources`); it is that source's k-th draw, and k gives the source's epoch
+(`mixture.mixture_sources`); it is that source's k-th draw, and k gives the source's epoch
 k // N and, in it, the sequence `permute(k % N, N, key(seed, source, epoch))`: a keyed bijection,
 so an epoch of 2x10^9 sequences costs no memory and every epoch of every source has its own order.
 A source that runs out starts again in a new order, and says so once. A global micro-batch holds
@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .corpus import DataError
-from .shuffle import mixture_sources, mixture_thresholds, permute, stable_key
-from .tokens import TokenStream
+from .errors import DataError
+from .mixture import changed_data_message, data_changes, mixture_sources, mixture_thresholds, permute, stable_key
+from .shards import TokenStream
 
 
 def _parts(data, split: str) -> list[tuple[str, TokenStream, float | None, str]]:
@@ -191,26 +191,6 @@ class TokenBatches:
         self.drawn = np.array([saved.get(name, {}).get("drawn", 0) for name in self.names], dtype=np.int64)
         self._epochs_said = np.where(self.drawn > 0, (self.drawn - 1) // np.maximum(self.sizes, 1), 0)
         return changes
-
-
-def changed_data_message(changes: list[str], since: str = "the checkpoint") -> str:
-    more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
-    return (f"the data changed since {since}: {changes[0]}{more}; set optimus.data.allow_change to true to continue "
-            "on the new data")
-
-
-def data_changes(saved: dict, names: list[str], identities: list[str], shares) -> list[str]:
-    """What differs between a checkpoint's sources (`state_dict()["sources"]`) and these (a share of
-    None: not known, not compared)."""
-    changes = [f"source {name!r} was dropped" for name in saved if name not in names]
-    for name, identity, share in zip(names, identities, shares, strict=True):
-        if name not in saved:
-            changes.append(f"source {name!r} was added")
-        elif saved[name].get("identity") != identity:
-            changes.append(f"source {name!r} holds other data (its files, their sizes or times, or the tokenizer)")
-        elif share is not None and abs(saved[name].get("share", share) - share) > 1e-9:
-            changes.append(f"the share of source {name!r} went from {saved[name]['share']:.4g} to {share:.4g}")
-    return changes
 
 
 def eval_batches(data, seq_len: int, micro_batch_size: int, dp_rank: int, dp_size: int,

@@ -143,9 +143,10 @@ def _count(n: int, noun: str) -> str:
 
 
 def _data_lines(opt, tokenizer) -> list[str]:
-    from ..data.corpus import is_saved_dataset, parse_sources, resolve_files
-    from ..data.pack import source_folder
-    from ..data.tokens import TokenStream, token_files
+    from ..data.shards import TokenStream
+    from ..data.sources import is_saved_dataset, parse_sources, resolve_files
+    from ..data.token_files import token_files
+    from ..data.units import source_folder
 
     sources = parse_sources(opt.data.sources)
     described = []
@@ -233,9 +234,9 @@ def _data_change(opt, tokenizer, checkpoint: Path) -> None:
     holds the loader's record; shares of sources not prepared yet are not compared)."""
     import numpy as np
 
-    from ..data.corpus import parse_sources
-    from ..data.loader import changed_data_message, data_changes
-    from ..data.pack import plan_sources
+    from ..data.mixture import changed_data_message, data_changes
+    from ..data.sources import parse_sources
+    from ..data.units import plan_sources
 
     try:
         saved = json.loads((checkpoint / "meta.json").read_text()).get("data", {}).get("sources")

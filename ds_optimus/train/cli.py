@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_libraries(args.verbose)
 
     from ..config import ConfigError, apply_overrides, load_json_config
-    from ..data.corpus import DataError
+    from ..data.errors import DataError
     from ..parallel.groups import LayoutError
     from ..reliability import CheckpointError
     from .trainer import pretrain

@@ -1,5 +1,4 @@
-"""Pretraining sources: the embedded default corpus, local files (plain or compressed), `datasets`
-folders and names, and pre-tokenized token files.
+"""The `optimus.data` section and its sources: what each source is, and the files it names.
 
 A source is given in the config's `optimus.data.sources` list as a string or an object:
 
@@ -22,33 +21,64 @@ Every object also takes `"name"` (the source's name in logs and metrics; by defa
 and `"weight"` (its share of the sampled sequences; give every source one, or none: then each
 source is drawn in proportion to its size).
 
-`describe()` gives what identifies a source's content (file sizes and times, dataset revision) for
-the fingerprint of a tokenized cache; `source_units()` splits a source into the pieces that
-preparation hands to its workers (a file each, or row ranges of a `save_to_disk` folder).
+The first stage of the data pipeline (sources -> work units -> tokenizing workers -> stored shards
+-> mixture and loader): it imports nothing of the later ones. `resolve_files` and
+`resolve_token_files` list the files a source names.
 """
 
 from __future__ import annotations
 
 import glob
-import hashlib
-import json
 import math
 import os
 import re
-import sys
-from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .compressed import decode_errors, open_text
+import numpy as np
+
+from ..schema import ConfigError, Section, need, number, positive_int
 from .errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".md", ".text")
 JSON_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
 COMPRESSED_SUFFIXES = (".gz", ".zst")
-DISK_ROWS_PER_UNIT = 100_000  # rows of a save_to_disk folder per preparation work unit
+TOKEN_SUFFIXES = (".npy", ".bin")
+
+
+@dataclass(frozen=True)
+class DataConfig(Section):
+    """`optimus.data`: the corpora (with mixture weights), the tokenizer (null: the embedded
+    default), the sequence length, the held-out fraction, the token cache folder (on a filesystem
+    every rank sees), the tokenizing processes per rank, and whether a resumed run may continue on
+    changed data."""
+
+    sources: list = field(default_factory=lambda: ["embedded"])
+    tokenizer: str | None = None  # an HF tokenizer name or folder; null: the embedded default
+    seq_len: int = 256
+    val_fraction: float = 0.02
+    cache_dir: str = "data_cache"
+    workers: int = 1  # tokenizing processes per rank when the data must be prepared at the start
+    allow_change: bool = False  # resume on sources that differ from the checkpoint's (logged)
+
+    def check(self, where: str) -> None:
+        need(isinstance(self.sources, list) and len(self.sources) > 0, f"{where}.sources must be a non-empty list")
+        for i, spec in enumerate(self.sources):
+            try:
+                parse_sources([spec])
+            except DataError as err:
+                raise ConfigError(f"{where}.sources[{i}]: {err}") from None
+        try:
+            parse_sources(self.sources)
+        except DataError as err:
+            raise ConfigError(f"{where}.sources: {err}") from None
+        need(positive_int(self.seq_len) and self.seq_len >= 8, f"{where}.seq_len must be an integer >= 8")
+        need(number(self.val_fraction) and 0 <= self.val_fraction < 0.5,
+             f"{where}.val_fraction must be in [0, 0.5), got {self.val_fraction!r}")
+        need(positive_int(self.workers), f"{where}.workers must be a positive integer, got {self.workers!r}")
+        need(isinstance(self.allow_change, bool), f"{where}.allow_change must be true or false")
 
 
 @dataclass(frozen=True)
@@ -115,8 +145,6 @@ def parse_source(spec: str | dict[str, Any]) -> Source:
     if name is not None and (not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name)):
         raise DataError(f"{where}: name must be letters, digits, '_', '.' or '-', got {name!r}")
     if options.get("dtype") is not None:
-        from .tokens import check_token_dtype
-
         try:
             check_token_dtype(options["dtype"])
         except DataError as err:
@@ -163,10 +191,24 @@ def source_name(source: Source) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", base) or source.kind
 
 
+def check_token_dtype(dtype) -> None:
+    try:
+        ok = np.issubdtype(np.dtype(dtype), np.integer)
+    except TypeError:
+        ok = False
+    if not ok:
+        raise DataError(f"dtype {dtype!r} is not an integer type (use e.g. \"uint16\", \"uint32\", \"int32\")")
+
+
 def resolve_files(source: Source) -> list[Path]:
     """The files a "files" source names, sorted; a one-line `DataError` if there are none."""
-    return matching_files(source.target, _supported, "data",
+    return matching_files(source.target, supported_file, "data",
                           ".txt, .md, .jsonl, .json (each also .gz or .zst) or .parquet")
+
+
+def resolve_token_files(target: str) -> list[Path]:
+    """The `.npy`/`.bin` files a path, folder or glob names, sorted; one-line errors."""
+    return matching_files(target, lambda p: p.suffix in TOKEN_SUFFIXES, "token", ".npy or .bin")
 
 
 def matching_files(target: str, supported, what: str, kinds: str) -> list[Path]:
@@ -190,7 +232,7 @@ def matching_files(target: str, supported, what: str, kinds: str) -> list[Path]:
     return files
 
 
-def _inner_suffix(path: Path) -> str:
+def inner_suffix(path: Path) -> str:
     """The format suffix under any compression: "wiki-0000.json.gz" -> ".json"."""
     suffixes = [s.lower() for s in path.suffixes]
     if suffixes and suffixes[-1] in COMPRESSED_SUFFIXES:
@@ -198,196 +240,13 @@ def _inner_suffix(path: Path) -> str:
     return suffixes[-1] if suffixes else ""
 
 
-def _supported(path: Path) -> bool:
+def supported_file(path: Path) -> bool:
     if path.suffix.lower() in PARQUET_SUFFIXES:
         return True
-    return _inner_suffix(path) in TEXT_SUFFIXES + JSON_SUFFIXES
+    return inner_suffix(path) in TEXT_SUFFIXES + JSON_SUFFIXES
 
 
 def is_saved_dataset(target: str) -> bool:
     """Whether `target` is a folder written by `datasets`' `save_to_disk` (a Dataset or DatasetDict)."""
     root = Path(os.path.expanduser(target))
     return root.is_dir() and ((root / "state.json").is_file() or (root / "dataset_dict.json").is_file())
-
-
-def iter_documents(source: Source) -> Iterator[str]:
-    """The documents (strings) of a source, in a fixed order."""
-    limit = source.max_documents
-    count = 0
-    for text in _documents(source):
-        if limit is not None and count >= limit:
-            return
-        if text:
-            count += 1
-            yield text
-
-
-def _documents(source: Source) -> Iterator[str]:
-    if source.kind == "embedded":
-        yield from embedded_documents()
-    elif source.kind in ("files", "hf") and is_saved_dataset(source.target):
-        yield from _saved_documents(source, None)
-    elif source.kind == "files":
-        for path in resolve_files(source):
-            yield from _file_documents(path, source.text_field)
-    elif source.kind == "hf":
-        yield from _hf_documents(source)
-    else:
-        raise DataError(f"a {source.kind!r} source holds no text documents")
-
-
-@dataclass(frozen=True)
-class Unit:
-    """A piece of a source that one preparation worker tokenizes: a file, a row range, or all of it."""
-
-    label: str
-    size: int  # bytes or rows: what balances the work between workers
-    part: Any = None  # a Path, a (start, stop) row range, or None for the whole source
-
-
-def source_units(source: Source) -> list[Unit]:
-    """The source's work units, in order (their tokens, concatenated, are the source's stream). A
-    source with `max_documents`, the embedded corpus and a streamed dataset are one unit each."""
-    if source.kind in ("files", "hf") and is_saved_dataset(source.target) and source.max_documents is None:
-        rows = len(_load_saved(source))
-        return [Unit(f"rows {lo}-{min(lo + DISK_ROWS_PER_UNIT, rows)}", min(DISK_ROWS_PER_UNIT, rows - lo),
-                     (lo, min(lo + DISK_ROWS_PER_UNIT, rows))) for lo in range(0, max(rows, 1), DISK_ROWS_PER_UNIT)]
-    if source.kind == "files" and source.max_documents is None:
-        return [Unit(str(p), p.stat().st_size, p) for p in resolve_files(source)]
-    return [Unit(str(source), 0, None)]
-
-
-def unit_documents(source: Source, unit: Unit) -> Iterator[str]:
-    """The documents of one unit of `source` (empty ones left out), in order."""
-    if unit.part is None:
-        yield from iter_documents(source)
-    elif isinstance(unit.part, tuple):
-        yield from (t for t in _saved_documents(source, unit.part) if t)
-    else:
-        yield from (t for t in _file_documents(unit.part, source.text_field) if t)
-
-
-def embedded_documents() -> list[str]:
-    """The Python reference manual shipped with CPython, one document per topic."""
-    from pydoc_data.topics import topics
-
-    return [topics[key] for key in sorted(topics)]
-
-
-def _file_documents(path: Path, text_field: str) -> Iterator[str]:
-    if path.suffix.lower() in PARQUET_SUFFIXES:
-        yield from _parquet_documents(path, text_field)
-        return
-    compressed = path.suffix.lower() in COMPRESSED_SUFFIXES
-    try:
-        with open_text(path) as f:
-            if _inner_suffix(path) in TEXT_SUFFIXES:
-                yield f.read()
-                return
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise DataError(f"{path}:{lineno}: not a JSON record ({err.msg} at column {err.colno})") from None
-                if not isinstance(record, dict) or text_field not in record:
-                    fields = f" (its fields: {', '.join(record)[:200]}; set the source's \"text_field\")" \
-                        if isinstance(record, dict) else ""
-                    raise DataError(f"{path}:{lineno}: record has no {text_field!r} field{fields}")
-                yield from _text(record[text_field], f"{path}:{lineno}")
-    except decode_errors() as err:
-        kind = f"{path.suffix.lower()[1:]}-compressed " if compressed else ""
-        raise DataError(f"{path}: not a readable {kind}file ({type(err).__name__}: {err})") from None
-
-
-def _parquet_documents(path: Path, text_field: str) -> Iterator[str]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        parquet = pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as err:
-        raise DataError(f"{path}: not a readable parquet file ({err})") from None
-    if text_field not in parquet.schema_arrow.names:
-        raise DataError(f"{path}: no {text_field!r} column (columns: {', '.join(parquet.schema_arrow.names)})")
-    for batch in parquet.iter_batches(columns=[text_field], batch_size=1024):
-        for text in batch.column(0).to_pylist():
-            yield from _text(text, str(path))
-
-
-def _text(value, where: str) -> Iterator[str]:
-    """A record's text: nothing for a null, a one-line error for anything but a string."""
-    if value is None:
-        return
-    if not isinstance(value, str):
-        raise DataError(f"{where}: the text field holds a {type(value).__name__}, not a string")
-    yield value
-
-
-def _load_saved(source: Source):
-    """A `save_to_disk` folder's dataset (memory-mapped Arrow), the source's split of a DatasetDict."""
-    import datasets
-
-    try:
-        loaded = datasets.load_from_disk(os.path.expanduser(source.target))
-    except (FileNotFoundError, ValueError, OSError) as err:
-        raise DataError(f"dataset folder {source.target!r}: {err}") from None
-    if isinstance(loaded, datasets.DatasetDict):
-        if source.split not in loaded:
-            raise DataError(f"dataset folder {source.target!r} has no split {source.split!r} "
-                            f"(splits: {', '.join(loaded)}; set the source's \"split\")")
-        loaded = loaded[source.split]
-    if source.text_field not in loaded.column_names:
-        raise DataError(f"dataset folder {source.target!r}: no {source.text_field!r} column "
-                        f"(columns: {', '.join(loaded.column_names)}; set the source's \"text_field\")")
-    return loaded
-
-
-def _saved_documents(source: Source, rows: tuple[int, int] | None) -> Iterator[str]:
-    dataset = _load_saved(source).select_columns([source.text_field])
-    lo, hi = rows if rows is not None else (0, len(dataset))
-    for start in range(lo, hi, 1024):
-        for text in dataset[start:min(start + 1024, hi)][source.text_field]:
-            yield from _text(text, f"dataset folder {source.target!r}")
-
-
-def _hf_documents(source: Source) -> Iterator[str]:
-    import datasets
-
-    try:
-        stream = datasets.load_dataset(source.target, source.config_name, split=source.split,
-                                       data_files=source.data_files, streaming=True)
-    except FileNotFoundError as err:
-        raise DataError(f"dataset {source.target!r} not found: {err}") from None
-    except ValueError as err:
-        raise DataError(f"dataset {source.target!r}: {err}") from None
-    for record in stream:
-        if source.text_field not in record:
-            raise DataError(f"dataset {source.target!r}: records have no {source.text_field!r} field "
-                            f"(fields: {', '.join(record)})")
-        yield from _text(record[source.text_field], f"dataset {source.target!r}")
-
-
-def describe(source: Source) -> dict[str, Any]:
-    """What identifies the content of a source, for cache fingerprints: never its bytes (names,
-    sizes and modification times of its files)."""
-    info: dict[str, Any] = {"kind": source.kind, "text_field": source.text_field,
-                            "max_documents": source.max_documents}
-    if source.kind == "embedded":
-        digest = hashlib.sha256("\x00".join(embedded_documents()).encode()).hexdigest()
-        info.update(python=sys.version.split()[0], sha256=digest)
-    elif source.kind == "tokens":
-        from .tokens import describe_token_files
-
-        info.update(dtype=source.dtype, files=describe_token_files(source.target),
-                    val=describe_token_files(source.val) if source.val else None)
-    elif source.kind == "files" and not is_saved_dataset(source.target):
-        info["files"] = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in resolve_files(source)]
-    else:
-        info.update(target=source.target, name=source.config_name, split=source.split, data_files=source.data_files)
-        if os.path.exists(os.path.expanduser(source.target)):  # a local dataset folder: its files identify it
-            root = Path(os.path.expanduser(source.target))
-            info["files"] = [(str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns)
-                             for p in sorted(root.rglob("*")) if p.is_file()]
-    return info

@@ -1,5 +1,6 @@
-"""Orders and mixtures that cost nothing per sequence: a keyed bijection instead of a permutation
-array, and a low-discrepancy draw of sources instead of a sampled list.
+"""The weighted mixture of sources: orders and draws that cost nothing per sequence (a keyed
+bijection instead of a permutation array, and a low-discrepancy draw of sources instead of a
+sampled list), and what changed in a mixture since a checkpoint recorded it.
 
 `permute(offsets, n, key)` maps offsets in [0, n) to a pseudo-random permutation of [0, n) with a
 balanced Feistel network over the smallest even power of two >= n, walking the cycle until the
@@ -10,6 +11,9 @@ a dozen integer operations away, on every rank alike.
 Weyl sequence u_p = key + p * 2^64/phi (mod 2^64), cut at the cumulative weights. The shares of
 any window of n consecutive positions are within O(log n) samples of the weights, and no source
 falls into a short period with the data-parallel ranks (as a round robin would).
+
+`data_changes` compares a checkpoint's record of the sources (`TokenBatches.state_dict()["sources"]`)
+with the sources of now; `changed_data_message` is the one line a resumed run stops on.
 """
 
 from __future__ import annotations
@@ -78,3 +82,23 @@ def mixture_sources(positions, thresholds: np.ndarray, key: int) -> np.ndarray:
     p = np.asarray(positions, dtype=np.uint64)
     u = np.uint64(key) + p * GOLDEN
     return np.searchsorted(thresholds, u, side="right").astype(np.int64)
+
+
+def changed_data_message(changes: list[str], since: str = "the checkpoint") -> str:
+    more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
+    return (f"the data changed since {since}: {changes[0]}{more}; set optimus.data.allow_change to true to continue "
+            "on the new data")
+
+
+def data_changes(saved: dict, names: list[str], identities: list[str], shares) -> list[str]:
+    """What differs between a checkpoint's sources (`state_dict()["sources"]`) and these (a share of
+    None: not known, not compared)."""
+    changes = [f"source {name!r} was dropped" for name in saved if name not in names]
+    for name, identity, share in zip(names, identities, shares, strict=True):
+        if name not in saved:
+            changes.append(f"source {name!r} was added")
+        elif saved[name].get("identity") != identity:
+            changes.append(f"source {name!r} holds other data (its files, their sizes or times, or the tokenizer)")
+        elif share is not None and abs(saved[name].get("share", share) - share) > 1e-9:
+            changes.append(f"the share of source {name!r} went from {saved[name]['share']:.4g} to {share:.4g}")
+    return changes
