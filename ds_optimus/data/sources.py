@@ -23,7 +23,8 @@ source is drawn in proportion to its size).
 
 The first stage of the data pipeline (sources -> work units -> tokenizing workers -> stored shards
 -> mixture and loader): it imports nothing of the later ones. `resolve_files` and
-`resolve_token_files` list the files a source names.
+`resolve_token_files` list the files a source names; `DistinctFiles` refuses a file that two sources
+read, however each spells it (a folder and a glob, a file and a glob, a symbolic or hard link).
 """
 
 from __future__ import annotations
@@ -155,7 +156,9 @@ def parse_source(spec: str | dict[str, Any]) -> Source:
 
 
 def parse_sources(specs: list) -> list[Source]:
-    """Every source of `optimus.data.sources`, with unique names and weights on all or none."""
+    """Every source of `optimus.data.sources`, with unique names and weights on all or none. (Two
+    sources that read the same files under other spellings are found when their files are listed:
+    `DistinctFiles`.)"""
     sources = [parse_source(spec) for spec in specs]
     seen: dict[str, int] = {}
     read: dict[tuple, int] = {}
@@ -250,3 +253,40 @@ def is_saved_dataset(target: str) -> bool:
     """Whether `target` is a folder written by `datasets`' `save_to_disk` (a Dataset or DatasetDict)."""
     root = Path(os.path.expanduser(target))
     return root.is_dir() and ((root / "state.json").is_file() or (root / "dataset_dict.json").is_file())
+
+
+def reads_files(source: Source) -> bool:
+    """Whether the source trains on local files it names (data or token files; not the embedded
+    corpus, a `save_to_disk` folder or a dataset name)."""
+    return source.kind == "tokens" or (source.kind == "files" and not is_saved_dataset(source.target))
+
+
+class DistinctFiles:
+    """Refuses, in one line, a file that two sources train on under any spellings: a folder and a glob
+    of its files, a file and a glob that matches it, a symbolic or a hard link. A file is known by its
+    (st_dev, st_ino) (by its resolved path where the filesystem gives no inode numbers): one stat per
+    file, nothing read. Text sources that take other fields of the same files are not the same data."""
+
+    def __init__(self) -> None:
+        self._owners: dict[tuple, tuple[int, Source, Path]] = {}
+
+    def add(self, index: int, source: Source, files: list[Path]) -> None:
+        """Note the files source `index` trains on; a `DataError` naming both sources and a shared
+        file if an earlier source trains on one of them."""
+        family = ("tokens",) if source.kind == "tokens" else ("text", source.text_field)
+        for path in files:
+            key = (*family, *_file_identity(path))
+            owner = self._owners.setdefault(key, (index, source, path))
+            if owner[0] != index:
+                other, first, spelled = owner
+                as_ = "" if str(spelled) == str(path) else f" (as {path})"
+                raise DataError(f"sources {other} ({first.label!r}) and {index} ({source.label!r}) both read "
+                                f"{spelled}{as_}: list each file in one source")
+
+
+def _file_identity(path: Path) -> tuple:
+    stat = os.stat(path)  # follows symbolic links: a link and its target are one file
+    if stat.st_ino:
+        return ("inode", stat.st_dev, stat.st_ino)
+    return ("path", os.path.realpath(path))
+

@@ -49,6 +49,6 @@ def token_file(path: Path, dtype: str | None = None) -> TokenFile:
     return TokenFile(str(path), size // itemsize, np.dtype(dtype).str)
 
 
-def token_files(target: str, dtype: str | None = None) -> list[TokenFile]:
-    """The token files `target` names, their headers read."""
-    return [token_file(p, dtype) for p in resolve_token_files(target)]
+def token_files(target: str, dtype: str | None = None, files: list[Path] | None = None) -> list[TokenFile]:
+    """The token files `target` names (`files`: already listed by `resolve_token_files`), headers read."""
+    return [token_file(p, dtype) for p in (files if files is not None else resolve_token_files(target))]

@@ -144,21 +144,24 @@ def _count(n: int, noun: str) -> str:
 
 def _data_lines(opt, tokenizer) -> list[str]:
     from ..data.shards import TokenStream
-    from ..data.sources import is_saved_dataset, parse_sources, resolve_files
+    from ..data.sources import DistinctFiles, is_saved_dataset, parse_sources, resolve_files
     from ..data.token_files import token_files
     from ..data.units import source_folder
 
     sources = parse_sources(opt.data.sources)
     described = []
-    for source in sources:
+    distinct = DistinctFiles()  # a file two sources train on, as the run's start refuses it
+    for i, source in enumerate(sources):
         share = f", weight {source.weight:g}" if source.weight is not None else ""
         if source.kind == "files" and not is_saved_dataset(source.target):
             files = resolve_files(source)  # a missing path is the error it would be at start
+            distinct.add(i, source, files)
             described.append(f"{source.label}: {source.target} ({_count(len(files), 'file')}, "
                              f"{sum(p.stat().st_size for p in files):,} bytes{share})")
         elif source.kind == "tokens":  # the headers, and the first tokens against the vocabulary, as at start
-            files = token_files(source.target, source.dtype) + (token_files(source.val, source.dtype)
-                                                                if source.val else [])
+            train = token_files(source.target, source.dtype)
+            distinct.add(i, source, [Path(f.path) for f in train])
+            files = train + (token_files(source.val, source.dtype) if source.val else [])
             first = TokenStream(files).head(1 << 16)
             if tokenizer is not None and first.size and first.max() >= len(tokenizer):
                 raise ConfigError(f"optimus.data.sources: source {source.label!r} holds token id {int(first.max())}, "
