@@ -56,6 +56,7 @@ class TokenBatches:
         self.names = [name for name, *_ in parts]
         self.streams = [stream for _, stream, *_ in parts]
         self.identities = [identity for *_, identity in parts]
+        self.given_weights = [weight for _, _, weight, _ in parts]  # as the config gives them (None: by size)
         self.sizes = np.array([s.num_sequences(seq_len) for s in self.streams], dtype=np.int64)
         self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
@@ -168,9 +169,11 @@ class TokenBatches:
     def state_dict(self) -> dict[str, Any]:
         return {"tokens_consumed": self.tokens_consumed, "seq_len": self.seq_len, "seed": self.seed,
                 "global_micro_batch": self.micro_batch_size * self.dp_size,
-                "sources": {name: {"drawn": int(n), "identity": identity, "share": float(w), "sequences": int(size)}
-                            for name, n, identity, w, size in zip(self.names, self.drawn, self.identities,
-                                                                  self.weights, self.sizes, strict=True)}}
+                "sources": {name: {"drawn": int(n), "identity": identity, "share": float(w), "weight": weight,
+                                   "sequences": int(size)}
+                            for name, n, identity, w, weight, size in zip(self.names, self.drawn, self.identities,
+                                                                          self.weights, self.given_weights, self.sizes,
+                                                                          strict=True)}}
 
     def load_state_dict(self, state: dict[str, Any], allow_change: bool = False) -> list[str]:
         """Continue from `state`; returns what changed in the data since it was saved (a change is
@@ -185,7 +188,7 @@ class TokenBatches:
         if saved is None:  # a checkpoint from before per-source records: one stream, all of it drawn in order
             saved = {self.names[0]: {"drawn": self.position, "identity": self.identities[0], "share": 1.0}} \
                 if len(self.names) == 1 else {}
-        changes = data_changes(saved, self.names, self.identities, self.weights)
+        changes = data_changes(saved, self.names, self.identities, self.weights, self.given_weights)
         if changes and not allow_change:
             raise DataError(changed_data_message(changes))
         self.drawn = np.array([saved.get(name, {}).get("drawn", 0) for name in self.names], dtype=np.int64)

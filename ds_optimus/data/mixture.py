@@ -84,21 +84,79 @@ def mixture_sources(positions, thresholds: np.ndarray, key: int) -> np.ndarray:
     return np.searchsorted(thresholds, u, side="right").astype(np.int64)
 
 
+SHARE_CHANGE = "the share of source "  # how a derived change begins: the others are what the user did
+
+
 def changed_data_message(changes: list[str], since: str = "the checkpoint") -> str:
-    more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
-    return (f"the data changed since {since}: {changes[0]}{more}; set optimus.data.allow_change to true to continue "
+    """The one line a run resumed on changed data stops on: what the user changed first (sources
+    added, dropped, renamed, reweighted, or holding other data), then the shares that follow from it."""
+    done = [c for c in changes if not c.startswith(SHARE_CHANGE)]
+    shares = [c for c in changes if c.startswith(SHARE_CHANGE)]
+    parts = []
+    if done:
+        parts.append("; ".join(done[:3]) + (f" (and {len(done) - 3} more)" if len(done) > 3 else ""))
+    if shares:
+        more = f" (and {len(shares) - 1} more share{'s' if len(shares) > 2 else ''})" if len(shares) > 1 else ""
+        parts.append(f"{'so ' if done else ''}{shares[0]}{more}")
+    return (f"the data changed since {since}: {'; '.join(parts)}; set optimus.data.allow_change to true to continue "
             "on the new data")
 
 
-def data_changes(saved: dict, names: list[str], identities: list[str], shares) -> list[str]:
-    """What differs between a checkpoint's sources (`state_dict()["sources"]`) and these (a share of
-    None: not known, not compared)."""
-    changes = [f"source {name!r} was dropped" for name in saved if name not in names]
-    for name, identity, share in zip(names, identities, shares, strict=True):
-        if name not in saved:
-            changes.append(f"source {name!r} was added")
-        elif saved[name].get("identity") != identity:
-            changes.append(f"source {name!r} holds other data (its files, their sizes or times, or the tokenizer)")
-        elif share is not None and abs(saved[name].get("share", share) - share) > 1e-9:
-            changes.append(f"the share of source {name!r} went from {saved[name]['share']:.4g} to {share:.4g}")
-    return changes
+def data_changes(saved: dict, names: list[str], identities: list[str], shares,
+                 weights: list[float | None] | None = None) -> list[str]:
+    """What differs between a checkpoint's sources (`state_dict()["sources"]`) and these: first what
+    the user changed (sources renamed: the same data under another name, added, dropped, reweighted:
+    old -> new weight, or holding other data), then the shares of the draws that changed (a share of
+    None: not known, not compared). `weights`: each source's "weight" (None: drawn by size), compared
+    where the checkpoint recorded them; weights all scaled alike are the same mixture. The changes
+    are empty exactly when no source was added, dropped, or holds other data and no share moved."""
+    weights = list(weights) if weights is not None else [None] * len(names)
+    current = dict(zip(names, zip(identities, shares, weights, strict=True), strict=True))
+    added = [name for name in names if name not in saved]
+    dropped = [name for name in saved if name not in current]
+    renamed: dict[str, str] = {}  # new name -> old name: the same data (identity) under another name
+    for old in dropped:
+        new = next((n for n in added if n not in renamed and current[n][0] == saved[old].get("identity")), None)
+        if new is not None:
+            renamed[new] = old
+    done = [f"source {renamed[name]!r} was renamed {name!r}" for name in added if name in renamed]
+    done += [f"source {name!r} was added" + (f" (weight {current[name][2]:g})" if current[name][2] is not None else "")
+             for name in added if name not in renamed]
+    done += [f"source {name!r} was dropped" for name in dropped if name not in renamed.values()]
+    before = {name: saved[renamed.get(name, name)] for name in current if renamed.get(name, name) in saved}
+    reweighted = _reweighted({name: (record["weight"], current[name][2]) for name, record in before.items()
+                              if "weight" in record})
+    done += [f"source {name!r} was reweighted: {_weight(old)} -> {_weight(new)}" for name, (old, new) in reweighted]
+    other, moved = [], []
+    for name, record in before.items():
+        identity, share, _ = current[name]
+        if name in saved and record.get("identity") != identity:
+            other.append(f"source {name!r} holds other data (its files, their sizes or times, or the tokenizer)")
+        elif share is not None and abs(record.get("share", share) - share) > 1e-9:
+            moved.append((name, f"{SHARE_CHANGE}{name!r} went from {record['share']:.4g} to {share:.4g}"))
+    if not (added or dropped or other or moved):  # weights that moved no share are no change
+        return []
+    first = {name for name, _ in reweighted}  # the shares of the sources the user reweighted first
+    return done + other + [text for name, text in sorted(moved, key=lambda m: m[0] not in first)]
+
+
+def _reweighted(pairs: dict[str, tuple[float | None, float | None]]) -> list[tuple[str, tuple]]:
+    """The sources whose weight changed, as (name, (old, new)): weights all multiplied by one factor
+    (the one most sources share, when more than one does) are not changed; by size is None."""
+    ratios = [new / old for old, new in pairs.values() if old is not None and new is not None]
+    scale = 1.0
+    counts = {r: sum(1 for q in ratios if abs(q - r) <= 1e-9 * r) for r in ratios}
+    if counts:
+        best = max(counts.values())
+        modes = {r for r, n in counts.items() if n == best}
+        if best > 1 and max(modes) - min(modes) <= 1e-9 * max(modes):
+            scale = min(modes)
+    changed = []
+    for name, (old, new) in pairs.items():
+        if (old is None) != (new is None) or (old is not None and abs(new - old * scale) > 1e-9 * old * scale):
+            changed.append((name, (old, new)))
+    return changed
+
+
+def _weight(weight: float | None) -> str:
+    return "by size" if weight is None else f"{weight:g}"

@@ -263,7 +263,7 @@ def _data_change(opt, tokenizer, checkpoint: Path) -> None:
         shares = [n / sum(sizes) for n in sizes]
     else:
         shares = [None] * len(plans)
-    changes = data_changes(saved, [p.source.label for p in plans], [p.identity for p in plans], shares)
+    changes = data_changes(saved, [p.source.label for p in plans], [p.identity for p in plans], shares, weights)
     if changes:
         raise ConfigError(changed_data_message(changes, since=str(checkpoint)))
 
