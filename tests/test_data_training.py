@@ -94,6 +94,10 @@ def test_every_source_kind_trains_in_a_weighted_mixture_and_a_data_change_is_ref
     assert "data changed since the checkpoint (optimus.data.allow_change): source 'code' was reweighted: 1 -> 2" in log
     assert "data changed since the checkpoint (optimus.data.allow_change): the share of source 'code' went from " \
            "0.1111 to 0.2" in log
+    from ds_optimus.report.plots import resumed_changes  # the report marks the change where the run resumed
+
+    marks = resumed_changes(tmp_path / "run" / "log.txt")
+    assert list(marks) == [4] and marks[4][0] == "source 'code' was reweighted: 1 -> 2" and len(marks[4]) == 8
     assert second["allowed"]["losses"] == first["allowed"]["losses"]
 
     # --check reads the data's record in the newest checkpoint's manifest (step 6, saved on the changed
