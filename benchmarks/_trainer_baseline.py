@@ -12,7 +12,7 @@ import time
 import torch
 from transformers import OlmoeConfig, OlmoeForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-from ds_optimus.data.pack import folder_stream
+from ds_optimus.data.shards import folder_stream
 from ds_optimus.train.hf_trainer import PackedSequences, trainer_ds_config
 
 

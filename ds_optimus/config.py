@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint.manager import CheckpointConfig
-from .data.pack import DataConfig
+from .data.sources import DataConfig
 from .evaluate.downstream_config import EvalConfig
 from .moe.experts import MoEConfig
 from .optim.engine_section import ShardedOptimizerConfig

@@ -23,7 +23,7 @@ TINY_PRESETS = ("mula-tiny-dense", "mula-tiny-moe")
 
 def embedded_corpus() -> bytes:
     """The Python reference manual shipped with CPython, as UTF-8 bytes."""
-    from .data.corpus import embedded_documents
+    from .data.documents import embedded_documents
 
     return "\n\n".join(embedded_documents()).encode("utf-8")
 

@@ -19,7 +19,7 @@ from ds_optimus.data import (
     prepare_data,
     token_dtype,
 )
-from ds_optimus.data.pack import folder_stream
+from ds_optimus.data.shards import folder_stream
 
 
 def _all(stream) -> np.ndarray:

@@ -14,7 +14,14 @@ import pytest
 import torch
 
 from ds_optimus.data import DataError, TokenBatches, TokenStream, load_tokenizer, parse_sources, prepare_data
-from ds_optimus.data.shuffle import mixture_sources, mixture_thresholds, permute, stable_key
+from ds_optimus.data.mixture import (
+    changed_data_message,
+    data_changes,
+    mixture_sources,
+    mixture_thresholds,
+    permute,
+    stable_key,
+)
 
 
 def test_the_keyed_permutation_is_a_bijection_for_every_size():
@@ -108,8 +115,10 @@ def test_data_changed_under_a_resume_is_refused_in_one_line_unless_allowed(tmp_p
     reweighted = prepare_data(parse_sources([{**s, "weight": w} for s, w in zip(
         [{"tokens": str(tmp_path / "s0.npy"), "name": "src0"}, {"tokens": str(tmp_path / "s1.npy"), "name": "src1"}],
         [0.8, 0.2], strict=True)]), load_tokenizer(), tmp_path / "cache")
-    with pytest.raises(DataError, match=r"^the data changed since the checkpoint: the share of source 'src0' went "
-                                        r"from 0.5 to 0.8 \(and 1 more\); set optimus.data.allow_change to") as err:
+    with pytest.raises(DataError, match=r"^the data changed since the checkpoint: source 'src0' was reweighted: 0.5 "
+                                        r"-> 0.8; source 'src1' was reweighted: 0.5 -> 0.2; so the share of source "
+                                        r"'src0' went from 0.5 to 0.8 \(and 1 more share\); set "
+                                        "optimus.data.allow_change to") as err:
         TokenBatches(reweighted, 8, 4, seed=0).load_state_dict(state)
     assert "\n" not in str(err.value)
     np.save(tmp_path / "s1.npy", np.arange(8 * 60, dtype=np.uint32))  # new content: another size
@@ -117,11 +126,69 @@ def test_data_changed_under_a_resume_is_refused_in_one_line_unless_allowed(tmp_p
         TokenBatches(_sources_named(tmp_path, ["s0", "s1"]), 8, 4, seed=0).load_state_dict(state)
     loader = TokenBatches(_sources_named(tmp_path, ["s0", "s1", "s2"]), 8, 4, seed=0)
     notes = loader.load_state_dict(state, allow_change=True)
-    assert notes == ["the share of source 'src0' went from 0.5 to 0.3333",
+    assert notes == ["source 'src2' was added (weight 1)",  # weights 1, 1 for 0.5, 0.5: the same two-source mix
                      "source 'src1' holds other data (its files, their sizes or times, or the tokenizer)",
-                     "source 'src2' was added"]
+                     "the share of source 'src0' went from 0.5 to 0.3333"]
     assert loader.drawn.tolist()[:2] == [run.drawn[0], run.drawn[1]] and loader.drawn[2] == 0  # kept by name
     loader.next_batch()
+
+
+def _weighted(tmp_path, weights: dict[str, float]):
+    for i, name in enumerate(["code", "web", "tok"]):
+        if not (tmp_path / f"{name}.npy").exists():  # written once: a rewritten file is other data
+            np.save(tmp_path / f"{name}.npy", (np.arange(8 * 40) + 1_000_000 * i).astype(np.uint32))
+    return prepare_data(parse_sources([{"tokens": str(tmp_path / f"{name}.npy"), "weight": w}
+                                       for name, w in weights.items()]), load_tokenizer(), tmp_path / "cache")
+
+
+def test_a_data_change_is_said_by_what_the_user_did_before_the_shares_that_follow(tmp_path):
+    run = TokenBatches(_weighted(tmp_path, {"code": 7, "web": 3}), 8, 4, seed=0)
+    run.next_batch()
+    state = json.loads(json.dumps(run.state_dict()))
+    assert state["sources"]["code"]["weight"] == 7 and state["sources"]["code"]["share"] == pytest.approx(0.7)
+    added = TokenBatches(_weighted(tmp_path, {"code": 7, "web": 3, "tok": 2}), 8, 4, seed=0)
+    with pytest.raises(DataError) as err:  # the shares moved because a source was added: that comes first
+        added.load_state_dict(state)
+    assert str(err.value) == ("the data changed since the checkpoint: source 'tok' was added (weight 2); so the share "
+                              "of source 'code' went from 0.7 to 0.5833 (and 1 more share); set "
+                              "optimus.data.allow_change to true to continue on the new data")
+    assert added.load_state_dict(state, allow_change=True) == [  # every change in the log, in that order
+        "source 'tok' was added (weight 2)", "the share of source 'code' went from 0.7 to 0.5833",
+        "the share of source 'web' went from 0.3 to 0.25"]
+    # weights all scaled alike are the same mixture: no change, as before
+    assert TokenBatches(_weighted(tmp_path, {"code": 0.7, "web": 0.3}), 8, 4, seed=0).load_state_dict(state) == []
+
+
+def test_each_kind_of_data_change_is_named_with_its_old_and_new_values():
+    def saved(**sources):
+        return {name: {"drawn": 5, "identity": f"id-{name}", "share": share, "weight": weight}
+                for name, (share, weight) in sources.items()}
+
+    def changes(before, now, weights, identities=None):
+        shares = [w / sum(weights) for w in weights]
+        return data_changes(before, now, identities or [f"id-{name}" for name in now], shares, weights)
+
+    two = saved(code=(0.7, 7), web=(0.3, 3))
+    assert changes(two, ["code"], [7]) == ["source 'web' was dropped", "the share of source 'code' went from 0.7 to 1"]
+    assert changes(two, ["code", "www"], [7, 3], ["id-code", "id-web"]) == ["source 'web' was renamed 'www'"]
+    assert changes(two, ["code", "web"], [5, 5]) == [
+        "source 'code' was reweighted: 7 -> 5", "source 'web' was reweighted: 3 -> 5",
+        "the share of source 'code' went from 0.7 to 0.5", "the share of source 'web' went from 0.3 to 0.5"]
+    three = saved(web=(0.5, 5), code=(0.3, 3), math=(0.2, 2))
+    assert changes(three, ["web", "code", "math"], [10, 6, 8]) == [  # two of them doubled: the third was reweighted
+        "source 'math' was reweighted: 2 -> 8", "the share of source 'math' went from 0.2 to 0.3333",
+        "the share of source 'web' went from 0.5 to 0.4167", "the share of source 'code' went from 0.3 to 0.25"]
+    assert changes(three, ["web", "code", "math"], [1, 0.6, 0.4]) == []  # scaled alike: the same mixture
+    assert changes(two, ["code", "web"], [7, 3], ["id-code", "id-other"]) == [
+        "source 'web' holds other data (its files, their sizes or times, or the tokenizer)"]
+    old = {name: {k: v for k, v in record.items() if k != "weight"} for name, record in two.items()}
+    assert changes(old, ["code", "web"], [5, 5]) == [  # a checkpoint from before weights were recorded: shares only
+        "the share of source 'code' went from 0.7 to 0.5", "the share of source 'web' went from 0.3 to 0.5"]
+    many = changes(two, ["code", "a", "b", "c", "d"], [7, 1, 1, 1, 1])
+    assert changed_data_message(many, since="step_00000040") == (
+        "the data changed since step_00000040: source 'a' was added (weight 1); source 'b' was added (weight 1); "
+        "source 'c' was added (weight 1) (and 2 more); so the share of source 'code' went from 0.7 to 0.6364; set "
+        "optimus.data.allow_change to true to continue on the new data")
 
 
 def _sources_named(tmp_path, stems):
@@ -190,7 +257,8 @@ def test_held_out_batches_come_from_the_sources_that_have_enough(tmp_path):
 
 
 def test_a_stream_of_many_files_keeps_few_mapped_and_every_index_is_reachable(tmp_path):
-    from ds_optimus.data.tokens import MAX_MAPPED, TokenFile
+    from ds_optimus.data.shards import MAX_MAPPED
+    from ds_optimus.data.token_files import TokenFile
 
     files = []
     for i in range(MAX_MAPPED + 40):  # more files than a stream keeps mapped

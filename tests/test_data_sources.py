@@ -26,7 +26,7 @@ from ds_optimus.data import (
     parse_sources,
     prepare_data,
 )
-from ds_optimus.data.corpus import source_units, unit_documents
+from ds_optimus.data.units import source_units, unit_documents
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [doc for doc in embedded_documents()[:24]]

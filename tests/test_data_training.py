@@ -86,12 +86,18 @@ def test_every_source_kind_trains_in_a_weighted_mixture_and_a_data_change_is_ref
 
     kind, message, every_rank = first["refused"]
     assert kind == "DataError" and every_rank and "\n" not in message
-    assert message.startswith("the data changed since the checkpoint: the share of source 'web' went from 0.3333 to "
-                              "0.3 (and 6 more); set optimus.data.allow_change to true")
+    assert message.startswith("the data changed since the checkpoint: source 'code' was reweighted: 1 -> 2; so the "
+                              "share of source 'code' went from 0.1111 to 0.2 (and 6 more shares); set "
+                              "optimus.data.allow_change to true")
     assert first["allowed"]["start_step"] == 4 and first["allowed"]["finished"]
     log = (tmp_path / "run" / "log.txt").read_text()
+    assert "data changed since the checkpoint (optimus.data.allow_change): source 'code' was reweighted: 1 -> 2" in log
     assert "data changed since the checkpoint (optimus.data.allow_change): the share of source 'code' went from " \
            "0.1111 to 0.2" in log
+    from ds_optimus.report.plots import resumed_changes  # the report marks the change where the run resumed
+
+    marks = resumed_changes(tmp_path / "run" / "log.txt")
+    assert list(marks) == [4] and marks[4][0] == "source 'code' was reweighted: 1 -> 2" and len(marks[4]) == 8
     assert second["allowed"]["losses"] == first["allowed"]["losses"]
 
     # --check reads the data's record in the newest checkpoint's manifest (step 6, saved on the changed
@@ -111,8 +117,8 @@ def test_every_source_kind_trains_in_a_weighted_mixture_and_a_data_change_is_ref
                          err.getvalue()))
     (refused, message), (allowed, _) = said
     assert (refused, allowed) == (2, 0) and len(message.splitlines()) == 1, said
-    assert "step_00000006: the share of source 'web' went from 0.3 to 0.3333 (and 6 more); set " \
-           "optimus.data.allow_change to true" in message
+    assert "step_00000006: source 'code' was reweighted: 2 -> 1; so the share of source 'code' went from 0.2 to " \
+           "0.1111 (and 6 more shares); set optimus.data.allow_change to true" in message
 
 
 # The training command in a child that reports its own peak RSS as it exits (RUSAGE_CHILDREN would give

@@ -66,7 +66,7 @@ def hub(tmp_path_factory):
     """A tiny MoE model exported by `ds_optimus.train.export` with the default tokenizer and a
     training record, its outputs on fixed input, and the folder laid out as a Hub cache."""
     from ds_optimus.data import parse_source
-    from ds_optimus.data.pack import source_key
+    from ds_optimus.data.units import source_key
 
     root = tmp_path_factory.mktemp("hub")
     torch.manual_seed(0)
@@ -277,7 +277,7 @@ def test_the_training_entry_point_exports_a_folder_ready_for_the_hub(tmp_path):
 
     (cache,) = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
     from ds_optimus.data import PreparedData, PreparedSource, parse_source
-    from ds_optimus.data.pack import folder_stream
+    from ds_optimus.data.shards import folder_stream
 
     meta = json.loads((cache / "meta.json").read_text())  # the fingerprint of the one source, by name and identity
     prepared = PreparedSource(parse_source("embedded"), meta["key"], folder_stream(cache), None, meta["documents"])

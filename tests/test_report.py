@@ -280,3 +280,87 @@ def test_the_data_mixture_is_drawn_from_each_sources_tokens(tmp_path):
     written = write_report(tmp_path, say=lambda _: None)
     assert "data_mixture.png" in {p.name for p in written}
     assert load_metrics(tmp_path).series("tokens/code") == ([1, 2, 3], [300.0, 600.0, 900.0])
+
+
+def _mixture_run(run: Path, shares_before: dict, shares_after: dict, resume_at: int = 30, last: int = 60,
+                 per_interval: int = 10_000) -> None:
+    """A run logged every 10 steps, `per_interval` tokens a log interval drawn by `shares_before`,
+    resumed from its checkpoint at `resume_at` (the sink keeps the lines up to it) and drawn by
+    `shares_after` from there: each source's token counter as the metrics callback logs it."""
+    totals: dict[str, float] = {}
+
+    def log(sink, steps, shares):
+        for step in steps:
+            for name, share in shares.items():
+                totals[name] = totals.get(name, 0) + round(share * per_interval)
+            sink.log(step, {"loss": 5.0, **{f"tokens/{name}": int(totals[name]) for name in shares}})
+        sink.close()
+
+    log(MetricsSink(run, 100, 0, SimpleNamespace(mode="disabled"), {}, enabled=True), range(10, 50, 10),
+        shares_before)
+    totals.clear()  # as the checkpoint of step 30 holds them: the interval after it is not trained
+    totals.update({name: round(share * per_interval) * resume_at // 10 for name, share in shares_before.items()})
+    log(MetricsSink(run, 100, resume_at, SimpleNamespace(mode="disabled"), {}, enabled=True),
+        range(resume_at + 10, last + 1, 10), shares_after)
+
+
+def _drawn(fig) -> tuple[dict[str, tuple[list, list]], list[float], list[str]]:
+    """What the mixture figure drew: each source's per-interval share line, the steps of the change
+    markers and their labels (read back from the Axes, not the pixels)."""
+    top, bottom = fig.axes
+    lines = {line.get_gid()[len("share/"):]: (list(line.get_xdata()), list(line.get_ydata()))
+             for line in bottom.lines if (line.get_gid() or "").startswith("share/")}
+    marks = [line.get_xdata()[0] for line in top.lines if line.get_gid() == "mixture-change"]
+    assert marks == [line.get_xdata()[0] for line in bottom.lines if line.get_gid() == "mixture-change"]
+    return lines, marks, [text.get_text() for text in top.texts]
+
+
+def test_the_data_mixture_draws_each_intervals_shares_and_marks_a_source_added_at_a_resume(tmp_path):
+    from ds_optimus.report.plots import data_mixture_figure
+
+    run = tmp_path / "run"
+    _mixture_run(run, {"code": 0.7, "web": 0.3}, {"code": 0.5817, "web": 0.2493, "tok": 0.169})
+    metrics = load_metrics(run)
+    assert [r["step"] for r in metrics.records] == [10, 20, 30, 40, 50, 60]
+    lines, marks, labels = _drawn(data_mixture_figure(metrics))
+    assert lines["tok"][0] == [40, 50, 60] and lines["tok"][1] == pytest.approx([16.9] * 3, abs=0.01)
+    assert lines["code"][0] == [10, 20, 30, 40, 50, 60]
+    assert lines["code"][1] == pytest.approx([70.0] * 3 + [58.17] * 3, abs=0.01)
+    tokens = metrics.records[-1]  # what a cumulative share would have drawn for tok: half of what it is drawn at
+    assert tokens["tokens/tok"] / sum(tokens[f"tokens/{n}"] for n in ("code", "web", "tok")) == pytest.approx(0.0845)
+    assert marks == [30] and labels == ["+tok"]  # the last logged step before the change: the resume
+    assert "data_mixture.png" in {p.name for p in write_report(run, say=lambda _: None)}
+    _png(run / "plots" / "data_mixture.png")
+
+
+def test_a_reweighted_resume_is_marked_from_the_runs_log_and_a_dropped_source_from_the_metrics(tmp_path):
+    from ds_optimus.report.plots import data_mixture_figure, resumed_changes
+    from ds_optimus.train.metrics import append_log
+
+    run = tmp_path / "run"
+    _mixture_run(run, {"code": 0.7, "web": 0.3}, {"code": 0.5, "web": 0.5})
+    say = lambda text: append_log(run, text)  # noqa: E731  (what the trainer's launches wrote)
+    say("data: 9,000 train / 100 held-out tokens from 2 pre-tokenized sources (cache); drawn code 70.0%, web 30.0%")
+    say("data: 9,000 train / 100 held-out tokens from 2 pre-tokenized sources (cache); drawn code 40.0%, web 60.0%")
+    changed = "data changed since the checkpoint (optimus.data.allow_change): "
+    say(f"{changed}source 'code' was reweighted: 7 -> 4")
+    say("resumed from run/checkpoints/step_00000040 at step 40")  # a resume that was cut short after it ...
+    say("data: 9,000 train / 100 held-out tokens from 2 pre-tokenized sources (cache); drawn code 50.0%, web 50.0%")
+    say(f"{changed}source 'code' was reweighted: 7 -> 5")
+    say(f"{changed}source 'web' was reweighted: 3 -> 5")
+    say(f"{changed}the share of source 'code' went from 0.7 to 0.5")
+    say("resumed from run/checkpoints/step_00000030 at step 30")  # ... and the run resumed from an earlier one
+    assert resumed_changes(run / "log.txt") == {30: ["source 'code' was reweighted: 7 -> 5",
+                                                     "source 'web' was reweighted: 3 -> 5",
+                                                     "the share of source 'code' went from 0.7 to 0.5"]}
+    lines, marks, labels = _drawn(data_mixture_figure(load_metrics(run)))
+    assert lines["web"][1] == pytest.approx([30.0] * 3 + [50.0] * 3)
+    assert marks == [30] and labels == ["'code' was reweighted: 7 -> 5; 'web' was reweighted: 3 -> 5"]
+
+    dropped = tmp_path / "dropped"  # no log: the metrics alone show a source gone after step 30
+    _mixture_run(dropped, {"code": 0.7, "web": 0.3}, {"code": 1.0})
+    lines, marks, labels = _drawn(data_mixture_figure(load_metrics(dropped)))
+    assert lines["web"][0] == [10, 20, 30] and lines["code"][1] == pytest.approx([70.0] * 3 + [100.0] * 3)
+    assert marks == [30] and labels == ["-web"]
+    append_log(dropped, "data: 9,000 train / 0 held-out tokens (cache)")  # a fresh start in the same folder later
+    assert resumed_changes(dropped / "log.txt") == {}

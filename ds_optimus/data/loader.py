@@ -2,7 +2,7 @@
 
 Each source's stream is cut into sequences of `seq_len` tokens (across its files' boundaries).
 Global sample position p is drawn from source s(p), a low-discrepancy draw by the weights
-(`shuffle.mixture_sources`); it is that source's k-th draw, and k gives the source's epoch
+(`mixture.mixture_sources`); it is that source's k-th draw, and k gives the source's epoch
 k // N and, in it, the sequence `permute(k % N, N, key(seed, source, epoch))`: a keyed bijection,
 so an epoch of 2x10^9 sequences costs no memory and every epoch of every source has its own order.
 A source that runs out starts again in a new order, and says so once. A global micro-batch holds
@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .corpus import DataError
-from .shuffle import mixture_sources, mixture_thresholds, permute, stable_key
-from .tokens import TokenStream
+from .errors import DataError
+from .mixture import changed_data_message, data_changes, mixture_sources, mixture_thresholds, permute, stable_key
+from .shards import TokenStream
 
 
 def _parts(data, split: str) -> list[tuple[str, TokenStream, float | None, str]]:
@@ -56,6 +56,7 @@ class TokenBatches:
         self.names = [name for name, *_ in parts]
         self.streams = [stream for _, stream, *_ in parts]
         self.identities = [identity for *_, identity in parts]
+        self.given_weights = [weight for _, _, weight, _ in parts]  # as the config gives them (None: by size)
         self.sizes = np.array([s.num_sequences(seq_len) for s in self.streams], dtype=np.int64)
         self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
@@ -168,9 +169,11 @@ class TokenBatches:
     def state_dict(self) -> dict[str, Any]:
         return {"tokens_consumed": self.tokens_consumed, "seq_len": self.seq_len, "seed": self.seed,
                 "global_micro_batch": self.micro_batch_size * self.dp_size,
-                "sources": {name: {"drawn": int(n), "identity": identity, "share": float(w), "sequences": int(size)}
-                            for name, n, identity, w, size in zip(self.names, self.drawn, self.identities,
-                                                                  self.weights, self.sizes, strict=True)}}
+                "sources": {name: {"drawn": int(n), "identity": identity, "share": float(w), "weight": weight,
+                                   "sequences": int(size)}
+                            for name, n, identity, w, weight, size in zip(self.names, self.drawn, self.identities,
+                                                                          self.weights, self.given_weights, self.sizes,
+                                                                          strict=True)}}
 
     def load_state_dict(self, state: dict[str, Any], allow_change: bool = False) -> list[str]:
         """Continue from `state`; returns what changed in the data since it was saved (a change is
@@ -185,32 +188,12 @@ class TokenBatches:
         if saved is None:  # a checkpoint from before per-source records: one stream, all of it drawn in order
             saved = {self.names[0]: {"drawn": self.position, "identity": self.identities[0], "share": 1.0}} \
                 if len(self.names) == 1 else {}
-        changes = data_changes(saved, self.names, self.identities, self.weights)
+        changes = data_changes(saved, self.names, self.identities, self.weights, self.given_weights)
         if changes and not allow_change:
             raise DataError(changed_data_message(changes))
         self.drawn = np.array([saved.get(name, {}).get("drawn", 0) for name in self.names], dtype=np.int64)
         self._epochs_said = np.where(self.drawn > 0, (self.drawn - 1) // np.maximum(self.sizes, 1), 0)
         return changes
-
-
-def changed_data_message(changes: list[str], since: str = "the checkpoint") -> str:
-    more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
-    return (f"the data changed since {since}: {changes[0]}{more}; set optimus.data.allow_change to true to continue "
-            "on the new data")
-
-
-def data_changes(saved: dict, names: list[str], identities: list[str], shares) -> list[str]:
-    """What differs between a checkpoint's sources (`state_dict()["sources"]`) and these (a share of
-    None: not known, not compared)."""
-    changes = [f"source {name!r} was dropped" for name in saved if name not in names]
-    for name, identity, share in zip(names, identities, shares, strict=True):
-        if name not in saved:
-            changes.append(f"source {name!r} was added")
-        elif saved[name].get("identity") != identity:
-            changes.append(f"source {name!r} holds other data (its files, their sizes or times, or the tokenizer)")
-        elif share is not None and abs(saved[name].get("share", share) - share) > 1e-9:
-            changes.append(f"the share of source {name!r} went from {saved[name]['share']:.4g} to {share:.4g}")
-    return changes
 
 
 def eval_batches(data, seq_len: int, micro_batch_size: int, dp_rank: int, dp_size: int,

@@ -1,4 +1,5 @@
-"""Tokenize a config's data sources before training: in parallel, across nodes, resumably.
+"""Prepare a config's data sources: in parallel, across nodes, resumably; as a function
+(`prepare_data`, which training calls at its start) and as a command, before training:
 
     python -m ds_optimus.data.prepare --config ds_configs/NAME.json --workers 16
     mpirun -n 64 python -m ds_optimus.data.prepare --config ds_configs/NAME.json --workers 12
@@ -9,6 +10,10 @@ PALS_RANKID or SLURM_PROCID; the count from the matching size variable) tokenize
 the files with `--workers` local processes into `optimus.data.cache_dir`, which every process must
 see (a shared filesystem). A killed preparation started again goes on from the files it had not
 finished. Training with the same config then finds the shards and starts at once.
+
+The last step of the data pipeline's preparation, and the only one that calls the others: the
+sources (`sources.py`) planned into work units (`units.py`), the pending units tokenized
+(`tokenize_workers.py`), every source opened from its shards (`shards.py`).
 """
 
 from __future__ import annotations
@@ -16,11 +21,37 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..command_line import ArgumentParser, fail, launch_rank
 
+if TYPE_CHECKING:  # the command's --help imports none of them
+    from .shards import PreparedData
+    from .sources import Source
+    from .units import SourcePlan
+
 NAME = "ds_optimus.data.prepare"
 SIZE_KEYS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "PALS_SIZE", "SLURM_NTASKS")
+
+
+def prepare_data(sources: list[Source], tokenizer, cache_dir: str | Path, val_fraction: float = 0.01, *,
+                 workers: int = 1, rank: int = 0, world: int = 1, progress: bool = True,
+                 threads: int | None = None, poll_seconds: float = 1.0,
+                 plan: list[SourcePlan] | None = None) -> PreparedData:
+    """Tokenize what is not prepared yet (this process's share of it), wait for the rest, and open
+    every source. Every process of a launch calls it alike, with its `rank` of `world` (and the
+    `plan_sources` of rank 0, where there is a process group to send it)."""
+    from .shards import open_prepared
+    from .tokenize_workers import run_units
+    from .units import plan_sources
+
+    plan = plan if plan is not None else plan_sources(sources, tokenizer, cache_dir, val_fraction)
+    pending = [(p.source, p.folder, p.units) for p in plan if p.units is not None]
+    if pending:
+        run_units(pending, tokenizer, val_fraction, Path(cache_dir), workers=workers, rank=rank, world=world,
+                  progress=progress, threads=threads, poll_seconds=poll_seconds)
+    return open_prepared(plan, tokenizer.eos_token_id, cache_dir)
 
 
 def launch_world() -> tuple[int, int]:
@@ -55,9 +86,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{flag} must be at least 1, got {value}")
 
     from ..schema import ConfigError, apply_overrides, load_json_config
-    from .corpus import DataError, parse_sources
-    from .pack import DataConfig, plan_sources, prepare_data
+    from .errors import DataError
+    from .sources import DataConfig, parse_sources
     from .tokenizer import load_tokenizer
+    from .units import plan_sources
 
     rank, world, started = launch_rank(), 1, time.time()
     try:

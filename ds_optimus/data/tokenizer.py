@@ -19,7 +19,7 @@ def train_default_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE):
     """Train the default byte-level BPE on the embedded corpus (a `tokenizers.Tokenizer`)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from .corpus import embedded_documents
+    from .documents import embedded_documents
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

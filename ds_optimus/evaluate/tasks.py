@@ -51,7 +51,7 @@ def write_pydoc_cloze(folder: Path, items: int = 200, seed: int = 0) -> Path:
     it against the working directory) into `folder`; returns the folder. Each item is the first two
     thirds of a sentence of the Python reference manual, to be completed by its own last third
     among four (the other three are the endings of other sentences); deterministic in `seed`."""
-    from ..data.corpus import embedded_documents
+    from ..data.documents import embedded_documents
 
     sentences = []
     for document in embedded_documents():  # up to 4 sentences of each topic of the manual

@@ -143,21 +143,25 @@ def _count(n: int, noun: str) -> str:
 
 
 def _data_lines(opt, tokenizer) -> list[str]:
-    from ..data.corpus import is_saved_dataset, parse_sources, resolve_files
-    from ..data.pack import source_folder
-    from ..data.tokens import TokenStream, token_files
+    from ..data.shards import TokenStream
+    from ..data.sources import DistinctFiles, is_saved_dataset, parse_sources, resolve_files
+    from ..data.token_files import token_files
+    from ..data.units import source_folder
 
     sources = parse_sources(opt.data.sources)
     described = []
-    for source in sources:
+    distinct = DistinctFiles()  # a file two sources train on, as the run's start refuses it
+    for i, source in enumerate(sources):
         share = f", weight {source.weight:g}" if source.weight is not None else ""
         if source.kind == "files" and not is_saved_dataset(source.target):
             files = resolve_files(source)  # a missing path is the error it would be at start
+            distinct.add(i, source, files)
             described.append(f"{source.label}: {source.target} ({_count(len(files), 'file')}, "
                              f"{sum(p.stat().st_size for p in files):,} bytes{share})")
         elif source.kind == "tokens":  # the headers, and the first tokens against the vocabulary, as at start
-            files = token_files(source.target, source.dtype) + (token_files(source.val, source.dtype)
-                                                                if source.val else [])
+            train = token_files(source.target, source.dtype)
+            distinct.add(i, source, [Path(f.path) for f in train])
+            files = train + (token_files(source.val, source.dtype) if source.val else [])
             first = TokenStream(files).head(1 << 16)
             if tokenizer is not None and first.size and first.max() >= len(tokenizer):
                 raise ConfigError(f"optimus.data.sources: source {source.label!r} holds token id {int(first.max())}, "
@@ -233,9 +237,9 @@ def _data_change(opt, tokenizer, checkpoint: Path) -> None:
     holds the loader's record; shares of sources not prepared yet are not compared)."""
     import numpy as np
 
-    from ..data.corpus import parse_sources
-    from ..data.loader import changed_data_message, data_changes
-    from ..data.pack import plan_sources
+    from ..data.mixture import changed_data_message, data_changes
+    from ..data.sources import parse_sources
+    from ..data.units import plan_sources
 
     try:
         saved = json.loads((checkpoint / "meta.json").read_text()).get("data", {}).get("sources")
@@ -259,7 +263,7 @@ def _data_change(opt, tokenizer, checkpoint: Path) -> None:
         shares = [n / sum(sizes) for n in sizes]
     else:
         shares = [None] * len(plans)
-    changes = data_changes(saved, [p.source.label for p in plans], [p.identity for p in plans], shares)
+    changes = data_changes(saved, [p.source.label for p in plans], [p.identity for p in plans], shares, weights)
     if changes:
         raise ConfigError(changed_data_message(changes, since=str(checkpoint)))
 

@@ -3,6 +3,7 @@ change to the pyplot backend of a notebook that calls `write_report`)."""
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +14,7 @@ from .reader import ExpertLoads, ReportError, RunMetrics, load_downstream, load_
 
 MAX_HEATMAP_COLUMNS = 400  # a longer run's windows are summed into this many columns
 SKIP_COLOR, REWIND_COLOR = "C3", "C4"
+MIX_COLOR = "0.3"  # the data mixture's change markers
 
 
 class MissingMatplotlib(ReportError):
@@ -136,25 +138,128 @@ def plot_throughput(run: RunMetrics, folder: Path, dpi: int, written: list[Path]
     _save(fig, folder, "throughput.png", dpi, written)
 
 
-def plot_data_mixture(run: RunMetrics, folder: Path, dpi: int, written: list[Path]) -> None:
-    """Each data source's tokens so far (`tokens/<name>`) and its share of all tokens drawn."""
-    names = sorted({k[len("tokens/"):] for record in run.records for k in record if k.startswith("tokens/")})
-    if not names:
-        return
+def source_intervals(run: RunMetrics) -> tuple[list[int], list[dict[str, float]]]:
+    """The logged steps that count each source's tokens (`tokens/<name>`: its tokens so far) and, for
+    each, the tokens every counted source gave in the interval that ends there: since the previous
+    such step, or from 0 for a source that step did not count (added, or renamed, at a resume)."""
+    steps, intervals, previous = [], [], {}
+    for record in run.records:
+        counts = {key[len("tokens/"):]: float(value) for key, value in record.items() if key.startswith("tokens/")
+                  and isinstance(value, (int, float)) and not isinstance(value, bool) and np.isfinite(value)}
+        if not counts:
+            continue
+        steps.append(record["step"])
+        intervals.append({name: max(0.0, count - previous.get(name, 0.0)) for name, count in counts.items()})
+        previous = counts
+    return steps, intervals
+
+
+_STAMPED = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (.*)$")  # a line of log.txt: its time, then the message
+_LAUNCH = re.compile(r"^data: [\d,]+ train / [\d,]+ held-out tokens")  # every launch says its data first
+_RESUMED = re.compile(r"^resumed from .+ at step (\d+)$")
+_CHANGED = "data changed since the checkpoint (optimus.data.allow_change): "
+
+
+def resumed_changes(log: Path) -> dict[int, list[str]]:
+    """{step: what changed in the data when the run resumed there, on optimus.data.allow_change}, as
+    the run's `log.txt` says it, for the history that stands: a later launch that resumes at an
+    earlier step, or starts afresh, replaces what was logged after that step."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return {}
+    found: dict[int, list[str]] = {}
+    launched, notes = False, []
+
+    def settle(start: int) -> None:
+        for step in [s for s in found if s >= start]:
+            del found[step]
+        if notes:
+            found[start] = list(notes)
+
+    for line in lines:
+        stamped = _STAMPED.match(line)
+        if stamped is None:
+            continue
+        message = stamped.group(1)
+        if _LAUNCH.match(message):
+            if launched:  # the launch before resumed from nothing: a fresh start
+                notes.clear()
+                settle(0)
+            launched, notes = True, []
+        elif launched and message.startswith(_CHANGED):
+            notes.append(message[len(_CHANGED):])
+        elif launched and (resumed := _RESUMED.match(message)):
+            settle(int(resumed.group(1)))
+            launched = False
+    if launched:
+        notes.clear()
+        settle(0)
+    return found
+
+
+def _change_label(changes: list[str]) -> str:
+    """What the user changed, short: "'tok' was added (weight 2)"; the shares only when nothing else is said."""
+    done = [c.removeprefix("source ") for c in changes if not c.startswith("the share of ")]
+    if not done:
+        return "shares changed"
+    return "; ".join(done[:2]) + (f" (+{len(done) - 2} more)" if len(done) > 2 else "")
+
+
+def mixture_changes(run: RunMetrics, steps: list[int], intervals: list[dict[str, float]]) -> list[tuple[int, str]]:
+    """(step, label) of each change of the mixture: a resume on changed sources or weights (from
+    `log.txt`), and a source counted from one logged step on, or no longer (from `metrics.jsonl`;
+    placed at the last step before the change, where the run resumed when checkpoints fall on logged
+    steps)."""
+    last = steps[-1] if steps else 0
+    marks = {step: _change_label(changes) for step, changes in resumed_changes(run.path.parent / "log.txt").items()
+             if step <= last}
+    for i in range(1, len(steps)):
+        before, after, start, end = intervals[i - 1], intervals[i], steps[i - 1], steps[i]
+        if set(before) != set(after) and not any(start <= step < end for step in marks):
+            marks[start] = ", ".join([f"+{name}" for name in sorted(set(after) - set(before))]
+                                     + [f"-{name}" for name in sorted(set(before) - set(after))])
+    return sorted(marks.items())
+
+
+def data_mixture_figure(run: RunMetrics):
+    """The figure of `data_mixture.png` (None without per-source token counts): each source's tokens
+    so far, and its share of the tokens drawn in each log interval; a dashed line at each step where
+    the sources or their weights changed."""
+    steps, intervals = source_intervals(run)
+    if not steps:
+        return None
+    names = sorted({name for counts in intervals for name in counts})
+    changes = mixture_changes(run, steps, intervals)
     fig, axes = _figure(rows=2, height=2.8)
-    series = {name: run.series(f"tokens/{name}") for name in names}
     for i, name in enumerate(names):
-        steps, tokens = series[name]
+        color = f"C{i % 10}"
+        tokens_at, tokens = run.series(f"tokens/{name}")
         epochs = run.series(f"epochs/{name}")[1]
-        label = f"{name} ({epochs[-1]:.2f} epochs)" if epochs else name
-        axes[0].plot(steps, tokens, color=f"C{i % 10}", label=label)
-        totals = [sum(series[n][1][series[n][0].index(step)] for n in names if step in series[n][0]) for step in steps]
-        axes[1].plot(steps, [100 * t / max(total, 1) for t, total in zip(tokens, totals, strict=True)],
-                     color=f"C{i % 10}")
+        axes[0].plot(tokens_at, tokens, color=color, label=f"{name} ({epochs[-1]:.2f} epochs)" if epochs else name)
+        at = [(step, counts) for step, counts in zip(steps, intervals, strict=True) if name in counts]
+        shares = [100 * counts[name] / total if (total := sum(counts.values())) > 0 else float("nan")
+                  for _, counts in at]
+        axes[1].plot([step for step, _ in at], shares, color=color, marker="o", markersize=2.5, drawstyle="steps-pre",
+                     gid=f"share/{name}")  # a point at each interval's end, level across the interval
+    for k, (step, label) in enumerate(changes):
+        for ax in axes:
+            ax.axvline(step, color=MIX_COLOR, linestyle="--", linewidth=1, gid="mixture-change",
+                       label="mixture changed" if k == 0 and ax is axes[0] else None)
+        axes[0].annotate(label, (step, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -3),
+                         textcoords="offset points", rotation=90, va="top", ha="left", fontsize=7, color=MIX_COLOR)
     axes[0].set(ylabel="tokens drawn", title="data mixture: tokens of each source so far")
-    axes[1].set(ylabel="share of tokens (%)", xlabel="step", ylim=(0, 100))
+    axes[1].set(ylabel="share of the interval's\ntokens (%)", xlabel="step", ylim=(0, 100),
+                title="each source's share of the tokens drawn in each log interval")
     _legend(axes[0], loc="upper left")
-    _save(fig, folder, "data_mixture.png", dpi, written)
+    return fig
+
+
+def plot_data_mixture(run: RunMetrics, folder: Path, dpi: int, written: list[Path]) -> None:
+    """`data_mixture.png`: `data_mixture_figure` (nothing for a run without per-source counts)."""
+    fig = data_mixture_figure(run)
+    if fig is not None:
+        _save(fig, folder, "data_mixture.png", dpi, written)
 
 
 def plot_skipped(run: RunMetrics, folder: Path, dpi: int, written: list[Path]) -> None:

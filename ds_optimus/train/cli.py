@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..checkpoint.files import CheckpointError
     from ..config import ConfigError, apply_overrides, load_json_config
-    from ..data.corpus import DataError
+    from ..data.errors import DataError
     from ..parallel.groups import LayoutError
     from .trainer import pretrain
 

@@ -112,7 +112,7 @@ def prepare_everywhere(data, tokenizer):
     launcher's variables give the ranks (the Hugging Face Trainer's script prepares before its
     group exists)."""
     from ..data import DataError, parse_sources, prepare_data
-    from ..data.pack import plan_sources
+    from ..data.units import plan_sources
 
     sources = parse_sources(data.sources)
     if not dist.is_initialized():

@@ -1,38 +1,32 @@
-"""Flat token files, memory-mapped: the shards `prepare` writes and pre-tokenized sources.
+"""Stored token shards, opened for reading: every source as memory-mapped token streams, and the
+run's data as a whole (`PreparedData`).
 
 A `TokenStream` is the concatenation of one or more 1-D integer arrays (memory maps), cut into
 sequences of `seq_len` tokens across file boundaries. Opening one maps the files and reads their
 headers: nothing is copied, hashed or scanned, so a 4-trillion-token source opens in milliseconds
 with memory that does not grow with its size. Documents inside are separated by the end-of-text id.
 
-Token files: `.npy` (the dtype and length from the header) or raw `.bin` (the dtype must be given).
+A text source's stream is its folder's shards as `tokenize_workers.py` wrote them (the counts from
+its `meta.json`); a token source's is its files, read in place.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from .corpus import DataError, matching_files
+from .errors import DataError
+from .sources import Source
+from .token_files import TokenFile, token_files
+from .tokenize_workers import shard_file
+from .units import SourcePlan
 
-TOKEN_SUFFIXES = (".npy", ".bin")
 MAX_MAPPED = 128  # token files one stream keeps mapped at once (a rank's open files stay well under its limit)
-
-
-@dataclass(frozen=True)
-class TokenFile:
-    """Where one token file's ids lie: its path, count, dtype and the byte offset of the first."""
-
-    path: str
-    length: int
-    dtype: str
-    offset: int = 0
-
-    def open(self) -> np.ndarray:
-        return np.memmap(self.path, dtype=self.dtype, mode="r", offset=self.offset, shape=(self.length,))
 
 
 class TokenStream:
@@ -96,51 +90,83 @@ class TokenStream:
         return TokenStream(parts, [n for s in streams for n in s.names])
 
 
-def resolve_token_files(target: str) -> list[Path]:
-    """The `.npy`/`.bin` files a path, folder or glob names, sorted; one-line errors."""
-    return matching_files(target, lambda p: p.suffix in TOKEN_SUFFIXES, "token", ".npy or .bin")
-
-
-def token_file(path: Path, dtype: str | None = None) -> TokenFile:
-    """Where a token file's ids lie, from its header (`.npy`) or its size (`.bin`); one-line errors."""
-    if path.suffix == ".npy":
-        try:
-            array = np.load(path, mmap_mode="r", allow_pickle=False)
-        except (ValueError, OSError, EOFError) as err:
-            raise DataError(f"{path}: not a readable .npy file ({type(err).__name__}: {err})") from None
-        if array.ndim != 1:
-            raise DataError(f"{path}: a token file must be flat (1-D), this one has shape {array.shape}")
-        if not np.issubdtype(array.dtype, np.integer):
-            raise DataError(f"{path}: holds {array.dtype} values, not integer token ids")
-        if dtype is not None and np.dtype(dtype) != array.dtype:
-            raise DataError(f"{path}: holds {array.dtype}, but the source says dtype {dtype!r}")
-        return TokenFile(str(path), len(array), array.dtype.str, int(getattr(array, "offset", 0)))
-    if dtype is None:
-        raise DataError(f"{path}: raw .bin token files need the source's \"dtype\" (e.g. \"uint16\" or \"uint32\")")
-    itemsize = np.dtype(dtype).itemsize
-    size = path.stat().st_size
-    if size % itemsize:
-        raise DataError(f"{path}: {size} bytes is not a whole number of {dtype} tokens")
-    return TokenFile(str(path), size // itemsize, np.dtype(dtype).str)
-
-
-def token_files(target: str, dtype: str | None = None) -> list[TokenFile]:
-    return [token_file(p, dtype) for p in resolve_token_files(target)]
-
-
 def open_token_files(target: str, dtype: str | None = None) -> TokenStream:
     return TokenStream(token_files(target, dtype))
 
 
-def describe_token_files(target: str) -> list[tuple[str, int, int]]:
-    """What identifies token files without reading them: names, sizes and modification times."""
-    return [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in resolve_token_files(target)]
+def folder_stream(folder: str | Path, split: str = "train", meta: dict | None = None) -> TokenStream:
+    """A prepared source folder's tokens of `split`, each shard mapped when first read."""
+    folder = Path(folder)
+    meta = meta if meta is not None else json.loads((folder / "meta.json").read_text())
+    dtype = np.dtype(meta["dtype"]).str
+    return TokenStream([TokenFile(str(shard_file(folder, i, split)), count, dtype)
+                        for i, count in enumerate(meta[f"{split}_units"]) if count])
 
 
-def check_token_dtype(dtype) -> None:
-    try:
-        ok = np.issubdtype(np.dtype(dtype), np.integer)
-    except TypeError:
-        ok = False
-    if not ok:
-        raise DataError(f"dtype {dtype!r} is not an integer type (use e.g. \"uint16\", \"uint32\", \"int32\")")
+@dataclass
+class PreparedSource:
+    """One source, ready: its token streams and what identifies it."""
+
+    source: Source
+    identity: str  # a hash of the source's content identity (and, for text, the tokenizer's)
+    train: TokenStream
+    val: TokenStream | None
+    documents: int | None  # None for a pre-tokenized source (never scanned)
+    folder: Path | None = None
+
+    @property
+    def name(self) -> str:
+        return self.source.label
+
+    @property
+    def weight(self) -> float | None:
+        return self.source.weight
+
+
+@dataclass
+class PreparedData:
+    """Every source of a run, ready to read."""
+
+    sources: list[PreparedSource]
+    eos_id: int
+    root: Path  # the cache folder
+
+    @property
+    def train_tokens(self) -> int:
+        return sum(s.train.total for s in self.sources)
+
+    @property
+    def val_tokens(self) -> int:
+        return sum(s.val.total for s in self.sources if s.val is not None)
+
+    @property
+    def documents(self) -> int:
+        return sum(s.documents or 0 for s in self.sources)
+
+    @property
+    def fingerprint(self) -> str:
+        """A hash of every source's identity and weight."""
+        parts = [(s.name, s.identity, s.weight) for s in self.sources]
+        return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+    def tokens(self, split: str) -> TokenStream:
+        """All sources' tokens of `split` ("train" or "val"), one after another."""
+        streams = [s.train if split == "train" else s.val for s in self.sources]
+        return TokenStream.concat([s for s in streams if s is not None])
+
+
+def open_prepared(plan: list[SourcePlan], eos_id: int, cache_dir: str | Path) -> PreparedData:
+    """Every planned source opened: a text source's shards (prepared by now), a token source's files."""
+    return PreparedData([_open(p) for p in plan], eos_id, Path(cache_dir))
+
+
+def _open(plan: SourcePlan) -> PreparedSource:
+    if plan.source.kind == "tokens":
+        val = TokenStream(plan.val_files) if plan.val_files else None
+        return PreparedSource(plan.source, plan.identity, TokenStream(plan.train_files), val, None)
+    meta = json.loads((plan.folder / "meta.json").read_text())
+    if meta["documents"] == 0:
+        raise DataError(f"source {plan.source.label!r} holds no documents ({plan.source})")
+    val = folder_stream(plan.folder, "val", meta)
+    return PreparedSource(plan.source, meta["key"], folder_stream(plan.folder, "train", meta),
+                          val if val.total else None, meta["documents"], plan.folder)

@@ -1,6 +1,21 @@
-"""The preparation's work: units dealt to the processes of a launch, tokenized by local worker
-processes into shards with completion markers, and the wait for everyone's markers (`pack.py`
-says what the files are)."""
+"""Tokenizing workers: the units of all pending sources dealt to the processes of a launch,
+tokenized by local worker processes into token shards with completion markers, and the wait for
+everyone's markers.
+
+Unit i of a source (`units.py` says what a unit is and which folder its shards go to) becomes
+`unit-i.train.bin` and `unit-i.val.bin` (uint16 when the vocabulary fits, else uint32; every
+document followed by the end-of-text id; a document goes to the held-out split by a hash of its
+unit and position, a `val_fraction` of them), written under temporary names and renamed, then its
+completion marker `unit-i.json`, written last. A killed preparation resumes at the first unit
+without a marker; a unit without one is never read. When every unit is done, rank 0 writes the
+folder's `meta.json` (the token counts of every unit), which `shards.py` opens.
+
+The units of all pending sources are dealt to the `world` processes of a launch (largest first,
+each to the least loaded; every process computes the same deal) and each process tokenizes its
+share with `workers` local processes. A process that finishes waits for the others' markers on the
+shared filesystem, not in a collective (tokenizing a corpus takes longer than any collective's
+time-out); an error is written beside the markers, so every process stops with the same line.
+"""
 
 from __future__ import annotations
 
@@ -15,10 +30,30 @@ from pathlib import Path
 import numpy as np
 
 from ..command_line import said_by_every_rank
-from .corpus import DataError, Source, Unit, unit_documents
+from .errors import DataError
+from .sources import Source
+from .units import FORMAT_VERSION, Unit, unit_documents
 
 BATCH_DOCUMENTS = 256
 _TOKENIZERS: dict[int, object] = {}  # a worker process's tokenizer, built once from its JSON
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+def _is_val(unit: int, index: int, fraction: float) -> bool:
+    """Whether document `index` of unit `unit` is held out: a hash of the two below `fraction`, and
+    the second document of the first unit always (a source of one document keeps it for training)."""
+    if fraction == 0:
+        return False
+    mixed = ((unit * 0xD1B54A32D192ED03 + index) * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & (2**64 - 1)
+    return (unit, index) == (0, 1) or (mixed >> 11) < fraction * 2**53
+
+
+def shard_file(folder: Path, index: int, split: str) -> Path:
+    """Unit `index`'s token shard of `split` ("train" or "val") in a source's folder."""
+    return folder / f"unit-{index:06d}.{split}.bin"
 
 
 def deal(sizes: list[int], world: int) -> list[int]:
@@ -43,8 +78,6 @@ def run_units(pending: list[tuple[Source, Path, list[Unit]]], tokenizer, val_fra
     done: rank 0 watches the markers and writes each source's `meta.json`, the others wait for it.
     Errors go to `<cache_dir>/<source folder>.error.rank<R>`, a small folder to watch (at 12,288
     ranks, nobody but rank 0 lists the shard folders, and the others look less often)."""
-    from .pack import token_dtype
-
     jobs = [(source, folder, i, unit) for source, folder, units in pending for i, unit in enumerate(units)]
     owner = deal([unit.size for *_, unit in jobs], world)
     for _, folder, _ in pending:
@@ -228,8 +261,7 @@ def tokenize_unit(job) -> dict:
         _TOKENIZERS[key] = Tokenizer.from_str(backend_json)
     backend, dtype = _TOKENIZERS[key], np.dtype(dtype_name)
     started = time.time()
-    stem = folder / f"unit-{index:06d}"
-    tmp = {split: Path(f"{stem}.{split}.bin{_tmp_suffix()}") for split in ("train", "val")}
+    tmp = {split: Path(f"{shard_file(folder, index, split)}{_tmp_suffix()}") for split in ("train", "val")}
     counts = {"train": 0, "val": 0}
     documents = 0
     try:
@@ -244,7 +276,7 @@ def tokenize_unit(job) -> dict:
             if batch:
                 documents = _write_batch(batch, backend, eos, dtype, index, documents, val_fraction, files, counts)
         for split in ("train", "val"):
-            os.replace(tmp[split], f"{stem}.{split}.bin")
+            os.replace(tmp[split], shard_file(folder, index, split))
     finally:
         for path in tmp.values():
             path.unlink(missing_ok=True)
@@ -255,8 +287,6 @@ def tokenize_unit(job) -> dict:
 
 
 def _write_batch(texts, backend, eos, dtype, unit, first_index, val_fraction, files, counts) -> int:
-    from .pack import _is_val
-
     encodings = backend.encode_batch(texts, add_special_tokens=False)
     limit = np.iinfo(dtype).max
     for offset, encoding in enumerate(encodings):
@@ -284,8 +314,6 @@ def _say_error(pending, cache_dir: Path, rank: int, message: str) -> None:
 
 
 def _write_meta(source: Source, folder: Path, units: list[Unit], dtype: str) -> None:
-    from .pack import FORMAT_VERSION
-
     records = [json.loads(_marker(folder, i).read_text()) for i in range(len(units))]
     meta = {"format": FORMAT_VERSION, "key": folder.name.rsplit("-", 1)[-1], "source": str(source),
             "name": source.label, "dtype": dtype, "documents": sum(r["documents"] for r in records),
