@@ -46,6 +46,7 @@ setup(
         "plan": ["matplotlib>=3.7"],  # the planner's scaling plot (--png)
         "report": ["matplotlib>=3.7"],  # python -m ds_optimus.report: a run's plots
         "eval": ["lm-eval>=0.4.13,<0.5"],  # python -m ds_optimus.evaluate, optimus.eval.downstream
+        "docs": ["mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10"],  # mkdocs build --strict: the site of docs/
     },
     entry_points={"console_scripts": ["ds-optimus-train = ds_optimus.train.cli:main",
                                       "ds-optimus-plan = ds_optimus.plan.__main__:main",

@@ -70,8 +70,10 @@ class ModelConfig(Section):
     MulaConfig fields over either. A path wins: the preset of a config (or the default) is then unused,
     so `--set optimus.model.path=...` switches a shipped config to a folder."""
 
-    preset: str | None = None  # neither given: DEFAULT_PRESET
+    preset: str | None = None  # a Mula preset (`ds_optimus.hf_models.mula.PRESETS`), used when no path is given
+    # an HF folder of a Mula, OLMoE or OLMo model (its config; its weights too if it has them); wins over the preset
     path: str | None = None
+    # MulaConfig fields over the preset's or the folder's (an unknown name is a one-line error)
     overrides: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -117,27 +119,28 @@ def first_line(err: BaseException) -> str:
 class TrainConfig(Section):
     """`optimus.train`: the run's length, seed, output, evaluation, logging and schedule."""
 
-    steps: int = 100
-    seed: int = 0
-    output_dir: str = DEFAULT_OUTPUT_DIR
-    eval_interval: int = 50  # 0: evaluate only at the end
-    eval_batches: int = 8
+    steps: int = 100  # optimizer steps of the whole run (the LR schedule's length)
+    seed: int = 0  # initial weights, data order and every random generator of the run
+    output_dir: str = DEFAULT_OUTPUT_DIR  # metrics, logs, checkpoints, plots and the exported model
+    eval_interval: int = 50  # held-out loss every this many steps and at the end; 0: only at the end
+    eval_batches: int = 8  # held-out micro-batches per rank in each evaluation
     log_interval: int = 1  # metrics reach the host, metrics.jsonl and wandb every this many steps
     peak_tflops: float | None = None  # per device, for model FLOPs utilisation; null: not reported
-    # The LR schedule when the DeepSpeed config has no "scheduler" section: linear warm-up to the
-    # optimizer's lr over warmup_steps, then cosine decay to min_lr_ratio x lr at the last step.
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.1
-    # The seed system's recipe: no gradient clipping during the LR warm-up (the config's
-    # `gradient_clipping` from the first step after it), and weight decay on every parameter (norms
-    # and biases too; by default they are not decayed).
+    # Without a "scheduler" section in the DeepSpeed config, the LR schedule is a linear warm-up to the
+    # optimizer's lr over warmup_steps, then a cosine decay to min_lr_ratio x lr at the last step.
+    warmup_steps: int = 0  # steps of linear LR warm-up (without a "scheduler" section)
+    min_lr_ratio: float = 0.1  # the cosine decay's final LR, as a fraction of lr (without a "scheduler" section)
+    # no gradient clipping during the LR warm-up: the config's `gradient_clipping` applies from the step
+    # after it on (the seed system's recipe)
     clip_after_warmup: bool = False
+    # weight decay on every parameter, norms and biases too (the seed system's recipe); by default
+    # parameters of one dimension are not decayed
     decay_all_params: bool = False
     # End this invocation cleanly (with a checkpoint) after this many steps, e.g. to fit a job's
     # time limit; the next invocation resumes. null: run to `steps`.
     stop_after_steps: int | None = None
-    sample_prompt: str | None = None  # null: the first words of the first held-out document
-    sample_tokens: int = 48
+    sample_prompt: str | None = None  # the end-of-run sample's prompt; null: the first words of a held-out document
+    sample_tokens: int = 48  # tokens sampled from the exported model at the end; 0: no sample
     # At the end: the Hugging Face folder <output_dir>/hf (every expert) and a sample from it. false:
     # neither (summary.json is still written), for throughput measurements of big models.
     export: bool = True
@@ -205,9 +208,9 @@ class WandbConfig(Section):
     """`optimus.wandb`: where the metrics go besides metrics.jsonl."""
 
     mode: str | None = None  # online | offline | disabled; null: online with WANDB_API_KEY, else offline
-    project: str = "ds_optimus"
-    name: str | None = None
-    entity: str | None = None
+    project: str = "ds_optimus"  # the wandb project
+    name: str | None = None  # the wandb run's name; null: wandb's own
+    entity: str | None = None  # the wandb team or user; null: the account's default
 
     def check(self, where: str) -> None:
         need(self.mode in (None, "online", "offline", "disabled"),

@@ -170,8 +170,8 @@ def test_a_four_trillion_token_source_trains_at_once_with_the_memory_of_a_small_
     assert results["huge"][1] < results["small"][1] + 100 * 1024  # peak RSS within 100 MiB (KiB here)
 
 
-def test_readme_and_design_speak_of_the_data_features():
-    readme = (ROOT / "README.md").read_text()
+def test_the_docs_speak_of_the_data_features():
+    docs = "".join(page.read_text() for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))])
     for needle in ("python -m ds_optimus.data.prepare", "OLMoE-mix-0924", '"weight"', '"tokens"',
                    "optimus.data.allow_change", "benchmarks/tokenize.py"):
-        assert needle in readme, needle
+        assert needle in docs, needle

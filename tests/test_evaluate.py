@@ -91,6 +91,25 @@ def test_a_run_scores_each_checkpoint_and_the_cli_agrees_on_its_checkpoints_and_
 
 
 @pytest.mark.slow
+def test_the_docs_evaluate_command_scores_the_newest_checkpoint(run, tmp_path, monkeypatch, capsys):
+    """`python -m ds_optimus.evaluate runs/mula-tiny-moe --tasks pydoc_cloze` as README.md and
+    docs/evaluation.md give it, on a copy of the run: the newest checkpoint, all 200 sentences."""
+    import shlex
+    import shutil
+
+    from doc_blocks import doc_commands
+
+    found = {c.text for c in doc_commands() if c.text.startswith("python -m ds_optimus.evaluate runs/mula-tiny-moe")}
+    assert len(found) == 1, found
+    shutil.copytree(run, tmp_path / "runs" / "mula-tiny-moe")
+    monkeypatch.chdir(tmp_path)
+    status, out, err = _run(capsys, *shlex.split(found.pop())[3:])
+    assert status == 0, err
+    scores = json.loads((tmp_path / "runs" / "mula-tiny-moe" / "eval" / "step_00000004.json").read_text())
+    assert scores["tasks"]["pydoc_cloze"]["samples"] == 200 and "pydoc_cloze acc_norm " in out
+
+
+@pytest.mark.slow
 def test_a_checkpoint_exports_as_a_complete_hugging_face_folder(run, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

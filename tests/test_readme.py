@@ -1,46 +1,36 @@
-"""README.md's examples, taken from the file and run as written, so the documentation cannot drift
-from the code: the Hugging Face Trainer script with its `ds.json` and launch command."""
+"""The documentation's Hugging Face Trainer example (docs/hf-trainer.md), taken from the page and run
+as written, so the documentation cannot drift from the code: the script, its `ds.json` and the launch
+command."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from doc_blocks import doc_block
 from train_workers import child_pythonpath, deepspeed_launcher
 
-ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
 
-
-def readme_block(after: str, language: str) -> str:
-    """The first fenced `language` block of README.md after the text `after`."""
-    start = README.index(after)
-    found = re.compile(rf"^```{language}\n(.*?)^```", re.S | re.M).search(README, start)
-    assert found is not None, f"README.md has no {language} block after {after!r}"
-    return found.group(1)
-
-
-def test_the_readme_blocks_are_found():
-    script = readme_block("A complete script, `train_hf.py`", "python")
+def test_the_trainer_example_blocks_are_found():
+    script = doc_block("A complete script, `train_hf.py`", "python")
     assert "import ds_optimus" in script and "trainer.train()" in script
-    config = json.loads(readme_block("with `ds.json`", "json"))
+    config = json.loads(doc_block("with `ds.json`", "json"))
     assert config["optimus"]["moe"]["experts_backend"] == "auto"  # the value accelerate used to stop on
-    assert readme_block("launched on 2 processes", "bash").split() == ["deepspeed", "--num_gpus", "2", "train_hf.py"]
+    assert doc_block("launched on 2 processes", "bash").split() == ["deepspeed", "--num_gpus", "2", "train_hf.py"]
 
 
 @pytest.mark.slow
 def test_the_hugging_face_trainer_example_runs_as_written(tmp_path):
     from ds_optimus.plan.measure import free_port
 
-    (tmp_path / "train_hf.py").write_text(readme_block("A complete script, `train_hf.py`", "python"))
-    (tmp_path / "ds.json").write_text(readme_block("with `ds.json`", "json"))
-    command = shlex.split(readme_block("launched on 2 processes", "bash"))
+    (tmp_path / "train_hf.py").write_text(doc_block("A complete script, `train_hf.py`", "python"))
+    (tmp_path / "ds.json").write_text(doc_block("with `ds.json`", "json"))
+    command = shlex.split(doc_block("launched on 2 processes", "bash"))
     launcher = deepspeed_launcher() if command[0] == "deepspeed" else str(Path(sys.executable).with_name(command[0]))
     command = [launcher, "--master_port", str(free_port()), *command[1:]]  # a free port, beside other runs
     env = {**os.environ, "PYTHONPATH": child_pythonpath()}

@@ -372,8 +372,8 @@ class CheckpointConfig(Section):
     # false: no checkpoint at all, not even at the end or before a stop (throughput measurements,
     # where writing the optimizer state costs more than the steps); a crash then loses the run
     enabled: bool = True
-    keep_last: int = 2
-    dir: str | None = None  # null: <train.output_dir>/checkpoints
+    keep_last: int = 2  # checkpoints kept; older ones are deleted (never one still to be evaluated)
+    dir: str | None = None  # where checkpoints go; null: <train.output_dir>/checkpoints
     resume: bool = True  # continue from the latest complete checkpoint in dir, if there is one
     async_save: bool = False  # write checkpoints in a background thread while training goes on
 

@@ -56,11 +56,11 @@ class DataConfig(Section):
     every rank sees), the tokenizing processes per rank, and whether a resumed run may continue on
     changed data."""
 
-    sources: list = field(default_factory=lambda: ["embedded"])
+    sources: list = field(default_factory=lambda: ["embedded"])  # the corpora, each with an optional weight and name
     tokenizer: str | None = None  # an HF tokenizer name or folder; null: the embedded default
-    seq_len: int = 256
-    val_fraction: float = 0.02
-    cache_dir: str = "data_cache"
+    seq_len: int = 256  # tokens per training sequence (at most the model's max_position_embeddings)
+    val_fraction: float = 0.02  # share of each text source's documents held out for evaluation
+    cache_dir: str = "data_cache"  # where token shards are kept (a filesystem every rank sees)
     workers: int = 1  # tokenizing processes per rank when the data must be prepared at the start
     allow_change: bool = False  # resume on sources that differ from the checkpoint's (logged)
 

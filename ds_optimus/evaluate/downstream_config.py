@@ -14,11 +14,11 @@ class DownstreamConfig(Section):
     folders), how many documents of each (`limit`, null: all), few-shot examples and batch size.
     No tasks: off."""
 
-    tasks: list = field(default_factory=list)
-    include: list = field(default_factory=list)
-    limit: int | None = None
-    num_fewshot: int = 0
-    batch_size: int = 8
+    tasks: list = field(default_factory=list)  # scored at every checkpoint; lm-eval names, `mula-suite`, `pydoc_cloze`
+    include: list = field(default_factory=list)  # folders of YAML task files of your own
+    limit: int | None = None  # documents of each task; null: all
+    num_fewshot: int = 0  # few-shot examples before each question
+    batch_size: int = 8  # the evaluation's batch size
 
     def check(self, where: str) -> None:
         need(isinstance(self.tasks, list) and all(isinstance(t, str) and t for t in self.tasks),

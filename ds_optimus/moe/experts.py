@@ -374,7 +374,7 @@ class MoEConfig(Section):
     """`optimus.moe`: which grouped-GEMM backend the MoE layers use ("auto": the best one for the
     device and dtype)."""
 
-    experts_backend: str = "auto"
+    experts_backend: str = "auto"  # the experts backend of every MoE layer; "auto": the best for the device and dtype
 
     def check(self, where: str) -> None:
         known = ["auto", *registered_backends()]

@@ -16,7 +16,7 @@ class ShardedOptimizerConfig(Section):
     """The EP-aware sharded optimizer (`ds_optimus.optim`), in place of DeepSpeed's ZeRO stage 1/2
     optimizer; the stage is DeepSpeed's `zero_optimization.stage`."""
 
-    enabled: bool = False
+    enabled: bool = False  # the EP-aware sharded optimizer in place of DeepSpeed's ZeRO-1/2 optimizer
     bucket_size: int = 50_000_000  # elements per reduce-scatter / all-gather bucket
     reduce_dtype: str | None = None  # fp32 | bf16 | fp16; null: DeepSpeed's grad accumulation dtype
     # reduce buckets while the backward pass goes on; null: yes, except on gloo (CPU), where the

@@ -39,11 +39,13 @@ class ExpertParallelConfig(Section):
     exchange: "alltoall" (every mode above) or "allgather" (the seed's: all-gather the group's tokens,
     reduce-scatter the outputs; flat, one chunk, no dedup; `ds_optimus.parallel.allgather`)."""
 
-    size: int = 1
-    node_size: int | None = None
+    size: int = 1  # expert-parallel size: consecutive ranks that share each MoE layer's experts
+    node_size: int | None = None  # ranks per node; below `size` it selects the hierarchical exchange
+    # send a token once per destination rank (or node) instead of once per routed slot; "auto": where
+    # that is expected to send fewer bytes
     dedup: bool | str = "auto"
-    chunks: int = 1
-    dispatch: str = "alltoall"
+    chunks: int = 1  # pieces of the deduplicated exchange, one travelling while the experts compute another
+    dispatch: str = "alltoall"  # "alltoall" (every mode above) or "allgather" (the seed's; flat, no dedup)
 
     def check(self, where: str) -> None:
         need(positive_int(self.size), f"{where}.size must be a positive integer, got {self.size!r}")

@@ -26,10 +26,10 @@ class PipelineParallelConfig(Section):
     `gradient_accumulation_steps` micro-batches. `layers` (optional) gives the decoder layers of each
     chunk in order, overriding the balanced split."""
 
-    size: int = 1
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    layers: list[int] | None = None
+    size: int = 1  # pipeline stages; stage s is ranks [s x world / size, (s + 1) x world / size)
+    schedule: str = "1f1b"  # "gpipe", "1f1b", or with virtual stages "interleaved_1f1b" or "looped_bfs"
+    virtual_stages: int = 1  # chunks of layers per rank (the interleaved schedules)
+    layers: list[int] | None = None  # decoder layers of each chunk, in order; null: split by cost
 
     def check(self, where: str) -> None:
         need(positive_int(self.size), f"{where}.size must be a positive integer, got {self.size!r}")

@@ -108,7 +108,7 @@ class StepGuard:
 class GuardsConfig(Section):
     """`optimus.guards`: the numerical guards (they act through the sharded optimizer)."""
 
-    enabled: bool = True
+    enabled: bool = True  # skip non-finite and spiking steps, and roll back after a run of them
     window: int = 100  # accepted steps in the rolling loss and gradient-norm statistics
     min_window: int = 20  # spikes are judged once the window holds this many steps
     sigmas: float = 6.0  # a loss or gradient norm this many standard deviations above the mean is a spike

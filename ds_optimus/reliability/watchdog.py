@@ -103,9 +103,9 @@ def thread_stacks() -> str:
 class WatchdogConfig(Section):
     """`optimus.watchdog`: the hang watchdog's time-outs; 0 turns that check off."""
 
-    step_timeout_s: float = 900.0
-    first_step_timeout_s: float = 3600.0  # the first step after a (re)start also compiles and warms up
-    checkpoint_timeout_s: float = 3600.0  # a synchronous save, an evaluation or the final export
+    step_timeout_s: float = 900.0  # time-out of any other step: past it the rank dumps its stacks and exits 124
+    first_step_timeout_s: float = 3600.0  # time-out of the first step after a (re)start, which compiles and warms up
+    checkpoint_timeout_s: float = 3600.0  # time-out of a synchronous save, an evaluation or the final export
 
     def check(self, where: str) -> None:
         for key in ("step_timeout_s", "first_step_timeout_s", "checkpoint_timeout_s"):
