@@ -225,7 +225,7 @@ def test_a_rank_outside_the_ep_group_is_refused():
 
 def test_a_folder_s_vocabulary_and_a_dense_model_under_ep_say_what_to_change(tmp_path):
     from ds_optimus.data import load_tokenizer
-    from ds_optimus.plan.preflight import check_run
+    from ds_optimus.train.preflight import check_run
 
     small = MulaConfig.from_preset("mula-tiny-dense", vocab_size=1000)
     build_model(small).save_pretrained(tmp_path / "small")

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from ds_optimus.plan.preflight import check_run
 from ds_optimus.train.cli import main
+from ds_optimus.train.preflight import check_run
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "ds_configs" / "mula-tiny-moe-cpu.json"
@@ -58,6 +58,10 @@ def test_check_says_what_would_run_without_a_process_group(tmp_path, capsys):
                        "3 ranks"),
     (["--world", "3", "--set", "train_batch_size=null", "--set", "gradient_accumulation_steps=1"],
      "expert parallel size 2 does not divide the world size 3"),
+    # without --world, a world guessed from the batch sizes: the error says so, and what to do
+    (["--set", "train_batch_size=24"], "expert parallel size 2 does not divide the world size 3 (the world size 3 is "
+                                       "not given but taken from train_batch_size / (micro-batch x accumulation): pass "
+                                       "--world N, the ranks the launch will start, or correct the batch sizes)"),
     (["--set", 'optimus.data.sources=["/no/such/corpus.jsonl"]'], "data path '/no/such/corpus.jsonl' does not exist"),
     (["--set", "optimus.data.tokenizer=./no-tokenizer"], "tokenizer folder './no-tokenizer' does not exist"),
     (["--set", "gradient_clippng=1.0"], "unknown DeepSpeed config key 'gradient_clippng'"),

@@ -259,8 +259,14 @@ def test_a_checkpoint_of_two_stages_resumes_on_one_stage_and_on_four(tmp_path, c
         config["optimus"]["pipeline_parallel"] = layout.get("pipeline_parallel", {"size": 1})
         config["optimus"]["expert_parallel"] = layout.get("expert_parallel", {"size": 1})
         config.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accumulation)
+        now = {"pp1-ep4": "4 ranks (EP 4)", "pp4": "4 ranks (PP 4)"}[name]
+        from ds_optimus.train.preflight import check_run  # --check says the reshard before the launch
+
+        assert check_run(config, 4)[-1].endswith(f", saved by 4 ranks (PP 2 x EP 2): its state resharded to {now}")
         summary = run_distributed(pretrain_worker, 4, config)[0]
         assert summary["start_step"] == 5, name
+        log = (tmp_path / name / "log.txt").read_text()  # and the run, with the pipeline stages on both sides
+        assert f"the checkpoint was saved by 4 ranks (PP 2 x EP 2); resumed by {now}, its state resharded" in log
         for step in range(6, STEPS + 1):
             assert summary["losses"][step] == pytest.approx(expected[step], rel=1e-5), (name, step)
 
@@ -312,8 +318,8 @@ def test_what_a_pipeline_cannot_run_is_one_line_from_rank_zero(tmp_path, cache):
     assert "runs in bf16 or fp32" in said[6]
     assert said[7].endswith("expert parallel size 2 does not divide the 1 ranks of each of the 2 pipeline stages")
     # --check says the same as the run, before it starts
-    from ds_optimus.plan.preflight import check_run
     from ds_optimus.schema import ConfigError as Refused
+    from ds_optimus.train.preflight import check_run
 
     for (bad, overrides), line in zip(cases[5:7], said[5:7], strict=True):
         bad = json.loads(json.dumps(bad))

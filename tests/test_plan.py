@@ -580,7 +580,7 @@ def test_pipeline_layout_rules():
 
 @pytest.mark.parametrize("name, pp", [("mula-100b-a7b-aurora", 4), ("mula-220b-a10b-aurora", 8)])
 def test_the_seeds_pipeline_runs_are_configs_the_planner_and_the_check_read(name, pp):
-    from ds_optimus.plan.preflight import check_run
+    from ds_optimus.train.preflight import check_run
 
     config = json.loads((ROOT / "ds_configs" / f"{name}.json").read_text())
     model, layout = layout_from_config(config)
@@ -653,7 +653,7 @@ def test_cli_plans_7b_on_16_h100_and_writes_a_runnable_config(tmp_path, capsys):
 
 
 def test_cli_writes_a_config_per_device_count_with_scale_and_each_passes_the_check(tmp_path, capsys):
-    from ds_optimus.plan.preflight import check_run
+    from ds_optimus.train.preflight import check_run
 
     code = plan_main(["--model", "mula-7b-a1b", "--cluster", "h100", "--devices", "16", "--global-batch", "256",
                       "--scale", "16:64", "--write", str(tmp_path / "mula-7b.json")])

@@ -81,7 +81,7 @@ def test_run_with_the_sharded_optimizer_resumes_on_another_layout(tmp_path, cach
     # a resume says when the global batch changed since the checkpoint, and only then
     log = (tmp_path / "parts" / "run" / "log.txt").read_text()
     assert "global batch changed" not in log
-    assert ("the checkpoint was saved by 2 ranks at EP 2; resumed by 1 at EP 1, its state resharded; the random "
+    assert ("the checkpoint was saved by 2 ranks (EP 2); resumed by 1 rank, its state resharded; the random "
             "generators start from the run's seed (dropout and sampling draw other numbers than before)") in log
     assert run_distributed(pretrain_worker, 1, halved)[0]["start_step"] == 4
     tokens = 2 * whole["optimus"]["data"]["seq_len"] * whole["train_micro_batch_size_per_gpu"]  # 2 ranks, gas 1

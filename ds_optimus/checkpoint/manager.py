@@ -55,6 +55,18 @@ from .rng import numpy_array_types, rng_state, set_rng_state
 STEP_PREFIX = "step_"
 
 
+def saved_layout(meta: dict[str, Any]) -> tuple[int, int, int]:
+    """(ranks, EP size, pipeline stages) a checkpoint was saved by, from its manifest (older manifests
+    have no pipeline size: no pipeline then, as ds_optimus ran pipelines only with it recorded)."""
+    return meta["world_size"], meta.get("ep_size", 1), meta.get("pp_size", 1)
+
+
+def describe_layout(world: int, ep: int, pp: int) -> str:
+    """'4 ranks (PP 2 x EP 2)', '2 ranks (EP 2)', '1 rank'."""
+    parts = [f"PP {pp}"] * (pp > 1) + [f"EP {ep}"] * (ep > 1)
+    return f"{world} rank{'s' * (world != 1)}" + (f" ({' x '.join(parts)})" if parts else "")
+
+
 class CollectiveCheckpointError(CheckpointError):
     """A CheckpointError every rank raises alike (decided from every rank's or rank 0's view, or a
     save's failure gathered from all ranks): the command lines print it once."""
@@ -335,17 +347,19 @@ class CheckpointManager:
             client = checkpointing.load_folder(engine, path, self.groups, meta=meta)  # errors: CheckpointErrors
             if meta["world_size"] == self.world_size:  # on another layout the generators stay as seeded
                 set_rng_state(client["rng"])
-            saved, now = (meta["world_size"], meta.get("ep_size", 1)), (self.world_size, self.ep_size)
+            pipeline = checkpointing.pipeline_of(engine, self.groups)
+            now = (self.world_size, self.ep_size, self.world_size // len(pipeline.stage_ranks) if pipeline else 1)
+            saved = saved_layout(meta)
             self.layout_note = None if saved == now else (
-                f"the checkpoint was saved by {saved[0]} rank{'s' * (saved[0] != 1)} at EP {saved[1]}; resumed by "
-                f"{now[0]} at EP {now[1]}, "
+                f"the checkpoint was saved by {describe_layout(*saved)}; resumed by {describe_layout(*now)}, "
                 "its state resharded" + ("" if saved[0] == now[0] else "; the random generators start from the "
                                           "run's seed (dropout and sampling draw other numbers than before)"))
             return _step(path), client["extra"]
         if (meta["world_size"], meta["ep_size"]) != (self.world_size, self.ep_size):
             raise CheckpointError(
-                f"{path} was saved by {meta['world_size']} ranks at EP {meta['ep_size']}; this run has "
-                f"{self.world_size} ranks at EP {self.ep_size} (resuming on another layout is not supported)")
+                f"{path} was saved by {describe_layout(*saved_layout(meta))}; this run has "
+                f"{describe_layout(self.world_size, self.ep_size, 1)} (resuming on another layout needs the sharded "
+                "optimizer: optimus.sharded_optimizer.enabled)")
         from .engine_state import engine_state_types
 
         # This rank's own file first: one that is refused leaves the model untouched.

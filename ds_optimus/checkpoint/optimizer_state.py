@@ -63,7 +63,7 @@ def checkpoint_files(engine, groups, client_state=None, exclude_frozen_parameter
     state = {k: v.detach() for k, v in module.state_dict().items() if k not in frozen}
     files: dict[str, Any] = {}
     # With pipeline stages, each stage's first rank writes its stage's part (names are the whole model's).
-    pipeline = _pipeline(engine, groups)
+    pipeline = pipeline_of(engine, groups)
     part = f"_pp{pipeline.stage:03d}" if pipeline is not None else ""
     if rank == (pipeline.stage_ranks[0] if pipeline is not None else 0):
         files[f"model_dense{part}.pt"] = {k: v for k, v in state.items() if k not in experts}
@@ -79,7 +79,8 @@ def checkpoint_files(engine, groups, client_state=None, exclude_frozen_parameter
                               "param_groups": optim["param_groups"]}  # what the scheduler's lists follow
     files = copy_to_cpu(files, copy)
     meta = {"format": "ds_optimus.checkpoint/1", "world_size": dist.get_world_size(),
-            "ep_size": groups.ep_size if groups is not None else 1, "zero_stage": engine.optimizer.stage}
+            "ep_size": groups.ep_size if groups is not None else 1, "zero_stage": engine.optimizer.stage,
+            "pp_size": dist.get_world_size() // len(pipeline.stage_ranks) if pipeline is not None else 1}
     return files, meta, {f"optim_rank{rank:05d}.pt": {"holds": held_ranges(optim)}}
 
 
@@ -180,7 +181,7 @@ def _read_and_load_weights(engine, path: Path, groups, meta: dict, strict: bool,
     for name in sorted(f for f in meta["files"] if f.startswith("model_dense")):  # one per pipeline stage
         state.update(load(path / name, mmap=True))  # mapped: a stage copies only its own part
     state.update(_expert_weights(engine, path, meta, state, groups))
-    if _pipeline(engine, groups) is not None:  # a stage keeps its part; a name of no stage stays, and fails
+    if pipeline_of(engine, groups) is not None:  # a stage keeps its part; a name of no stage stays, and fails
         own, whole = module.state_dict().keys(), _whole_model_names(module)
         state = {k: v for k, v in state.items() if k in own or k not in whole}
     try:
@@ -245,7 +246,7 @@ def _expert_weights(engine, path: Path, meta: dict, dense: dict[str, torch.Tenso
     return out
 
 
-def _pipeline(engine, groups):
+def pipeline_of(engine, groups):
     """The pipeline layout of `engine`'s model: its groups', or the one its engine was given."""
     return getattr(groups, "pipeline", None) or getattr(getattr(engine, "mpu", None), "pipeline", None)
 

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             raise said_by_every_rank(err) from None  # the same file and --set on every rank
         if args.check:
             from ..plan import ClusterError
-            from ..plan.preflight import check_run  # the command line sits above the planner and the trainer
+            from .preflight import check_run
 
             try:
                 lines = check_run(config, args.world, args.cluster)

@@ -8,6 +8,7 @@ what would run, in lines; anything that would stop the run is the one-line error
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -38,6 +39,19 @@ def resolve_world(ds_config: dict[str, Any], world: int | None, stages: int = 1)
     return stages, "no --world given"
 
 
+@contextlib.contextmanager
+def _guessed(world: int, source: str):
+    """A layout error at a world size that was guessed (from the batch sizes, or one per stage) says
+    so: the launch, not the check, decides the world size, and the batch sizes may be what is wrong."""
+    try:
+        yield
+    except ValueError as err:  # ConfigError and LayoutError
+        if source in ("--world", "WORLD_SIZE"):
+            raise
+        raise type(err)(f"{err} (the world size {world} is not given but taken from {source}: pass --world N, the "
+                        "ranks the launch will start, or correct the batch sizes)") from None
+
+
 def check_run(ds_config: dict[str, Any], world: int | None = None, cluster: str | None = None) -> list[str]:
     """What the run of `ds_config` would be at `world` ranks, in lines; raises the one-line error
     (ConfigError, DataError, LayoutError, ...) that would stop it. `cluster` (a planner cluster
@@ -55,10 +69,11 @@ def check_run(ds_config: dict[str, Any], world: int | None = None, cluster: str 
     opt = check_run_config(config)
     stages = opt.pipeline_parallel.size
     world, source = resolve_world(config, world, stages)
-    if world % stages:
-        raise ConfigError(f"optimus.pipeline_parallel.size {stages} does not divide the {world} ranks")
-    dp = world // stages  # the ranks of a pipeline stage: its data parallelism
-    micro, accumulation = resolve_batch_sizes(config, dp, stages)
+    with _guessed(world, source):
+        if world % stages:
+            raise ConfigError(f"optimus.pipeline_parallel.size {stages} does not divide the {world} ranks")
+        dp = world // stages  # the ranks of a pipeline stage: its data parallelism
+        micro, accumulation = resolve_batch_sizes(config, dp, stages)
     name = opt.data.tokenizer
     try:  # a Hub tokenizer from the local cache only: a check never waits on the network
         tokenizer = load_tokenizer(name, local_files_only=True)
@@ -69,7 +84,8 @@ def check_run(ds_config: dict[str, Any], world: int | None = None, cluster: str 
     model_config = opt.model.mula_config(tokenizer, opt.data.seq_len)
     ep = opt.expert_parallel
     if model_config.num_experts:
-        check_layout(dp, ep.size, model_config.num_experts, ep.node_size, stages=stages)
+        with _guessed(world, source):
+            check_layout(dp, ep.size, model_config.num_experts, ep.node_size, stages=stages)
     elif ep.size > 1:
         raise ConfigError("optimus.expert_parallel.size > 1 needs an MoE model (num_experts > 0); this one is "
                               "dense: set optimus.expert_parallel.size=1")
@@ -109,7 +125,7 @@ def check_run(ds_config: dict[str, Any], world: int | None = None, cluster: str 
         f"{_count(micro * accumulation * dp, 'sequence')} of {opt.data.seq_len} tokens ({tokens:,} tokens) per step",
         *_data_lines(opt, tokenizer),
         _memory_line(model_config, opt, config, world, micro, accumulation, cluster),
-        _run_line(opt, tokenizer),
+        _run_line(opt, tokenizer, world),
     ]
     return lines
 
@@ -199,11 +215,11 @@ def _data_lines(opt, tokenizer) -> list[str]:
 
 
 def _memory_line(model_config, opt, config, world, micro, accumulation, cluster) -> str:
-    from .cluster import get_cluster
-    from .configs import layout_of
-    from .layout import LayoutError
-    from .memory import estimate_memory, gib
-    from .model import ModelShape
+    from ..plan.cluster import get_cluster
+    from ..plan.configs import layout_of
+    from ..plan.layout import LayoutError
+    from ..plan.memory import estimate_memory, gib
+    from ..plan.model import ModelShape
 
     shape = ModelShape.from_config(model_config)
     layout = layout_of(opt, config, world, micro, accumulation, shape)
@@ -268,8 +284,8 @@ def _data_change(opt, tokenizer, checkpoint: Path) -> None:
         raise ConfigError(changed_data_message(changes, since=str(checkpoint)))
 
 
-def _run_line(opt, tokenizer=None) -> str:
-    from ..checkpoint.manager import CheckpointManager
+def _run_line(opt, tokenizer=None, world: int | None = None) -> str:
+    from ..checkpoint.manager import CheckpointManager, describe_layout, saved_layout
 
     train, checkpoint = opt.train, opt.checkpoint
     manager = CheckpointManager(checkpoint.dir or Path(train.output_dir) / "checkpoints")
@@ -281,6 +297,13 @@ def _run_line(opt, tokenizer=None) -> str:
     elif complete and checkpoint.resume:
         _data_change(opt, tokenizer, complete[-1])
         start = f"resumes from {complete[-1]} (if intact)"
+        try:
+            saved = saved_layout(json.loads((complete[-1] / "meta.json").read_text()))
+        except (OSError, ValueError, KeyError):
+            saved = None  # the run's own checks of the checkpoint say what is wrong with it
+        now = (world, opt.expert_parallel.size, opt.pipeline_parallel.size) if world else None
+        if saved and now and saved != now:
+            start += f", saved by {describe_layout(*saved)}: its state resharded to {describe_layout(*now)}"
     elif complete:
         raise ConfigError(f"checkpoint.resume is false but {manager.directory} holds checkpoints of an earlier run; "
                           "remove them or point checkpoint.dir elsewhere")
