@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -33,9 +33,12 @@ def test_the_keyed_permutation_is_a_bijection_for_every_size():
     assert abs(np.corrcoef(np.arange(1000), a)[0, 1]) < 0.1  # no trace of the input order
     # 2x10^9 sequences (4T tokens at 2048): any offset is a few integer operations, nothing stored
     n = 2_000_000_000
-    started = time.perf_counter()
+    tracemalloc.start()  # NumPy reports its arrays to tracemalloc: a table of n entries would be 16 GB
     far = permute(np.array([0, 1, n // 2, n - 1]), n, 7)
-    assert time.perf_counter() - started < 0.05 and ((far >= 0) & (far < n)).all() and len(set(far.tolist())) == 4
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 2**20, peak  # a few arrays of 4 elements, however large n is
+    assert ((far >= 0) & (far < n)).all() and len(set(far.tolist())) == 4
     with pytest.raises(ValueError, match=r"offsets must lie in \[0, 10\)"):
         permute([10], 10, 0)
 
@@ -225,8 +228,9 @@ def test_a_four_trillion_token_source_opens_and_draws_at_once(tmp_path):
                              text=True, timeout=300, check=True).stdout.split()
         runs[name] = [int(out[0]), int(out[1]), float(out[2]), int(out[3])]
     assert runs["huge"][:2] == [4_000_000_000_000, 4_000_000_000_000 // 2048]
-    assert runs["huge"][2] < 1.0  # seconds to open, build the loader and draw two batches
-    assert runs["huge"][3] - runs["small"][3] < 50 * 1024  # KiB of peak RSS: as for 10,000 times fewer tokens
+    # no work or memory that grows with the tokens: the peak RSS is that of a file 10,000 times smaller (the
+    # seconds are printed, not bounded: time belongs in benchmarks, and a loaded machine stretches them)
+    assert runs["huge"][3] - runs["small"][3] < 50 * 1024  # KiB
 
 
 def test_the_trainer_glue_draws_by_weight_with_random_access(tmp_path):
