@@ -5,28 +5,18 @@ from __future__ import annotations
 import json
 import os
 import platform
-import shutil
 import socket
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from ds_optimus.command_line import deepspeed_launcher
+
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def deepspeed_launcher() -> str:
-    """The `deepspeed` launcher script: beside this Python (a venv), else the one on PATH (a
-    `pip install --target` puts it in that folder's bin/, which the caller adds to PATH)."""
-    beside = Path(sys.executable).with_name("deepspeed")
-    found = str(beside) if beside.exists() else shutil.which("deepspeed")
-    if found is None:
-        raise FileNotFoundError(f"no `deepspeed` launcher beside {sys.executable} or on PATH")
-    return found
 
 
 def synchronize(device: torch.device | str) -> None:

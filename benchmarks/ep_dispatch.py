@@ -71,8 +71,8 @@ def _exchange_only(dtype, node_size, dedup, chunks, x, ids, weights):
     """dispatch + combine of `x` with a scaling in place of the experts, as the layer calls them."""
     from ds_optimus.moe.permute import permute_tokens, plan_routing, unpermute_combine
     from ds_optimus.parallel import init_expert_parallel_groups
-    from ds_optimus.parallel.dedup import DedupDispatcher
     from ds_optimus.parallel.dispatch import ExpertParallelDispatcher
+    from ds_optimus.parallel.overlap import dedup_dispatcher
 
     groups = init_expert_parallel_groups(WORLD, node_size)
     local = EXPERTS // WORLD
@@ -82,7 +82,7 @@ def _exchange_only(dtype, node_size, dedup, chunks, x, ids, weights):
         return rows * weight
 
     if dedup:
-        dispatcher = DedupDispatcher(groups, local, chunks)
+        dispatcher = dedup_dispatcher(groups, local, chunks)
 
         def run():
             return dispatcher(x, ids, weights, experts, (scale,))

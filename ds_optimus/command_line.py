@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 
 EXIT_ERROR = 2
@@ -61,3 +62,15 @@ def fail(name: str, error: BaseException | str, launched: bool = False) -> int:
     elif not getattr(error, "every_rank", False):
         print(f"{name}: error: rank {rank}: {line}", file=sys.stderr, flush=True)
     return EXIT_ERROR
+
+
+def deepspeed_launcher() -> str:
+    """The `deepspeed` launcher script: beside this Python (a venv), else the one on PATH (a
+    `pip install --target` puts it in that folder's bin/, which the caller adds to PATH)."""
+    from pathlib import Path
+
+    beside = Path(sys.executable).with_name("deepspeed")
+    found = str(beside) if beside.exists() else shutil.which("deepspeed")
+    if found is None:
+        raise FileNotFoundError(f"no `deepspeed` launcher beside {sys.executable} or on PATH")
+    return found

@@ -131,9 +131,9 @@ class TrainConfig(Section):
     warmup_steps: int = 0  # steps of linear LR warm-up (without a "scheduler" section)
     min_lr_ratio: float = 0.1  # the cosine decay's final LR, as a fraction of lr (without a "scheduler" section)
     # no gradient clipping during the LR warm-up: the config's `gradient_clipping` applies from the step
-    # after it on (the seed system's recipe)
+    # after it on (Optimus' recipe)
     clip_after_warmup: bool = False
-    # weight decay on every parameter, norms and biases too (the seed system's recipe); by default
+    # weight decay on every parameter, norms and biases too (Optimus' recipe); by default
     # parameters of one dimension are not decayed
     decay_all_params: bool = False
     # End this invocation cleanly (with a checkpoint) after this many steps, e.g. to fit a job's

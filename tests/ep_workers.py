@@ -253,7 +253,7 @@ def dispatcher_edge_cases(rank: int, world: int, cases: list[dict], k: int = 3, 
     Returns the largest relative differences of the output and of every gradient."""
     from ds_optimus.moe.experts import grouped_swiglu
     from ds_optimus.parallel import init_expert_parallel_groups
-    from ds_optimus.parallel.dedup import DedupDispatcher
+    from ds_optimus.parallel.overlap import dedup_dispatcher
 
     def swiglu(rows, counts, gate_up, down):
         return grouped_swiglu(rows, gate_up, down, counts, "silu", "reference")
@@ -282,14 +282,14 @@ def dispatcher_edge_cases(rank: int, world: int, cases: list[dict], k: int = 3, 
         xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
         if case.get("copying_hook"):  # a saved-tensor hook that copies what it saves (as offloading does)
             with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
-                out = DedupDispatcher(groups, local, case["chunks"])(xs, ids, ws, swiglu, tuple(shard))
+                out = dedup_dispatcher(groups, local, case["chunks"])(xs, ids, ws, swiglu, tuple(shard))
             try:
                 (out * probe).sum().backward()
                 results.append({"error": None})
             except RuntimeError as err:
                 results.append({"error": str(err)})
             continue
-        out = DedupDispatcher(groups, local, case["chunks"])(xs, ids, ws, swiglu, tuple(shard))
+        out = dedup_dispatcher(groups, local, case["chunks"])(xs, ids, ws, swiglu, tuple(shard))
         (out * probe).sum().backward()
         # the same on this rank with every expert
         full = [gate_up.clone().requires_grad_(), down.clone().requires_grad_()]

@@ -307,26 +307,17 @@ def test_converter_commands_run_as_written(tmp_path, monkeypatch):
     from test_convert_olmo import make_olmo
     from test_convert_olmoe import make_olmoe
 
-    make_olmoe(seed=3).save_pretrained(tmp_path / "path" / "to" / "olmoe")
-    status, _, err = run_doc_command(command("python -m ds_optimus.hf_models.mula.convert_olmoe path/to/olmoe "),
-                                     tmp_path, monkeypatch)
-    assert status == 0, err
-    shutil.rmtree(tmp_path / "path" / "to" / "olmoe")
-    status, _, err = run_doc_command(command("python -m ds_optimus.hf_models.mula.convert_olmoe path/to/mula "),
-                                     tmp_path, monkeypatch)
-    assert status == 0, err
-    assert json.loads((tmp_path / "path" / "to" / "olmoe" / "config.json").read_text())["model_type"] == "olmoe"
-
-    shutil.rmtree(tmp_path / "path" / "to" / "mula")
-    make_olmo(seed=4).save_pretrained(tmp_path / "path" / "to" / "olmo")
-    status, _, err = run_doc_command(command("python -m ds_optimus.hf_models.mula.convert_olmo path/to/olmo "),
-                                     tmp_path, monkeypatch)
-    assert status == 0, err
-    shutil.rmtree(tmp_path / "path" / "to" / "olmo")
-    status, _, err = run_doc_command(command("python -m ds_optimus.hf_models.mula.convert_olmo path/to/mula "),
-                                     tmp_path, monkeypatch)
-    assert status == 0, err
-    assert json.loads((tmp_path / "path" / "to" / "olmo" / "config.json").read_text())["model_type"] == "olmo"
+    folder = tmp_path / "path" / "to"
+    for kind, make in (("olmoe", make_olmoe), ("olmo", make_olmo)):  # there and back, as the page writes them
+        make(seed=3).save_pretrained(folder / kind)
+        prog = f"python -m ds_optimus.hf_models.mula.convert_{kind}"
+        status, _, err = run_doc_command(command(f"{prog} path/to/{kind} "), tmp_path, monkeypatch)
+        assert status == 0, err
+        shutil.rmtree(folder / kind)
+        status, _, err = run_doc_command(command(f"{prog} path/to/mula "), tmp_path, monkeypatch)
+        assert status == 0, err
+        assert json.loads((folder / kind / "config.json").read_text())["model_type"] == kind
+        shutil.rmtree(folder / "mula")
 
 
 # -- launches: their config passes the check at the world size the command gives it ---------------

@@ -80,7 +80,8 @@ def test_a_run_scores_each_checkpoint_and_the_cli_agrees_on_its_checkpoints_and_
     for metric in ("acc", "acc_norm"):
         assert again[metric] == pytest.approx(scored[4]["tasks"]["pydoc_cloze"][metric])
         assert from_hf[metric] == pytest.approx(again[metric])
-    assert out.startswith(f"scoring {run / 'hf'} on pydoc_cloze (cpu, float32)\npydoc_cloze acc_norm ")
+    assert out.startswith(f"loading the tasks pydoc_cloze\nscoring {run / 'hf'} on pydoc_cloze (cpu, float32)\n"
+                          "pydoc_cloze acc_norm ")
 
     # the report draws the scores
     from ds_optimus.report import write_report

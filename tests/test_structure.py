@@ -30,10 +30,18 @@ MODULES = _modules()
 
 
 def _imports(name: str, path: Path) -> set[str]:
-    """Every ds_optimus module `name` imports, at module level or inside functions."""
+    """Every ds_optimus module `name` imports, at module level or inside functions; imports under
+    `if TYPE_CHECKING:` are for annotations only (the callbacks name the `Trainer` type they are
+    handed) and are left out. `from . import mod` imports the submodule, not its package again."""
     is_package = path.name == "__init__.py"
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING"
+                   for n in ast.walk(node)}
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -43,8 +51,10 @@ def _imports(name: str, path: Path) -> set[str]:
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            found.add(target)
-            found.update(f"{target}.{alias.name}" for alias in node.names)  # `from pkg import module`
+            submodules = {f"{target}.{alias.name}" for alias in node.names} & set(MODULES)
+            if node.module or len(submodules) < len(node.names):  # `from pkg import name` of pkg's own
+                found.add(target)
+            found.update(submodules)  # `from pkg import module`
     return {m for m in found if m in MODULES}
 
 
@@ -94,6 +104,12 @@ def test_the_walk_sees_the_package():
     assert "ds_optimus.parallel.expert_parallel" in GRAPH["ds_optimus.train.trainer"]  # a function-local import
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # the check can fail
     assert _cycle({"a": {"b"}, "b": {"c"}}) is None
+
+
+def test_no_import_cycle_between_modules():
+    """Not even inside a package: a module that imports one that imports it back cannot be read on its own."""
+    cycle = _cycle({module: set(targets) for module, targets in GRAPH.items()})
+    assert cycle is None, " -> ".join(cycle)
 
 
 def test_no_import_cycle_between_subpackages():

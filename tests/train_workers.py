@@ -6,13 +6,12 @@ import contextlib
 import io
 import json
 import os
-import shutil
-import sys
 from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ds_optimus.command_line import deepspeed_launcher  # noqa: F401  (the tests' import of it)
 from ds_optimus.train import Callback, Trainer, pretrain
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,16 +21,6 @@ def child_pythonpath() -> str:
     """PYTHONPATH for a launched process: the repository first, then the caller's (where packages
     installed with `pip install --target` may live, as on the GPU machine)."""
     return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-
-
-def deepspeed_launcher() -> str:
-    """The `deepspeed` launcher script: beside this Python (a venv), else the one on PATH (a
-    `pip install --target` puts it in that folder's bin/, which the caller adds to PATH)."""
-    beside = Path(sys.executable).with_name("deepspeed")
-    found = str(beside) if beside.exists() else shutil.which("deepspeed")
-    if found is None:
-        raise FileNotFoundError(f"no `deepspeed` launcher beside {sys.executable} or on PATH")
-    return found
 
 
 def tiny_config(tmp_path: Path, cache: Path, **optimus) -> dict:

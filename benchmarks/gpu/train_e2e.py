@@ -10,7 +10,7 @@ stage 1. Contestants, each through its real entry point and the `deepspeed` laun
   ours        python -m ds_optimus.train: the EP-aware sharded optimizer, experts backend "auto"
               (the Triton kernels on a GPU)
   before      the same run with DeepSpeed's own ZeRO optimizer and the reference experts path (one
-              matmul pair per expert): what the seed system's "up to 1.71x" is measured against
+              matmul pair per expert): what Optimus' "up to 1.71x" is measured against
   hf_trainer  Transformers' Trainer + OlmoeForCausalLM, experts implementation "grouped_mm"
               ("sonicmoe" as well where that implementation imports)
 

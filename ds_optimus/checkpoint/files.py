@@ -241,7 +241,7 @@ def manifest_text(meta: dict[str, Any], records: dict[str, dict[str, Any]]) -> s
 def gather(world: int, value: Any) -> list[Any]:
     """`value` of every rank (collective when `world` > 1 and torch.distributed is initialized). An
     all-gather on the communicator's own rings: a gather to one rank would be, on NCCL, point-to-point
-    connections from every rank to it (12,288 at the seed's scale)."""
+    connections from every rank to it (12,288 at the Mula runs' scale)."""
     if world == 1 or not dist.is_initialized():
         return [value]
     out = [None] * world

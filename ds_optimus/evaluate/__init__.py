@@ -1,4 +1,4 @@
-"""Downstream evaluation with lm-evaluation-harness (`pip install -e ".[eval]"`), as the seed system
+"""Downstream evaluation with lm-evaluation-harness (`pip install -e ".[eval]"`), as Optimus (the Mula runs on Aurora)
 scored its checkpoints: `python -m ds_optimus.evaluate RUN_OR_FOLDER --tasks ...` scores a Hugging
 Face folder, a checkpoint (exported on the fly) or a run's checkpoints and writes
 `<run>/eval/step_N.json`, which the run's report plots; `optimus.eval.downstream` does it at every

@@ -14,7 +14,7 @@ EPILOG = """examples:
   python -m ds_optimus.evaluate runs/mula-7b/hf --tasks arc_easy,hellaswag --num-fewshot 5
   python -m ds_optimus.evaluate runs/x --tasks my_task --include my_tasks/         # YAML tasks of your own
 
-tasks: lm-eval's names (lm-eval's task index), mula-suite (what the seed scored its checkpoints on:
+tasks: lm-eval's names (lm-eval's task index), mula-suite (what Optimus scored its checkpoints on:
 arc_easy, arc_challenge, hellaswag, piqa, boolq, sciq, winogrande, openbookqa, mmlu; their datasets
 come from the Hub or its local cache), pydoc_cloze (made here from the embedded corpus: a smoke test),
 and the tasks of YAML files in --include folders. Needs lm-evaluation-harness: pip install -e ".[eval]".

@@ -1,5 +1,5 @@
 """`optimus.eval.downstream`: downstream tasks scored at every checkpoint of a training run (through
-lm-evaluation-harness, `pip install -e ".[eval]"`), as the seed system scored its checkpoints."""
+lm-evaluation-harness, `pip install -e ".[eval]"`), as Optimus (the Mula runs on Aurora) scored its checkpoints."""
 
 from __future__ import annotations
 

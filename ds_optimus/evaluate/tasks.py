@@ -1,4 +1,4 @@
-"""Which tasks to run: lm-eval's own names, the seed's suite (`mula-suite`), YAML files of the user's,
+"""Which tasks to run: lm-eval's own names, Optimus' suite (`mula-suite`), YAML files of the user's,
 and `pydoc_cloze`, a small multiple-choice task made here from the embedded corpus, so that a run
 can be scored with nothing downloaded (a smoke test of the pipeline, not a benchmark: its sentences
 come from the corpus the tiny presets train on)."""
@@ -10,7 +10,8 @@ import random
 import re
 from pathlib import Path
 
-# What the seed system scored its checkpoints on (its evaluation scripts, run with lm-evaluation-harness).
+# What Optimus (the Mula runs on Aurora) scored its checkpoints on (its evaluation scripts, with
+# lm-evaluation-harness).
 MULA_SUITE = ("arc_easy", "arc_challenge", "hellaswag", "piqa", "boolq", "sciq", "winogrande", "openbookqa", "mmlu")
 BUILTIN = {"pydoc_cloze"}
 

@@ -1,5 +1,5 @@
 """Gradient clipping that starts after the learning-rate warm-up (`optimus.train.clip_after_warmup`,
-the seed system's recipe: its optimizers clip the global norm only once `step >= warmup_steps`).
+Optimus' recipe: its optimizers clip the global norm only once `step >= warmup_steps`).
 
 The recipe's arithmetic, from the config alone: the clip value and the warm-up it waits for, and
 the value of each step. The engine is built once, with the config's `gradient_clipping`; the

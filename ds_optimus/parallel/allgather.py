@@ -1,5 +1,5 @@
 """The all-gather expert-parallel exchange (`optimus.expert_parallel.dispatch: "allgather"`): the
-method of the seed system (Optimus on Aurora, EP inside one 12-tile node).
+method of Optimus, the library of the Mula runs on Aurora (EP inside one 12-tile node).
 
 Every rank all-gathers its EP group's tokens (hidden states [T, H]) and their routing (top-k expert
 ids and weights, one packed message), runs its local experts on the gathered rows routed to them
@@ -20,7 +20,7 @@ EP size P and top-k k (forward; backward the same reversed): the all-gather rece
 elements (plus (P-1)·T·k ids and weights) and the reduce-scatter sends (P-1)·T·H, whatever k is.
 The per-slot all-to-all sends k·T·H·(P-1)/P each way with uniform routing. The ratio is P/k: the
 all-gather sends fewer bytes exactly when P < k (top-8: 4x fewer at EP 2, 2x at EP 4, equal at EP 8,
-1.5x more at the seed's EP 12). The deduplicated all-to-all never sends more than the all-gather (it
+1.5x more at Optimus' EP 12). The deduplicated all-to-all never sends more than the all-gather (it
 is the all-gather with every rank reached), so this exchange pays where the collectives, not the
 bytes, decide: inside one fast node, with a small EP group and a large top-k; never between nodes.
 Each rank holds the group's P·T gathered rows while its experts run.
@@ -31,7 +31,7 @@ partial outputs are then kept in float32 (the local weighted sum accumulates in 
 the output is rounded once, as the per-slot all-to-all's combine rounds it, at twice the return bytes
 on the one backend where they are memory copies. (An all-to-all of bf16 partial outputs and a local
 sum would keep the bytes but round every partial sum once more, as the deduplicated exchange does.)
-Backends that reduce half types natively (NCCL, xccl) reduce in the model's dtype, as the seed does.
+Backends that reduce half types natively (NCCL, xccl) reduce in the model's dtype, as Optimus does.
 """
 
 from __future__ import annotations

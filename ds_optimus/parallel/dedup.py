@@ -317,10 +317,8 @@ class DedupDispatcher:
         """Experts on `x [T, H]` for expert ids `ids [T, k]` (in the EP group; -1: a dropped slot)
         with routing `weights [T, k]`: sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) -> [T, H].
         `experts(rows, counts, *params)` runs this rank's experts with the weights `params`."""
-        if self.chunks > 1:
-            from .overlap import overlapped
-
-            return overlapped(self, x, ids, weights, experts, params)
+        if self.chunks > 1:  # the chunked, overlapped exchange is its subclass's (`overlap.py`)
+            raise ValueError("a DedupDispatcher of several chunks is made by overlap.dedup_dispatcher")
         (plan,) = plan_chunks(self, [ids])
         x_l, w_l, ids_l, members = x, weights, ids, []
         for level, hop in enumerate(self.hops):  # out: once per destination

@@ -21,9 +21,9 @@ from torch import nn
 from ..moe.layer import IMPLEMENTATION_NAME, declare_expert_attributes, register_experts_implementation
 from ..schema import Section, need, positive_int
 from .allgather import AllGatherDispatcher
-from .dedup import DedupDispatcher
 from .dispatch import ExpertParallelDispatcher, wire
 from .groups import ExpertParallelGroups, check_layout, init_expert_parallel_groups
+from .overlap import dedup_dispatcher
 from .traffic import dedup_sends_fewer_bytes
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
@@ -36,7 +36,7 @@ class ExpertParallelConfig(Section):
     `dedup` sends a token once per destination rank (or node) instead of once per routed slot
     ("auto": when that is expected to send fewer bytes); `chunks` cuts the deduplicated exchange into
     that many parts, so one part travels while the experts compute another. `dispatch` picks the
-    exchange: "alltoall" (every mode above) or "allgather" (the seed's: all-gather the group's tokens,
+    exchange: "alltoall" (every mode above) or "allgather" (Optimus': all-gather the group's tokens,
     reduce-scatter the outputs; flat, one chunk, no dedup; `ds_optimus.parallel.allgather`)."""
 
     size: int = 1  # expert-parallel size: consecutive ranks that share each MoE layer's experts
@@ -45,7 +45,7 @@ class ExpertParallelConfig(Section):
     # that is expected to send fewer bytes
     dedup: bool | str = "auto"
     chunks: int = 1  # pieces of the deduplicated exchange, one travelling while the experts compute another
-    dispatch: str = "alltoall"  # "alltoall" (every mode above) or "allgather" (the seed's; flat, no dedup)
+    dispatch: str = "alltoall"  # "alltoall" (every mode above) or "allgather" (Optimus'; flat, no dedup)
 
     def check(self, where: str) -> None:
         need(positive_int(self.size), f"{where}.size must be a positive integer, got {self.size!r}")
@@ -90,7 +90,7 @@ def apply_expert_parallel(model: nn.Module, ep_size: int | ExpertParallelGroups,
     `dedup` picks the exchange that sends a token once per destination (True), once per routed slot
     (False), or the one expected to send fewer bytes ("auto"); `chunks` > 1 overlaps the
     deduplicated exchange with the experts' compute. `dispatch="allgather"` replaces the all-to-all by
-    the seed's all-gather + reduce-scatter (flat, `dedup` not True, `chunks` 1).
+    Optimus' all-gather + reduce-scatter (flat, `dedup` not True, `chunks` 1).
     Every experts module records the layout in `expert_groups`. Expert weights are marked for
     DeepSpeed (`allreduce=False`, `group_name`) so ZeRO reduces their gradients over the
     expert-data-parallel group. Every rank must start from the same weights. Collective; returns the
@@ -163,7 +163,7 @@ def _dispatcher(module: nn.Module, groups: ExpertParallelGroups, dedup: bool | s
         dedup = chunks > 1 or top_k is None or dedup_sends_fewer_bytes(
             module.num_experts, top_k, destinations, row_bytes=module.down_proj.shape[1] * size, weight_bytes=size)
     if dedup:
-        return DedupDispatcher(groups, module.num_local_experts, chunks)
+        return dedup_dispatcher(groups, module.num_local_experts, chunks)
     return ExpertParallelDispatcher(groups, module.num_local_experts)
 
 
@@ -310,7 +310,7 @@ def moe_param_groups(model: nn.Module, weight_decay: float = 0.0, *, decay_all: 
     """Optimizer param groups as DeepSpeed's MoE support expects them.
 
     Dense parameters go to "dense" (weight decay) and "dense_no_decay" (norms, biases and other 1-D
-    parameters: the usual rule; with `decay_all`, the seed system's choice, they are decayed in "dense"
+    parameters: the usual rule; with `decay_all`, Optimus' choice, they are decayed in "dense"
     too); expert weights to one group per EP layout, named by its DeepSpeed group name with `moe=True`.
     `options` (lr, betas, ...) are copied into every group.
     """

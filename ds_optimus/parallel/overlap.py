@@ -25,8 +25,22 @@ from ..moe.permute import _rowwise_dot
 from .dedup import DedupDispatcher, _Pending, _sum_members, at_experts, depart, pack, plan_chunks, unpack
 
 
+def dedup_dispatcher(groups, num_local_experts: int, chunks: int = 1) -> DedupDispatcher:
+    """The deduplicated exchange in `chunks` (overlapped with the experts' compute where more than one)."""
+    cls = OverlappedDispatcher if chunks > 1 else DedupDispatcher
+    return cls(groups, num_local_experts, chunks)
+
+
+class OverlappedDispatcher(DedupDispatcher):
+    """`DedupDispatcher` in `chunks` > 1, each chunk's exchange overlapped with another's experts."""
+
+    @torch.compiler.disable  # split sizes are read on the host, as in DedupDispatcher
+    def __call__(self, x, ids, weights, experts, params) -> torch.Tensor:
+        return overlapped(self, x, ids, weights, experts, params)
+
+
 def overlapped(dispatcher: DedupDispatcher, x, ids, weights, experts, params) -> torch.Tensor:
-    """`DedupDispatcher.__call__` with `dispatcher.chunks` > 1."""
+    """The exchange of `dispatcher` (`dispatcher.chunks` > 1), overlapped."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, *params)):
         return _Overlapped.apply(dispatcher, experts, ids, x, weights, *params)
     return _Run(dispatcher, experts, ids, x, weights, (), record=False).forward()

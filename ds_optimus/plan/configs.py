@@ -17,7 +17,7 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
 
 def template_path(preset: str, cluster: str | None = None) -> Path | None:
     """The shipped config a plan of `preset` starts from: the cluster's own (`ds_configs/<preset>-<cluster>.json`,
-    e.g. the seed's Aurora runs: their sequence length and global batch), else the preset's, else the
+    e.g. the Mula runs on Aurora: their sequence length and global batch), else the preset's, else the
     tiny CPU one; None where none is shipped."""
     names = ([f"{preset}-{cluster}.json"] if cluster else []) + [f"{preset}.json", f"{preset}-cpu.json",
                                                                   "mula-tiny-moe-cpu.json"]

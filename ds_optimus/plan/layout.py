@@ -12,7 +12,7 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # The parts of a decoder layer that selective activation recomputation recomputes, in the order
 # `MulaDecoderLayer.recompute` keeps them (`optimus.train.activation_checkpointing` as a list).
 RECOMPUTE_PARTS = ("moe", "attention", "norms")
-# The EP exchanges (`optimus.expert_parallel.dispatch`): all-to-all of the routed rows, or the seed's
+# The EP exchanges (`optimus.expert_parallel.dispatch`): all-to-all of the routed rows, or Optimus'
 # all-gather of the group's tokens and reduce-scatter of the outputs (flat, one chunk, no dedup).
 DISPATCHES = ("alltoall", "allgather")
 # Short labels of the pipeline schedules in `Layout.describe`: none for 1F1B, and none for the interleaved

@@ -285,6 +285,30 @@ def dense_fingerprint(model) -> float:
         return float(sum(p.detach().double().sum() for p in model.parameters() if not is_expert_param(p)))
 
 
+# What makes a model another one: its parameters' names and shapes follow from these.
+_SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok",
+               "tie_word_embeddings")
+
+
+def _finished_with_this_model(opt, checkpoint: Path, summary: Path) -> bool:
+    """Whether the run's summary says finished and `checkpoint` holds the model the config builds
+    (else the run goes on to its own checks, which refuse a checkpoint of another model)."""
+    import json
+
+    from ..checkpoint.files import CheckpointError, load
+    from ..checkpoint.manager import MODEL_FILE
+
+    try:
+        if not json.loads(summary.read_text()).get("finished"):
+            return False
+        saved = load(checkpoint / MODEL_FILE)["config"]
+    except (OSError, ValueError, KeyError, CheckpointError):
+        return False
+    now = opt.model.mula_config().to_dict()
+    return all(saved.get(key) == now.get(key) for key in _SHAPE_KEYS)
+
+
 def finished_already(opt, output_dir: Path) -> int | None:
     """The step of the run's newest complete checkpoint when the run is finished there (at or past
     `train.steps`, and its summary.json says finished): a finished run launched again, known before
@@ -295,13 +319,7 @@ def finished_already(opt, output_dir: Path) -> int | None:
         step = int(complete[-1].name.split("_")[-1]) if complete else 0
         summary = output_dir / "summary.json"
         if complete and step >= opt.train.steps and summary.exists():
-            import json
-
-            try:
-                finished = bool(json.loads(summary.read_text()).get("finished"))
-            except (OSError, ValueError):
-                finished = False
-            found = [step if finished else None]
+            found = [step if _finished_with_this_model(opt, complete[-1], summary) else None]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(found, src=0)
     return found[0]

@@ -14,9 +14,9 @@ from transformers.configuration_utils import PreTrainedConfig
 # ---------------------------------------------------------------------------------------------
 # Presets.
 #
-# The seed system (IntelLabs/Optimus-LM, README "Paper variants") builds its family from OLMoE-1B-7B
-# by scaling tags: SA scales the query and key/value heads (head_dim stays 128), SH the hidden size,
-# SE the expert count, SI the expert FFN size, L sets the layers. These presets take those shapes;
+# Optimus, the library of the Mula runs on Aurora (IntelLabs/Optimus-LM, README "Paper variants"), builds its
+# family from OLMoE-1B-7B by scaling tags: SA scales the query and key/value heads (head_dim stays 128), SH the
+# hidden size, SE the expert count, SI the expert FFN size, L sets the layers. These presets take those shapes;
 # every MoE preset keeps OLMoE's recipe (vocab 50304, QK-norm, RoPE 10000, untied embeddings,
 # softmax top-8 without renormalisation, no shared experts):
 #   mula-7b-a1b    = OLMoE-1B-7B                        16 layers, 2048 wide, 16 heads,  64 x 1024
@@ -26,8 +26,8 @@ from transformers.configuration_utils import PreTrainedConfig
 # mula-1b is OLMo-1B (dense SwiGLU 8192, non-parametric LayerNorm, no QK-norm, 2048 positions) with untied
 # embeddings; `convert_olmo` converts OLMo checkpoints (tied or not) both ways.
 # Counts (`count_parameters` in ds_optimus.hf_models.mula, embeddings included): 6.92B / 1.28B active,
-# 20.08B / 2.36B, 99.99B / 7.58B, 220.21B / 10.02B; mula-1b 1.28B. The names round these as the seed
-# does. Expert counts and the seed's EP size 12 (one Aurora node): 96, 144 and 240 all divide by 12.
+# 20.08B / 2.36B, 99.99B / 7.58B, 220.21B / 10.02B; mula-1b 1.28B. The names round these as Optimus
+# does. Expert counts and Optimus' EP size 12 (one Aurora node): 96, 144 and 240 all divide by 12.
 # ---------------------------------------------------------------------------------------------
 
 NORM_TYPES = ("rms_norm", "layer_norm")
@@ -101,7 +101,7 @@ class MulaConfig(PreTrainedConfig):
         router_aux_loss_type: the load-balancing loss's form. "mula" (default): E * sum_e f_e p_e per MoE
             layer (f_e the share of the layer's token slots sent to expert e, p_e its mean router
             probability), averaged over layers; 1.0 at balance. "transformers": the form of
-            Transformers' `load_balancing_loss_func` (Mixtral, OLMoE) and of the seed system: the tokens
+            Transformers' `load_balancing_loss_func` (Mixtral, OLMoE) and of Optimus (the Mula runs): the tokens
             of all MoE layers pooled, f_e counting slots per token (summing to k); k at balance, so a
             coefficient balances about k times more strongly than under "mula". Both honour padding and
             `router_aux_loss_scope`.

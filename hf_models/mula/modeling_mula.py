@@ -701,7 +701,7 @@ def router_losses(
     Load balance, `form="mula"` (Switch/OLMoE form per layer, normalised to 1.0 when balanced):
     E * sum_e f_e * p_e, where f_e is the fraction of token slots sent to expert e and p_e the mean
     router probability of e. `form="transformers"` is the form of Transformers'
-    `load_balancing_loss_func` (and the seed system's): the tokens of all layers pooled into one f and
+    `load_balancing_loss_func` (and Optimus'): the tokens of all layers pooled into one f and
     one p, f_e the slots sent to e per token (summing to k), so k at balance; it is computed from the
     router's own choices and scores, which is Transformers' top-k of a softmax for the default router
     without a selection bias. Z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2.

@@ -10,7 +10,7 @@ from .base import Callback
 
 
 class ClipAfterWarmupCallback(Callback):
-    """No clipping during the warm-up, the config's `gradient_clipping` after it, as the seed's recipe
+    """No clipping during the warm-up, the config's `gradient_clipping` after it, as Optimus' recipe
     does. The value is set before every step, so a resume or a rollback lands on the right one; a config
     with nothing to clip, or a scheduler without a warm-up, is a one-line error before the engine is built."""
 

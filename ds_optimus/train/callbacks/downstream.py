@@ -1,4 +1,4 @@
-"""Downstream tasks scored at every checkpoint (`optimus.eval.downstream`), as the seed system scored
+"""Downstream tasks scored at every checkpoint (`optimus.eval.downstream`), as Optimus (the Mula runs on Aurora) scored
 its checkpoints, without holding the run up: rank 0 starts `python -m ds_optimus.evaluate RUN --step N`
 in a process of its own once checkpoint N is on disk (one at a time; the next waits its turn), on
 rank 0's device, and training goes on. The scores go to `<output_dir>/eval/step_N.json` (the run's
