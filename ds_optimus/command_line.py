@@ -1,6 +1,7 @@
-"""What every command line of ds_optimus shares (a leaf: imports nothing else of ds_optimus, nor
-PyTorch): usage as `python -m NAME`, errors as one line `NAME: error: ...` with exit status 2, and,
-for the commands a launcher starts on many ranks, an error every rank raises alike printed once.
+"""What every command line of ds_optimus shares (a leaf: imports nothing of ds_optimus but the
+launch environment, itself a leaf, nor PyTorch): usage as `python -m NAME`, errors as one line
+`NAME: error: ...` with exit status 2, and, for the commands a launcher starts on many ranks, an
+error every rank raises alike printed once.
 
 Which errors every rank raises alike is known where they are raised: the checks of the config before
 anything rank-dependent (`said_by_every_rank`), and the errors the library makes collective (rank 0's
@@ -11,7 +12,6 @@ does not see) is never silent."""
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 
@@ -42,12 +42,14 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def launch_rank() -> int:
-    """This process's global rank as the launcher set it (0 without a launcher)."""
-    for key in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
-        value = os.environ.get(key, "")
-        if value.isdigit():
-            return int(value)
-    return 0
+    """This process's global rank as its launcher set it (0 without a launcher, or where the
+    launcher's variables cannot be read: the error saying so is then printed)."""
+    from .launch.environment import LaunchError, detect
+
+    try:
+        return detect().rank
+    except LaunchError:
+        return 0
 
 
 def fail(name: str, error: BaseException | str, launched: bool = False) -> int:

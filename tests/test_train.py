@@ -454,8 +454,8 @@ def test_a_busy_rendezvous_port_is_one_line(tmp_path):
                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == (
-        f"ds_optimus.train: error: port {port} on 127.0.0.1 is in use (another job on this machine?): launch with "
-        "`deepspeed --master_port N` for a free port N")
+        f"ds_optimus.train: error: port {port} on 127.0.0.1 is in use (another job on this machine?): set "
+        "MASTER_PORT to a free port (the deepspeed launcher: --master_port N)")
 
 
 def test_overrides_parse_json_values_and_reject_bad_assignments():

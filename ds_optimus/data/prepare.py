@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..command_line import ArgumentParser, fail, launch_rank
+from ..launch.environment import detect
 
 if TYPE_CHECKING:  # the command's --help imports none of them
     from .shards import PreparedData
@@ -32,7 +33,6 @@ if TYPE_CHECKING:  # the command's --help imports none of them
     from .units import SourcePlan
 
 NAME = "ds_optimus.data.prepare"
-SIZE_KEYS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "PALS_SIZE", "SLURM_NTASKS")
 
 
 def prepare_data(sources: list[Source], tokenizer, cache_dir: str | Path, val_fraction: float = 0.01, *,
@@ -55,16 +55,10 @@ def prepare_data(sources: list[Source], tokenizer, cache_dir: str | Path, val_fr
 
 
 def launch_world() -> tuple[int, int]:
-    """(rank, world) of this process as its launcher set them; (0, 1) without one."""
-    rank = launch_rank()
-    if "PALS_RANKID" in os.environ and os.environ["PALS_RANKID"].isdigit() and not rank:
-        rank = int(os.environ["PALS_RANKID"])
-    world = next((int(os.environ[k]) for k in SIZE_KEYS if os.environ.get(k, "").isdigit() and int(os.environ[k]) > 0),
-                 1)
-    if rank >= world:
-        raise ValueError(f"this process is rank {rank} but the launcher's size variables ({', '.join(SIZE_KEYS)}) "
-                         f"say {world} process{'es' if world > 1 else ''}: set the size with the rank")
-    return rank, world
+    """(rank, world) of this process as its launcher set them (any launcher `ds_optimus.launch`
+    knows); (0, 1) without one. Preparing forms no process group: the ranks meet on the files."""
+    world = detect()
+    return world.rank, world.size
 
 
 def main(argv: list[str] | None = None) -> int:

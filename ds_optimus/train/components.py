@@ -20,18 +20,27 @@ from ..command_line import said_by_every_rank
 from ..config import ConfigError, check_run_config, resolve_batch_sizes  # noqa: F401  (re-exported: the trainer's pieces)
 
 
-def init_distributed() -> None:
-    """torch.distributed through DeepSpeed: from the launcher's environment, or as a single
-    process when run without a launcher. gloo on CPU unless oneCCL is installed."""
+def init_distributed() -> str:
+    """torch.distributed through DeepSpeed, from whichever launcher started this process (the
+    deepspeed launcher, torchrun, mpiexec of MPICH, Intel MPI, Cray PALS or Open MPI, srun:
+    `ds_optimus.launch.environment`), or as a single process when run without one. gloo on CPU
+    unless oneCCL is installed. Returns one line saying how the world was formed, for the log."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
     from ..integrations.deepspeed_ops import prepare_op_builds
+    from ..launch.environment import LaunchError, adopt, open_files_for
 
     if dist.is_initialized():
-        return
+        return launch_summary()
+    try:
+        world = adopt()
+        if world.rank == 0:
+            open_files_for(world.size)  # rank 0's store holds a connection per rank
+    except LaunchError as err:
+        raise said_by_every_rank(ConfigError(f"launch: {err}")) from None
     prepare_op_builds()
-    if "RANK" not in os.environ:  # plain `python -m ds_optimus.train`: a world of one
+    if world.launcher == "none":  # plain `python -m ds_optimus.train`: a world of one
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -50,9 +59,41 @@ def init_distributed() -> None:
         if "EADDRINUSE" not in str(err) and "address already in use" not in str(err).lower():
             raise
         raise ConfigError(f"port {os.environ.get('MASTER_PORT')} on {os.environ.get('MASTER_ADDR')} is in use (another "
-                          "job on this machine?): launch with `deepspeed --master_port N` for a free port N") from None
+                          "job on this machine?): set MASTER_PORT to a free port (the deepspeed launcher: "
+                          "--master_port N)") from None
+    if "LOCAL_RANK" not in os.environ or "LOCAL_WORLD_SIZE" not in os.environ:  # the launcher did not say
+        local_rank, local_size = _local_place()
+        os.environ.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(local_size))
     if accelerator.device_name() == "cpu":
         cpu_threads_per_rank()
+    return launch_summary()
+
+
+def launch_summary() -> str:
+    """One line: the world, the launcher, the rendezvous and this rank's CPU cores."""
+    from ..launch.environment import LAUNCHER_VARIABLE
+
+    launcher = os.environ.get(LAUNCHER_VARIABLE, "none")
+    names = {"none": "no launcher", "torch": "the deepspeed launcher or torchrun", "openmpi": "Open MPI's mpiexec",
+             "pals": "Cray PALS mpiexec", "mpich": "MPICH/Intel MPI mpiexec", "pmix": "a PMIx launcher",
+             "slurm": "srun"}
+    how = os.environ.get("DS_OPTIMUS_RENDEZVOUS")
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return (f"world: {dist.get_world_size()} ranks, {os.environ.get('LOCAL_WORLD_SIZE', '?')} on this host, started "
+            f"by {names.get(launcher, launcher)}; rendezvous {os.environ.get('MASTER_ADDR')}:"
+            f"{os.environ.get('MASTER_PORT')}" + (f" ({how})" if how else "")
+            + (f"; rank {dist.get_rank()} on CPU cores {_ranges(cores)}" if cores else ""))
+
+
+def _ranges(cores: list[int]) -> str:
+    out, start = [], None
+    for i, core in enumerate(cores):
+        if start is None:
+            start = core
+        if i + 1 == len(cores) or cores[i + 1] != core + 1:
+            out.append(f"{start}" if start == core else f"{start}-{core}")
+            start = None
+    return ",".join(out)
 
 
 def cpu_threads_per_rank() -> int:
@@ -69,10 +110,18 @@ def cpu_threads_per_rank() -> int:
 
 
 def _local_world_size() -> int:
-    # ranks on this host: those sharing its hostname (one small all-gather at start-up)
+    return _local_place()[1]
+
+
+def _local_place() -> tuple[int, int]:
+    """(local rank, ranks on this host), from the ranks sharing this host's name (one small
+    all-gather at start-up; for launchers that do not say)."""
+    from ..launch.environment import this_host
+
+    me = this_host()
     names = [None] * dist.get_world_size()
-    dist.all_gather_object(names, socket.gethostname())
-    return names.count(socket.gethostname())
+    dist.all_gather_object(names, me)
+    return names[: dist.get_rank()].count(me), names.count(me)
 
 
 def seed_everything(seed: int) -> None:

@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     import ds_optimus  # noqa: F401
     from ds_optimus.config import ConfigError, OptimusConfig, apply_overrides, load_json_config
     from ds_optimus.data import DataError, load_tokenizer
+    from ds_optimus.launch import adopt
     from ds_optimus.train.components import prepare_everywhere, resolve_batch_sizes
     from ds_optimus.train.hf_trainer import PackedSequences, trainer_ds_config
 
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
         check_config_keys(config)
         prepare_op_builds()  # before the Trainer's accelerate starts DeepSpeed's communication
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = adopt().size  # torch's variables from any launcher (mpiexec, srun, ...), which accelerate reads
         micro, accumulation = resolve_batch_sizes(config, world)
         tokenizer = load_tokenizer(opt.data.tokenizer)
         out = Path(opt.train.output_dir)

@@ -60,7 +60,7 @@ class Trainer:
         self.ds_config = load_json_config(ds_config)
         with every_rank_alike():  # the same config and code on every rank: the same error
             self.opt = opt = C.check_run_config(self.ds_config)
-        C.init_distributed()
+        self.launch_line = C.init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         with every_rank_alike():  # data parallelism: the ranks of one pipeline stage (all of them without)
             self.dp_world = data_parallel_size(opt, self.world)
@@ -147,7 +147,8 @@ class Trainer:
     def _build_data(self) -> None:
         from ..data import DataError, TokenBatches, eval_batches
 
-        data, seed = self.opt.data, self.opt.train.seed
+        data = self.opt.data
+        seed = self.opt.train.seed
         self.packed = C.prepare_everywhere(data, self.tokenizer)  # every rank tokenizes its share, if need be
         # every stage of a pipeline reads the same batches: the first feeds them, the last scores them
         with every_rank_alike():
@@ -165,7 +166,8 @@ class Trainer:
         from ..optim.engine_section import engine_ds_config
         from ..parallel.expert_parallel import moe_param_groups
 
-        opt, config = self.opt, self.ds_config
+        opt = self.opt
+        config = self.ds_config
         weight_decay = config["optimizer"].get("params", {}).get("weight_decay", 0.0)
         schedule = None
         if "scheduler" not in config:
@@ -176,8 +178,8 @@ class Trainer:
         if self.runner is not None:  # the stage's ranks are the engine's data parallelism
             from ..parallel.pipeline import StageParallelism
 
-            config, mpu = engine_batch_config(config, self.micro_batch, self.accumulation), \
-                StageParallelism(self.groups.pipeline)
+            config = engine_batch_config(config, self.micro_batch, self.accumulation)
+            mpu = StageParallelism(self.groups.pipeline)
         self.engine, _, _, _ = deepspeed.initialize(
             model=self.model, lr_scheduler=schedule, config=engine_ds_config(config), mpu=mpu,
             model_parameters=moe_param_groups(self.model, weight_decay=weight_decay,
@@ -191,13 +193,15 @@ class Trainer:
     def _resume(self) -> int:
         """Load the newest intact checkpoint, if any, and open the metrics sink; returns the step the
         checkpoint was taken after (0 without one)."""
-        checkpoints, notes = self.checkpoints, []
+        checkpoints = self.checkpoints
+        notes: list[str] = [self.launch_line]
         if not self.opt.checkpoint.resume and checkpoints.has_checkpoints():
             raise said_by_every_rank(ConfigError(  # has_checkpoints: rank 0's view, on every rank
                 f"checkpoint.resume is false but {checkpoints.directory} holds checkpoints of an earlier run; remove "
                 "them or point checkpoint.dir elsewhere"))
         latest = checkpoints.latest_good(report=notes.append) if self.opt.checkpoint.resume else None
-        start, self.resumed_from = 0, None
+        start = 0
+        self.resumed_from = None
         if latest is not None:
             start, extra = checkpoints.load(latest, self.engine)
             with every_rank_alike():  # the same checkpoint and data on every rank
@@ -227,8 +231,10 @@ class Trainer:
         pass one all-reduce brings the step's numbers (and the callbacks' flags) to every rank's
         host, the one read the guards and preemption need, before the update. Metrics of a log step
         reach the host in that same read."""
-        engine, accumulation = self.engine, self.accumulation
-        began, skipped_before = time.perf_counter(), engine.skipped_steps
+        engine = self.engine
+        accumulation = self.accumulation
+        began = time.perf_counter()
+        skipped_before = engine.skipped_steps
         self.lr = engine.get_lr()[0]
         parts = torch.zeros(len(LOSS_PARTS), dtype=self.sum_dtype, device=self.device)
         if self.runner is not None:  # every micro-batch through the pipeline schedule, then the update
@@ -273,7 +279,8 @@ class Trainer:
         self.metrics.update(zip((name for name, _ in flags), values[len(LOSS_PARTS):], strict=False))
         self.step_loads = None
         if loads is not None:
-            flat, experts = values[len(LOSS_PARTS) + len(flags):], loads.shape[-1]
+            flat = values[len(LOSS_PARTS) + len(flags):]
+            experts = loads.shape[-1]
             self.step_loads = [flat[i:i + experts] for i in range(0, len(flat), experts)]
             self.expert_loads = None
 
@@ -343,7 +350,8 @@ class Trainer:
 
     def _export(self) -> None:
         """The Hugging Face folder and a sample from it (unless `train.export` is false); summary.json last."""
-        hf_dir, sample = self.output_dir / "hf", self.rank == 0 and self.opt.train.sample_tokens
+        hf_dir = self.output_dir / "hf"
+        sample = self.rank == 0 and self.opt.train.sample_tokens
         if self.opt.train.export:
             self.begin_long_work("the export")
             from .model_card import training_record
