@@ -299,6 +299,31 @@ def test_nan_on_one_rank_is_skipped_everywhere_and_repeated_ones_roll_back(tmp_p
     log = (run / "log.txt").read_text()
     assert "step 3: update skipped on every rank (loss is nan)" in log
     assert "step 6: 2 bad steps in a row (loss is nan); rolled back to step_00000004" in log
+    # the rank that computed the NaN is named, with its host, in the log and in faults.jsonl
+    host = socket.gethostname()
+    assert f"step 3: non-finite loss computed on rank 1 (host {host}); recorded in {run}/faults.jsonl" in log
+    faults = [json.loads(line) for line in (run / "faults.jsonl").read_text().splitlines()]
+    assert [(f["step"], f["kind"], f["ranks"], f["hosts"]) for f in faults] == [
+        (3, "nonfinite", [1], [host]), (5, "nonfinite", [0], [host]), (6, "nonfinite", [1], [host])]
+
+
+@pytest.mark.slow
+def test_a_rank_late_to_the_steps_reduction_is_named_a_straggler(tmp_path, cache, monkeypatch):
+    # rank 1 comes to step 4's reduction 4 s late, in steps of well under a second here
+    monkeypatch.setenv("DS_OPTIMUS_FAULTS", json.dumps([{"kind": "late", "step": 4, "rank": 1, "seconds": 4}]))
+    config = fault_config(tmp_path, cache, watchdog={"straggler_interval": 2, "straggler_factor": 2})
+    config["optimus"]["train"]["steps"] = 4
+    run_distributed(pretrain_worker, 2, config)
+    run = Path(config["optimus"]["train"]["output_dir"])
+    faults = [json.loads(line) for line in (run / "faults.jsonl").read_text().splitlines()]
+    assert [(f["step"], f["kind"], f["ranks"], f["hosts"]) for f in faults] == [
+        (4, "straggler", [1], [socket.gethostname()])], faults
+    log = (run / "log.txt").read_text()
+    assert f"step 4: stragglers: rank 1 (host {socket.gethostname()}) came to the step's reduction late" in log
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    late = {r["step"]: r["straggler_seconds"] for r in records if "straggler_seconds" in r}
+    # 4 s injected, less the lateness rank 0 has of itself (a fraction of a step): over 2 s; step 2's under
+    assert late[4] > 2 and late[2] < 2
 
 
 @pytest.mark.slow
@@ -311,6 +336,12 @@ def test_watchdog_stops_a_hung_run_with_stack_dumps(tmp_path, cache):
     assert "[ds_optimus watchdog] rank 1: step 3 exceeded its 5 s time-out" in output, output[-6000:]
     hung = "\n".join(line for line in output.splitlines() if line.startswith("[rank 1] "))
     assert "in sleep_inside_step" in hung and '"MainThread"' in hung, output[-6000:]  # the hung rank's stacks
+    # rank 0, waiting in the step's collective, names rank 1 (its watchdog fired outside any collective)
+    run = Path(config["optimus"]["train"]["output_dir"])
+    assert (f"[rank 0] [ds_optimus watchdog] step 3: rank 1 (host {socket.gethostname()}) did not reach the "
+            "collective the others wait in (rank 1: busy outside any collective)") in output, output[-6000:]
+    faults = [json.loads(line) for line in (run / "faults.jsonl").read_text().splitlines()]
+    assert [(f["step"], f["kind"], f["ranks"]) for f in faults] == [(3, "hang", [1])]
 
 
 @pytest.mark.slow

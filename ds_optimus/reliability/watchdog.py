@@ -18,7 +18,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from ..schema import Section, need, number
+from ..schema import Section, need, non_negative_int, number
 
 EXIT_HUNG = 124  # as `timeout(1)` reports a command that ran past its limit
 
@@ -32,6 +32,8 @@ class Watchdog:
         self._timeout = 0.0
         self._what = ""
         self._wake = threading.Event()
+        # called when it fires, before the stacks: each may return a line to say (fault attribution)
+        self.on_fire: list = []
         self._thread = threading.Thread(target=self._watch, name="ds_optimus-watchdog", daemon=True)
         self._thread.start()
 
@@ -60,7 +62,16 @@ class Watchdog:
 
     def _fire(self) -> None:
         try:
-            self._write(f"[ds_optimus watchdog] rank {self.rank}: {self._what} exceeded its {self._timeout:g} s "
+            notes = []
+            for hook in self.on_fire:
+                try:
+                    note = hook()
+                except Exception as err:  # noqa: BLE001  (attribution is best effort: the exit must happen)
+                    note = f"[ds_optimus watchdog] fault attribution failed: {type(err).__name__}: {err}"
+                if note:
+                    notes.append(note)
+            self._write("".join(note + "\n" for note in notes)
+                        + f"[ds_optimus watchdog] rank {self.rank}: {self._what} exceeded its {self._timeout:g} s "
                         f"time-out; stacks of all threads follow, then exit {EXIT_HUNG}\n" + thread_stacks())
         finally:
             os._exit(EXIT_HUNG)
@@ -106,11 +117,20 @@ class WatchdogConfig(Section):
     step_timeout_s: float = 900.0  # time-out of any other step: past it the rank dumps its stacks and exits 124
     first_step_timeout_s: float = 3600.0  # time-out of the first step after a (re)start, which compiles and warms up
     checkpoint_timeout_s: float = 3600.0  # time-out of a synchronous save, an evaluation or the final export
+    # seconds a rank whose watchdog fired waits for the others' heartbeats before naming the ranks that
+    # did not reach the collective (in faults.jsonl); 0: no heartbeats
+    heartbeat_grace_s: float = 10.0
+    straggler_interval: int = 100  # every this many steps, gather each rank's step time (a small all-gather); 0: never
+    straggler_factor: float = 1.5  # a rank this many times slower than the median is named a straggler
 
     def check(self, where: str) -> None:
-        for key in ("step_timeout_s", "first_step_timeout_s", "checkpoint_timeout_s"):
+        for key in ("step_timeout_s", "first_step_timeout_s", "checkpoint_timeout_s", "heartbeat_grace_s"):
             value = getattr(self, key)
             need(number(value) and value >= 0, f"{where}.{key} must be a number >= 0, got {value!r}")
+        need(non_negative_int(self.straggler_interval),
+             f"{where}.straggler_interval must be an integer >= 0, got {self.straggler_interval!r}")
+        need(number(self.straggler_factor) and self.straggler_factor > 1,
+             f"{where}.straggler_factor must be a number > 1, got {self.straggler_factor!r}")
 
     def build(self, rank: int) -> Watchdog:
         """This rank's watchdog (its thread starts; nothing is armed until the first `beat`)."""

@@ -263,10 +263,15 @@ class Trainer:
         """Sum the loss parts (then averaged), the callbacks' flags and, on log steps, the expert
         loads over all ranks in one all-reduce, and read the result on the host once."""
         flags = [item for callback in self.callbacks for item in callback.step_flags().items()]
+        self.reduce_arrival = time.time()  # when this rank came to the step's reduction (stragglers: the last)
         if len({name for name, _ in flags}) != len(flags):
             raise RuntimeError(f"two callbacks give the same step flag ({', '.join(name for name, _ in flags)})")
         # each flag made on the device by a fill: a copy from the host would wait for the backward pass
         pieces = [parts, *(torch.full((1,), value, dtype=parts.dtype, device=self.device) for _, value in flags)]
+        # this rank's own loss not finite: counted over the ranks in the same reduction (which ranks,
+        # asked only when the count is not 0: FaultRecordCallback)
+        self.local_nonfinite = (~torch.isfinite(parts)).any().reshape(1)
+        pieces.append(self.local_nonfinite.to(parts.dtype))
         loads = self.expert_loads if self.is_log_step(self.step) else None
         if loads is not None:
             pieces.append(loads.reshape(-1).to(parts.dtype))
@@ -277,9 +282,10 @@ class Trainer:
         values = packed.tolist()  # the step's one host sync
         self.metrics = dict(zip(LOSS_PARTS, values, strict=False))
         self.metrics.update(zip((name for name, _ in flags), values[len(LOSS_PARTS):], strict=False))
+        self.nonfinite_ranks = int(values[len(LOSS_PARTS) + len(flags)])
         self.step_loads = None
         if loads is not None:
-            flat = values[len(LOSS_PARTS) + len(flags):]
+            flat = values[len(LOSS_PARTS) + len(flags) + 1:]
             experts = loads.shape[-1]
             self.step_loads = [flat[i:i + experts] for i in range(0, len(flat), experts)]
             self.expert_loads = None

@@ -2,13 +2,14 @@
 
 `default_callbacks(opt, extra)` gives a run's callbacks in the order their hooks run: the watchdog
 first (it re-arms before anything else can hang), fault injection (only with `DS_OPTIMUS_FAULTS`),
-the memory meter, the profiler (`optimus.train.profile_steps`), clipping after the warm-up
+the naming of ranks behind a non-finite loss and of stragglers (into faults.jsonl), the memory
+meter, the profiler (`optimus.train.profile_steps`), clipping after the warm-up
 (`optimus.train.clip_after_warmup`), the router-bias update right after the optimizer step, metrics
 and the progress file, the guards (whose rollback ends the step's remaining `post_step` calls), then
 the `extra` callbacks of the user, so that what they do or ask for (a stop) is in the step's
 evaluation and checkpoint, then evaluation, preemption (whose stop wins over others) and the
-checkpoints, last. The downstream tasks scored on each
-checkpoint (`optimus.eval.downstream`) come first, so they close last.
+checkpoints, last. The downstream tasks scored on each checkpoint (`optimus.eval.downstream`) come
+first, so they close last.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from .checkpointing import CheckpointCallback
 from .clip_after_warmup import ClipAfterWarmupCallback
 from .downstream import DownstreamCallback
 from .evaluation import EvaluationCallback
+from .fault_record import FaultRecordCallback
 from .faults import FaultInjectionCallback
 from .logging import MetricsCallback, ProgressFileCallback
 from .peak_memory import MemoryCallback
@@ -28,6 +30,7 @@ from .router_bias import RouterBiasCallback, uses_router_bias
 __all__ = [
     "Callback",
     "CheckpointCallback",
+    "FaultRecordCallback",
     "ClipAfterWarmupCallback",
     "DownstreamCallback",
     "EvaluationCallback",
@@ -54,6 +57,7 @@ def default_callbacks(opt, extra: list[Callback] = ()) -> list[Callback]:
     faults = FaultInjectionCallback.from_environment()
     if faults is not None:
         callbacks.append(faults)
+    callbacks.append(FaultRecordCallback(opt.watchdog.straggler_interval, opt.watchdog.straggler_factor))
     if opt.train.measure_memory_steps:
         callbacks.append(MemoryCallback(opt.train.measure_memory_steps))
     if opt.train.profile_steps:

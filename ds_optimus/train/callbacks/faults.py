@@ -6,7 +6,8 @@ Kinds: `kill` (SIGKILL this process at the start of step N), `kill_in_save` (SIG
 checkpoint of step N is being written, after its first file), `nan_loss` (this rank's loss of step
 N becomes NaN, so its gradients do), `sleep` (sleep `seconds` inside step N, before its
 collectives), `signal` (send this process `signal`, default SIGTERM, at the start of step N), `raise`
-(raise a RuntimeError at the start of step N: an error on one rank that the others do not share).
+(raise a RuntimeError at the start of step N: an error on one rank that the others do not share),
+`late` (sleep `seconds` right before step N's reduction: a straggler).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from ...reliability.supervise import ATTEMPT_VAR
 from .base import Callback
 
 ENV_VAR = "DS_OPTIMUS_FAULTS"
-KINDS = ("kill", "kill_in_save", "nan_loss", "sleep", "signal", "raise")
+KINDS = ("kill", "kill_in_save", "nan_loss", "sleep", "signal", "raise", "late")
 
 
 class FaultInjectionCallback(Callback):
@@ -70,6 +71,12 @@ class FaultInjectionCallback(Callback):
             _once(first.register_forward_pre_hook, _sleeper(float(fault.get("seconds", 3600))))
         if self.due("nan_loss", step):  # on a stage before the last, its NaN output makes the loss NaN
             _once(last.register_forward_hook, _poison_loss if runner is None else _poison_output)
+
+    def step_flags(self) -> dict[str, float]:
+        fault = self.due("late", self.trainer.step)
+        if fault:
+            time.sleep(float(fault.get("seconds", 1.0)))
+        return {}
 
     def _file_written(self, path: Path, step: int | None) -> None:
         if step is not None and self.due("kill_in_save", step):

@@ -48,6 +48,8 @@ class MetricsCallback(Callback):
         metrics.update(lr=trainer.lr, grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
                        tokens_per_s=trainer.tokens_per_step / seconds, step_seconds=seconds,
                        tokens=trainer.train_loader.tokens_consumed, skipped_steps=trainer.engine.skipped_steps)
+        if "straggler_seconds" in trainer.metrics:  # the last rank's lateness to the reduction (FaultRecordCallback)
+            metrics["straggler_seconds"] = trainer.metrics["straggler_seconds"]
         peak = trainer.opt.train.peak_tflops
         if peak:
             metrics["mfu"] = self.flops_per_token * trainer.tokens_per_step / seconds / (peak * 1e12 * trainer.world)

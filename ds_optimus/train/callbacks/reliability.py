@@ -20,9 +20,36 @@ class WatchdogCallback(Callback):
         self.watchdog = None
 
     def setup(self) -> None:
+        from ...launch.environment import this_host
+        from ...reliability.heartbeat import Heartbeat
+
         self.watchdog = self.config.build(self.trainer.rank)
+        self.heartbeat = None
+        if self.config.heartbeat_grace_s > 0:
+            self.heartbeat = Heartbeat(self.trainer.output_dir, self.trainer.rank, this_host())
+            self.watchdog.on_fire.append(self._name_the_missing)
+
+    def _name_the_missing(self) -> str | None:
+        """On a fired watchdog: the ranks that did not reach the collective the others wait in,
+        named (by the lowest rank that waits) and recorded in faults.jsonl."""
+        from ...reliability.fault_log import append_fault, describe
+        from ...reliability.heartbeat import name_the_missing
+
+        behind, reporter = name_the_missing(self.heartbeat, self.trainer.world, self.config.heartbeat_grace_s)
+        if not reporter or not behind:
+            return None
+        ranks = [b if isinstance(b, int) else b.rank for b in behind]
+        hosts = [b.host for b in behind if not isinstance(b, int)] or ["unknown"]
+        step = self.heartbeat.step
+        detail = "; ".join(f"rank {b}: no heartbeat" if isinstance(b, int) else f"rank {b.rank}: {_state(b, step)}"
+                           for b in behind[:16])
+        append_fault(self.trainer.output_dir, step, "hang", ranks, hosts, detail)
+        return (f"[ds_optimus watchdog] step {step}: {describe(ranks, hosts)} did not reach the collective the "
+                f"others wait in ({detail}); recorded in {self.trainer.output_dir}/faults.jsonl")
 
     def pre_step(self, step: int) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.beat(step)
         first = step == self.trainer.start_step + 1
         self.watchdog.beat(self.config.first_step_timeout_s if first else self.config.step_timeout_s, f"step {step}")
 
@@ -38,6 +65,14 @@ class WatchdogCallback(Callback):
     def close(self, error: BaseException | None) -> None:
         if self.watchdog is not None:  # the process may live on (a notebook, a test): no dump later
             self.watchdog.close()
+        if getattr(self, "heartbeat", None) is not None:
+            self.heartbeat.close()
+
+
+def _state(beat, step: int) -> str:
+    if beat.step < step:
+        return f"last at step {beat.step}"
+    return "busy outside any collective" if beat.fired else "not answering (dead, or hung holding the interpreter)"
 
 
 class PreemptionCallback(Callback):

@@ -1,0 +1,77 @@
+"""The run's record of faults attributed to ranks and hosts: `<output_dir>/faults.jsonl`, one JSON
+object a line, appended by one rank per fault:
+
+    {"step": 7, "kind": "nonfinite", "ranks": [3], "hosts": ["x4102c5s3b0n0"], "attempt": 0,
+     "time": 1764300000.0, "detail": "loss is nan"}
+
+Kinds: `nonfinite` (a rank's own loss was NaN/Inf: its node computed it), `hang` (ranks that did
+not reach the collective the others waited in when the watchdog fired), `straggler` (ranks slower
+than the median by the configured factor; informational: the supervisor does not strike them),
+`probe` (a node that failed the pre-launch probe). The supervisor reads it to leave nodes out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+FAULTS_FILE = "faults.jsonl"
+STRIKING = ("nonfinite", "hang", "probe")  # the kinds that count against a node
+
+
+def append_fault(output_dir: str | Path, step: int | None, kind: str, ranks: list[int], hosts: list[str],
+                 detail: str = "") -> dict:
+    """Append one record (a single `write` of one line, so concurrent appenders never interleave)."""
+    record = {"step": step, "kind": kind, "ranks": sorted(ranks), "hosts": sorted(set(hosts)),
+              "attempt": int(os.environ.get("DS_OPTIMUS_ATTEMPT", "0") or 0), "time": round(time.time(), 3),
+              "detail": detail}
+    path = Path(output_dir) / FAULTS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(record) + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return record
+
+
+def read_faults(output_dir: str | Path) -> list[dict]:
+    """Every record of the run's fault log (a torn last line, from a crash mid-write, is skipped)."""
+    path = Path(output_dir) / FAULTS_FILE
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    records = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def strikes(records: list[dict]) -> dict[str, int]:
+    """How many striking faults name each host (a fault naming several hosts strikes each once)."""
+    counts: dict[str, int] = {}
+    for record in records:
+        if record.get("kind") in STRIKING:
+            for host in set(record.get("hosts", [])):
+                counts[host] = counts.get(host, 0) + 1
+    return counts
+
+
+def describe(ranks: list[int], hosts: list[str], limit: int = 8) -> str:
+    """`rank 3 (host n2)` / `ranks 3, 9 (hosts n2, n5)`, long lists cut with a count."""
+    def cut(items: list) -> str:
+        shown = ", ".join(map(str, items[:limit]))
+        return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+    distinct = sorted(set(hosts))
+    return (f"rank{'s' if len(ranks) != 1 else ''} {cut(sorted(ranks))} "
+            f"(host{'s' if len(distinct) != 1 else ''} {cut(distinct)})")
