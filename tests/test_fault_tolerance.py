@@ -403,3 +403,88 @@ def test_asynchronous_saves_resume_exactly(tmp_path, cache):
     second = run_distributed(pretrain_worker, 2, config)[0]
     assert second["start_step"] == 5
     assert {**first["losses"], **second["losses"]} == straight["losses"]
+
+
+# -- failing nodes left out ---------------------------------------------------------------------
+
+FAKE_CLUSTER = str(Path(__file__).resolve().parent / "fake_cluster.py")
+
+
+@pytest.mark.slow
+def test_the_supervisor_leaves_failing_nodes_out_on_spares_then_at_a_smaller_dp(tmp_path, cache):
+    """Three "nodes" of 2 ranks (tests/fake_cluster.py gives each its host name), the run on two of
+    them (EP 2, data parallel 4, global batch 16), one spare. Attempt 0: rank 2 (node n2) computes a
+    NaN at step 3 (named, skipped) and hangs at step 5 (named by the watchdog): n2 is left out, the
+    spare n3 comes in. Attempt 1: rank 2, now on n3, hangs at step 7: n3 is left out, no spare is
+    left, and the run finishes on n1 alone at data parallel 2, the global batch kept by accumulation,
+    each attempt resuming from the last checkpoint."""
+    hostfile = tmp_path / "allocation"
+    hostfile.write_text("n1\nn2\nn3\n")
+    config = fault_config(tmp_path, cache, watchdog={"step_timeout_s": 4, "first_step_timeout_s": 300,
+                                                     "heartbeat_grace_s": 3})
+    config["train_batch_size"] = 16
+    config.pop("gradient_accumulation_steps", None)  # derived: 1 at data parallel 4, 2 at 2
+    path = write_config(tmp_path, config)
+    faults = [{"kind": "nan_loss", "step": 3, "rank": 2}, {"kind": "sleep", "step": 5, "rank": 2, "seconds": 300},
+              {"kind": "sleep", "step": 7, "rank": 2, "seconds": 300, "attempt": 1}]
+    command = [sys.executable, "-m", "ds_optimus.reliability.supervise", "--backoff", "0", "--hosts", str(hostfile),
+               "--ranks-per-node", "2", "--spares", "1", "--",
+               sys.executable, FAKE_CLUSTER, "--hostfile", "{hostfile}", "--ppn", "2", "--",
+               sys.executable, "-m", "ds_optimus.train", "--config", str(path)]
+    proc = subprocess.run(command, cwd=tmp_path, env=env_with(faults), capture_output=True, text=True, timeout=1200)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-5000:]
+    run = Path(config["optimus"]["train"]["output_dir"])
+    faults_seen = [json.loads(line) for line in (run / "faults.jsonl").read_text().splitlines()]
+    assert [(f["step"], f["kind"], f["ranks"], f["hosts"], f["attempt"]) for f in faults_seen] == [
+        (3, "nonfinite", [2], ["n2"], 0), (5, "hang", [2], ["n2"], 0), (7, "hang", [2], ["n3"], 1)], faults_seen
+    assert "supervise: leaving out n2 (out: n2); running on 2 nodes, spares n3 in" in output, output[-5000:]
+    assert ("supervise: leaving out n3 (out: n2, n3); running on 1 node (fewer than the 2 planned: the "
+            "data-parallel size shrinks)") in output
+    assert [(run / "hosts" / f"attempt-{i}.txt").read_text().split() for i in range(3)] == [
+        ["n1", "n2"], ["n1", "n3"], ["n1"]]
+    log = (run / "log.txt").read_text()
+    assert "resumed from" in log and "step_00000004 at step 4" in log and "step_00000006 at step 6" in log
+    assert "saved by 4 ranks" in log and "resumed by 2 ranks" in log  # the reshard, said
+    summary = json.loads((run / "summary.json").read_text())
+    assert sorted(map(int, summary["losses"])) == [7, 8] and all(math.isfinite(v) for v in summary["losses"].values())
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert {r["step"] for r in records if "loss" in r} == set(range(1, 9))  # the losses continue to step 8
+
+
+def test_the_supervisor_stops_in_one_line_when_too_few_nodes_remain(tmp_path):
+    from ds_optimus.reliability.allocation import Allocation, AllocationError
+
+    allocation = Allocation(["n1", "n2", "n3"], spares=1)
+    assert allocation.choose({}, 1) == ["n1", "n2"]
+    assert allocation.choose({"n1": 1}, 1) == ["n2", "n3"]  # the spare steps in
+    assert allocation.choose({"n1": 1, "n2": 2}, 3) == ["n2", "n3"]  # two strikes of three: still in
+    fits = {1: "expert parallel size 4 does not divide the world size 2"}.get
+    with pytest.raises(AllocationError) as err:
+        allocation.choose({"n1": 1, "n2": 1}, 1, fits)
+    assert str(err.value) == ("1 healthy node left (left out: n1, n2) and the layout runs on none of 1 down to 1 "
+                              "(1: expert parallel size 4 does not divide the world size 2); stopping")
+    with pytest.raises(AllocationError, match="leaves none"):
+        Allocation(["n1"], spares=1)
+
+
+@pytest.mark.slow
+def test_the_probe_strikes_a_failing_node_before_a_relaunch(tmp_path):
+    from ds_optimus.reliability.allocation import Allocation
+    from ds_optimus.reliability.supervise import run_probe
+
+    probe = [sys.executable, FAKE_CLUSTER, "--hostfile", "{hostfile}", "--ppn", "1", "--",
+             sys.executable, "-m", "ds_optimus.launch.probe"]
+    env = {**env_with([{"kind": "probe", "host": "n2"}])}
+    log = []
+    old = dict(os.environ)
+    os.environ.update(env)
+    try:
+        failing = run_probe(probe, ["n1", "n2", "n3"], 1, tmp_path, 1, log.append)
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    assert failing == ["n2"] and log == ["supervise: probe of 3 nodes: n2 failed"]
+    results = {p.stem: json.loads(p.read_text()) for p in (tmp_path / "probe" / "attempt-1").glob("*.json")}
+    assert results["n2"] == {"host": "n2", "ok": False, "reason": "fault injected"} and results["n1"]["ok"]
+    assert Allocation(["n1", "n2", "n3", "n4"], spares=1).choose({"n2": 1}, 1) == ["n1", "n3", "n4"]

@@ -77,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rows the busiest rank's experts receive over the mean (default 1.0)")
     p.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
     p.add_argument("--write", metavar="PATH", help="write the best layout as a DeepSpeed JSON config")
+    p.add_argument("--job", choices=("pbs", "slurm"), default=None,
+                   help="with --write: a job script beside the config (PATH with .pbs or .sbatch): mpiexec under PBS "
+                        "(Aurora), srun under Slurm, each wrapped by the supervisor")
+    p.add_argument("--spares", type=int, default=0, help="with --job: spare nodes to allocate for failing ones")
+    p.add_argument("--walltime", default="06:00:00", help="with --job: HH:MM:SS (default 06:00:00)")
+    p.add_argument("--account", default=None, help="with --job: the project to charge")
+    p.add_argument("--queue", default=None, help="with --job: the queue (PBS) or partition (Slurm)")
     p.add_argument("--json", metavar="PATH", help="write everything shown as JSON")
     p.add_argument("--measure", type=int, metavar="K", default=0,
                    help="run the top K layouts for a few steps on this machine and compare")
@@ -105,6 +112,10 @@ def _run(args: argparse.Namespace) -> int:
             print(f"{name:9s} {c.device}: {c.devices_per_node}/node, {c.memory_gib:.0f} GiB, {c.peak_tflops:g} TFLOPS, "
                   f"{c.intra_node_gbps:g} GB/s in node, {c.inter_node_gbps:.1f} GB/s between nodes ({c.notes})")
         return 0
+    if args.job and not args.write:
+        raise ValueError("--job goes with --write PATH (the config the job runs; the script is written beside it)")
+    if args.job and args.scale:
+        raise ValueError("--job writes one job, for one device count: leave out --scale")
     cluster = get_cluster(args.cluster)
     fixed = template = None  # the layout of --config; what --write keeps (its recipe, data, run settings)
     if args.set and not args.config:
@@ -177,9 +188,14 @@ def _run(args: argparse.Namespace) -> int:
     if args.write:
         best = plans[0]
         path = write_config(layout_config(best.layout, args.model, cluster, base=template), args.write)
-        print(f"\nwrote {path} ({best.layout.describe()}; run it with: deepspeed --num_nodes "
-              f"{-(-devices // cluster.devices_per_node)} --num_gpus {min(devices, cluster.devices_per_node)} "
-              f"--module ds_optimus.train --config {path})")
+        if args.job:
+            job = _write_job(args, path, devices, cluster)
+            print(f"\nwrote {path} ({best.layout.describe()}) and {job}: submit it with "
+                  f"{'qsub' if args.job == 'pbs' else 'sbatch'} {job}")
+        else:
+            print(f"\nwrote {path} ({best.layout.describe()}; run it with: deepspeed --num_nodes "
+                  f"{-(-devices // cluster.devices_per_node)} --num_gpus {min(devices, cluster.devices_per_node)} "
+                  f"--module ds_optimus.train --config {path})")
     if args.measure:
         available = _local_ranks()
         if devices > available:
@@ -190,6 +206,22 @@ def _run(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(report, indent=2))
         print(f"wrote {args.json}")
     return 0
+
+
+def _write_job(args: argparse.Namespace, config_path: Path, devices: int, cluster) -> Path:
+    """The job script for `config_path` on `devices` ranks of `cluster` (ds_optimus.launch.jobs)."""
+    from ..launch.jobs import JobSpec, write_job
+    from ..schema import load_json_config
+
+    per_node = min(devices, cluster.devices_per_node)
+    if devices % per_node:
+        raise ValueError(f"--job: {devices} devices do not fill whole nodes of {cluster.devices_per_node}")
+    output_dir = load_json_config(config_path).get("optimus", {}).get("train", {}).get("output_dir", "runs/mula")
+    made_by = "python -m ds_optimus.plan " + " ".join(sys.argv[1:]) if sys.argv[1:] else "python -m ds_optimus.plan"
+    spec = JobSpec(args.job, cluster.name, str(config_path), devices // per_node, per_node, output_dir,
+                   name=Path(config_path).stem[:15].rstrip("-_."), spares=args.spares, walltime=args.walltime,
+                   account=args.account, queue=args.queue, made_by=made_by)
+    return write_job(spec, Path(config_path).with_suffix(".pbs" if args.job == "pbs" else ".sbatch"))
 
 
 def _local_ranks() -> int:

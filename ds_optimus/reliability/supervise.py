@@ -11,6 +11,18 @@ failures in a row happen at the same step (no progress: restarting again would f
 step comes from `<train.output_dir>/progress.json`, found through the command's `--config` (or
 `--progress FILE`). Each attempt gets `DS_OPTIMUS_ATTEMPT=<n>` in its environment. SIGTERM/SIGINT
 are passed on to the run, whose exit status is then the supervisor's.
+
+Given the allocation's nodes (`--hosts pbs|slurm|FILE`), it also leaves failing nodes out: before
+each attempt it reads `<output_dir>/faults.jsonl` (the ranks and hosts the run named: a non-finite
+loss, a hang; or the probe) and leaves out each node named `--strikes` times, a spare (`--spares`:
+the allocation's last nodes, held back) taking its place, else running on fewer nodes where the
+layout allows it (the trainer's `--check` says; checkpoints reshard, the global batch is kept by
+accumulation). `--probe "COMMAND"` runs a per-node probe on the chosen nodes before each relaunch.
+The command's `{hostfile}`, `{hosts}`, `{nodes}` and `{ranks}` (nodes x `--ranks-per-node`) are
+filled for each attempt:
+
+    python -m ds_optimus.reliability.supervise --hosts pbs --ranks-per-node 12 --spares 2 -- \
+        mpiexec -n {ranks} --ppn 12 --hostfile {hostfile} python -m ds_optimus.train --config C.json
 """
 
 from __future__ import annotations
@@ -18,12 +30,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from .allocation import PLACEHOLDERS, Allocation, AllocationError, fill
+from .fault_log import append_fault, read_faults, strikes
 from .signals import EXIT_PREEMPTED
 
 EXIT_GAVE_UP = 3
@@ -31,16 +46,41 @@ ATTEMPT_VAR = "DS_OPTIMUS_ATTEMPT"  # the restart count, in every attempt's envi
 DEFAULT_OUTPUT_DIR = "runs/mula"  # optimus.train.output_dir when a config does not set it
 
 
+def _config_of(command: list[str]) -> tuple[str, list[str]] | None:
+    """The config path and `--set` overrides of the command's trainer (None without --config)."""
+    if "--config" not in command or command.index("--config") + 1 >= len(command):
+        return None
+    overrides = [command[i + 1] for i, arg in enumerate(command[:-1]) if arg == "--set"]
+    return command[command.index("--config") + 1], overrides
+
+
 def _progress_file(command: list[str]) -> Path | None:
     """`<optimus.train.output_dir>/progress.json` of the config the command trains (with its --set)."""
     from ..schema import apply_overrides, load_json_config
 
-    if "--config" not in command or command.index("--config") + 1 >= len(command):
+    found = _config_of(command)
+    if found is None:
         return None
-    config = load_json_config(command[command.index("--config") + 1])
-    overrides = [command[i + 1] for i, arg in enumerate(command[:-1]) if arg == "--set"]
-    train = apply_overrides(config, overrides).get("optimus", {}).get("train", {})
+    train = apply_overrides(load_json_config(found[0]), found[1]).get("optimus", {}).get("train", {})
     return Path(train.get("output_dir", DEFAULT_OUTPUT_DIR)) / "progress.json"
+
+
+def layout_check(command: list[str], ranks_per_node: int):
+    """`fits(nodes)`: None when the trainer's `--check` passes at nodes x ranks_per_node ranks, else
+    its one-line reason (a subprocess: the supervisor imports no training code)."""
+    found = _config_of(command)
+
+    def fits(nodes: int) -> str | None:
+        if found is None:
+            return None
+        check = [sys.executable, "-m", "ds_optimus.train", "--config", found[0],
+                 *[a for o in found[1] for a in ("--set", o)], "--check", "--world", str(nodes * ranks_per_node)]
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        proc = subprocess.run(check, capture_output=True, text=True, env=env)
+        lines = proc.stderr.strip().splitlines()
+        return None if proc.returncode == 0 else (lines[-1] if lines else f"--check exited {proc.returncode}")
+
+    return fits
 
 
 def _step(progress: Path | None) -> int | None:
@@ -51,9 +91,12 @@ def _step(progress: Path | None) -> int | None:
 
 
 def supervise(command: list[str], max_restarts: int = 3, backoff: float = 30.0, max_backoff: float = 600.0,
-              progress: Path | None = None, log=print) -> int:
+              progress: Path | None = None, log=print, allocation: Allocation | None = None,
+              ranks_per_node: int = 1, strikes_to_leave_out: int = 1, fits=None,
+              probe: list[str] | None = None) -> int:
     """Run `command` until it succeeds or the rules above stop it; returns the exit status to use."""
     progress = progress or _progress_file(command)
+    output_dir = progress.parent if progress is not None else Path(DEFAULT_OUTPUT_DIR)
     child: subprocess.Popen | None = None
     stopping = []
 
@@ -65,12 +108,22 @@ def supervise(command: list[str], max_restarts: int = 3, backoff: float = 30.0, 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         failed_at: int | None = None
+        left_out = 0
         for attempt in range(max_restarts + 1):
             if attempt:
                 wait = min(max_backoff, backoff * 2 ** (attempt - 1))
                 log(f"supervise: restart {attempt} of {max_restarts} in {wait:g} s")
                 time.sleep(wait)
-            child = subprocess.Popen(command, env={**os.environ, ATTEMPT_VAR: str(attempt)})
+            run = command
+            if allocation is not None:
+                try:
+                    hosts = _choose_hosts(allocation, output_dir, strikes_to_leave_out, fits, log,
+                                          probe if attempt else None, ranks_per_node, attempt)
+                except AllocationError as err:
+                    log(f"supervise: {err}")
+                    return EXIT_GAVE_UP
+                run = fill(command, hosts, ranks_per_node, output_dir / "hosts" / f"attempt-{attempt}.txt")
+            child = subprocess.Popen(run, env={**os.environ, ATTEMPT_VAR: str(attempt)})
             status = child.wait()
             if status == 0:
                 return 0
@@ -80,15 +133,71 @@ def supervise(command: list[str], max_restarts: int = 3, backoff: float = 30.0, 
             step = _step(progress)
             where = f"after step {step}" if step is not None else "before its first step"
             log(f"supervise: attempt {attempt} failed with status {status} {where}")
-            if step is not None and step == failed_at:
+            newly_out = allocation is not None and len(_struck(allocation, output_dir, strikes_to_leave_out)) > left_out
+            if step is not None and step == failed_at and not newly_out:
                 log(f"supervise: two failures in a row after step {step} without progress; giving up")
                 return EXIT_GAVE_UP
+            left_out = len(allocation.out) if allocation is not None else 0
             failed_at = step
         log(f"supervise: {max_restarts} restarts used up; giving up")
         return EXIT_GAVE_UP
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _struck(allocation: Allocation, output_dir: Path, strikes_to_leave_out: int) -> list[str]:
+    counts = strikes(read_faults(output_dir))
+    return [h for h in allocation.hosts if counts.get(h, 0) >= strikes_to_leave_out]
+
+
+def _choose_hosts(allocation: Allocation, output_dir: Path, strikes_to_leave_out: int, fits, log,
+                  probe: list[str] | None, ranks_per_node: int, attempt: int) -> list[str]:
+    """The attempt's hosts (a probe first, when given: the nodes it finds failing are struck too)."""
+    before = list(allocation.out)
+    hosts = allocation.choose(strikes(read_faults(output_dir)), strikes_to_leave_out, fits)
+    if probe:
+        failing = run_probe(probe, hosts, ranks_per_node, output_dir, attempt, log)
+        for host in failing:
+            append_fault(output_dir, None, "probe", [], [host], "failed the pre-launch probe")
+        if failing:
+            counts = strikes(read_faults(output_dir))
+            hosts = allocation.choose({**counts, **{h: strikes_to_leave_out for h in failing}}, strikes_to_leave_out,
+                                      fits)
+    new = [h for h in allocation.out if h not in before]
+    if new or len(hosts) != allocation.nodes:
+        spares = [h for h in hosts if allocation.hosts.index(h) >= len(allocation.hosts) - allocation.spares]
+        log(f"supervise: leaving out {', '.join(new) or 'none new'} (out: {', '.join(allocation.out)}); "
+            f"running on {len(hosts)} node{'s' if len(hosts) != 1 else ''}"
+            + (f", spares {', '.join(spares)} in" if spares else "")
+            + (f" (fewer than the {allocation.nodes} planned: the data-parallel size shrinks)"
+               if len(hosts) < allocation.nodes else ""))
+    return hosts
+
+
+def run_probe(probe: list[str], hosts: list[str], ranks_per_node: int, output_dir: Path, attempt: int, log,
+              timeout_s: float = 300.0) -> list[str]:
+    """Run the probe command on `hosts` (its placeholders filled, `DS_OPTIMUS_PROBE_DIR` set); the
+    hosts that wrote no passing result are returned."""
+    folder = output_dir / "probe" / f"attempt-{attempt}"
+    folder.mkdir(parents=True, exist_ok=True)
+    command = fill(probe, hosts, ranks_per_node, output_dir / "hosts" / f"probe-{attempt}.txt")
+    try:
+        subprocess.run(command, env={**os.environ, "DS_OPTIMUS_PROBE_DIR": str(folder)}, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        log(f"supervise: the probe ran past {timeout_s:g} s")
+    passed = set()
+    for path in folder.glob("*.json"):
+        try:
+            result = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if result.get("ok"):
+            passed.add(result.get("host"))
+    failing = [host for host in hosts if host not in passed]
+    log(f"supervise: probe of {len(hosts)} node{'s' if len(hosts) != 1 else ''}: "
+        + (f"{', '.join(failing)} failed" if failing else "all passed"))
+    return failing
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,6 +211,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-backoff", type=float, default=600.0)
     parser.add_argument("--progress", type=Path, default=None,
                         help="the run's progress.json (default: found through the command's --config)")
+    parser.add_argument("--hosts", default=None, metavar="pbs|slurm|FILE",
+                        help="the allocation's nodes: PBS's node file, Slurm's node list, or a host file; failing "
+                             "nodes are then left out (the command's {hostfile} {hosts} {nodes} {ranks} are filled)")
+    parser.add_argument("--ranks-per-node", type=int, default=1, help="ranks a node runs ({ranks} = nodes x this)")
+    parser.add_argument("--spares", type=int, default=0,
+                        help="the allocation's last N nodes, held back for failing ones")
+    parser.add_argument("--strikes", type=int, default=1,
+                        help="faults naming a node (faults.jsonl) before it is left out (default 1)")
+    parser.add_argument("--probe", default=None, metavar="COMMAND",
+                        help="a per-node probe run before each relaunch (placeholders as the command's), e.g. "
+                             "\"mpiexec -n {nodes} --ppn 1 --hostfile {hostfile} python -m ds_optimus.launch.probe\"")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -118,7 +238,31 @@ def main(argv: list[str] | None = None) -> int:
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
-    return supervise(command, args.max_restarts, args.backoff, args.max_backoff, progress, log)
+    allocation = fits = None
+    placeholders = [p for p in PLACEHOLDERS if any(p in arg for arg in command)]
+    if args.hosts is None:
+        if placeholders or args.probe:
+            parser.error(f"{(placeholders or ['--probe'])[0]} needs --hosts (the allocation's nodes)")
+    else:
+        if args.ranks_per_node < 1 or args.strikes < 1:
+            parser.error("--ranks-per-node and --strikes must be >= 1")
+        from ..launch.environment import LaunchError, job_hosts
+        from ..launch.hosts import HostListError, read_hostfile
+
+        try:
+            env = {"pbs": {"DS_OPTIMUS_HOSTFILE": os.environ.get("PBS_NODEFILE", "")},
+                   "slurm": {"SLURM_JOB_NODELIST": os.environ.get("SLURM_JOB_NODELIST", "")}}.get(args.hosts)
+            found = job_hosts(env) if env is not None else (read_hostfile(args.hosts), args.hosts)
+            if found is None:
+                parser.error(f"--hosts {args.hosts}: {'PBS_NODEFILE' if args.hosts == 'pbs' else 'SLURM_JOB_NODELIST'} "
+                             "is not set (not inside a job?)")
+            allocation = Allocation(found[0], args.spares)
+        except (LaunchError, HostListError, AllocationError) as err:
+            parser.error(f"--hosts {args.hosts}: {err}")
+        fits = layout_check(command, args.ranks_per_node)
+    probe = shlex.split(args.probe) if args.probe else None
+    return supervise(command, args.max_restarts, args.backoff, args.max_backoff, progress, log, allocation,
+                     args.ranks_per_node, args.strikes, fits, probe)
 
 
 if __name__ == "__main__":

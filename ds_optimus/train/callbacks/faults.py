@@ -7,7 +7,8 @@ checkpoint of step N is being written, after its first file), `nan_loss` (this r
 N becomes NaN, so its gradients do), `sleep` (sleep `seconds` inside step N, before its
 collectives), `signal` (send this process `signal`, default SIGTERM, at the start of step N), `raise`
 (raise a RuntimeError at the start of step N: an error on one rank that the others do not share),
-`late` (sleep `seconds` right before step N's reduction: a straggler).
+`late` (sleep `seconds` right before step N's reduction: a straggler). (`{"kind": "probe", "host": H}`
+fails the node probe on host H: `ds_optimus.launch.probe`.)
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ class FaultInjectionCallback(Callback):
     @classmethod
     def from_environment(cls) -> FaultInjectionCallback | None:
         text = os.environ.get(ENV_VAR)
-        return cls(json.loads(text)) if text else None
+        # {"kind": "probe", "host": H} is the node probe's (ds_optimus.launch.probe), not the trainer's
+        faults = [f for f in json.loads(text) if not (isinstance(f, dict) and f.get("kind") == "probe")] if text else []
+        return cls(faults) if faults else None
 
     def due(self, kind: str, step: int | None) -> dict | None:
         """The fault of `kind` planned for `step` on this rank and attempt, if it has not struck yet."""
