@@ -58,6 +58,10 @@ RUN = {
     "python -m ds_optimus.evaluate runs/mula-tiny-moe --tasks pydoc_cloze":
         "test_evaluate.py::test_the_docs_evaluate_command_scores_the_newest_checkpoint",
     "deepspeed --num_gpus 2 train_hf.py": "test_readme.py::test_the_hugging_face_trainer_example_runs_as_written",
+    "python -m ds_optimus.plan --model mula-220b-a10b --cluster aurora --devices 12288 --write my-aurora.json --job "
+    "pbs --spares 8 --account MyProject --queue prod": "test_jobs.py::test_the_docs_job_scripts_are_the_planners",
+    "python -m ds_optimus.plan --model mula-7b-a1b --cluster frontier --devices 1024 --write my-frontier.json --job "
+    "slurm --spares 2 --account ABC123": "test_jobs.py::test_the_docs_job_scripts_are_the_planners",
     "deepspeed --num_gpus 4 --module ds_optimus.train --config ds_configs/mula-tiny-moe-cpu.json --set "
     "train_micro_batch_size_per_gpu=4 --set optimus.train.stop_after_steps=100":
         HERE + "test_launches_pass_the_check_at_their_world_size",
@@ -69,6 +73,13 @@ RUN = {
 # their world size (test_launches_pass_the_check_at_their_world_size).
 MAIN_JOB_TEST = "tests/test_train.py::test_deepspeed_launcher_runs_the_tiny_moe_job runs it shortened"
 NOT_RUN = {
+    "mpiexec -n 2 python -m ds_optimus.train --config ds_configs/mula-tiny-moe-cpu.json":
+        "the main job under MPICH's mpiexec: tests/test_launch.py::test_the_tiny_moe_job_trains_alike_under_every_"
+        "launcher runs it shortened, on 4 processes",
+    "qsub my-aurora.pbs": "needs PBS on Aurora; the script's launch line runs here in "
+                          "tests/test_jobs.py::test_each_job_script_runs_its_launch_line_here",
+    "sbatch my-frontier.sbatch": "needs Slurm; the script's launch line runs here (a stand-in srun) in "
+                                 "tests/test_jobs.py::test_each_job_script_runs_its_launch_line_here",
     'python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e ".[dev]" && '
     "deepspeed --num_gpus 2 --module ds_optimus.train --config ds_configs/mula-tiny-moe-cpu.json":
         f"the main job: a fresh environment and 200 steps; {MAIN_JOB_TEST}",

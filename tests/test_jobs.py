@@ -75,6 +75,21 @@ def test_the_planner_writes_the_job_beside_the_config(tmp_path):
         "beside it)")
 
 
+def test_the_docs_job_scripts_are_the_planners(tmp_path):
+    """The cluster page's two job commands, run as written: the scripts it shows are what they write."""
+    from doc_blocks import doc_block, doc_commands
+
+    for command in [c for c in doc_commands() if "--job" in c.text]:
+        argv = command.argv()
+        proc = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        config = argv[argv.index("--write") + 1]
+        script = Path(config).with_suffix(".pbs" if "pbs" in argv else ".sbatch")
+        shown = doc_block(f"writes `{script}`", "text")
+        assert (tmp_path / script).read_text() == shown, f"{script}: the page is stale"
+        assert subprocess.run(["bash", "-n", str(tmp_path / script)]).returncode == 0
+
+
 def _tiny_job(tmp_path: Path, scheduler: str) -> tuple[Path, Path]:
     sys.path.insert(0, str(ROOT / "tests"))
     from train_workers import tiny_config
