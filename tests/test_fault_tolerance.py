@@ -324,6 +324,7 @@ def test_a_rank_late_to_the_steps_reduction_is_named_a_straggler(tmp_path, cache
     late = {r["step"]: r["straggler_seconds"] for r in records if "straggler_seconds" in r}
     # 4 s injected, less the lateness rank 0 has of itself (a fraction of a step): over 2 s; step 2's under
     assert late[4] > 2 and late[2] < 2
+    assert (run / "plots" / "stragglers.png").stat().st_size > 0  # the run's report draws them
 
 
 @pytest.mark.slow

@@ -210,6 +210,22 @@ def test_rank_0_raises_its_open_file_limit_for_every_ranks_connection():
     assert int(out) >= 12288 + 512
 
 
+def test_each_local_rank_gets_its_own_share_of_the_cores():
+    from ds_optimus.launch.environment import bind_cpus, core_share
+
+    cores = list(range(1, 13))
+    shares = [core_share(cores, rank, 4) for rank in range(4)]
+    assert shares == [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]]
+    uneven = [core_share(list(range(10)), rank, 4) for rank in range(4)]
+    assert [len(s) for s in uneven] == [3, 3, 2, 2] and sorted(sum(uneven, [])) == list(range(10))
+    assert core_share([0, 1], 3, 4) == [1]  # more ranks than cores: shared, one each
+    assert bind_cpus(0, 2, {}) is None  # off unless asked
+    code = ("import os; from ds_optimus.launch.environment import bind_cpus; "
+            "print(bind_cpus(1, 2, {'DS_OPTIMUS_CPU_BIND': '1'}) == sorted(os.sched_getaffinity(0)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "True"
+
+
 # -- the tiny MoE job under each launcher --------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -273,3 +273,28 @@ def open_files_for(world_size: int) -> None:
             raise LaunchError(f"rank 0 needs {needed} open files for {world_size} ranks' connections but its hard "
                               f"limit is {hard}: raise it (ulimit -Hn) in the job script")
         resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+
+
+BIND_VARIABLE = "DS_OPTIMUS_CPU_BIND"  # "1": each local rank bound to its share of this process's cores
+
+
+def core_share(cores: list[int], local_rank: int, local_size: int) -> list[int]:
+    """Local rank `local_rank`'s contiguous share of `cores` (split evenly; the first ranks take one
+    more where they do not divide)."""
+    cores = sorted(cores)
+    base, extra = divmod(len(cores), max(1, local_size))
+    if base == 0:
+        return [cores[local_rank % len(cores)]]
+    start = local_rank * base + min(local_rank, extra)
+    return cores[start:start + base + (local_rank < extra)]
+
+
+def bind_cpus(local_rank: int, local_size: int, env: Mapping[str, str] | None = None) -> list[int] | None:
+    """With DS_OPTIMUS_CPU_BIND=1 (for launchers that do not bind, as mpiexec's --cpu-bind and
+    srun's --cpu-bind do), bind this process to its share of the cores it may use; returns them."""
+    env = os.environ if env is None else env
+    if env.get(BIND_VARIABLE, "") not in ("1", "true", "auto") or not hasattr(os, "sched_setaffinity"):
+        return None
+    share = core_share(sorted(os.sched_getaffinity(0)), local_rank, local_size)
+    os.sched_setaffinity(0, share)
+    return share

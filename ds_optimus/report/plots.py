@@ -3,6 +3,7 @@ change to the pyplot backend of a notebook that calls `write_report`)."""
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from collections.abc import Callable
@@ -285,6 +286,40 @@ def plot_skipped(run: RunMetrics, folder: Path, dpi: int, written: list[Path]) -
     _save(fig, folder, "skipped_steps.png", dpi, written)
 
 
+def plot_stragglers(run: RunMetrics, run_dir: Path, folder: Path, dpi: int, written: list[Path]) -> None:
+    """The last rank's lateness to the step's reduction (`straggler_seconds`, logged every
+    `optimus.watchdog.straggler_interval` steps) against the step time, and the stragglers named in
+    faults.jsonl with their hosts."""
+    steps, late = run.series("straggler_seconds")
+    if not steps:
+        return
+    fig, (ax,) = _figure(height=3.2)
+    ax.plot(steps, late, "o-", color="C3", markersize=3, label="last rank's lateness to the step's reduction")
+    at, step_seconds = run.series("step_seconds")
+    if at:
+        ax.plot(at, step_seconds, color="0.6", linewidth=1, label="step time")
+    named = []
+    try:
+        lines = (run_dir / "faults.jsonl").read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("kind") == "straggler" and record.get("step") in steps:
+            named.append(record)
+    for record in named[-12:]:  # the latest, each with its hosts
+        y = late[steps.index(record["step"])]
+        ax.annotate(", ".join(record.get("hosts", [])[:3]), (record["step"], y), fontsize=7, xytext=(3, 3),
+                    textcoords="offset points")
+    ax.set(xlabel="step", ylabel="seconds", title=f"stragglers: {len(named)} step(s) with ranks named late"
+           if named else "stragglers: none named")
+    _legend(ax, loc="upper left")
+    _save(fig, folder, "stragglers.png", dpi, written)
+
+
 def _bin_columns(loads: ExpertLoads, columns: int) -> tuple[np.ndarray, np.ndarray]:
     """The windows' counts summed into at most `columns` columns, with the columns' step edges."""
     steps = np.asarray(loads.steps)
@@ -383,6 +418,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None, *, dpi: int
     else:
         say("no expert heatmap: a dense model (no MoE layer)")
     plot_imbalance(run, folder, dpi, written)
+    plot_stragglers(run, Path(run_dir), folder, dpi, written)
     plot_downstream(Path(run_dir), folder, dpi, written)
     if run.unreadable:
         say(f"{run.unreadable} line(s) of {run.path} were not metrics records and were left out")

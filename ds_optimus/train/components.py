@@ -64,8 +64,14 @@ def init_distributed() -> str:
     if "LOCAL_RANK" not in os.environ or "LOCAL_WORLD_SIZE" not in os.environ:  # the launcher did not say
         local_rank, local_size = _local_place()
         os.environ.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(local_size))
+    from ..launch.environment import bind_cpus
+
+    bound = bind_cpus(int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
     if accelerator.device_name() == "cpu":
-        cpu_threads_per_rank()
+        if bound:
+            torch.set_num_threads(len(bound))  # its own cores: no further split
+        else:
+            cpu_threads_per_rank()
     return launch_summary()
 
 
