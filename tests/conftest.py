@@ -18,6 +18,11 @@ if not torch.cuda.is_available() and not (hasattr(torch, "xpu") and torch.xpu.is
 
 import ds_optimus  # noqa: E402,F401  (registers Mula with the Auto classes)
 
+# DeepSpeed's own tests run in a pytest process of their own (test_deepspeed_upstream_subset.py), which
+# sets this: they leave DeepSpeed's process group and environment behind in the process that ran them.
+UPSTREAM = "DS_OPTIMUS_UPSTREAM_TESTS"
+collect_ignore = [] if os.environ.get(UPSTREAM) else ["deepspeed_upstream"]
+
 
 @pytest.fixture(autouse=True)
 def _seed():

@@ -5,8 +5,7 @@
 # Ported to ds_optimus from deepspeedai/DeepSpeed, tests/conftest.py, commit
 # edaa7221267243c7be7fb49c5d5f5c4fb97b4641 (2026-08-22), under the Apache License 2.0: the three hooks
 # that run DeepSpeed's DistributedTest classes in their own processes, as upstream's. Added: the
-# subset that runs here (SUBSET), this folder on sys.path for the `unit.` imports, and a fixture that
-# leaves pytest's process as each test found it.
+# subset that runs here (SUBSET) and this folder on sys.path for the `unit.` imports.
 """DeepSpeed's own unit tests of the areas ds_optimus patches (engine initialisation with client and
 config optimizers, ZeRO-1/2 steps with gradient clipping, checkpoints of ZeRO optimizers), run with
 ds_optimus imported in every rank (unit/common.py imports it). A patch that changes DeepSpeed's
@@ -18,6 +17,10 @@ meet "NVIDIA Apex AMP integration has been removed" in the installed release), t
 scheduler classes (no patched method on their path), `TestZeROElasticCheckpoint` and
 `TestZeROPPLoadCheckpoint` (their distributed fixtures are not found by this pytest), and the
 accelerator-only classes (they skip on a CPU).
+
+They run in a pytest process of their own (tests/test_deepspeed_upstream_subset.py starts it): some
+run DeepSpeed's engine in pytest's own process, which leaves RANK, WORLD_SIZE, MASTER_* and a process
+group behind there, as DeepSpeed's own runs of them do.
 """
 
 import os
@@ -34,23 +37,6 @@ SUBSET = {
                                                                   "TestGradientClippingEndToEnd"),
     "unit/checkpoint/test_zero_optimizer.py": ("TestZeRONonDistributed", "TestSaveTensorClone"),
 }
-
-
-@pytest.fixture(autouse=True)
-def _leave_the_process_as_found():
-    """Added (not upstream's): some of these tests run DeepSpeed in pytest's own process, which sets
-    RANK, WORLD_SIZE, MASTER_* and a process group there; the rest of the suite must not inherit them."""
-    import torch.distributed as dist
-
-    environ, initialized = dict(os.environ), dist.is_available() and dist.is_initialized()
-    yield
-    os.environ.clear()
-    os.environ.update(environ)
-    if dist.is_available() and dist.is_initialized() and not initialized:
-        dist.destroy_process_group()
-        import deepspeed.comm.comm as ds_comm
-
-        ds_comm.cdb = None  # DeepSpeed's handle on the group just destroyed
 
 
 def pytest_collection_modifyitems(config, items):
