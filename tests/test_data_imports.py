@@ -26,7 +26,7 @@ STAGES = [
 ORDER = [module for _, modules in STAGES for module in modules]
 STAGE = {module: stage for stage, modules in STAGES for module in modules}
 # what the data package may import of the rest of ds_optimus: leaves that import nothing of it
-OUTSIDE = {"_lazy", "schema", "command_line", "progress"}
+OUTSIDE = {"_lazy", "schema", "command_line", "progress", "launch"}  # launch: its environment module
 
 
 def package_imports(folder: Path, package: str = "ds_optimus.data") -> dict[str, set[str]]:
