@@ -11,6 +11,8 @@ them in turn (interleaved rounds, after warm-up); per contestant, on rank 0:
   messages   collectives per step (the MoE all-to-alls, the same for all, left out), the bytes of
              their inputs ("MB in") and what each rank sends with the bandwidth-optimal algorithm
              ("MB sent": an all-reduce sends 2(N-1)/N of its input, a reduce-scatter (N-1)/N)
+  bf16_wire  ours with `reduce_dtype: "bf16"`: the gradient reduction carries bf16, accumulation
+             stays fp32 (the model is fp32, so the parameter all-gather is fp32 in both)
   state      per-rank optimizer-state bytes, exact: fp32 master weights + Adam moments; and the
              gradient buffers: the reduced shard, full gradients kept between micro-steps (ZeRO-1),
              and the buckets gradients are copied into for communication
@@ -51,7 +53,9 @@ SHAPE = dict(vocab_size=2048, hidden_size=256, num_hidden_layers=4, num_attentio
 MICRO, SEQ = 2, 64
 # name: (sharded optimizer, ZeRO stage, options of the sharded optimizer)
 CONTESTANTS = {"ours_zero2": (True, 2, {}), "ours_zero2_overlap": (True, 2, {"overlap_comm": True}),
+               "ours_zero2_bf16_wire": (True, 2, {"reduce_dtype": "bf16"}),
                "ours_zero1": (True, 1, {}),
+               "ours_zero1_bf16_wire": (True, 1, {"reduce_dtype": "bf16"}),
                "ours_zero1_gather_overlap": (True, 1, {"overlap_param_gather": True}),
                "ours_zero1_group2": (True, 1, {"shard_group_size": 2}),
                "ours_zero1_group2_gather_overlap": (True, 1, {"shard_group_size": 2, "overlap_param_gather": True}),
@@ -345,6 +349,13 @@ def main() -> None:
     print(f"shard groups of {NODE} (one node): bytes across nodes x{across:.2f} of full sharding's, inside "
           f"{hybrid['wire_bytes_inside_node'] / 1e6:.1f} MB against {full['wire_bytes_inside_node'] / 1e6:.1f}; state "
           f"per rank x{state:.2f}")
+    wires = {}
+    for stage in (1, 2):
+        fp32, bf16 = rows[f"ours_zero{stage}"], rows[f"ours_zero{stage}_bf16_wire"]
+        wires[stage] = {"bytes_in": bf16["message_bytes_per_step"] / fp32["message_bytes_per_step"],
+                        "reduction_plus_update": bf16["reduction_plus_update_s"] / fp32["reduction_plus_update_s"]}
+        print(f"ZeRO-{stage}, bf16 on the wire / fp32: MB in x{wires[stage]['bytes_in']:.2f} (the parameter all-gather "
+              f"stays fp32), reduction + update x{wires[stage]['reduction_plus_update']:.2f}")
     waits = {name: rows[name]["param_wait_s"] * 1e3 for name in ("ours_zero1", "ours_zero1_gather_overlap",
                                                                "deepspeed_zero1", "deepspeed_zero2")}
     print("parameter wait per step (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in waits.items()))
@@ -353,7 +364,7 @@ def main() -> None:
         "shape": SHAPE, "micro_batch": MICRO, "seq_len": SEQ, "params": zero["params"], "rounds": args.rounds,
         "contestants": rows, "speedup_reduction_plus_update_vs_deepspeed_zero2": speedup,
         "state_ratio_vs_best_deepspeed": ours_state / best_ds, "autoep": zero["autoep"], "node_size": NODE,
-        "across_node_bytes_group2_vs_full": across, "param_wait_ms": waits})
+        "across_node_bytes_group2_vs_full": across, "param_wait_ms": waits, "bf16_wire_vs_fp32": wires})
     print(f"wrote {path}")
 
 

@@ -108,6 +108,8 @@ def train(rank: int, world: int, spec: dict) -> dict:
               "skipped_steps": engine.skipped_steps, "opened": opened}
     if hasattr(engine.optimizer, "state_bytes"):
         result["state_bytes"] = engine.optimizer.state_bytes()
+        result["comm_bytes"] = dict(engine.optimizer.comm_bytes)
+        result["bucket_dtypes"] = sorted({str(engine.optimizer.bucket_dtype(s)) for s in engine.optimizer.spaces})
         result["gather"] = {"launch_s": engine.optimizer.gather.launch_s, "wait_s": engine.optimizer.gather.wait_s,
                             "pending": len(engine.optimizer.gather.pending)}
     # through state_dict(): it waits for an overlapped parameter gather still on its way

@@ -125,6 +125,15 @@ def metrics_worker(rank: int, world: int, config: dict) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if rank == 0 else []
 
 
+def communication_worker(rank: int, world: int, config: dict) -> dict:
+    """Train `config`; returns the losses and what the sharded optimizer sent and held."""
+    trainer = Trainer(config)
+    summary = trainer.train()
+    optimizer = trainer.engine.optimizer
+    return {"losses": summary["losses"], "comm_bytes": dict(optimizer.comm_bytes),
+            "bucket_dtypes": sorted({str(optimizer.bucket_dtype(s)) for s in optimizer.spaces})}
+
+
 class RoundingPerturbation(Callback):
     """Before the first step, every parameter element times (1 +- 2**-24), signs drawn from a fixed
     seed: one float32 rounding's worth of change, the size of what reordering a float32 sum does."""

@@ -167,7 +167,8 @@ def build_sharded_optimizer(engine, basic_optimizer, settings) -> ShardedOptimiz
     return ShardedOptimizer(basic_optimizer, param_names=dict(engine.param_names), stage=stage,
                             expert_groups=expert_layouts(engine.module), dense_group=group, module=engine.module,
                             clip_grad=engine.gradient_clipping(), reduce_dtype=reduce_dtype, loss_scaler=scaler,
-                            norm_group=dist.group.WORLD if stages is not None else None, **options)
+                            norm_group=dist.group.WORLD if stages is not None else None,
+                            accumulation_steps=engine.gradient_accumulation_steps(), **options)
 
 
 def _configure_zero_optimizer(self, optimizer):

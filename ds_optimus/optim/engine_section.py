@@ -18,7 +18,9 @@ class ShardedOptimizerConfig(Section):
 
     enabled: bool = False  # the EP-aware sharded optimizer in place of DeepSpeed's ZeRO-1/2 optimizer
     bucket_size: int = 50_000_000  # elements per reduce-scatter / all-gather bucket
-    reduce_dtype: str | None = None  # fp32 | bf16 | fp16; null: DeepSpeed's grad accumulation dtype
+    # the gradient reduction's dtype on the wire (fp32 | bf16 | fp16; null: DeepSpeed's communication or
+    # grad accumulation dtype); micro-batches add up in fp32 buckets whatever it is, cast only at the collective
+    reduce_dtype: str | None = None
     # reduce buckets while the backward pass goes on; null: yes, except on gloo (CPU), where the
     # collectives' threads compete with the backward pass for the same cores
     overlap_comm: bool | None = None

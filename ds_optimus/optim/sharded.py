@@ -63,7 +63,7 @@ class ShardedOptimizer:
                  bucket_size: int = 50_000_000, reduce_dtype: torch.dtype | None = None,
                  overlap_comm: bool | None = None, loss_scaler: LossScaler | None = None, norm_group=None,
                  shard_group_size: int | None = None, module: torch.nn.Module | None = None,
-                 overlap_param_gather: bool = False) -> None:
+                 overlap_param_gather: bool = False, accumulation_steps: int = 1) -> None:
         if stage not in (1, 2):
             raise ShardedOptimizerError(f"the sharded optimizer runs ZeRO stage 1 or 2, not {stage}")
         self.optimizer = init_optimizer
@@ -77,6 +77,11 @@ class ShardedOptimizer:
         # gradient norm over: every element on one of its ranks (with pipeline stages, the world)
         self.norm_group = norm_group if norm_group is not None else self.dense_group
         self.defer_reduction = False  # reduce only at the step's boundary also at ZeRO-2 (a pipeline schedule)
+        # micro-steps a step adds up: ZeRO-1's buckets (and deferred ones) then hold fp32 sums, whatever
+        # the reduction's dtype on the wire
+        self.accumulation_steps = accumulation_steps
+        # bytes handed to the gradient collectives, by kind (the wire dtype's), since construction
+        self.comm_bytes = {"reduce_scatter": 0, "replica_all_reduce": 0}
         # Expert parameters name their layout by DeepSpeed's group name (`group_name`, "ep_size_{P}").
         self.expert_groups = {groups.name: groups for groups in expert_groups}
         self.world_size = dist.get_world_size(group=self.dense_group)
@@ -158,11 +163,20 @@ class ShardedOptimizer:
     def _reducing(self) -> bool:
         return (self.stage == 2 and not self.defer_reduction) or self.is_gradient_accumulation_boundary()
 
+    def bucket_dtype(self, space: Space) -> torch.dtype:
+        """The dtype a bucket adds a step's gradients up in: fp32 when it adds up several micro-steps
+        (ZeRO-1 with accumulation, a pipeline schedule's deferred reduction) and the wire dtype is
+        narrower; else the wire dtype (one micro-step's gradients, cast once at most)."""
+        accumulates = self.defer_reduction or (self.stage == 1 and self.accumulation_steps > 1)
+        if accumulates and space.reduce_dtype.itemsize < 4:
+            return torch.float32
+        return space.reduce_dtype
+
     def _bucket_buffer(self, space: Space, bucket: Bucket) -> torch.Tensor:
         if self.stage == 1:  # kept between micro-steps: its own memory
-            buf = torch.empty(bucket.size, dtype=space.reduce_dtype, device=space.device)
+            buf = torch.empty(bucket.size, dtype=self.bucket_dtype(space), device=space.device)
         else:
-            buf = self._pool.get(bucket.size, space.reduce_dtype, space.device)
+            buf = self._pool.get(bucket.size, self.bucket_dtype(space), space.device)
         for offset, length in bucket.padding:
             buf[offset:offset + length].zero_()
         return buf
@@ -213,17 +227,28 @@ class ShardedOptimizer:
                 for _, offset, length in bucket.copies[i]:
                     bucket.grad[offset:offset + length].zero_()
         view = space.grad[bucket.shard_offset:bucket.shard_offset + bucket.shard]
-        bucket.direct = space.reduce_dtype == torch.float32 and self._reduced_this_step == 0
-        bucket.out = view if bucket.direct else self._pool.get(bucket.shard, space.reduce_dtype, space.device)
+        # the reduced shard: in the wire dtype from a reduce-scatter; in fp32 where the ranks' parts are
+        # added here (the pairwise exchange, or one rank)
+        local_sum = space.group_size == 1 or space.pairwise
+        out_dtype = torch.float32 if local_sum else space.reduce_dtype
+        bucket.direct = out_dtype == torch.float32 and self._reduced_this_step == 0
+        bucket.out = view if bucket.direct else self._pool.get(bucket.shard, out_dtype, space.device)
+        wire = bucket.grad  # cast to the wire dtype only here, at the collective
+        if wire.dtype != space.reduce_dtype and space.group_size > 1:
+            wire = self._pool.get(bucket.size, space.reduce_dtype, space.device)
+            wire.copy_(bucket.grad)
+        bucket.wire = wire
         if space.group_size == 1:  # nothing to exchange
             bucket.received = bucket.grad
         elif space.pairwise:
             bucket.received = self._pool.get(bucket.size, space.reduce_dtype, space.device)
-            bucket.work = dist.all_to_all_single(bucket.received, bucket.grad, group=space.group,
+            bucket.work = dist.all_to_all_single(bucket.received, wire, group=space.group,
                                                  async_op=self.overlap_comm)
         else:
-            bucket.work = collective("reduce_scatter")(bucket.out, bucket.grad, group=space.group,
+            bucket.work = collective("reduce_scatter")(bucket.out, wire, group=space.group,
                                                        async_op=self.overlap_comm)
+        if space.group_size > 1:
+            self.comm_bytes["reduce_scatter"] += wire.numel() * wire.element_size()
         bucket.pending = bucket.launched = True
         self._in_flight.append((space, bucket))
         # Without overlap it is done already; with it, at most two buckets in flight, so that ZeRO-2
@@ -235,8 +260,11 @@ class ShardedOptimizer:
         """Wait for a bucket's reduction and add its result to the fp32 shard."""
         if bucket.work is not None:
             bucket.work.wait()
-        if bucket.received is not None:
-            torch.sum(bucket.received.view(space.group_size, bucket.shard), 0, out=bucket.out)
+        if bucket.wire is not None and bucket.wire is not bucket.grad:
+            self._pool.put(bucket.wire)
+        bucket.wire = None
+        if bucket.received is not None:  # the ranks' parts added in fp32
+            torch.sum(bucket.received.view(space.group_size, bucket.shard), 0, out=bucket.out, dtype=bucket.out.dtype)
             if bucket.received is not bucket.grad:
                 self._pool.put(bucket.received)
         if not bucket.direct:
@@ -373,6 +401,7 @@ class ShardedOptimizer:
             if space.replicas is not None:  # fp16 sums of several micro-steps could overflow: fp32 then
                 view = space.grad[bucket.shard_offset:bucket.shard_offset + bucket.shard]
                 wire = view if space.reduce_dtype in (torch.float32, torch.float16) else view.to(space.reduce_dtype)
+                self.comm_bytes["replica_all_reduce"] += wire.numel() * wire.element_size()
                 works.append((view, wire, dist.all_reduce(wire, group=space.replicas, async_op=True)))
         for view, wire, work in works:
             work.wait()
@@ -394,7 +423,7 @@ class ShardedOptimizer:
         grad_shard = sum(s.grad.numel() * s.grad.element_size() for s in self.spaces)
         buckets = 0
         if self.stage == 1 or self.defer_reduction:
-            buckets = sum(b.size * s.reduce_dtype.itemsize for s in self.spaces for b in s.buckets)
+            buckets = sum(b.size * self.bucket_dtype(s).itemsize for s in self.spaces for b in s.buckets)
         return {"optimizer_state": state, "gradient_shard": grad_shard, "gradient_buckets": buckets,
                 "communication_buffers": self._pool.allocated}
 

@@ -65,7 +65,9 @@ class Bucket:
         self.copies = merge_copies(runs)  # param -> [(start, offset, length)]
         self.mine = [r for r in runs if r.owner == rank]
         self.padding = padding(runs, size)
-        self.grad: torch.Tensor | None = None  # the full bucket of gradients (reduce dtype)
+        # the full bucket of gradients: fp32 where it adds up micro-steps, else the reduction's dtype
+        self.grad: torch.Tensor | None = None
+        self.wire: torch.Tensor | None = None  # `grad` cast to the reduction's dtype, while in flight
         self.written: set[int] = set()  # params whose gradient is in `grad` (this accumulation)
         self.arrived: set[int] = set()  # params whose gradient arrived this micro-step
         self.complete = False

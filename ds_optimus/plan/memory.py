@@ -183,14 +183,18 @@ def _estimate(model: ModelShape, layout: Layout, part: _Part, expert_imbalance: 
     if layout.sharded:
         # fp32 master, exp_avg, exp_avg_sq and the fp32 reduced-gradient shard
         optimizer_state = 16 * shard
-        # ZeRO-1 keeps full-size gradient buckets (reduce dtype) from one backward pass to the next;
-        # under a pipeline schedule, ZeRO-2 too (the reduction waits for the schedule's end)
-        gradients = gradients_at_peak = r * n_local if layout.zero == 1 or layout.pp > 1 else 0.0
+        # ZeRO-1 keeps full-size gradient buckets from one backward pass to the next; under a pipeline
+        # schedule, ZeRO-2 too (the reduction waits for the schedule's end). Buckets that add several
+        # micro-batches up do it in fp32, cast to the wire dtype only at the collective.
+        accumulates = layout.pp > 1 or (layout.zero == 1 and layout.accumulation > 1)
+        held = 4 if accumulates and r < 4 else r
+        gradients = gradients_at_peak = held * n_local if layout.zero == 1 or layout.pp > 1 else 0.0
         # the optimizer's reused buffers: the all-gather of the new weights (two buckets in flight,
         # parameter dtype; overlapped with the next forward, every bucket until that forward takes it),
-        # and under ZeRO-2 the gradient buckets being filled during the backward
+        # under ZeRO-2 the gradient buckets being filled during the backward, and the wire-dtype copies
+        # of fp32 buckets in flight
         gathered = n_local if layout.gather_overlap else two_buckets
-        buffers = p * gathered + (r * two_buckets if layout.zero == 2 else 0.0)
+        buffers = p * gathered + (r * two_buckets if layout.zero == 2 or held != r else 0.0)
         if r != p:  # the pairwise reduce-scatter's receive buffer cannot reuse a parameter-dtype one
             buffers += r * largest
     else:
