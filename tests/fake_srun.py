@@ -18,12 +18,16 @@ def main() -> int:
     options = {}
     while i < len(args) and args[i].startswith("--"):
         key, _, value = args[i][2:].partition("=")
-        if not value and key != "cpu-bind":
+        if not value:
             value, i = args[i + 1], i + 1
         options[key] = value
         i += 1
     command = args[i:]
     nodes, per_node = int(options["nodes"]), int(options["ntasks-per-node"])
+    if "ntasks" in options and int(options["ntasks"]) != nodes * per_node:
+        print(f"srun: --ntasks {options['ntasks']} is not --nodes {nodes} x --ntasks-per-node {per_node}",
+              file=sys.stderr)
+        return 1
     hosts = options["nodelist"].split(",")[:nodes]
     procs = []
     for rank in range(nodes * per_node):

@@ -467,6 +467,26 @@ def test_the_supervisor_stops_in_one_line_when_too_few_nodes_remain(tmp_path):
                               "(1: expert parallel size 4 does not divide the world size 2); stopping")
     with pytest.raises(AllocationError, match="leaves none"):
         Allocation(["n1"], spares=1)
+    # a refusal that no smaller count changes (not about ranks or the world) ends the search at once
+    asked = []
+    many = Allocation([f"n{i}" for i in range(1, 9)], spares=0)
+    with pytest.raises(AllocationError, match="data path"):
+        many.choose({"n1": 1}, 1, lambda count: asked.append(count) or "data path '/x' does not exist")
+    assert asked == [7]
+
+
+def test_strikes_count_this_jobs_faults_by_short_host_name(tmp_path):
+    from ds_optimus.reliability.allocation import Allocation
+    from ds_optimus.reliability.fault_log import append_fault, read_faults, strikes
+
+    append_fault(tmp_path, 3, "nonfinite", [2], ["x2"])  # gethostname()'s short name
+    append_fault(tmp_path, 4, "nonfinite", [0, 2, 4], ["x1", "x2", "x3"])  # spread through the exchange
+    append_fault(tmp_path, 5, "straggler", [1], ["x1"])  # said, never struck
+    records = read_faults(tmp_path)
+    assert strikes(records) == {"x2": 1}
+    assert strikes(records, since=records[-1]["time"] + 1) == {}  # an earlier job's faults
+    allocation = Allocation(["x1.hsn.example.gov", "x2.hsn.example.gov", "x3.hsn.example.gov"], spares=1)
+    assert allocation.choose(strikes(records), 1) == ["x1.hsn.example.gov", "x3.hsn.example.gov"]
 
 
 @pytest.mark.slow
@@ -487,5 +507,6 @@ def test_the_probe_strikes_a_failing_node_before_a_relaunch(tmp_path):
         os.environ.update(old)
     assert failing == ["n2"] and log == ["supervise: probe of 3 nodes: n2 failed"]
     results = {p.stem: json.loads(p.read_text()) for p in (tmp_path / "probe" / "attempt-1").glob("*.json")}
-    assert results["n2"] == {"host": "n2", "ok": False, "reason": "fault injected"} and results["n1"]["ok"]
+    assert results["n2"]["ok"] is False and results["n2"]["reason"] == "fault injected" and results["n1"]["ok"]
+    assert results["n1"]["collective"] is None  # the three joined and exchanged, the failed node too
     assert Allocation(["n1", "n2", "n3", "n4"], spares=1).choose({"n2": 1}, 1) == ["n1", "n3", "n4"]

@@ -55,6 +55,9 @@ def test_no_launcher_is_a_world_of_one():
     # torchrun started by srun: torchrun's world; srun's variables describe the allocation
     ({"RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "SLURM_PROCID": "1",
       "SLURM_STEP_NUM_TASKS": "4"}, ("torch", 5, 16, 1, 4)),
+    # srun --mpi=pmix: PMIX_RANK with no size beside srun's own variables
+    ({"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "1", "PMIX_RANK": "1",
+      "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_NODEID": "0"}, ("slurm", 1, 2, 1, 2)),
     # mpiexec inside a Slurm batch script: MPI's world
     ({"PMI_RANK": "3", "PMI_SIZE": "8", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "5"},
      ("mpich", 3, 8, None, None)),
@@ -184,6 +187,22 @@ def test_adopt_writes_torchs_variables_once():
     assert env["MASTER_PORT"] == str(derived_port("prterun-vm-1@1"))
     before = dict(env)
     assert adopt(env).launcher == "openmpi" and env == before  # again (a child process): the same
+
+
+def test_the_launch_steps_own_hosts_come_before_the_allocations(tmp_path):
+    """srun's step node list, then the supervisor's host file of the attempt (a node left out is not
+    rank 0's host any more), then the allocation's node file."""
+    nodefile, attempt = tmp_path / "nodefile", tmp_path / "attempt"
+    nodefile.write_text("x1.hsn.example\nx2.hsn.example\nx3.hsn.example\n")
+    attempt.write_text("x2.hsn.example\nx3.hsn.example\n")
+    env = {"PBS_NODEFILE": str(nodefile), "DS_OPTIMUS_HOSTFILE": str(attempt)}
+    assert job_hosts(env)[0] == ["x2.hsn.example", "x3.hsn.example"]
+    assert job_hosts({**env, "SLURM_STEP_NODELIST": "n[4-5]", "SLURM_JOB_NODELIST": "n[1-5]"})[0] == ["n4", "n5"]
+    assert job_hosts({"PBS_NODEFILE": str(nodefile)})[0][0] == "x1.hsn.example"
+    binary = tmp_path / "binary"
+    binary.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(LaunchError, match="is not text"):
+        job_hosts({"PBS_NODEFILE": str(binary)})
 
 
 def test_job_hosts_come_from_slurm_pbs_or_a_hostfile(tmp_path):

@@ -11,8 +11,8 @@ variables are there and writes torch's, so every entry point forms its world the
     Open MPI (mpirun, prterun)       OMPI_COMM_WORLD_RANK / _SIZE       OMPI_COMM_WORLD_LOCAL_RANK / _SIZE
     Cray PALS (mpiexec on Aurora)    PALS_RANKID / PALS_SIZE, PMI_SIZE  PALS_LOCAL_RANKID / PALS_LOCAL_SIZE
     MPICH, Intel MPI (Hydra)         PMI_RANK / PMI_SIZE                MPI_LOCALRANKID / MPI_LOCALNRANKS
-    PMIx launchers                   PMIX_RANK / PMIX_SIZE, PMI_SIZE    PMIX_LOCAL_RANK / PMIX_LOCAL_SIZE
     Slurm (srun)                     SLURM_PROCID / SLURM_STEP_NUM_TASKS  SLURM_LOCALID / SLURM_STEP_TASKS_PER_NODE
+    PMIx launchers                   PMIX_RANK / PMIX_SIZE, PMI_SIZE    PMIX_LOCAL_RANK / PMIX_LOCAL_SIZE
 
 The first launcher of the table whose rank variable is set is the one used (torchrun started by
 srun: torchrun's; srun's variables then describe the allocation, not the world). Rank 0's host is
@@ -60,10 +60,11 @@ LAUNCHERS = (
              ("PALS_LOCAL_SIZE", "PMI_LOCAL_SIZE"), ("PALS_APID", "PBS_JOBID")),
     Launcher("mpich", "MPICH or Intel MPI", ("PMI_RANK",), ("PMI_SIZE",), ("MPI_LOCALRANKID", "PMI_LOCAL_RANK"),
              ("MPI_LOCALNRANKS", "PMI_LOCAL_SIZE"), ("PBS_JOBID", "SLURM_JOB_ID")),
-    Launcher("pmix", "a PMIx launcher", ("PMIX_RANK",), ("PMIX_SIZE", "PMI_SIZE"), ("PMIX_LOCAL_RANK",),
-             ("PMIX_LOCAL_SIZE",), ("PMIX_NAMESPACE",)),
+    # srun before PMIx: `srun --mpi=pmix` sets PMIX_RANK but no size variable
     Launcher("slurm", "srun", ("SLURM_PROCID",), ("SLURM_STEP_NUM_TASKS",), ("SLURM_LOCALID",), (),
              ("SLURM_JOB_ID", "SLURM_STEP_ID"), mpi=False),
+    Launcher("pmix", "a PMIx launcher", ("PMIX_RANK",), ("PMIX_SIZE", "PMI_SIZE"), ("PMIX_LOCAL_RANK",),
+             ("PMIX_LOCAL_SIZE",), ("PMIX_NAMESPACE",)),
 )
 TORCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 HOSTFILE_VARIABLE = "DS_OPTIMUS_HOSTFILE"
@@ -166,16 +167,17 @@ def _check_agreement(env, chosen: Launcher, present: list[Launcher], rank: int, 
 
 
 def job_hosts(env: Mapping[str, str] | None = None) -> tuple[list[str], str] | None:
-    """The allocation's hosts in order and where they came from: Slurm's node list of the step (or
-    job), PBS's node file, or the file `DS_OPTIMUS_HOSTFILE` names; None where the job gives none."""
+    """The hosts of the launch in order and where they came from: srun's step node list, the file
+    `DS_OPTIMUS_HOSTFILE` names (the supervisor's, for each attempt), Slurm's job node list, PBS's
+    node file; None where the job gives none."""
     env = os.environ if env is None else env
     try:
-        for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
+        # the launch step's own nodes first (srun's; the supervisor's host file of the attempt), then
+        # the allocation's
+        for name in ("SLURM_STEP_NODELIST", HOSTFILE_VARIABLE, "SLURM_JOB_NODELIST", "SLURM_NODELIST", "PBS_NODEFILE"):
             if env.get(name):
-                return expand_slurm_hostlist(env[name]), f"{name}={env[name]}"
-        for name in (HOSTFILE_VARIABLE, "PBS_NODEFILE"):
-            if env.get(name):
-                return read_hostfile(env[name]), f"{name}={env[name]}"
+                read = read_hostfile if name in (HOSTFILE_VARIABLE, "PBS_NODEFILE") else expand_slurm_hostlist
+                return read(env[name]), f"{name}={env[name]}"
     except HostListError as err:
         raise LaunchError(str(err)) from None
     return None
@@ -195,7 +197,9 @@ def this_host(env: Mapping[str, str] | None = None) -> str:
     return env.get(HOST_VARIABLE) or socket.gethostname()
 
 
-def _short(host: str) -> str:
+def short_host(host: str) -> str:
+    """`x4102c5s3b0n0.hostmgmt.example.gov` -> `x4102c5s3b0n0`: node files often hold full names
+    where `gethostname()` gives the short one (or the other way round)."""
     return host.split(".", 1)[0]
 
 
@@ -216,7 +220,7 @@ def rendezvous(world: World, env: Mapping[str, str] | None = None) -> tuple[str,
                               "set MASTER_ADDR to rank 0's host")
         hosts, source = found
         address, how = hosts[0], f"the first host of {source.split('=')[0]}"
-        if world.rank == 0 and _short(address) != _short(this_host(env)):
+        if world.rank == 0 and short_host(address) != short_host(this_host(env)):
             raise LaunchError(f"rank 0 runs on {this_host(env)} but {how} is {address} (ranks not placed "
                               "in host order?): set MASTER_ADDR to rank 0's host")
     if env.get("MASTER_PORT"):

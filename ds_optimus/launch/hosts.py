@@ -67,6 +67,8 @@ def read_hostfile(path: str | Path) -> list[str]:
         lines = Path(path).read_text().splitlines()
     except OSError as err:
         raise HostListError(f"cannot read the host file {str(path)!r}: {err.strerror or err}") from None
+    except UnicodeDecodeError:
+        raise HostListError(f"the host file {str(path)!r} is not text") from None
     hosts = []
     for line in lines:
         line = line.split("#", 1)[0].strip()

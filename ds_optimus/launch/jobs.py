@@ -181,7 +181,8 @@ def _slurm(spec: JobSpec) -> str:
     cores = {"frontier": 7}.get(spec.cluster)
     lines = ["#!/bin/bash", f"#SBATCH --job-name={spec.name}", f"#SBATCH --nodes={spec.nodes + spec.spares}",
              f"#SBATCH --ntasks-per-node={spec.ranks_per_node}", f"#SBATCH --time={spec.walltime}",
-             f"#SBATCH --output={spec.output_dir}/slurm-%j.out"]
+             "#SBATCH --output=slurm-%j.out",  # in the folder the job is submitted from, which exists
+             "#SBATCH --no-kill"]  # a failed node leaves the allocation standing: the supervisor goes on without it
     if spec.cluster != "local":
         lines.append(f"#SBATCH --gpus-per-node={spec.ranks_per_node}")
     if cores:
@@ -194,9 +195,11 @@ def _slurm(spec: JobSpec) -> str:
     lines += ["set -euo pipefail", 'cd "${SLURM_SUBMIT_DIR:-.}"', f"mkdir -p {shlex.quote(spec.output_dir)}",
               'SRUN="${SRUN:-srun}"']
     lines += _environment(spec.cluster)
-    probe = (f"$SRUN --nodes {{nodes}} --ntasks-per-node 1 --nodelist {{hosts}} $PYTHON -m ds_optimus.launch.probe"
-             f"{_devices(spec)}")
-    bind = " --cpu-bind=cores" if cores else ""
-    launch = f'"$SRUN" --nodes {{nodes}} --ntasks-per-node {spec.ranks_per_node} --nodelist {{hosts}}{bind}'
+    # srun's task count given each time: inside the batch job it would take the allocation's (spares too)
+    probe = (f"$SRUN --nodes {{nodes}} --ntasks {{nodes}} --ntasks-per-node 1 --nodelist {{hosts}} "
+             f"$PYTHON -m ds_optimus.launch.probe{_devices(spec)}")
+    bind = f" --cpus-per-task {cores} --cpu-bind=cores" if cores else ""
+    launch = (f'"$SRUN" --nodes {{nodes}} --ntasks {{ranks}} --ntasks-per-node {spec.ranks_per_node} '
+              f"--nodelist {{hosts}}{bind} --kill-on-bad-exit=1")
     lines += _supervise(spec, "slurm", probe, launch)
     return "\n".join(lines) + "\n"

@@ -5,8 +5,9 @@
 Each rank checks that its node's accelerators are visible (`--devices N`: at least N), that a
 matmul on one gives the result the CPU computes, and that a collective with its neighbours (an
 all-reduce over the probe's world, then a send to the next rank and a receive from the previous)
-carries the right numbers; it writes `<DS_OPTIMUS_PROBE_DIR>/<host>.json` with `ok` and the reason.
-A node that hangs writes nothing: the supervisor's time-out and the missing file name it.
+carries the right numbers; it writes `<DS_OPTIMUS_PROBE_DIR>/<host>.json` with `ok` (its own checks)
+and the reason, and the collective's finding beside it. A node that hangs writes nothing: the
+supervisor's time-out and the missing file name it.
 """
 
 from __future__ import annotations
@@ -79,23 +80,31 @@ def main(argv: list[str] | None = None) -> int:
     host = this_host()
     try:
         world = adopt()
+    except LaunchError as err:
+        return fail(parser.name, err, launched=True)
+    try:
         reason = check_node(args.devices) or _injected(host)
-        if world.size > 1:
+    except Exception as err:  # noqa: BLE001  (any failure of the node is the probe's finding)
+        reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    collective = None
+    if world.size > 1:  # every rank joins, whatever its own check found: a missing rank fails the others
+        try:
             import datetime
 
             import torch.distributed as dist
 
             dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
             collective = check_collective()
-            reason = reason or collective
             dist.destroy_process_group()
-    except LaunchError as err:
-        return fail(parser.name, err, launched=True)
-    except Exception as err:  # noqa: BLE001  (any failure of the node is the probe's finding)
-        reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        except Exception as err:  # noqa: BLE001
+            collective = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    # a node is failed by its own check, or by writing nothing (hung, dead); a collective that fails
+    # everywhere for want of one rank names no node, so it is recorded, not held against this one
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{host}.json").write_text(json.dumps({"host": host, "ok": reason is None, "reason": reason}))
-    print(f"probe {host}: {'ok' if reason is None else reason}", file=sys.stderr, flush=True)
+    (folder / f"{host}.json").write_text(json.dumps({"host": host, "ok": reason is None, "reason": reason,
+                                                     "collective": collective}))
+    print(f"probe {host}: {'ok' if reason is None else reason}"
+          + (f" (collective: {collective})" if collective else ""), file=sys.stderr, flush=True)
     return 0 if reason is None else 1
 
 

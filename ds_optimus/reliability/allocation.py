@@ -39,8 +39,8 @@ class Allocation:
                fits: Callable[[int], str | None] | None = None) -> list[str]:
         """The hosts of the next attempt: the first `nodes` healthy ones in allocation order (spares
         after the others); fewer when not enough are healthy, as many as the layout allows."""
-        for host in self.hosts:
-            if strikes.get(host, 0) >= strikes_to_leave_out and host not in self.out:
+        for host in self.hosts:  # `strikes` by short name (fault_log.strikes)
+            if strikes.get(host.split(".", 1)[0], 0) >= strikes_to_leave_out and host not in self.out:
                 self.out.append(host)
         healthy = [host for host in self.hosts if host not in self.out]
         if len(healthy) >= self.nodes:
@@ -51,9 +51,16 @@ class Allocation:
             if reason is None:
                 return healthy[:count]
             reasons.append(f"{count}: {reason}")
+            if not _names_a_size(reason):  # a reason no smaller count changes (data, a key): stop asking
+                break
         left = f"{len(healthy)} healthy node{'s' if len(healthy) != 1 else ''} left"
         raise AllocationError(f"{left} (left out: {', '.join(self.out)}) and the layout runs on none of "
                               f"{len(healthy)} down to 1 ({reasons[0] if reasons else 'no node at all'}); stopping")
+
+
+def _names_a_size(reason: str) -> bool:
+    """Whether a `--check` refusal is about the world's size (it says a rank or world count)."""
+    return any(word in reason for word in ("rank", "world", "divide", "fit", "GiB"))
 
 
 def fill(command: list[str], hosts: list[str], ranks_per_node: int, hostfile: Path) -> list[str]:

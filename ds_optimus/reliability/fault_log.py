@@ -56,14 +56,27 @@ def read_faults(output_dir: str | Path) -> list[dict]:
     return records
 
 
-def strikes(records: list[dict]) -> dict[str, int]:
-    """How many striking faults name each host (a fault naming several hosts strikes each once)."""
+MAX_HOSTS_STRUCK = 2  # a fault naming more hosts than this spread from one (a NaN through the exchange)
+
+
+def strikes(records: list[dict], since: float | None = None) -> dict[str, int]:
+    """How many striking faults name each host, by its short name (node files hold full names where
+    `gethostname()` may give short ones): records from `since` on (this job's), and only those naming
+    at most MAX_HOSTS_STRUCK hosts: a NaN that crossed the expert exchange or a pipeline's sends shows
+    on many hosts' ranks and names none of them for sure."""
     counts: dict[str, int] = {}
     for record in records:
-        if record.get("kind") in STRIKING:
-            for host in set(record.get("hosts", [])):
+        if record.get("kind") not in STRIKING or (since is not None and record.get("time", 0) < since):
+            continue
+        hosts = {short_host(h) for h in record.get("hosts", [])}
+        if len(hosts) <= MAX_HOSTS_STRUCK:
+            for host in hosts:
                 counts[host] = counts.get(host, 0) + 1
     return counts
+
+
+def short_host(host: str) -> str:
+    return host.split(".", 1)[0]
 
 
 def describe(ranks: list[int], hosts: list[str], limit: int = 8) -> str:

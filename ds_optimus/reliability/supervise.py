@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 from .allocation import PLACEHOLDERS, Allocation, AllocationError, fill
-from .fault_log import append_fault, read_faults, strikes
+from .fault_log import append_fault, read_faults, short_host, strikes
 from .signals import EXIT_PREEMPTED
 
 EXIT_GAVE_UP = 3
@@ -106,6 +106,7 @@ def supervise(command: list[str], max_restarts: int = 3, backoff: float = 30.0, 
             child.send_signal(signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    started = time.time()  # faults from here on are this job's (faults.jsonl outlives jobs)
     try:
         failed_at: int | None = None
         left_out = 0
@@ -114,16 +115,23 @@ def supervise(command: list[str], max_restarts: int = 3, backoff: float = 30.0, 
                 wait = min(max_backoff, backoff * 2 ** (attempt - 1))
                 log(f"supervise: restart {attempt} of {max_restarts} in {wait:g} s")
                 time.sleep(wait)
+            env = {**os.environ, ATTEMPT_VAR: str(attempt)}
             run = command
-            if allocation is not None:
+            if allocation is not None and not stopping:
                 try:
                     hosts = _choose_hosts(allocation, output_dir, strikes_to_leave_out, fits, log,
-                                          probe if attempt else None, ranks_per_node, attempt)
+                                          probe if attempt else None, ranks_per_node, attempt, started)
                 except AllocationError as err:
                     log(f"supervise: {err}")
                     return EXIT_GAVE_UP
-                run = fill(command, hosts, ranks_per_node, output_dir / "hosts" / f"attempt-{attempt}.txt")
-            child = subprocess.Popen(run, env={**os.environ, ATTEMPT_VAR: str(attempt)})
+                left_out = len(allocation.out)
+                hostfile = output_dir / "hosts" / f"attempt-{attempt}.txt"
+                run = fill(command, hosts, ranks_per_node, hostfile)
+                env["DS_OPTIMUS_HOSTFILE"] = str(hostfile)  # rank 0's host: the attempt's first, not the allocation's
+            if stopping:  # a signal during the back-off or the probe
+                log(f"supervise: signal {stopping[0]} before attempt {attempt}; not starting it")
+                return 128 + stopping[0]
+            child = subprocess.Popen(run, env=env)
             status = child.wait()
             if status == 0:
                 return 0
@@ -133,11 +141,12 @@ def supervise(command: list[str], max_restarts: int = 3, backoff: float = 30.0, 
             step = _step(progress)
             where = f"after step {step}" if step is not None else "before its first step"
             log(f"supervise: attempt {attempt} failed with status {status} {where}")
-            newly_out = allocation is not None and len(_struck(allocation, output_dir, strikes_to_leave_out)) > left_out
+            # a failure that named a node not yet left out changes the next attempt: not "no progress"
+            newly_out = allocation is not None and len(_struck(allocation, output_dir, strikes_to_leave_out,
+                                                                  started)) > left_out
             if step is not None and step == failed_at and not newly_out:
                 log(f"supervise: two failures in a row after step {step} without progress; giving up")
                 return EXIT_GAVE_UP
-            left_out = len(allocation.out) if allocation is not None else 0
             failed_at = step
         log(f"supervise: {max_restarts} restarts used up; giving up")
         return EXIT_GAVE_UP
@@ -146,24 +155,24 @@ def supervise(command: list[str], max_restarts: int = 3, backoff: float = 30.0, 
             signal.signal(s, handler)
 
 
-def _struck(allocation: Allocation, output_dir: Path, strikes_to_leave_out: int) -> list[str]:
-    counts = strikes(read_faults(output_dir))
-    return [h for h in allocation.hosts if counts.get(h, 0) >= strikes_to_leave_out]
+def _struck(allocation: Allocation, output_dir: Path, strikes_to_leave_out: int, since: float) -> list[str]:
+    counts = strikes(read_faults(output_dir), since)
+    return [h for h in allocation.hosts if counts.get(short_host(h), 0) >= strikes_to_leave_out]
 
 
 def _choose_hosts(allocation: Allocation, output_dir: Path, strikes_to_leave_out: int, fits, log,
-                  probe: list[str] | None, ranks_per_node: int, attempt: int) -> list[str]:
+                  probe: list[str] | None, ranks_per_node: int, attempt: int, since: float) -> list[str]:
     """The attempt's hosts (a probe first, when given: the nodes it finds failing are struck too)."""
     before = list(allocation.out)
-    hosts = allocation.choose(strikes(read_faults(output_dir)), strikes_to_leave_out, fits)
+    hosts = allocation.choose(strikes(read_faults(output_dir), since), strikes_to_leave_out, fits)
     if probe:
         failing = run_probe(probe, hosts, ranks_per_node, output_dir, attempt, log)
         for host in failing:
             append_fault(output_dir, None, "probe", [], [host], "failed the pre-launch probe")
         if failing:
-            counts = strikes(read_faults(output_dir))
-            hosts = allocation.choose({**counts, **{h: strikes_to_leave_out for h in failing}}, strikes_to_leave_out,
-                                      fits)
+            counts = strikes(read_faults(output_dir), since)
+            struck = {short_host(h): strikes_to_leave_out for h in failing}
+            hosts = allocation.choose({**counts, **struck}, strikes_to_leave_out, fits)
     new = [h for h in allocation.out if h not in before]
     if new or len(hosts) != allocation.nodes:
         spares = [h for h in hosts if allocation.hosts.index(h) >= len(allocation.hosts) - allocation.spares]
@@ -181,9 +190,11 @@ def run_probe(probe: list[str], hosts: list[str], ranks_per_node: int, output_di
     hosts that wrote no passing result are returned."""
     folder = output_dir / "probe" / f"attempt-{attempt}"
     folder.mkdir(parents=True, exist_ok=True)
-    command = fill(probe, hosts, ranks_per_node, output_dir / "hosts" / f"probe-{attempt}.txt")
+    hostfile = output_dir / "hosts" / f"probe-{attempt}.txt"
+    command = fill(probe, hosts, ranks_per_node, hostfile)
+    env = {**os.environ, "DS_OPTIMUS_PROBE_DIR": str(folder), "DS_OPTIMUS_HOSTFILE": str(hostfile)}
     try:
-        subprocess.run(command, env={**os.environ, "DS_OPTIMUS_PROBE_DIR": str(folder)}, timeout=timeout_s)
+        subprocess.run(command, env=env, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         log(f"supervise: the probe ran past {timeout_s:g} s")
     passed = set()
@@ -193,8 +204,8 @@ def run_probe(probe: list[str], hosts: list[str], ranks_per_node: int, output_di
         except (OSError, ValueError):
             continue
         if result.get("ok"):
-            passed.add(result.get("host"))
-    failing = [host for host in hosts if host not in passed]
+            passed.add(short_host(str(result.get("host"))))
+    failing = [host for host in hosts if short_host(host) not in passed]
     log(f"supervise: probe of {len(hosts)} node{'s' if len(hosts) != 1 else ''}: "
         + (f"{', '.join(failing)} failed" if failing else "all passed"))
     return failing

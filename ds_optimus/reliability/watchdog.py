@@ -133,5 +133,6 @@ class WatchdogConfig(Section):
              f"{where}.straggler_factor must be a number > 1, got {self.straggler_factor!r}")
 
     def build(self, rank: int) -> Watchdog:
-        """This rank's watchdog (its thread starts; nothing is armed until the first `beat`)."""
-        return Watchdog(rank)
+        """This rank's watchdog (its thread starts; nothing is armed until the first `beat`). The
+        backstop's grace covers the heartbeats' wait and one read of every rank's record."""
+        return Watchdog(rank, grace_s=30.0 + 2 * self.heartbeat_grace_s + 60.0)

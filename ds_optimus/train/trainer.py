@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ..command_line import said_by_every_rank
 from ..config import load_json_config
+from ..reliability.heartbeat import waiting_for_peers
 from ..reliability.signals import EXIT_PREEMPTED
 from ..schema import ConfigError
 from . import components as C
@@ -276,10 +277,11 @@ class Trainer:
         if loads is not None:
             pieces.append(loads.reshape(-1).to(parts.dtype))
         packed = torch.cat(pieces)
-        if self.world > 1:
-            dist.all_reduce(packed)
-            packed[:len(LOSS_PARTS)] /= self.dp_world  # with pipeline stages, the last stage's ranks add them
-        values = packed.tolist()  # the step's one host sync
+        with waiting_for_peers():  # a hang here is another rank's (the watchdog's heartbeats say whose)
+            if self.world > 1:
+                dist.all_reduce(packed)
+                packed[:len(LOSS_PARTS)] /= self.dp_world  # with pipeline stages, the last stage's ranks add them
+            values = packed.tolist()  # the step's one host sync
         self.metrics = dict(zip(LOSS_PARTS, values, strict=False))
         self.metrics.update(zip((name for name, _ in flags), values[len(LOSS_PARTS):], strict=False))
         self.nonfinite_ranks = int(values[len(LOSS_PARTS) + len(flags)])

@@ -29,6 +29,17 @@ class FaultRecordCallback(Callback):
         if trainer.world > 1:  # every rank's host, once
             self.hosts = [""] * trainer.world
             dist.all_gather_object(self.hosts, this_host())
+        trainer.rank_hosts = self.hosts  # the watchdog names a rank that never beat by it
+
+    def step_flags(self) -> dict[str, float]:
+        """Right before the step's reduction: on a straggler step, wait for this rank's device, so
+        that its arrival is its work's end, not its queueing's."""
+        trainer = self.trainer
+        if self.interval and trainer.step % self.interval == 0 and trainer.world > 1:
+            from deepspeed.accelerator import get_accelerator
+
+            get_accelerator().synchronize()
+        return {}
 
     def post_step(self, step: int) -> None:
         trainer = self.trainer

@@ -39,7 +39,8 @@ class WatchdogCallback(Callback):
         if not reporter or not behind:
             return None
         ranks = [b if isinstance(b, int) else b.rank for b in behind]
-        hosts = [b.host for b in behind if not isinstance(b, int)] or ["unknown"]
+        known = getattr(self.trainer, "rank_hosts", None) or []  # every rank's host, gathered at the start
+        hosts = [b.host if not isinstance(b, int) else known[b] if b < len(known) else "unknown" for b in behind]
         step = self.heartbeat.step
         detail = "; ".join(f"rank {b}: no heartbeat" if isinstance(b, int) else f"rank {b.rank}: {_state(b, step)}"
                            for b in behind[:16])
