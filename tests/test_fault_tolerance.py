@@ -495,7 +495,7 @@ def test_the_probe_strikes_a_failing_node_before_a_relaunch(tmp_path):
     from ds_optimus.reliability.supervise import run_probe
 
     probe = [sys.executable, FAKE_CLUSTER, "--hostfile", "{hostfile}", "--ppn", "1", "--",
-             sys.executable, "-m", "ds_optimus.launch.probe"]
+             sys.executable, "-m", "ds_optimus.reliability.probe"]
     env = {**env_with([{"kind": "probe", "host": "n2"}])}
     log = []
     old = dict(os.environ)

@@ -171,7 +171,8 @@ def _pbs(spec: JobSpec) -> str:
     lines.append(f'CPU_BIND="${{CPU_BIND-{bind}}}"  # CPU_BIND= runs the ranks unbound')
     lines.append('MPIEXEC="${MPIEXEC:-mpiexec}"')
     lines += _environment(spec.cluster, extra)
-    probe = f"$MPIEXEC -n {{nodes}} --ppn 1 --hostfile {{hostfile}} $PYTHON -m ds_optimus.launch.probe{_devices(spec)}"
+    probe = (f"$MPIEXEC -n {{nodes}} --ppn 1 --hostfile {{hostfile}} $PYTHON -m ds_optimus.reliability.probe"
+             f"{_devices(spec)}")
     launch = f'"$MPIEXEC" -n {{ranks}} --ppn {spec.ranks_per_node} --hostfile {{hostfile}} $CPU_BIND'
     lines += _supervise(spec, "pbs", probe, launch)
     return "\n".join(lines) + "\n"
@@ -197,7 +198,7 @@ def _slurm(spec: JobSpec) -> str:
     lines += _environment(spec.cluster)
     # srun's task count given each time: inside the batch job it would take the allocation's (spares too)
     probe = (f"$SRUN --nodes {{nodes}} --ntasks {{nodes}} --ntasks-per-node 1 --nodelist {{hosts}} "
-             f"$PYTHON -m ds_optimus.launch.probe{_devices(spec)}")
+             f"$PYTHON -m ds_optimus.reliability.probe{_devices(spec)}")
     bind = f" --cpus-per-task {cores} --cpu-bind=cores" if cores else ""
     launch = (f'"$SRUN" --nodes {{nodes}} --ntasks {{ranks}} --ntasks-per-node {spec.ranks_per_node} '
               f"--nodelist {{hosts}}{bind} --kill-on-bad-exit=1")

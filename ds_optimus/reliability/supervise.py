@@ -232,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="faults naming a node (faults.jsonl) before it is left out (default 1)")
     parser.add_argument("--probe", default=None, metavar="COMMAND",
                         help="a per-node probe run before each relaunch (placeholders as the command's), e.g. "
-                             "\"mpiexec -n {nodes} --ppn 1 --hostfile {hostfile} python -m ds_optimus.launch.probe\"")
+                             "\"mpiexec -n {nodes} --ppn 1 --hostfile {hostfile} python -m "
+                             "ds_optimus.reliability.probe\"")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command

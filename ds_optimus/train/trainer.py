@@ -269,15 +269,15 @@ class Trainer:
             raise RuntimeError(f"two callbacks give the same step flag ({', '.join(name for name, _ in flags)})")
         # each flag made on the device by a fill: a copy from the host would wait for the backward pass
         pieces = [parts, *(torch.full((1,), value, dtype=parts.dtype, device=self.device) for _, value in flags)]
-        # this rank's own loss not finite: counted over the ranks in the same reduction (which ranks,
-        # asked only when the count is not 0: FaultRecordCallback)
+        # this rank's own loss not finite: counted over the ranks in the same reduction (which ranks
+        # it was is asked only when the count is not 0, by a callback)
         self.local_nonfinite = (~torch.isfinite(parts)).any().reshape(1)
         pieces.append(self.local_nonfinite.to(parts.dtype))
         loads = self.expert_loads if self.is_log_step(self.step) else None
         if loads is not None:
             pieces.append(loads.reshape(-1).to(parts.dtype))
         packed = torch.cat(pieces)
-        with waiting_for_peers():  # a hang here is another rank's (the watchdog's heartbeats say whose)
+        with waiting_for_peers():  # a rank stuck here waits for another (the heartbeats say which)
             if self.world > 1:
                 dist.all_reduce(packed)
                 packed[:len(LOSS_PARTS)] /= self.dp_world  # with pipeline stages, the last stage's ranks add them

@@ -8,7 +8,7 @@ N becomes NaN, so its gradients do), `sleep` (sleep `seconds` inside step N, bef
 collectives), `signal` (send this process `signal`, default SIGTERM, at the start of step N), `raise`
 (raise a RuntimeError at the start of step N: an error on one rank that the others do not share),
 `late` (sleep `seconds` right before step N's reduction: a straggler). (`{"kind": "probe", "host": H}`
-fails the node probe on host H: `ds_optimus.launch.probe`.)
+fails the node probe on host H: `ds_optimus.reliability.probe`.)
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class FaultInjectionCallback(Callback):
     @classmethod
     def from_environment(cls) -> FaultInjectionCallback | None:
         text = os.environ.get(ENV_VAR)
-        # {"kind": "probe", "host": H} is the node probe's (ds_optimus.launch.probe), not the trainer's
+        # {"kind": "probe", "host": H} is the node probe's (ds_optimus.reliability.probe), not the trainer's
         faults = [f for f in json.loads(text) if not (isinstance(f, dict) and f.get("kind") == "probe")] if text else []
         return cls(faults) if faults else None
 

@@ -18,6 +18,7 @@ class WatchdogCallback(Callback):
     def __init__(self, config: WatchdogConfig) -> None:
         self.config = config
         self.watchdog = None
+        self.heartbeat = None  # set up with the watchdog (optimus.watchdog.heartbeat_grace_s > 0)
 
     def setup(self) -> None:
         from ...launch.environment import this_host

@@ -1,6 +1,6 @@
 """A per-node health probe, run by the supervisor before it relaunches a run (one rank a node):
 
-    mpiexec -n {nodes} --ppn 1 --hostfile {hostfile} python -m ds_optimus.launch.probe
+    mpiexec -n {nodes} --ppn 1 --hostfile {hostfile} python -m ds_optimus.reliability.probe
 
 Each rank checks that its node's accelerators are visible (`--devices N`: at least N), that a
 matmul on one gives the result the CPU computes, and that a collective with its neighbours (an
@@ -70,9 +70,9 @@ def _injected(host: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     from ..command_line import ArgumentParser, fail
-    from .environment import LaunchError, adopt, this_host
+    from ..launch.environment import LaunchError, adopt, this_host
 
-    parser = ArgumentParser("ds_optimus.launch.probe", launched=True,
+    parser = ArgumentParser("ds_optimus.reliability.probe", launched=True,
                             description="Check this node (devices, a matmul, a collective with its neighbours).")
     parser.add_argument("--devices", type=int, default=0, help="accelerators each node must show (default 0)")
     args = parser.parse_args(argv)
