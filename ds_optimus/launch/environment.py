@@ -31,7 +31,7 @@ import zlib
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, replace
 
-from .hosts import HostListError, expand_slurm_hostlist, read_hostfile
+from .hosts import HostListError, expand_slurm_hostlist, read_hostfile, short_host
 
 
 class LaunchError(ValueError):
@@ -195,12 +195,6 @@ def this_host(env: Mapping[str, str] | None = None) -> str:
     """The name this process's host goes by in logs, fault records and host lists."""
     env = os.environ if env is None else env
     return env.get(HOST_VARIABLE) or socket.gethostname()
-
-
-def short_host(host: str) -> str:
-    """`x4102c5s3b0n0.hostmgmt.example.gov` -> `x4102c5s3b0n0`: node files often hold full names
-    where `gethostname()` gives the short one (or the other way round)."""
-    return host.split(".", 1)[0]
 
 
 def rendezvous(world: World, env: Mapping[str, str] | None = None) -> tuple[str, int, str]:

@@ -60,6 +60,12 @@ def _expand_one(name: str, whole: str) -> list[str]:
     return out
 
 
+def short_host(host: str) -> str:
+    """`x4102c5s3b0n0.hostmgmt.example.gov` -> `x4102c5s3b0n0`: node files often hold full names
+    where `gethostname()` gives the short one (or the other way round)."""
+    return host.split(".", 1)[0]
+
+
 def read_hostfile(path: str | Path) -> list[str]:
     """The distinct hosts of a PBS node file, a deepspeed/Open MPI hostfile (`host slots=N`) or an
     MPICH one (`host:N`), in their order; `#` comments and blank lines are skipped."""

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from ..launch.hosts import short_host
+
 
 class AllocationError(RuntimeError):
     """Too few healthy nodes for the layout; the message says how many and why, in one line."""
@@ -40,7 +42,7 @@ class Allocation:
         """The hosts of the next attempt: the first `nodes` healthy ones in allocation order (spares
         after the others); fewer when not enough are healthy, as many as the layout allows."""
         for host in self.hosts:  # `strikes` by short name (fault_log.strikes)
-            if strikes.get(host.split(".", 1)[0], 0) >= strikes_to_leave_out and host not in self.out:
+            if strikes.get(short_host(host), 0) >= strikes_to_leave_out and host not in self.out:
                 self.out.append(host)
         healthy = [host for host in self.hosts if host not in self.out]
         if len(healthy) >= self.nodes:

@@ -17,6 +17,8 @@ import os
 import time
 from pathlib import Path
 
+from ..launch.hosts import short_host
+
 FAULTS_FILE = "faults.jsonl"
 STRIKING = ("nonfinite", "hang", "probe")  # the kinds that count against a node
 
@@ -74,9 +76,6 @@ def strikes(records: list[dict], since: float | None = None) -> dict[str, int]:
                 counts[host] = counts.get(host, 0) + 1
     return counts
 
-
-def short_host(host: str) -> str:
-    return host.split(".", 1)[0]
 
 
 def describe(ranks: list[int], hosts: list[str], limit: int = 8) -> str:

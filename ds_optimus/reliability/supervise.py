@@ -37,8 +37,9 @@ import sys
 import time
 from pathlib import Path
 
+from ..launch.hosts import short_host
 from .allocation import PLACEHOLDERS, Allocation, AllocationError, fill
-from .fault_log import append_fault, read_faults, short_host, strikes
+from .fault_log import append_fault, read_faults, strikes
 from .signals import EXIT_PREEMPTED
 
 EXIT_GAVE_UP = 3

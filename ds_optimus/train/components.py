@@ -77,16 +77,16 @@ def init_distributed() -> str:
 
 def launch_summary() -> str:
     """One line: the world, the launcher, the rendezvous and this rank's CPU cores."""
-    from ..launch.environment import LAUNCHER_VARIABLE
+    from ..launch.environment import LAUNCHER_VARIABLE, LAUNCHERS
 
     launcher = os.environ.get(LAUNCHER_VARIABLE, "none")
-    names = {"none": "no launcher", "torch": "the deepspeed launcher or torchrun", "openmpi": "Open MPI's mpiexec",
-             "pals": "Cray PALS mpiexec", "mpich": "MPICH/Intel MPI mpiexec", "pmix": "a PMIx launcher",
-             "slurm": "srun"}
+    names = {"none": "no launcher", "openmpi": "Open MPI's mpiexec", "pals": "Cray PALS mpiexec",
+             "mpich": "MPICH/Intel MPI mpiexec"}  # else the launcher table's own words
+    started_by = names.get(launcher) or next((x.what for x in LAUNCHERS if x.name == launcher), launcher)
     how = os.environ.get("DS_OPTIMUS_RENDEZVOUS")
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     return (f"world: {dist.get_world_size()} ranks, {os.environ.get('LOCAL_WORLD_SIZE', '?')} on this host, started "
-            f"by {names.get(launcher, launcher)}; rendezvous {os.environ.get('MASTER_ADDR')}:"
+            f"by {started_by}; rendezvous {os.environ.get('MASTER_ADDR')}:"
             f"{os.environ.get('MASTER_PORT')}" + (f" ({how})" if how else "")
             + (f"; rank {dist.get_rank()} on CPU cores {_ranges(cores)}" if cores else ""))
 
