@@ -27,20 +27,25 @@ def synchronize(device: torch.device | str) -> None:
 def interleaved_medians(contestants: dict[str, Callable[[], object]], repeats: int, warmup: int,
                         device: str = "cpu") -> dict[str, dict[str, float]]:
     """Run every contestant `warmup` times, then `repeats` rounds in which each runs once (in turn,
-    so slow drifts of the machine hit all alike); returns median/min/max seconds per contestant."""
+    so slow drifts of the machine hit all alike); returns median/min/max seconds per contestant, and
+    `host_median_s`: the median time until the call returns, before the device is waited for (on an
+    accelerator, a host time near the whole time says the host sets the pace, not the kernels)."""
     for _ in range(warmup):
         for fn in contestants.values():
             fn()
     synchronize(device)
     times: dict[str, list[float]] = {name: [] for name in contestants}
+    host: dict[str, list[float]] = {name: [] for name in contestants}
     for _ in range(repeats):
         for name, fn in contestants.items():
             synchronize(device)
             start = time.perf_counter()
             fn()
+            host[name].append(time.perf_counter() - start)
             synchronize(device)
             times[name].append(time.perf_counter() - start)
-    return {n: {"median_s": statistics.median(t), "min_s": min(t), "max_s": max(t)} for n, t in times.items()}
+    return {n: {"median_s": statistics.median(t), "min_s": min(t), "max_s": max(t),
+                "host_median_s": statistics.median(host[n])} for n, t in times.items()}
 
 
 def machine() -> dict[str, object]:
@@ -68,7 +73,7 @@ def _cpu_name() -> str:
 
 def profile_table(fn: Callable[[], object], device: str, iters: int = 3, rows: int = 15) -> str:
     """torch.profiler's table of the operators and kernels of `iters` calls of `fn` (after one
-    untimed call), by self device time (CPU time on a CPU)."""
+    untimed call), by self device time and by self CPU time (CPU time alone on a CPU)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -79,8 +84,9 @@ def profile_table(fn: Callable[[], object], device: str, iters: int = 3, rows: i
         for _ in range(iters):
             fn()
         synchronize(device)
-    key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    return f"{iters} calls, sorted by {key}\n" + prof.key_averages().table(sort_by=key, row_limit=rows)
+    keys = ["self_device_time_total", "self_cpu_time_total"] if cuda else ["self_cpu_time_total"]
+    averages = prof.key_averages()  # on a GPU also by host time: where the host spends a call
+    return "\n".join(f"{iters} calls, sorted by {key}\n" + averages.table(sort_by=key, row_limit=rows) for key in keys)
 
 
 def write_text_result(name: str, text: str) -> Path:

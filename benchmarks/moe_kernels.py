@@ -9,8 +9,10 @@ Contestants (identical weights, interleaved, median of repeats):
   hf_eager         ... "eager"
   dense            the same matmul FLOPs as one dense chain
 TFLOP/s counts the expert matmuls only (forward 2 GEMMs, backward 4), so every contestant is
-measured against the same useful work. Targets of the Triton kernels: at least 1.2x the speed of
-ours_grouped_mm (the layer on torch's grouped GEMM) and 50 % of the dense rate. Needs no DeepSpeed.
+measured against the same useful work. Targets of the Triton kernels: at 16k tokens 1.3x the speed
+of ours_grouped_mm (the layer on torch's grouped GEMM) and 60 % of the dense rate, at 8k 1.2x. The
+"host ms" column is the time until a call returns, before the GPU is waited for: near the whole time,
+the host sets the pace. Needs no DeepSpeed.
 
     python benchmarks/moe_kernels.py [--tokens 8192,16384] [--repeats 20] [--profile]
 
@@ -119,19 +121,23 @@ def main() -> None:
         flops = matmul_flops(tokens)
         dense_rate = flops / times["dense"]["median_s"]
         print(f"\n{tokens} tokens, {torch.cuda.get_device_name()}: dense bf16 rate {dense_rate / 1e12:.0f} TFLOP/s")
-        print(f"{'contestant':<20}{'median ms':>10}{'TFLOP/s':>9}{'of dense':>10}{'rel. diff vs hf_eager':>23}")
+        print(f"{'contestant':<20}{'median ms':>10}{'host ms':>9}{'TFLOP/s':>9}{'of dense':>10}"
+              f"{'rel. diff vs hf_eager':>23}")
         for name, t in times.items():
             t["tflops"] = flops / t["median_s"] / 1e12
             t["fraction_of_dense"] = t["tflops"] * 1e12 / dense_rate
             diff = f"{agree[name]:.1e}" if name in agree else "-"
-            print(f"{name:<20}{t['median_s'] * 1e3:>10.2f}{t['tflops']:>9.0f}{t['fraction_of_dense']:>9.0%}{diff:>23}")
+            print(f"{name:<20}{t['median_s'] * 1e3:>10.2f}{t['host_median_s'] * 1e3:>9.2f}{t['tflops']:>9.0f}"
+                  f"{t['fraction_of_dense']:>9.0%}{diff:>23}")
         result = {"matmul_flops_fwd_bwd": flops, "times": times, "output_rel_diff_vs_hf_eager": agree}
         if "ours_triton" in times and "ours_grouped_mm" in times:
             speedup = times["ours_grouped_mm"]["median_s"] / times["ours_triton"]["median_s"]
             share = times["ours_triton"]["fraction_of_dense"]
+            want_speedup, want_share = (1.3, 0.6) if tokens >= 16384 else (1.2, None)
             result["triton_targets"] = {"speedup_vs_grouped_mm": speedup, "fraction_of_dense": share,
-                                        "met": speedup >= 1.2 and share >= 0.5}
-            print(f"triton: {speedup:.2f}x ours_grouped_mm (target 1.2x), {share:.0%} of dense (target 50 %)")
+                                        "met": speedup >= want_speedup and share >= (want_share or 0)}
+            print(f"triton: {speedup:.2f}x ours_grouped_mm (target {want_speedup}x), {share:.0%} of dense"
+                  + (f" (target {want_share:.0%})" if want_share else ""))
         payload["results"][str(tokens)] = result
     gpu = torch.cuda.get_device_name().replace(" ", "_")
     print(f"\nwrote {write_result('moe_kernels_' + gpu, payload)}")

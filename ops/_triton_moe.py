@@ -267,9 +267,41 @@ def _device_name(device: torch.device) -> str | None:
         return None
 
 
-def resolve_blocks(name: str, device: torch.device | str, blocks: dict | None = None) -> dict:
-    """Tile sizes and launch options of kernel `name` on `device`: defaults, then this GPU's tuned
-    entry, then `blocks[name]`."""
+def shared_memory_bytes(name: str, cfg: dict, element_size: int) -> int:
+    """The shared memory kernel `name` asks for with `cfg`: each pipeline stage holds one row tile
+    (BLOCK_M x BLOCK_K) and the weight tiles (BLOCK_K x BLOCK_N; gate and up: two) in the data's type."""
+    weight_tiles = 2 if name == "gate_up" else 1
+    tile = cfg["BLOCK_M"] * cfg["BLOCK_K"] + weight_tiles * cfg["BLOCK_K"] * cfg["BLOCK_N"]
+    return cfg.get("num_stages", 1) * tile * element_size
+
+
+def fit_shared_memory(name: str, cfg: dict, element_size: int, limit: int | None) -> dict:
+    """`cfg` with fewer stages, then narrower K and N tiles, until kernel `name` fits `limit` bytes of
+    shared memory. Tiles are tuned on 16-bit data; float32 doubles every tile."""
+    cfg = dict(cfg)
+    while limit and shared_memory_bytes(name, cfg, element_size) > limit:
+        if cfg.get("num_stages", 1) > 2:
+            cfg["num_stages"] -= 1
+        elif cfg["BLOCK_K"] > 32:
+            cfg["BLOCK_K"] //= 2
+        elif cfg["BLOCK_N"] > 32:
+            cfg["BLOCK_N"] //= 2
+        else:
+            break
+    return cfg
+
+
+def _shared_memory_limit(device: torch.device) -> int | None:
+    module = getattr(torch, device.type, None)
+    try:
+        return getattr(module.get_device_properties(device), "shared_memory_per_block_optin", None)
+    except (AssertionError, RuntimeError, AttributeError):
+        return None
+
+
+def resolve_blocks(name: str, device: torch.device | str, blocks: dict | None = None, element_size: int = 2) -> dict:
+    """Tile sizes and launch options of kernel `name` on `device` for data of `element_size` bytes:
+    defaults, then this GPU's tuned entry (fitted to its shared memory), then `blocks[name]`."""
     global _tuned
     if _tuned is None:
         _tuned = json.loads(_TUNED_FILE.read_text()) if _TUNED_FILE.exists() else {}
@@ -277,6 +309,7 @@ def resolve_blocks(name: str, device: torch.device | str, blocks: dict | None = 
     device = torch.device(device)
     if device.type != "cpu":
         cfg.update(_tuned.get(_device_name(device) or "", {}).get(name, {}))
+        cfg = fit_shared_memory(name, cfg, element_size, _shared_memory_limit(device))
     if blocks and name in blocks:
         cfg.update(blocks[name])
     if INTERPRET:  # launch options mean nothing to the interpreter
@@ -397,8 +430,8 @@ def forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: 
     sched = _Schedule(counts, num_sorted)
     num = _numerics(x.dtype)
     h = x.new_empty(num_sorted, inter)
-    launch_gate_up(x, src, gate_up, gu, h, sched, resolve_blocks("gate_up", x.device, blocks), num)
-    launch_down(h, down, y, dst, weights, sched, resolve_blocks("down", x.device, blocks), num)
+    launch_gate_up(x, src, gate_up, gu, h, sched, resolve_blocks("gate_up", x.device, blocks, x.element_size()), num)
+    launch_down(h, down, y, dst, weights, sched, resolve_blocks("down", x.device, blocks, x.element_size()), num)
     return y, gu
 
 
@@ -423,13 +456,13 @@ def backward(grad: torch.Tensor, grad_src: torch.Tensor | None, x: torch.Tensor,
     num = _numerics(x.dtype)
     dgu = torch.empty_like(gu)
     hw = gu.new_empty(num_sorted, inter)
-    cfg = resolve_blocks("down_bwd", x.device, blocks)
+    cfg = resolve_blocks("down_bwd", x.device, blocks, x.element_size())
     gw_parts = None
     if weights is not None:  # one partial sum per column tile: summed below, no atomics
         gw_parts = torch.empty(num_sorted, triton.cdiv(inter, cfg["BLOCK_N"]), device=gu.device, dtype=torch.float32)
     launch_down_bwd(grad, grad_src, down, gu, dst, weights, dgu, hw, gw_parts, sched, cfg, num)
-    cfg = resolve_blocks("weight_grad", x.device, blocks)
+    cfg = resolve_blocks("weight_grad", x.device, blocks, x.element_size())
     launch_weight_grad(grad, grad_src, hw, None, d_down, sched, cfg, num)  # g[grad_src].T @ (w * h)
     launch_weight_grad(dgu, None, x, src, d_gate_up, sched, cfg, num)  # dgu.T @ x[src]
-    launch_dx(dgu, gate_up, dx, dst, sched, resolve_blocks("dx", x.device, blocks), num)
+    launch_dx(dgu, gate_up, dx, dst, sched, resolve_blocks("dx", x.device, blocks, x.element_size()), num)
     return dx, d_gate_up, d_down, (gw_parts.sum(1) if gw_parts is not None else None)

@@ -9,6 +9,8 @@ bfloat16 within 2e-2 (relative, over the whole tensor).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -254,3 +256,20 @@ def test_without_triton_the_layer_falls_back(monkeypatch):
     with pytest.raises(ValueError, match=r"experts backend 'triton' does not support .* \(Triton is not installed\)"):
         select_backend("cpu", torch.float32, "triton")
     assert ops.kernel_for("cpu") == "reference"
+
+
+def test_tuned_tiles_are_fitted_to_the_gpus_shared_memory_for_float32_data():
+    # The H200 tiles are tuned on bf16; float32 doubles every tile. On the H200 (232,448 bytes of shared
+    # memory per block) Triton refused the tuned "dx" tiles on float32 data asking for 294,912 bytes.
+    pytest.importorskip("triton")
+    from ds_optimus.ops import _triton_moe as k
+
+    limit = 232448
+    tuned = json.loads(k._TUNED_FILE.read_text())["NVIDIA H200"]
+    assert k.shared_memory_bytes("dx", tuned["dx"], 4) == 294912
+    for name, cfg in tuned.items():
+        assert k.fit_shared_memory(name, cfg, 2, limit) == cfg  # bf16: as tuned
+        fitted = k.fit_shared_memory(name, cfg, 4, limit)
+        assert k.shared_memory_bytes(name, fitted, 4) <= limit
+        assert fitted["BLOCK_M"] == cfg["BLOCK_M"] and fitted["num_stages"] >= 2
+    assert k.fit_shared_memory("dx", tuned["dx"], 4, None) == tuned["dx"]  # no limit known: unchanged

@@ -157,8 +157,8 @@ BUILTIN: dict[str, Cluster] = {
         memory_reserve_gib=6.0, overhead_per_layer_s=4e-4, group_nodes=64, global_bandwidth_fraction=0.645,
         # the experts: not measured there; the ratio of expert to dense efficiency the H100 figures gave
         # before both were measured (0.29 measured / 0.45 assumed = 0.64) applied to the assumed dense
-        # 0.35: 0.225. Kept until the planner is recalibrated as a whole: the measured ratio (0.30 / 0.68
-        # = 0.44, "h100" below) would give 0.154.
+        # 0.35: 0.225. Kept until the planner is recalibrated as a whole: the measured ratio (0.33 / 0.68
+        # = 0.49, "h100" below) would give 0.17.
         step_jitter=0.03, expert_efficiency=0.225,
         notes="ALCF Aurora: 6 x Intel Max 1550 (12 tiles) per node, 8 x Slingshot-11 200 Gb/s NICs"),
     # Frontier (OLCF): 4 AMD MI250X per node, each two GCDs, 8 GCD ranks per node with 64 GB HBM2e
@@ -186,13 +186,13 @@ BUILTIN: dict[str, Cluster] = {
         memory_reserve_gib=5.0, overhead_per_layer_s=2e-4, step_jitter=0.02,
         # Both rates measured in one run of benchmarks/moe_kernels.py on an NVIDIA H200 (the H100 SXM's
         # 989 TFLOPS dense bf16 peak and the same SMs, with more and faster memory; benchmarks/results/
-        # moe_kernels_NVIDIA_H200.json), OLMoE-shaped layer, forward and backward, 8,192 and 16,384
-        # tokens: the dense matmuls of the same FLOPs at 650 and 705 TFLOP/s (0.66 and 0.71 of peak, 0.68
-        # between them), the experts on the Triton kernels (the GPU default) at 249 and 347 TFLOP/s (0.25
-        # and 0.35, 0.30 between them). The optimizer's update is not in the step model: on one GPU
-        # training 3.6B parameters the fused AdamW alone was 19 % of the step (benchmarks/results/
+        # moe_kernels_NVIDIA_H200.json, 2026-11-28), OLMoE-shaped layer, forward and backward, 8,192 and
+        # 16,384 tokens: the dense matmuls of the same FLOPs at 652 and 690 TFLOP/s (0.66 and 0.70 of
+        # peak, 0.68 between them), the experts on the Triton kernels (the GPU default) at 288 and 360
+        # TFLOP/s (0.29 and 0.36, 0.33 between them). The optimizer's update is not in the step model: on
+        # one GPU training 3.6B parameters the fused AdamW alone was 21 % of the step (benchmarks/results/
         # train_e2e_profile_ours_NVIDIA_H200.txt), the planner's step 1.9x too short there.
-        compute_efficiency=0.68, expert_efficiency=0.30,
+        compute_efficiency=0.68, expert_efficiency=0.33,
         notes="DGX H100: 8 x H100 SXM5 per node, NVLink 4 / NVSwitch, 8 x ConnectX-7 400 Gb/s"),
 }
 
