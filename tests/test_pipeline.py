@@ -197,7 +197,8 @@ def reference(tmp_path_factory, cache):
 @pytest.mark.parametrize("schedule, recompute", [
     ({"size": 2}, True),
     ({"size": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2}, ["moe", "attention", "norms"]),
-], ids=["1f1b", "interleaved"])
+    ({"size": 2, "schedule": "interleaved_zb", "virtual_stages": 2}, ["moe"]),
+], ids=["1f1b", "interleaved", "zero-bubble"])
 def test_two_stages_train_as_one_process(tmp_path, cache, reference, schedule, recompute):
     """Also with activation recomputation: whole layers, or the parts of each. The export replaces the
     weights an earlier one left in the folder (from_pretrained would read those first)."""
@@ -392,3 +393,41 @@ def test_bf16_gradient_communication_under_pipeline_stages(tmp_path, cache):
     assert 2 * runs["bf16"]["comm_bytes"]["reduce_scatter"] == runs["fp32"]["comm_bytes"]["reduce_scatter"] > 0
     fp32, bf16 = runs["fp32"]["losses"], runs["bf16"]["losses"]
     assert len(fp32) == 50 and 0 < max(abs(bf16[k] - fp32[k]) / abs(fp32[k]) for k in fp32) < 2e-2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", [{"size": 2}, {"size": 2, "schedule": "interleaved_zb", "virtual_stages": 2}],
+                         ids=["1f1b", "zero-bubble"])
+def test_each_stage_reduces_its_gradients_inside_the_schedules_drain(tmp_path, cache, schedule):
+    """PP 2 x DP 2: by the time the schedule returns, every gradient bucket of every rank has been
+    launched (each as its parameters' last backward pass produced them), so the optimizer's boundary only
+    waits; the losses are those of test_two_stages_with_expert_or_data_parallelism_inside_train_as_one_process."""
+    from train_workers import drain_worker
+
+    config = run_config(tmp_path, cache, "drain", micro=1, pipeline_parallel=schedule, train={"eval_interval": 0})
+    results = run_distributed(drain_worker, 4, config)
+    for result in results:
+        assert len(result["launched"]) == STEPS
+        assert all(done == total > 0 for done, total in result["launched"]), result["launched"]
+    assert results[0]["losses"] == results[1]["losses"] == results[3]["losses"]
+
+
+@pytest.mark.slow
+def test_zero2_over_one_chunk_per_rank_reduces_every_micro_batch_and_keeps_no_full_gradients(tmp_path, cache,
+                                                                                             reference):
+    """PP 2 x DP 2 under ZeRO-2 with small buckets: 1F1B reduces each micro-batch's gradients as its
+    backward pass goes, so no bucket holds gradients when a forward pass comes between two backward
+    passes; the zero-bubble schedule, whose chunks' backward passes interleave, adds the step's
+    gradients up in its buckets until the drain. Both runs are the one-process run."""
+    from train_workers import drain_worker
+
+    for name, schedule in [("1f1b", {"size": 2}),
+                           ("zero-bubble", {"size": 2, "schedule": "interleaved_zb", "virtual_stages": 2})]:
+        config = run_config(tmp_path, cache, name, micro=1, pipeline_parallel=schedule,
+                            sharded_optimizer={"bucket_size": 20_000})
+        config["zero_optimization"] = {"stage": 2}
+        results = run_distributed(drain_worker, 4, config)
+        assert all(r["buckets"] >= 4 for r in results)
+        held = [r["held_at_forward"] for r in results]
+        assert held == [0] * 4 if name == "1f1b" else all(h > 0 for h in held), (name, held)
+        assert_same_run(results[0], hf_weights(config), reference, config=config)

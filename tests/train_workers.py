@@ -134,6 +134,35 @@ def communication_worker(rank: int, world: int, config: dict) -> dict:
             "bucket_dtypes": sorted({str(optimizer.bucket_dtype(s)) for s in optimizer.spaces})}
 
 
+def drain_worker(rank: int, world: int, config: dict) -> dict:
+    """Train `config` (pipeline stages); returns the losses; at every step's end of the schedule (before
+    the optimizer's boundary) how many of this rank's gradient buckets were already reduced, out of how
+    many; and the most gradient buckets holding gradients when a chunk's forward pass began (between
+    backward passes)."""
+    trainer = Trainer(config)
+    launched: list[tuple[int, int]] = []
+
+    def build(original):
+        def finalize():
+            optimizer = trainer.engine.optimizer
+            launched.append((optimizer._next, len(optimizer._order)))
+            return original()
+        return finalize
+
+    optimizer = trainer.engine.optimizer
+    optimizer.finalize_gradient_accumulation_boundary = build(optimizer.finalize_gradient_accumulation_boundary)
+    held: list[int] = []  # at each forward pass of a chunk: the buckets holding gradients
+
+    def count_held(module, args):
+        held.append(sum(b.grad is not None for space in optimizer.spaces for b in space.buckets))
+
+    for _, chunk in trainer.runner.chunks:
+        chunk.register_forward_pre_hook(count_held)
+    summary = trainer.train()
+    return {**summary, "launched": launched, "held_at_forward": max(held),
+            "buckets": len(optimizer._order)}
+
+
 class RoundingPerturbation(Callback):
     """Before the first step, every parameter element times (1 +- 2**-24), signs drawn from a fixed
     seed: one float32 rounding's worth of change, the size of what reordering a float32 sum does."""

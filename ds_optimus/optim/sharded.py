@@ -114,6 +114,8 @@ class ShardedOptimizer:
         self._segments = adam_segments(self.spaces, self._group_of)
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, space, i))
                        for space in self.spaces for i, p in enumerate(space.params)]
+        self._slot = {id(p): (space, i) for space in self.spaces for i, p in enumerate(space.params)}
+        self._last: set[int] = set()  # ids of the parameters whose coming gradient is their last of the step
         # the next forward pass takes the buckets in the opposite order: earliest-defined parameter first
         self.gather = ParamGather(self._order[::-1], self._pool, module, overlap_param_gather)
 
@@ -207,10 +209,26 @@ class ShardedOptimizer:
         bucket.written.add(i)
         bucket.arrived.add(i)
         param.grad = None  # the bucket holds it now
-        if self._reducing() and len(bucket.arrived) == len(bucket.params):
+        if id(param) in self._last:
+            bucket.last.add(i)
+        if len(bucket.last) == len(bucket.params) or (self._reducing() and len(bucket.arrived) == len(bucket.params)):
             bucket.complete = True
             self._launch_ready()
         self._gradient_arrived()
+
+    def last_gradients(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Say that the coming gradients of `params` are their last of the step (a pipeline stage's last
+        backward pass): a bucket whose every parameter has had its last gradient is reduced at once, in the
+        one launch order, rather than after the schedule."""
+        self._last.update(id(p) for p in params if id(p) in self._slot)
+
+    def gradients_ready(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Take the gradients that were written into `params`' `.grad` without autograd's accumulation
+        (a pipeline schedule's separate weight-gradient pass), as the gradient hooks take the others."""
+        for param in params:
+            slot = self._slot.get(id(param))
+            if slot is not None and param.grad is not None:
+                self._grad_ready(*slot, param)
 
     def _launch_ready(self) -> None:
         """Launch complete buckets, strictly in the one launch order."""
@@ -277,6 +295,7 @@ class ShardedOptimizer:
         bucket.work = bucket.out = bucket.received = None
         bucket.written.clear()
         bucket.arrived.clear()
+        bucket.last.clear()
         if self.stage == 2:  # ZeRO-2 keeps only the reduced shard
             self._pool.put(bucket.grad)
             bucket.grad = None
@@ -294,6 +313,7 @@ class ShardedOptimizer:
         for _, bucket in self._order:
             bucket.complete = bucket.launched = False
         self._next = 0
+        self._last.clear()
         self._reduced_this_step += 1
         self._finished = True
 

@@ -70,6 +70,7 @@ class Bucket:
         self.wire: torch.Tensor | None = None  # `grad` cast to the reduction's dtype, while in flight
         self.written: set[int] = set()  # params whose gradient is in `grad` (this accumulation)
         self.arrived: set[int] = set()  # params whose gradient arrived this micro-step
+        self.last: set[int] = set()  # params whose last gradient of the step arrived (a pipeline's drain)
         self.complete = False
         self.work = None
         self.out: torch.Tensor | None = None

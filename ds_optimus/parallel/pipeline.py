@@ -9,9 +9,14 @@ each MoE layer's router statistics (`router_layer_stats`: mean probabilities and
 gradients, token counts without), so the last stage computes the router losses of every layer exactly
 as the model does in one piece (`PipelineLoss`), and their gradients flow back to every stage's routers.
 
-The schedule (1F1B, GPipe, interleaved 1F1B, looped BFS) is PyTorch's; it calls the backward passes
-itself, so the optimizer's gradient hooks see each micro-batch's gradients as they come, and the
-trainer reduces them once after the schedule (`ShardedOptimizer.defer_reduction`).
+The schedule (1F1B, GPipe, interleaved 1F1B, looped BFS, interleaved zero-bubble) is PyTorch's; it
+calls the backward passes itself, so the optimizer's gradient hooks see each micro-batch's gradients as
+they come and add them up in fp32 buckets (`ShardedOptimizer.defer_reduction`). Each stage tells the
+optimizer which backward pass is its last of the step (`last_backward`), and a bucket is reduced as soon
+as its every parameter has had that last gradient: inside the schedule's drain, overlapping the
+remaining backward passes, not after it. Under ZeRO-2 with one chunk per rank no full-size gradients are
+kept: each micro-batch's backward pass reduces its own into the shards, as without stages. The zero-bubble schedule's separate weight-gradient pass writes
+`.grad` directly; the stage hands those gradients to the optimizer itself.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from torch import nn
 from ..hf_models.mula.modeling_mula import CACHE_NAME, combine_router_stats, create_causal_mask, router_layer_stats
 from .expert_parallel import readable_as_umask
 from .groups import PipelineGroups
-from .stages import MULTI_STAGE_SCHEDULES, SCHEDULES, PipelineParallelConfig, chunk_stage
+from .stages import MULTI_STAGE_SCHEDULES, SCHEDULES, SINGLE_STAGE_SCHEDULES, PipelineParallelConfig, chunk_stage
 
 
 def stage_chunks(config: PipelineParallelConfig, model_config, seq_len: int, stage: int) -> list[tuple[int, range]]:
@@ -130,20 +135,65 @@ class PipelineLoss:
         return loss / self.micro_batches if self.model.training else loss
 
 
+def _reducing_stage(pipelining) -> type:
+    """PyTorch's pipeline stage, telling the sharded optimizer (when it has one) which backward pass brings
+    each parameter's last gradient of the step, so that its buckets are reduced during the schedule's
+    drain; and handing it the gradients a separate weight-gradient pass (the zero-bubble schedules) writes
+    into `.grad` directly, which autograd's gradient hooks never see."""
+
+    class ReducingStage(pipelining.PipelineStage):
+        optimizer = None  # set by build_schedule: the sharded optimizer, or None
+        each_micro_batch = False  # ZeRO-2 with one chunk per rank: every backward pass reduces its own
+
+        def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+            optimizer = self.optimizer
+            if last_backward and optimizer is not None:
+                optimizer.last_gradients(self.submod.parameters())
+            if self.each_micro_batch:
+                optimizer.backward_prologue()
+            super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                       last_backward=last_backward)
+            if self.each_micro_batch:
+                optimizer.backward_epilogue()
+
+        def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+            if last_backward and self.optimizer is not None:
+                self.optimizer.last_gradients(self.submod.parameters())
+            super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+            if self.optimizer is not None:
+                self.optimizer.gradients_ready(self.submod.parameters())
+
+    return ReducingStage
+
+
+def each_micro_batch_reduction(optimizer, config: PipelineParallelConfig) -> bool:
+    """Whether the sharded optimizer `optimizer` reduces every micro-batch's gradients under `config`'s
+    schedule (ZeRO-2, one chunk of layers per rank) rather than the step's sum in the drain."""
+    return optimizer is not None and optimizer.stage == 2 and config.schedule in SINGLE_STAGE_SCHEDULES
+
+
 def build_schedule(chunks: list[tuple[int, StageChunk]], config: PipelineParallelConfig, pipeline: PipelineGroups,
-                   micro_batches: int, loss: PipelineLoss, device, micro: int, seq_len: int) -> Any:
+                   micro_batches: int, loss: PipelineLoss, device, micro: int, seq_len: int, optimizer=None) -> Any:
     """PyTorch's schedule `config.schedule` over this rank's chunks (global chunk index, module), for
     micro-batches of `micro` sequences of `seq_len` tokens. Every stage states the shapes it takes and
     gives, so the schedule never runs a forward or backward pass on placeholder tensors to find them
-    (which would count their router loads and add their gradients)."""
+    (which would count their router loads and add their gradients). With `optimizer` (the sharded
+    optimizer), each stage's last backward pass launches its gradient reduction as the gradients come."""
     from torch.distributed import pipelining
 
     device = torch.device(device)
-    stages = [pipelining.PipelineStage(module, index, config.chunks, device, group=pipeline.group,
-                                       input_args=_example(module, index == 0, False, micro, seq_len, device),
-                                       output_args=_example(module, False, index == config.chunks - 1, micro, seq_len,
-                                                            device))
+    stage_class = _reducing_stage(pipelining)
+    stages = [stage_class(module, index, config.chunks, device, group=pipeline.group,
+                          input_args=_example(module, index == 0, False, micro, seq_len, device),
+                          output_args=_example(module, False, index == config.chunks - 1, micro, seq_len, device))
               for index, module in chunks]
+    # ZeRO-2 keeps no full-size gradients: with one chunk per rank each backward pass is one micro-batch's,
+    # reduced into the shards as it goes (as without stages); with several chunks a bucket can hold
+    # parameters of two chunks, whose backward passes interleave, so the step's gradients add up in fp32
+    # buckets and each is reduced in the drain
+    each = each_micro_batch_reduction(optimizer, config)
+    for stage in stages:
+        stage.optimizer, stage.each_micro_batch = optimizer, each
     schedule = getattr(pipelining, SCHEDULES[config.schedule])
     if config.schedule in MULTI_STAGE_SCHEDULES:
         return schedule(stages, n_microbatches=micro_batches, loss_fn=loss, scale_grads=False)

@@ -15,7 +15,10 @@ from ..schema import ConfigError, Section, need, positive_int
 
 # The schedules of torch.distributed.pipelining a run can name: one stage per rank, or several.
 SINGLE_STAGE_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
-MULTI_STAGE_SCHEDULES = {"interleaved_1f1b": "ScheduleInterleaved1F1B", "looped_bfs": "ScheduleLoopedBFS"}
+MULTI_STAGE_SCHEDULES = {"interleaved_1f1b": "ScheduleInterleaved1F1B", "looped_bfs": "ScheduleLoopedBFS",
+                         "interleaved_zb": "ScheduleInterleavedZeroBubble"}
+# the schedules that cut the micro-batches into rounds of at least `size` (and so need equal rounds)
+ROUND_SCHEDULES = ("interleaved_1f1b", "interleaved_zb")
 SCHEDULES = {**SINGLE_STAGE_SCHEDULES, **MULTI_STAGE_SCHEDULES}
 
 
@@ -27,7 +30,9 @@ class PipelineParallelConfig(Section):
     chunk in order, overriding the balanced split."""
 
     size: int = 1  # pipeline stages; stage s is ranks [s x world / size, (s + 1) x world / size)
-    schedule: str = "1f1b"  # "gpipe", "1f1b", or with virtual stages "interleaved_1f1b" or "looped_bfs"
+    # "gpipe", "1f1b", or with virtual stages "interleaved_1f1b", "looped_bfs" or "interleaved_zb" (zero bubble:
+    # the weight gradients computed apart from the input gradients, filling the bubble)
+    schedule: str = "1f1b"
     virtual_stages: int = 1  # chunks of layers per rank (the interleaved schedules)
     layers: list[int] | None = None  # decoder layers of each chunk, in order; null: split by cost
 
@@ -156,8 +161,8 @@ def check_pipeline(opt, ds_config: dict, model_config, accumulation: int) -> lis
                           f"(gradient_accumulation_steps, {accumulation}) as stages ({pp.size}); raise it, or use "
                           "schedule \"gpipe\"")
     rounds = max(1, accumulation // pp.size)
-    if pp.schedule == "interleaved_1f1b" and accumulation % rounds:
-        raise ConfigError(f"optimus.pipeline_parallel: interleaved_1f1b splits the micro-batches into rounds of at "
+    if pp.schedule in ROUND_SCHEDULES and accumulation % rounds:
+        raise ConfigError(f"optimus.pipeline_parallel: {pp.schedule} splits the micro-batches into rounds of at "
                           f"least {pp.size}; gradient_accumulation_steps {accumulation} does not split into {rounds} "
                           f"equal rounds (use a multiple of {pp.size}, or fewer than {2 * pp.size})")
     try:

@@ -1,7 +1,7 @@
 """The trainer's pipeline-parallel path (`optimus.pipeline_parallel.size` > 1): each rank builds its
 stage's part of the model, DeepSpeed's engine runs its optimizer over the stage's data-parallel ranks,
-and a step is one run of PyTorch's pipeline schedule over the step's micro-batches, after which the
-sharded optimizer reduces the gradients once and steps (`ds_optimus.parallel.pipeline`).
+and a step is one run of PyTorch's pipeline schedule over the step's micro-batches, during whose drain
+the sharded optimizer reduces each stage's gradients, then steps (`ds_optimus.parallel.pipeline`).
 
 Why PyTorch's pipelining and not DeepSpeed's pipeline engine: it takes the model's own modules as
 stages (DeepSpeed's wants the network re-expressed as a `PipelineModule` of layer specs, a second
@@ -66,13 +66,15 @@ class PipelineRunner:
 
     def attach(self, engine) -> None:
         """Build the schedule over the engine's module (after DeepSpeed has cast and placed it)."""
-        from ..parallel.pipeline import PipelineLoss, build_schedule
+        from ..parallel.pipeline import PipelineLoss, build_schedule, each_micro_batch_reduction
 
         self.engine = engine
         self.loss = PipelineLoss(engine.module, self.accumulation, group=self.pipeline.stage_group)
+        # the step's gradients add up in fp32 buckets, reduced in the drain; ZeRO-2 over one chunk per rank
+        # reduces each micro-batch's instead
+        engine.optimizer.defer_reduction = not each_micro_batch_reduction(engine.optimizer, self.config)
         self.schedule = build_schedule(self.chunks, self.config, self.pipeline, self.accumulation, self.loss,
-                                       engine.device, self.micro, self.seq_len)
-        engine.optimizer.defer_reduction = True  # gradients reduced once, after the schedule
+                                       engine.device, self.micro, self.seq_len, optimizer=engine.optimizer)
 
     def step(self, batch: torch.Tensor, parts: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward passes of the step's micro-batches (`batch`: all of them, in order), their
