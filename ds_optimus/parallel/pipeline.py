@@ -15,8 +15,9 @@ they come and add them up in fp32 buckets (`ShardedOptimizer.defer_reduction`). 
 optimizer which backward pass is its last of the step (`last_backward`), and a bucket is reduced as soon
 as its every parameter has had that last gradient: inside the schedule's drain, overlapping the
 remaining backward passes, not after it. Under ZeRO-2 with one chunk per rank no full-size gradients are
-kept: each micro-batch's backward pass reduces its own into the shards, as without stages. The zero-bubble schedule's separate weight-gradient pass writes
-`.grad` directly; the stage hands those gradients to the optimizer itself.
+kept: each micro-batch's backward pass reduces its own into the shards, as without stages. The
+zero-bubble schedule's separate weight-gradient pass writes `.grad` directly; the stage hands those
+gradients to the optimizer itself.
 """
 
 from __future__ import annotations

@@ -351,8 +351,10 @@ def _scale(args, model, cluster, seq_len, global_batch, devices, options, report
 
 
 def _rows(points) -> list[dict]:
-    return [{"devices": p.devices, "plan": p.plan.as_dict() if p.plan else None, "efficiency": e}
-            for p, e in zip(points, efficiency(points), strict=True)]
+    return [{"devices": p.devices, "plan": p.plan.as_dict() if p.plan else None, "efficiency": e,
+             "band": {"tokens_per_s": list(p.band) if p.band else None, "efficiency": [low, high]}}
+            for p, e, low, high in zip(points, efficiency(points), efficiency(points, 0), efficiency(points, 1),
+                                       strict=True)]
 
 
 def _write_scaled(args, points, cluster) -> None:

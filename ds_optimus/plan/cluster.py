@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+ROUTINGS = ("minimal", "middle", "adaptive")
+
 
 class ClusterError(ValueError):
     """A cluster description that cannot be used; one line naming the key."""
@@ -48,9 +50,24 @@ class Cluster:
     overhead_per_micro_batch_s: float = 5e-3
     overhead_per_layer_s: float = 2e-4
     # Network above the node: traffic between nodes of different groups (dragonfly groups,
-    # fat-tree pods) of `group_nodes` nodes gets `global_bandwidth_fraction` of inter_node_gbps.
+    # fat-tree pods) of `group_nodes` nodes gets a fraction of inter_node_gbps, within a band:
+    # `global_bandwidth_fraction` is the most (the machine-wide global links over the injection
+    # bandwidth, what adaptive routing spreads traffic over at best); where the links between two groups
+    # (`global_links_per_group_pair`, each at a NIC's speed) and the NICs per node are known, the least is
+    # minimal routing over the direct links between the g groups a collective spans:
+    # links x (g - 1) / (group_nodes x nics_per_node). `routing` picks the point of the band the time
+    # model uses ("minimal", "adaptive", or "middle", their mean).
     group_nodes: int | None = None
     global_bandwidth_fraction: float = 1.0
+    global_links_per_group_pair: float | None = None
+    nics_per_node: int | None = None
+    routing: str = "middle"
+    # Communication overlapped with compute is not free: its kernels take SMs (NCCL's channels; XCCL's
+    # and RCCL's alike) and memory bandwidth from the compute it hides under, which runs slower by this
+    # fraction of the hidden communication's time (an assumption, 0.1: a collective's kernels hold about
+    # a tenth of the SMs while they run). Applied to the chunked EP exchange, the gradient reduction
+    # under the backward pass and the parameter gather under the next forward.
+    overlap_contention: float = 0.1
     # Run-to-run variation of a rank's step time (relative standard deviation): every synchronising
     # step waits for the slowest of the ranks, about sigma x sqrt(2 ln N) above the mean.
     step_jitter: float = 0.0
@@ -61,7 +78,13 @@ class Cluster:
     def check(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("name", "device", "notes"):
+            if f.name == "routing":
+                if value not in ROUTINGS:
+                    raise ClusterError(f"cluster routing must be one of {', '.join(ROUTINGS)}, got {value!r}")
+            elif f.name in ("global_links_per_group_pair", "nics_per_node"):
+                if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
+                    raise ClusterError(f"cluster {f.name} must be null or a positive number, got {value!r}")
+            elif f.name in ("name", "device", "notes"):
                 if not isinstance(value, str):
                     raise ClusterError(f"cluster {f.name} must be a string, got {value!r}")
             elif f.name == "shared_compute":
@@ -75,12 +98,40 @@ class Cluster:
                     raise ClusterError(f"cluster devices_per_node must be a positive integer, got {value!r}")
             elif not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (
                     value == 0 and f.name not in ("memory_reserve_gib", "overhead_per_layer_s", "step_jitter",
+                                                  "overlap_contention",
                                                   "overhead_per_micro_batch_s",
                                                   "intra_node_latency_us", "inter_node_latency_us")):
                 raise ClusterError(f"cluster {f.name} must be a positive number, got {value!r}")
+        if not 0 <= self.overlap_contention <= 1:
+            raise ClusterError(f"cluster overlap_contention must be in [0, 1], got {self.overlap_contention!r}")
         for key in ("compute_efficiency", "comm_efficiency", "global_bandwidth_fraction", "expert_efficiency"):
             if not 0 < getattr(self, key) <= 1:
                 raise ClusterError(f"cluster {key} must be in (0, 1], got {getattr(self, key)!r}")
+
+    def global_fraction(self, nodes: int, pattern: str = "ring", routing: str | None = None) -> float:
+        """The fraction of inter_node_gbps a collective over `nodes` nodes gets: 1 inside a group, else the
+        point `routing` (default: this cluster's) of `global_band(nodes, pattern)`."""
+        if self.group_nodes is None or nodes <= self.group_nodes:
+            return 1.0
+        low, high = self.global_band(nodes, pattern)
+        return {"minimal": low, "adaptive": high, "middle": (low + high) / 2}[routing or self.routing]
+
+    def global_band(self, nodes: int, pattern: str = "ring") -> tuple[float, float]:
+        """(minimal routing's, adaptive routing's best) fraction of inter_node_gbps between the groups a
+        collective over `nodes` nodes spans; one value where the links between groups are not given.
+        Minimal routing: a ring (and a pipeline's sends) crosses from one group to the next at one node,
+        whose NICs then share the pair's direct links (links / NICs per node); an all-to-all has every
+        node of a group sending to the g - 1 others over its 2 (g - 1) direct links
+        (links x (g - 1) / (group_nodes x NICs per node))."""
+        high = self.global_bandwidth_fraction
+        if self.group_nodes is None or not self.global_links_per_group_pair or not self.nics_per_node:
+            return high, high
+        links = self.global_links_per_group_pair
+        if pattern == "ring":
+            low = links / self.nics_per_node
+        else:
+            low = links * (-(-nodes // self.group_nodes) - 1) / (self.group_nodes * self.nics_per_node)
+        return min(low, high), high
 
     @property
     def memory_bytes(self) -> float:
@@ -148,18 +199,25 @@ BUILTIN: dict[str, Cluster] = {
     # per pair, 1.38 PB/s of global bandwidth. A compute group has 2 x 165 = 330 global links to the
     # other compute groups for 512 endpoints at the same 200 Gb/s: 330 / 512 = 0.645 of the injection
     # bandwidth for traffic between groups (check: 166 x 165 links x 25 GB/s x 2 directions = 1.37 PB/s).
-    # An assumption still: collectives reach that under minimal routing only (adaptive routing through
-    # an intermediate group takes two global hops). A 3 % step-time jitter (assumed).
+    # That is the most (adaptive routing spreading a job's traffic over every group's links). Under
+    # minimal routing a job's all-to-all over g groups has only each group's 2 (g - 1) direct links:
+    # 2 (g - 1) / 512 of the injection bandwidth, 0.06 at 16 groups (a 12,288-tile job); a ring crosses
+    # into the next group at one node, whose 8 NICs share the pair's 2 links: 0.25. The time model takes
+    # the middle of each band by default and the scaling report prints both ends. Assumed, with no
+    # public measurement to take them from: the dense compute efficiency 0.35, collectives at 0.6 of
+    # the links' bandwidth, a 3 % step-time jitter.
     "aurora": Cluster(
         name="aurora", device="Intel Max 1550 tile", devices_per_node=12, memory_gib=64 * 1e9 / 2**30,
         peak_tflops=419.0, intra_node_gbps=50.0, inter_node_gbps=200.0 / 12, intra_node_latency_us=8.0,
         inter_node_latency_us=15.0, nodes=10624, compute_efficiency=0.35, comm_efficiency=0.6,
         memory_reserve_gib=6.0, overhead_per_layer_s=4e-4, group_nodes=64, global_bandwidth_fraction=0.645,
-        # the experts: not measured there; the ratio of expert to dense efficiency the H100 figures gave
-        # before both were measured (0.29 measured / 0.45 assumed = 0.64) applied to the assumed dense
-        # 0.35: 0.225. Kept until the planner is recalibrated as a whole: the measured ratio (0.33 / 0.68
-        # = 0.49, "h100" below) would give 0.17.
-        step_jitter=0.03, expert_efficiency=0.225,
+        global_links_per_group_pair=2, nics_per_node=8,
+        # the experts: not measured there. Derived: the ratio of the expert kernels' rate to the dense
+        # matmuls' measured in one run on a Hopper GPU ("h100" below: 0.33 / 0.68 = 0.49,
+        # benchmarks/results/moe_kernels_NVIDIA_H200.json) applied to the assumed dense 0.35: 0.17. The
+        # assumption named: the kernels lose as much against a dense matmul on a Max 1550 tile (Triton
+        # on XPU) as on the Hopper GPU.
+        step_jitter=0.03, expert_efficiency=0.17,
         notes="ALCF Aurora: 6 x Intel Max 1550 (12 tiles) per node, 8 x Slingshot-11 200 Gb/s NICs"),
     # Frontier (OLCF): 4 AMD MI250X per node, each two GCDs, 8 GCD ranks per node with 64 GB HBM2e
     # each (OLCF Frontier user guide). MI250X peak dense bf16 383 TFLOPS, 191.5 per GCD (AMD data
@@ -172,8 +230,9 @@ BUILTIN: dict[str, Cluster] = {
         peak_tflops=191.5, intra_node_gbps=50.0, inter_node_gbps=100.0 / 8, intra_node_latency_us=8.0,
         inter_node_latency_us=15.0, nodes=9408, compute_efficiency=0.35, comm_efficiency=0.6,
         memory_reserve_gib=6.0, overhead_per_layer_s=4e-4, group_nodes=128, global_bandwidth_fraction=0.5,
-        # the experts: not measured there; as for Aurora (the earlier H100 ratio 0.64 x the dense 0.35)
-        step_jitter=0.03, expert_efficiency=0.225,
+        # the experts: not measured there; derived as for Aurora (the measured Hopper ratio 0.49 x the
+        # assumed dense 0.35: 0.17)
+        step_jitter=0.03, expert_efficiency=0.17,
         notes="OLCF Frontier: 4 x MI250X (8 GCDs) per node, 4 x Slingshot-11 200 Gb/s NICs"),
     # A DGX H100-style cluster: 8 H100 SXM5 80 GB per node, 989 TFLOPS dense bf16 each (NVIDIA H100
     # data sheet); NVLink 4 through NVSwitch, 900 GB/s bidirectional = 450 GB/s per direction; one

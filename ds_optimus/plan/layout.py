@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, replace
 from math import gcd
 from typing import Any
 
-from ..parallel.stages import MULTI_STAGE_SCHEDULES, SCHEDULES
+from ..parallel.stages import MULTI_STAGE_SCHEDULES, ROUND_SCHEDULES, SCHEDULES
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # The parts of a decoder layer that selective activation recomputation recomputes, in the order
@@ -17,7 +17,7 @@ RECOMPUTE_PARTS = ("moe", "attention", "norms")
 DISPATCHES = ("alltoall", "allgather")
 # Short labels of the pipeline schedules in `Layout.describe`: none for 1F1B, and none for the interleaved
 # 1F1B with virtual stages (`pp8v2`)
-SCHEDULE_LABELS = {"gpipe": ":gpipe", "interleaved_1f1b": ":interleaved", "looped_bfs": ":bfs"}
+SCHEDULE_LABELS = {"gpipe": ":gpipe", "interleaved_1f1b": ":interleaved", "looped_bfs": ":bfs", "interleaved_zb": ":zb"}
 
 
 class LayoutError(ValueError):
@@ -71,6 +71,12 @@ class Layout:
     @property
     def param_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def reduces_each_micro_batch(self) -> bool:
+        """Whether the sharded optimizer reduces every micro-batch's gradients (ZeRO-2 without stages, or
+        with one chunk per stage rank) rather than the step's sum once (ZeRO-1; several chunks per rank)."""
+        return self.zero == 2 and (self.pp == 1 or self.schedule not in MULTI_STAGE_SCHEDULES)
 
     @property
     def reduce_bytes(self) -> int:
@@ -150,18 +156,18 @@ class Layout:
                               f"model has {layers}")
         if not self.sharded:
             raise LayoutError("pipeline parallelism runs with the EP-aware sharded optimizer (it reduces the "
-                              "gradients once, after the schedule)")
+                              "gradients in the schedule's drain)")
         m = self.accumulation
         if self.schedule == "1f1b" and m < self.pp:
             raise LayoutError(f"1f1b needs at least as many micro-batches as stages: accumulation {m} < {self.pp}")
         rounds = max(1, m // self.pp)
-        if self.schedule == "interleaved_1f1b" and m % rounds:
-            raise LayoutError(f"interleaved_1f1b runs rounds of {self.pp} micro-batches; accumulation {m} must divide "
+        if self.schedule in ROUND_SCHEDULES and m % rounds:
+            raise LayoutError(f"{self.schedule} runs rounds of {self.pp} micro-batches; accumulation {m} must divide "
                               "into them")
 
     def describe(self) -> str:
         """A short label: `dp48 ep8 pp4 zero1+opt mb2x4 ckpt` (`ckpt:moe+attn+norms`: those parts
-        recomputed; `pp4v2`: 2 virtual stages; `:gpipe`, `:bfs`: those schedules; `ag`: the allgather dispatch;
+        recomputed; `pp4v2`: 2 virtual stages; `:gpipe`, `:bfs`, `:zb`: those schedules; `ag`: the allgather dispatch;
         `zero1+opt/sg12`: hybrid sharding in groups of 12; `/pgo`: the parameter gather under the next forward)."""
         parts = [f"dp{self.dp}", f"ep{self.ep}"]
         if self.pp > 1:

@@ -184,11 +184,13 @@ def _estimate(model: ModelShape, layout: Layout, part: _Part, expert_imbalance: 
         # fp32 master, exp_avg, exp_avg_sq and the fp32 reduced-gradient shard
         optimizer_state = 16 * shard
         # ZeRO-1 keeps full-size gradient buckets from one backward pass to the next; under a pipeline
-        # schedule, ZeRO-2 too (the reduction waits for the schedule's end). Buckets that add several
-        # micro-batches up do it in fp32, cast to the wire dtype only at the collective.
-        accumulates = layout.pp > 1 or (layout.zero == 1 and layout.accumulation > 1)
+        # schedule with several chunks per rank ZeRO-2 too (the step's sum waits for the drain), while
+        # with one chunk per rank it reduces each micro-batch's as without stages. Buckets that add
+        # several micro-batches up do it in fp32, cast to the wire dtype only at the collective.
+        keeps = not layout.reduces_each_micro_batch
+        accumulates = keeps and (layout.pp > 1 or layout.accumulation > 1)
         held = 4 if accumulates and r < 4 else r
-        gradients = gradients_at_peak = held * n_local if layout.zero == 1 or layout.pp > 1 else 0.0
+        gradients = gradients_at_peak = held * n_local if keeps else 0.0
         # the optimizer's reused buffers: the all-gather of the new weights (two buckets in flight,
         # parameter dtype; overlapped with the next forward, every bucket until that forward takes it),
         # under ZeRO-2 the gradient buckets being filled during the backward, and the wire-dtype copies

@@ -66,11 +66,15 @@ def virtual_of(schedule: str, virtual: int) -> int:
 def bubble_fraction(schedule: str, pp: int, micro_batches: int, virtual: int = 1) -> float:
     """Idle share of a step of `micro_batches` on `pp` stages: (P-1)/(m+P-1) for GPipe and 1F1B
     (Narayanan et al., 2021, "Efficient large-scale language model training on GPU clusters"), and
-    (P-1)/(V·m+P-1) for the interleaved and looped schedules of V chunks per rank."""
+    (P-1)/(V·m+P-1) for the interleaved and looped schedules of V chunks per rank. The zero-bubble
+    schedule fills the bubble with the weight-gradient passes: a third of the interleaved one's, the
+    ZB-H1 bound (P-1)(F+B-W) against 1F1B's (P-1)(F+B+W) with the forward, input- and weight-gradient
+    passes taken equal (Qi et al., 2024, "Zero Bubble Pipeline Parallelism", arXiv:2401.10241)."""
     if pp <= 1:
         return 0.0
     v = virtual_of(schedule, virtual)
-    return (pp - 1) / (v * micro_batches + pp - 1)
+    idle = (pp - 1) / 3 if schedule == "interleaved_zb" else pp - 1
+    return idle / (v * micro_batches + idle)
 
 
 def in_flight(schedule: str, pp: int, micro_batches: int, virtual: int = 1, stage: int = 0) -> float:

@@ -3,7 +3,7 @@ tokens per second, and the scaling efficiency against N, as a table, JSON and a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +22,22 @@ class ScalingPoint:
     devices: int
     plan: Plan | None  # None: nothing fits
     tried: int
+    # the same layout's tokens/s at the ends of the cluster's band between network groups (minimal
+    # routing, adaptive routing's best); the plan itself is at the cluster's own routing (the middle)
+    band: tuple[float, float] | None = None
 
     @property
     def tokens_per_s(self) -> float:
         return self.plan.tokens_per_s if self.plan else 0.0
+
+
+def _banded(model: ModelShape, cluster: Cluster, devices: int, plan: Plan | None, tried: int,
+            expert_imbalance: float) -> ScalingPoint:
+    if plan is None:
+        return ScalingPoint(devices, None, tried)
+    ends = tuple(evaluate(model, plan.layout, replace(cluster, routing=routing), expert_imbalance).tokens_per_s
+                 for routing in ("minimal", "adaptive"))
+    return ScalingPoint(devices, plan, tried, ends)
 
 
 def device_counts(first: int, last: int) -> list[int]:
@@ -50,7 +62,8 @@ def scaling(model: ModelShape, cluster: Cluster, counts: list[int], seqs_per_dev
         if batch is None or batch < 1:
             raise ScalingError("strong scaling needs a global batch")
         plans, tried = search(model, cluster, devices, batch, seq_len, **kwargs)
-        points.append(ScalingPoint(devices, plans[0] if plans else None, tried))
+        points.append(_banded(model, cluster, devices, plans[0] if plans else None, tried,
+                              kwargs.get("expert_imbalance", 1.0)))
         if progress is not None:
             progress(points[-1])
     return points
@@ -68,30 +81,41 @@ def scale_layout(model: ModelShape, cluster: Cluster, layout: Layout, counts: li
             plan = evaluate(model, candidate, cluster, expert_imbalance)
         except LayoutError:
             plan = None
-        points.append(ScalingPoint(devices, plan, 1))
+        points.append(_banded(model, cluster, devices, plan, 1, expert_imbalance))
     return points
 
 
-def efficiency(points: list[ScalingPoint]) -> list[float]:
-    """Tokens/s per device at each count over that at the first count."""
-    base = points[0].tokens_per_s / points[0].devices if points and points[0].plan else 0.0
-    return [(p.tokens_per_s / p.devices / base) if base else 0.0 for p in points]
+def efficiency(points: list[ScalingPoint], end: int | None = None) -> list[float]:
+    """Tokens/s per device at each count over that at the first count; `end` 0 or 1: at that end of
+    the band (minimal routing, adaptive routing), each against the first count at the same end."""
+    def rate(p: ScalingPoint) -> float:
+        if p.plan is None:
+            return 0.0
+        return (p.band[end] if end is not None and p.band else p.tokens_per_s) / p.devices
+
+    base = rate(points[0]) if points else 0.0
+    return [rate(p) / base if base else 0.0 for p in points]
 
 
 def format_scaling(points: list[ScalingPoint], label: str = "best layout") -> str:
-    effs = efficiency(points)
-    header = ("devices", label, "tokens/s", "per device", "MFU", "a2a %", "grad %", "bubble %", "efficiency")
+    """The table: the middle of the band in every column, and the band's ends (minimal routing to
+    adaptive routing's best) for the tokens/s per device and the efficiency."""
+    effs, lows, highs = efficiency(points), efficiency(points, 0), efficiency(points, 1)
+    header = ("devices", label, "tokens/s", "per device", "band", "MFU", "a2a %", "grad %", "bubble %",
+              "efficiency", "band")
     rows = []
-    for point, eff in zip(points, effs, strict=True):
+    for point, eff, low, high in zip(points, effs, lows, highs, strict=True):
         if point.plan is None:
-            rows.append((str(point.devices), "nothing fits", "-", "-", "-", "-", "-", "-", "-"))
+            rows.append((str(point.devices), "nothing fits", *["-"] * 9))
             continue
         t = point.plan.time
         fits = "" if point.plan.fits else " (does not fit)"
+        band = point.band or (point.tokens_per_s, point.tokens_per_s)
         rows.append((str(point.devices), point.plan.layout.describe() + fits, f"{point.tokens_per_s:,.0f}",
-                     f"{point.tokens_per_s / point.devices:,.0f}", f"{point.plan.mfu:.1%}",
+                     f"{point.tokens_per_s / point.devices:,.0f}",
+                     f"{band[0] / point.devices:,.0f}-{band[1] / point.devices:,.0f}", f"{point.plan.mfu:.1%}",
                      f"{t.all_to_all / t.step:.0%}", f"{(t.grad_reduce + t.param_gather) / t.step:.0%}",
-                     f"{(t.bubble + t.p2p) / t.step:.0%}", f"{eff:.1%}"))
+                     f"{(t.bubble + t.p2p) / t.step:.0%}", f"{eff:.1%}", f"{low:.0%}-{high:.0%}"))
     return text_table(header, rows)
 
 
@@ -118,6 +142,9 @@ def plot_scaling(points: list[ScalingPoint], path: str | Path, title: str, refer
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     ax.loglog(devices, ideal, "--", color="grey", label="linear from the first point")
     ax.loglog(devices, tps, "o-", color="C0", label=label)
+    if all(p.band for p in pts):
+        ax.fill_between(devices, [p.band[0] for p in pts], [p.band[1] for p in pts], color="C0", alpha=0.15,
+                        label="minimal to adaptive routing between groups")
     series = [(name, [p for p in pts_ if p.plan is not None], pts_) for name, pts_ in others]
     for i, (name, kept, _) in enumerate(series, 2):
         ax.loglog([p.devices for p in kept], [p.tokens_per_s for p in kept], "s-", color=f"C{i}", label=name)
@@ -130,9 +157,11 @@ def plot_scaling(points: list[ScalingPoint], path: str | Path, title: str, refer
     ax.legend(fontsize=8)
     ax.set_title("throughput")
     ax2.semilogx(devices, [100 * e for e in effs], "o-", color="C0", label=label)
+    _band(ax2, points, "C0")
     for i, (name, kept, all_points) in enumerate(series, 2):
         kept_effs = [e for p, e in zip(all_points, efficiency(all_points), strict=True) if p.plan is not None]
         ax2.semilogx([p.devices for p in kept], [100 * e for e in kept_effs], "s-", color=f"C{i}", label=name)
+        _band(ax2, all_points, f"C{i}")
     if reference is not None:
         ax2.plot([devices[-1]], [100 * reference], "s", color="C3", markersize=9,
                  label=f"reference measurement ({reference:.0%})")
@@ -152,3 +181,12 @@ def plot_scaling(points: list[ScalingPoint], path: str | Path, title: str, refer
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _band(ax, points: list[ScalingPoint], color: str) -> None:
+    """Shade the efficiency between the band's ends (minimal routing, adaptive routing's best)."""
+    kept = [(p, lo, hi) for p, lo, hi in zip(points, efficiency(points, 0), efficiency(points, 1), strict=True)
+            if p.plan is not None and p.band]
+    if kept:
+        ax.fill_between([p.devices for p, _, _ in kept], [100 * lo for _, lo, _ in kept],
+                        [100 * hi for _, _, hi in kept], color=color, alpha=0.15)

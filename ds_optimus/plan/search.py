@@ -75,14 +75,16 @@ def _divisors(n: int) -> list[int]:
 def schedules(pp: int, micro_batches: int, layers: int, virtual_stages=VIRTUAL_STAGES) -> list[tuple[str, int]]:
     """The (schedule, virtual stages) tried for `pp` stages and a step of `micro_batches`: 1F1B (GPipe
     where there are fewer micro-batches than stages, which 1F1B cannot run), and the interleaved 1F1B
-    with V chunks per rank where P·V divides the layers, cutting the bubble from (P-1)/(m+P-1) to
-    (P-1)/(V·m+P-1) for V times the sends between stages."""
+    and zero-bubble schedules with V chunks per rank where P·V divides the layers, cutting the bubble
+    from (P-1)/(m+P-1) to (P-1)/(V·m+P-1) (a third of that with zero bubble) for V times the sends
+    between stages."""
     if pp == 1:
         return [("1f1b", 1)]
     m = micro_batches
     out = [("1f1b", 1) if m >= pp else ("gpipe", 1)]
     rounds = max(1, m // pp)
-    out += [("interleaved_1f1b", v) for v in virtual_stages if layers % (pp * v) == 0 and m % rounds == 0]
+    out += [(name, v) for name in ("interleaved_1f1b", "interleaved_zb") for v in virtual_stages
+            if layers % (pp * v) == 0 and m % rounds == 0]
     return out
 
 
@@ -95,7 +97,7 @@ def candidate_layouts(model: ModelShape, cluster: Cluster, devices: int, global_
     the (dedup, chunks) pairs of the all-to-all to try where there is an EP exchange, `dispatches` the
     exchanges (the allgather one where the EP group is inside a node); `pipeline`: also pipeline
     stages (sizes up to 16 dividing the layers and the devices; untied models only), with the
-    sharded optimizer at ZeRO-1 (the runtime reduces once after the schedule, so ZeRO-2 holds the same)."""
+    sharded optimizer."""
     overlap = not cluster.shared_compute  # gloo: no overlap
     layouts = []
     sizes = [p for p in _divisors(devices) if p <= 16 and model.layers % p == 0] if pipeline and not model.tied \
@@ -107,7 +109,7 @@ def candidate_layouts(model: ModelShape, cluster: Cluster, devices: int, global_
         per_rank = global_batch // dp
         eps = [e for e in _divisors(dp) if model.experts % e == 0 and (max_ep is None or e <= max_ep)] \
             if model.experts else [1]
-        opts = optimizers if pp == 1 else [o for o in optimizers if o == (1, True)]
+        opts = optimizers if pp == 1 else [o for o in optimizers if o[1]]  # stages need the sharded optimizer
         for ep in eps:
             # a hierarchical exchange where the group spans (sub-)nodes; dedup and chunks where there
             # is an exchange, chunks only where communication overlaps compute (not on shared cores);
@@ -122,9 +124,9 @@ def candidate_layouts(model: ModelShape, cluster: Cluster, devices: int, global_
                 for micro in _divisors(per_rank):
                     for (schedule, virtual), ckpt, (hier, dedup, chunks, dispatch) in itertools.product(
                             schedules(pp, per_rank // micro, model.layers, virtual_stages), checkpointing, modes):
-                        # ZeRO-1 buckets add up the micro-batches' gradients: in fp32 when the
-                        # weights are 16-bit, as the shipped configs do
-                        reduce = reduce_dtype or ("fp32" if sharded and zero == 1 and dtype != "fp32" else None)
+                        # the gradients travel in the weights' dtype unless told (buckets that add
+                        # micro-batches up hold fp32 sums, cast at the collective)
+                        reduce = reduce_dtype
                         layouts.append(Layout(
                             world=devices, ep=ep, pp=pp, zero=zero, sharded=sharded, micro=micro,
                             accumulation=per_rank // micro, checkpointing=ckpt, hierarchical=hier, dedup=dedup,

@@ -66,14 +66,13 @@ class TimeEstimate:
                 "gather_hidden": self.gather_hidden}
 
 
-def _link(cluster: Cluster, nodes: int) -> tuple[float, float]:
+def _link(cluster: Cluster, nodes: int, pattern: str = "ring") -> tuple[float, float]:
     """(bytes/s, latency s) of a collective whose group spans `nodes` nodes (1: inside a node;
-    beyond `group_nodes`, the tapered links between groups)."""
+    beyond `group_nodes`, the tapered links between groups: `Cluster.global_fraction` of a ring's or an
+    all-to-all's `pattern`)."""
     if nodes <= 1:
         return cluster.intra_node_gbps * 1e9 * cluster.comm_efficiency, cluster.intra_node_latency_us * 1e-6
-    bandwidth = cluster.inter_node_gbps * 1e9 * cluster.comm_efficiency
-    if cluster.group_nodes is not None and nodes > cluster.group_nodes:
-        bandwidth *= cluster.global_bandwidth_fraction
+    bandwidth = cluster.inter_node_gbps * 1e9 * cluster.comm_efficiency * cluster.global_fraction(nodes, pattern)
     return bandwidth, cluster.inter_node_latency_us * 1e-6
 
 
@@ -149,7 +148,7 @@ def all_to_all_time(nbytes: float | Exchange, ep: int, cluster: Cluster, hierarc
     if ep <= 1 or x.tokens * x.row_bytes <= 0:
         return 0.0
     intra_bw, intra_lat = _link(cluster, 1)
-    inter_bw, inter_lat = _link(cluster, max(2, -(-ep // n)))  # unaligned, even a small group spans 2
+    inter_bw, inter_lat = _link(cluster, max(2, -(-ep // n)), "all")  # unaligned, even a small group spans 2
     steps = exchange_steps(x, ep, n, hierarchical)
     seconds = sum(max(intra / intra_bw, inter / inter_bw) for intra, inter in steps)
     if n % ep == 0:  # one step per peer
@@ -255,7 +254,8 @@ def estimate_time(model: ModelShape, layout: Layout, cluster: Cluster, expert_im
     slowest = None
     for share, n_layers, n_moe, last in parts:
         compute = (layers * share + expert_layer * n_moe + (head if last else 0.0)) * (1 + straggle)
-        a2a = (exposed_layer + counts_layer) * n_moe
+        # the chunked exchange's hidden part slows the compute it runs under by the contention share
+        a2a = (exposed_layer + counts_layer + cluster.overlap_contention * hidden_layer) * n_moe
         # a micro-batch's fixed costs once per chunk of layers the stage runs it through
         overhead = cluster.overhead_per_micro_batch_s * virtual + cluster.overhead_per_layer_s * n_layers * (
             1 + launches)
@@ -264,9 +264,11 @@ def estimate_time(model: ModelShape, layout: Layout, cluster: Cluster, expert_im
     compute, a2a, overhead, n_moe = slowest
     # one micro-batch's forward on the slowest stage: a third of forward + backward, a quarter with recomputation
     micro_forward = compute / (4 if layout.checkpointing else 3)
-    # the schedule's fill and drain: (P - 1) / V of the slowest stage's micro-batch slots
+    # the schedule's fill and drain: (P - 1) / V of the slowest stage's micro-batch slots, a third of
+    # that where the zero-bubble schedule fills it with weight-gradient passes
     # (`pipeline.bubble_fraction` of the step's compute, exchanges and fixed costs)
-    bubble = (layout.pp - 1) / virtual * (compute + a2a + overhead)
+    idle = (layout.pp - 1) / (3 if layout.schedule == "interleaved_zb" else 1)
+    bubble = idle / virtual * (compute + a2a + overhead)
     compute, a2a, overhead = compute * micro_batches, a2a * micro_batches, overhead * micro_batches
 
     p = layout.param_bytes
@@ -284,21 +286,26 @@ def estimate_time(model: ModelShape, layout: Layout, cluster: Cluster, expert_im
         exposed = reduce
     else:
         once, across, gather = optimizer_collectives(dense, expert, layout, cluster)
-        # ZeRO-2 reduces at every micro-batch; under a pipeline schedule once, after it
-        reductions = micro_batches if layout.zero == 2 and layout.pp == 1 else 1
+        # ZeRO-2 reduces at every micro-batch (with pipeline stages where each rank runs one chunk); else
+        # the step's sum once: without stages after the last micro-batch's backward, with stages in the
+        # drain, each bucket as the stage's last backward pass completes it
+        reductions = micro_batches if layout.reduces_each_micro_batch else 1
         reduce = once * reductions
         if layout.sharded and layout.gather_overlap and overlap:
             # every bucket launched at the step's end, each layer waiting for its own: hidden under the
             # first micro-batch's forward, but the first bucket (the embedding's)
             first = gather * min(1.0, layout.bucket_size / max(dense + expert, 1.0))
             hidden = min(gather - first, micro_forward)
-            gather, gather_hidden = gather - hidden, hidden
-        if overlap and layout.pp == 1:
-            # buckets are reduced while the backward pass goes on (two thirds of the compute); the
-            # last bucket's reduction is always exposed
+            # the forward it hides under runs slower by the contention share of it
+            gather, gather_hidden = gather - hidden + cluster.overlap_contention * hidden, hidden
+        if overlap:
+            # buckets are reduced while the backward pass goes on (two thirds of the compute; with stages
+            # the last stage-rank's last backward pass, the drain's end); the last bucket's reduction is
+            # always exposed
             backward = compute * 2 / 3 / micro_batches
             buckets = max(1.0, (dense + expert) / layout.bucket_size)
             exposed = max(reduce / buckets, reduce - backward * reductions)
+            exposed += cluster.overlap_contention * (reduce - exposed)  # the backward under it slows
         else:
             exposed = reduce
         exposed += across  # at the step's start, after the last reduction
