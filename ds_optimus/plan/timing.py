@@ -13,8 +13,9 @@ dispatch instead all-gathers the group's tokens and reduce-scatters the experts'
 
 With P pipeline stages (stage s = ranks [s·D, (s+1)·D)), each stage runs its layers (the runtime's
 balanced split) for every micro-batch; the slowest stage sets the pace, and the schedule adds (P-1)/V of
-its micro-batch slots of fill and drain, (P-1)/(V·m+P-1) of the step. Gradients are reduced over a
-stage's D ranks once, after the schedule.
+its micro-batch slots of fill and drain, (P-1)/(V·m+P-1) of the step (a third of that for the
+zero-bubble schedule). Gradients are reduced over a stage's D ranks in the schedule's drain,
+overlapping its last backward pass (ZeRO-2 over one chunk per rank: at every micro-batch).
 
 Collectives cost bandwidth time (bytes each rank sends over its link's rate x the cluster's
 `comm_efficiency`) plus latency (one step per peer for all-to-all; 2 log2(n) steps for the
