@@ -86,13 +86,12 @@ def main() -> int:
              ("bf16 gradients on the wire (fp32 sums in the buckets)", {"reduce_dtype": "bf16"}),
              ("4 virtual stages per rank, interleaved 1F1B", {"schedule": "interleaved_1f1b", "virtual_stages": 4}),
              ("the zero-bubble schedule", {"schedule": "interleaved_zb"}),
-             ("no recomputation", {"checkpointing": False}),
+             ("the norms alone recomputed", {"checkpointing": ("norms",)}),
              ("the deduplicated all-to-all in 4 chunks for the allgather", {"dispatch": "alltoall", "dedup": True,
                                                                             "chunks": 4}),
              ("EP 24 over two nodes, hierarchical", {"ep": 24, "hierarchical": True}),
-             ("2 sequences a micro-batch, 4 micro-batches", {"micro": 2, "accumulation": 4}),
              ("the parameter gather under the next forward", {"gather_overlap": True}),
-             ("shard groups of 64 tiles (hybrid sharding)", {"shard_group": 64})]
+             ("shard groups of 4 tiles (hybrid sharding)", {"shard_group": 4})]
     layout, base, ladder = seed.with_(world=12288), None, []
     print("\n| change (kept from the row above) | step s (band) | MFU | peak GiB | x the seed's |")
     print("|---|---|---|---|---|")

@@ -42,6 +42,7 @@ from ds_optimus.plan.memory import local_params, stage_memory
 from ds_optimus.plan.pipeline_model import bubble_fraction, in_flight, stages
 from ds_optimus.plan.scaling import device_counts, efficiency, scaling
 from ds_optimus.plan.search import candidate_layouts
+from ds_optimus.plan.search import schedules as search_schedules
 from ds_optimus.plan.timing import (
     Exchange,
     all_to_all_time,
@@ -797,3 +798,20 @@ def test_overlapped_exchange_pays_its_contention():
     free, paid = (estimate_time(shape, layout, replace(h100, overlap_contention=c)) for c in (0.0, 0.1))
     assert free.all_to_all_hidden > 0
     assert paid.all_to_all - free.all_to_all == pytest.approx(0.1 * free.all_to_all_hidden)
+
+
+def test_zero_bubble_and_interleaving_costs_the_model_counts():
+    """Interleaving helps only with a round of micro-batches per pipeline (m >= P); the zero-bubble
+    schedule's two backward calls each recompute the checkpointed regions, and every stage holds
+    min(P, m) micro-batches' activations."""
+    shape, aurora = ModelShape.from_preset("mula-220b-a10b"), BUILTIN["aurora"]
+    assert bubble_fraction("interleaved_1f1b", 8, 4, 4) == pytest.approx(bubble_fraction("1f1b", 8, 4))
+    assert bubble_fraction("interleaved_zb", 8, 4, 4) == pytest.approx((7 / 3) / (4 + 7 / 3))
+    assert ("interleaved_zb", 4) not in search_schedules(8, 4, 64)
+    assert ("interleaved_zb", 4) in search_schedules(8, 8, 64)
+    assert [in_flight("interleaved_zb", 8, m, 4, stage) for m, stage in ((16, 0), (16, 7), (4, 0))] == [8, 8, 4]
+    interleaved = SEED_220B.with_(schedule="interleaved_1f1b", virtual_stages=4)
+    once, twice = (estimate_time(shape, layout, aurora) for layout in (interleaved, interleaved.with_(
+        schedule="interleaved_zb")))
+    assert twice.experts > once.experts  # the MoE blocks recomputed twice: one more forward of the experts
+    assert twice.experts == pytest.approx(once.experts * 5 / 4)

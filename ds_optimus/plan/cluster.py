@@ -123,8 +123,10 @@ class Cluster:
         whose NICs then share the pair's direct links (links / NICs per node); an all-to-all has every
         node of a group sending to the g - 1 others over its 2 (g - 1) direct links
         (links x (g - 1) / (group_nodes x NICs per node))."""
+        if self.group_nodes is None or nodes <= self.group_nodes:
+            return 1.0, 1.0
         high = self.global_bandwidth_fraction
-        if self.group_nodes is None or not self.global_links_per_group_pair or not self.nics_per_node:
+        if not self.global_links_per_group_pair or not self.nics_per_node:
             return high, high
         links = self.global_links_per_group_pair
         if pattern == "ring":

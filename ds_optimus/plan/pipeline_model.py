@@ -66,22 +66,32 @@ def virtual_of(schedule: str, virtual: int) -> int:
 def bubble_fraction(schedule: str, pp: int, micro_batches: int, virtual: int = 1) -> float:
     """Idle share of a step of `micro_batches` on `pp` stages: (P-1)/(m+P-1) for GPipe and 1F1B
     (Narayanan et al., 2021, "Efficient large-scale language model training on GPU clusters"), and
-    (P-1)/(V·m+P-1) for the interleaved and looped schedules of V chunks per rank. The zero-bubble
+    (P-1)/(V·m+P-1) for the interleaved and looped schedules of V chunks per rank (with m >= P:
+    `interleaving`). The zero-bubble
     schedule fills the bubble with the weight-gradient passes: a third of the interleaved one's, the
     ZB-H1 bound (P-1)(F+B-W) against 1F1B's (P-1)(F+B+W) with the forward, input- and weight-gradient
     passes taken equal (Qi et al., 2024, "Zero Bubble Pipeline Parallelism", arXiv:2401.10241)."""
     if pp <= 1:
         return 0.0
-    v = virtual_of(schedule, virtual)
+    v = interleaving(schedule, pp, micro_batches, virtual)
     idle = (pp - 1) / 3 if schedule == "interleaved_zb" else pp - 1
     return idle / (v * micro_batches + idle)
+
+
+def interleaving(schedule: str, pp: int, micro_batches: int, virtual: int = 1) -> int:
+    """The V that divides the bubble: the chunks per rank, where a round of micro-batches fills the
+    pipeline (m >= P); with fewer micro-batches than stages every switch between a rank's chunks waits
+    for the pipeline (PyTorch's op lists, simulated, idle more than the single-chunk schedule's
+    (P-1)/(m+P-1) for interleaved 1F1B), so no gain is counted."""
+    return virtual_of(schedule, virtual) if micro_batches >= pp else 1
 
 
 def in_flight(schedule: str, pp: int, micro_batches: int, virtual: int = 1, stage: int = 0) -> float:
     """Micro-batches whose activations stage `stage` holds at once, in units of the whole stage's layers:
     GPipe and the looped (breadth-first) schedule run every forward before any backward (m); 1F1B
     holds P - s on stage s (at most m); the interleaved 1F1B holds PyTorch's warm-up forwards of a chunk,
-    (V-1)·(micro-batches per round) + 2(P-1-s), and one more, each a V-th of the stage."""
+    (V-1)·(micro-batches per round) + 2(P-1-s), and one more, each a V-th of the stage; the zero-bubble
+    schedule min(P, m) on every stage (its graphs wait for their weight-gradient passes)."""
     m = micro_batches
     if pp <= 1:
         return 1.0
@@ -89,6 +99,8 @@ def in_flight(schedule: str, pp: int, micro_batches: int, virtual: int = 1, stag
         return float(m)
     if schedule == "1f1b" or virtual_of(schedule, virtual) == 1:
         return float(min(pp - stage, m))
+    if schedule == "interleaved_zb":  # warm-up of one round, each graph kept until its weight pass: every rank alike
+        return float(min(pp, m))
     rounds = max(1, m // pp)
     warmup = (virtual - 1) * (m // rounds) + 2 * (pp - 1 - stage)
     return min(warmup + 1, virtual * m) / virtual

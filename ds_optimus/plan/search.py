@@ -84,7 +84,7 @@ def schedules(pp: int, micro_batches: int, layers: int, virtual_stages=VIRTUAL_S
     out = [("1f1b", 1) if m >= pp else ("gpipe", 1)]
     rounds = max(1, m // pp)
     out += [(name, v) for name in ("interleaved_1f1b", "interleaved_zb") for v in virtual_stages
-            if layers % (pp * v) == 0 and m % rounds == 0]
+            if layers % (pp * v) == 0 and m % rounds == 0 and m >= pp]  # fewer than P: no gain, more idle
     return out
 
 

@@ -32,7 +32,7 @@ from .cluster import Cluster
 from .layout import Layout, hierarchy_node_size
 from .memory import local_params
 from .model import ModelShape
-from .pipeline_model import stages, virtual_of
+from .pipeline_model import interleaving, stages, virtual_of
 
 
 @dataclass(frozen=True)
@@ -176,7 +176,7 @@ def exchange_seconds(model: ModelShape, layout: Layout, cluster: Cluster, expert
     tokens, p, ep = layout.tokens_per_micro, layout.param_bytes, layout.ep
     if ep <= 1:
         return 0.0, 0.0, 0.0
-    counts_passes = 2 if len(passes) == 3 else 1  # each forward first exchanges the counts (latency only)
+    counts_passes = len(passes) - 1  # each forward (and recomputed one) first exchanges the counts (latency only)
     if layout.dispatch == "allgather":
         # all-gather the group's tokens with their routing, run the local experts, reduce-scatter the
         # partial outputs (backward: the reverse): (EP-1)·T·H each way, whatever top-k is
@@ -229,12 +229,16 @@ def estimate_time(model: ModelShape, layout: Layout, cluster: Cluster, expert_im
     # recomputation runs the recomputed parts' forward again: the whole layers (not the LM head), or
     # the attention (projections and products) and/or the FFN (router and experts, with their exchange)
     dense_again, experts_again = model.recompute_flops_per_token(layout.checkpointing, layout.seq_len)
+    # the zero-bubble schedule's input- and weight-gradient passes are two autograd calls, and each
+    # recomputes the checkpointed regions (their exchange included)
+    twice = 2 if layout.schedule == "interleaved_zb" and layout.pp > 1 else 1
+    dense_again, experts_again = dense_again * twice, experts_again * twice
     flops = (model.flops_per_token(layout.seq_len) + dense_again + experts_again) * tokens
     # the experts' FLOPs run at the expert kernels' rate (forward 2 FLOPs per weight and token,
     # backward 4, recomputation 2 more)
     again = experts_again > 0
-    recompute = 4 / 3 if again else 1.0
-    passes = (1, 2, 1) if again else (1, 2)  # forward, backward, recomputation
+    recompute = (3 + twice) / 3 if again else 1.0
+    passes = (1, 2) + (1,) * twice if again else (1, 2)  # forward, backward, each recomputation
     experts_flops = 6.0 * model.moe_layers * model.top_k * 3 * model.hidden * model.expert_intermediate * tokens
     expert_layer = expert_seconds(model, layout, cluster, expert_imbalance) * sum(passes)
     head = 6.0 * model.vocab * model.hidden * tokens / rate  # the LM head, forward and backward
@@ -269,7 +273,8 @@ def estimate_time(model: ModelShape, layout: Layout, cluster: Cluster, expert_im
     # that where the zero-bubble schedule fills it with weight-gradient passes
     # (`pipeline.bubble_fraction` of the step's compute, exchanges and fixed costs)
     idle = (layout.pp - 1) / (3 if layout.schedule == "interleaved_zb" else 1)
-    bubble = idle / virtual * (compute + a2a + overhead)
+    bubble = idle / interleaving(layout.schedule, layout.pp, micro_batches, layout.virtual_stages) * (
+        compute + a2a + overhead)
     compute, a2a, overhead = compute * micro_batches, a2a * micro_batches, overhead * micro_batches
 
     p = layout.param_bytes
