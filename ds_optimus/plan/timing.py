@@ -277,6 +277,20 @@ def estimate_time(model: ModelShape, layout: Layout, cluster: Cluster, expert_im
         compute + a2a + overhead)
     compute, a2a, overhead = compute * micro_batches, a2a * micro_batches, overhead * micro_batches
 
+    exposed, gather, across, gather_hidden = optimizer_seconds(model, layout, cluster, compute, micro_forward, overlap)
+    return TimeEstimate(compute=compute, all_to_all=a2a, grad_reduce=exposed, param_gather=gather,
+                        bubble=bubble, overhead=overhead,
+                        experts=expert_layer * n_moe * micro_batches,
+                        all_to_all_hidden=hidden_layer * n_moe * micro_batches,
+                        p2p=p2p_seconds(model, layout, cluster), reduce_across=across, gather_hidden=gather_hidden)
+
+
+def optimizer_seconds(model: ModelShape, layout: Layout, cluster: Cluster, compute: float, micro_forward: float,
+                      overlap: bool) -> tuple[float, float, float, float]:
+    """A step's (gradient reduction exposed, parameter gather exposed, all-reduce across shard groups,
+    gather hidden under the next forward), given the step's `compute` and one micro-batch's forward
+    on the slowest stage (`micro_forward`)."""
+    micro_batches = layout.accumulation
     p = layout.param_bytes
     dense, expert = local_params(model, layout)
     # the data-parallel group is a pipeline stage's ranks (all ranks without a pipeline)
@@ -315,11 +329,7 @@ def estimate_time(model: ModelShape, layout: Layout, cluster: Cluster, expert_im
         else:
             exposed = reduce
         exposed += across  # at the step's start, after the last reduction
-    return TimeEstimate(compute=compute, all_to_all=a2a, grad_reduce=exposed, param_gather=gather,
-                        bubble=bubble, overhead=overhead,
-                        experts=expert_layer * n_moe * micro_batches,
-                        all_to_all_hidden=hidden_layer * n_moe * micro_batches,
-                        p2p=p2p_seconds(model, layout, cluster), reduce_across=across, gather_hidden=gather_hidden)
+    return exposed, gather, across, gather_hidden
 
 
 def optimizer_collectives(dense: float, expert: float, layout: Layout, cluster: Cluster) -> tuple[float, float, float]:
