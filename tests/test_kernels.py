@@ -271,5 +271,5 @@ def test_tuned_tiles_are_fitted_to_the_gpus_shared_memory_for_float32_data():
         assert k.fit_shared_memory(name, cfg, 2, limit) == cfg  # bf16: as tuned
         fitted = k.fit_shared_memory(name, cfg, 4, limit)
         assert k.shared_memory_bytes(name, fitted, 4) <= limit
-        assert fitted["BLOCK_M"] == cfg["BLOCK_M"] and fitted["num_stages"] >= 2
+        assert fitted["num_stages"] >= 2 and (fitted == cfg) == (k.shared_memory_bytes(name, cfg, 4) <= limit)
     assert k.fit_shared_memory("dx", tuned["dx"], 4, None) == tuned["dx"]  # no limit known: unchanged
