@@ -46,6 +46,30 @@ def test_split_balances_layer_cost_with_the_head_on_the_last_chunk():
     assert sum(len(r) for r in split) == 64 and max(len(r) for r in split) <= 9
 
 
+def test_v_shaped_schedules_place_two_chunks_a_rank_down_and_back():
+    """ZB-V and DualPipeV: rank r runs chunk r and chunk 2P - 1 - r, so the first rank holds the embedding
+    and the head; the loop order of the interleaved schedules puts chunk c on rank c mod P."""
+    from types import SimpleNamespace
+
+    from ds_optimus.parallel.pipeline import stage_chunks
+    from ds_optimus.parallel.stages import check_pipeline
+
+    v = PipelineParallelConfig(size=4, schedule="zbv", virtual_stages=2)
+    assert [v.stage_of(c) for c in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    loop = PipelineParallelConfig(size=4, schedule="interleaved_zb", virtual_stages=2)
+    assert [loop.stage_of(c) for c in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    config = MulaConfig(**{**PRESETS["mula-tiny-moe"], "num_hidden_layers": 8})
+    held = {s: [c for c, _ in stage_chunks(v, config, 64, s)] for s in range(4)}
+    assert held == {0: [0, 7], 1: [1, 6], 2: [2, 5], 3: [3, 4]}
+    # DualPipeV wants at least as many micro-batches as chunks (PyTorch's own condition)
+    opt = OptimusConfig.parse({"pipeline_parallel": {"size": 4, "schedule": "dualpipev", "virtual_stages": 2},
+                               "sharded_optimizer": {"enabled": True}, "model": {"preset": "mula-tiny-moe"}}, "optimus")
+    model = SimpleNamespace(tie_word_embeddings=False)
+    with pytest.raises(ConfigError, match=r"dualpipev needs at least as many micro-batches \(gradient_accumulation_"
+                                          r"steps, 4\) as chunks of layers \(2 x 4 = 8\)"):
+        check_pipeline(opt, {}, model, accumulation=4)
+
+
 @pytest.mark.parametrize("section, message", [
     ({"size": 0}, "optimus.pipeline_parallel.size must be a positive integer"),
     ({"schedule": "zb"}, "optimus.pipeline_parallel.schedule must be one of gpipe, 1f1b, interleaved_1f1b"),
@@ -53,6 +77,7 @@ def test_split_balances_layer_cost_with_the_head_on_the_last_chunk():
     ({"size": 2, "layers": [1, 1, 1]}, "optimus.pipeline_parallel.layers has 3 entries; size 2 x virtual_stages 1"),
     ({"virtual_stages": 2, "schedule": "looped_bfs"}, "and optimus.pipeline_parallel.layers need pipeline stages"),
     ({"size": 2, "schedule": "interleaved_1f1b"}, "interleaved_1f1b runs several chunks of layers per rank"),
+    ({"size": 2, "schedule": "zbv", "virtual_stages": 3}, "schedule zbv runs exactly two chunks of layers per rank"),
 ])
 def test_bad_pipeline_sections_are_one_line_errors(section, message):
     with pytest.raises(ConfigError) as err:
@@ -198,7 +223,9 @@ def reference(tmp_path_factory, cache):
     ({"size": 2}, True),
     ({"size": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2}, ["moe", "attention", "norms"]),
     ({"size": 2, "schedule": "interleaved_zb", "virtual_stages": 2}, ["moe"]),
-], ids=["1f1b", "interleaved", "zero-bubble"])
+    ({"size": 2, "schedule": "zbv", "virtual_stages": 2}, ["norms"]),
+    ({"size": 2, "schedule": "dualpipev", "virtual_stages": 2}, True),
+], ids=["1f1b", "interleaved", "zero-bubble", "zbv", "dualpipev"])
 def test_two_stages_train_as_one_process(tmp_path, cache, reference, schedule, recompute):
     """Also with activation recomputation: whole layers, or the parts of each. The export replaces the
     weights an earlier one left in the folder (from_pretrained would read those first)."""
@@ -239,7 +266,8 @@ def test_two_stages_with_expert_or_data_parallelism_inside_train_as_one_process(
 
 @pytest.mark.slow
 def test_a_checkpoint_of_two_stages_resumes_on_one_stage_and_on_four(tmp_path, cache):
-    """Saved at PP 2 x EP 2 after step 5, resumed at PP 1 x EP 4 and at PP 4: the losses go on as the
+    """Saved at PP 2 x EP 2 after step 5, resumed at PP 1 x EP 4, at PP 4, and at PP 2 x EP 2 under ZB-V
+    (whose first rank holds the first and the last layers, read from both stages' files): the losses go on as the
     uninterrupted PP 2 x EP 2 run's (router losses off, so that how a step's sequences are grouped
     into micro-batches does not matter)."""
     quiet = {"overrides": {"router_aux_loss_coef": 0.0, "router_z_loss_coef": 0.0}}
@@ -251,8 +279,11 @@ def test_a_checkpoint_of_two_stages_resumes_on_one_stage_and_on_four(tmp_path, c
                        model=quiet, checkpoint={"interval": 5}, train={"stop_after_steps": 5},
                        sharded_optimizer={"shard_group_size": 1})  # saved replicated, resumed sharded
     assert sorted(run_distributed(pretrain_worker, 4, first)[0]["losses"]) == [1, 2, 3, 4, 5]
+    zbv = {"size": 2, "schedule": "zbv", "virtual_stages": 2}  # the same ranks, the chunks placed down and back
     for name, layout, micro, accumulation in (("pp1-ep4", {"expert_parallel": {"size": 4}}, 1, 2),
-                                             ("pp4", {"pipeline_parallel": {"size": 4}}, 2, 4)):
+                                             ("pp4", {"pipeline_parallel": {"size": 4}}, 2, 4),
+                                             ("pp2-zbv", {"pipeline_parallel": zbv, "expert_parallel": seed_exchange},
+                                              1, 4)):
         config = json.loads(json.dumps(first))
         config["optimus"]["train"].update(stop_after_steps=None, output_dir=str(tmp_path / name))
         shutil.copytree(tmp_path / "first" / "run" / "checkpoints", tmp_path / name / "checkpoints")
@@ -260,14 +291,16 @@ def test_a_checkpoint_of_two_stages_resumes_on_one_stage_and_on_four(tmp_path, c
         config["optimus"]["pipeline_parallel"] = layout.get("pipeline_parallel", {"size": 1})
         config["optimus"]["expert_parallel"] = layout.get("expert_parallel", {"size": 1})
         config.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accumulation)
-        now = {"pp1-ep4": "4 ranks (EP 4)", "pp4": "4 ranks (PP 4)"}[name]
+        now = {"pp1-ep4": "4 ranks (EP 4)", "pp4": "4 ranks (PP 4)", "pp2-zbv": None}[name]
         from ds_optimus.train.preflight import check_run  # --check says the reshard before the launch
 
-        assert check_run(config, 4)[-1].endswith(f", saved by 4 ranks (PP 2 x EP 2): its state resharded to {now}")
+        if now is not None:
+            assert check_run(config, 4)[-1].endswith(f", saved by 4 ranks (PP 2 x EP 2): its state resharded to {now}")
         summary = run_distributed(pretrain_worker, 4, config)[0]
         assert summary["start_step"] == 5, name
         log = (tmp_path / name / "log.txt").read_text()  # and the run, with the pipeline stages on both sides
-        assert f"the checkpoint was saved by 4 ranks (PP 2 x EP 2); resumed by {now}, its state resharded" in log
+        if now is not None:
+            assert f"the checkpoint was saved by 4 ranks (PP 2 x EP 2); resumed by {now}, its state resharded" in log
         for step in range(6, STEPS + 1):
             assert summary["losses"][step] == pytest.approx(expected[step], rel=1e-5), (name, step)
 
@@ -396,8 +429,9 @@ def test_bf16_gradient_communication_under_pipeline_stages(tmp_path, cache):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", [{"size": 2}, {"size": 2, "schedule": "interleaved_zb", "virtual_stages": 2}],
-                         ids=["1f1b", "zero-bubble"])
+@pytest.mark.parametrize("schedule", [{"size": 2}, {"size": 2, "schedule": "interleaved_zb", "virtual_stages": 2},
+                                      {"size": 2, "schedule": "zbv", "virtual_stages": 2}],
+                         ids=["1f1b", "zero-bubble", "zbv"])
 def test_each_stage_reduces_its_gradients_inside_the_schedules_drain(tmp_path, cache, schedule):
     """PP 2 x DP 2: by the time the schedule returns, every gradient bucket of every rank has been
     launched (each as its parameters' last backward pass produced them), so the optimizer's boundary only

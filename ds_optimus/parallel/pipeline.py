@@ -9,7 +9,8 @@ each MoE layer's router statistics (`router_layer_stats`: mean probabilities and
 gradients, token counts without), so the last stage computes the router losses of every layer exactly
 as the model does in one piece (`PipelineLoss`), and their gradients flow back to every stage's routers.
 
-The schedule (1F1B, GPipe, interleaved 1F1B, looped BFS, interleaved zero-bubble) is PyTorch's; it
+The schedule (1F1B, GPipe, interleaved 1F1B, looped BFS, interleaved zero-bubble, and the V-shaped ZB-V
+and DualPipeV, whose first rank holds the first and the last chunk) is PyTorch's; it
 calls the backward passes itself, so the optimizer's gradient hooks see each micro-batch's gradients as
 they come and add them up in fp32 buckets (`ShardedOptimizer.defer_reduction`). Each stage tells the
 optimizer which backward pass is its last of the step (`last_backward`), and a bucket is reduced as soon
@@ -33,13 +34,13 @@ from torch import nn
 from ..hf_models.mula.modeling_mula import CACHE_NAME, combine_router_stats, create_causal_mask, router_layer_stats
 from .expert_parallel import readable_as_umask
 from .groups import PipelineGroups
-from .stages import MULTI_STAGE_SCHEDULES, SCHEDULES, SINGLE_STAGE_SCHEDULES, PipelineParallelConfig, chunk_stage
+from .stages import MULTI_STAGE_SCHEDULES, SCHEDULES, SINGLE_STAGE_SCHEDULES, PipelineParallelConfig
 
 
 def stage_chunks(config: PipelineParallelConfig, model_config, seq_len: int, stage: int) -> list[tuple[int, range]]:
     """(chunk index, its decoder layers) of every chunk stage rank `stage` runs, in order."""
     split = config.split(model_config, seq_len)
-    return [(c, layers) for c, layers in enumerate(split) if chunk_stage(c, config.size) == stage]
+    return [(c, layers) for c, layers in enumerate(split) if config.stage_of(c) == stage]
 
 
 def keep_stage(model: nn.Module, layers: list[int], first: bool, last: bool) -> None:
@@ -215,25 +216,25 @@ def _example(module: StageChunk, ids: bool, logits: bool, micro: int, seq_len: i
     return hidden, torch.empty(module.num_rows, module.width, dtype=torch.float32, device=device, requires_grad=True)
 
 
-def run_schedule(schedule, pipeline: PipelineGroups, batch: torch.Tensor) -> None:
-    """One step of `schedule` over `batch` (token ids, also the labels): the first stage feeds the
-    inputs, the last the targets."""
-    args = (batch,) if pipeline.first else ()
-    schedule.step(*args, target=batch if pipeline.last else None, return_outputs=False)
+def run_schedule(schedule, batch: torch.Tensor, first: bool, last: bool) -> None:
+    """One step of `schedule` over `batch` (token ids, also the labels): the rank with the first chunk
+    (`first`) feeds the inputs, the one with the last chunk (`last`) the targets."""
+    args = (batch,) if first else ()
+    schedule.step(*args, target=batch if last else None, return_outputs=False)
 
 
 @torch.no_grad()
-def forward_only(chunks: list[tuple[int, StageChunk]], pipeline: PipelineGroups, total_chunks: int,
+def forward_only(chunks: list[tuple[int, StageChunk]], pipeline: PipelineGroups, config: PipelineParallelConfig,
                  batch: torch.Tensor, loss: PipelineLoss) -> torch.Tensor | None:
-    """The LM loss of `batch` through every stage, micro-batch by micro-batch without a schedule
-    (evaluation): the last stage returns it, the others None. Collective over the pipeline."""
+    """The LM loss of `batch` through every chunk in order, without a schedule (evaluation): the rank
+    with the last chunk returns it, the others None. Collective over the pipeline."""
     mine = dict(chunks)
-    size, x, stats, result = pipeline.size, batch, None, None
+    total_chunks, x, stats, result = config.chunks, batch, None, None
     for c in range(total_chunks):
         if c not in mine:
             continue
         module = mine[c]
-        source = pipeline.ranks[chunk_stage(c - 1, size)] if c > 0 else None
+        source = pipeline.ranks[config.stage_of(c - 1)] if c > 0 else None
         if source is not None and source != dist.get_rank():
             x, stats = _receive(module, batch, source)
         out = module(x, stats) if stats is not None else module(x)
@@ -241,7 +242,7 @@ def forward_only(chunks: list[tuple[int, StageChunk]], pipeline: PipelineGroups,
         if c == total_chunks - 1:
             result = loss(out, batch)
             continue
-        target = pipeline.ranks[chunk_stage(c + 1, size)]
+        target = pipeline.ranks[config.stage_of(c + 1)]
         if target != dist.get_rank():
             dist.send(x.contiguous(), target)
             if stats is not None:

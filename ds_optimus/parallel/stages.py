@@ -2,7 +2,9 @@
 and the split of its decoder layers into stages of balanced cost.
 
 A run of P stages with V virtual stages per rank cuts the layers into P·V contiguous chunks; chunk c
-runs on stage rank c mod P (the loop order of the interleaved schedules; V = 1 is the plain split).
+runs on stage rank c mod P (the loop order of the interleaved schedules; V = 1 is the plain split), or,
+under the V-shaped schedules (two chunks per rank), on rank c for c < P and on rank 2P - 1 - c after:
+the first rank holds the first and the last chunk, and the pipeline turns back on the last rank.
 The embedding is counted with the first chunk and the final norm, head and loss with the last, so the
 last chunk takes fewer layers: for Mula-220B-A10B the head costs about one MoE layer.
 """
@@ -15,8 +17,12 @@ from ..schema import ConfigError, Section, need, positive_int
 
 # The schedules of torch.distributed.pipelining a run can name: one stage per rank, or several.
 SINGLE_STAGE_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+# The V-shaped schedules: two chunks per rank, placed down and back (`chunk_stage`)
+V_SCHEDULES = {"zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
 MULTI_STAGE_SCHEDULES = {"interleaved_1f1b": "ScheduleInterleaved1F1B", "looped_bfs": "ScheduleLoopedBFS",
-                         "interleaved_zb": "ScheduleInterleavedZeroBubble"}
+                         "interleaved_zb": "ScheduleInterleavedZeroBubble", **V_SCHEDULES}
+# the schedules that run the weight-gradient pass apart from the input-gradient pass (filling the bubble)
+ZERO_BUBBLE_SCHEDULES = ("interleaved_zb", *V_SCHEDULES)
 # the schedules that cut the micro-batches into rounds of at least `size` (and so need equal rounds)
 ROUND_SCHEDULES = ("interleaved_1f1b", "interleaved_zb")
 SCHEDULES = {**SINGLE_STAGE_SCHEDULES, **MULTI_STAGE_SCHEDULES}
@@ -31,7 +37,8 @@ class PipelineParallelConfig(Section):
 
     size: int = 1  # pipeline stages; stage s is ranks [s x world / size, (s + 1) x world / size)
     # "gpipe", "1f1b", or with virtual stages "interleaved_1f1b", "looped_bfs" or "interleaved_zb" (zero bubble:
-    # the weight gradients computed apart from the input gradients, filling the bubble)
+    # the weight gradients computed apart from the input gradients, filling the bubble), or with exactly two
+    # virtual stages the V-shaped zero-bubble schedules "zbv" and "dualpipev"
     schedule: str = "1f1b"
     virtual_stages: int = 1  # chunks of layers per rank (the interleaved schedules)
     layers: list[int] | None = None  # decoder layers of each chunk, in order; null: split by cost
@@ -50,12 +57,19 @@ class PipelineParallelConfig(Section):
         need(self.virtual_stages == 1 or self.schedule in MULTI_STAGE_SCHEDULES,
              f"{where}.virtual_stages {self.virtual_stages} needs a schedule with several stages per rank "
              f"({', '.join(MULTI_STAGE_SCHEDULES)}); {self.schedule} runs one")
+        need(self.schedule not in V_SCHEDULES or self.virtual_stages == 2,
+             f"{where}.schedule {self.schedule} runs exactly two chunks of layers per rank (down the pipeline and "
+             f"back); set {where}.virtual_stages to 2, got {self.virtual_stages}")
         if self.layers is not None:
             need(isinstance(self.layers, list) and all(positive_int(n) for n in self.layers),
                  f"{where}.layers must be a list of positive integers (decoder layers per chunk), got {self.layers!r}")
             need(len(self.layers) == self.chunks,
                  f"{where}.layers has {len(self.layers)} entries; size {self.size} x virtual_stages "
                  f"{self.virtual_stages} needs {self.chunks}")
+
+    def stage_of(self, chunk: int) -> int:
+        """The stage rank that runs chunk `chunk` under this schedule (`chunk_stage`)."""
+        return chunk_stage(chunk, self.size, self.schedule in V_SCHEDULES)
 
     @property
     def chunks(self) -> int:
@@ -135,8 +149,11 @@ def split_layers(costs: list[float], embedding: float, head: float, chunks: int)
     return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
-def chunk_stage(chunk: int, stages: int) -> int:
-    """The stage rank that runs chunk `chunk` (the loop order: chunk c on rank c mod stages)."""
+def chunk_stage(chunk: int, stages: int, v_shape: bool = False) -> int:
+    """The stage rank that runs chunk `chunk`: the loop order (chunk c on rank c mod stages), or with
+    `v_shape` (two chunks a rank) down the ranks and back (c, then 2·stages - 1 - c)."""
+    if v_shape:
+        return chunk if chunk < stages else 2 * stages - 1 - chunk
     return chunk % stages
 
 
@@ -160,6 +177,10 @@ def check_pipeline(opt, ds_config: dict, model_config, accumulation: int) -> lis
         raise ConfigError(f"optimus.pipeline_parallel: 1f1b needs at least as many micro-batches "
                           f"(gradient_accumulation_steps, {accumulation}) as stages ({pp.size}); raise it, or use "
                           "schedule \"gpipe\"")
+    if pp.schedule == "dualpipev" and accumulation < pp.chunks:
+        raise ConfigError(f"optimus.pipeline_parallel: dualpipev needs at least as many micro-batches "
+                          f"(gradient_accumulation_steps, {accumulation}) as chunks of layers (2 x {pp.size} = "
+                          f"{pp.chunks}); raise it, or use schedule \"zbv\"")
     rounds = max(1, accumulation // pp.size)
     if pp.schedule in ROUND_SCHEDULES and accumulation % rounds:
         raise ConfigError(f"optimus.pipeline_parallel: {pp.schedule} splits the micro-batches into rounds of at "

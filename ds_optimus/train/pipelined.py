@@ -34,13 +34,15 @@ class PipelineRunner:
 
     def __init__(self, opt, pipeline, model, split: list[range], micro: int, accumulation: int) -> None:
         from ..parallel.pipeline import StageChunk
-        from ..parallel.stages import chunk_stage
 
         self.config, self.pipeline, self.accumulation, self.split = opt.pipeline_parallel, pipeline, accumulation, split
         self.micro, self.seq_len = micro, opt.data.seq_len
         self.total = len(split)
         self.chunks = [(c, StageChunk(model, layers, c == 0, c == self.total - 1))
-                       for c, layers in enumerate(split) if chunk_stage(c, pipeline.size) == pipeline.stage]
+                       for c, layers in enumerate(split) if self.config.stage_of(c) == pipeline.stage]
+        # the rank with the first chunk feeds the inputs, the one with the last scores them (both the first
+        # stage under the V-shaped schedules)
+        self.first, self.last = any(c == 0 for c, _ in self.chunks), any(c == self.total - 1 for c, _ in self.chunks)
         self.schedule = self.loss = None
 
     @staticmethod
@@ -48,12 +50,11 @@ class PipelineRunner:
         """The process groups (expert and data parallelism inside each stage) and (decoder layers, has the
         embedding, has the head) of this rank's stage. Collective."""
         from ..parallel.groups import init_expert_parallel_groups
-        from ..parallel.stages import chunk_stage
 
         ep = opt.expert_parallel
         groups = init_expert_parallel_groups(ep.size, ep.node_size, opt.pipeline_parallel.size)
         pipeline = groups.pipeline
-        mine = [c for c in range(len(split)) if chunk_stage(c, pipeline.size) == pipeline.stage]
+        mine = [c for c in range(len(split)) if opt.pipeline_parallel.stage_of(c) == pipeline.stage]
         return groups, ([i for c in mine for i in split[c]], 0 in mine, len(split) - 1 in mine)
 
     def describe(self) -> str:
@@ -87,7 +88,7 @@ class PipelineRunner:
         optimizer = self.engine.optimizer
         self.loss.records.clear()
         optimizer.set_gradient_accumulation_boundary(False)
-        run_schedule(self.schedule, self.pipeline, batch)
+        run_schedule(self.schedule, batch, self.first, self.last)
         optimizer.finalize_gradient_accumulation_boundary()
         config, loads = self.engine.module.config, None
         if config.num_experts:  # the same shape on every rank: the step's one all-reduce adds them
@@ -105,7 +106,7 @@ class PipelineRunner:
         from ..parallel.pipeline import forward_only
 
         self.loss.records.clear()
-        return forward_only(self.chunks, self.pipeline, self.total, batch, self.loss)
+        return forward_only(self.chunks, self.pipeline, self.config, batch, self.loss)
 
 
 def engine_batch_config(ds_config: dict[str, Any], micro: int, accumulation: int) -> dict[str, Any]:
