@@ -13,9 +13,12 @@ busiest rank's tokens over the mean; the report gives their mean and 90th percen
 planner's approximation from the per-expert spread alone: 1 + c * sqrt(2 ln R) / sqrt(k), c the
 coefficient of variation of the experts' loads (the largest of R near-normal rank loads).
 
-    python benchmarks/routing_imbalance.py [--steps 200]
+    python benchmarks/routing_imbalance.py [--steps 200] [--router aux-free]
 
-Writes benchmarks/results/routing_imbalance_cpu.json. A CPU-sized router (hidden 128, 68 slots per
+`--router aux-free` trains with the auxiliary-loss-free bias on sigmoid scores instead (DeepSeek-V3's
+recipe: bias step 1e-3, no balancing loss). Writes benchmarks/results/routing_imbalance_cpu.json
+(`_aux_free` added for that router); both report the spread a uniform random router would show with
+as many slots an expert (the sampling floor). A CPU-sized router (hidden 128, 68 slots per
 expert and step) concentrates its load far more than a large model's: the figures bound what a
 collapsed router costs, and the layout planner does not take them as its default (docs/planner.md).
 """
@@ -37,7 +40,13 @@ from common import launch_deepspeed, write_result  # noqa: E402
 EXPERTS, TOP_K = 240, 8
 
 
-def config(work: Path, steps: int) -> dict:
+# the two balancing recipes: the Mula (OLMoE) one, and DeepSeek-V3's auxiliary-loss-free bias on sigmoid
+# scores (bias step 1e-3, their update rate) with no load-balancing loss
+ROUTERS = {"loss": {"router_aux_loss_coef": 0.01},
+           "aux-free": {"router_scoring_func": "sigmoid", "router_bias_update_rate": 1e-3, "router_aux_loss_coef": 0.0}}
+
+
+def config(work: Path, steps: int, router: str = "loss") -> dict:
     base = json.loads((ROOT / "ds_configs" / "mula-tiny-moe-cpu.json").read_text())
     base.pop("train_batch_size", None)
     base.update(train_micro_batch_size_per_gpu=8, gradient_accumulation_steps=1)
@@ -45,7 +54,7 @@ def config(work: Path, steps: int) -> dict:
         expert_parallel={"size": 1},
         model={"preset": "mula-tiny-moe",
                "overrides": {"num_experts": EXPERTS, "num_experts_per_tok": TOP_K, "moe_intermediate_size": 32,
-                             "router_aux_loss_coef": 0.01}},
+                             **ROUTERS[router]}},
         data={"sources": ["embedded"], "seq_len": 256, "val_fraction": 0.02, "cache_dir": str(work / "cache")},
         train={"steps": steps, "output_dir": str(work / "run"), "eval_interval": 0, "log_interval": 1,
                "sample_tokens": 0, "export": False, "warmup_steps": 10},
@@ -66,11 +75,13 @@ def imbalance(rows: list[list[int]], ranks: int) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--router", choices=sorted(ROUTERS), default="loss",
+                        help="loss: the load-balancing loss at 0.01 (softmax); aux-free: the sigmoid router's bias")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         path = work / "config.json"
-        path.write_text(json.dumps(config(work, args.steps)))
+        path.write_text(json.dumps(config(work, args.steps, args.router)))
         print(f"training {args.steps} steps of a {EXPERTS}-expert top-{TOP_K} model ...", flush=True)
         launch_deepspeed(["--module", "ds_optimus.train", "--config", str(path)], work, gpus=1)
         records = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -91,10 +102,15 @@ def main(argv: list[str] | None = None) -> int:
         per_ep[ranks] = entry
         print(f"{ranks:>8} {k:>12} {entry['mean']:>7.3f} {entry['p90']:>7.3f} {model:>7.3f}")
     first_cv = statistics.fmean(statistics.pstdev(row) / statistics.fmean(row) for row in steps[0]["expert_tokens"])
-    payload = {"experts": EXPERTS, "top_k": TOP_K, "steps": args.steps,
+    slots = statistics.fmean(sum(row) for row in rows) / EXPERTS
+    print(f"{slots:.0f} token slots an expert and layer row: uniform random routing alone gives c = "
+          f"{math.sqrt(1 / slots):.3f}")
+    payload = {"router": args.router, "recipe": ROUTERS[args.router], "experts": EXPERTS, "top_k": TOP_K,
+               "steps": args.steps, "slots_per_expert": slots, "sampling_cv": math.sqrt(1 / slots),
                "late_steps": [late[0]["step"], late[-1]["step"]], "expert_load_cv": c,
                "expert_load_cv_first_step": first_cv, "per_ep": per_ep}
-    print(f"wrote {write_result('routing_imbalance_cpu', payload)}")
+    name = "routing_imbalance_cpu" + ("" if args.router == "loss" else "_" + args.router.replace("-", "_"))
+    print(f"wrote {write_result(name, payload)}")
     return 0
 
 

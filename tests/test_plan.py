@@ -115,6 +115,8 @@ MEMORY_RUNS = [
     dict(world=2, ep=2, zero=1, micro=8),
     dict(world=2, ep=1, zero=2, micro=4, accumulation=2),
     dict(world=2, ep=1, zero=1, sharded=False, micro=8, bucket_size=5_000_000),
+    # DeepSpeed's ZeRO-1 keeps every .grad between micro-steps: the second one's activations meet them
+    dict(world=2, ep=1, zero=1, sharded=False, micro=4, accumulation=2, bucket_size=5_000_000),
     dict(world=4, ep=4, zero=2, micro=8),
     dict(world=4, ep=2, zero=1, micro=8, checkpointing=True),
     # dense state over 2 of the 4 ranks, twice (not with the overlapped gather: gloo's all-gathers
@@ -165,6 +167,14 @@ def test_memory_model_follows_the_layout():
     # DeepSpeed ZeRO-0 keeps full fp32 master weights, moments and gradients on every rank
     z0 = estimate_memory(shape, base.with_(zero=0, sharded=False))
     assert z0.optimizer_state == pytest.approx(16 * (shape.dense_params + shape.expert_params / 8))
+    # with accumulation DeepSpeed's ZeRO-0 and ZeRO-1 hold every .grad (bf16) from one micro-step to the
+    # next (ZeRO-1 its staging buckets too); ZeRO-2 reduces each micro-step's into its shard, and one
+    # micro-step holds nothing yet
+    local = shape.dense_params + shape.expert_params / 8
+    staging = 2 * base.bucket_size * (2 if base.overlap_comm else 1)
+    for zero, accumulation, held in [(1, 8, 2 * local + staging), (0, 8, 2 * local), (2, 8, 0.0), (1, 1, 0.0)]:
+        estimate = estimate_memory(shape, base.with_(zero=zero, sharded=False, accumulation=accumulation))
+        assert estimate.gradients_at_peak == pytest.approx(held), (zero, accumulation)
 
 
 # -- time ---------------------------------------------------------------------------------------
@@ -461,6 +471,47 @@ def test_micro_batches_in_flight_of_each_schedule():
     assert in_flight("interleaved_1f1b", 4, 8, 2, stage=0) == pytest.approx((4 + 6 + 1) / 2)
     assert in_flight("interleaved_1f1b", 4, 8, 2, stage=3) == pytest.approx((4 + 0 + 1) / 2)
     assert in_flight("1f1b", 1, 8) == 1.0
+
+
+def test_replaying_pytorchs_op_lists_gives_each_closed_form():
+    """The replay of PyTorch's own op lists (forward, input- and weight-gradient passes one unit each)
+    finds exactly the closed forms the model uses for the bubble and the activations held."""
+    from ds_optimus.plan.pipeline_model import idle_slots, replay
+
+    for schedule, virtuals in [("gpipe", (1,)), ("interleaved_1f1b", (2, 4)), ("looped_bfs", (2, 4)),
+                               ("interleaved_zb", (2, 4))]:
+        for pp, m, v in [(p, m, v) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p) for v in virtuals]:
+            idle, held = replay(schedule, pp, m, v)
+            assert idle == pytest.approx(idle_slots(schedule, pp, m, v)), (schedule, pp, m, v)
+            assert list(held) == pytest.approx([in_flight(schedule, pp, m, v, s) for s in range(pp)]), (schedule, pp, m)
+
+
+def test_v_shaped_schedules_bubble_and_memory():
+    """ZB-V: (P-1)/3 idle slots at m = P (a third of 1F1B's), (P-1)/6 from m = 1.5 P on, the same as the
+    interleaved zero-bubble schedule over two chunks; P micro-batches held on every rank (1F1B holds P on
+    its first only); DualPipeV as PyTorch runs it (no overlapped forward and backward) replays alike,
+    with half a micro-batch more held. The V placement puts the embedding and the head on stage 0."""
+    from ds_optimus.plan.pipeline_model import idle_slots, replay
+
+    assert idle_slots("zbv", 8, 8, 2) == pytest.approx(7 / 3)
+    assert idle_slots("zbv", 8, 12, 2) == idle_slots("zbv", 8, 32, 2) == pytest.approx(7 / 6)
+    assert idle_slots("zbv", 8, 16, 2) == pytest.approx(idle_slots("interleaved_zb", 8, 16, 2))
+    assert idle_slots("dualpipev", 8, 16, 2) == pytest.approx(7 / 6)
+    assert [in_flight("zbv", 8, 16, 2, s) for s in range(8)] == [8] * 8
+    assert [in_flight("dualpipev", 8, 16, 2, s) for s in range(8)] == [8.5] * 8
+    for schedule, pp, m in [(s, p, m) for s in ("zbv", "dualpipev") for p in (2, 4, 8) for m in (2 * p, 3 * p)]:
+        replayed = replay(schedule, pp, m, 2)  # the closed forms used from m >= 2P on are the replay's
+        assert replayed[0] == pytest.approx(idle_slots(schedule, pp, m, 2))
+        assert list(replayed[1]) == pytest.approx([in_flight(schedule, pp, m, 2, s) for s in range(pp)])
+    shape = ModelShape.from_preset("mula-220b-a10b")
+    ends = [(st.first, st.last) for st in stages(shape, 2048, 8, 2, v_shape=True)]
+    assert ends[0] == (True, True) and not any(a or b for a, b in ends[1:])
+    zbv = SEED_220B.with_(schedule="zbv", virtual_stages=2, checkpointing=["norms"])
+    assert "pp8v2:zbv" in zbv.describe()
+    with pytest.raises(LayoutError, match="dualpipev needs at least as many micro-batches as chunks"):
+        SEED_220B.with_(schedule="dualpipev", virtual_stages=2).check(240, 64)
+    with pytest.raises(LayoutError, match="zbv runs exactly two chunks of layers per rank"):
+        SEED_220B.with_(schedule="zbv", virtual_stages=4).check(240, 64)
 
 
 def test_the_planners_stages_are_the_runtimes_split():

@@ -352,7 +352,9 @@ def _scale(args, model, cluster, seq_len, global_batch, devices, options, report
 
 def _rows(points) -> list[dict]:
     return [{"devices": p.devices, "plan": p.plan.as_dict() if p.plan else None, "efficiency": e,
-             "band": {"tokens_per_s": list(p.band) if p.band else None, "efficiency": [low, high]}}
+             "band": {"tokens_per_s": list(p.band) if p.band else None, "efficiency": [low, high],
+                      # the MFU scales with the tokens/s (the same layout, the same FLOPs a token)
+                      "mfu": [p.plan.mfu * b / p.tokens_per_s for b in p.band] if p.band and p.plan else None}}
             for p, e, low, high in zip(points, efficiency(points), efficiency(points, 0), efficiency(points, 1),
                                        strict=True)]
 

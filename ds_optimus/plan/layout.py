@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, replace
 from math import gcd
 from typing import Any
 
-from ..parallel.stages import MULTI_STAGE_SCHEDULES, ROUND_SCHEDULES, SCHEDULES
+from ..parallel.stages import MULTI_STAGE_SCHEDULES, ROUND_SCHEDULES, SCHEDULES, V_SCHEDULES
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # The parts of a decoder layer that selective activation recomputation recomputes, in the order
@@ -17,7 +17,8 @@ RECOMPUTE_PARTS = ("moe", "attention", "norms")
 DISPATCHES = ("alltoall", "allgather")
 # Short labels of the pipeline schedules in `Layout.describe`: none for 1F1B, and none for the interleaved
 # 1F1B with virtual stages (`pp8v2`)
-SCHEDULE_LABELS = {"gpipe": ":gpipe", "interleaved_1f1b": ":interleaved", "looped_bfs": ":bfs", "interleaved_zb": ":zb"}
+SCHEDULE_LABELS = {"gpipe": ":gpipe", "interleaved_1f1b": ":interleaved", "looped_bfs": ":bfs", "interleaved_zb": ":zb",
+                   "zbv": ":zbv", "dualpipev": ":dualpipev"}
 
 
 class LayoutError(ValueError):
@@ -151,6 +152,12 @@ class Layout:
         if self.virtual_stages > 1 and self.schedule not in MULTI_STAGE_SCHEDULES:
             raise LayoutError(f"virtual_stages {self.virtual_stages} needs a schedule with several stages per rank "
                               f"({', '.join(MULTI_STAGE_SCHEDULES)}); {self.schedule} runs one")
+        if self.schedule in V_SCHEDULES and self.virtual_stages != 2:
+            raise LayoutError(f"{self.schedule} runs exactly two chunks of layers per rank; virtual_stages "
+                              f"{self.virtual_stages}")
+        if self.schedule == "dualpipev" and self.accumulation < 2 * self.pp:
+            raise LayoutError(f"dualpipev needs at least as many micro-batches as chunks of layers: accumulation "
+                              f"{self.accumulation} < {2 * self.pp}")
         if layers is not None and self.pp * self.virtual_stages > layers:
             raise LayoutError(f"{self.pp} x {self.virtual_stages} chunks of layers need at least as many layers; the "
                               f"model has {layers}")
@@ -167,7 +174,8 @@ class Layout:
 
     def describe(self) -> str:
         """A short label: `dp48 ep8 pp4 zero1+opt mb2x4 ckpt` (`ckpt:moe+attn+norms`: those parts
-        recomputed; `pp4v2`: 2 virtual stages; `:gpipe`, `:bfs`, `:zb`: those schedules; `ag`: the allgather dispatch;
+        recomputed; `pp4v2`: 2 virtual stages; `:gpipe`, `:bfs`, `:zb`, `:zbv`, `:dualpipev`: those schedules;
+        `ag`: the allgather dispatch;
         `zero1+opt/sg12`: hybrid sharding in groups of 12; `/pgo`: the parameter gather under the next forward)."""
         parts = [f"dp{self.dp}", f"ep{self.ep}"]
         if self.pp > 1:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+from ..parallel.stages import V_SCHEDULES
 from .layout import Layout
 from .model import ModelShape
 from .pipeline_model import in_flight, stages, virtual_of
@@ -102,7 +103,7 @@ def _parts_of(model: ModelShape, pp: int, schedule: str, virtual: int, accumulat
     moe_layer = model.layer_saved_bytes_per_token(a, True, checkpointing, imbalance)
     dense_layer = model.layer_saved_bytes_per_token(a, False, checkpointing)
     parts = []
-    for st in stages(model, seq_len, pp, virtual_of(schedule, virtual)):
+    for st in stages(model, seq_len, pp, virtual_of(schedule, virtual), schedule in V_SCHEDULES):
         dense_layers = st.layers - st.moe_layers
         dense = st.layers * attention + st.moe_layers * router + dense_layers * ffn
         dense += model.vocab * model.hidden * (st.first + st.last) + (model.hidden if st.last else 0)
@@ -201,8 +202,13 @@ def _estimate(model: ModelShape, layout: Layout, part: _Part, expert_imbalance: 
             buffers += r * largest
     else:
         # DeepSpeed's own optimizers free .grad after every step: no gradient is held at the start
-        # of the backward pass, and the peak may come later, as gradients arrive.
-        gradients_at_peak = buffers = 0.0
+        # of the step's first backward pass, and the peak may come later, as gradients arrive. With
+        # accumulation, ZeRO-0 and ZeRO-1 keep every .grad from one micro-step's backward pass to the
+        # next (DeepSpeed reduces them only at the accumulation boundary: its ZeRO-1/2 optimizer's
+        # gradient hook reduces each micro-step only under ZeRO-2), so the later micro-steps'
+        # activations meet them (ZeRO-1: with its staging buffers, below).
+        gradients_at_peak = p * n_local if layout.zero < 2 and layout.accumulation > 1 else 0.0
+        buffers = 0.0
         if layout.zero == 0:
             # torch's optimizer on full states: moments, plus an fp32 master copy and fp32
             # gradients when the weights are 16-bit; at the end of the backward pass every .grad,
@@ -220,6 +226,9 @@ def _estimate(model: ModelShape, layout: Layout, part: _Part, expert_imbalance: 
             optimizer_state = 12 * shard
             staging = r * layout.bucket_size * (2 if layout.overlap_comm else 1)
             gradients = staging + 4 * shard + (p * n_local if layout.zero == 1 else 0.0)
+            # measured: a ZeRO-1 run's second micro-step starts its backward pass with the first one's
+            # .grad and the staging buffers still allocated (tests/test_plan.py, dp2-ep1-zero1-mb4x2)
+            gradients_at_peak += staging if gradients_at_peak else 0.0
             vocab = tokens * model.vocab if part.loss else 0.0
             first = (weights + optimizer_state + staging + activations - 4 * vocab + (p + 4) * vocab
                      + grad_transient)

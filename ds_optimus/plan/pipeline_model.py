@@ -3,8 +3,14 @@ balanced split, `ds_optimus.parallel.stages`, so the planner's stages are the ru
 schedule, and how many micro-batches' activations a stage holds at once.
 
 Stage s is the ranks [s·D, (s+1)·D) (D = world / P, the data-parallel size); chunk c of the P·V chunks
-of layers runs on stage c mod P; the first chunk has the embedding, the last the final norm, LM head
-and loss (so the last stage is stage P - 1 and the first stage 0).
+of layers runs on stage c mod P, or under the V-shaped schedules on stage c and then 2P - 1 - c; the
+first chunk has the embedding, the last the final norm, LM head and loss (the last stage P - 1, or
+under the V-shaped schedules stage 0 again).
+
+The bubble and the activations in flight are closed forms where the literature gives them, and each
+agrees exactly with a replay of PyTorch's own op lists (`replay`, forward, input- and weight-gradient
+passes of one unit each; tests/test_plan.py holds them to it); the V-shaped schedules, whose bubble
+depends on m against 2P, take the replay itself.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from dataclasses import dataclass
 from functools import lru_cache, partial
 from types import SimpleNamespace
 
-from ..parallel.stages import MULTI_STAGE_SCHEDULES, chunk_stage, layer_costs, split_layers
+from ..parallel.stages import MULTI_STAGE_SCHEDULES, SCHEDULES, V_SCHEDULES, chunk_stage, layer_costs, split_layers
 from .model import ModelShape
 
 
@@ -42,15 +48,16 @@ def _config(model: ModelShape) -> SimpleNamespace:
 
 
 @lru_cache(maxsize=512)
-def stages(model: ModelShape, seq_len: int, pp: int, virtual: int = 1) -> tuple[Stage, ...]:
-    """The `pp` stage ranks of `model` cut into pp x `virtual` chunks as the runtime cuts it."""
+def stages(model: ModelShape, seq_len: int, pp: int, virtual: int = 1, v_shape: bool = False) -> tuple[Stage, ...]:
+    """The `pp` stage ranks of `model` cut into pp x `virtual` chunks as the runtime cuts and places it
+    (`v_shape`: the V-shaped schedules' placement)."""
     config = _config(model)
     costs, embedding, head = layer_costs(config, seq_len)
     split = split_layers(costs, embedding, head, pp * virtual)
     total = sum(costs)
     out = []
     for s in range(pp):
-        chunks = [c for c in range(len(split)) if chunk_stage(c, pp) == s]
+        chunks = [c for c in range(len(split)) if chunk_stage(c, pp, v_shape) == s]
         ids = [i for c in chunks for i in split[c]]
         out.append(Stage(index=s, layers=len(ids), moe_layers=sum(1 for i in ids if config.is_moe_layer(i)),
                          first=0 in chunks, last=len(split) - 1 in chunks,
@@ -64,18 +71,76 @@ def virtual_of(schedule: str, virtual: int) -> int:
 
 
 def bubble_fraction(schedule: str, pp: int, micro_batches: int, virtual: int = 1) -> float:
-    """Idle share of a step of `micro_batches` on `pp` stages: (P-1)/(m+P-1) for GPipe and 1F1B
-    (Narayanan et al., 2021, "Efficient large-scale language model training on GPU clusters"), and
-    (P-1)/(V·m+P-1) for the interleaved and looped schedules of V chunks per rank (with m >= P:
-    `interleaving`). The zero-bubble
-    schedule fills the bubble with the weight-gradient passes: a third of the interleaved one's, the
-    ZB-H1 bound (P-1)(F+B-W) against 1F1B's (P-1)(F+B+W) with the forward, input- and weight-gradient
-    passes taken equal (Qi et al., 2024, "Zero Bubble Pipeline Parallelism", arXiv:2401.10241)."""
+    """Idle share of a step of `micro_batches` on `pp` stages: `idle_slots` over the step's m slots plus them."""
+    idle = idle_slots(schedule, pp, micro_batches, virtual)
+    return idle / (micro_batches + idle)
+
+
+def idle_slots(schedule: str, pp: int, micro_batches: int, virtual: int = 1) -> float:
+    """The schedule's fill and drain, in one micro-batch's forward and backward passes through a whole
+    stage: P - 1 for GPipe and 1F1B, (P-1)/(m+P-1) of the step (Narayanan et al., 2021, "Efficient
+    large-scale language model training on GPU clusters"); (P-1)/V for the interleaved and looped
+    schedules of V chunks per rank (with m >= P: `interleaving`); a third of that for the interleaved
+    zero-bubble schedule, which fills the bubble with the weight-gradient passes: the ZB-H1 bound
+    (P-1)(F+B-W) against 1F1B's (P-1)(F+B+W) with the forward, input- and weight-gradient passes taken
+    equal (Qi et al., 2024, "Zero Bubble Pipeline Parallelism", arXiv:2401.10241). The V-shaped
+    schedules: their replay ((P-1)/3 at m = P, falling to (P-1)/6 from m of about 1.5 P on)."""
     if pp <= 1:
         return 0.0
-    v = interleaving(schedule, pp, micro_batches, virtual)
+    if schedule in V_SCHEDULES:  # the replay's; its closed form from m >= 2P on (the replay of a long step is slow)
+        return (pp - 1) / 6 if micro_batches >= 2 * pp else replay(schedule, pp, micro_batches, virtual)[0]
     idle = (pp - 1) / 3 if schedule == "interleaved_zb" else pp - 1
-    return idle / (v * micro_batches + idle)
+    return idle / interleaving(schedule, pp, micro_batches, virtual)
+
+
+@lru_cache(maxsize=256)
+def replay(schedule: str, pp: int, micro_batches: int, virtual: int = 1) -> tuple[float, tuple[float, ...]]:
+    """PyTorch's op lists of `schedule` (its own, as its runtime runs them), replayed with every chunk's
+    forward, input-gradient and weight-gradient pass taking one unit (a full backward two) and each
+    waiting for the passes it needs: (the slowest rank's idle time in whole-stage micro-batch slots,
+    each stage's most micro-batches with activations held, in whole stages). Sends take no time here
+    (`timing.p2p_seconds` counts them)."""
+    import warnings
+
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    v = virtual if schedule in MULTI_STAGE_SCHEDULES else 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ops = get_schedule_ops(SCHEDULES[schedule].removeprefix("Schedule"), pp, micro_batches,
+                               v if schedule in MULTI_STAGE_SCHEDULES else None)
+    lists = [[sub for op in rank if op is not None for sub in (op.sub_actions or (op,))
+              if sub.computation_type.value in "FIWB"] for rank in ops]
+    last, cost = pp * v - 1, {"F": 1.0, "I": 1.0, "W": 1.0, "B": 2.0}
+    done: dict[tuple[str, int, int], float] = {}
+    free, at, held = [0.0] * pp, [0] * pp, []
+    while any(at[r] < len(lists[r]) for r in range(pp)):
+        moved = False
+        for r in range(pp):
+            while at[r] < len(lists[r]):
+                op = lists[r][at[r]]
+                kind, chunk, mb = op.computation_type.value, op.stage_index, op.microbatch_index
+                needs = {"F": [("F", chunk - 1)] if chunk else [], "W": [("I", chunk)],
+                         "I": [("F", chunk)] + ([("IB", chunk + 1)] if chunk < last else [])}.get(kind)
+                if needs is None:  # a full backward waits as the input-gradient pass does
+                    needs = [("F", chunk)] + ([("IB", chunk + 1)] if chunk < last else [])
+                ready = [done.get((k, c, mb)) if k != "IB" else done.get(("I", c, mb), done.get(("B", c, mb)))
+                         for k, c in needs]
+                if None in ready:
+                    break
+                done[(kind, chunk, mb)] = free[r] = max([free[r], *ready]) + cost[kind] / v
+                at[r] += 1
+                moved = True
+        if not moved:
+            raise RuntimeError(f"the replay of {schedule} ({pp} stages, {micro_batches} micro-batches) is stuck")
+    for rank in lists:  # activations from a forward until the pass that ends the chunk's backward
+        live = peak = 0
+        for op in rank:
+            live += {"F": 1, "W": -1, "B": -1}.get(op.computation_type.value, 0)
+            peak = max(peak, live)
+        held.append(peak / v)
+    work = 3.0 * micro_batches
+    return (max(free) - work) / 3.0, tuple(held)
 
 
 def interleaving(schedule: str, pp: int, micro_batches: int, virtual: int = 1) -> int:
@@ -91,7 +156,8 @@ def in_flight(schedule: str, pp: int, micro_batches: int, virtual: int = 1, stag
     GPipe and the looped (breadth-first) schedule run every forward before any backward (m); 1F1B
     holds P - s on stage s (at most m); the interleaved 1F1B holds PyTorch's warm-up forwards of a chunk,
     (V-1)·(micro-batches per round) + 2(P-1-s), and one more, each a V-th of the stage; the zero-bubble
-    schedule min(P, m) on every stage (its graphs wait for their weight-gradient passes)."""
+    schedule min(P, m) on every stage (its graphs wait for their weight-gradient passes); the V-shaped
+    schedules as `replay` counts them (P on every stage from m >= 2P on; DualPipeV P + 1/2)."""
     m = micro_batches
     if pp <= 1:
         return 1.0
@@ -101,6 +167,10 @@ def in_flight(schedule: str, pp: int, micro_batches: int, virtual: int = 1, stag
         return float(min(pp - stage, m))
     if schedule == "interleaved_zb":  # warm-up of one round, each graph kept until its weight pass: every rank alike
         return float(min(pp, m))
+    if schedule in V_SCHEDULES:  # the replay's: P (with m >= 2P) on every rank, balanced by the V placement
+        if m >= 2 * pp:
+            return pp + (0.5 if schedule == "dualpipev" else 0.0)
+        return replay(schedule, pp, m, virtual)[1][stage]
     rounds = max(1, m // pp)
     warmup = (virtual - 1) * (m // rounds) + 2 * (pp - 1 - stage)
     return min(warmup + 1, virtual * m) / virtual

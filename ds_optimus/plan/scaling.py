@@ -99,14 +99,14 @@ def efficiency(points: list[ScalingPoint], end: int | None = None) -> list[float
 
 def format_scaling(points: list[ScalingPoint], label: str = "best layout") -> str:
     """The table: the middle of the band in every column, and the band's ends (minimal routing to
-    adaptive routing's best) for the tokens/s per device and the efficiency."""
+    adaptive routing's best) for the tokens/s per device, the MFU and the efficiency."""
     effs, lows, highs = efficiency(points), efficiency(points, 0), efficiency(points, 1)
-    header = ("devices", label, "tokens/s", "per device", "band", "MFU", "a2a %", "grad %", "bubble %",
+    header = ("devices", label, "tokens/s", "per device", "band", "MFU", "band", "a2a %", "grad %", "bubble %",
               "efficiency", "band")
     rows = []
     for point, eff, low, high in zip(points, effs, lows, highs, strict=True):
         if point.plan is None:
-            rows.append((str(point.devices), "nothing fits", *["-"] * 9))
+            rows.append((str(point.devices), "nothing fits", *["-"] * 10))
             continue
         t = point.plan.time
         fits = "" if point.plan.fits else " (does not fit)"
@@ -114,6 +114,7 @@ def format_scaling(points: list[ScalingPoint], label: str = "best layout") -> st
         rows.append((str(point.devices), point.plan.layout.describe() + fits, f"{point.tokens_per_s:,.0f}",
                      f"{point.tokens_per_s / point.devices:,.0f}",
                      f"{band[0] / point.devices:,.0f}-{band[1] / point.devices:,.0f}", f"{point.plan.mfu:.1%}",
+                     "-".join(f"{point.plan.mfu * b / point.tokens_per_s:.1%}" for b in band),
                      f"{t.all_to_all / t.step:.0%}", f"{(t.grad_reduce + t.param_gather) / t.step:.0%}",
                      f"{(t.bubble + t.p2p) / t.step:.0%}", f"{eff:.1%}", f"{low:.0%}-{high:.0%}"))
     return text_table(header, rows)

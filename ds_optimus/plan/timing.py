@@ -27,12 +27,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..parallel.stages import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 from ..parallel.traffic import expected_groups_hit, metadata_bytes
 from .cluster import Cluster
 from .layout import Layout, hierarchy_node_size
 from .memory import local_params
 from .model import ModelShape
-from .pipeline_model import interleaving, stages, virtual_of
+from .pipeline_model import idle_slots, stages, virtual_of
 
 
 @dataclass(frozen=True)
@@ -231,7 +232,7 @@ def estimate_time(model: ModelShape, layout: Layout, cluster: Cluster, expert_im
     dense_again, experts_again = model.recompute_flops_per_token(layout.checkpointing, layout.seq_len)
     # the zero-bubble schedule's input- and weight-gradient passes are two autograd calls, and each
     # recomputes the checkpointed regions (their exchange included)
-    twice = 2 if layout.schedule == "interleaved_zb" and layout.pp > 1 else 1
+    twice = 2 if layout.schedule in ZERO_BUBBLE_SCHEDULES and layout.pp > 1 else 1
     dense_again, experts_again = dense_again * twice, experts_again * twice
     flops = (model.flops_per_token(layout.seq_len) + dense_again + experts_again) * tokens
     # the experts' FLOPs run at the expert kernels' rate (forward 2 FLOPs per weight and token,
@@ -255,7 +256,8 @@ def estimate_time(model: ModelShape, layout: Layout, cluster: Cluster, expert_im
     # MoE layers' experts and exchanges, the head on the last; the slowest stage sets the pace
     virtual = virtual_of(layout.schedule, layout.virtual_stages)
     parts = [(1.0, model.layers, model.moe_layers, True)] if layout.pp == 1 else [
-        (st.layer_share, st.layers, st.moe_layers, st.last) for st in stages(model, layout.seq_len, layout.pp, virtual)]
+        (st.layer_share, st.layers, st.moe_layers, st.last)
+        for st in stages(model, layout.seq_len, layout.pp, virtual, layout.schedule in V_SCHEDULES)]
     slowest = None
     for share, n_layers, n_moe, last in parts:
         compute = (layers * share + expert_layer * n_moe + (head if last else 0.0)) * (1 + straggle)
@@ -270,11 +272,9 @@ def estimate_time(model: ModelShape, layout: Layout, cluster: Cluster, expert_im
     # one micro-batch's forward on the slowest stage: a third of forward + backward, a quarter with recomputation
     micro_forward = compute / (4 if layout.checkpointing else 3)
     # the schedule's fill and drain: (P - 1) / V of the slowest stage's micro-batch slots, a third of
-    # that where the zero-bubble schedule fills it with weight-gradient passes
-    # (`pipeline.bubble_fraction` of the step's compute, exchanges and fixed costs)
-    idle = (layout.pp - 1) / (3 if layout.schedule == "interleaved_zb" else 1)
-    bubble = idle / interleaving(layout.schedule, layout.pp, micro_batches, layout.virtual_stages) * (
-        compute + a2a + overhead)
+    # that where the zero-bubble schedule fills it with weight-gradient passes, the V-shaped schedules'
+    # replayed (`pipeline_model.idle_slots` of the step's compute, exchanges and fixed costs)
+    bubble = idle_slots(layout.schedule, layout.pp, micro_batches, layout.virtual_stages) * (compute + a2a + overhead)
     compute, a2a, overhead = compute * micro_batches, a2a * micro_batches, overhead * micro_batches
 
     exposed, gather, across, gather_hidden = optimizer_seconds(model, layout, cluster, compute, micro_forward, overlap)
