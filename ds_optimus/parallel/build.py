@@ -36,17 +36,24 @@ class WeightsError(ValueError):
 
 def build_model(config, *, ep_size: int = 1, ep_rank: int = 0, seed: int = 0,
                 folder: str | Path | None = None, kind: str = "mula",
-                stage: tuple[list[int], bool, bool] | None = None) -> MulaForCausalLM:
+                stage: tuple[list[int], bool, bool] | None = None,
+                tensor_parallel: tuple[object, int, int] | None = None) -> MulaForCausalLM:
     """`MulaForCausalLM(config)` holding experts [ep_rank*E/ep_size, (ep_rank+1)*E/ep_size) of every MoE
     layer, in fp32: random initial values independent of the layout (seeded by `seed`, parameter name
     and expert), or the weights of `folder` (`kind` "mula" or "olmoe"), of which only those rows are read.
-    `stage` (decoder layers, has the embedding, has the head) keeps only a pipeline stage's part."""
+    `stage` (decoder layers, has the embedding, has the head) keeps only a pipeline stage's part;
+    `tensor_parallel` (group, size, rank) keeps only this rank's part of every split weight
+    (`parallel.tensor_parallel`), with the values the whole model would have there."""
     if not (isinstance(ep_size, int) and ep_size >= 1 and isinstance(ep_rank, int) and 0 <= ep_rank < ep_size):
         raise ValueError(f"build_model: ep_rank must be in [0, ep_size={ep_size}), got {ep_rank!r}")
     with torch.device("meta"):
         model = MulaForCausalLM(config)
     if stage is not None:
         keep_stage(model, *stage)
+    if tensor_parallel is not None:
+        from .tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, *tensor_parallel)
     experts = [m for m in model.modules() if isinstance(m, MulaExperts)]
     for module in experts:
         if module.num_experts % ep_size:
@@ -76,6 +83,8 @@ def seed_of(seed: int, name: str) -> int:
 def initialise(model: MulaForCausalLM, seed: int) -> None:
     """Fill every tensor of a model made by `build_model`: the model's own `_init_weights` per module,
     under a generator seeded by the module's name; experts one by one, seeded by their global index."""
+    from .tensor_parallel import is_part
+
     std = model.config.initializer_range
     done: set[int] = set()
     draws = []  # (tensor, seed) per expert: drawn by a pool of threads (normal_ releases the GIL)
@@ -91,7 +100,14 @@ def initialise(model: MulaForCausalLM, seed: int) -> None:
             continue  # nothing of its own, or a tied head whose weight the embedding drew
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed_of(seed, name))
-            model._init_weights(module)
+            if is_part(module):  # a tensor-parallel part: drawn whole, as without the split, then cut
+                with torch.device("meta"):  # made as the whole model's modules are: no draws of its own
+                    whole = module.whole()
+                whole.to_empty(device=module.weight.device)
+                model._init_weights(whole)
+                module.take(whole)
+            else:
+                model._init_weights(module)
         done.update(id(p) for p in own)
 
     def draw(job) -> None:
@@ -198,7 +214,10 @@ def load_slices(model: MulaForCausalLM, folder: Path, kind: str = "mula") -> Non
     A missing tensor or one of another shape is a `WeightsError` naming it."""
     source = _Folder(folder)
     tied = model.config.tie_word_embeddings
+    from .tensor_parallel import is_part
+
     experts = {name: module for name, module in model.named_modules() if isinstance(module, MulaExperts)}
+    parts = {name: module for name, module in model.named_modules() if is_part(module)}
     missing, wrong = [], []
     for name, param in model.named_parameters(remove_duplicate=True):
         if tied and name == "lm_head.weight":
@@ -208,6 +227,8 @@ def load_slices(model: MulaForCausalLM, folder: Path, kind: str = "mula") -> Non
             module = experts[owner]
             rows = slice(module.expert_offset, module.expert_offset + module.num_local_experts)
             value = _expert_rows(source, owner, leaf, module.num_experts, rows, kind, missing, wrong)
+        elif owner in parts and name in source:  # a tensor-parallel part: this rank's slice of the whole
+            value = _part_of(parts[owner], leaf, source, name, wrong)
         elif name in source:
             if source.shape(name) != tuple(param.shape):
                 wrong.append(name)
@@ -224,6 +245,23 @@ def load_slices(model: MulaForCausalLM, folder: Path, kind: str = "mula") -> Non
         more = f" and {len(names) - 3} more" if len(names) > 3 else ""
         raise WeightsError(f"{what} {', '.join(names[:3])}{more}")
     model.tie_weights()
+
+
+def _part_of(part: nn.Module, leaf: str, source: _Folder, name: str, wrong: list[str]) -> torch.Tensor | None:
+    """A tensor-parallel part's slice of the folder's whole tensor `name` (only its rows read where the
+    split is by rows); None, with `name` in `wrong`, where the folder's tensor has another shape."""
+    if leaf == "bias" and not part.bias_split:  # a row-split linear keeps its bias whole
+        expected = tuple(part.bias.shape)
+    else:
+        expected = tuple(part.whole_shape) if leaf == "weight" else (part.whole_shape[0],)
+    if source.shape(name) != expected:
+        wrong.append(name)
+        return None
+    if leaf == "bias" and not part.bias_split:
+        return source.read(name)
+    if leaf == "bias" or part.dim == 0:
+        return source.read(name, slice(part.start, part.stop))
+    return source.read(name)[:, part.start:part.stop]
 
 
 def _expert_rows(source: _Folder, owner: str, leaf: str, num_experts: int, rows: slice, kind: str,

@@ -1,0 +1,316 @@
+"""Tensor parallelism for Mula models, applied to the plain model from outside (as expert parallelism
+is): the modeling file stays torch + Transformers only, and parameter names stay the whole model's.
+
+Over a group of T ranks (`apply_tensor_parallel`), each rank keeps 1/T of every split weight as a
+plain tensor under the parameter's own name, so the sharded optimizer, the gradient norm and the
+checkpoints see ordinary parameters (a split parameter's full shape and this rank's slice of it are in
+`split_parameters`):
+
+- attention: q, k and v split by heads (columns of the output; the key/value heads must divide by
+  T), o by its input columns, its output summed over the group; the QK-norm over the full q and k
+  width takes its mean square over the group;
+- the dense MLP (and a dense layer's FFN): gate and up by columns, down by input columns, summed;
+- the embedding and the LM head split by vocabulary rows: each rank looks up the ids in its rows and
+  the group sums the rows; the head gives each rank its vocabulary slice of the logits, and the loss
+  is a vocabulary-parallel cross-entropy, so the full logits never exist on one rank;
+- norms, the router and the experts are replicated: every rank of the group runs them on the same
+  (replicated) hidden states. Experts stay expert-parallel across groups.
+
+The collectives are the two of Megatron-LM's scheme (Shoeybi et al., 2019): where a replicated
+activation enters a split region its gradient is summed over the group on the way back (`_copy`),
+and where a split region's partial outputs leave it they are summed on the way forward (`_reduce`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..hf_models.mula.modeling_mula import MulaAttention, MulaForCausalLM, MulaMLP, MulaRMSNorm
+
+
+class TensorParallelError(ValueError):
+    """A model that cannot be split over the group: one line naming the reason."""
+
+
+@dataclass(frozen=True)
+class Split:
+    """How a parameter is split: along `dim` of its `full` shape, this rank holding [start, stop)."""
+
+    full: tuple[int, ...]
+    dim: int
+    start: int
+    stop: int
+
+
+class _Copy(torch.autograd.Function):
+    """Identity forward; the gradient summed over the group backward (a replicated input of a split region)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _Reduce(torch.autograd.Function):
+    """Sum over the group forward; identity backward (the replicated output of a split region)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _SumBoth(torch.autograd.Function):
+    """Sum over the group forward and backward: a statistic of a split tensor used by split work."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _Part(nn.Module):
+    """A module keeping part of a whole one's weights: `whole()` makes an empty whole-size module of the
+    original kind (to draw its initial values as the unsplit model would), `take(whole)` copies this
+    rank's part of it."""
+
+    dim = 0  # the weight's split dimension
+    bias_split = True  # the bias follows the split (columns) or is kept whole (rows)
+
+    def _keep(self, module: nn.Module, start: int, stop: int) -> None:
+        self.start, self.stop, self.whole_shape = start, stop, tuple(module.weight.shape)
+        self.weight = nn.Parameter(module.weight.detach().narrow(self.dim, start, stop - start).clone())
+        bias = getattr(module, "bias", None)
+        if bias is not None and self.bias_split:
+            bias = bias.detach()[start:stop]
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
+
+    @torch.no_grad()
+    def take(self, whole: nn.Module) -> None:
+        self.weight.copy_(whole.weight.narrow(self.dim, self.start, self.stop - self.start))
+        if self.bias is not None:
+            self.bias.copy_(whole.bias[self.start:self.stop] if self.bias_split else whole.bias)
+
+
+class ColumnParallelLinear(_Part):
+    """`nn.Linear` keeping output features [start, stop): a replicated input, this rank's output slice."""
+
+    def __init__(self, linear: nn.Linear, group, start: int, stop: int) -> None:
+        super().__init__()
+        self.group, self.in_features, self.out_features = group, linear.in_features, stop - start
+        self._keep(linear, start, stop)
+
+    def whole(self) -> nn.Module:
+        return nn.Linear(self.in_features, self.whole_shape[0], bias=self.bias is not None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(_Copy.apply(x, self.group), self.weight, self.bias)
+
+
+class RowParallelLinear(_Part):
+    """`nn.Linear` keeping input features [start, stop): this rank's input slice, the output summed over
+    the group (the bias, replicated, added once after the sum)."""
+
+    dim, bias_split = 1, False
+
+    def __init__(self, linear: nn.Linear, group, start: int, stop: int) -> None:
+        super().__init__()
+        self.group, self.in_features, self.out_features = group, stop - start, linear.out_features
+        self._keep(linear, start, stop)
+
+    def whole(self) -> nn.Module:
+        return nn.Linear(self.whole_shape[1], self.out_features, bias=self.bias is not None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = _Reduce.apply(F.linear(x, self.weight), self.group)
+        return out if self.bias is None else out + self.bias
+
+
+class SplitRMSNorm(_Part):
+    """`MulaRMSNorm` over a width split across the group: the mean square summed over it."""
+
+    def __init__(self, norm: MulaRMSNorm, group, start: int, stop: int) -> None:
+        super().__init__()
+        self.group, self.hidden_size, self.variance_epsilon = group, norm.hidden_size, norm.variance_epsilon
+        self.start, self.stop, self.bias, self.whole_shape = start, stop, None, (norm.hidden_size,)
+        self.weight = None if norm.weight is None else nn.Parameter(norm.weight.detach()[start:stop].clone())
+
+    def whole(self) -> nn.Module:
+        return MulaRMSNorm(self.hidden_size, self.variance_epsilon, self.weight is not None)
+
+    @torch.no_grad()
+    def take(self, whole: nn.Module) -> None:
+        if self.weight is not None:
+            self.weight.copy_(whole.weight[self.start:self.stop])
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        x = hidden_states.to(torch.float32)
+        square = _SumBoth.apply(x.pow(2).sum(-1, keepdim=True), self.group) / self.hidden_size
+        x = (x * torch.rsqrt(square + self.variance_epsilon)).to(input_dtype)
+        return x if self.weight is None else self.weight * x
+
+
+class VocabParallelEmbedding(_Part):
+    """`nn.Embedding` keeping vocabulary rows [start, stop): ids elsewhere give zero rows here, and the
+    group sums the rows."""
+
+    def __init__(self, embedding: nn.Embedding, group, start: int, stop: int) -> None:
+        super().__init__()
+        self.group = group
+        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        self.whole_padding = padding = embedding.padding_idx
+        self.padding_idx = padding - start if padding is not None and start <= padding < stop else None
+        self._keep(embedding, start, stop)
+
+    def whole(self) -> nn.Module:
+        return nn.Embedding(self.num_embeddings, self.embedding_dim, self.whole_padding)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.start) | (ids >= self.stop)
+        rows = F.embedding((ids - self.start).masked_fill(outside, 0), self.weight, self.padding_idx)
+        return _Reduce.apply(rows.masked_fill(outside[..., None], 0.0), self.group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy of logits split by vocabulary (this rank's columns from `start`) against `target`
+    (full vocabulary ids), per row; three all-reduces of one number a row (max, sum of exponentials,
+    the target's logit)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, start, group):
+        logits = logits.float()
+        top = logits.max(-1).values
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - top[:, None]
+        local = target - start
+        inside = (local >= 0) & (local < logits.shape[-1])
+        local = local.masked_fill(~inside, 0)
+        picked = shifted.gather(1, local[:, None]).squeeze(1).masked_fill(~inside, 0.0)
+        dist.all_reduce(picked, group=group)
+        exp = shifted.exp()
+        total = exp.sum(-1)
+        dist.all_reduce(total, group=group)
+        ctx.save_for_backward(exp / total[:, None], local, inside)
+        return total.log() - picked
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, inside = ctx.saved_tensors
+        out = softmax.clone()
+        rows = torch.arange(out.shape[0], device=out.device)
+        out[rows[inside], local[inside]] -= 1.0
+        return out * grad[:, None], None, None, None
+
+
+def vocab_parallel_loss(group, start: int):
+    """A `loss_function` for `MulaForCausalLM` whose logits are this rank's vocabulary slice: Transformers'
+    causal-LM loss (labels shifted by one, -100 ignored, the mean over the counted tokens or the sum
+    over `num_items_in_batch`), computed without gathering the logits."""
+
+    def loss_function(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
+                      **kwargs):
+        if shift_labels is None:
+            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        target = shift_labels.reshape(-1).to(logits.device)
+        counted = target != ignore_index
+        flat = logits.reshape(-1, logits.shape[-1])
+        losses = _VocabParallelCrossEntropy.apply(flat, target.masked_fill(~counted, 0), start, group)
+        total = (losses * counted).sum()
+        if num_items_in_batch is not None:
+            return total / num_items_in_batch
+        return total / counted.sum()
+
+    return loss_function
+
+
+def is_part(module: nn.Module) -> bool:
+    """Whether `module` keeps part of a split module's weights (it has `whole()` and `take()`)."""
+    return isinstance(module, _Part)
+
+
+def _span(size: int, parts: int, rank: int, what: str) -> tuple[int, int]:
+    if size % parts:
+        raise TensorParallelError(f"tensor parallel size {parts} does not divide {what} ({size})")
+    step = size // parts
+    return rank * step, (rank + 1) * step
+
+
+def apply_tensor_parallel(model: MulaForCausalLM, group, size: int | None = None,
+                          rank: int | None = None) -> dict[str, Split]:
+    """Split `model` (a `MulaForCausalLM`, materialised) over the ranks of `group` in place; returns the
+    split parameters by name with their full shapes and this rank's slice. A TensorParallelError (one
+    line) where a width does not divide."""
+    size = dist.get_world_size(group) if size is None else size
+    rank = dist.get_rank(group) if rank is None else rank
+    config, splits = model.config, {}
+
+    def split(owner: nn.Module, prefix: str, name: str, kind, dim: int, start: int, stop: int, *args) -> None:
+        old = getattr(owner, name)
+        full = tuple(old.weight.shape)
+        setattr(owner, name, kind(old, group, start, stop, *args))
+        splits[f"{prefix}{name}.weight"] = Split(full, dim, start, stop)
+        if kind is ColumnParallelLinear and old.bias is not None:
+            splits[f"{prefix}{name}.bias"] = Split(tuple(old.bias.shape), 0, start, stop)
+
+    for name, module in list(model.named_modules()):
+        prefix = f"{name}." if name else ""
+        if isinstance(module, MulaAttention):
+            if config.num_key_value_heads % size:
+                raise TensorParallelError(f"tensor parallel size {size} does not divide the key/value heads "
+                                          f"({config.num_key_value_heads})")
+            head = module.head_dim
+            q = _span(module.num_heads * head, size, rank, "the query width")
+            kv = _span(module.num_kv_heads * head, size, rank, "the key/value width")
+            for proj, (a, b) in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+                split(module, prefix, proj, ColumnParallelLinear, 0, a, b)
+            split(module, prefix, "o_proj", RowParallelLinear, 1, *q)
+            if module.q_norm is not None:
+                for norm, (a, b) in (("q_norm", q), ("k_norm", kv)):
+                    split(module, prefix, norm, SplitRMSNorm, 0, a, b)
+                    if getattr(module, norm).weight is None:
+                        splits.pop(f"{prefix}{norm}.weight")
+        elif isinstance(module, MulaMLP):
+            inter = _span(module.gate_proj.out_features, size, rank, "the MLP's intermediate width")
+            split(module, prefix, "gate_proj", ColumnParallelLinear, 0, *inter)
+            split(module, prefix, "up_proj", ColumnParallelLinear, 0, *inter)
+            split(module, prefix, "down_proj", RowParallelLinear, 1, *inter)
+    vocab = _span(config.vocab_size, size, rank, "the vocabulary")
+    inner = model.model
+    if inner.embed_tokens is not None:
+        split(inner, "model.", "embed_tokens", VocabParallelEmbedding, 0, *vocab)
+    if model.lm_head is not None:
+        if config.tie_word_embeddings and inner.embed_tokens is not None:
+            # the tied head: the embedding's rows, the same slice (`tie_weights` keeps them one tensor)
+            whole = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
+            model.lm_head = ColumnParallelLinear(whole, group, *vocab)
+            model.lm_head.weight = inner.embed_tokens.weight
+        else:
+            split(model, "", "lm_head", ColumnParallelLinear, 0, *vocab)
+        model.loss_function = vocab_parallel_loss(group, vocab[0])
+    model.tensor_parallel = (size, rank)
+    return splits
