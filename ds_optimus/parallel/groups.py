@@ -91,14 +91,6 @@ class PipelineGroups:
     def __deepcopy__(self, memo) -> PipelineGroups:
         return self
 
-    @property
-    def first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def last(self) -> bool:
-        return self.stage == self.size - 1
-
 
 _PIPELINES: dict[int, PipelineGroups] = {}
 

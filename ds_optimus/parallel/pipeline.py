@@ -6,7 +6,7 @@ the final norm and head on the last. Parameter names stay the whole model's (`mo
 optimizer state and checkpoints, keyed by name, do not depend on the pipeline layout. Each chunk
 (`StageChunk`) runs its layers as `MulaModel.forward` does, and passes on, besides the hidden states,
 each MoE layer's router statistics (`router_layer_stats`: mean probabilities and z-loss with their
-gradients, token counts without), so the last stage computes the router losses of every layer exactly
+gradients, token counts without), so the rank with the last chunk computes the router losses of every layer exactly
 as the model does in one piece (`PipelineLoss`), and their gradients flow back to every stage's routers.
 
 The schedule (1F1B, GPipe, interleaved 1F1B, looped BFS, interleaved zero-bubble, and the V-shaped ZB-V
@@ -105,7 +105,7 @@ class StageChunk(nn.Module):
 
 
 class PipelineLoss:
-    """The loss of a micro-batch on the last stage: the LM loss plus the router losses of every MoE
+    """The loss of a micro-batch on the rank with the last chunk: the LM loss plus the router losses of every MoE
     layer (from the statistics the stages passed on), over `micro_batches` so that the schedule's
     backward passes add up to the step's mean. Each micro-batch's parts are kept in `records`."""
 

@@ -166,8 +166,8 @@ def check_pipeline(opt, ds_config: dict, model_config, accumulation: int) -> lis
         raise ConfigError("optimus.pipeline_parallel needs optimus.sharded_optimizer.enabled true (the pipeline "
                           "schedule runs the backward passes; the sharded optimizer reduces their gradients)")
     if model_config.tie_word_embeddings:
-        raise ConfigError("optimus.pipeline_parallel: the model ties its embedding and head, which sit on the first "
-                          "and last stages; set tie_word_embeddings false (optimus.model.overrides)")
+        raise ConfigError("optimus.pipeline_parallel: the model ties its embedding and head, which sit in the first "
+                          "and the last chunk of layers; set tie_word_embeddings false (optimus.model.overrides)")
     if opt.train.compile:
         raise ConfigError("optimus.pipeline_parallel does not run compiled layers yet; set optimus.train.compile false")
     if ds_config.get("fp16", {}).get("enabled"):

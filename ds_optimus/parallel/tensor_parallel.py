@@ -271,9 +271,9 @@ def apply_tensor_parallel(model: MulaForCausalLM, group, size: int | None = None
 
     def split(owner: nn.Module, prefix: str, name: str, kind, dim: int, start: int, stop: int, *args) -> None:
         old = getattr(owner, name)
-        full = tuple(old.weight.shape)
         setattr(owner, name, kind(old, group, start, stop, *args))
-        splits[f"{prefix}{name}.weight"] = Split(full, dim, start, stop)
+        if old.weight is not None:  # a norm without an affine weight has nothing to split
+            splits[f"{prefix}{name}.weight"] = Split(tuple(old.weight.shape), dim, start, stop)
         if kind is ColumnParallelLinear and old.bias is not None:
             splits[f"{prefix}{name}.bias"] = Split(tuple(old.bias.shape), 0, start, stop)
 
@@ -292,8 +292,6 @@ def apply_tensor_parallel(model: MulaForCausalLM, group, size: int | None = None
             if module.q_norm is not None:
                 for norm, (a, b) in (("q_norm", q), ("k_norm", kv)):
                     split(module, prefix, norm, SplitRMSNorm, 0, a, b)
-                    if getattr(module, norm).weight is None:
-                        splits.pop(f"{prefix}{norm}.weight")
         elif isinstance(module, MulaMLP):
             inter = _span(module.gate_proj.out_features, size, rank, "the MLP's intermediate width")
             split(module, prefix, "gate_proj", ColumnParallelLinear, 0, *inter)

@@ -7,10 +7,12 @@ of layers runs on stage c mod P, or under the V-shaped schedules on stage c and 
 first chunk has the embedding, the last the final norm, LM head and loss (the last stage P - 1, or
 under the V-shaped schedules stage 0 again).
 
-The bubble and the activations in flight are closed forms where the literature gives them, and each
-agrees exactly with a replay of PyTorch's own op lists (`replay`, forward, input- and weight-gradient
-passes of one unit each; tests/test_plan.py holds them to it); the V-shaped schedules, whose bubble
-depends on m against 2P, take the replay itself.
+The bubble and the activations in flight are closed forms where the literature gives them: for GPipe
+and for the several-chunk schedules with m a multiple of P each agrees exactly with a replay of
+PyTorch's own op lists (`replay`, forward, input- and weight-gradient passes of one unit each;
+tests/test_plan.py holds them to it), and 1F1B's are the textbook's (PyTorch's op list for its
+single-stage 1F1B is not the order its runtime runs). Where no closed form holds (several chunks with
+m below P or not a multiple of it; the V-shaped schedules below m = 2P) the replay itself is taken.
 """
 
 from __future__ import annotations
@@ -89,8 +91,15 @@ def idle_slots(schedule: str, pp: int, micro_batches: int, virtual: int = 1) -> 
         return 0.0
     if schedule in V_SCHEDULES:  # the replay's; its closed form from m >= 2P on (the replay of a long step is slow)
         return (pp - 1) / 6 if micro_batches >= 2 * pp else replay(schedule, pp, micro_batches, virtual)[0]
+    if _replayed(schedule, pp, micro_batches, virtual):
+        return replay(schedule, pp, micro_batches, virtual)[0]
     idle = (pp - 1) / 3 if schedule == "interleaved_zb" else pp - 1
     return idle / interleaving(schedule, pp, micro_batches, virtual)
+
+
+def _replayed(schedule: str, pp: int, micro_batches: int, virtual: int) -> bool:
+    """Whether a several-chunk schedule's figures come from the replay: m below P or not a multiple of it."""
+    return virtual_of(schedule, virtual) > 1 and (micro_batches < pp or micro_batches % pp != 0)
 
 
 @lru_cache(maxsize=256)
@@ -99,7 +108,11 @@ def replay(schedule: str, pp: int, micro_batches: int, virtual: int = 1) -> tupl
     forward, input-gradient and weight-gradient pass taking one unit (a full backward two) and each
     waiting for the passes it needs: (the slowest rank's idle time in whole-stage micro-batch slots,
     each stage's most micro-batches with activations held, in whole stages). Sends take no time here
-    (`timing.p2p_seconds` counts them)."""
+    (`timing.p2p_seconds` counts them). GPipe and the several-chunk schedules only: PyTorch's op list for
+    its single-stage 1F1B is not the order its runtime runs."""
+    if schedule == "1f1b":
+        raise ValueError("replay: PyTorch's op list for 1f1b is not what its runtime runs; its figures are the "
+                         "textbook's (idle_slots, in_flight)")
     import warnings
 
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
@@ -144,10 +157,8 @@ def replay(schedule: str, pp: int, micro_batches: int, virtual: int = 1) -> tupl
 
 
 def interleaving(schedule: str, pp: int, micro_batches: int, virtual: int = 1) -> int:
-    """The V that divides the bubble: the chunks per rank, where a round of micro-batches fills the
-    pipeline (m >= P); with fewer micro-batches than stages every switch between a rank's chunks waits
-    for the pipeline (PyTorch's op lists, simulated, idle more than the single-chunk schedule's
-    (P-1)/(m+P-1) for interleaved 1F1B), so no gain is counted."""
+    """The V that divides the bubble in the closed form: the chunks per rank (m a multiple of P; other
+    m take the replay)."""
     return virtual_of(schedule, virtual) if micro_batches >= pp else 1
 
 
@@ -165,6 +176,8 @@ def in_flight(schedule: str, pp: int, micro_batches: int, virtual: int = 1, stag
         return float(m)
     if schedule == "1f1b" or virtual_of(schedule, virtual) == 1:
         return float(min(pp - stage, m))
+    if schedule not in V_SCHEDULES and _replayed(schedule, pp, m, virtual):
+        return replay(schedule, pp, m, virtual)[1][stage]
     if schedule == "interleaved_zb":  # warm-up of one round, each graph kept until its weight pass: every rank alike
         return float(min(pp, m))
     if schedule in V_SCHEDULES:  # the replay's: P (with m >= 2P) on every rank, balanced by the V placement

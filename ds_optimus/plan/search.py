@@ -76,9 +76,10 @@ def schedules(pp: int, micro_batches: int, layers: int, virtual_stages=VIRTUAL_S
     """The (schedule, virtual stages) tried for `pp` stages and a step of `micro_batches`: 1F1B (GPipe
     where there are fewer micro-batches than stages, which 1F1B cannot run), and the interleaved 1F1B
     and zero-bubble schedules with V chunks per rank where P·V divides the layers, cutting the bubble
-    from (P-1)/(m+P-1) to (P-1)/(V·m+P-1) (a third of that with zero bubble) for V times the sends
-    between stages; and the V-shaped ZB-V with two chunks per rank. (DualPipeV's gain is one
-    micro-batch's forward run under another's backward, exchanges hidden under the other's compute;
+    from (P-1)/(m+P-1) to (P-1)/(V·m+P-1) (a third of that with zero bubble; with m below P or not a
+    multiple of it, what the replay of PyTorch's op lists idles) for V times the sends between stages;
+    and the V-shaped ZB-V with two chunks per rank. (DualPipeV's gain is one micro-batch's forward run
+    under another's backward, exchanges hidden under the other's compute;
     PyTorch's runtime runs such a pair one after the other, so it replays as ZB-V with half a
     micro-batch more held, and the search leaves it out.)"""
     if pp == 1:
@@ -87,7 +88,7 @@ def schedules(pp: int, micro_batches: int, layers: int, virtual_stages=VIRTUAL_S
     out = [("1f1b", 1) if m >= pp else ("gpipe", 1)]
     rounds = max(1, m // pp)
     out += [(name, v) for name in ("interleaved_1f1b", "interleaved_zb") for v in virtual_stages
-            if layers % (pp * v) == 0 and m % rounds == 0 and m >= pp]  # fewer than P: no gain, more idle
+            if layers % (pp * v) == 0 and m % rounds == 0]
     if layers % (2 * pp) == 0:
         out.append(("zbv", 2))
     return out

@@ -30,7 +30,7 @@ def data_parallel_size(opt, world: int) -> int:
 
 class PipelineRunner:
     """This rank's chunks of the model and the schedule that runs them; `step` trains one step's
-    micro-batches, `evaluate` gives the LM loss of a batch (on the last stage)."""
+    micro-batches, `evaluate` gives the LM loss of a batch (on the rank with the last chunk)."""
 
     def __init__(self, opt, pipeline, model, split: list[range], micro: int, accumulation: int) -> None:
         from ..parallel.pipeline import StageChunk
@@ -80,8 +80,8 @@ class PipelineRunner:
     def step(self, batch: torch.Tensor, parts: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward passes of the step's micro-batches (`batch`: all of them, in order), their
         gradients reduced into the optimizer's shards. Adds the mean of the micro-batches' loss parts
-        (`LOSS_PARTS`; the last stage's, zero on the others) to `parts`, and returns the step's token slots
-        per MoE layer and expert (zero except on the last stage; None for a dense model)."""
+        (`LOSS_PARTS`; the last chunk's rank's, zero on the others) to `parts`, and returns the step's token slots
+        per MoE layer and expert (zero except on the last chunk's rank; None for a dense model)."""
         from ..parallel.pipeline import run_schedule
         from .metrics import LOSS_PARTS
 
@@ -102,7 +102,7 @@ class PipelineRunner:
         return loads
 
     def evaluate(self, batch: torch.Tensor) -> torch.Tensor | None:
-        """The LM loss of `batch` (the last stage's; None on the others). Collective over the pipeline."""
+        """The LM loss of `batch` (the last chunk's rank's; None on the others). Collective over the pipeline."""
         from ..parallel.pipeline import forward_only
 
         self.loss.records.clear()

@@ -280,7 +280,7 @@ class Trainer:
         with waiting_for_peers():  # a rank stuck here waits for another (the heartbeats say which)
             if self.world > 1:
                 dist.all_reduce(packed)
-                packed[:len(LOSS_PARTS)] /= self.dp_world  # with pipeline stages, the last stage's ranks add them
+                packed[:len(LOSS_PARTS)] /= self.dp_world  # with pipeline stages, the last chunk's ranks add them
             values = packed.tolist()  # the step's one host sync
         self.metrics = dict(zip(LOSS_PARTS, values, strict=False))
         self.metrics.update(zip((name for name, _ in flags), values[len(LOSS_PARTS):], strict=False))
@@ -437,7 +437,7 @@ class Trainer:
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for batch in self.held_out:
             batch = batch.to(self.device)
-            if self.runner is not None:  # the last stage's loss; zero on the others
+            if self.runner is not None:  # the last chunk's rank's loss; zero on the others
                 loss = self.runner.evaluate(batch)
                 total += loss.float() if loss is not None else 0.0
                 continue
