@@ -161,3 +161,32 @@ def test_the_docs_example_runs_as_written(tmp_path):
     assert shown and [(rank, rows) for rank, _, rows in said] == [("0", shown.group(2)), ("1", shown.group(2))]
     # the page rounds to 1e-4; another CPU's float32 sums may move the fifth decimal
     assert all(abs(float(loss) - float(shown.group(1))) <= 2e-4 for _, loss, _ in said), said
+
+
+def export_worker(rank: int, world: int, folder: str) -> dict | None:
+    """Rank 0 writes the whole model from the two ranks' parts as an ordinary folder."""
+    from ds_optimus.parallel.build import build_model
+    from ds_optimus.parallel.tensor_parallel import whole_state_dict
+
+    config = _config("mula-tiny-moe")
+    part = build_model(config, seed=5)
+    splits = apply_tensor_parallel(part, dist.group.WORLD)
+    state = whole_state_dict(part, splits, dist.group.WORLD)
+    if rank:
+        return None
+    whole = build_model(config, seed=5)
+    reference = whole.state_dict()
+    differ = sorted(set(state) ^ set(reference))
+    differ += [k for k in state if k in reference and not torch.equal(state[k], reference[k])]
+    whole.save_pretrained(folder, state_dict=state)
+    return {"same": not differ, "differ": differ[:5]}
+
+
+def test_the_parts_join_into_the_whole_models_folder(tmp_path):
+    first, second = run_distributed(export_worker, 2, str(tmp_path / "m"))
+    assert first == {"same": True, "differ": []} and second is None
+    loaded = MulaForCausalLM.from_pretrained(tmp_path / "m")
+    from ds_optimus.parallel.build import build_model
+
+    expected = build_model(_config("mula-tiny-moe"), seed=5).state_dict()
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in expected.items())

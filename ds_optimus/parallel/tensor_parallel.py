@@ -312,3 +312,27 @@ def apply_tensor_parallel(model: MulaForCausalLM, group, size: int | None = None
         model.loss_function = vocab_parallel_loss(group, vocab[0])
     model.tensor_parallel = (size, rank)
     return splits
+
+
+@torch.no_grad()
+def whole_state_dict(model: MulaForCausalLM, splits: dict[str, Split], group, dst: int = 0) -> dict[str, torch.Tensor]:
+    """The whole model's tensors by name, from every rank's parts (each split tensor gathered over
+    `group` and joined along its split dimension): on group rank `dst`, an empty dict on the others.
+    Collective over the group; one whole tensor at a time is held besides the parts."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        split = splits.get(name)
+        if split is None:
+            if rank == dst:
+                out[name] = tensor.detach().clone()
+            continue
+        parts = [torch.empty_like(tensor) for _ in range(size)] if rank == dst else None
+        dist.gather(tensor.detach().contiguous(), parts, dst=dist.get_global_rank(group, dst)
+                    if group is not None else dst, group=group)
+        if rank == dst:
+            out[name] = torch.cat(parts, dim=split.dim)
+            if tuple(out[name].shape) != split.full:
+                raise TensorParallelError(f"{name}: the parts join to {tuple(out[name].shape)}, not {split.full}")
+    return out
+
