@@ -166,12 +166,12 @@ def test_the_docs_example_runs_as_written(tmp_path):
 def export_worker(rank: int, world: int, folder: str) -> dict | None:
     """Rank 0 writes the whole model from the two ranks' parts as an ordinary folder."""
     from ds_optimus.parallel.build import build_model
-    from ds_optimus.parallel.tensor_parallel import whole_state_dict
+    from ds_optimus.parallel.tensor_parallel import whole_tensors
 
     config = _config("mula-tiny-moe")
     part = build_model(config, seed=5)
     splits = apply_tensor_parallel(part, dist.group.WORLD)
-    state = whole_state_dict(part, splits, dist.group.WORLD)
+    state = {name: tensor.clone() for name, tensor in whole_tensors(part, splits, dist.group.WORLD)}
     if rank:
         return None
     whole = build_model(config, seed=5)

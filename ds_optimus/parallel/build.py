@@ -25,6 +25,7 @@ from torch import nn
 
 from ..hf_models.mula.modeling_mula import MulaExperts, MulaForCausalLM, MulaRotaryEmbedding
 from .pipeline import keep_stage
+from .tensor_parallel import apply_tensor_parallel, is_part
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 _OLMOE_EXPERT = "{prefix}.{expert}.{kind}.weight"
@@ -51,8 +52,6 @@ def build_model(config, *, ep_size: int = 1, ep_rank: int = 0, seed: int = 0,
     if stage is not None:
         keep_stage(model, *stage)
     if tensor_parallel is not None:
-        from .tensor_parallel import apply_tensor_parallel
-
         apply_tensor_parallel(model, *tensor_parallel)
     experts = [m for m in model.modules() if isinstance(m, MulaExperts)]
     for module in experts:
@@ -83,8 +82,6 @@ def seed_of(seed: int, name: str) -> int:
 def initialise(model: MulaForCausalLM, seed: int) -> None:
     """Fill every tensor of a model made by `build_model`: the model's own `_init_weights` per module,
     under a generator seeded by the module's name; experts one by one, seeded by their global index."""
-    from .tensor_parallel import is_part
-
     std = model.config.initializer_range
     done: set[int] = set()
     draws = []  # (tensor, seed) per expert: drawn by a pool of threads (normal_ releases the GIL)
@@ -137,7 +134,8 @@ def reset_buffers(model: nn.Module) -> None:
 
 
 class _Folder:
-    """The tensors of an HF folder by name, read lazily: a whole tensor, or some rows of its first dimension."""
+    """The tensors of an HF folder by name, read lazily: a whole tensor, some rows of its first dimension,
+    or some columns of its second."""
 
     def __init__(self, folder: Path):
         self.folder = folder
@@ -172,12 +170,13 @@ class _Folder:
             return tuple(handle[name].shape)
         return tuple(handle.get_slice(name).get_shape())
 
-    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+    def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
         handle = self._handle(self.where[name])
-        if isinstance(handle, dict):
+        index = (rows or slice(None),) if cols is None else (rows or slice(None), cols)
+        if isinstance(handle, dict):  # memory-mapped: the slice's pages only, copied out
             tensor = handle[name]
-            return tensor if rows is None else tensor[rows]
-        return handle.get_tensor(name) if rows is None else handle.get_slice(name)[rows]
+            return tensor if rows is None and cols is None else tensor[index].clone()
+        return handle.get_tensor(name) if rows is None and cols is None else handle.get_slice(name)[index]
 
 
 def _weight_files(folder: Path) -> list[Path]:
@@ -214,8 +213,6 @@ def load_slices(model: MulaForCausalLM, folder: Path, kind: str = "mula") -> Non
     A missing tensor or one of another shape is a `WeightsError` naming it."""
     source = _Folder(folder)
     tied = model.config.tie_word_embeddings
-    from .tensor_parallel import is_part
-
     experts = {name: module for name, module in model.named_modules() if isinstance(module, MulaExperts)}
     parts = {name: module for name, module in model.named_modules() if is_part(module)}
     missing, wrong = [], []
@@ -248,8 +245,8 @@ def load_slices(model: MulaForCausalLM, folder: Path, kind: str = "mula") -> Non
 
 
 def _part_of(part: nn.Module, leaf: str, source: _Folder, name: str, wrong: list[str]) -> torch.Tensor | None:
-    """A tensor-parallel part's slice of the folder's whole tensor `name` (only its rows read where the
-    split is by rows); None, with `name` in `wrong`, where the folder's tensor has another shape."""
+    """A tensor-parallel part's slice of the folder's whole tensor `name` (only its rows or columns
+    read); None, with `name` in `wrong`, where the folder's tensor has another shape."""
     if leaf == "bias" and not part.bias_split:  # a row-split linear keeps its bias whole
         expected = tuple(part.bias.shape)
     else:
@@ -260,8 +257,8 @@ def _part_of(part: nn.Module, leaf: str, source: _Folder, name: str, wrong: list
     if leaf == "bias" and not part.bias_split:
         return source.read(name)
     if leaf == "bias" or part.dim == 0:
-        return source.read(name, slice(part.start, part.stop))
-    return source.read(name)[:, part.start:part.stop]
+        return source.read(name, rows=slice(part.start, part.stop))
+    return source.read(name, cols=slice(part.start, part.stop))
 
 
 def _expert_rows(source: _Folder, owner: str, leaf: str, num_experts: int, rows: slice, kind: str,

@@ -262,7 +262,8 @@ def _span(size: int, parts: int, rank: int, what: str) -> tuple[int, int]:
 
 def apply_tensor_parallel(model: MulaForCausalLM, group, size: int | None = None,
                           rank: int | None = None) -> dict[str, Split]:
-    """Split `model` (a `MulaForCausalLM`, materialised) over the ranks of `group` in place; returns the
+    """Split `model` (a `MulaForCausalLM`, materialised or on the meta device) over the ranks of `group`
+    in place (`size` and `rank` where `group` is not made yet); returns the
     split parameters by name with their full shapes and this rank's slice. A TensorParallelError (one
     line) where a width does not divide."""
     size = dist.get_world_size(group) if size is None else size
@@ -310,29 +311,26 @@ def apply_tensor_parallel(model: MulaForCausalLM, group, size: int | None = None
         else:
             split(model, "", "lm_head", ColumnParallelLinear, 0, *vocab)
         model.loss_function = vocab_parallel_loss(group, vocab[0])
-    model.tensor_parallel = (size, rank)
     return splits
 
 
 @torch.no_grad()
-def whole_state_dict(model: MulaForCausalLM, splits: dict[str, Split], group, dst: int = 0) -> dict[str, torch.Tensor]:
-    """The whole model's tensors by name, from every rank's parts (each split tensor gathered over
-    `group` and joined along its split dimension): on group rank `dst`, an empty dict on the others.
-    Collective over the group; one whole tensor at a time is held besides the parts."""
+def whole_tensors(model: MulaForCausalLM, splits: dict[str, Split], group, dst: int = 0):
+    """The whole model's tensors, one at a time as (name, tensor), from every rank's parts (each split
+    tensor gathered over `group` and joined along its split dimension) on group rank `dst`; the other
+    ranks take part in each gather and get nothing. Collective over the group: a writer on `dst` can
+    stream them into files, holding one whole tensor besides the parts."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    out: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
         split = splits.get(name)
         if split is None:
             if rank == dst:
-                out[name] = tensor.detach().clone()
+                yield name, tensor.detach()
             continue
         parts = [torch.empty_like(tensor) for _ in range(size)] if rank == dst else None
-        dist.gather(tensor.detach().contiguous(), parts, dst=dist.get_global_rank(group, dst)
-                    if group is not None else dst, group=group)
+        dist.gather(tensor.detach().contiguous(), parts, group=group, group_dst=dst)
         if rank == dst:
-            out[name] = torch.cat(parts, dim=split.dim)
-            if tuple(out[name].shape) != split.full:
-                raise TensorParallelError(f"{name}: the parts join to {tuple(out[name].shape)}, not {split.full}")
-    return out
-
+            whole = torch.cat(parts, dim=split.dim)
+            if tuple(whole.shape) != split.full:
+                raise TensorParallelError(f"{name}: the parts join to {tuple(whole.shape)}, not {split.full}")
+            yield name, whole

@@ -226,9 +226,9 @@ def _estimate(model: ModelShape, layout: Layout, part: _Part, expert_imbalance: 
             optimizer_state = 12 * shard
             staging = r * layout.bucket_size * (2 if layout.overlap_comm else 1)
             gradients = staging + 4 * shard + (p * n_local if layout.zero == 1 else 0.0)
-            # measured: a ZeRO-1 run's second micro-step starts its backward pass with the first one's
-            # .grad and the staging buffers still allocated (tests/test_plan.py, dp2-ep1-zero1-mb4x2)
-            gradients_at_peak += staging if gradients_at_peak else 0.0
+            if gradients_at_peak:  # measured: a ZeRO-1 run's later micro-steps start their backward pass with
+                # the staging buffers still allocated besides the .grad (tests/test_plan.py, dp2-ep1-zero1-mb4x2)
+                gradients_at_peak += staging
             vocab = tokens * model.vocab if part.loss else 0.0
             first = (weights + optimizer_state + staging + activations - 4 * vocab + (p + 4) * vocab
                      + grad_transient)
