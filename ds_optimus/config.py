@@ -5,6 +5,7 @@ validated once, up front. An unknown key or a bad value is a one-line `ConfigErr
       "model": {"preset": "mula-tiny-moe", "path": null, "overrides": {}},  # a path wins over the preset
       "expert_parallel": {"size": 4, "node_size": 2, "dispatch": "alltoall"},  # node_size: hierarchical; or "allgather"
       "pipeline_parallel": {"size": 1, "schedule": "1f1b", "virtual_stages": 1, "layers": null},
+      "tensor_parallel": {"size": 1},                    # ranks splitting each layer (innermost, in a node)
       "moe": {"experts_backend": "auto"},                # or "grouped_mm", "looped", "reference", ...
       "data": {"sources": ["embedded"], "tokenizer": null, "seq_len": 256, "val_fraction": 0.02,
                "cache_dir": "data_cache"},
@@ -43,6 +44,7 @@ from .moe.experts import MoEConfig
 from .optim.engine_section import ShardedOptimizerConfig
 from .parallel.expert_parallel import ExpertParallelConfig
 from .parallel.stages import PipelineParallelConfig
+from .parallel.tensor_parallel import TensorParallelConfig
 from .reliability.guards import GuardsConfig
 from .reliability.supervise import DEFAULT_OUTPUT_DIR
 from .reliability.watchdog import WatchdogConfig
@@ -90,12 +92,15 @@ class ModelConfig(Section):
              f"{where}.preset {self.preset!r} is not one of {', '.join(PRESETS)}")
         need(isinstance(self.overrides, dict), f"{where}.overrides must be a JSON object")
 
-    def build(self, tokenizer=None, *, ep_size: int = 1, ep_rank: int = 0, seed: int = 0, stage=None):
+    def build(self, tokenizer=None, *, ep_size: int = 1, ep_rank: int = 0, seed: int = 0, stage=None,
+              tensor_parallel=None):
         """The Mula model in fp32, built on the meta device and holding only experts
-        [ep_rank*E/ep_size, (ep_rank+1)*E/ep_size) of each MoE layer (`parallel.model_source.build`)."""
+        [ep_rank*E/ep_size, (ep_rank+1)*E/ep_size) of each MoE layer and, with `tensor_parallel`
+        (group, size, rank), its part of each split weight (`parallel.model_source.build`)."""
         from .parallel.model_source import build
 
-        return build(self, tokenizer, ep_size=ep_size, ep_rank=ep_rank, seed=seed, stage=stage)
+        return build(self, tokenizer, ep_size=ep_size, ep_rank=ep_rank, seed=seed, stage=stage,
+                     tensor_parallel=tensor_parallel)
 
     def mula_config(self, tokenizer=None, seq_len: int | None = None):
         """The `MulaConfig` of the model `build` makes (`parallel.model_source.mula_config`)."""
@@ -224,6 +229,7 @@ class OptimusConfig(Section):
     model: ModelConfig = field(default_factory=ModelConfig)
     expert_parallel: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)
     pipeline_parallel: PipelineParallelConfig = field(default_factory=PipelineParallelConfig)
+    tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -258,12 +264,15 @@ def check_run_config(ds_config: dict[str, Any]):
     return opt
 
 
-def resolve_batch_sizes(ds_config: dict[str, Any], world_size: int, stages: int = 1) -> tuple[int, int]:
+def resolve_batch_sizes(ds_config: dict[str, Any], world_size: int, stages: int = 1,
+                        tensor: int = 1) -> tuple[int, int]:
     """(micro-batch per rank, accumulation steps), made consistent with train_batch_size over
-    `world_size` data-parallel ranks (those of one of `stages` pipeline stages); a one-line
-    ConfigError when they cannot be."""
-    ranks = f"{world_size} ranks" if stages == 1 else \
-        f"{world_size} data-parallel ranks ({world_size * stages} ranks / {stages} pipeline stages)"
+    `world_size` data-parallel ranks (those of one of `stages` pipeline stages and one of `tensor` TP
+    positions); a one-line ConfigError when they cannot be."""
+    cut = " / ".join(part for part in (f"{stages} pipeline stages" if stages > 1 else "",
+                                       f"tensor parallel size {tensor}" if tensor > 1 else "") if part)
+    ranks = f"{world_size} ranks" if not cut else \
+        f"{world_size} data-parallel ranks ({world_size * stages * tensor} ranks / {cut})"
     micro = ds_config.get("train_micro_batch_size_per_gpu")
     accumulation = ds_config.get("gradient_accumulation_steps")
     total = ds_config.get("train_batch_size")

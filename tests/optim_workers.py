@@ -65,7 +65,7 @@ def train(rank: int, world: int, spec: dict) -> dict:
 
     from ds_optimus.optim import sharded
 
-    sharded.DOT_CHUNK = spec.get("dot_chunk", 2**30)  # the gradient norm's torch.dot chunks (pool workers are reused)
+    sharded.SQUARES_ROW = spec.get("squares_row", 4096)  # the gradient norm's partial sums (pool workers are reused)
     model = tiny_model(**spec.get("model", {}))
     config = ds_config(spec)
     setup_moe(model, OptimusConfig.from_ds_config(config))

@@ -102,6 +102,17 @@ NOT_RUN = {
     "deepspeed --num_gpus 4 --module ds_optimus.train --config ds_configs/mula-tiny-moe-cpu.json --set "
     "optimus.pipeline_parallel.size=2 --set gradient_accumulation_steps=2 --set train_micro_batch_size_per_gpu=4":
         "200 steps on 4 processes; tests/test_pipeline.py runs dp2 ep2 pp2 on the tiny preset",
+    "deepspeed --num_gpus 8 --module ds_optimus.train --config ds_configs/mula-tiny-moe-cpu.json --set "
+    "optimus.model.preset=mula-tiny-dense --set optimus.model.overrides.tie_word_embeddings=false --set "
+    "optimus.expert_parallel.size=1 --set optimus.tensor_parallel.size=2 --set optimus.pipeline_parallel.size=2 --set "
+    "gradient_accumulation_steps=2 --set train_micro_batch_size_per_gpu=4 --set optimus.train.steps=20 --set "
+    "optimus.train.output_dir=runs/dense-tp2-pp2-dp2":
+        "8 processes (38 s on 2 cores); tests/test_tensor_parallel_training.py runs tp2 pp2 on the dense preset",
+    "deepspeed --num_gpus 8 --module ds_optimus.train --config ds_configs/mula-tiny-moe-cpu.json --set "
+    "optimus.tensor_parallel.size=2 --set optimus.pipeline_parallel.size=2 --set gradient_accumulation_steps=2 --set "
+    "train_micro_batch_size_per_gpu=4 --set optimus.train.steps=20 --set optimus.train.output_dir=runs/moe-tp2-pp2-ep2":
+        "8 processes (46 s on 2 cores); tests/test_tensor_parallel_training.py runs tp2 with pp2 and with ep2 on the "
+        "MoE preset",
     "deepspeed --num_gpus 2 --module ds_optimus.train.hf_example --config ds_configs/mula-tiny-moe-cpu.json":
         "200 steps under the Trainer; tests/test_train.py::"
         "test_hf_trainer_example_with_expert_parallelism_through_the_launcher runs it shortened",

@@ -65,8 +65,8 @@ SPECS = {
     "EP=4 ZeRO-2, accumulation 2, clipping, small buckets": dict(ep=4, stage=2, micro=1, gas=2, clip=0.5, bucket=3000),
     "EP=2 ZeRO-2, accumulation 2, overlapped reduction": dict(ep=2, stage=2, micro=1, gas=2, bucket=3000,
                                                               sharded_options={"overlap_comm": True}),
-    # the norm's torch.dot in chunks of 97 elements, as a shard over 2**31 elements is (BLAS's limit)
-    "EP=2 ZeRO-1, clipping, the gradient norm in chunks": dict(ep=2, stage=1, micro=1, gas=1, clip=0.5, dot_chunk=97),
+    # the norm's partial sums over rows of 97 elements: rows and a tail shorter than a row
+    "EP=2 ZeRO-1, clipping, the gradient norm in rows": dict(ep=2, stage=1, micro=1, gas=1, clip=0.5, squares_row=97),
 }
 
 
@@ -175,8 +175,11 @@ def _assert_the_manifest_holds_every_element_once(meta: dict) -> None:
 
 
 def test_a_rank_opens_the_optimizer_files_that_hold_its_elements_or_all_without_an_index():
+    from ds_optimus.optim.spaces import Space as Spaces
+
     class Space:  # this rank's runs: elements [10, 30) of "w" and [0, 5) of "b"
-        names, offsets = ["w", "b"], [0, 0]
+        names, offsets, columns = ["w", "b"], [0, 0], [None, None]
+        pieces = Spaces.pieces
 
         def own_runs(self):
             return [(0, 10, 20, 0), (1, 0, 5, 20)]

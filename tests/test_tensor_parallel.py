@@ -5,6 +5,7 @@ of every split weight, and a width that does not divide is a one-line error."""
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -151,7 +152,7 @@ def test_the_docs_example_runs_as_written(tmp_path):
     from doc_blocks import ROOT, doc_block
 
     script = tmp_path / "tp_example.py"
-    script.write_text(doc_block("# Tensor parallelism (the model's part", "python"))
+    script.write_text(doc_block("## The split on its own", "python"))
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)],
                           capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -190,3 +191,63 @@ def test_the_parts_join_into_the_whole_models_folder(tmp_path):
 
     expected = build_model(_config("mula-tiny-moe"), seed=5).state_dict()
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in expected.items())
+
+
+
+class _FakeSpace:
+    """One parameter's shard as a sharded-optimizer space holds it: a TP rank's part [start, stop) along
+    `dim` of the whole 2-D tensor `whole`, of which this DP rank owns local elements [lo, hi); its state
+    the whole tensor's values there (or zeros, to be loaded)."""
+
+    def __init__(self, whole: torch.Tensor, dim: int, start: int, stop: int, lo: int, hi: int, fill: bool):
+        from ds_optimus.optim.sharded import ShardedOptimizer
+        from ds_optimus.optim.spaces import Space
+        from ds_optimus.parallel.tensor_parallel import Split
+
+        self.key, self.names, self.replica_rank, self.lo, self.hi = "tensor:float32", ["w"], 0, lo, hi
+        owner = type("Owner", (), {"tensor_splits": {"w": Split(tuple(whole.shape), dim, start, stop)}})()
+        offset, columns = ShardedOptimizer._place(owner, "w")
+        self.offsets, self.columns = [offset], [columns]
+        self.pieces = Space.pieces.__get__(self)
+        # the whole tensor's flat index of each element, in this shard's order
+        self.indices = torch.arange(whole.numel()).view(whole.shape).narrow(dim, start, stop - start).reshape(-1)[lo:hi]
+        self.elements = set(self.indices.tolist())
+        part = whole.narrow(dim, start, stop - start).reshape(-1)[lo:hi]
+        for i, key in enumerate(("master", "exp_avg", "exp_avg_sq")):
+            setattr(self, key, part + i if fill else torch.zeros_like(part))
+
+    def own_runs(self):
+        yield 0, self.lo, self.hi - self.lo, 0
+
+
+def _layout(whole: torch.Tensor, dim: int, tp: int, dp: int, fill: bool) -> list[_FakeSpace]:
+    """Every rank's space of a TP x DP layout: each TP part cut over `dp` ranks in unequal runs."""
+    spaces, size, numel = [], whole.shape[dim] // tp, whole.numel() // tp
+    cuts = [0, *sorted({(numel * k) // dp + (k % 2) for k in range(1, dp)}), numel]
+    for t in range(tp):
+        spaces += [_FakeSpace(whole, dim, t * size, (t + 1) * size, a, b, fill) for a, b in itertools.pairwise(cuts)]
+    return spaces
+
+
+@pytest.mark.parametrize("dim", [0, 1], ids=["rows", "columns"])
+def test_optimizer_state_saved_at_one_tensor_parallel_size_loads_at_another(dim):
+    """The sharded optimizer's pieces are in the whole tensor's coordinates (a column part's as one
+    segment per row): state saved at TP 1, 2 and 4 over 1 and 3 data-parallel ranks each loads into
+    every other layout, every element from where the whole tensor has it, and the manifest's ranges
+    name exactly the files that hold a rank's elements."""
+    from ds_optimus.optim.shard_state import files_holding, held_ranges, load_spaces, shard_state
+
+    whole = torch.arange(12 * 16, dtype=torch.float32).reshape(12, 16)
+    layouts = [(tp, dp) for tp in (1, 2, 4) for dp in (1, 3)]
+    for saved_layout in layouts:
+        spaces = _layout(whole, dim, *saved_layout, fill=True)
+        saved = [{"format": "ds_optimus.sharded/1", "spaces": shard_state([space])} for space in spaces]
+        held = {i: held_ranges(state) for i, state in enumerate(saved)}
+        for layout in layouts:
+            for space in _layout(whole, dim, *layout, fill=False):
+                needed = files_holding(held, [space])
+                assert needed == [i for i, other in enumerate(spaces) if other.elements & space.elements]
+                load_spaces([space], [saved[i] for i in needed])
+                for i, key in enumerate(("master", "exp_avg", "exp_avg_sq")):
+                    expected = whole.reshape(-1)[space.indices] + i
+                    assert torch.equal(getattr(space, key), expected), (saved_layout, layout, key)

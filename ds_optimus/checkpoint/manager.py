@@ -55,15 +55,15 @@ from .rng import numpy_array_types, rng_state, set_rng_state
 STEP_PREFIX = "step_"
 
 
-def saved_layout(meta: dict[str, Any]) -> tuple[int, int, int]:
-    """(ranks, EP size, pipeline stages) a checkpoint was saved by, from its manifest (older manifests
-    have no pipeline size: no pipeline then, as ds_optimus ran pipelines only with it recorded)."""
-    return meta["world_size"], meta.get("ep_size", 1), meta.get("pp_size", 1)
+def saved_layout(meta: dict[str, Any]) -> tuple[int, int, int, int]:
+    """(ranks, EP size, pipeline stages, TP size) a checkpoint was saved by, from its manifest (older
+    manifests have no pipeline or TP size: none then, as ds_optimus ran them only with them recorded)."""
+    return meta["world_size"], meta.get("ep_size", 1), meta.get("pp_size", 1), meta.get("tp_size", 1)
 
 
-def describe_layout(world: int, ep: int, pp: int) -> str:
-    """'4 ranks (PP 2 x EP 2)', '2 ranks (EP 2)', '1 rank'."""
-    parts = [f"PP {pp}"] * (pp > 1) + [f"EP {ep}"] * (ep > 1)
+def describe_layout(world: int, ep: int, pp: int, tp: int = 1) -> str:
+    """'8 ranks (PP 2 x TP 2 x EP 2)', '2 ranks (EP 2)', '1 rank'."""
+    parts = [f"PP {pp}"] * (pp > 1) + [f"TP {tp}"] * (tp > 1) + [f"EP {ep}"] * (ep > 1)
     return f"{world} rank{'s' * (world != 1)}" + (f" ({' x '.join(parts)})" if parts else "")
 
 
@@ -348,7 +348,9 @@ class CheckpointManager:
             if meta["world_size"] == self.world_size:  # on another layout the generators stay as seeded
                 set_rng_state(client["rng"])
             pipeline = checkpointing.pipeline_of(engine, self.groups)
-            now = (self.world_size, self.ep_size, self.world_size // len(pipeline.stage_ranks) if pipeline else 1)
+            tensor = getattr(self.groups, "tensor", None)
+            now = (self.world_size, self.ep_size, self.world_size // len(pipeline.stage_ranks) if pipeline else 1,
+                   tensor.size if tensor is not None else 1)
             saved = saved_layout(meta)
             self.layout_note = None if saved == now else (
                 f"the checkpoint was saved by {describe_layout(*saved)}; resumed by {describe_layout(*now)}, "

@@ -5,6 +5,8 @@ names it, so the Hugging Face Trainer finds it), and `<save_dir>/latest` names t
 
     model_dense.pt         dense weights and buffers (rank 0)
     model_experts_ep003.pt the expert weights of EP rank 3, with their place in the full weights
+    model_tensor_tp001.pt  TP rank 1's part of every tensor-parallel split weight, with its place in
+                           the whole tensor (the first data-parallel rank of each TP position)
     optim_rank00005.pt     rank 5's optimizer shard: each run named by parameter and element
                            range of the full parameter (`ShardedOptimizer.state_dict`)
     engine.pt              LR scheduler, step counters (rank 0)
@@ -35,6 +37,7 @@ from ..command_line import said_by_every_rank
 from ..optim.shard_state import files_holding, held_ranges, load_spaces
 from ..optim.spaces import ShardedOptimizerError
 from ..parallel.expert_parallel import expert_groups_of, is_expert_param
+from ..parallel.tensor_parallel import Split, TensorParallelError, join_parts, split_parameters
 from .files import CheckpointError, CheckpointWriter, copy_to_cpu, gather, load
 from .rng import numpy_array_types
 
@@ -63,11 +66,17 @@ def checkpoint_files(engine, groups, client_state=None, exclude_frozen_parameter
     state = {k: v.detach() for k, v in module.state_dict().items() if k not in frozen}
     files: dict[str, Any] = {}
     # With pipeline stages, each stage's first rank writes its stage's part (names are the whole model's).
-    pipeline = pipeline_of(engine, groups)
+    pipeline, tensor = pipeline_of(engine, groups), getattr(groups, "tensor", None)
+    splits = split_parameters(module) if tensor is not None else {}
     part = f"_pp{pipeline.stage:03d}" if pipeline is not None else ""
     if rank == (pipeline.stage_ranks[0] if pipeline is not None else 0):
-        files[f"model_dense{part}.pt"] = {k: v for k, v in state.items() if k not in experts}
-    if experts and groups is not None and rank == groups.edp_ranks[0]:
+        files[f"model_dense{part}.pt"] = {k: v for k, v in state.items() if k not in experts and k not in splits}
+    if splits and rank == groups.dp_ranks[0]:  # each TP position's part, once
+        files[f"model_tensor{part}_tp{tensor.rank:03d}.pt"] = {
+            "tp_size": tensor.size, "tp_rank": tensor.rank,
+            "splits": {k: [list(v.full), v.dim, v.start, v.stop] for k, v in splits.items() if k in state},
+            "weights": {k: v for k, v in state.items() if k in splits}}
+    if experts and groups is not None and rank == groups.edp_ranks[0] and (tensor is None or tensor.rank == 0):
         files[f"model_experts_ep{groups.ep_rank:03d}{part}.pt"] = {
             "ep_size": groups.ep_size, "ep_rank": groups.ep_rank,
             "weights": {k: v for k, v in state.items() if k in experts}}
@@ -80,7 +89,8 @@ def checkpoint_files(engine, groups, client_state=None, exclude_frozen_parameter
     files = copy_to_cpu(files, copy)
     meta = {"format": "ds_optimus.checkpoint/1", "world_size": dist.get_world_size(),
             "ep_size": groups.ep_size if groups is not None else 1, "zero_stage": engine.optimizer.stage,
-            "pp_size": dist.get_world_size() // len(pipeline.stage_ranks) if pipeline is not None else 1}
+            "pp_size": dist.get_world_size() // len(pipeline.stage_ranks) if pipeline is not None else 1,
+            "tp_size": tensor.size if tensor is not None else 1}
     return files, meta, {f"optim_rank{rank:05d}.pt": {"holds": held_ranges(optim)}}
 
 
@@ -180,6 +190,7 @@ def _read_and_load_weights(engine, path: Path, groups, meta: dict, strict: bool,
     state = {}
     for name in sorted(f for f in meta["files"] if f.startswith("model_dense")):  # one per pipeline stage
         state.update(load(path / name, mmap=True))  # mapped: a stage copies only its own part
+    state.update(_split_weights(module, path, meta, state))  # first: what is not among them may be experts
     state.update(_expert_weights(engine, path, meta, state, groups))
     if pipeline_of(engine, groups) is not None:  # a stage keeps its part; a name of no stage stays, and fails
         own, whole = module.state_dict().keys(), _whole_model_names(module)
@@ -243,6 +254,33 @@ def _expert_weights(engine, path: Path, meta: dict, dense: dict[str, torch.Tenso
         if sum(len(piece) for piece in pieces) != hi - lo:  # saved for another number of experts
             raise CheckpointLoadError(f"{path} holds {name} for another number of experts: {_OTHER_MODEL}")
         out[name] = torch.cat(pieces).clone()
+    return out
+
+
+def _split_weights(module, path: Path, meta: dict, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's part of every tensor-parallel split weight (the whole tensor where this model does not
+    split it), cut from the saved whole tensors (`state`) or the saved parts of any TP size."""
+    splits = split_parameters(module)
+    parts: dict[str, list] = {}
+    for file in sorted(f for f in meta["files"] if f.startswith("model_tensor")):
+        saved = load(path / file, mmap=True)
+        for name, tensor in saved["weights"].items():
+            full, dim, start, stop = saved["splits"][name]
+            parts.setdefault(name, []).append((Split(tuple(full), dim, start, stop), tensor))
+    own, out = module.state_dict(), {}
+    for name, pieces in parts.items():
+        if name not in own:
+            continue  # another pipeline stage's
+        split = splits.get(name) or Split(pieces[0][0].full, pieces[0][0].dim, 0, pieces[0][0].full[pieces[0][0].dim])
+        if split.dim != pieces[0][0].dim:
+            raise CheckpointLoadError(f"{path}: {name} is split along another dimension; {_OTHER_MODEL}")
+        try:
+            out[name] = join_parts(pieces, split.start, split.stop)
+        except TensorParallelError as err:
+            raise CheckpointLoadError(f"{path}: {name}: {err}; {_OTHER_MODEL}") from None
+    for name, split in splits.items():  # saved whole (without tensor parallelism): this rank's part of it
+        if name in state and name not in out and tuple(state[name].shape) == split.full:
+            out[name] = state[name].narrow(split.dim, split.start, split.stop - split.start).clone()
     return out
 
 

@@ -45,6 +45,8 @@ from ..parallel.expert_parallel import (
     is_expert_param,
     setup_moe,
 )
+from ..parallel.groups import EngineParallelism
+from ..parallel.tensor_parallel import split_parameters
 from ..schema import ConfigError
 from .deepspeed_version import check_version
 
@@ -145,9 +147,11 @@ def build_sharded_optimizer(engine, basic_optimizer, settings) -> ShardedOptimiz
     if engine.zero_offload_optimizer() is not None and engine.zero_use_cpu_optimizer():
         raise ConfigError("optimus.sharded_optimizer does not offload optimizer state; remove "
                           "zero_optimization.offload_optimizer or disable the sharded optimizer")
-    group, stages = engine.seq_data_parallel_group, getattr(engine.mpu, "pipeline", None)  # ds_optimus' pipeline
-    if stages is None and (engine.mpu is not None or dist.get_world_size(group=group) != dist.get_world_size()):
-        raise ConfigError("optimus.sharded_optimizer supports data, expert and ds_optimus' pipeline parallelism only")
+    group, ours = engine.seq_data_parallel_group, isinstance(engine.mpu, EngineParallelism)  # ds_optimus' layout
+    if not ours and (engine.mpu is not None or dist.get_world_size(group=group) != dist.get_world_size()):
+        raise ConfigError("optimus.sharded_optimizer supports data, expert and ds_optimus' pipeline and tensor "
+                          "parallelism only")
+    tensor = engine.mpu.tensor if ours else None
     if settings.reduce_dtype is not None:
         reduce_dtype = _DTYPES[settings.reduce_dtype]
     elif engine._config.communication_data_type is not None:
@@ -167,8 +171,11 @@ def build_sharded_optimizer(engine, basic_optimizer, settings) -> ShardedOptimiz
     return ShardedOptimizer(basic_optimizer, param_names=dict(engine.param_names), stage=stage,
                             expert_groups=expert_layouts(engine.module), dense_group=group, module=engine.module,
                             clip_grad=engine.gradient_clipping(), reduce_dtype=reduce_dtype, loss_scaler=scaler,
-                            norm_group=dist.group.WORLD if stages is not None else None,
-                            accumulation_steps=engine.gradient_accumulation_steps(), **options)
+                            norm_group=dist.group.WORLD if ours else None,  # stages, or TP ranks: the world
+                            accumulation_steps=engine.gradient_accumulation_steps(),
+                            tensor_splits=split_parameters(engine.module) if tensor is not None else None,
+                            tensor_rank=tensor.rank if tensor is not None else 0,
+                            replicated_group=engine.mpu.replicated_group if ours else None, **options)
 
 
 def _configure_zero_optimizer(self, optimizer):

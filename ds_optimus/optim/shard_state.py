@@ -2,8 +2,12 @@
 
 A rank's state lists, per space, *pieces*: (parameter name, first element in the full unsharded
 parameter, length, position in the saved shard) with the saved fp32 master weights and Adam moments.
-Loading intersects the pieces of the saved ranks with the runs this rank now owns, so a checkpoint
-written on one data/expert-parallel layout resumes on another (pure PyTorch).
+A piece of a parameter holding some columns of the full one (a tensor-parallel row-split weight) is
+several equal segments, one per row: (name, first element, segment length, position, segments,
+elements from one segment's start to the next's), the segments lying one after the other in the shard.
+Loading intersects the pieces of the saved ranks with those this rank now owns (as boxes of rows and
+columns where either is cut by columns), so a checkpoint written on one data/expert/tensor-parallel
+layout resumes on another (pure PyTorch).
 """
 
 from __future__ import annotations
@@ -21,13 +25,15 @@ MOMENTS = ("master", "exp_avg", "exp_avg_sq")
 
 def shard_state(spaces: list[Space]) -> list[dict[str, Any]]:
     """Per space, this rank's pieces and the tensors they index (on the CPU). With hybrid sharding only
-    the first replica of a shard saves it (the others hold the same values): every element is saved once."""
+    the first replica of a shard saves it (the others hold the same values), and a space replicated over
+    a tensor-parallel group is saved by the group's first rank (`Space.counted`): every element once."""
     saved = []
     for space in spaces:
-        if space.replica_rank > 0:
+        if space.replica_rank > 0 or not getattr(space, "counted", True):
             saved.append({"key": space.key, "pieces": [], **{key: torch.zeros(0) for key in MOMENTS}})
             continue
-        pieces = [(space.names[i], space.offsets[i] + start, length, pos) for i, start, length, pos in space.own_runs()]
+        pieces = [(space.names[i], start, seg, pos) if count == 1 else (space.names[i], start, seg, pos, count, stride)
+                  for i, start, seg, pos, count, stride in space.pieces()]
         saved.append({"key": space.key, "pieces": pieces, **{key: getattr(space, key).cpu() for key in MOMENTS}})
     return saved
 
@@ -35,7 +41,7 @@ def shard_state(spaces: list[Space]) -> list[dict[str, Any]]:
 def held_ranges(state: dict[str, Any]) -> list[list]:
     """What a saved `state_dict()` holds, as [parameter name, first element, length] runs: the
     checkpoint manifest keeps them for every optimizer file, so a rank opens only the files it needs."""
-    return [[name, start, length] for saved in state["spaces"] for name, start, length, _ in saved["pieces"]]
+    return [[piece[0], *piece[1:3], *piece[4:]] for saved in state["spaces"] for piece in saved["pieces"]]
 
 
 def files_holding(held: dict[str, list | None], spaces: list[Space]) -> list[str]:
@@ -46,17 +52,85 @@ def files_holding(held: dict[str, list | None], spaces: list[Space]) -> list[str
         return list(held)
     wanted = _wanted(spaces)
     return [file for file, runs in held.items()
-            if any(lo < start + length and start < lo + n for name, start, length in runs
-                   for lo, n, _, _ in wanted.get(name, ()))]
+            if any(_overlap(_shape(run[1:]), mine) for run in runs for mine, _, _ in wanted.get(run[0], ()))]
 
 
-def _wanted(spaces: list[Space]) -> dict[str, list[tuple[int, int, Space, int]]]:
-    # this rank's runs by parameter: (first element in the full parameter, length, space, position)
-    wanted: dict[str, list[tuple[int, int, Space, int]]] = {}
+Piece = tuple[int, int, int, int]  # first element in the full parameter, segment length, segments, stride
+
+
+def _shape(fields) -> Piece:
+    """(start, length) or (start, length, segments, stride) as a Piece."""
+    start, length, *rest = fields
+    return (start, length, *rest) if rest else (start, length, 1, length)
+
+
+def _wanted(spaces: list[Space]) -> dict[str, list[tuple[Piece, Space, int]]]:
+    # this rank's pieces by parameter: (piece, space, position in the shard)
+    wanted: dict[str, list[tuple[Piece, Space, int]]] = {}
     for space in spaces:
-        for i, start, length, pos in space.own_runs():
-            wanted.setdefault(space.names[i], []).append((space.offsets[i] + start, length, space, pos))
+        for i, start, seg, pos, count, stride in space.pieces():
+            wanted.setdefault(space.names[i], []).append(((start, seg, count, stride), space, pos))
     return wanted
+
+
+def _boxes(piece: Piece, width: int) -> list[tuple[int, int, int, int, int]]:
+    """A piece as boxes of a grid `width` columns wide: (first row, rows, first column, columns, where
+    the box starts in the piece), the box's elements lying row after row."""
+    start, seg, count, _ = piece
+    if count > 1:
+        row, col = divmod(start, width)
+        return [(row, count, col, seg, 0)]
+    boxes, pos = [], 0
+    while seg:
+        row, col = divmod(start, width)
+        rows = seg // width if col == 0 else 0
+        box = (row, rows, 0, width, pos) if rows else (row, 1, col, min(width - col, seg), pos)
+        boxes.append(box)
+        used = box[1] * box[3]
+        start, seg, pos = start + used, seg - used, pos + used
+    return boxes
+
+
+def _width(a: Piece, b: Piece) -> int | None:
+    """The row length the two pieces of one parameter are compared on: a cut-by-columns piece's stride;
+    None where both are contiguous."""
+    return a[3] if a[2] > 1 else b[3] if b[2] > 1 else None
+
+
+def _overlap(a: Piece, b: Piece) -> int:
+    """Elements the two pieces of one parameter share."""
+    if a[0] >= b[0] + (b[2] - 1) * b[3] + b[1] or b[0] >= a[0] + (a[2] - 1) * a[3] + a[1]:
+        return 0
+    width = _width(a, b)
+    if width is None:
+        return min(a[0] + a[1], b[0] + b[1]) - max(a[0], b[0])
+    return sum(max(0, min(ar + an, br + bn) - max(ar, br)) * max(0, min(ac + am, bc + bm) - max(ac, bc))
+               for ar, an, ac, am, _ in _boxes(a, width) for br, bn, bc, bm, _ in _boxes(b, width))
+
+
+def _copy(saved: dict[str, Any], spos: int, a: Piece, space: Space, pos: int, b: Piece) -> int:
+    """Copy what saved piece `a` (at `spos` in the saved state) shares with this rank's piece `b` (at
+    `pos` in `space`'s shard); returns the elements copied."""
+    width = _width(a, b)
+    if width is None:
+        lo, hi = max(a[0], b[0]), min(a[0] + a[1], b[0] + b[1])
+        if lo >= hi:
+            return 0
+        for key in MOMENTS:
+            getattr(space, key)[pos + lo - b[0]:pos + hi - b[0]].copy_(saved[key][spos + lo - a[0]:spos + hi - a[0]])
+        return hi - lo
+    copied = 0
+    for ar, an, ac, am, ap in _boxes(a, width):
+        for br, bn, bc, bm, bp in _boxes(b, width):
+            r0, r1, c0, c1 = max(ar, br), min(ar + an, br + bn), max(ac, bc), min(ac + am, bc + bm)
+            if r0 >= r1 or c0 >= c1:
+                continue
+            for key in MOMENTS:
+                src = saved[key][spos + ap:spos + ap + an * am].view(an, am)[r0 - ar:r1 - ar, c0 - ac:c1 - ac]
+                dst = getattr(space, key)[pos + bp:pos + bp + bn * bm].view(bn, bm)
+                dst[r0 - br:r1 - br, c0 - bc:c1 - bc].copy_(src)
+            copied += (r1 - r0) * (c1 - c0)
+    return copied
 
 
 @torch.no_grad()
@@ -69,17 +143,11 @@ def load_spaces(spaces: list[Space], sources: Iterable[dict[str, Any]]) -> None:
         if source.get("format") != STATE_FORMAT:
             raise ShardedOptimizerError(f"not a sharded-optimizer state (format {source.get('format')!r})")
         for saved in source["spaces"]:
-            for name, gstart, length, spos in saved["pieces"]:
-                for wstart, wlength, space, pos in wanted.get(name, ()):
-                    lo, hi = max(gstart, wstart), min(gstart + length, wstart + wlength)
-                    if lo >= hi:
-                        continue
-                    src = slice(spos + lo - gstart, spos + hi - gstart)
-                    dst = slice(pos + lo - wstart, pos + hi - wstart)
-                    for key in MOMENTS:
-                        getattr(space, key)[dst].copy_(saved[key][src])
-                    covered[name] += hi - lo
-    missing = [n for n, runs in wanted.items() if covered[n] != sum(r[1] for r in runs)]
+            for name, gstart, length, spos, *rest in saved["pieces"]:
+                piece = _shape((gstart, length, *rest))
+                for mine, space, pos in wanted.get(name, ()):
+                    covered[name] += _copy(saved, spos, piece, space, pos, mine)
+    missing = [n for n, runs in wanted.items() if covered[n] != sum(p[1] * p[2] for p, _, _ in runs)]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ShardedOptimizerError(f"the checkpoint has no optimizer state for {missing[0]}{more}; was the model "

@@ -88,6 +88,10 @@ class Space:
         self.key = key
         self.params, self.names = params, names
         self.offsets = offsets  # where each (local) parameter starts in the full parameter, flattened
+        # a parameter holding some columns of the full one (a tensor-parallel row-split weight): (its
+        # columns, the full parameter's), its rows then lying `full` elements apart; None: contiguous
+        self.columns: list[tuple[int, int] | None] = [None] * len(params)
+        self.counted = True  # in the gradient norm (a parameter replicated over a TP group: on its first rank)
         self.group = group  # the shard group: the state is sharded over its ranks
         self.group_size = dist.get_world_size(group=group)
         self.rank = dist.get_rank(group=group)
@@ -125,6 +129,24 @@ class Space:
         for bucket in self.buckets:
             for run in bucket.mine:
                 yield run.param, run.start, run.length, bucket.shard_offset + run.offset - run.owner * bucket.shard
+
+    def pieces(self) -> Iterable[tuple[int, int, int, int, int, int]]:
+        """This rank's shard in the full parameters' coordinates: (param index, first element in the full
+        parameter, length of a segment, position in the shard, segments, elements from one segment's
+        start to the next's). A contiguous run is one segment; a run of a parameter holding some
+        columns of the full one is one segment per row it touches, cut into at most three pieces
+        (a part row, whole rows, a part row)."""
+        for i, start, length, pos in self.own_runs():
+            if self.columns[i] is None:
+                yield i, self.offsets[i] + start, length, pos, 1, length
+                continue
+            cols, full = self.columns[i]
+            while length:
+                row, col = divmod(start, cols)
+                rows = length // cols if col == 0 else 0  # whole rows from here
+                seg, count = (cols, rows) if rows else (min(cols - col, length), 1)
+                yield i, self.offsets[i] + row * full + col, seg, pos, count, full
+                start, length, pos = start + seg * count, length - seg * count, pos + seg * count
 
     @torch.no_grad()
     def refresh_master(self) -> None:

@@ -1,6 +1,7 @@
-"""Expert and pipeline parallelism: building a model that holds only this rank's experts and pipeline
-stage (on the meta device first), DP/EP/EDP and pipeline-stage process groups (`groups`), the stages'
-split and schedules (`stages`, `pipeline`), all-to-all dispatch/combine (flat and hierarchical), sharding a model's
+"""Expert, pipeline and tensor parallelism: building a model that holds only this rank's experts,
+pipeline stage and part of each split weight (on the meta device first), TP/DP/EP/EDP and pipeline-stage
+process groups (`groups`), the stages' split and schedules (`stages`, `pipeline`), the Megatron-style
+split of a Mula model (`tensor_parallel`), all-to-all dispatch/combine (flat and hierarchical), sharding a model's
 experts, exporting a sharded model as one Hugging Face folder, and DeepSpeed-ready param groups.
 Imports nothing of `ds_optimus.optim` (nor DeepSpeed); names are imported on first use."""
 

@@ -1,11 +1,15 @@
-"""Process groups for data parallel (DP), expert parallel (EP) and expert-data parallel (EDP).
+"""Process groups for tensor parallel (TP), data parallel (DP), expert parallel (EP) and expert-data
+parallel (EDP).
 
 Layout (DeepSpeed's): with world size W and EP size P, the EP groups are consecutive ranks
 [0..P-1], [P..2P-1], ...; the EDP groups join the ranks that hold the same experts,
 {i, i+P, i+2P, ...}; dense parameters are data-parallel over all W ranks. For the hierarchical
 exchange, EP groups are cut into nodes of `node_size` consecutive ranks: an intra-node group per node
 and an inter-node group per local rank index. With pipeline stages (`init_pipeline_groups`), all of this
-is made inside each stage's ranks, and the stage's ranks are its data-parallel group. Nothing here
+is made inside each stage's ranks, and the stage's ranks are its data-parallel group. With tensor
+parallelism (`init_tensor_parallel_groups`, size T) the TP groups are runs of T consecutive ranks (inside a
+node), and everything above is made over the ranks of one TP position: a stage's ranks at the same place
+of their TP group are its data-parallel group, cut into EP groups as before. Nothing here
 talks to DeepSpeed: its engine hook (`ds_optimus.integrations.deepspeed_engine`) registers the layouts a
 model's experts declare, under DeepSpeed's name for them (``ep_size_{P}``), when the engine is built.
 """
@@ -38,6 +42,8 @@ class ExpertParallelGroups:
     intra_node_group: object = None
     inter_node_group: object = None
     pipeline: PipelineGroups | None = None  # the pipeline layout these groups live in, with stages
+    tensor: TensorParallelGroups | None = None  # the tensor-parallel layout, with T > 1
+    dp_ranks: list[int] = field(default_factory=list)  # the data-parallel group's ranks
     name: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -49,6 +55,10 @@ class ExpertParallelGroups:
     @property
     def edp_size(self) -> int:
         return len(self.edp_ranks)
+
+    @property
+    def tp_size(self) -> int:
+        return self.tensor.size if self.tensor is not None else 1
 
     @property
     def hierarchical(self) -> bool:
@@ -72,6 +82,51 @@ def check_layout(world_size: int, ep_size: int, num_experts: int | None = None,
             raise LayoutError(f"node size must be a positive integer, got {node_size!r}")
         if ep_size % node_size:
             raise LayoutError(f"node size {node_size} does not divide the expert parallel size {ep_size}")
+
+
+@dataclass
+class TensorParallelGroups:
+    """This rank's tensor-parallel group: `size` consecutive ranks (`ranks`), this rank `rank` of them."""
+
+    size: int
+    rank: int
+    ranks: list[int]
+    group: object
+
+    def __deepcopy__(self, memo) -> TensorParallelGroups:
+        return self
+
+
+_TENSOR: dict[int, TensorParallelGroups] = {}
+
+
+def init_tensor_parallel_groups(size: int) -> TensorParallelGroups:
+    """Create (once per size) the tensor-parallel groups of `size` consecutive ranks; this rank's view.
+    Collective: every rank calls it with the same size."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("tensor parallelism needs torch.distributed to be initialised first")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1 or world % size:
+        raise LayoutError(f"tensor parallel size {size!r} does not divide the world size {world}")
+    if size not in _TENSOR:
+        mine = None
+        for start in range(0, world, size):
+            ranks = list(range(start, start + size))
+            group = dist.new_group(ranks) if size > 1 else None  # collective over the world
+            if rank in ranks:
+                mine = TensorParallelGroups(size, rank - start, ranks, group)
+        _TENSOR[size] = mine
+    return _TENSOR[size]
+
+
+def layout_position(rank: int, world: int, pipeline: int = 1, tensor: int = 1, expert: int = 1) -> dict[str, int]:
+    """Where global `rank` sits in the layout of `pipeline` stages, TP size `tensor` (innermost) and EP
+    size `expert`: its stage, TP rank, data-parallel rank (among the stage's ranks of its TP position)
+    and EP rank; arithmetic only (no groups made)."""
+    per_stage = world // pipeline
+    dp = (rank % per_stage) // tensor
+    return {"stage": rank // per_stage, "tp_rank": rank % tensor, "dp_rank": dp, "dp_size": per_stage // tensor,
+            "ep_rank": dp % expert}
 
 
 @dataclass
@@ -122,14 +177,16 @@ def init_pipeline_groups(size: int) -> PipelineGroups:
     return _PIPELINES[size]
 
 
-_CACHE: dict[tuple[int, int | None, int], ExpertParallelGroups] = {}
+_CACHE: dict[tuple[int, int | None, int, int], ExpertParallelGroups] = {}
 
 
-def init_expert_parallel_groups(ep_size: int, node_size: int | None = None,
-                                pipeline_size: int | None = None) -> ExpertParallelGroups:
+def init_expert_parallel_groups(ep_size: int, node_size: int | None = None, pipeline_size: int | None = None,
+                                tensor_size: int | None = None) -> ExpertParallelGroups:
     """Create (once per layout) the EP/EDP groups of `ep_size` and return this rank's view. With
     `pipeline_size` stages (None: those of the pipeline layout made already, else one), the groups are
-    made inside each stage's ranks and the data-parallel group is the stage's (`init_pipeline_groups`).
+    made inside each stage's ranks and the data-parallel group is the stage's (`init_pipeline_groups`);
+    with `tensor_size` > 1 (None: the tensor-parallel layout made already, else 1) they are made over the
+    stage's ranks of each TP position (`init_tensor_parallel_groups`).
 
     Collective: every rank must call it with the same arguments. Creating groups is collective, so a
     layout is created once and the same object returned again.
@@ -139,12 +196,18 @@ def init_expert_parallel_groups(ep_size: int, node_size: int | None = None,
     world, rank = dist.get_world_size(), dist.get_rank()
     if pipeline_size is None:
         pipeline_size = max((size for size in _PIPELINES), default=1)
+    if tensor_size is None:
+        tensor_size = max((size for size in _TENSOR), default=1)
     pipeline = init_pipeline_groups(pipeline_size)
-    key = (ep_size, node_size, pipeline_size)
+    tensor = init_tensor_parallel_groups(tensor_size)
+    key = (ep_size, node_size, pipeline_size, tensor_size)
     if key in _CACHE:
         return _CACHE[key]
     per_stage = world // pipeline_size
-    check_layout(per_stage, ep_size, node_size=node_size, stages=pipeline_size)
+    if per_stage % tensor_size:
+        raise LayoutError(f"tensor parallel size {tensor_size} does not divide the {per_stage} ranks of each of the "
+                          f"{pipeline_size} pipeline stages")
+    check_layout(per_stage // tensor_size, ep_size, node_size=node_size, stages=pipeline_size)
 
     mine: dict[str, tuple[list[int], object]] = {}
 
@@ -153,25 +216,34 @@ def init_expert_parallel_groups(ep_size: int, node_size: int | None = None,
         if rank in ranks:
             mine[kind] = (ranks, group)
 
-    for start in range(0, world, ep_size):
-        new_group("ep", list(range(start, start + ep_size)))
-    for base in range(0, world, per_stage):
+    # the data-parallel ranks of each stage and TP position; with one TP rank, the stage's ranks
+    runs = [list(range(base + t, base + per_stage, tensor_size))
+            for base in range(0, world, per_stage) for t in range(tensor_size)]
+    for ranks in runs:
+        if tensor_size > 1:
+            new_group("dp", ranks)
+        elif rank in ranks:
+            mine["dp"] = (ranks, pipeline.stage_group)
+        for start in range(0, len(ranks), ep_size):
+            new_group("ep", ranks[start:start + ep_size])
         for i in range(ep_size):
-            new_group("edp", list(range(base + i, base + per_stage, ep_size)))
-    if node_size is not None and 1 < node_size < ep_size:
-        for start in range(0, world, node_size):
-            new_group("intra", list(range(start, start + node_size)))
-        for ep_start in range(0, world, ep_size):
-            for local in range(node_size):
-                new_group("inter", list(range(ep_start + local, ep_start + ep_size, node_size)))
+            new_group("edp", ranks[i::ep_size])
+        if node_size is not None and 1 < node_size < ep_size:
+            for start in range(0, len(ranks), node_size):
+                new_group("intra", ranks[start:start + node_size])
+            for ep_start in range(0, len(ranks), ep_size):
+                for local in range(node_size):
+                    new_group("inter", ranks[ep_start + local:ep_start + ep_size:node_size])
 
     ep_ranks, ep_group = mine["ep"]
     edp_ranks, edp_group = mine["edp"]
+    dp_ranks, dp_group = mine["dp"]
     groups = ExpertParallelGroups(
-        world_size=per_stage, rank=rank, ep_size=ep_size, ep_rank=ep_ranks.index(rank), ep_ranks=ep_ranks,
-        ep_group=ep_group, edp_ranks=edp_ranks, edp_group=edp_group, dp_group=pipeline.stage_group,
+        world_size=len(dp_ranks), rank=rank, ep_size=ep_size, ep_rank=ep_ranks.index(rank), ep_ranks=ep_ranks,
+        ep_group=ep_group, edp_ranks=edp_ranks, edp_group=edp_group, dp_group=dp_group,
         node_size=node_size, intra_node_group=mine.get("intra", (None, None))[1],
         inter_node_group=mine.get("inter", (None, None))[1], pipeline=pipeline if pipeline_size > 1 else None,
+        tensor=tensor if tensor_size > 1 else None, dp_ranks=dp_ranks,
     )
     _CACHE[key] = groups
     return groups
@@ -181,6 +253,7 @@ def destroy_expert_parallel_groups() -> None:
     """Forget the cached layouts (call before `dist.destroy_process_group`)."""
     _CACHE.clear()
     _PIPELINES.clear()
+    _TENSOR.clear()
     _SHARD_GROUPS.clear()
 
 
@@ -238,3 +311,48 @@ def hybrid_shard_groups(groups: dict[str, object], size: int | None) -> dict[str
                 made[kind][1] = group
     _SHARD_GROUPS[key] = {kind: (shard, replica) for kind, (shard, replica) in made.items()}
     return {kind: (shard if shard is not None else groups[kind], replica) for kind, (shard, replica) in made.items()}
+
+
+class EngineParallelism:
+    """What DeepSpeed's engine asks of a model-parallel unit (`deepspeed.initialize(mpu=...)`) for a
+    layout of ds_optimus' groups (`ExpertParallelGroups`): its data parallelism is the data-parallel group
+    (batch sizes, the initial broadcast and the optimizer's shards), its model parallelism the
+    tensor-parallel group, and the pipeline stages are ds_optimus' own (`pipeline`, or None)."""
+
+    def __init__(self, groups: ExpertParallelGroups, sequence_parallel: bool = False) -> None:
+        self.groups, self.pipeline, self.tensor = groups, groups.pipeline, groups.tensor
+        # with sequence parallelism a replicated weight's gradient is part of the whole on each TP rank: it is
+        # reduced over the stage's ranks (every TP position's data-parallel ranks)
+        stage = groups.pipeline.stage_group if groups.pipeline is not None else dist.group.WORLD
+        self.replicated_group = stage if sequence_parallel else None
+
+    def get_data_parallel_group(self):
+        return self.groups.dp_group
+
+    def get_data_parallel_world_size(self) -> int:
+        return len(self.groups.dp_ranks)
+
+    def get_data_parallel_rank(self) -> int:
+        return self.groups.dp_ranks.index(dist.get_rank())
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.groups.tp_size
+
+    def get_model_parallel_rank(self) -> int:
+        return self.tensor.rank if self.tensor is not None else 0
+
+    def get_model_parallel_group(self):
+        return self.tensor.group if self.tensor is not None else None
+
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return self.pipeline.size if self.pipeline is not None else 1
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return self.pipeline.stage if self.pipeline is not None else 0
+
+    def get_pipeline_model_parallel_group(self):
+        return self.pipeline.group if self.pipeline is not None else None

@@ -13,14 +13,16 @@ from pathlib import Path
 from ..schema import ConfigError, need
 
 
-def build(model, tokenizer=None, *, ep_size: int = 1, ep_rank: int = 0, seed: int = 0, stage=None):
+def build(model, tokenizer=None, *, ep_size: int = 1, ep_rank: int = 0, seed: int = 0, stage=None,
+          tensor_parallel=None):
     """The Mula model in fp32, built on the meta device and holding only experts
     [ep_rank*E/ep_size, (ep_rank+1)*E/ep_size) of each MoE layer: random initial values that do not
     depend on the layout (seeded by `seed`, name and expert) for a preset or a folder without
     weights, else the folder's weights, of which only those rows are read; ids of `tokenizer`'s end
     and padding tokens. An OLMoE folder is converted on the fly; a folder of another architecture,
     and weights that leave a parameter uninitialised, are one-line ConfigErrors. `stage` (decoder
-    layers, has the embedding, has the head) keeps a pipeline stage's part only."""
+    layers, has the embedding, has the head) keeps a pipeline stage's part only; `tensor_parallel`
+    (group, size, rank) this rank's part of every split weight."""
     from .build import WeightsError, build_model
 
     config = mula_config(model, tokenizer)
@@ -30,7 +32,8 @@ def build(model, tokenizer=None, *, ep_size: int = 1, ep_rank: int = 0, seed: in
         check_folder_weights(folder, config, kind)
     try:
         return build_model(config, ep_size=ep_size, ep_rank=ep_rank, seed=seed,
-                           folder=folder if kind else None, kind=kind or "mula", stage=stage)
+                           folder=folder if kind else None, kind=kind or "mula", stage=stage,
+                           tensor_parallel=tensor_parallel)
     except WeightsError as err:
         raise ConfigError(f"optimus.model.path {str(folder)!r}: {err}") from None
 

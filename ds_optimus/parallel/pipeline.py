@@ -305,39 +305,3 @@ def write_stage_weights(folder, state: dict[str, torch.Tensor] | None, pipeline:
                  "weight_map": dict(sorted(weight_map.items()))}
         (Path(folder) / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     dist.barrier()  # the folder is complete when any rank returns
-
-
-class StageParallelism:
-    """What DeepSpeed's engine asks of a model-parallel unit (`deepspeed.initialize(mpu=...)`), for a
-    pipeline stage: its data parallelism is the stage's ranks (batch sizes, the initial broadcast and
-    the optimizer's shards), with no tensor parallelism. `pipeline` marks it as ds_optimus' own."""
-
-    def __init__(self, pipeline: PipelineGroups) -> None:
-        self.pipeline = pipeline
-
-    def get_data_parallel_group(self):
-        return self.pipeline.stage_group
-
-    def get_data_parallel_world_size(self) -> int:
-        return len(self.pipeline.stage_ranks)
-
-    def get_data_parallel_rank(self) -> int:
-        return self.pipeline.stage_ranks.index(dist.get_rank())
-
-    def get_model_parallel_world_size(self) -> int:
-        return 1
-
-    def get_model_parallel_rank(self) -> int:
-        return 0
-
-    get_tensor_model_parallel_world_size = get_model_parallel_world_size
-    get_tensor_model_parallel_rank = get_model_parallel_rank
-
-    def get_pipeline_model_parallel_world_size(self) -> int:
-        return self.pipeline.size
-
-    def get_pipeline_model_parallel_rank(self) -> int:
-        return self.pipeline.stage
-
-    def get_pipeline_model_parallel_group(self):
-        return self.pipeline.group

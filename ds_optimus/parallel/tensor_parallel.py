@@ -23,6 +23,7 @@ and where a split region's partial outputs leave it they are summed on the way f
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -31,9 +32,31 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..hf_models.mula.modeling_mula import MulaAttention, MulaForCausalLM, MulaMLP, MulaRMSNorm
+from ..schema import Section, need, positive_int
+from .groups import LayoutError
 
 
-class TensorParallelError(ValueError):
+@dataclass(frozen=True)
+class TensorParallelConfig(Section):
+    """`optimus.tensor_parallel`: `size` consecutive ranks (inside a node) split each attention and dense
+    MLP block, the embedding and the head; data, expert and pipeline parallelism run over the ranks of
+    each TP position."""
+
+    size: int = 1  # ranks per tensor-parallel group (innermost: consecutive ranks)
+    # the norms and residual stream between the split blocks cut along the sequence over the group
+    # (Megatron-LM's sequence parallelism): activations there 1/T each, all-gathers and reduce-scatters in
+    # place of the all-reduces; dense models (MoE layers: not yet)
+    sequence_parallel: bool = False
+
+    def check(self, where: str) -> None:
+        need(positive_int(self.size), f"{where}.size must be a positive integer, got {self.size!r}")
+        need(isinstance(self.sequence_parallel, bool),
+             f"{where}.sequence_parallel must be true or false, got {self.sequence_parallel!r}")
+        need(not self.sequence_parallel or self.size > 1,
+             f"{where}.sequence_parallel needs {where}.size above 1 (it cuts the sequence over the TP group)")
+
+
+class TensorParallelError(LayoutError):
     """A model that cannot be split over the group: one line naming the reason."""
 
 
@@ -93,6 +116,90 @@ class _SumBoth(torch.autograd.Function):
         return grad, None
 
 
+def _seq_gather(x: torch.Tensor, group) -> torch.Tensor:
+    """The group's sequence chunks (dim 1) joined in rank order."""
+    size = dist.get_world_size(group)
+    rows = x.transpose(0, 1).contiguous()
+    out = torch.empty((size * rows.shape[0], *rows.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, rows, group=group)
+    return out.transpose(0, 1)
+
+
+def _seq_chunk(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's chunk of the sequence (dim 1)."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if x.shape[1] % size:
+        raise TensorParallelError(f"sequence parallelism: the sequence ({x.shape[1]}) does not divide over the "
+                                  f"{size} ranks of the tensor-parallel group")
+    step = x.shape[1] // size
+    return x.narrow(1, rank * step, step).contiguous()
+
+
+def _seq_reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+    """The sum over the group of `x`, this rank's chunk of the sequence (dim 1) of it."""
+    size = dist.get_world_size(group)
+    rows = x.transpose(0, 1).contiguous()
+    out = torch.empty((rows.shape[0] // size, *rows.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, rows, group=group)
+    return out.transpose(0, 1)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Sequence chunks joined forward; backward, the sum over the group cut to this rank's chunk (the
+    input of a split region: each rank's gradient is part of the whole)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _seq_gather(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_reduce_scatter(grad, ctx.group), None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    """A split region's partial outputs summed over the group, this rank keeping its sequence chunk;
+    backward, the chunks' gradients joined."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _seq_reduce_scatter(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_gather(grad, ctx.group), None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    """A replicated activation cut to this rank's sequence chunk; backward, the chunks' gradients joined
+    (the same whole gradient on every rank, as a replicated activation's is)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _seq_chunk(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_gather(grad, ctx.group), None
+
+
+class _JoinSequence(torch.autograd.Function):
+    """Sequence chunks joined into the replicated activation that follows; backward, this rank's chunk of
+    the (replicated) gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _seq_gather(x, group).contiguous()  # sent on to the next stage as it is
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_chunk(grad, ctx.group), None
+
+
 class _Part(nn.Module):
     """A module keeping part of a whole one's weights: `whole()` makes an empty whole-size module of the
     original kind (to draw its initial values as the unsplit model would), `take(whole)` copies this
@@ -100,6 +207,9 @@ class _Part(nn.Module):
 
     dim = 0  # the weight's split dimension
     bias_split = True  # the bias follows the split (columns) or is kept whole (rows)
+    # sequence parallelism: the input gathered along the sequence by the block (columns), the output
+    # reduce-scattered along it (rows)
+    sequence = False
 
     def _keep(self, module: nn.Module, start: int, stop: int) -> None:
         self.start, self.stop, self.whole_shape = start, stop, tuple(module.weight.shape)
@@ -128,7 +238,9 @@ class ColumnParallelLinear(_Part):
         return nn.Linear(self.in_features, self.whole_shape[0], bias=self.bias is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(_Copy.apply(x, self.group), self.weight, self.bias)
+        # under sequence parallelism the block's input is gathered once for its projections, the gather's
+        # backward summing their gradients (`_GatherSequence`)
+        return F.linear(x if self.sequence else _Copy.apply(x, self.group), self.weight, self.bias)
 
 
 class RowParallelLinear(_Part):
@@ -146,7 +258,8 @@ class RowParallelLinear(_Part):
         return nn.Linear(self.whole_shape[1], self.out_features, bias=self.bias is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = _Reduce.apply(F.linear(x, self.weight), self.group)
+        reduce = _ReduceScatterSequence if self.sequence else _Reduce
+        out = reduce.apply(F.linear(x, self.weight), self.group)
         return out if self.bias is None else out + self.bias
 
 
@@ -268,18 +381,12 @@ def apply_tensor_parallel(model: MulaForCausalLM, group, size: int | None = None
     line) where a width does not divide."""
     size = dist.get_world_size(group) if size is None else size
     rank = dist.get_rank(group) if rank is None else rank
-    config, splits = model.config, {}
+    config = model.config
 
-    def split(owner: nn.Module, prefix: str, name: str, kind, dim: int, start: int, stop: int, *args) -> None:
-        old = getattr(owner, name)
-        setattr(owner, name, kind(old, group, start, stop, *args))
-        if old.weight is not None:  # a norm without an affine weight has nothing to split
-            splits[f"{prefix}{name}.weight"] = Split(tuple(old.weight.shape), dim, start, stop)
-        if kind is ColumnParallelLinear and old.bias is not None:
-            splits[f"{prefix}{name}.bias"] = Split(tuple(old.bias.shape), 0, start, stop)
+    def split(owner: nn.Module, name: str, kind, start: int, stop: int) -> None:
+        setattr(owner, name, kind(getattr(owner, name), group, start, stop))
 
-    for name, module in list(model.named_modules()):
-        prefix = f"{name}." if name else ""
+    for module in list(model.modules()):
         if isinstance(module, MulaAttention):
             if config.num_key_value_heads % size:
                 raise TensorParallelError(f"tensor parallel size {size} does not divide the key/value heads "
@@ -288,20 +395,20 @@ def apply_tensor_parallel(model: MulaForCausalLM, group, size: int | None = None
             q = _span(module.num_heads * head, size, rank, "the query width")
             kv = _span(module.num_kv_heads * head, size, rank, "the key/value width")
             for proj, (a, b) in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-                split(module, prefix, proj, ColumnParallelLinear, 0, a, b)
-            split(module, prefix, "o_proj", RowParallelLinear, 1, *q)
+                split(module, proj, ColumnParallelLinear, a, b)
+            split(module, "o_proj", RowParallelLinear, *q)
             if module.q_norm is not None:
                 for norm, (a, b) in (("q_norm", q), ("k_norm", kv)):
-                    split(module, prefix, norm, SplitRMSNorm, 0, a, b)
+                    split(module, norm, SplitRMSNorm, a, b)
         elif isinstance(module, MulaMLP):
             inter = _span(module.gate_proj.out_features, size, rank, "the MLP's intermediate width")
-            split(module, prefix, "gate_proj", ColumnParallelLinear, 0, *inter)
-            split(module, prefix, "up_proj", ColumnParallelLinear, 0, *inter)
-            split(module, prefix, "down_proj", RowParallelLinear, 1, *inter)
+            split(module, "gate_proj", ColumnParallelLinear, *inter)
+            split(module, "up_proj", ColumnParallelLinear, *inter)
+            split(module, "down_proj", RowParallelLinear, *inter)
     vocab = _span(config.vocab_size, size, rank, "the vocabulary")
     inner = model.model
     if inner.embed_tokens is not None:
-        split(inner, "model.", "embed_tokens", VocabParallelEmbedding, 0, *vocab)
+        split(inner, "embed_tokens", VocabParallelEmbedding, *vocab)
     if model.lm_head is not None:
         if config.tie_word_embeddings and inner.embed_tokens is not None:
             # the tied head: the embedding's rows, the same slice (`tie_weights` keeps them one tensor)
@@ -309,28 +416,118 @@ def apply_tensor_parallel(model: MulaForCausalLM, group, size: int | None = None
             model.lm_head = ColumnParallelLinear(whole, group, *vocab)
             model.lm_head.weight = inner.embed_tokens.weight
         else:
-            split(model, "", "lm_head", ColumnParallelLinear, 0, *vocab)
+            split(model, "lm_head", ColumnParallelLinear, *vocab)
         model.loss_function = vocab_parallel_loss(group, vocab[0])
+    return split_parameters(model)
+
+
+def split_parameters(model: nn.Module) -> dict[str, Split]:
+    """The split parameters of a model `apply_tensor_parallel` has split, by every name they go by (a
+    tied head's weight also under the head's name): the whole tensor's shape and this rank's part."""
+    splits = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        if not is_part(module) or module.weight is None:  # a norm without an affine weight has nothing to split
+            continue
+        prefix = f"{name}." if name else ""
+        splits[f"{prefix}weight"] = Split(tuple(module.whole_shape), module.dim, module.start, module.stop)
+        if module.bias is not None and module.bias_split:
+            splits[f"{prefix}bias"] = Split((module.whole_shape[0],), 0, module.start, module.stop)
     return splits
 
 
+def apply_sequence_parallel(model: MulaForCausalLM, group, chunks: list[range] | None = None) -> None:
+    """Cut the residual stream of a model `apply_tensor_parallel` has split along the sequence over the
+    same group: each run of consecutive decoder layers (`chunks`, a pipeline's; None: all of them) takes
+    this rank's sequence chunk at its first layer and joins the chunks after its last (after the final
+    norm for the last run), and the split blocks inside gather their input and reduce-scatter their
+    output along the sequence. The embedding, the positions and the mask stay whole (they are made
+    before the first layer); norms and their weights see this rank's tokens only, so a replicated
+    weight's gradient is part of the whole, summed over the group with the data-parallel ones (the
+    sharded optimizer's `sequence_parallel` group). Dense models only."""
+    config = model.config
+    if config.num_experts:
+        raise TensorParallelError("sequence parallelism with MoE layers is not built yet: set "
+                                  "optimus.tensor_parallel.sequence_parallel to false")
+    layers = model.model.layers
+    held = {int(k): v for k, v in layers.items()} if isinstance(layers, nn.ModuleDict) else dict(enumerate(layers))
+    for run in chunks or [range(config.num_hidden_layers)]:
+        if run[0] not in held:
+            continue  # another stage's
+        held[run[0]].register_forward_pre_hook(functools.partial(_scatter_input, group=group))
+        last = model.model.norm if run[-1] == config.num_hidden_layers - 1 else held[run[-1]]
+        last.register_forward_hook(functools.partial(_join_output, group=group))
+        for i in run:
+            for module in held[i].modules():
+                if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                    module.sequence = True
+                if isinstance(module, (MulaAttention, MulaMLP)):  # one gather of the input for its projections
+                    module.register_forward_pre_hook(functools.partial(_gather_input, group=group))
+
+
+def _scatter_input(module, args, group):
+    return (_ScatterSequence.apply(args[0], group), *args[1:])
+
+
+def _gather_input(module, args, group):
+    return (_GatherSequence.apply(args[0], group), *args[1:])
+
+
+def _join_output(module, args, output, group):
+    if isinstance(output, tuple):
+        return (_JoinSequence.apply(output[0], group), *output[1:])
+    return _JoinSequence.apply(output, group)
+
+
+def join_parts(parts: list[tuple[Split, torch.Tensor]], start: int, stop: int) -> torch.Tensor:
+    """Elements [start, stop) along the split dimension, cut from saved `parts` (each with its Split) of
+    one tensor; a TensorParallelError where they do not cover it."""
+    dim = parts[0][0].dim
+    pieces = [tensor.narrow(dim, max(a.start, start) - a.start, min(a.stop, stop) - max(a.start, start))
+              for a, tensor in sorted(parts, key=lambda part: part[0].start) if a.start < stop and start < a.stop]
+    if sum(piece.shape[dim] for piece in pieces) != stop - start:
+        raise TensorParallelError(f"the saved parts do not cover [{start}, {stop}) along dimension {dim}")
+    return pieces[0].clone() if len(pieces) == 1 else torch.cat(pieces, dim)
+
+
 @torch.no_grad()
-def whole_tensors(model: MulaForCausalLM, splits: dict[str, Split], group, dst: int = 0):
-    """The whole model's tensors, one at a time as (name, tensor), from every rank's parts (each split
-    tensor gathered over `group` and joined along its split dimension) on group rank `dst`; the other
-    ranks take part in each gather and get nothing. Collective over the group: a writer on `dst` can
-    stream them into files, holding one whole tensor besides the parts."""
+def whole_tensors(state: dict[str, torch.Tensor] | nn.Module, splits: dict[str, Split], group, dst: int = 0):
+    """The whole model's tensors, one at a time as (name, tensor), from every rank's parts (`state`: this
+    rank's state dict, or its model; each split tensor gathered over `group` and joined along its split
+    dimension) on group rank `dst`; the other ranks take part in each gather and get nothing.
+    Collective over the group: a writer on `dst` can stream them into files, holding one whole tensor
+    besides the parts."""
+    state = state.state_dict() if isinstance(state, nn.Module) else state
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    for name, tensor in model.state_dict().items():
+    # a tied weight's names: gathered once, yielded under each; kept until its last name
+    keys = [(tensor.data_ptr(), tuple(tensor.shape)) for tensor in state.values()]
+    left = {key: keys.count(key) for key in keys}
+    joined: dict[tuple, torch.Tensor | None] = {}
+    for (name, tensor), key in zip(state.items(), keys, strict=True):
         split = splits.get(name)
         if split is None:
             if rank == dst:
                 yield name, tensor.detach()
             continue
-        parts = [torch.empty_like(tensor) for _ in range(size)] if rank == dst else None
-        dist.gather(tensor.detach().contiguous(), parts, group=group, group_dst=dst)
+        if key not in joined:
+            parts = [torch.empty_like(tensor) for _ in range(size)] if rank == dst else None
+            dist.gather(tensor.detach().contiguous(), parts, group=group, group_dst=dst)
+            joined[key] = torch.cat(parts, dim=split.dim) if rank == dst else None
+            if rank == dst and tuple(joined[key].shape) != split.full:
+                raise TensorParallelError(f"{name}: the parts join to {tuple(joined[key].shape)}, not {split.full}")
+        whole = joined[key]
+        left[key] -= 1
+        if not left[key]:
+            joined[key] = None  # no longer held here
         if rank == dst:
-            whole = torch.cat(parts, dim=split.dim)
-            if tuple(whole.shape) != split.full:
-                raise TensorParallelError(f"{name}: the parts join to {tuple(whole.shape)}, not {split.full}")
             yield name, whole
+
+def join_for_writer(state: dict[str, torch.Tensor], splits: dict[str, Split], group, dst: int = 0):
+    """`state` with every split tensor whole (on the host, one gathered at a time) on group rank `dst`,
+    None on the group's other ranks (collective over the group): what a folder's writer needs."""
+    rank, host = dist.get_rank(group), {}
+    joined = {}
+    for name, tensor in whole_tensors(state, splits, group, dst):
+        if name in splits:  # a tied weight's names share one host copy
+            tensor = host.setdefault(id(tensor), tensor.cpu())
+        joined[name] = tensor
+    return joined if rank == dst else None

@@ -277,18 +277,30 @@ def export(model, tokenizer, folder: Path, groups, record=None) -> None:
         tokenizer.model_max_length = model.config.max_position_embeddings  # not the "unlimited" 1e30
     card = model_card(model.config, record=record, tokenizer=tokenizer) if is_mula else None
     generation = generation_config(tokenizer) if tokenizer is not None else None
-    if groups is not None and groups.pipeline is not None:  # rank 0 the rest, each stage its own weights
-        from ..parallel.expert_parallel import gather_experts
-        from ..parallel.pipeline import write_stage_weights
-
-        writer = groups.pipeline.stage_ranks[0]  # each stage's first rank writes; its EP group gathers
-        state = model.state_dict() if groups.ep_size == 1 else (
-            gather_experts(model, groups, writer) if writer in groups.ep_ranks else None)
-        export_pretrained(model, folder, groups, tokenizer=tokenizer, model_card=card, generation_config=generation,
-                          state_dict={})
-        write_stage_weights(folder, state, groups.pipeline)
+    tensor = groups.tensor if groups is not None else None
+    if groups is None or (groups.pipeline is None and tensor is None):
+        export_pretrained(model, folder, groups, tokenizer=tokenizer, model_card=card, generation_config=generation)
         return
-    export_pretrained(model, folder, groups, tokenizer=tokenizer, model_card=card, generation_config=generation)
+    from ..parallel.expert_parallel import gather_experts
+    from ..parallel.tensor_parallel import join_for_writer, split_parameters
+
+    # each stage's first rank writes (rank 0 without stages); its EP group gathers the experts, its TP group
+    # the split weights
+    writer = groups.pipeline.stage_ranks[0] if groups.pipeline is not None else 0
+    state = model.state_dict() if groups.ep_size == 1 or writer not in groups.ep_ranks else \
+        gather_experts(model, groups, writer)
+    if tensor is not None:
+        state = join_for_writer(state, split_parameters(model), tensor.group, tensor.ranks.index(writer)) \
+            if writer in tensor.ranks else None
+    if groups.pipeline is None:
+        export_pretrained(model, folder, groups, tokenizer=tokenizer, model_card=card, generation_config=generation,
+                          state_dict=state if dist.get_rank() == writer else {})
+        return
+    from ..parallel.pipeline import write_stage_weights
+
+    export_pretrained(model, folder, groups, tokenizer=tokenizer, model_card=card, generation_config=generation,
+                      state_dict={})
+    write_stage_weights(folder, state, groups.pipeline)
 
 
 def generation_config(tokenizer):

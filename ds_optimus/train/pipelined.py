@@ -21,20 +21,31 @@ from ..schema import ConfigError
 
 
 def data_parallel_size(opt, world: int) -> int:
-    """Ranks per pipeline stage (the data-parallel size); a one-line ConfigError where stages do not fit."""
-    size = opt.pipeline_parallel.size
+    """Ranks per pipeline stage and TP position (the data-parallel size); a one-line ConfigError where
+    the stages or the tensor-parallel groups do not fit."""
+    size, tensor = opt.pipeline_parallel.size, opt.tensor_parallel.size
     if world % size:
         raise ConfigError(f"optimus.pipeline_parallel.size {size} does not divide the {world} ranks")
-    return world // size
+    if (world // size) % tensor:
+        where = f"the {world // size} ranks of each pipeline stage" if size > 1 else f"the {world} ranks"
+        raise ConfigError(f"optimus.tensor_parallel.size {tensor} does not divide {where}")
+    if tensor > 1 and not opt.sharded_optimizer.enabled:
+        raise ConfigError("optimus.tensor_parallel needs optimus.sharded_optimizer.enabled true (it shards the "
+                          "optimizer over each TP rank's data-parallel ranks and counts split weights in the norm)")
+    if opt.tensor_parallel.sequence_parallel and opt.data.seq_len % tensor:
+        raise ConfigError(f"optimus.data.seq_len {opt.data.seq_len} does not divide over the {tensor} ranks of a "
+                          "tensor-parallel group (optimus.tensor_parallel.sequence_parallel)")
+    return world // size // tensor
 
 
 class PipelineRunner:
     """This rank's chunks of the model and the schedule that runs them; `step` trains one step's
     micro-batches, `evaluate` gives the LM loss of a batch (on the rank with the last chunk)."""
 
-    def __init__(self, opt, pipeline, model, split: list[range], micro: int, accumulation: int) -> None:
+    def __init__(self, opt, groups, model, split: list[range], micro: int, accumulation: int) -> None:
         from ..parallel.pipeline import StageChunk
 
+        pipeline, self.dp_group = groups.pipeline, groups.dp_group
         self.config, self.pipeline, self.accumulation, self.split = opt.pipeline_parallel, pipeline, accumulation, split
         self.micro, self.seq_len = micro, opt.data.seq_len
         self.total = len(split)
@@ -52,7 +63,8 @@ class PipelineRunner:
         from ..parallel.groups import init_expert_parallel_groups
 
         ep = opt.expert_parallel
-        groups = init_expert_parallel_groups(ep.size, ep.node_size, opt.pipeline_parallel.size)
+        groups = init_expert_parallel_groups(ep.size, ep.node_size, opt.pipeline_parallel.size,
+                                             opt.tensor_parallel.size)
         pipeline = groups.pipeline
         mine = [c for c in range(len(split)) if opt.pipeline_parallel.stage_of(c) == pipeline.stage]
         return groups, ([i for c in mine for i in split[c]], 0 in mine, len(split) - 1 in mine)
@@ -70,7 +82,7 @@ class PipelineRunner:
         from ..parallel.pipeline import PipelineLoss, build_schedule, each_micro_batch_reduction
 
         self.engine = engine
-        self.loss = PipelineLoss(engine.module, self.accumulation, group=self.pipeline.stage_group)
+        self.loss = PipelineLoss(engine.module, self.accumulation, group=self.dp_group)
         # the step's gradients add up in fp32 buckets, reduced in the drain; ZeRO-2 over one chunk per rank
         # reduces each micro-batch's instead
         engine.optimizer.defer_reduction = not each_micro_batch_reduction(engine.optimizer, self.config)

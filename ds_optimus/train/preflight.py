@@ -18,10 +18,10 @@ from typing import Any
 from ..schema import ConfigError
 
 
-def resolve_world(ds_config: dict[str, Any], world: int | None, stages: int = 1) -> tuple[int, str]:
+def resolve_world(ds_config: dict[str, Any], world: int | None, stages: int = 1, tensor: int = 1) -> tuple[int, str]:
     """The world size to check against and where it comes from: `--world`, the launcher's
     WORLD_SIZE, or the config's three batch sizes (the data-parallel size, times the `stages` of a
-    pipeline); else one process per stage."""
+    pipeline and the `tensor` ranks of a TP group); else one process per stage and TP rank."""
     if world is not None:
         if world < 1:
             raise ConfigError(f"--world must be a positive integer, got {world}")
@@ -32,11 +32,10 @@ def resolve_world(ds_config: dict[str, Any], world: int | None, stages: int = 1)
     total, micro, accumulation = (ds_config.get(k) for k in keys)
     if all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (total, micro, accumulation)):
         if total % (micro * accumulation) == 0:
-            if stages > 1:
-                return (total // (micro * accumulation) * stages,
-                        f"train_batch_size / (micro-batch x accumulation) x {stages} pipeline stages")
-            return total // (micro * accumulation), "train_batch_size / (micro-batch x accumulation)"
-    return stages, "no --world given"
+            times = [f"{stages} pipeline stages"] * (stages > 1) + [f"tensor parallel size {tensor}"] * (tensor > 1)
+            return (total // (micro * accumulation) * stages * tensor,
+                    " x ".join(["train_batch_size / (micro-batch x accumulation)", *times]))
+    return stages * tensor, "no --world given"
 
 
 @contextlib.contextmanager
@@ -64,16 +63,15 @@ def check_run(ds_config: dict[str, Any], world: int | None = None, cluster: str 
     from ..hf_models.mula import MulaForCausalLM, count_parameters
     from ..parallel.groups import check_layout
     from ..parallel.stages import check_pipeline
+    from .pipelined import data_parallel_size
 
     config = copy.deepcopy(ds_config)
     opt = check_run_config(config)
-    stages = opt.pipeline_parallel.size
-    world, source = resolve_world(config, world, stages)
+    stages, tp = opt.pipeline_parallel.size, opt.tensor_parallel.size
+    world, source = resolve_world(config, world, stages, tp)
     with _guessed(world, source):
-        if world % stages:
-            raise ConfigError(f"optimus.pipeline_parallel.size {stages} does not divide the {world} ranks")
-        dp = world // stages  # the ranks of a pipeline stage: its data parallelism
-        micro, accumulation = resolve_batch_sizes(config, dp, stages)
+        dp = data_parallel_size(opt, world)  # the ranks of a pipeline stage and TP position: data parallelism
+        micro, accumulation = resolve_batch_sizes(config, dp, stages, tp)
     name = opt.data.tokenizer
     try:  # a Hub tokenizer from the local cache only: a check never waits on the network
         tokenizer = load_tokenizer(name, local_files_only=True)
@@ -94,6 +92,16 @@ def check_run(ds_config: dict[str, Any], world: int | None = None, cluster: str 
     with torch.device("meta"):
         model = MulaForCausalLM(model_config)
     _check_weights(opt.model.path, model)
+    if tp > 1:  # the trainer's split, on the meta device: a width the TP size does not divide is its error
+        from ..parallel.tensor_parallel import apply_tensor_parallel
+
+        with torch.device("meta"):
+            split = MulaForCausalLM(model_config)
+            apply_tensor_parallel(split, None, tp, 0)
+        if opt.tensor_parallel.sequence_parallel:
+            from ..parallel.tensor_parallel import apply_sequence_parallel
+
+            apply_sequence_parallel(split, None)
     total, active = count_parameters(model_config)
     experts = (f", {model_config.num_experts} experts top-{model_config.num_experts_per_tok}"
                if model_config.num_experts else ", dense")
@@ -112,14 +120,17 @@ def check_run(ds_config: dict[str, Any], world: int | None = None, cluster: str 
     if stages > 1:
         pp = opt.pipeline_parallel
         virtual = f", {pp.virtual_stages} virtual stages" if pp.virtual_stages > 1 else ""
-        pipeline = f", pipeline {stages} stages of {dp} ranks ({pp.schedule}{virtual}, {accumulation} micro-batches)"
-    ranks = _count(world, "rank") if stages == 1 else _count(dp, "data-parallel rank")
+        pipeline = (f", pipeline {stages} stages of {dp * tp} ranks ({pp.schedule}{virtual}, {accumulation} "
+                    "micro-batches)")
+    sequence = " with sequence parallelism" if opt.tensor_parallel.sequence_parallel else ""
+    tensor = f", tensor parallel {tp}{sequence} (inside each group of {tp} consecutive ranks)" if tp > 1 else ""
+    ranks = _count(world, "rank") if stages == 1 and tp == 1 else _count(dp, "data-parallel rank")
     tokens = micro * accumulation * dp * opt.data.seq_len
     lines = [
         f"model     {opt.model.describe()}: {total / 1e6:,.2f}M parameters ({active / 1e6:,.2f}M active per token), "
         f"{model_config.num_hidden_layers} layers{experts}; built on the meta device",
-        f"layout    {_count(world, 'rank')} ({source}): data parallel {dp}{exchange}{pipeline}; ZeRO-{stage} with "
-        f"{optimizer}"
+        f"layout    {_count(world, 'rank')} ({source}): data parallel {dp}{tensor}{exchange}{pipeline}; "
+        f"ZeRO-{stage} with {optimizer}"
         + _recompute_note(opt.train.recompute),
         f"batch     {_count(micro, 'sequence')} x {accumulation} accumulation x {ranks} = "
         f"{_count(micro * accumulation * dp, 'sequence')} of {opt.data.seq_len} tokens ({tokens:,} tokens) per step",
@@ -301,7 +312,7 @@ def _run_line(opt, tokenizer=None, world: int | None = None) -> str:
             saved = saved_layout(json.loads((complete[-1] / "meta.json").read_text()))
         except (OSError, ValueError, KeyError):
             saved = None  # the run's own checks of the checkpoint say what is wrong with it
-        now = (world, opt.expert_parallel.size, opt.pipeline_parallel.size) if world else None
+        now = (world, opt.expert_parallel.size, opt.pipeline_parallel.size, opt.tensor_parallel.size) if world else None
         if saved and now and saved != now:
             start += f", saved by {describe_layout(*saved)}: its state resharded to {describe_layout(*now)}"
     elif complete:

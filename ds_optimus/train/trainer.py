@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ..command_line import said_by_every_rank
 from ..config import load_json_config
+from ..parallel.groups import layout_position
 from ..reliability.heartbeat import waiting_for_peers
 from ..reliability.signals import EXIT_PREEMPTED
 from ..schema import ConfigError
@@ -63,11 +64,15 @@ class Trainer:
             self.opt = opt = C.check_run_config(self.ds_config)
         self.launch_line = C.init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        with every_rank_alike():  # data parallelism: the ranks of one pipeline stage (all of them without)
+        with every_rank_alike():  # data parallelism: the ranks of one pipeline stage and TP position
             self.dp_world = data_parallel_size(opt, self.world)
             self.micro_batch, self.accumulation = C.resolve_batch_sizes(self.ds_config, self.dp_world,
-                                                                        opt.pipeline_parallel.size)
-        self.dp_rank, self.runner = self.rank % self.dp_world, None
+                                                                        opt.pipeline_parallel.size,
+                                                                        opt.tensor_parallel.size)
+        self.tp = opt.tensor_parallel.size
+        self.position = layout_position(self.rank, self.world, opt.pipeline_parallel.size, self.tp,
+                                        opt.expert_parallel.size)
+        self.dp_rank, self.runner = self.position["dp_rank"], None
         self.tokens_per_step = self.micro_batch * self.accumulation * self.dp_world * opt.data.seq_len
         C.scheduler_defaults(self.ds_config, opt.train.steps)
         C.seed_everything(opt.train.seed)  # the same initial weights on every rank
@@ -127,20 +132,34 @@ class Trainer:
             elif ep.size > 1:
                 raise ConfigError("optimus.expert_parallel.size > 1 needs an MoE model (num_experts > 0); this one is "
                               "dense: set optimus.expert_parallel.size=1")
-        stage = split = None
+        stage = split = tensor = None
+        self.groups = None
+        if self.tp > 1:  # TP groups first (innermost), then the others over each TP position's ranks
+            from ..parallel.groups import init_expert_parallel_groups, init_tensor_parallel_groups
+
+            made = init_tensor_parallel_groups(self.tp)
+            tensor = (made.group, made.size, made.rank)
+            if opt.pipeline_parallel.size == 1:
+                self.groups = init_expert_parallel_groups(ep.size, ep.node_size, 1, self.tp)
         if opt.pipeline_parallel.size > 1:  # this rank's stage only: its layers, embedding or head
             with every_rank_alike():
                 split = check_pipeline(opt, self.ds_config, opt.model.mula_config(self.tokenizer), self.accumulation)
             self.groups, stage = PipelineRunner.layout(opt, split)
-        # Built on the meta device, holding only this rank's experts (EP groups are consecutive ranks).
-        model = opt.model.build(self.tokenizer, ep_size=ep.size, ep_rank=self.rank % ep.size, seed=opt.train.seed,
-                                stage=stage)
+        # Built on the meta device, holding only this rank's experts and its part of each split weight.
+        with every_rank_alike():  # a width the TP size does not divide: one line
+            model = opt.model.build(self.tokenizer, ep_size=ep.size, ep_rank=self.position["ep_rank"],
+                                    seed=opt.train.seed, stage=stage, tensor_parallel=tensor)
+        if opt.tensor_parallel.sequence_parallel:  # the residual stream cut along the sequence over the TP group
+            from ..parallel.tensor_parallel import apply_sequence_parallel
+
+            with every_rank_alike():
+                apply_sequence_parallel(model, tensor[0], split)
         if opt.train.activation_checkpointing:  # true: whole layers; a list: those parts of each
             C.enable_activation_checkpointing(model, opt.train.recompute)
-        groups = setup_moe(model, opt)  # inside the stages' groups made above, with pipeline stages
-        self.groups = self.groups if split is not None else groups
+        groups = setup_moe(model, opt)  # inside the stages' (and TP positions') groups made above
+        self.groups = groups if self.groups is None else self.groups
         if split is not None:
-            self.runner = PipelineRunner(opt, self.groups.pipeline, model, split, self.micro_batch, self.accumulation)
+            self.runner = PipelineRunner(opt, self.groups, model, split, self.micro_batch, self.accumulation)
         if opt.train.compile:
             C.compile_layers(model)
         self.model = model
@@ -176,11 +195,12 @@ class Trainer:
         # The engine applies the optimus section's moe, expert_parallel (done already: the model is
         # expert-parallel) and sharded_optimizer; the rest is this trainer's.
         mpu = None
-        if self.runner is not None:  # the stage's ranks are the engine's data parallelism
-            from ..parallel.pipeline import StageParallelism
-
+        if self.runner is not None:
             config = engine_batch_config(config, self.micro_batch, self.accumulation)
-            mpu = StageParallelism(self.groups.pipeline)
+        if self.runner is not None or self.tp > 1:  # a stage's ranks of one TP position: the engine's data parallelism
+            from ..parallel.groups import EngineParallelism
+
+            mpu = EngineParallelism(self.groups, opt.tensor_parallel.sequence_parallel)
         self.engine, _, _, _ = deepspeed.initialize(
             model=self.model, lr_scheduler=schedule, config=engine_ds_config(config), mpu=mpu,
             model_parameters=moe_param_groups(self.model, weight_decay=weight_decay,
@@ -216,6 +236,9 @@ class Trainer:
                                 enabled=self.rank == 0 or self.log_every_rank)
         if self.rank == 0:
             self.message(C.describe_data(self.packed, self.train_loader))
+        if self.tp > 1:
+            notes.append(f"tensor parallel: groups of {self.tp} consecutive ranks split attention, the dense MLPs, the "
+                         f"embedding and the head; data parallel {self.dp_world} over each TP position's ranks")
         for note in [n for n in notes if n] + ([self.runner.describe()] if self.runner is not None else []):
             self.message(note)
         if self.resumed_from:
@@ -280,7 +303,8 @@ class Trainer:
         with waiting_for_peers():  # a rank stuck here waits for another (the heartbeats say which)
             if self.world > 1:
                 dist.all_reduce(packed)
-                packed[:len(LOSS_PARTS)] /= self.dp_world  # with pipeline stages, the last chunk's ranks add them
+                # with pipeline stages, the last chunk's ranks add them; every rank of a TP group has the same
+                packed[:len(LOSS_PARTS)] /= self.dp_world * self.tp
             values = packed.tolist()  # the step's one host sync
         self.metrics = dict(zip(LOSS_PARTS, values, strict=False))
         self.metrics.update(zip((name for name, _ in flags), values[len(LOSS_PARTS):], strict=False))
@@ -289,6 +313,7 @@ class Trainer:
         if loads is not None:
             flat = values[len(LOSS_PARTS) + len(flags) + 1:]
             experts = loads.shape[-1]
+            flat = [count / self.tp for count in flat]  # each rank of a TP group routes the same tokens
             self.step_loads = [flat[i:i + experts] for i in range(0, len(flat), experts)]
             self.expert_loads = None
 
@@ -446,7 +471,7 @@ class Trainer:
         total = total.double() / len(self.held_out)
         if self.world > 1:
             dist.all_reduce(total)
-            total /= self.dp_world
+            total /= self.dp_world * self.tp
         return total.item()
 
     def _call(self, hook: str, *args) -> None:
