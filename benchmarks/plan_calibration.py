@@ -11,6 +11,14 @@ Rows:
   H200 step     one GPU training 8 layers of the OLMoE-1B-7B shape (benchmarks/results/
                 train_e2e_NVIDIA_H200.json): step time and peak memory, against the "h100" description
                 (the H100 SXM's peak and SMs; the H200 has more and faster memory).
+  Frontier      the Frontier study's dense 22B, 175B and 1T models (Dash et al., ISC 2024, arXiv
+                2312.12705; presets frontier-22b/175b/1t) on the layouts of its authors' public
+                Megatron-DeepSpeed launch scripts (TP x PP x DP, micro-batch 1, whole layers recomputed,
+                ZeRO-1: here the sharded optimizer, as our pipeline needs it): the "GPU throughput" the
+                paper reports (38.38 %, 36.14 %, 31.96 % of peak, Megatron's count, which adds the
+                recomputed forward: 4/3 of the model FLOPs) against the predicted MFU x 4/3; and its
+                weak-scaling claim (100 % for 175B to 1,024 GCDs and 1T to 3,072) against the predicted
+                efficiency from the script's device count.
   CPU layouts   `python -m ds_optimus.plan --model mula-tiny-moe --cluster local --devices 2 --measure 4`
                 run now: the four best layouts trained on this machine through the `deepspeed`
                 launcher, step time and peak memory each (`--cpu-json FILE` reads an earlier run, or
@@ -51,6 +59,44 @@ def seed_row() -> dict:
             "source": "the seed's paper (../shared/DESIGN.md): 90 %", "layout": layout.describe(),
             "quantity": "scaling efficiency", "measured": SEED_EFFICIENCY, "predicted": middle,
             "band": [low, high], "error": middle - SEED_EFFICIENCY, "error_kind": "points"}
+
+
+# (preset, devices, TP, PP, global batch, sequence length, the paper's GPU throughput, weak-scaling target):
+# the layouts of the study authors' launch scripts (launch_gpt22b/175b/1T_bf16.slurm)
+FRONTIER = (("frontier-22b", 16, 1, 8, 640, 2048, 0.3838, None),
+            ("frontier-175b", 128, 4, 16, 640, 4096, 0.3614, 1024),
+            ("frontier-1t", 1024, 4, 128, 1024, 2048, 0.3196, 3072))
+
+
+def frontier_rows() -> list[dict]:
+    from ds_optimus.plan import get_cluster
+    from ds_optimus.plan.layout import Layout
+    from ds_optimus.plan.model import ModelShape
+    from ds_optimus.plan.scaling import efficiency, scale_layout
+    from ds_optimus.plan.search import evaluate
+
+    cluster, rows = get_cluster("frontier"), []
+    source = "the Frontier study (arXiv 2312.12705)"
+    for preset, devices, tp, pp, batch, seq, throughput, scaled in FRONTIER:
+        model = ModelShape.from_preset(preset)
+        dp = devices // (tp * pp)
+        layout = Layout(world=devices, tp=tp, pp=pp, zero=1, sharded=True, micro=1, accumulation=batch // dp,
+                        checkpointing=True, seq_len=seq, dtype="bf16")
+        plan = evaluate(model, layout, cluster)
+        counted = plan.mfu * 4 / 3  # as Megatron counts: the recomputed forward too
+        name = preset.removeprefix("frontier-").upper()
+        rows.append({"row": f"{name} on {devices} MI250X GCDs, the study's script layout {layout.describe()}: "
+                            f"GPU throughput (MFU x 4/3; peak {plan.memory.peak / 2**30:.1f} GiB)",
+                     "source": source, "layout": layout.describe(), "quantity": "throughput", "measured": throughput,
+                     "predicted": counted, "band": None, "error": counted - throughput, "error_kind": "points"})
+        if scaled:
+            points = scale_layout(model, cluster, layout, [devices, scaled])
+            middle, low, high = (efficiency(points, end)[-1] for end in (None, 0, 1))
+            rows.append({"row": f"{name}, the same layout, weak scaling {devices:,} -> {scaled:,} GCDs",
+                         "source": f"{source}: 100 %", "layout": layout.describe(), "quantity": "scaling efficiency",
+                         "measured": 1.0, "predicted": middle, "band": [low, high], "error": middle - 1.0,
+                         "error_kind": "points"})
+    return rows
 
 
 def gpu_rows() -> list[dict]:
@@ -98,7 +144,7 @@ def cpu_rows(path: str | None) -> list[dict]:
 
 
 def _cell(value: float, quantity: str) -> str:
-    return f"{value:.1%}" if quantity == "scaling efficiency" else f"{value:,.3g}"
+    return f"{value:.1%}" if quantity in ("scaling efficiency", "throughput") else f"{value:,.3g}"
 
 
 def table(rows: list[dict]) -> str:
@@ -116,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-json", default=None,
                         help="the JSON of an earlier `plan --measure` run, or an earlier plan_calibration.json")
     args = parser.parse_args(argv)
-    rows = [seed_row(), *gpu_rows(), *cpu_rows(args.cpu_json)]
+    rows = [seed_row(), *frontier_rows(), *gpu_rows(), *cpu_rows(args.cpu_json)]
     print(table(rows))
     print(f"wrote {write_result('plan_calibration', {'rows': rows})}")
     return 0

@@ -113,7 +113,7 @@ def test_the_configs_readme_states_what_the_configs_hold():
     assert sorted(rows) == sorted(p.stem for p in (ROOT / "ds_configs").glob("*.json"))
     for name, (_, _, world, ep, zero, recompute, tokens, peak, _) in rows.items():
         config = json.loads((ROOT / "ds_configs" / f"{name}.json").read_text())
-        cluster = None if "cpu" in name else "aurora" if "aurora" in name else "h100"
+        cluster = None if "cpu" in name else next((c for c in ("aurora", "frontier") if c in name), "h100")
         lines = check_run(config, int(world), cluster)
         layout, batch, memory = (next(x for x in lines if x.startswith(k)) for k in ("layout", "batch", "memory"))
         size = config["optimus"].get("expert_parallel", {}).get("size", 1)

@@ -41,7 +41,7 @@ from ds_optimus.plan.measure import measurement, measuring_config
 from ds_optimus.plan.memory import local_params, stage_memory
 from ds_optimus.plan.pipeline_model import bubble_fraction, in_flight, stages
 from ds_optimus.plan.scaling import device_counts, efficiency, scaling
-from ds_optimus.plan.search import candidate_layouts
+from ds_optimus.plan.search import candidate_layouts, smallest_peak
 from ds_optimus.plan.search import schedules as search_schedules
 from ds_optimus.plan.timing import (
     Exchange,
@@ -871,3 +871,62 @@ def test_zero_bubble_and_interleaving_costs_the_model_counts():
         schedule="interleaved_zb")))
     assert twice.experts > once.experts  # the MoE blocks recomputed twice: one more forward of the experts
     assert twice.experts == pytest.approx(once.experts * 5 / 4)
+
+
+# -- tensor parallelism ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset, overrides", [
+    ("mula-tiny-dense", {}), ("mula-tiny-dense", {"tie_word_embeddings": False, "qk_norm": True}),
+    ("mula-tiny-moe", {}), ("frontier-175b", {})], ids=["dense-tied", "dense-untied-qknorm", "moe", "175b"])
+def test_tensor_parallel_parameters_per_rank_are_the_split_models(preset, overrides):
+    """The memory model's dense elements per rank under TP 2 and 4 equal those of the model
+    `apply_tensor_parallel` splits (on the meta device), with and without pipeline stages."""
+    from ds_optimus.parallel.tensor_parallel import apply_tensor_parallel
+    from ds_optimus.plan.memory import local_params
+
+    config = MulaConfig.from_preset(preset, **overrides)
+    shape = ModelShape.from_config(config)
+    for tp in (2, 4):
+        if config.num_key_value_heads % tp:
+            continue
+        with torch.device("meta"):
+            model = MulaForCausalLM(config)
+            apply_tensor_parallel(model, None, tp, 0)
+        held = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n)
+        layout = Layout(world=tp, tp=tp, zero=1, sharded=True, seq_len=64)
+        assert local_params(shape, layout)[0] == pytest.approx(held, rel=1e-12), (preset, tp)
+
+
+def test_the_planner_finds_the_frontier_study_layouts_that_fit_only_with_tensor_parallelism():
+    """175B on 1,024 GCDs and 1T on 3,072 fit with tensor parallelism; without it the 1T fits nowhere,
+    and the 175B's best fitting layout runs under half as fast. TP and its sequence parallelism are in
+    the search, costed on the node's links."""
+    frontier = get_cluster("frontier")
+    big = ModelShape.from_preset("frontier-1t")
+    plans, _ = search(big, frontier, 3072, 3072, 2048)
+    assert plans and plans[0].layout.tp > 1 and plans[0].fits
+    assert plans[0].time.tensor > 0 and plans[0].time.tensor < plans[0].time.step
+    assert smallest_peak(big, frontier, 3072, 3072, 2048, tensor=(1,))[1] > frontier.usable_bytes
+    model = ModelShape.from_preset("frontier-175b")
+    with_tp, _ = search(model, frontier, 1024, 640, 2048)
+    without, _ = search(model, frontier, 1024, 640, 2048, tensor=(1,))
+    assert with_tp[0].layout.tp > 1 and with_tp[0].layout.sp
+    assert without and with_tp[0].tokens_per_s > 2 * without[0].tokens_per_s
+    # sequence parallelism cuts the activations of the same layout
+    layout = with_tp[0].layout
+    assert estimate_memory(model, layout).activations < estimate_memory(model, layout.with_(sp=False)).activations
+    # an MoE model keeps TP 1 in the default search: its experts would run whole on every TP rank
+    moe = ModelShape.from_preset("mula-7b-a1b")
+    assert {p.layout.tp for p in search(moe, get_cluster("h100"), 64, 1024, 4096)[0]} == {1}
+
+
+def test_a_layout_with_tensor_parallelism_reads_back_from_its_config():
+    """`layout_config` writes optimus.tensor_parallel; `layout_from_config` reads it back, the world from the
+    batch sizes times the stages and the TP size."""
+    layout = Layout(world=64, tp=4, sp=True, pp=2, zero=1, sharded=True, micro=1, accumulation=8, seq_len=2048)
+    config = layout_config(layout, "frontier-22b", get_cluster("frontier"))
+    assert config["optimus"]["tensor_parallel"] == {"size": 4, "sequence_parallel": True}
+    model, back = layout_from_config(config)
+    assert (back.world, back.tp, back.sp, back.pp, back.dp) == (64, 4, True, 2, 8)
+    assert back.describe().startswith("dp8 ep1 tp4sp pp2 ")

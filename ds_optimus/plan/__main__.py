@@ -41,12 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 description="Predict per-rank memory and step time of a Mula model under each "
                                             "parallel layout on a cluster,\nrank the layouts, write the best as a "
-                                            "DeepSpeed config. Layouts read\n  dpD epE [ppP[vV][:schedule]] "
+                                            "DeepSpeed config. Layouts read\n  dpD epE [tpT[sp]] [ppP[vV][:schedule]] "
                                             "zeroZ[+opt] mbMxA [ckpt[:parts]] [hier] [dedup] [ovlC] [ag]:\nsizes "
-                                            "(D ranks per pipeline stage, V virtual stages), optimizer, micro-batch x "
-                                            "accumulation,\nrecomputation, and the EP exchange (two-step, "
-                                            "deduplicated, overlapped with the experts in C chunks;\nag: the "
-                                            "allgather dispatch).")
+                                            "(D data-parallel ranks per stage and TP position, T tensor-parallel "
+                                            "ranks,\nsp: sequence-parallel, V virtual stages), optimizer, "
+                                            "micro-batch x accumulation,\nrecomputation, and the EP exchange "
+                                            "(two-step, deduplicated, overlapped with the experts in C "
+                                            "chunks;\nag: the allgather dispatch).")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a key of --config (repeatable), as ds_optimus.train's --set does")
     p.add_argument("--model", default=None, help="Mula preset (default: --config's, else mula-7b-a1b)")

@@ -70,6 +70,10 @@ def layout_config(layout: Layout, preset: str, cluster: Cluster | None = None,
                                         "virtual_stages": layout.virtual_stages, "layers": None}
     else:
         optimus.pop("pipeline_parallel", None)
+    if layout.tp > 1:
+        optimus["tensor_parallel"] = {"size": layout.tp, "sequence_parallel": layout.sp}
+    else:
+        optimus.pop("tensor_parallel", None)
     sharded = optimus.setdefault("sharded_optimizer", {})
     sharded["enabled"] = layout.sharded
     if layout.sharded:
@@ -117,7 +121,8 @@ def layout_of(opt: Any, ds_config: dict[str, Any], world: int, micro: int, accum
                   reduce_dtype=sharded.reduce_dtype, bucket_size=sharded.bucket_size, schedule=pp.schedule,
                   virtual_stages=pp.virtual_stages, dispatch=dispatch,
                   shard_group=sharded.shard_group_size if sharded.enabled else None,
-                  gather_overlap=bool(sharded.enabled and sharded.overlap_param_gather))
+                  gather_overlap=bool(sharded.enabled and sharded.overlap_param_gather),
+                  tp=opt.tensor_parallel.size, sp=opt.tensor_parallel.sequence_parallel)
 
 
 def layout_from_config(ds_config: dict[str, Any], world: int | None = None) -> tuple[ModelShape, Layout]:
@@ -128,17 +133,18 @@ def layout_from_config(ds_config: dict[str, Any], world: int | None = None) -> t
     config = copy.deepcopy(ds_config)
     opt = OptimusConfig.from_ds_config(config)
     model = ModelShape.from_config(opt.model.mula_config(), name=opt.model.preset or opt.model.path)
-    stages = opt.pipeline_parallel.size
+    stages, tensor = opt.pipeline_parallel.size, opt.tensor_parallel.size
     if world is None:
         keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
         total, micro, accumulation = (config.get(k) for k in keys)
         if not all(isinstance(v, int) and v > 0 for v in (total, micro, accumulation)):
             raise LayoutError("the config does not record its world size (train_batch_size, micro-batch and "
                               "accumulation): give --devices")
-        world = total // (micro * accumulation) * stages
-    if world % stages:
-        raise LayoutError(f"optimus.pipeline_parallel.size {stages} does not divide the {world} ranks")
-    micro, accumulation = resolve_batch_sizes(config, world // stages, stages)
+        world = total // (micro * accumulation) * stages * tensor
+    if world % (stages * tensor):
+        raise LayoutError(f"optimus.pipeline_parallel.size {stages} x optimus.tensor_parallel.size {tensor} does not "
+                          f"divide the {world} ranks")
+    micro, accumulation = resolve_batch_sizes(config, world // stages // tensor, stages, tensor)
     return model, layout_of(opt, config, world, micro, accumulation, model)
 
 

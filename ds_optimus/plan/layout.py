@@ -51,6 +51,10 @@ class Layout:
     # the sharded optimizer's hybrid sharding: ranks per shard group (`shard_group_size`); None: whole groups
     shard_group: int | None = None
     gather_overlap: bool = False  # its parameter all-gather under the next forward (`overlap_param_gather`)
+    # tensor parallelism (`optimus.tensor_parallel`): ranks splitting each layer (consecutive, innermost),
+    # and whether the sequence is cut over them between the split blocks (`sequence_parallel`)
+    tp: int = 1
+    sp: bool = False
 
     def __post_init__(self) -> None:
         # a list of parts (from JSON) in RECOMPUTE_PARTS' order, so equal choices compare equal
@@ -61,8 +65,13 @@ class Layout:
 
     @property
     def dp(self) -> int:
-        """Data-parallel size (ranks holding one pipeline stage)."""
-        return self.world // self.pp
+        """Data-parallel size (a pipeline stage's ranks at one TP position)."""
+        return self.world // (self.pp * self.tp)
+
+    @property
+    def sp_size(self) -> int:
+        """Ranks the sequence is cut over between the split blocks (1 without sequence parallelism)."""
+        return self.tp if self.sp else 1
 
     @property
     def edp(self) -> int:
@@ -99,13 +108,22 @@ class Layout:
 
     def check(self, experts: int = 0, layers: int | None = None) -> None:
         """A one-line LayoutError when the layout is impossible for a model."""
-        for key in ("world", "ep", "pp", "micro", "accumulation", "seq_len", "bucket_size", "chunks",
+        for key in ("world", "ep", "pp", "tp", "micro", "accumulation", "seq_len", "bucket_size", "chunks",
                     "virtual_stages"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"{key} must be a positive integer, got {value!r}")
         if self.world % self.pp:
             raise LayoutError(f"pipeline size {self.pp} does not divide world size {self.world}")
+        if (self.world // self.pp) % self.tp:
+            raise LayoutError(f"tensor-parallel size {self.tp} does not divide the {self.world // self.pp} ranks "
+                              "of a stage")
+        if self.tp > 1 and not self.sharded:
+            raise LayoutError("tensor parallelism runs with the EP-aware sharded optimizer")
+        if self.sp and (self.tp == 1 or experts):
+            raise LayoutError("sequence parallelism needs tensor parallelism and a dense model")
+        if self.sp and self.seq_len % self.tp:
+            raise LayoutError(f"sequence parallelism: seq_len {self.seq_len} does not divide over tp {self.tp}")
         if self.dp % self.ep:
             raise LayoutError(f"expert-parallel size {self.ep} does not divide the data-parallel size {self.dp}")
         if experts and experts % self.ep:
@@ -178,6 +196,8 @@ class Layout:
         `ag`: the allgather dispatch;
         `zero1+opt/sg12`: hybrid sharding in groups of 12; `/pgo`: the parameter gather under the next forward)."""
         parts = [f"dp{self.dp}", f"ep{self.ep}"]
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}" + ("sp" if self.sp else ""))
         if self.pp > 1:
             virtual = f"v{self.virtual_stages}" if self.virtual_stages > 1 else ""
             plain = self.schedule == "1f1b" or (self.schedule == "interleaved_1f1b" and virtual)

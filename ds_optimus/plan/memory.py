@@ -87,27 +87,37 @@ def _layer_dense(model: ModelShape) -> tuple[float, float, float]:
 def _parts(model: ModelShape, layout: Layout, imbalance: float) -> tuple[_Part, ...]:
     """The whole model (no pipeline), or each pipeline stage's part, first to last."""
     return _parts_of(model, layout.pp, layout.schedule, layout.virtual_stages, layout.accumulation, layout.ep,
-                     layout.checkpointing, layout.param_bytes, layout.seq_len, imbalance)
+                     layout.checkpointing, layout.param_bytes, layout.seq_len, imbalance, layout.tp, layout.sp_size)
+
+
+def _split(dense: float, layers: int, moe_layers: int, last: bool, model: ModelShape, tp: int) -> float:
+    """A rank's dense elements under tensor parallelism over `tp` ranks: the norms (two a layer, the
+    final one) and the routers whole, everything else (attention, dense FFNs, embedding, head) 1/tp."""
+    whole = 2 * model.hidden * layers + model.experts * model.hidden * moe_layers + (model.hidden if last else 0)
+    return whole + (dense - whole) / tp
 
 
 @lru_cache(maxsize=4096)  # the search asks again for every optimizer, exchange and micro-batch split
 def _parts_of(model: ModelShape, pp: int, schedule: str, virtual: int, accumulation: int, ep: int,
-              checkpointing: bool | tuple[str, ...], a: int, seq_len: int, imbalance: float) -> tuple[_Part, ...]:
-    recompute = model.recompute_bytes_per_token(a, imbalance, checkpointing)
+              checkpointing: bool | tuple[str, ...], a: int, seq_len: int, imbalance: float, tp: int = 1,
+              sp: int = 1) -> tuple[_Part, ...]:
+    recompute = model.recompute_bytes_per_token(a, imbalance, checkpointing, tp, sp)
     if pp == 1:
-        head = model.head_bytes(a)
-        return (_Part(dense=float(model.dense_params), expert=model.expert_params / ep,
-                      saved=model.saved_bytes_per_token(a, checkpointing, imbalance), head=head, in_flight=1.0,
+        head = model.head_bytes(a, tp, sp)
+        dense = _split(float(model.dense_params), model.layers, model.moe_layers, True, model, tp)
+        return (_Part(dense=dense, expert=model.expert_params / ep,
+                      saved=model.saved_bytes_per_token(a, checkpointing, imbalance, tp, sp), head=head, in_flight=1.0,
                       loss=True, first=True, moe=model.moe_layers > 0, recompute=recompute),)
     attention, router, ffn = _layer_dense(model)
-    moe_layer = model.layer_saved_bytes_per_token(a, True, checkpointing, imbalance)
-    dense_layer = model.layer_saved_bytes_per_token(a, False, checkpointing)
+    moe_layer = model.layer_saved_bytes_per_token(a, True, checkpointing, imbalance, tp, sp)
+    dense_layer = model.layer_saved_bytes_per_token(a, False, checkpointing, 1.0, tp, sp)
     parts = []
     for st in stages(model, seq_len, pp, virtual_of(schedule, virtual), schedule in V_SCHEDULES):
         dense_layers = st.layers - st.moe_layers
         dense = st.layers * attention + st.moe_layers * router + dense_layers * ffn
         dense += model.vocab * model.hidden * (st.first + st.last) + (model.hidden if st.last else 0)
-        head = model.head_bytes(a) if st.last else 0.0
+        dense = _split(dense, st.layers, st.moe_layers, st.last, model, tp)
+        head = model.head_bytes(a, tp, sp) if st.last else 0.0
         parts.append(_Part(dense=dense, expert=st.moe_layers * model.expert_params_per_layer / ep,
                            saved=st.moe_layers * moe_layer + dense_layers * dense_layer + head, head=head,
                            loss=st.last, first=st.first, moe=st.moe_layers > 0, recompute=recompute,
@@ -160,13 +170,13 @@ def _estimate(model: ModelShape, layout: Layout, part: _Part, expert_imbalance: 
     two_buckets = largest + second
     # one parameter's .grad before a hook takes it: the embedding or head where the rank holds them
     grad_transient = p * (model.largest_dense_param if part.first or part.loss else model.hidden * max(
-        model.q_width, model.intermediate if model.moe_layers < model.layers else 0))
+        model.q_width, model.intermediate if model.moe_layers < model.layers else 0)) / layout.tp
 
     tokens = layout.tokens_per_micro
     head = part.head
     # every micro-batch in flight (pipeline stages: the schedule's count, `pipeline.in_flight`)
     activations = tokens * part.saved * part.in_flight
-    loss = tokens * model.loss_transient_bytes_per_token(p) if part.loss else 0.0  # the logits' gradients
+    loss = tokens * model.loss_transient_bytes_per_token(p, layout.tp) if part.loss else 0.0  # the logits' gradients
     recompute = tokens * part.recompute
     transient = max(loss, recompute) + grad_transient
     # The all-to-all's send and receive rows (and, hierarchical, the rows between its two steps)

@@ -107,17 +107,19 @@ class ModelShape:
         # dtype (for the weight's gradient; the same tensor in float32) and one float32 scale a row
         return width * (4 + a) + 4
 
-    def _attention_inner(self, a: int) -> int:
-        """What the attention saves besides its input (the input norm's output): QK-norms, SDPA."""
+    def _attention_inner(self, a: int, tp: int = 1) -> float:
+        """What the attention saves besides its input (the input norm's output): QK-norms, SDPA; with
+        tensor parallelism over `tp` ranks, this rank's heads."""
         q, kv = self.q_width, self.kv_width
         qk = self._norm(q, a) + self._norm(kv, a) if self.qk_norm else 0
-        return qk + a * (2 * q + 2 * kv) + 4 * self.heads  # q, k, v, output; float32 log-sum-exp per head
+        return (qk + a * (2 * q + 2 * kv) + 4 * self.heads) / tp  # q, k, v, output; float32 log-sum-exp per head
 
-    def _ffn_inner(self, a: int, moe: bool, imbalance: float = 1.0) -> float:
+    def _ffn_inner(self, a: int, moe: bool, imbalance: float = 1.0, tp: int = 1) -> float:
         """What the feed-forward block saves besides its input (the post-attention norm's output);
-        `imbalance` scales the routed part (the most loaded rank receives that many times the mean rows)."""
+        `imbalance` scales the routed part (the most loaded rank receives that many times the mean rows).
+        A dense FFN's is this rank's columns under tensor parallelism (`tp`); the MoE block is whole."""
         if not moe:
-            return 4 * a * self.intermediate  # gate and up outputs, SiLU(gate), the down input
+            return 4 * a * self.intermediate / tp  # gate and up outputs, SiLU(gate), the down input
         k, i = self.top_k, self.expert_intermediate
         router = 4 * self.experts + a * k  # float32 logits, routing weights
         # Per routed slot: the permuted input row, gate|up, and the expert's output row, which the
@@ -126,64 +128,68 @@ class ModelShape:
         routed = k * (a * (2 * self.hidden + 2 * i) + _INDEX_BYTES_PER_SLOT)
         return router + imbalance * routed
 
-    def _side(self, a: int, inner: float, block: bool, norm: bool) -> float:
+    def _side(self, a: int, inner: float, block: bool, norm: bool, sp: int = 1) -> float:
         """Bytes per token of a norm and the block after it, either recomputed or not. Recomputed
         (non-reentrant checkpointing), a region keeps only its input: the norm's input (the residual
-        stream), or the block's input (the norm's output) where the norm is not in the region."""
+        stream), or the block's input (the norm's output) where the norm is not in the region. Under
+        sequence parallelism (`sp` ranks) the residual stream and the norm hold 1/sp of the tokens; the
+        block's input is gathered whole for its projections, which keep it."""
         x = a * self.hidden
-        kept_by_norm = x if norm else self._norm(self.hidden, a)
+        kept_by_norm = x / sp if norm else self._norm(self.hidden, a) / sp
         if block:
-            return x if norm else kept_by_norm + x
+            return x / sp if norm else kept_by_norm + x
         return kept_by_norm + x + inner
 
     def layer_saved_bytes_per_token(self, a: int, moe: bool, recompute: bool | tuple[str, ...] = False,
-                                    imbalance: float = 1.0) -> float:
+                                    imbalance: float = 1.0, tp: int = 1, sp: int = 1) -> float:
         """Bytes one token's decoder layer saves for the backward pass under activation recomputation
         `recompute`: False (none), True (the whole layer: its input only) or the parts recomputed,
-        any of "moe" (the FFN after the post-attention norm), "attention", "norms"."""
+        any of "moe" (the FFN after the post-attention norm), "attention", "norms"; on one of `tp`
+        tensor-parallel ranks (`sp`: the ranks the sequence is cut over, 1 without sequence parallelism)."""
         if recompute is True:
-            return a * self.hidden
+            return a * self.hidden / sp
         parts = recompute or ()
         norm = "norms" in parts
-        return (self._side(a, self._attention_inner(a), "attention" in parts, norm)
-                + self._side(a, self._ffn_inner(a, moe, imbalance), "moe" in parts, norm))
+        return (self._side(a, self._attention_inner(a, tp), "attention" in parts, norm, sp)
+                + self._side(a, self._ffn_inner(a, moe, imbalance, tp), "moe" in parts, norm, sp))
 
     def layer_bytes(self, a: int, moe: bool, imbalance: float = 1.0) -> float:
         """Bytes one token's decoder layer saves without recomputation."""
         return self.layer_saved_bytes_per_token(a, moe, False, imbalance)
 
-    def head_bytes(self, a: int) -> int:
-        """The final norm, the LM head's input, the float32 log-softmax over the vocabulary, the
-        labels, and the router logits the auxiliary losses keep."""
+    def head_bytes(self, a: int, tp: int = 1, sp: int = 1) -> float:
+        """The final norm, the LM head's input, the float32 log-softmax over the vocabulary (this rank's
+        slice under tensor parallelism), the labels, and the router logits the auxiliary losses keep."""
         aux = self.moe_layers * 4 * (2 * self.experts + 2)
-        return self._norm(self.hidden, a) + a * self.hidden + 4 * self.vocab + 8 + aux + 8  # + input ids
+        return self._norm(self.hidden, a) / sp + a * self.hidden + 4 * self.vocab / tp + 8 + aux + 8  # + input ids
 
     def saved_bytes_per_token(self, a: int, checkpointing: bool | tuple[str, ...] = False,
-                              imbalance: float = 1.0) -> float:
+                              imbalance: float = 1.0, tp: int = 1, sp: int = 1) -> float:
         """Activation bytes per token held from the end of the forward pass into the backward pass,
         under activation recomputation `checkpointing` (see `layer_saved_bytes_per_token`)."""
         moe_layers = self.moe_layers
-        return (moe_layers * self.layer_saved_bytes_per_token(a, True, checkpointing, imbalance)
-                + (self.layers - moe_layers) * self.layer_saved_bytes_per_token(a, False, checkpointing)
-                + self.head_bytes(a))
+        return (moe_layers * self.layer_saved_bytes_per_token(a, True, checkpointing, imbalance, tp, sp)
+                + (self.layers - moe_layers) * self.layer_saved_bytes_per_token(a, False, checkpointing, 1.0, tp, sp)
+                + self.head_bytes(a, tp, sp))
 
-    def loss_transient_bytes_per_token(self, a: int) -> int:
+    def loss_transient_bytes_per_token(self, a: int, tp: int = 1) -> float:
         """Extra bytes at the start of the backward pass, the usual peak: the logits the output still
-        holds, and the float32 gradients of the log-softmax and of the logits."""
-        return self.vocab * (a + 8)
+        holds, and the float32 gradients of the log-softmax and of the logits (this rank's vocabulary
+        slice under tensor parallelism)."""
+        return self.vocab * (a + 8) / tp
 
     def recompute_bytes_per_token(self, a: int, imbalance: float = 1.0,
-                                  checkpointing: bool | tuple[str, ...] = True) -> float:
+                                  checkpointing: bool | tuple[str, ...] = True, tp: int = 1, sp: int = 1) -> float:
         """With activation recomputation, the most one recomputed region rebuilds at once during the
         backward pass: a whole layer, or the larger of its recomputed attention and FFN sides."""
         moe = self.moe_layers > 0
         if not checkpointing:
             return 0.0
         if checkpointing is True:
-            return self.layer_bytes(a, moe, imbalance)
+            return self.layer_saved_bytes_per_token(a, moe, False, imbalance, tp, sp)
         norm = "norms" in checkpointing
-        sides = [(self._attention_inner(a), "attention"), (self._ffn_inner(a, moe, imbalance), "moe")]
-        return max(self._side(a, inner, False, False) - self._side(a, inner, part in checkpointing, norm)
+        sides = [(self._attention_inner(a, tp), "attention"), (self._ffn_inner(a, moe, imbalance, tp), "moe")]
+        return max(self._side(a, inner, False, False, sp) - self._side(a, inner, part in checkpointing, norm, sp)
                    for inner, part in sides)
 
     # -- recomputation's cost -----------------------------------------------------------------------

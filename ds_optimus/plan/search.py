@@ -98,24 +98,30 @@ def candidate_layouts(model: ModelShape, cluster: Cluster, devices: int, global_
                       dtype: str = "bf16", pipeline: bool = True, optimizers=OPTIMIZERS,
                       checkpointing: tuple = RECOMPUTE_CHOICES, max_ep: int | None = None,
                       reduce_dtype: str | None = None, bucket_size: int = 50_000_000,
-                      exchanges=EXCHANGES, dispatches=DISPATCHES, virtual_stages=VIRTUAL_STAGES) -> list[Layout]:
+                      exchanges=EXCHANGES, dispatches=DISPATCHES, virtual_stages=VIRTUAL_STAGES,
+                      tensor: tuple[int, ...] | None = None) -> list[Layout]:
     """Every layout of `devices` ranks that trains `global_batch` sequences per step; `exchanges`:
     the (dedup, chunks) pairs of the all-to-all to try where there is an EP exchange, `dispatches` the
     exchanges (the allgather one where the EP group is inside a node); `pipeline`: also pipeline
     stages (sizes up to 16 dividing the layers and the devices; untied models only), with the
-    sharded optimizer."""
+    sharded optimizer; `tensor`: the tensor-parallel sizes to try (inside a node, dividing the model's
+    widths; by default 1, 2, 4 and 8 for a dense model, with and without sequence parallelism, and 1 for
+    an MoE model, whose experts tensor parallelism would run on every rank of its group)."""
     overlap = not cluster.shared_compute  # gloo: no overlap
     layouts = []
     sizes = [p for p in _divisors(devices) if p <= 16 and model.layers % p == 0] if pipeline and not model.tied \
         else [1]
-    for pp in sizes:
-        dp = devices // pp
+    splits = [(p, t, s) for p in sizes for t in tensor_sizes(model, cluster, devices // p, tensor)
+              for s in ((False, True) if t > 1 and not model.experts and seq_len % t == 0 else (False,))]
+    for pp, tp, sp in splits:
+        dp = devices // pp // tp
         if global_batch % dp:
             continue
         per_rank = global_batch // dp
         eps = [e for e in _divisors(dp) if model.experts % e == 0 and (max_ep is None or e <= max_ep)] \
             if model.experts else [1]
-        opts = optimizers if pp == 1 else [o for o in optimizers if o[1]]  # stages need the sharded optimizer
+        # stages and tensor parallelism need the sharded optimizer
+        opts = optimizers if pp == 1 and tp == 1 else [o for o in optimizers if o[1]]
         for ep in eps:
             # a hierarchical exchange where the group spans (sub-)nodes; dedup and chunks where there
             # is an exchange, chunks only where communication overlaps compute (not on shared cores);
@@ -138,8 +144,18 @@ def candidate_layouts(model: ModelShape, cluster: Cluster, devices: int, global_
                             accumulation=per_rank // micro, checkpointing=ckpt, hierarchical=hier, dedup=dedup,
                             chunks=chunks, seq_len=seq_len, dtype=dtype, reduce_dtype=reduce,
                             bucket_size=bucket_size, overlap_comm=overlap, schedule=schedule,
-                            virtual_stages=virtual, dispatch=dispatch))
+                            virtual_stages=virtual, dispatch=dispatch, tp=tp, sp=sp))
     return layouts
+
+
+def tensor_sizes(model: ModelShape, cluster: Cluster, ranks: int, tried: tuple[int, ...] | None = None) -> list[int]:
+    """The tensor-parallel sizes to try over `ranks` ranks of a stage: of `tried` (default: 1, 2, 4, 8 for a
+    dense model, 1 for an MoE one) those inside a node that divide the ranks, the key/value heads, the
+    FFN and the vocabulary."""
+    tried = tried if tried is not None else ((1, 2, 4, 8) if not model.experts else (1,))
+    widths = (model.kv_heads, model.heads, model.intermediate, model.vocab)
+    return [t for t in tried if t == 1 or (cluster.devices_per_node % t == 0 and ranks % t == 0
+                                           and all(w % t == 0 for w in widths))]
 
 
 def shard_groups(dp: int, edp: int, devices_per_node: int) -> list[int | None]:

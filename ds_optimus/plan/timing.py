@@ -25,7 +25,7 @@ reduce-scatter and all-gather, as tree and hierarchical algorithms take on large
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..parallel.stages import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 from ..parallel.traffic import expected_groups_hit, metadata_bytes
@@ -49,23 +49,25 @@ class TimeEstimate:
     p2p: float = 0.0  # the pipeline's sends of activations and their gradients between stages
     reduce_across: float = 0.0  # of grad_reduce: hybrid sharding's all-reduce across shard groups
     gather_hidden: float = 0.0  # parameter all-gather time hidden under the next forward (not in step)
+    tensor: float = 0.0  # tensor parallelism's all-reduces (or all-gathers and reduce-scatters) in the layers
 
     @property
     def step(self) -> float:
         return (self.compute + self.all_to_all + self.grad_reduce + self.param_gather + self.bubble + self.overhead
-                + self.p2p)
+                + self.p2p + self.tensor)
 
     @property
     def communication(self) -> float:
-        """Exposed communication: the EP exchange, gradient reduction, parameter gather, stage sends."""
-        return self.all_to_all + self.grad_reduce + self.param_gather + self.p2p
+        """Exposed communication: the EP exchange, gradient reduction, parameter gather, stage sends, the
+        tensor-parallel collectives."""
+        return self.all_to_all + self.grad_reduce + self.param_gather + self.p2p + self.tensor
 
     def as_dict(self) -> dict[str, float]:
         return {"compute": self.compute, "all_to_all": self.all_to_all, "grad_reduce": self.grad_reduce,
                 "param_gather": self.param_gather, "bubble": self.bubble, "p2p": self.p2p,
                 "overhead": self.overhead, "step": self.step, "experts": self.experts,
                 "all_to_all_hidden": self.all_to_all_hidden, "reduce_across": self.reduce_across,
-                "gather_hidden": self.gather_hidden}
+                "gather_hidden": self.gather_hidden, "tensor": self.tensor}
 
 
 def _link(cluster: Cluster, nodes: int, pattern: str = "ring") -> tuple[float, float]:
@@ -210,8 +212,8 @@ def p2p_seconds(model: ModelShape, layout: Layout, cluster: Cluster) -> float:
     once a stage fills one; another dragonfly group once it fills one)."""
     if layout.pp <= 1:
         return 0.0
-    per_node = cluster.devices_per_node
-    nodes = 1 if layout.dp < per_node else layout.dp // per_node + 1  # the two ranks' nodes and those between
+    per_node, stage = cluster.devices_per_node, layout.dp * layout.tp  # a stage's ranks
+    nodes = 1 if stage < per_node else stage // per_node + 1  # the two ranks' nodes and those between
     bandwidth, latency = _link(cluster, nodes)
     send = layout.tokens_per_micro * model.hidden * layout.param_bytes / bandwidth + latency
     slots = virtual_of(layout.schedule, layout.virtual_stages) * layout.accumulation + layout.pp - 1
@@ -243,11 +245,16 @@ def estimate_time(model: ModelShape, layout: Layout, cluster: Cluster, expert_im
     experts_flops = 6.0 * model.moe_layers * model.top_k * 3 * model.hidden * model.expert_intermediate * tokens
     expert_layer = expert_seconds(model, layout, cluster, expert_imbalance) * sum(passes)
     head = 6.0 * model.vocab * model.hidden * tokens / rate  # the LM head, forward and backward
-    # the layers' matmuls but the experts' (recomputation included), one micro-batch
-    layers = (flops - experts_flops * recompute) / rate - head
+    # the layers' matmuls but the experts' (recomputation included), one micro-batch; tensor parallelism
+    # splits them and the head over its ranks (the experts stay whole on each)
+    layers = ((flops - experts_flops * recompute) / rate - head) / layout.tp
+    head /= layout.tp
     # a layer's fixed costs: a third more for its recomputed forward, a ninth per part recomputed
     launches = 1 / 3 if layout.checkpointing is True else len(layout.checkpointing or ()) / 9
-    exposed_layer, hidden_layer, counts_layer = exchange_seconds(model, layout, cluster, expert_imbalance, passes,
+    # an EP group is consecutive among one TP position's ranks: a node holds devices_per_node / tp of it
+    ep_cluster = replace(cluster, devices_per_node=max(1, cluster.devices_per_node // layout.tp)) \
+        if layout.tp > 1 else cluster
+    exposed_layer, hidden_layer, counts_layer = exchange_seconds(model, layout, ep_cluster, expert_imbalance, passes,
                                                                  overlap)
     # the slowest of the ranks sets the pace of every synchronising step
     straggle = cluster.step_jitter * math.sqrt(2 * math.log(layout.world)) if layout.world > 1 else 0.0
@@ -255,34 +262,55 @@ def estimate_time(model: ModelShape, layout: Layout, cluster: Cluster, expert_im
     # one micro-batch on each stage (the whole model without a pipeline): its share of the layers, its
     # MoE layers' experts and exchanges, the head on the last; the slowest stage sets the pace
     virtual = virtual_of(layout.schedule, layout.virtual_stages)
-    parts = [(1.0, model.layers, model.moe_layers, True)] if layout.pp == 1 else [
-        (st.layer_share, st.layers, st.moe_layers, st.last)
+    parts = [(1.0, model.layers, model.moe_layers, True, True)] if layout.pp == 1 else [
+        (st.layer_share, st.layers, st.moe_layers, st.first, st.last)
         for st in stages(model, layout.seq_len, layout.pp, virtual, layout.schedule in V_SCHEDULES)]
     slowest = None
-    for share, n_layers, n_moe, last in parts:
+    for share, n_layers, n_moe, first, last in parts:
         compute = (layers * share + expert_layer * n_moe + (head if last else 0.0)) * (1 + straggle)
+        tensor = tensor_seconds(model, layout, cluster, n_layers, n_moe, first, last)
         # the chunked exchange's hidden part slows the compute it runs under by the contention share
         a2a = (exposed_layer + counts_layer + cluster.overlap_contention * hidden_layer) * n_moe
         # a micro-batch's fixed costs once per chunk of layers the stage runs it through
         overhead = cluster.overhead_per_micro_batch_s * virtual + cluster.overhead_per_layer_s * n_layers * (
             1 + launches)
-        if slowest is None or compute + a2a + overhead > sum(slowest[:3]):
-            slowest = (compute, a2a, overhead, n_moe)
-    compute, a2a, overhead, n_moe = slowest
+        if slowest is None or compute + a2a + overhead + tensor > sum(slowest[:3]) + slowest[4]:
+            slowest = (compute, a2a, overhead, n_moe, tensor)
+    compute, a2a, overhead, n_moe, tensor = slowest
     # one micro-batch's forward on the slowest stage: a third of forward + backward, a quarter with recomputation
     micro_forward = compute / (4 if layout.checkpointing else 3)
     # the schedule's fill and drain: (P - 1) / V of the slowest stage's micro-batch slots, a third of
     # that where the zero-bubble schedule fills it with weight-gradient passes, the V-shaped schedules'
     # replayed (`pipeline_model.idle_slots` of the step's compute, exchanges and fixed costs)
-    bubble = idle_slots(layout.schedule, layout.pp, micro_batches, layout.virtual_stages) * (compute + a2a + overhead)
+    bubble = idle_slots(layout.schedule, layout.pp, micro_batches, layout.virtual_stages) * (
+        compute + a2a + overhead + tensor)
     compute, a2a, overhead = compute * micro_batches, a2a * micro_batches, overhead * micro_batches
+    tensor *= micro_batches
 
     exposed, gather, across, gather_hidden = optimizer_seconds(model, layout, cluster, compute, micro_forward, overlap)
     return TimeEstimate(compute=compute, all_to_all=a2a, grad_reduce=exposed, param_gather=gather,
                         bubble=bubble, overhead=overhead,
                         experts=expert_layer * n_moe * micro_batches,
                         all_to_all_hidden=hidden_layer * n_moe * micro_batches,
-                        p2p=p2p_seconds(model, layout, cluster), reduce_across=across, gather_hidden=gather_hidden)
+                        p2p=p2p_seconds(model, layout, cluster), reduce_across=across, gather_hidden=gather_hidden,
+                        tensor=tensor)
+
+
+def tensor_seconds(model: ModelShape, layout: Layout, cluster: Cluster, layers: int, moe_layers: int, first: bool,
+                   last: bool) -> float:
+    """One micro-batch's tensor-parallel collectives on a rank of a stage with `layers` decoder layers
+    (`moe_layers` of them MoE), inside a node and not overlapped: an all-reduce of the micro-batch's
+    hidden states (sequence parallelism: an all-gather and a reduce-scatter, the same bytes) where each
+    split block's output leaves it forward and where its input's gradient leaves it backward, again for
+    a recomputed block; the MoE block is whole (none); the embedding's forward and the head's backward."""
+    if layout.tp <= 1:
+        return 0.0
+    nodes = -(-layout.tp // cluster.devices_per_node)
+    one = 2 * ring_time(layout.tokens_per_micro * model.hidden * layout.param_bytes, layout.tp, cluster, nodes)
+    parts = layout.checkpointing
+    again = {part: parts is True or bool(parts) and part in parts for part in ("attention", "moe")}
+    count = layers * (2 + again["attention"]) + (layers - moe_layers) * (2 + again["moe"]) + first + last
+    return count * one
 
 
 def optimizer_seconds(model: ModelShape, layout: Layout, cluster: Cluster, compute: float, micro_forward: float,
@@ -293,8 +321,8 @@ def optimizer_seconds(model: ModelShape, layout: Layout, cluster: Cluster, compu
     micro_batches = layout.accumulation
     p = layout.param_bytes
     dense, expert = local_params(model, layout)
-    # the data-parallel group is a pipeline stage's ranks (all ranks without a pipeline)
-    dp_nodes = -(-layout.dp // cluster.devices_per_node)
+    # the data-parallel group is a pipeline stage's ranks at one TP position (every tp-th rank)
+    dp_nodes = -(-(layout.dp * layout.tp) // cluster.devices_per_node)
     # the expert-data-parallel group takes every ep-th rank: one per node once ep >= a node
     edp_nodes = min(layout.edp, dp_nodes) if dp_nodes > 1 else 1
     across = gather_hidden = 0.0
@@ -339,9 +367,10 @@ def optimizer_collectives(dense: float, expert: float, layout: Layout, cluster: 
     expert-data-parallel group (every ep-th rank, one per node once ep >= a node); with hybrid sharding
     (`shard_group`) each over runs of that many of the group's ranks, replicated across the runs."""
     per_node = cluster.devices_per_node
-    dp_nodes = -(-layout.dp // per_node)
+    dp_nodes = -(-(layout.dp * layout.tp) // per_node)
     out = [0.0, 0.0, 0.0]
-    for elements, size, stride in ((dense, layout.dp, 1), (expert, layout.edp, layout.ep)):
+    # with tensor parallelism both groups take every tp-th rank (one TP position's)
+    for elements, size, stride in ((dense, layout.dp, layout.tp), (expert, layout.edp, layout.ep * layout.tp)):
         if not elements or size <= 1:
             continue
         nodes = min(size, -(-size * stride // per_node), dp_nodes)  # the group's ranks are on this many nodes

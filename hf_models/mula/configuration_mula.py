@@ -55,6 +55,24 @@ PRESETS: dict[str, dict[str, Any]] = {
         **_OLMO_VOCAB, hidden_size=3072, num_hidden_layers=64, num_attention_heads=24,
         num_experts=240, num_experts_per_tok=8, moe_intermediate_size=1536,
     ),
+    # The dense GPT-style models of the Frontier study (Dash et al., "Optimizing Distributed Training on
+    # Frontier for Large Language Models", ISC 2024, arXiv 2312.12705): layers, width and heads as its
+    # authors' Megatron-DeepSpeed launch scripts give them (22B: 48 x 6144, 48 heads; 175B: 96 x 12288,
+    # 96 heads; 1T: 128 x 25600, 200 heads), as Mula blocks: full multi-head attention, a SwiGLU FFN of
+    # the GELU MLP's parameters (8h/3, to a multiple of 64), no QK-norm, untied embeddings (pipeline
+    # stages), the 50304-entry vocabulary. 22.36B, 175.18B and 1,009.4B parameters.
+    "frontier-22b": dict(
+        **_OLMO_VOCAB, hidden_size=6144, num_hidden_layers=48, num_attention_heads=48, intermediate_size=16384,
+        num_experts=0, qk_norm=False, tie_word_embeddings=False, max_position_embeddings=4096,
+    ),
+    "frontier-175b": dict(
+        **_OLMO_VOCAB, hidden_size=12288, num_hidden_layers=96, num_attention_heads=96, intermediate_size=32768,
+        num_experts=0, qk_norm=False, tie_word_embeddings=False, max_position_embeddings=4096,
+    ),
+    "frontier-1t": dict(
+        **_OLMO_VOCAB, hidden_size=25600, num_hidden_layers=128, num_attention_heads=200, intermediate_size=68288,
+        num_experts=0, qk_norm=False, tie_word_embeddings=False, max_position_embeddings=4096,
+    ),
     # CPU-sized models for tests, examples and the tiny pretraining run.
     "mula-tiny-dense": dict(
         vocab_size=4096, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
