@@ -6,6 +6,7 @@ TP size resumes at others (and with PP and EP changed); bad TP settings are one 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -152,3 +153,40 @@ def test_what_tensor_parallelism_cannot_run_is_one_line_from_rank_zero(tmp_path,
             node[last] = int(value)
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
             check_run(bad, world=2)
+
+
+@pytest.mark.slow
+def test_tensor_parallelism_in_bf16_trains_as_one_process_does(tmp_path, cache):
+    """bf16 weights and activations: the split matmuls round their halves' sums to bf16 apart, so the
+    runs agree to one bf16 rounding (2**-8 relative) in every step's loss and the first gradient norm."""
+    runs = {}
+    for name, world, layout in (("one", 1, {}), ("tp2", 2, {"tensor_parallel": {"size": 2}})):
+        config = run_config(tmp_path, cache, name, micro=2, sharded_optimizer={"enabled": True}, **layout)
+        config["bf16"] = {"enabled": True}
+        runs[name] = run_distributed(pretrain_worker, world, config)[0], step_metrics(config)[1]["grad_norm"]
+    (one, norm), (tp2, tp_norm) = runs["one"], runs["tp2"]
+    assert sorted(tp2["losses"]) == list(range(1, STEPS + 1))
+    for step, loss in one["losses"].items():
+        assert tp2["losses"][step] == pytest.approx(loss, rel=2**-8), step
+    assert tp_norm == pytest.approx(norm, rel=2**-8)
+
+
+@pytest.mark.slow
+def test_the_guards_skip_and_roll_back_a_tensor_parallel_run(tmp_path, cache, monkeypatch):
+    """A non-finite loss on one rank of a TP group is skipped on both (the TP collectives carry it into the
+    other's gradients; the norm is the world's); two in a row roll the run back to its last checkpoint,
+    whose parts both ranks load, and the run ends with finite losses."""
+    faults = [{"kind": "nan_loss", "step": 3, "rank": 1},
+              {"kind": "nan_loss", "step": 5, "rank": 0}, {"kind": "nan_loss", "step": 6, "rank": 1}]
+    monkeypatch.setenv("DS_OPTIMUS_FAULTS", json.dumps(faults))
+    config = run_config(tmp_path, cache, "guarded", micro=2, tensor_parallel={"size": 2},
+                        sharded_optimizer={"enabled": True}, guards={"rollback_after": 2},
+                        checkpoint={"interval": 2, "keep_last": 2}, train={"steps": 8, "eval_interval": 0})
+    summaries = run_distributed(pretrain_worker, 2, config)
+    assert summaries[0]["rollbacks"] == summaries[1]["rollbacks"] == 1
+    losses = summaries[0]["losses"]
+    assert repr(losses) == repr(summaries[1]["losses"]) and sorted(losses) == list(range(1, 9))  # nan == nan
+    log = (Path(config["optimus"]["train"]["output_dir"]) / "log.txt").read_text()
+    assert "step 3: update skipped on every rank (loss is nan)" in log
+    assert "step 6: 2 bad steps in a row (loss is nan); rolled back to step_00000004" in log
+    assert all(math.isfinite(losses[step]) for step in (5, 6, 7, 8))  # the last run of each step
