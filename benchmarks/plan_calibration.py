@@ -85,8 +85,9 @@ def frontier_rows() -> list[dict]:
         plan = evaluate(model, layout, cluster)
         counted = plan.mfu * 4 / 3  # as Megatron counts: the recomputed forward too
         name = preset.removeprefix("frontier-").upper()
-        rows.append({"row": f"{name} on {devices} MI250X GCDs, the study's script layout {layout.describe()}: "
-                            f"GPU throughput (MFU x 4/3; peak {plan.memory.peak / 2**30:.1f} GiB)",
+        rows.append({"row": f"{name} on {devices} MI250X GCDs, the study's script layout {layout.describe()}, "
+                            f"{seq:,}-token sequences: GPU throughput (MFU x 4/3; peak "
+                            f"{plan.memory.peak / 2**30:.1f} GiB)",
                      "source": source, "layout": layout.describe(), "quantity": "throughput", "measured": throughput,
                      "predicted": counted, "band": None, "error": counted - throughput, "error_kind": "points"})
         if scaled:

@@ -916,9 +916,26 @@ def test_the_planner_finds_the_frontier_study_layouts_that_fit_only_with_tensor_
     # sequence parallelism cuts the activations of the same layout
     layout = with_tp[0].layout
     assert estimate_memory(model, layout).activations < estimate_memory(model, layout.with_(sp=False)).activations
-    # an MoE model keeps TP 1 in the default search: its experts would run whole on every TP rank
+    # an MoE model keeps TP 1 in the default search: TP would split only its attention, embedding and head
     moe = ModelShape.from_preset("mula-7b-a1b")
     assert {p.layout.tp for p in search(moe, get_cluster("h100"), 64, 1024, 4096)[0]} == {1}
+    # with sequence parallelism each rank of a TP group routes its own half: half the expert work and exchange
+    tp2 = Layout(world=64, ep=8, tp=2, zero=1, sharded=True, micro=1, accumulation=4, seq_len=4096)
+    apart, whole = (estimate_time(moe, layout, get_cluster("h100")) for layout in (tp2.with_(sp=True), tp2))
+    assert apart.experts == pytest.approx(whole.experts / 2) and apart.all_to_all < whole.all_to_all
+
+
+def test_the_tensor_sizes_of_the_search_are_chosen_on_the_command_line(capsys):
+    """`--tensor 1` leaves TP out of a dense model's search (the 175B's best is then 2.8x slower); a bad list
+    is one line."""
+    args = ["--model", "frontier-175b", "--cluster", "frontier", "--devices", "1024", "--global-batch", "640",
+            "--seq-len", "2048", "--top", "1"]
+    assert plan_main([*args, "--tensor", "1"]) == 0
+    best = capsys.readouterr().out.splitlines()[-1]
+    assert " tp" not in best and "pp16" in best
+    assert plan_main([*args, "--tensor", "2,x"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == \
+        "ds_optimus.plan: error: --tensor takes comma-separated positive integers, got '2,x'"
 
 
 def test_a_layout_with_tensor_parallelism_reads_back_from_its_config():

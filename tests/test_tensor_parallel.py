@@ -251,3 +251,33 @@ def test_optimizer_state_saved_at_one_tensor_parallel_size_loads_at_another(dim)
                 for i, key in enumerate(("master", "exp_avg", "exp_avg_sq")):
                     expected = whole.reshape(-1)[space.indices] + i
                     assert torch.equal(getattr(space, key), expected), (saved_layout, layout, key)
+
+
+def test_every_rank_gets_its_groups_with_tensor_parallelism_innermost(monkeypatch):
+    """16 ranks as TP 2 x (DP 8 = EP 4 x EDP 2), the EP groups hierarchical over nodes of 2 (of one TP
+    position's ranks): each rank's TP group is its pair, its DP/EP/EDP/intra/inter groups are made over its TP
+    position's ranks, and its experts' group across TP positions joins both positions' EDP groups (made on a
+    stand-in of torch.distributed that records the ranks of every group)."""
+    from types import SimpleNamespace
+
+    from ds_optimus.parallel import groups as G
+
+    world = 16
+    for rank in range(world):
+        fake = SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True,
+                               get_world_size=lambda group=None: world, get_rank=lambda group=None, r=rank: r,
+                               new_group=lambda ranks: tuple(ranks), group=SimpleNamespace(WORLD="world"))
+        monkeypatch.setattr(G, "dist", fake)
+        G.destroy_expert_parallel_groups()
+        G.init_tensor_parallel_groups(2)
+        got = G.init_expert_parallel_groups(4, node_size=2)
+        t, d = rank % 2, rank // 2
+        position = list(range(t, world, 2))
+        assert got.tensor.ranks == [rank - t, rank - t + 1] and got.dp_ranks == position
+        assert got.ep_ranks == position[d // 4 * 4:d // 4 * 4 + 4] and got.edp_ranks == position[d % 4::4]
+        assert got.intra_node_group == tuple(position[d // 2 * 2:d // 2 * 2 + 2])
+        assert got.inter_node_group == tuple(got.ep_ranks[d % 2::2])
+        assert got.edp_tp_group == tuple(sorted(position[d % 4::4] + [r + 1 - 2 * t for r in position[d % 4::4]]))
+        assert G.layout_position(rank, world, 1, 2, 4) == {"stage": 0, "tp_rank": t, "dp_rank": d, "dp_size": 8,
+                                                           "ep_rank": d % 4}
+    G.destroy_expert_parallel_groups()

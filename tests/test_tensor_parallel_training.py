@@ -18,6 +18,9 @@ from train_workers import cli_errors_worker, pretrain_worker
 # the dense preset (tied embeddings), without the MoE router settings `run_config` gives; untied under stages
 DENSE = {"preset": "mula-tiny-dense", "overrides": {"router_bias_update_rate": 0.0}}
 SP = {"size": 2, "sequence_parallel": True}
+# the MoE preset with the router losses off: under sequence parallelism they are each rank's tokens'
+# statistics, which the one-process run does not form (the aux-free bias stays on)
+QUIET = {"preset": "mula-tiny-moe", "overrides": {"router_aux_loss_coef": 0.0, "router_z_loss_coef": 0.0}}
 UNTIED = {"preset": "mula-tiny-dense", "overrides": {"router_bias_update_rate": 0.0, "tie_word_embeddings": False}}
 
 
@@ -37,7 +40,8 @@ def references(tmp_path_factory, cache):
     """The one-process runs (the MoE preset, the dense one) every tensor-parallel run must reproduce."""
     return {"moe": _reference(tmp_path_factory.mktemp("one-moe"), cache),
             "dense": _reference(tmp_path_factory.mktemp("one-dense"), cache, model=DENSE),
-            "untied": _reference(tmp_path_factory.mktemp("one-untied"), cache, model=UNTIED)}
+            "untied": _reference(tmp_path_factory.mktemp("one-untied"), cache, model=UNTIED),
+            "quiet": _reference(tmp_path_factory.mktemp("one-quiet"), cache, model=QUIET)}
 
 
 @pytest.mark.slow
@@ -52,11 +56,17 @@ def references(tmp_path_factory, cache):
     ("untied", 4, 2, {"tensor_parallel": SP, "pipeline_parallel": {"size": 2},
                       "train": {"activation_checkpointing": ["attention", "norms"]}}),
     ("untied", 4, 1, {"tensor_parallel": SP}),
+    ("quiet", 2, 2, {"tensor_parallel": SP}),
+    ("quiet", 4, 1, {"tensor_parallel": SP, "expert_parallel": {"size": 2}}),
+    ("quiet", 4, 2, {"tensor_parallel": SP, "pipeline_parallel": {"size": 2, "schedule": "zbv", "virtual_stages": 2},
+                     "train": {"activation_checkpointing": True}}),
 ], ids=["dense-tp2", "dense-tp2-pp2", "moe-tp2-recompute", "moe-tp2-pp2-interleaved", "moe-tp2-ep2", "moe-tp2-dp2",
-        "dense-tp2-sp", "dense-tp2-sp-pp2-recompute", "dense-tp2-sp-dp2"])
+        "dense-tp2-sp", "dense-tp2-sp-pp2-recompute", "dense-tp2-sp-dp2", "moe-tp2-sp", "moe-tp2-sp-ep2",
+        "moe-tp2-sp-pp2-zbv-recompute"])
 def test_two_tensor_parallel_ranks_train_as_one_process(tmp_path, cache, references, model, world, micro, layout):
-    """Sequence parallelism (dense): the norms and the residual stream cut along the sequence, the norms'
-    gradients summed over every TP position's data-parallel ranks.
+    """Sequence parallelism: the norms, the residual stream and the MoE blocks cut along the sequence, the
+    norms', routers' and experts' gradients summed over every TP position's ranks that hold them, the
+    aux-free bias moved by every rank's loads.
     fp32, 10 steps of 8 sequences: the split matmuls add their products in two halves, so losses agree
     to a few float32 roundings (rel 1e-5), the gradient norm (split parts counted on every TP rank,
     replicated weights once) to 1e-6, and the weights as `assert_same_run` allows (Adam turns the
@@ -64,7 +74,7 @@ def test_two_tensor_parallel_ranks_train_as_one_process(tmp_path, cache, referen
     sections = {"tensor_parallel": {"size": 2}, **layout,
                 "sharded_optimizer": {"enabled": True, **layout.get("sharded_optimizer", {})}}
     if model != "moe":
-        sections["model"] = DENSE if model == "dense" else UNTIED
+        sections["model"] = {"dense": DENSE, "untied": UNTIED, "quiet": QUIET}[model]
     config = run_config(tmp_path, cache, "tp", micro=micro, **sections)
     summaries = run_distributed(pretrain_worker, world, config)
     assert all(s["losses"] == summaries[0]["losses"] for s in summaries)  # every rank reports the step's loss
@@ -72,7 +82,7 @@ def test_two_tensor_parallel_ranks_train_as_one_process(tmp_path, cache, referen
     assert_same_run(summaries[0], hf_weights(config), reference)
     first, first_ref = step_metrics(config)[1], reference["metrics"][1]
     assert first["grad_norm"] == pytest.approx(first_ref["grad_norm"], rel=1e-6)
-    if model == "moe":  # expert loads counted once per TP group
+    if model in ("moe", "quiet"):  # expert loads counted once (with SP: each rank its own tokens')
         loads = {k: v for k, v in first_ref.items() if k.startswith("expert_imbalance")}
         assert len(loads) > 4 and {k: first[k] for k in loads} == pytest.approx(loads, rel=1e-6)
     log = (Path(config["optimus"]["train"]["output_dir"]) / "log.txt").read_text()
@@ -121,7 +131,7 @@ def test_a_tensor_parallel_checkpoint_resumes_at_other_tensor_pipeline_and_exper
 @pytest.mark.slow
 def test_what_tensor_parallelism_cannot_run_is_one_line_from_rank_zero(tmp_path, cache):
     """A TP size that does not divide the ranks, heads it does not divide, TP without the sharded
-    optimizer, a bad size, sequence parallelism on an MoE model or without TP: one line each, printed
+    optimizer, a bad size, sequence parallelism without TP: one line each, printed
     once; `--check` says the same before a launch."""
     base = run_config(tmp_path, cache, "bad", micro=2, sharded_optimizer={"enabled": True})
     cases = [
@@ -131,8 +141,6 @@ def test_what_tensor_parallelism_cannot_run_is_one_line_from_rank_zero(tmp_path,
         (["optimus.tensor_parallel.size=2", "optimus.sharded_optimizer.enabled=false"],
          "optimus.tensor_parallel needs optimus.sharded_optimizer.enabled true"),
         (["optimus.tensor_parallel.size=0"], "optimus.tensor_parallel.size must be a positive integer, got 0"),
-        (["optimus.tensor_parallel.size=2", "optimus.tensor_parallel.sequence_parallel=true"],
-         "sequence parallelism with MoE layers is not built yet"),
         (["optimus.tensor_parallel.sequence_parallel=true"], "optimus.tensor_parallel.sequence_parallel needs "
                                                              "optimus.tensor_parallel.size above 1"),
     ]

@@ -116,8 +116,9 @@ class ShardedOptimizer:
         # the split dimension and this rank's part of it), and this rank's place in its TP group; the
         # other parameters are the same on every rank of the group, counted in the norm by its first
         self.tensor_splits, self.tensor_rank = dict(tensor_splits or {}), tensor_rank
-        # sequence parallelism: the dense replicated parameters' gradients are parts of the whole on each TP
-        # rank, reduced (and their state sharded) over this group: every TP position's data-parallel ranks
+        # sequence parallelism: the replicated parameters' gradients are parts of the whole on each TP rank,
+        # the dense ones reduced (and their state sharded) over this group, every TP position's data-parallel
+        # ranks; the experts' over their EDP groups of every TP position (`ExpertParallelGroups.edp_tp_group`)
         self.replicated_group = replicated_group
         self.spaces = self._build_spaces(param_names, bucket_size, reduce_dtype)
         device = self.spaces[0].device if self.spaces else torch.device("cpu")
@@ -160,8 +161,12 @@ class ShardedOptimizer:
                 if param_names.get(p) in self.tensor_splits:
                     kind = "tensor"  # this rank's part of a split parameter: reduced with the dense ones
                 members.setdefault((kind, p.dtype), []).append(p)
+        # under sequence parallelism the experts' gradients are parts too: reduced over their EDP groups of
+        # every TP position
+        sequence = self.replicated_group is not None
         kinds = {"dense": self.replicated_group or self.dense_group, "tensor": self.dense_group,
-                 **{name: g.edp_group for name, g in self.expert_groups.items()}}
+                 **{name: g.edp_tp_group if sequence and g.edp_tp_group is not None else g.edp_group
+                    for name, g in self.expert_groups.items()}}
         hybrid = hybrid_shard_groups(kinds, self.shard_group_size)  # a LayoutError (one line) for a bad size
         spaces = []
         for (kind, dtype), params in members.items():
@@ -187,8 +192,7 @@ class ShardedOptimizer:
                                 chunked, bucket_size, rdtype, replicas))
             spaces[-1].columns = list(columns)
             # in the gradient norm: every split part, and a replicated parameter on the TP group's first rank
-            spaces[-1].counted = kind == "tensor" or self.tensor_rank == 0 or \
-                (kind == "dense" and self.replicated_group is not None)
+            spaces[-1].counted = kind == "tensor" or self.tensor_rank == 0 or sequence
         return spaces
 
     def _place(self, name: str) -> tuple[int, tuple[int, int] | None]:

@@ -44,6 +44,9 @@ class ExpertParallelGroups:
     pipeline: PipelineGroups | None = None  # the pipeline layout these groups live in, with stages
     tensor: TensorParallelGroups | None = None  # the tensor-parallel layout, with T > 1
     dp_ranks: list[int] = field(default_factory=list)  # the data-parallel group's ranks
+    # with T > 1: the ranks holding this rank's experts at every TP position (the EDP groups of the T
+    # positions joined), over which sequence parallelism reduces the experts' gradients
+    edp_tp_group: object = None
     name: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -234,6 +237,10 @@ def init_expert_parallel_groups(ep_size: int, node_size: int | None = None, pipe
             for ep_start in range(0, len(ranks), ep_size):
                 for local in range(node_size):
                     new_group("inter", ranks[ep_start + local:ep_start + ep_size:node_size])
+    if tensor_size > 1:  # the same experts at every TP position of a stage
+        for first in range(0, len(runs), tensor_size):
+            for i in range(ep_size):
+                new_group("edp_tp", sorted(r for run in runs[first:first + tensor_size] for r in run[i::ep_size]))
 
     ep_ranks, ep_group = mine["ep"]
     edp_ranks, edp_group = mine["edp"]
@@ -243,7 +250,7 @@ def init_expert_parallel_groups(ep_size: int, node_size: int | None = None, pipe
         ep_group=ep_group, edp_ranks=edp_ranks, edp_group=edp_group, dp_group=dp_group,
         node_size=node_size, intra_node_group=mine.get("intra", (None, None))[1],
         inter_node_group=mine.get("inter", (None, None))[1], pipeline=pipeline if pipeline_size > 1 else None,
-        tensor=tensor if tensor_size > 1 else None, dp_ranks=dp_ranks,
+        tensor=tensor if tensor_size > 1 else None, dp_ranks=dp_ranks, edp_tp_group=mine.get("edp_tp", (None, None))[1],
     )
     _CACHE[key] = groups
     return groups

@@ -109,8 +109,9 @@ class PipelineLoss:
     layer (from the statistics the stages passed on), over `micro_batches` so that the schedule's
     backward passes add up to the step's mean. Each micro-batch's parts are kept in `records`."""
 
-    def __init__(self, model: nn.Module, micro_batches: int, group=None) -> None:
+    def __init__(self, model: nn.Module, micro_batches: int, group=None, router_share: float = 1.0) -> None:
         self.model, self.micro_batches, self.group = model, micro_batches, group
+        self.router_share = router_share  # under sequence parallelism over T ranks, 1/T: its tokens' router losses
         self.records: list[dict[str, torch.Tensor | None]] = []
 
     def __call__(self, output, target: torch.Tensor) -> torch.Tensor:
@@ -131,7 +132,8 @@ class PipelineLoss:
                 getattr(config, "router_aux_loss_type", "mula"))
             record.update(aux_loss=aux.detach(), z_loss=z.detach(), tokens_per_expert=tokens_per_expert)
             if self.model.training:
-                loss = loss + (config.router_aux_loss_coef * aux + config.router_z_loss_coef * z).to(loss.device)
+                router = (config.router_aux_loss_coef * aux + config.router_z_loss_coef * z) * self.router_share
+                loss = loss + router.to(loss.device)
         record["loss"] = loss.detach()
         self.records.append(record)
         return loss / self.micro_batches if self.model.training else loss

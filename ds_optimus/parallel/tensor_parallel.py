@@ -43,9 +43,9 @@ class TensorParallelConfig(Section):
     each TP position."""
 
     size: int = 1  # ranks per tensor-parallel group (innermost: consecutive ranks)
-    # the norms and residual stream between the split blocks cut along the sequence over the group
-    # (Megatron-LM's sequence parallelism): activations there 1/T each, all-gathers and reduce-scatters in
-    # place of the all-reduces; dense models (MoE layers: not yet)
+    # the norms, the residual stream and the MoE blocks between the split blocks cut along the sequence
+    # over the group (Megatron-LM's sequence parallelism): activations there 1/T each, all-gathers and
+    # reduce-scatters in place of the all-reduces, each MoE block routing this rank's tokens only
     sequence_parallel: bool = False
 
     def check(self, where: str) -> None:
@@ -183,7 +183,7 @@ class _ScatterSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _seq_gather(grad, ctx.group), None
+        return _seq_gather(grad, ctx.group).contiguous(), None  # sent back to the previous stage as it is
 
 
 class _JoinSequence(torch.autograd.Function):
@@ -443,11 +443,10 @@ def apply_sequence_parallel(model: MulaForCausalLM, group, chunks: list[range] |
     output along the sequence. The embedding, the positions and the mask stay whole (they are made
     before the first layer); norms and their weights see this rank's tokens only, so a replicated
     weight's gradient is part of the whole, summed over the group with the data-parallel ones (the
-    sharded optimizer's `sequence_parallel` group). Dense models only."""
+    sharded optimizer's `replicated_group`). An MoE block runs on this rank's tokens alone (its router,
+    experts and exchange), so its weights' gradients are parts too, and its router losses are this
+    rank's tokens' (see `sequence_router_share`)."""
     config = model.config
-    if config.num_experts:
-        raise TensorParallelError("sequence parallelism with MoE layers is not built yet: set "
-                                  "optimus.tensor_parallel.sequence_parallel to false")
     layers = model.model.layers
     held = {int(k): v for k, v in layers.items()} if isinstance(layers, nn.ModuleDict) else dict(enumerate(layers))
     for run in chunks or [range(config.num_hidden_layers)]:
@@ -462,6 +461,13 @@ def apply_sequence_parallel(model: MulaForCausalLM, group, chunks: list[range] |
                     module.sequence = True
                 if isinstance(module, (MulaAttention, MulaMLP)):  # one gather of the input for its projections
                     module.register_forward_pre_hook(functools.partial(_gather_input, group=group))
+
+
+def sequence_router_share(loss: torch.Tensor, lm_loss: torch.Tensor, size: int) -> torch.Tensor:
+    """A rank's loss under sequence parallelism over `size` ranks: the LM loss (the same on every rank)
+    plus 1/size of its router losses, which are its own tokens' (the group's gradients then add up to
+    the LM loss's and the mean of the ranks' router losses)."""
+    return lm_loss + (loss - lm_loss) / size
 
 
 def _scatter_input(module, args, group):

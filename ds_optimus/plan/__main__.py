@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training dtype (default: bf16 on accelerators, fp32 on a CPU cluster)")
     p.add_argument("--no-pipeline", action="store_true",
                    help="no pipeline stages (default: also pipeline-parallel layouts, 1F1B or interleaved)")
+    p.add_argument("--tensor", default=None, metavar="T,T,...",
+                   help="tensor-parallel sizes to try, comma-separated (default: 1,2,4,8 for a dense model, 1 for "
+                        "an MoE one; each inside a node and dividing the model's widths)")
     p.add_argument("--dispatch", choices=("all", "alltoall", "allgather"), default="all",
                    help="EP exchanges: the all-to-all, the allgather dispatch (EP inside a node), or both (default)")
     p.add_argument("--optimizer", choices=("all", "sharded", "deepspeed"), default="all",
@@ -105,6 +108,19 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
     except (ClusterError, LayoutError, ScalingError, ValueError, OSError) as err:
         return fail("ds_optimus.plan", err)
+
+
+def _tensor_sizes(text: str | None) -> tuple[int, ...] | None:
+    """`--tensor`'s sizes (None: the search's default); a one-line error for anything but positive integers."""
+    if text is None:
+        return None
+    try:
+        sizes = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--tensor takes comma-separated positive integers, got {text!r}")
+    return sizes
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -156,7 +172,7 @@ def _run(args: argparse.Namespace) -> int:
                    if args.whole_layer_checkpointing else RECOMPUTE_CHOICES,
                    exchanges={"all": EXCHANGES, "per-slot": EXCHANGES[:1],
                               "no-overlap": tuple(e for e in EXCHANGES if e[1] == 1)}[args.exchange],
-                   expert_imbalance=args.expert_imbalance)
+                   expert_imbalance=args.expert_imbalance, tensor=_tensor_sizes(args.tensor))
     report: dict = {"model": args.model, "cluster": cluster.to_json(), "dtype": dtype, "seq_len": seq_len}
 
     print(f"{args.model}: {_count(model.total_params)} parameters ({_count(model.expert_params)} in experts), "

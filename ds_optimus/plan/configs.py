@@ -59,7 +59,8 @@ def layout_config(layout: Layout, preset: str, cluster: Cluster | None = None,
     optimus.setdefault("model", {})["preset"] = preset
     # node_size selects the hierarchical exchange: whole nodes, or gcd(ep, devices per node) sub-nodes
     # where the groups are not aligned to nodes (the planner's `hierarchy_node_size`)
-    node_size = hierarchy_node_size(layout.ep, cluster.devices_per_node) \
+    # (an EP group's ranks on a node: devices per node over the TP size, as an EP group is one TP position's)
+    node_size = hierarchy_node_size(layout.ep, cluster.devices_per_node // layout.tp) \
         if layout.hierarchical and cluster is not None else None
     optimus["expert_parallel"] = {"size": layout.ep, "node_size": node_size, "dedup": layout.dedup,
                                   "chunks": layout.chunks}

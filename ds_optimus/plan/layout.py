@@ -120,8 +120,8 @@ class Layout:
                               "of a stage")
         if self.tp > 1 and not self.sharded:
             raise LayoutError("tensor parallelism runs with the EP-aware sharded optimizer")
-        if self.sp and (self.tp == 1 or experts):
-            raise LayoutError("sequence parallelism needs tensor parallelism and a dense model")
+        if self.sp and self.tp == 1:
+            raise LayoutError("sequence parallelism needs tensor parallelism")
         if self.sp and self.seq_len % self.tp:
             raise LayoutError(f"sequence parallelism: seq_len {self.seq_len} does not divide over tp {self.tp}")
         if self.dp % self.ep:

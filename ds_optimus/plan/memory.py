@@ -162,7 +162,8 @@ def _estimate(model: ModelShape, layout: Layout, part: _Part, expert_imbalance: 
     n_local = dense + expert
     weights = p * n_local
     # elements of this rank's shard of the optimizer state (hybrid sharding: over the shard group)
-    shard = dense / layout.shard_size(layout.dp) + expert / layout.shard_size(layout.edp)
+    # (under sequence parallelism the experts' state over their EDP groups of every TP position)
+    shard = dense / layout.shard_size(layout.dp) + expert / layout.shard_size(layout.edp * layout.sp_size)
     shard = shard if layout.zero > 0 else n_local
     largest = max(_buckets(dense, layout.bucket_size), _buckets(expert, layout.bucket_size))
     second = min(_buckets(dense, layout.bucket_size), _buckets(expert, layout.bucket_size)) if expert else (
@@ -183,12 +184,12 @@ def _estimate(model: ModelShape, layout: Layout, part: _Part, expert_imbalance: 
     # live only inside a MoE layer: at most, inside the last one's forward, with every activation
     # but the head's already saved. The allgather dispatch holds the group's gathered tokens and
     # their partial outputs instead: 2 x EP rows per token, whatever top-k is.
-    all_to_all = 0.0
+    all_to_all, routed = 0.0, tokens / layout.sp_size  # under sequence parallelism a rank routes its 1/T
     if layout.ep > 1 and part.moe:
         if layout.dispatch == "allgather":
-            all_to_all = 2 * layout.ep * tokens * model.hidden * p
+            all_to_all = 2 * layout.ep * routed * model.hidden * p
         else:
-            all_to_all = (3 if layout.hierarchical else 2) * tokens * model.top_k * model.hidden * p * expert_imbalance
+            all_to_all = (3 if layout.hierarchical else 2) * routed * model.top_k * model.hidden * p * expert_imbalance
 
     later, moment = 0.0, "start of backward"
     if layout.sharded:

@@ -128,17 +128,19 @@ class ModelShape:
         routed = k * (a * (2 * self.hidden + 2 * i) + _INDEX_BYTES_PER_SLOT)
         return router + imbalance * routed
 
-    def _side(self, a: int, inner: float, block: bool, norm: bool, sp: int = 1) -> float:
+    def _side(self, a: int, inner: float, block: bool, norm: bool, sp: int = 1, gathered: bool = True) -> float:
         """Bytes per token of a norm and the block after it, either recomputed or not. Recomputed
         (non-reentrant checkpointing), a region keeps only its input: the norm's input (the residual
         stream), or the block's input (the norm's output) where the norm is not in the region. Under
         sequence parallelism (`sp` ranks) the residual stream and the norm hold 1/sp of the tokens; the
-        block's input is gathered whole for its projections, which keep it."""
+        block's input is gathered whole for its projections, which keep it (an MoE block, not `gathered`,
+        keeps this rank's tokens)."""
         x = a * self.hidden
         kept_by_norm = x / sp if norm else self._norm(self.hidden, a) / sp
+        block_input = x if gathered else x / sp
         if block:
-            return x / sp if norm else kept_by_norm + x
-        return kept_by_norm + x + inner
+            return x / sp if norm else kept_by_norm + block_input
+        return kept_by_norm + block_input + inner
 
     def layer_saved_bytes_per_token(self, a: int, moe: bool, recompute: bool | tuple[str, ...] = False,
                                     imbalance: float = 1.0, tp: int = 1, sp: int = 1) -> float:
@@ -150,8 +152,10 @@ class ModelShape:
             return a * self.hidden / sp
         parts = recompute or ()
         norm = "norms" in parts
+        # under sequence parallelism an MoE block routes this rank's tokens: 1/sp of its rows
+        ffn = self._ffn_inner(a, moe, imbalance, tp) / (sp if moe else 1)
         return (self._side(a, self._attention_inner(a, tp), "attention" in parts, norm, sp)
-                + self._side(a, self._ffn_inner(a, moe, imbalance, tp), "moe" in parts, norm, sp))
+                + self._side(a, ffn, "moe" in parts, norm, sp, gathered=not moe))
 
     def layer_bytes(self, a: int, moe: bool, imbalance: float = 1.0) -> float:
         """Bytes one token's decoder layer saves without recomputation."""

@@ -105,14 +105,14 @@ def candidate_layouts(model: ModelShape, cluster: Cluster, devices: int, global_
     exchanges (the allgather one where the EP group is inside a node); `pipeline`: also pipeline
     stages (sizes up to 16 dividing the layers and the devices; untied models only), with the
     sharded optimizer; `tensor`: the tensor-parallel sizes to try (inside a node, dividing the model's
-    widths; by default 1, 2, 4 and 8 for a dense model, with and without sequence parallelism, and 1 for
-    an MoE model, whose experts tensor parallelism would run on every rank of its group)."""
+    widths; by default 1, 2, 4 and 8 for a dense model, and 1 for an MoE model, of which TP splits only the
+    attention, embedding and head; each with and without sequence parallelism)."""
     overlap = not cluster.shared_compute  # gloo: no overlap
     layouts = []
     sizes = [p for p in _divisors(devices) if p <= 16 and model.layers % p == 0] if pipeline and not model.tied \
         else [1]
     splits = [(p, t, s) for p in sizes for t in tensor_sizes(model, cluster, devices // p, tensor)
-              for s in ((False, True) if t > 1 and not model.experts and seq_len % t == 0 else (False,))]
+              for s in ((False, True) if t > 1 and seq_len % t == 0 else (False,))]
     for pp, tp, sp in splits:
         dp = devices // pp // tp
         if global_batch % dp:
@@ -126,11 +126,11 @@ def candidate_layouts(model: ModelShape, cluster: Cluster, devices: int, global_
             # a hierarchical exchange where the group spans (sub-)nodes; dedup and chunks where there
             # is an exchange, chunks only where communication overlaps compute (not on shared cores);
             # the allgather dispatch inside a node
-            hierarchies = (False, True) if hierarchy_node_size(ep, cluster.devices_per_node) else (False,)
+            hierarchies = (False, True) if hierarchy_node_size(ep, cluster.devices_per_node // tp) else (False,)
             tried = [(d, c) for d, c in exchanges if ep > 1 and (overlap or c == 1)] or [(False, 1)]
             modes = [(h, d, c, "alltoall") for h in hierarchies for d, c in tried] \
                 if "alltoall" in dispatches or ep == 1 else []
-            if ep > 1 and "allgather" in dispatches and cluster.devices_per_node % ep == 0:
+            if ep > 1 and "allgather" in dispatches and (cluster.devices_per_node // tp) % ep == 0:
                 modes.append((False, False, 1, "allgather"))
             for zero, sharded in opts:
                 for micro in _divisors(per_rank):

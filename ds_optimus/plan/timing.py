@@ -176,7 +176,7 @@ def exchange_seconds(model: ModelShape, layout: Layout, cluster: Cluster, expert
                      passes: tuple[int, ...], overlap: bool) -> tuple[float, float, float]:
     """Seconds of one MoE layer's EP exchange for one micro-batch over every pass (forward, backward,
     recomputation): (exposed, hidden under the experts, the token counts' exchange)."""
-    tokens, p, ep = layout.tokens_per_micro, layout.param_bytes, layout.ep
+    tokens, p, ep = layout.tokens_per_micro / layout.sp_size, layout.param_bytes, layout.ep  # SP: its tokens
     if ep <= 1:
         return 0.0, 0.0, 0.0
     counts_passes = len(passes) - 1  # each forward (and recomputed one) first exchanges the counts (latency only)
@@ -370,7 +370,10 @@ def optimizer_collectives(dense: float, expert: float, layout: Layout, cluster: 
     dp_nodes = -(-(layout.dp * layout.tp) // per_node)
     out = [0.0, 0.0, 0.0]
     # with tensor parallelism both groups take every tp-th rank (one TP position's)
-    for elements, size, stride in ((dense, layout.dp, layout.tp), (expert, layout.edp, layout.ep * layout.tp)):
+    # (under sequence parallelism the experts' over their EDP groups of every TP position: T times the ranks)
+    sp = layout.sp_size
+    groups = ((dense, layout.dp, layout.tp), (expert, layout.edp * sp, layout.ep * layout.tp // sp))
+    for elements, size, stride in groups:
         if not elements or size <= 1:
             continue
         nodes = min(size, -(-size * stride // per_node), dp_nodes)  # the group's ranks are on this many nodes
@@ -397,6 +400,7 @@ def expert_seconds(model: ModelShape, layout: Layout, cluster: Cluster, expert_i
     """Forward seconds of one MoE layer's experts (grouped GEMMs) for one micro-batch, at the expert
     kernels' rate (`Cluster.expert_efficiency` of the peak), on the busiest rank (its experts get
     `expert_imbalance` times the mean rows)."""
-    flops = 2.0 * model.top_k * 3 * model.hidden * model.expert_intermediate * layout.tokens_per_micro
+    # under sequence parallelism a rank's MoE blocks route its 1/T of the tokens
+    flops = 2.0 * model.top_k * 3 * model.hidden * model.expert_intermediate * layout.tokens_per_micro / layout.sp_size
     ranks = layout.world if cluster.shared_compute else min(layout.world, cluster.devices_per_node)
     return flops * expert_imbalance / cluster.expert_rate(ranks)

@@ -46,6 +46,7 @@ class PipelineRunner:
         from ..parallel.pipeline import StageChunk
 
         pipeline, self.dp_group = groups.pipeline, groups.dp_group
+        self.tensor, self.sequence = opt.tensor_parallel.size, opt.tensor_parallel.sequence_parallel
         self.config, self.pipeline, self.accumulation, self.split = opt.pipeline_parallel, pipeline, accumulation, split
         self.micro, self.seq_len = micro, opt.data.seq_len
         self.total = len(split)
@@ -82,7 +83,8 @@ class PipelineRunner:
         from ..parallel.pipeline import PipelineLoss, build_schedule, each_micro_batch_reduction
 
         self.engine = engine
-        self.loss = PipelineLoss(engine.module, self.accumulation, group=self.dp_group)
+        sequence = self.tensor if self.sequence else 1  # each TP rank's router losses are its tokens'
+        self.loss = PipelineLoss(engine.module, self.accumulation, group=self.dp_group, router_share=1 / sequence)
         # the step's gradients add up in fp32 buckets, reduced in the drain; ZeRO-2 over one chunk per rank
         # reduces each micro-batch's instead
         engine.optimizer.defer_reduction = not each_micro_batch_reduction(engine.optimizer, self.config)

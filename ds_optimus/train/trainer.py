@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ..command_line import said_by_every_rank
 from ..config import load_json_config
 from ..parallel.groups import layout_position
+from ..parallel.tensor_parallel import sequence_router_share
 from ..reliability.heartbeat import waiting_for_peers
 from ..reliability.signals import EXIT_PREEMPTED
 from ..schema import ConfigError
@@ -69,7 +70,8 @@ class Trainer:
             self.micro_batch, self.accumulation = C.resolve_batch_sizes(self.ds_config, self.dp_world,
                                                                         opt.pipeline_parallel.size,
                                                                         opt.tensor_parallel.size)
-        self.tp = opt.tensor_parallel.size
+        self.tp, self.sequence = opt.tensor_parallel.size, opt.tensor_parallel.sequence_parallel
+        self.sequence_group = None  # under sequence parallelism: every TP position's data-parallel ranks
         self.position = layout_position(self.rank, self.world, opt.pipeline_parallel.size, self.tp,
                                         opt.expert_parallel.size)
         self.dp_rank, self.runner = self.position["dp_rank"], None
@@ -200,7 +202,8 @@ class Trainer:
         if self.runner is not None or self.tp > 1:  # a stage's ranks of one TP position: the engine's data parallelism
             from ..parallel.groups import EngineParallelism
 
-            mpu = EngineParallelism(self.groups, opt.tensor_parallel.sequence_parallel)
+            mpu = EngineParallelism(self.groups, self.sequence)
+            self.sequence_group = mpu.replicated_group
         self.engine, _, _, _ = deepspeed.initialize(
             model=self.model, lr_scheduler=schedule, config=engine_ds_config(config), mpu=mpu,
             model_parameters=moe_param_groups(self.model, weight_decay=weight_decay,
@@ -276,7 +279,10 @@ class Trainer:
             if out.tokens_per_expert is not None:
                 counts = out.tokens_per_expert.detach().float()
                 self.expert_loads = counts if self.expert_loads is None else self.expert_loads + counts
-            engine.backward(out.loss)
+            loss = out.loss
+            if self.sequence and out.aux_loss is not None:  # this rank's tokens' router losses: 1/T of them
+                loss = sequence_router_share(out.loss, out.lm_loss, self.tp)
+            engine.backward(loss)
             if micro == accumulation - 1:
                 self._reduce_step(parts)
             engine.step()
@@ -313,7 +319,8 @@ class Trainer:
         if loads is not None:
             flat = values[len(LOSS_PARTS) + len(flags) + 1:]
             experts = loads.shape[-1]
-            flat = [count / self.tp for count in flat]  # each rank of a TP group routes the same tokens
+            if not self.sequence:  # each rank of a TP group routes the same tokens (with SP, its own)
+                flat = [count / self.tp for count in flat]
             self.step_loads = [flat[i:i + experts] for i in range(0, len(flat), experts)]
             self.expert_loads = None
 

@@ -10,7 +10,8 @@ __all__ = ["RouterBiasCallback", "uses_router_bias"]
 
 class RouterBiasCallback(Callback):
     """After each optimizer step, move every MoE router's selection bias towards balance from the
-    loads counted since the last step, summed over the data-parallel ranks (one all-reduce, no host
+    loads counted since the last step, summed over the ranks that route other tokens (the data-parallel
+    ranks; with sequence parallelism every TP position's too) (one all-reduce, no host
     sync; `MulaForCausalLM.update_router_bias`). A step the guards skipped moves nothing. Models
     without a router bias are left alone."""
 
@@ -27,5 +28,7 @@ class RouterBiasCallback(Callback):
         if trainer.update_skipped:
             model.discard_router_loads()
             return
+        # the loads of every rank that routes other tokens: the data-parallel ranks, and under sequence
+        # parallelism every TP position's
         group = trainer.groups.dp_group if trainer.groups is not None else None
-        model.update_router_bias(group)
+        model.update_router_bias(getattr(trainer, "sequence_group", None) or group)
