@@ -28,3 +28,18 @@ collect_ignore = [] if os.environ.get(UPSTREAM) else ["deepspeed_upstream"]
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _workers_within_memory():
+    """After a test module, stop the kept worker processes of `distributed.run_distributed` (one pool per
+    world size, grown by every run they served) when less than a third of the machine's memory is free:
+    the next run starts fresh workers instead of being killed for memory beside them."""
+    yield
+    import sys
+
+    import psutil
+
+    memory = psutil.virtual_memory()
+    if memory.available < memory.total / 3 and "distributed" in sys.modules:
+        sys.modules["distributed"].close_pools()

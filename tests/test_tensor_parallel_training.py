@@ -24,6 +24,18 @@ QUIET = {"preset": "mula-tiny-moe", "overrides": {"router_aux_loss_coef": 0.0, "
 UNTIED = {"preset": "mula-tiny-dense", "overrides": {"router_bias_update_rate": 0.0, "tie_word_embeddings": False}}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _fresh_workers():
+    """These runs grow the kept worker processes (one pool per world size); they start from fresh workers
+    and stop theirs at the module's end, so that no later test shares the 24 GB of a CI machine with
+    workers every earlier test has grown (a 2-process run after this module was killed for memory)."""
+    from distributed import close_pools
+
+    close_pools()
+    yield
+    close_pools()
+
+
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("tp-cache")
