@@ -144,60 +144,36 @@ def _seq_reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
     return out.transpose(0, 1)
 
 
-class _GatherSequence(torch.autograd.Function):
-    """Sequence chunks joined forward; backward, the sum over the group cut to this rank's chunk (the
-    input of a split region: each rank's gradient is part of the whole)."""
+def _seq_gather_contiguous(x: torch.Tensor, group) -> torch.Tensor:
+    return _seq_gather(x, group).contiguous()  # sent between pipeline stages as it is
+
+
+class _AlongSequence(torch.autograd.Function):
+    """`there(x, group)` forward and `back(grad, group)` backward, two of the sequence collectives above."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_gather(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_reduce_scatter(grad, ctx.group), None
-
-
-class _ReduceScatterSequence(torch.autograd.Function):
-    """A split region's partial outputs summed over the group, this rank keeping its sequence chunk;
-    backward, the chunks' gradients joined."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_reduce_scatter(x, group)
+    def forward(ctx, x, group, there, back):
+        ctx.group, ctx.back = group, back
+        return there(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _seq_gather(grad, ctx.group), None
+        return ctx.back(grad, ctx.group), None, None, None
 
 
-class _ScatterSequence(torch.autograd.Function):
-    """A replicated activation cut to this rank's sequence chunk; backward, the chunks' gradients joined
-    (the same whole gradient on every rank, as a replicated activation's is)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_chunk(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_gather(grad, ctx.group).contiguous(), None  # sent back to the previous stage as it is
+# The four crossings of sequence parallelism, (forward, backward):
+# into a split block's projections: the chunks joined; the gradients' sum cut to this rank's chunk
+GATHER_INTO_SPLIT = (_seq_gather, _seq_reduce_scatter)
+# out of a split block: the partial outputs summed, this rank keeping its chunk; the gradients joined
+REDUCE_SCATTER_OUT = (_seq_reduce_scatter, _seq_gather)
+# a replicated activation into the cut stream (a run's first layer): this rank's chunk; the gradients joined
+SCATTER = (_seq_chunk, _seq_gather_contiguous)
+# the cut stream into a replicated activation (after a run's last layer): the chunks joined; this rank's chunk
+JOIN = (_seq_gather_contiguous, _seq_chunk)
 
 
-class _JoinSequence(torch.autograd.Function):
-    """Sequence chunks joined into the replicated activation that follows; backward, this rank's chunk of
-    the (replicated) gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_gather(x, group).contiguous()  # sent on to the next stage as it is
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_chunk(grad, ctx.group), None
+def _along_sequence(x: torch.Tensor, group, crossing) -> torch.Tensor:
+    return _AlongSequence.apply(x, group, *crossing)
 
 
 class _Part(nn.Module):
@@ -239,7 +215,7 @@ class ColumnParallelLinear(_Part):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # under sequence parallelism the block's input is gathered once for its projections, the gather's
-        # backward summing their gradients (`_GatherSequence`)
+        # backward summing their gradients (`GATHER_INTO_SPLIT`)
         return F.linear(x if self.sequence else _Copy.apply(x, self.group), self.weight, self.bias)
 
 
@@ -258,8 +234,8 @@ class RowParallelLinear(_Part):
         return nn.Linear(self.whole_shape[1], self.out_features, bias=self.bias is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        reduce = _ReduceScatterSequence if self.sequence else _Reduce
-        out = reduce.apply(F.linear(x, self.weight), self.group)
+        out = F.linear(x, self.weight)
+        out = _along_sequence(out, self.group, REDUCE_SCATTER_OUT) if self.sequence else _Reduce.apply(out, self.group)
         return out if self.bias is None else out + self.bias
 
 
@@ -471,17 +447,17 @@ def sequence_router_share(loss: torch.Tensor, lm_loss: torch.Tensor, size: int) 
 
 
 def _scatter_input(module, args, group):
-    return (_ScatterSequence.apply(args[0], group), *args[1:])
+    return (_along_sequence(args[0], group, SCATTER), *args[1:])
 
 
 def _gather_input(module, args, group):
-    return (_GatherSequence.apply(args[0], group), *args[1:])
+    return (_along_sequence(args[0], group, GATHER_INTO_SPLIT), *args[1:])
 
 
 def _join_output(module, args, output, group):
     if isinstance(output, tuple):
-        return (_JoinSequence.apply(output[0], group), *output[1:])
-    return _JoinSequence.apply(output, group)
+        return (_along_sequence(output[0], group, JOIN), *output[1:])
+    return _along_sequence(output, group, JOIN)
 
 
 def join_parts(parts: list[tuple[Split, torch.Tensor]], start: int, stop: int) -> torch.Tensor:
