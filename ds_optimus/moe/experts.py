@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..schema import Section, need
+from ..schema import Section, check_flags, need
 
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, str], torch.Tensor]
 
@@ -372,11 +372,17 @@ register_backend("triton", _triton_backend, _triton_supported, priority=30,
 @dataclass(frozen=True)
 class MoEConfig(Section):
     """`optimus.moe`: which grouped-GEMM backend the MoE layers use ("auto": the best one for the
-    device and dtype)."""
+    device and dtype), and uniform routing, a benchmark mode."""
 
     experts_backend: str = "auto"  # the experts backend of every MoE layer; "auto": the best for the device and dtype
+    # Benchmark mode: every token goes to fixed experts that load all experts equally, so the expert
+    # kernels and the expert-parallel exchange are measured without routing noise; the router still runs
+    # and learns. ds_optimus.train takes it only in a run that keeps nothing (train.export and
+    # checkpoint.enabled false).
+    force_uniform_routing: bool = False
 
     def check(self, where: str) -> None:
         known = ["auto", *registered_backends()]
         need(self.experts_backend in known,
              f"{where}.experts_backend must be one of {', '.join(known)}, got {self.experts_backend!r}")
+        check_flags(self, where, "force_uniform_routing")

@@ -119,14 +119,16 @@ class MoELayer(nn.Module):
     """A standalone MoE feed-forward layer (router + SwiGLU experts) on this library's experts path.
 
     The same modules as a Mula MoE block (`MulaTopKRouter`, `MulaExperts`), built from keyword
-    arguments. `forward(x [..., H])` returns `(out, aux)` with `aux` holding the router logits, the
-    chosen experts, the load-balancing and z losses, and per-expert token counts.
+    arguments; `force_uniform_routing` sends every token to fixed experts that load all equally (a
+    benchmark mode, `uniform_expert_assignment`). `forward(x [..., H])` returns `(out, aux)` with `aux`
+    holding the router logits, the chosen experts, the load-balancing and z losses, and per-expert
+    token counts.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
                  scoring_func: str = "softmax", norm_topk_prob: bool = False, hidden_act: str = "silu",
                  capacity_factor: float | None = None, initializer_range: float = 0.02,
-                 experts_backend: str | None = None) -> None:
+                 experts_backend: str | None = None, force_uniform_routing: bool = False) -> None:
         super().__init__()
         from ..hf_models.mula import MulaConfig
         from ..hf_models.mula.modeling_mula import MulaSparseMoeBlock
@@ -142,6 +144,7 @@ class MoELayer(nn.Module):
         self.config = config
         self.block = MulaSparseMoeBlock(config)
         self.block.experts.experts_backend = experts_backend
+        self.block.gate.force_uniform_routing = force_uniform_routing  # a benchmark mode: fixed, balanced experts
         with torch.no_grad():
             for p in (self.block.gate.weight, self.block.experts.gate_up_proj, self.block.experts.down_proj):
                 p.normal_(0.0, initializer_range)

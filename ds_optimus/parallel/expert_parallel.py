@@ -277,9 +277,9 @@ def export_pretrained(model: nn.Module, folder: str | os.PathLike, groups: Exper
 
 def setup_moe(model: nn.Module, config) -> ExpertParallelGroups | None:
     """Apply the MoE settings of a parsed `optimus` section (`ds_optimus.config.OptimusConfig`, or
-    anything with its `moe` and `expert_parallel` sections): the experts backend of every MoE layer,
-    and expert parallelism when `expert_parallel.size > 1`. Returns the EP groups, or None without
-    expert parallelism."""
+    anything with its `moe` and `expert_parallel` sections): the experts backend and uniform routing of
+    every MoE layer, and expert parallelism when `expert_parallel.size > 1`. Returns the EP groups, or
+    None without expert parallelism."""
     if not (hasattr(config, "moe") and hasattr(config, "expert_parallel")):
         raise TypeError(f"setup_moe takes a parsed optimus section, not {type(config).__name__}: "
                         "setup_moe(model, ds_optimus.config.OptimusConfig.from_ds_config(ds_config))")
@@ -288,10 +288,25 @@ def setup_moe(model: nn.Module, config) -> ExpertParallelGroups | None:
         module.experts_backend = backend
     _use_ds_optimus_experts(model)
     ep = config.expert_parallel
-    if ep.size == 1:
-        return None
-    return apply_expert_parallel(model, ep.size, node_size=ep.node_size, dedup=ep.dedup, chunks=ep.chunks,
-                                 dispatch=ep.dispatch)
+    groups = None
+    if ep.size > 1:
+        groups = apply_expert_parallel(model, ep.size, node_size=ep.node_size, dedup=ep.dedup, chunks=ep.chunks,
+                                       dispatch=ep.dispatch)
+    set_uniform_routing(model, getattr(config.moe, "force_uniform_routing", False))
+    return groups
+
+
+def set_uniform_routing(model: nn.Module, enabled: bool) -> None:
+    """Turn uniform routing (`optimus.moe.force_uniform_routing`, a benchmark mode) on or off in every
+    router of `model`, each at its rank's place in the expert-parallel layout the model has now."""
+    routers = [m for m in model.modules() if hasattr(m, "force_uniform_routing")]  # Mula's routers declare it
+    if enabled and experts_modules(model) and not routers:
+        raise ValueError("optimus.moe.force_uniform_routing needs Mula's router (MulaTopKRouter); "
+                         f"{type(model).__name__} routes with another")
+    groups = expert_groups_of(model)  # an earlier setup_moe's too: a later one with no EP section keeps it
+    for router in routers:
+        router.force_uniform_routing = enabled
+        router.uniform_routing_rank = groups.ep_rank if groups is not None else 0
 
 
 def _use_ds_optimus_experts(model: nn.Module) -> None:

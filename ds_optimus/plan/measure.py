@@ -84,6 +84,9 @@ def measuring_config(layout: Layout, preset: str, work: Path, *, steps: int, mem
                             output_dir=str(work / "run"), measure_memory_steps=memory_steps)
     optimus["checkpoint"] = {"interval": 0, "keep_last": 1, "dir": str(work / "checkpoints"), "resume": False}
     optimus["wandb"] = {"mode": "disabled"}
+    # Not `moe.force_uniform_routing`: it would take the routing noise out of the expert compute, but it
+    # gives each token k consecutive experts, held by as few EP ranks as k experts can be, so a deduplicated
+    # exchange would be measured sending far fewer rows than real routing sends (and than the time model counts).
     data = optimus.setdefault("data", {})
     data.setdefault("sources", ["embedded"])
     data["cache_dir"] = os.environ.get("DS_OPTIMUS_MEASURE_CACHE", str(work / "data_cache"))

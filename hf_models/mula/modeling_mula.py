@@ -240,6 +240,20 @@ class MulaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
+def uniform_expert_assignment(
+    num_tokens: int, num_experts: int, top_k: int, rank: int = 0, device: torch.device | None = None
+) -> torch.Tensor:
+    """The experts [num_tokens, top_k] of uniform routing: token t of the flattened batch on rank `rank`
+    of the expert-parallel group is token g = rank * num_tokens + t of the group, and gets the top_k
+    consecutive experts from (g * top_k) mod num_experts on."""
+    # The group's token slots are numbered g * top_k + j and dealt to the experts in turn, slot i to
+    # expert i mod E: a token's k experts are distinct, and any N consecutive slots load each expert
+    # N // E or N // E + 1 times, exactly N / E when E divides N (the group's tokens x k).
+    token = torch.arange(num_tokens, device=device) + rank * num_tokens
+    slot = token[:, None] * top_k + torch.arange(top_k, device=device)
+    return slot % num_experts
+
+
 class MulaTopKRouter(nn.Module):
     """Top-k router: softmax (or sigmoid) scores over experts, optional DeepSeek-V3 selection bias.
 
@@ -264,6 +278,11 @@ class MulaTopKRouter(nn.Module):
         # Token-slot counts since the last bias update: a plain tensor, not a buffer, so that neither
         # DDP's buffer broadcast nor a dtype cast of the module touches it.
         self.load_since_update: torch.Tensor | None = None
+        # Uniform routing, a benchmark mode that ds_optimus sets on a run's routers (never saved with the
+        # model, which routes normally once loaded): each token goes to fixed experts that load every expert
+        # equally (`uniform_expert_assignment`), at this rank's place in its expert-parallel group.
+        self.force_uniform_routing = False
+        self.uniform_routing_rank = 0
 
     def scores(self, router_logits: torch.Tensor) -> torch.Tensor:
         """Per-expert affinities in float32 from router logits."""
@@ -273,12 +292,22 @@ class MulaTopKRouter(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         router_logits = F.linear(hidden_states, self.weight)
-        scores = self.scores(router_logits)
-        if self.uses_bias:
-            _, top_k_index = torch.topk(scores + self.expert_bias, self.top_k, dim=-1)
+        if self.force_uniform_routing:
+            # Benchmark mode: the experts are fixed, but the router still runs and learns. The logits of
+            # the other experts are -inf, so the weights are its scores restricted to the assigned k.
+            top_k_index = uniform_expert_assignment(
+                router_logits.shape[0], self.num_experts, self.top_k, self.uniform_routing_rank, router_logits.device
+            )
+            assigned = torch.zeros_like(router_logits, dtype=torch.bool).scatter_(-1, top_k_index, True)
+            scores = self.scores(router_logits.masked_fill(~assigned, float("-inf")))
             top_k_weights = scores.gather(-1, top_k_index)
         else:
-            top_k_weights, top_k_index = torch.topk(scores, self.top_k, dim=-1)
+            scores = self.scores(router_logits)
+            if self.uses_bias:
+                _, top_k_index = torch.topk(scores + self.expert_bias, self.top_k, dim=-1)
+                top_k_weights = scores.gather(-1, top_k_index)
+            else:
+                top_k_weights, top_k_index = torch.topk(scores, self.top_k, dim=-1)
         if self.norm_topk_prob or self.scoring_func == "sigmoid":
             # Sigmoid scores do not sum to one, so they are always renormalised over the chosen k.
             top_k_weights = top_k_weights / top_k_weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
