@@ -50,7 +50,7 @@ class ShardedOptimizerConfig(Section):
 # What `python -m ds_optimus.train` reads and `deepspeed.initialize` cannot apply: such a key in a config
 # that reaches the engine another way (the Hugging Face Trainer, accelerate, a script) is refused.
 ENTRY_POINT_KEYS = ("model", "data", "train", "checkpoint", "wandb", "guards", "watchdog", "eval", "pipeline_parallel",
-                  "tensor_parallel")
+                  "tensor_parallel", "profile")
 
 
 @dataclass(frozen=True)

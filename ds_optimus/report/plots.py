@@ -320,6 +320,64 @@ def plot_stragglers(run: RunMetrics, run_dir: Path, folder: Path, dpi: int, writ
     _save(fig, folder, "stragglers.png", dpi, written)
 
 
+# the phase profiler's phases (`optimus.profile`), bottom to top; "rest": the step's time in none of them
+PROFILE_PHASES = ("data", "forward", "backward", "pipeline", "reduce", "optimizer", "rest")
+_COMM = "profile/comm/"
+
+
+def _value(record: dict, key: str) -> float:
+    value = record.get(key)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and np.isfinite(value)
+    return float(value) if ok else 0.0
+
+
+def _size(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.3g} {unit}"
+        nbytes /= 1024
+    return ""
+
+
+def plot_profile(run: RunMetrics, folder: Path, dpi: int, written: list[Path]) -> None:
+    """`profile.png` (a run with `optimus.profile` on): each phase's time per profiled step, stacked, with
+    the ranks' mean wait at the step's reduction for the slowest (jitter) and its spread; below, the
+    collectives' time by kind, each with its bytes a step."""
+    records = [r for r in run.records if "profile/step_s" in r]
+    names = [p for p in PROFILE_PHASES if any(f"profile/{p}_s" in r for r in records)]
+    if not records or not names:
+        return
+    kinds = sorted({key[len(_COMM):-len("_s")] for r in records for key in r
+                    if key.startswith(_COMM) and key.endswith("_s")})
+    fig, axes = _figure(rows=2 if kinds else 1, height=3.2)
+    steps = [r["step"] for r in records]
+    series = [[1e3 * _value(r, f"profile/{name}_s") for r in records] for name in names]
+    axes[0].stackplot(steps, *series, labels=names, colors=[f"C{i}" for i in range(len(names))], alpha=0.85)
+    rows = [r for r in run.records if "profile/jitter_s" in r]
+    if rows:  # a step's jitter is logged with a later step: drawn at the step it describes
+        axes[0].errorbar([int(_value(r, "profile/ranks_step")) for r in rows],
+                         [1e3 * _value(r, "profile/jitter_s") for r in rows],
+                         yerr=[1e3 * _value(r, "profile/jitter_std_s") for r in rows], color="black", marker="o",
+                         markersize=3, linewidth=1, capsize=2,
+                         label="jitter: wait at the step's reduction (mean, sd over ranks)")
+    top = max(map(sum, zip(*series, strict=True)))  # room above the stack for the legend
+    axes[0].set(ylabel="ms per step", ylim=(0, 1.5 * top if top > 0 else None),
+                title="where a step's time goes (rank 0's profiled steps)")
+    _legend(axes[0], loc="upper left", fontsize="small", ncol=2)
+    for i, kind in enumerate(kinds):
+        at, seconds = run.series(f"{_COMM}{kind}_s")
+        _, nbytes = run.series(f"{_COMM}{kind}_bytes")
+        per_step = f", {_size(nbytes[-1])}/step" if nbytes else ""
+        axes[1].plot(at, [1e3 * s for s in seconds], marker=".", color=f"C{i % 10}", label=f"{kind}{per_step}")
+    if kinds:
+        top = max((line.get_ydata().max() for line in axes[1].get_lines()), default=0.0)
+        axes[1].set(ylabel="ms per step", ylim=(0, 1.5 * top if top > 0 else None),
+                    title="collectives by kind (issue to completion; asynchronous ones: issue only)")
+        _legend(axes[1], loc="upper left", fontsize="small", ncol=2)
+    axes[-1].set_xlabel("step")
+    _save(fig, folder, "profile.png", dpi, written)
+
+
 def _bin_columns(loads: ExpertLoads, columns: int) -> tuple[np.ndarray, np.ndarray]:
     """The windows' counts summed into at most `columns` columns, with the columns' step edges."""
     steps = np.asarray(loads.steps)
@@ -419,6 +477,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None, *, dpi: int
         say("no expert heatmap: a dense model (no MoE layer)")
     plot_imbalance(run, folder, dpi, written)
     plot_stragglers(run, Path(run_dir), folder, dpi, written)
+    plot_profile(run, folder, dpi, written)
     plot_downstream(Path(run_dir), folder, dpi, written)
     if run.unreadable:
         say(f"{run.unreadable} line(s) of {run.path} were not metrics records and were left out")

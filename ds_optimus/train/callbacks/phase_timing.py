@@ -1,0 +1,79 @@
+"""The phase profiler (`optimus.profile`): every `interval`-th step timed phase by phase, its
+collectives counted by kind, bytes and time, and each rank's wait at the step's reduction for the
+slowest rank, into `metrics.jsonl` and wandb (`ds_optimus.train.phase_profile` has the timers).
+
+Unlike `optimus.train.profile_steps` (torch.profiler's operator table over a few steps, which slows
+them), this is meant to stay on: a few marks a phase, one wait for the device at the end of a
+profiled step, and no collective of its own. The ranks' numbers ride on the step's one all-reduce as
+flags (their sum and sum of squares), so they are the previous profiled step's: a rank's own times
+are known on its host only once the step's events have been read, after that reduction.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..phase_profile import CollectiveRecorder, ProfileWindow, StepProfile, StepTimer, clock_for
+from .base import Callback
+
+
+class PhaseProfileCallback(Callback):
+    """On a profiled step, `trainer.phases` holds the step's `StepTimer` (the trainer's `_phase`
+    contexts mark on it) and torch.distributed's collectives are counted. On log steps the profiled
+    steps of the interval go to the metrics as means (`ProfileWindow`). `last` holds this rank's
+    `StepProfile` of the latest profiled step (a callback of the user's may read it in `post_step`)."""
+
+    def __init__(self, config) -> None:
+        self.interval, self.collectives = config.interval, config.collectives
+        self.recorder = CollectiveRecorder()
+        self.window = ProfileWindow()
+        self.clock = None
+        self.pending: tuple[int, float, float] | None = None  # (step, time before its reduction, wait there)
+        self.sent: tuple[int, float, float] | None = None  # what this step's flags carry
+        self.last: StepProfile | None = None
+
+    def pre_train(self) -> None:
+        self.clock = clock_for(torch.device(self.trainer.device))
+
+    def pre_step(self, step: int) -> None:
+        self._stop()  # a step that ended without its post_step (an error caught by a user) is dropped
+        if step % self.interval == 0:
+            timer = self.trainer.phases = StepTimer(self.clock)
+            if self.collectives:
+                self.recorder.install(timer)
+
+    def step_flags(self) -> dict[str, float]:
+        """The last profiled step's time before the reduction and wait in it, not sent yet, with its
+        square (zeros and a count of 0 without one): the same names on every step and rank."""
+        _, compute, wait = self.pending or (None, 0.0, 0.0)
+        flags = {"profile/ranks": 1.0 if self.pending else 0.0, "profile/compute": compute,
+                 "profile/compute_sq": compute * compute, "profile/wait": wait, "profile/wait_sq": wait * wait}
+        self.sent, self.pending = self.pending, None
+        return flags
+
+    def post_step(self, step: int) -> None:
+        trainer = self.trainer
+        timer = self._stop()
+        profile = timer.finish() if timer is not None else None
+        if profile is not None:
+            self.last = profile
+            self.window.add(profile.metrics())
+            if profile.reduce_s is not None:
+                self.pending = (step, profile.before_reduce_s, profile.reduce_s)
+        if self.sent is not None and trainer.metrics.get("profile/ranks", 0) > 0:
+            self.window.add_ranks(trainer.metrics, self.sent[0])
+        self.sent = None
+        if self.window and trainer.is_log_step(step):
+            trainer.sink.log(step, self.window.take(), progress=False)
+
+    def close(self, error: BaseException | None) -> None:
+        self._stop()
+
+    def _stop(self) -> StepTimer | None:
+        """End the current profiled step, if any: the collectives as they were; returns its timer."""
+        self.recorder.uninstall()
+        trainer = getattr(self, "trainer", None)
+        timer = getattr(trainer, "phases", None)
+        if trainer is not None:
+            trainer.phases = None
+        return timer
