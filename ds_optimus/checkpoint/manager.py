@@ -93,27 +93,45 @@ def model_record(config, tokenizer=None) -> dict[str, Any]:
 
 def consolidated_state(path: str | Path) -> dict[str, torch.Tensor]:
     """Every weight of checkpoint folder `path` as one state dict of the whole model, on the CPU (the
-    expert shards of every EP rank joined in order), from either format; read-only, no process group."""
+    expert shards of every EP rank joined in order, tensor-parallel parts joined, staggered parts
+    joined), from either format; read-only, no process group."""
+    from ..parallel.tensor_parallel import Split, join_parts
+    from .model_files import grouped, read_weights
+
     path = Path(path)
     meta = json.loads((path / "meta.json").read_text())
     engine_format = str(meta.get("format", "")).startswith("ds_optimus.checkpoint/")
     files = sorted(meta.get("files", ()))
-    state = {}
-    for name in [f for f in files if f.startswith("model_dense")] if engine_format else ["model.pt"]:
-        state.update(load(path / name, mmap=True))  # one file per pipeline stage, or one
-    shards = []
-    for q in range(meta["ep_size"]):
-        if engine_format:  # EP rank q's experts, in one file or one per pipeline stage
-            shard = {}
-            for name in (f for f in files if f.startswith(f"model_experts_ep{q:03d}")):
-                shard.update(load(path / name, mmap=True)["weights"])
-            if shard:
-                shards.append(shard)
-        elif (path / f"experts_ep{q:03d}.pt").exists():
-            shards.append(load(path / f"experts_ep{q:03d}.pt", mmap=True))
+    if not engine_format:
+        state = load(path / "model.pt", mmap=True)
+        shards = [load(path / f"experts_ep{q:03d}.pt", mmap=True) for q in range(meta["ep_size"])
+                  if (path / f"experts_ep{q:03d}.pt").exists()]
+    else:  # one file per pipeline stage, or its parts
+        state, _ = read_weights(path, [f for f in files if f.startswith("model_dense")])
+        shards = [shard for q in range(meta["ep_size"]) if (shard := read_weights(
+            path, [f for f in files if f.startswith(f"model_experts_ep{q:03d}")])[0])]
+        parts: dict[str, list] = {}
+        for group in grouped(files, "model_tensor").values():  # each TP rank's parts of the split weights
+            weights, saved = read_weights(path, group)
+            for name, tensor in weights.items():
+                full, dim, start, stop = saved["splits"][name]
+                parts.setdefault(name, []).append((Split(tuple(full), dim, start, stop), tensor))
+        state.update({name: join_parts(pieces, 0, pieces[0][0].full[pieces[0][0].dim])
+                      for name, pieces in parts.items()})
     for name in shards[0] if shards else ():
         state[name] = torch.cat([shard[name] for shard in shards])
     return state
+
+
+COLD = "cold"  # the folder of the model-only checkpoints kept for good (`checkpoint.keep_every`)
+
+
+def cold_name(step: int, tokens: int) -> str:
+    """'step1000-tokens6B', as the seed named its cold checkpoints (whole billions; M, K below a billion)."""
+    for unit, size in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if tokens >= size:
+            return f"step{step}-tokens{round(tokens / size)}{unit}"
+    return f"step{step}-tokens{tokens}"
 
 
 def _step(folder: Path) -> int:
@@ -129,9 +147,11 @@ def _sharded(engine) -> bool:
 class CheckpointManager:
     """Save and find checkpoints of `engine` (whose module may be expert-parallel) in `directory`."""
 
-    def __init__(self, directory: str | Path, keep_last: int = 2, groups=None) -> None:
+    def __init__(self, directory: str | Path, keep_last: int = 2, groups=None,
+                 min_part_bytes: int | None = None) -> None:
         self.directory = Path(directory)
         self.keep_last = keep_last
+        self.min_part_bytes = min_part_bytes  # staggered model files (`model_files`); None: each by one rank
         self.groups = groups  # ExpertParallelGroups, or None without expert parallelism
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -283,7 +303,8 @@ class CheckpointManager:
         if _sharded(engine):
             from . import optimizer_state as checkpointing
 
-            files, meta, about = checkpointing.checkpoint_files(engine, self.groups, client, copy=background)
+            files, meta, about = checkpointing.checkpoint_files(engine, self.groups, client, copy=background,
+                                                                min_part_bytes=self.min_part_bytes)
             meta["tag"] = name
         else:
             (files, meta), about = self._per_rank_files(engine, client, copy=background), None
@@ -296,6 +317,25 @@ class CheckpointManager:
         except CheckpointError as err:  # gathered from every rank: the same on each
             raise CollectiveCheckpointError(str(err)) from None
         return self.directory / name
+
+    def save_cold(self, step: int, engine, tokens: int) -> Path:
+        """Write the model-only checkpoint `cold/step{step}-tokens{T}` (collective): its weights in the
+        layout-free model files (staggered as the full checkpoints are), the model's config and tokenizer,
+        and a manifest; never pruned, never resumed from, exported on its own by `ds_optimus.evaluate`."""
+        from .optimizer_state import layout_meta, model_files
+
+        root, name = self.directory / COLD, cold_name(step, tokens)
+        writer = CheckpointWriter(self.rank, self.world_size)  # its own: a full save may be in flight
+        writer.prepare(root, name)
+        files = model_files(engine, self.groups, min_part_bytes=self.min_part_bytes)
+        if self.rank == 0 and self.model_record is not None:
+            files[MODEL_FILE] = self.model_record
+        meta = {**layout_meta(engine, self.groups), "step": step, "tokens": tokens, "model_only": True, "tag": name}
+        try:
+            writer.write(root, name, files, meta, save_latest=False)
+        except CheckpointError as err:
+            raise CollectiveCheckpointError(str(err)) from None
+        return root / name
 
     def wait(self) -> None:
         """Finish the save in flight (collective); raises its failure on every rank."""
@@ -392,12 +432,24 @@ class CheckpointConfig(Section):
     dir: str | None = None  # where checkpoints go; null: <train.output_dir>/checkpoints
     resume: bool = True  # continue from the latest complete checkpoint in dir, if there is one
     async_save: bool = False  # write checkpoints in a background thread while training goes on
+    # every N steps also a model-only checkpoint <dir>/cold/step{N}-tokens{T}B, never pruned (the seed's
+    # "cold" checkpoints: the run's history, each exportable by `python -m ds_optimus.evaluate`); 0: none
+    keep_every: int = 0
+    # each model file written in parts by the ranks that hold it (each a share, none under min_part_mib),
+    # not whole by the first of them (`checkpoint.model_files`)
+    stagger_writes: bool = True
+    min_part_mib: int = 256  # the smallest part a staggered model file is cut into, in MiB
 
     def check(self, where: str) -> None:
-        need(non_negative_int(self.interval), f"{where}.interval must be an integer >= 0, got {self.interval!r}")
+        for key in ("interval", "keep_every"):
+            need(non_negative_int(getattr(self, key)),
+                 f"{where}.{key} must be an integer >= 0, got {getattr(self, key)!r}")
         need(positive_int(self.keep_last), f"{where}.keep_last must be a positive integer, got {self.keep_last!r}")
-        check_flags(self, where, "enabled", "resume", "async_save")
+        need(positive_int(self.min_part_mib),
+             f"{where}.min_part_mib must be a positive integer, got {self.min_part_mib!r}")
+        check_flags(self, where, "enabled", "resume", "async_save", "stagger_writes")
 
     def build(self, output_dir: str | Path, groups=None) -> CheckpointManager:
         """The run's checkpoint manager (`dir`, or `<output_dir>/checkpoints`); collective-free."""
-        return CheckpointManager(self.dir or Path(output_dir) / "checkpoints", self.keep_last, groups)
+        return CheckpointManager(self.dir or Path(output_dir) / "checkpoints", self.keep_last, groups,
+                                 self.min_part_mib * 2**20 if self.stagger_writes else None)

@@ -39,6 +39,7 @@ from ..optim.spaces import ShardedOptimizerError
 from ..parallel.expert_parallel import expert_groups_of, is_expert_param
 from ..parallel.tensor_parallel import Split, TensorParallelError, join_parts, split_parameters
 from .files import CheckpointError, CheckpointWriter, copy_to_cpu, gather, load
+from .model_files import grouped, read_weights, this_ranks_parts
 from .rng import numpy_array_types
 
 ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
@@ -53,33 +54,47 @@ class CheckpointLoadError(CheckpointError):
     """A checkpoint folder this engine cannot load; the message says why in one line."""
 
 
-def checkpoint_files(engine, groups, client_state=None, exclude_frozen_parameters: bool = False,
-                     copy: bool = False) -> tuple[dict[str, Any], dict[str, Any], dict[str, dict[str, Any]]]:
-    """This rank's files of a checkpoint of `engine`, whose experts are sharded over `groups`
-    (`ExpertParallelGroups`, or None), as {file name: object}, the manifest fields, and what the manifest
-    says of this rank's files (`CheckpointWriter.write`'s `about`); collective-free. `copy` snapshots
-    every tensor, for a save that runs while training goes on."""
-    rank = dist.get_rank()
+def model_files(engine, groups, exclude_frozen_parameters: bool = False,
+                min_part_bytes: int | None = None) -> dict[str, Any]:
+    """This rank's model files of a checkpoint of `engine` (experts sharded over `groups`, or None): a
+    stage's dense weights, a TP position's split weights, an EP rank's experts, each written whole by its
+    first replica or, with `min_part_bytes`, in parts by many (`model_files` module); collective-free."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     module = engine.module
     frozen = {n for n, p in module.named_parameters() if not p.requires_grad} if exclude_frozen_parameters else set()
     experts = {n for n, p in module.named_parameters() if is_expert_param(p)}
     state = {k: v.detach() for k, v in module.state_dict().items() if k not in frozen}
     files: dict[str, Any] = {}
-    # With pipeline stages, each stage's first rank writes its stage's part (names are the whole model's).
+    # With pipeline stages, each stage's ranks write its stage's part (names are the whole model's).
     pipeline, tensor = pipeline_of(engine, groups), getattr(groups, "tensor", None)
     splits = split_parameters(module) if tensor is not None else {}
     part = f"_pp{pipeline.stage:03d}" if pipeline is not None else ""
-    if rank == (pipeline.stage_ranks[0] if pipeline is not None else 0):
-        files[f"model_dense{part}.pt"] = {k: v for k, v in state.items() if k not in experts and k not in splits}
-    if splits and rank == groups.dp_ranks[0]:  # each TP position's part, once
-        files[f"model_tensor{part}_tp{tensor.rank:03d}.pt"] = {
-            "tp_size": tensor.size, "tp_rank": tensor.rank,
-            "splits": {k: [list(v.full), v.dim, v.start, v.stop] for k, v in splits.items() if k in state},
-            "weights": {k: v for k, v in state.items() if k in splits}}
-    if experts and groups is not None and rank == groups.edp_ranks[0] and (tensor is None or tensor.rank == 0):
-        files[f"model_experts_ep{groups.ep_rank:03d}{part}.pt"] = {
-            "ep_size": groups.ep_size, "ep_rank": groups.ep_rank,
-            "weights": {k: v for k, v in state.items() if k in experts}}
+    dense = {k: v for k, v in state.items() if k not in experts and k not in splits}
+    stage_ranks = list(pipeline.stage_ranks) if pipeline is not None else list(range(world))
+    files.update(this_ranks_parts(f"model_dense{part}", dense, None, stage_ranks, rank, min_part_bytes))
+    if splits:  # each TP position's part, by that position's data-parallel ranks
+        files.update(this_ranks_parts(
+            f"model_tensor{part}_tp{tensor.rank:03d}", {k: v for k, v in state.items() if k in splits},
+            {"tp_size": tensor.size, "tp_rank": tensor.rank,
+             "splits": {k: [list(v.full), v.dim, v.start, v.stop] for k, v in splits.items() if k in state}},
+            list(groups.dp_ranks), rank, min_part_bytes))
+    if experts and groups is not None and (tensor is None or tensor.rank == 0):  # by the EP rank's replicas
+        files.update(this_ranks_parts(
+            f"model_experts_ep{groups.ep_rank:03d}{part}", {k: v for k, v in state.items() if k in experts},
+            {"ep_size": groups.ep_size, "ep_rank": groups.ep_rank}, list(groups.edp_ranks), rank, min_part_bytes))
+    return files
+
+
+def checkpoint_files(engine, groups, client_state=None, exclude_frozen_parameters: bool = False,
+                     copy: bool = False, min_part_bytes: int | None = None
+                     ) -> tuple[dict[str, Any], dict[str, Any], dict[str, dict[str, Any]]]:
+    """This rank's files of a checkpoint of `engine`, whose experts are sharded over `groups`
+    (`ExpertParallelGroups`, or None), as {file name: object}, the manifest fields, and what the manifest
+    says of this rank's files (`CheckpointWriter.write`'s `about`); collective-free. `copy` snapshots
+    every tensor, for a save that runs while training goes on; `min_part_bytes`: the model files
+    staggered over their replicas (`model_files`)."""
+    rank = dist.get_rank()
+    files = model_files(engine, groups, exclude_frozen_parameters, min_part_bytes)
     optim = files[f"optim_rank{rank:05d}.pt"] = engine.optimizer.state_dict()
     files[f"client_rank{rank:05d}.pt"] = client_state or {}
     if rank == 0:
@@ -87,11 +102,17 @@ def checkpoint_files(engine, groups, client_state=None, exclude_frozen_parameter
         files["engine.pt"] = {"lr_scheduler": scheduler, "counters": {k: getattr(engine, k) for k in ENGINE_COUNTERS},
                               "param_groups": optim["param_groups"]}  # what the scheduler's lists follow
     files = copy_to_cpu(files, copy)
-    meta = {"format": "ds_optimus.checkpoint/1", "world_size": dist.get_world_size(),
-            "ep_size": groups.ep_size if groups is not None else 1, "zero_stage": engine.optimizer.stage,
+    meta = {**layout_meta(engine, groups), "zero_stage": engine.optimizer.stage}
+    return files, meta, {f"optim_rank{rank:05d}.pt": {"holds": held_ranges(optim)}}
+
+
+def layout_meta(engine, groups) -> dict[str, Any]:
+    """The manifest's format and layout fields of a checkpoint of `engine`."""
+    pipeline, tensor = pipeline_of(engine, groups), getattr(groups, "tensor", None)
+    return {"format": "ds_optimus.checkpoint/1", "world_size": dist.get_world_size(),
+            "ep_size": groups.ep_size if groups is not None else 1,
             "pp_size": dist.get_world_size() // len(pipeline.stage_ranks) if pipeline is not None else 1,
             "tp_size": tensor.size if tensor is not None else 1}
-    return files, meta, {f"optim_rank{rank:05d}.pt": {"holds": held_ranges(optim)}}
 
 
 def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True,
@@ -187,9 +208,8 @@ def _read_and_load_weights(engine, path: Path, groups, meta: dict, strict: bool,
     if saved is not None and "param_groups" not in saved:  # written before engine.pt kept rank 0's groups
         saved["param_groups"] = load(path / "optim_rank00000.pt", mmap=True)["param_groups"]
     shards = [load(path / name, mmap=True) for name in optimizer_files(meta, engine.optimizer.spaces)] if optim else []
-    state = {}
-    for name in sorted(f for f in meta["files"] if f.startswith("model_dense")):  # one per pipeline stage
-        state.update(load(path / name, mmap=True))  # mapped: a stage copies only its own part
+    # one file per pipeline stage (or its parts), mapped: a stage copies only its own part
+    state, _ = read_weights(path, [f for f in meta["files"] if f.startswith("model_dense")])
     state.update(_split_weights(module, path, meta, state))  # first: what is not among them may be experts
     state.update(_expert_weights(engine, path, meta, state, groups))
     if pipeline_of(engine, groups) is not None:  # a stage keeps its part; a name of no stage stays, and fails
@@ -241,10 +261,8 @@ def _expert_weights(engine, path: Path, meta: dict, dense: dict[str, torch.Tenso
             continue
         pieces, saved_per = [], -(-experts // meta["ep_size"])
         for q in range(lo // saved_per, min(meta["ep_size"], -(-hi // saved_per))):
-            if q not in files:  # EP rank q's file, or one per pipeline stage
-                files[q] = {}
-                for file in sorted(f for f in meta["files"] if f.startswith(f"model_experts_ep{q:03d}")):
-                    files[q].update(load(path / file, mmap=True)["weights"])
+            if q not in files:  # EP rank q's file, or one per pipeline stage (or their parts)
+                files[q] = read_weights(path, [f for f in meta["files"] if f.startswith(f"model_experts_ep{q:03d}")])[0]
             if name not in files[q]:
                 raise CheckpointLoadError(f"{path} has no weight {name}: {_OTHER_MODEL}")
             per = files[q][name].shape[0]
@@ -262,9 +280,9 @@ def _split_weights(module, path: Path, meta: dict, state: dict[str, torch.Tensor
     split it), cut from the saved whole tensors (`state`) or the saved parts of any TP size."""
     splits = split_parameters(module)
     parts: dict[str, list] = {}
-    for file in sorted(f for f in meta["files"] if f.startswith("model_tensor")):
-        saved = load(path / file, mmap=True)
-        for name, tensor in saved["weights"].items():
+    for group in grouped(list(meta["files"]), "model_tensor").values():  # a TP position's file, or its parts
+        weights, saved = read_weights(path, group)
+        for name, tensor in weights.items():
             full, dim, start, stop = saved["splits"][name]
             parts.setdefault(name, []).append((Split(tuple(full), dim, start, stop), tensor))
     own, out = module.state_dict(), {}

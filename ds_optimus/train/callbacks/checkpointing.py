@@ -1,4 +1,5 @@
-"""Checkpoints every `checkpoint.interval` steps, at the end of the run and before a stop."""
+"""Checkpoints every `checkpoint.interval` steps, at the end of the run and before a stop; model-only
+"cold" checkpoints every `checkpoint.keep_every` steps."""
 
 from __future__ import annotations
 
@@ -20,6 +21,11 @@ class CheckpointCallback(Callback):
         if (interval and step % interval == 0) or step == trainer.end_step or stopping:
             background = trainer.opt.checkpoint.async_save and step != trainer.end_step and not stopping
             self._save(step, background)
+        every = trainer.opt.checkpoint.keep_every
+        if every and step % every == 0:  # the model alone, kept for good
+            trainer.begin_long_work(f"the cold checkpoint of step {step}")
+            path = trainer.checkpoints.save_cold(step, trainer.engine, step * trainer.tokens_per_step)
+            trainer.message(f"step {step}: cold checkpoint {path}")
 
     def post_train(self) -> None:
         trainer = self.trainer
