@@ -6,29 +6,33 @@ validated once, up front. An unknown key or a bad value is a one-line `ConfigErr
       "expert_parallel": {"size": 4, "node_size": 2, "dispatch": "alltoall"},  # node_size: hierarchical; or "allgather"
       "pipeline_parallel": {"size": 1, "schedule": "1f1b", "virtual_stages": 1, "layers": null},
       "tensor_parallel": {"size": 1},                    # ranks splitting each layer (innermost, in a node)
-      "moe": {"experts_backend": "auto"},                # or "grouped_mm", "looped", "reference", ...
+      "moe": {"experts_backend": "auto",                 # or "grouped_mm", "looped", "reference", ...
+              "force_uniform_routing": false},           # true: a benchmark mode (fixed, balanced experts)
       "data": {"sources": ["embedded"], "tokenizer": null, "seq_len": 256, "val_fraction": 0.02,
                "cache_dir": "data_cache"},
       "train": {"steps": 100, "seed": 0, "output_dir": "runs/mula", "eval_interval": 50, "eval_batches": 8,
-                "log_interval": 1, "peak_tflops": null, "warmup_steps": 0, "min_lr_ratio": 0.1,
+                "log_interval": 1, "peak_tflops": null, "tokens": null, "lr_schedule": "cosine",
+                "warmup_steps": 0, "warmup_start_lr": null, "min_lr_ratio": 0.1,
                 "sample_prompt": null, "sample_tokens": 48, "activation_checkpointing": false,
                 "compile": false, "measure_memory_steps": 0, "profile_steps": null,
-                "clip_after_warmup": false, "decay_all_params": false, "export": true},
+                "clip_after_warmup": false, "decay_all_params": false, "decay_after_update": false,
+                "stop_after_steps": null, "stop_after_tokens": null, "export": true},
       "checkpoint": {"interval": 0, "enabled": true, "keep_last": 2, "dir": null, "resume": true,
-                     "async_save": false},
+                     "async_save": false, "keep_every": 0, "stagger_writes": true, "min_part_mib": 256},
       "wandb": {"mode": null, "project": "ds_optimus", "name": null, "entity": null},
       "sharded_optimizer": {"enabled": false, "bucket_size": 50000000, "reduce_dtype": null,
                             "overlap_comm": null, "shard_group_size": null, "overlap_param_gather": false},
       "guards": {"enabled": true, "window": 100, "min_window": 20, "sigmas": 6.0, "skip_spikes": true,
                  "rollback_after": 3, "max_rollbacks": 3},
       "watchdog": {"step_timeout_s": 900, "first_step_timeout_s": 3600, "checkpoint_timeout_s": 3600},
+      "profile": {"enabled": false, "interval": 1, "collectives": true},  # time each step's phases
       "eval": {"downstream": {"tasks": [], "include": [], "limit": null, "num_fewshot": 0, "batch_size": 8}}
     }
 
 Every section and key is optional; the defaults are above (`mode: null` means online when
 WANDB_API_KEY is set, offline otherwise). Each section is declared beside the component it
 configures (`ds_optimus.schema.Section`), which its `build()` makes where it has one; this module
-assembles them, and holds the sections of the training run itself (model, train, wandb).
+assembles them, and holds the sections of the training run itself (model, train, wandb, profile).
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ from .schema import (
 )
 
 __all__ = ["ConfigError", "OptimusConfig", "apply_overrides", "check_optimizer_section", "check_run_config",
-           "load_json_config", "resolve_batch_sizes"]
+           "load_json_config", "resolve_batch_sizes", "resolve_schedule"]
 
 DEFAULT_PRESET = "mula-tiny-moe"
 
@@ -131,9 +135,18 @@ class TrainConfig(Section):
     eval_batches: int = 8  # held-out micro-batches per rank in each evaluation
     log_interval: int = 1  # metrics reach the host, metrics.jsonl and wandb every this many steps
     peak_tflops: float | None = None  # per device, for model FLOPs utilisation; null: not reported
+    # The schedule's length in tokens instead of steps: steps = ceil(tokens / tokens of one optimizer
+    # step), e.g. "100B", "4T" or an integer. Give steps or tokens, not both.
+    tokens: int | str | None = None
     # Without a "scheduler" section in the DeepSpeed config, the LR schedule is a linear warm-up to the
-    # optimizer's lr over warmup_steps, then a cosine decay to min_lr_ratio x lr at the last step.
+    # optimizer's lr over warmup_steps, then a cosine decay to min_lr_ratio x lr (`optim.schedule`):
+    # "cosine" reaches it at the last step; "optimus" is the seed's formula (warm-up from the minimum
+    # LR, the decay reaching it one step after the last).
+    lr_schedule: str = "cosine"
     warmup_steps: int = 0  # steps of linear LR warm-up (without a "scheduler" section)
+    # the LR of the first warm-up step: null (lr / warmup_steps; "optimus": "min"), "min" (min_lr_ratio
+    # x lr, the seed's), or a number (an LR)
+    warmup_start_lr: float | str | None = None
     min_lr_ratio: float = 0.1  # the cosine decay's final LR, as a fraction of lr (without a "scheduler" section)
     # no gradient clipping during the LR warm-up: the config's `gradient_clipping` applies from the step
     # after it on (Optimus' recipe)
@@ -141,9 +154,16 @@ class TrainConfig(Section):
     # weight decay on every parameter, norms and biases too (Optimus' recipe); by default
     # parameters of one dimension are not decayed
     decay_all_params: bool = False
+    # the decoupled weight decay applied after the Adam update, to the updated weights (the seed's
+    # p -= lr x wd x p after p -= lr x m / (sqrt(v) + eps)); false: before it, as torch's AdamW does
+    decay_after_update: bool = False
     # End this invocation cleanly (with a checkpoint) after this many steps, e.g. to fit a job's
     # time limit; the next invocation resumes. null: run to `steps`.
     stop_after_steps: int | None = None
+    # End the run cleanly (with a checkpoint) once this many tokens are trained in all (counted from the
+    # run's start, not this invocation's), e.g. "100B" of a schedule sized for more, as the seed's
+    # 100B-token runs were; the next invocation goes no further. null: run to `steps`.
+    stop_after_tokens: int | str | None = None
     sample_prompt: str | None = None  # the end-of-run sample's prompt; null: the first words of a held-out document
     sample_tokens: int = 48  # tokens sampled from the exported model at the end; 0: no sample
     # At the end: the Hugging Face folder <output_dir>/hf (every expert) and a sample from it. false:
@@ -175,7 +195,16 @@ class TrainConfig(Section):
 
     def check(self, where: str) -> None:
         check_flags(self, where, "compile")
-        check_flags(self, where, "clip_after_warmup", "decay_all_params", "export")
+        check_flags(self, where, "clip_after_warmup", "decay_all_params", "decay_after_update", "export")
+        from .optim.schedule import SCHEDULES, token_count
+
+        for key in ("tokens", "stop_after_tokens"):
+            token_count(getattr(self, key), f"{where}.{key}")
+        need(self.lr_schedule in SCHEDULES,
+             f"{where}.lr_schedule must be one of {', '.join(SCHEDULES)}, got {self.lr_schedule!r}")
+        start = self.warmup_start_lr
+        need(start is None or start == "min" or (number(start) and start >= 0),
+             f"{where}.warmup_start_lr must be null, \"min\" or an LR >= 0, got {start!r}")
         value, key, allowed = self.activation_checkpointing, f"{where}.activation_checkpointing", \
             ", ".join(f'"{p}"' for p in self.recompute_parts)
         need(isinstance(value, (bool, list)), f"{key} must be true, false or a list of parts to recompute ({allowed}), "
@@ -223,6 +252,23 @@ class WandbConfig(Section):
 
 
 @dataclass(frozen=True)
+class ProfileConfig(Section):
+    """`optimus.profile`: the phase profiler (`ds_optimus.train.phase_profile`): each profiled step's
+    time per phase (data, forward, backward, the step's reduction, optimizer), its collectives by kind,
+    bytes and time, and each rank's wait at the step's reduction for the slowest, into metrics.jsonl.
+    Declared here, not beside the profiler: this module may not import the training code."""
+
+    enabled: bool = False  # time the phases of every `interval`-th step (off: not a mark nor a wrapper)
+    interval: int = 1  # profile every this many steps (1: every step; a log step reports its interval's mean)
+    # count torch.distributed's collectives on profiled steps (their functions wrapped for the step)
+    collectives: bool = True
+
+    def check(self, where: str) -> None:
+        check_flags(self, where, "enabled", "collectives")
+        need(positive_int(self.interval), f"{where}.interval must be a positive integer, got {self.interval!r}")
+
+
+@dataclass(frozen=True)
 class OptimusConfig(Section):
     """The whole `optimus` section."""
 
@@ -238,6 +284,7 @@ class OptimusConfig(Section):
     sharded_optimizer: ShardedOptimizerConfig = field(default_factory=ShardedOptimizerConfig)
     guards: GuardsConfig = field(default_factory=GuardsConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     @classmethod
@@ -248,7 +295,8 @@ class OptimusConfig(Section):
 
 def check_run_config(ds_config: dict[str, Any]):
     """The parsed `optimus` section of a training config, after the checks that need no process
-    group: every key known (DeepSpeed's too), the ZeRO stage, the optimizer's hyper-parameters."""
+    group: every key known (DeepSpeed's too), the ZeRO stage, the optimizer's hyper-parameters, uniform
+    routing only where nothing is kept."""
     from .integrations.deepspeed_config import check_config_keys
 
     opt = OptimusConfig.from_ds_config(ds_config)
@@ -257,11 +305,48 @@ def check_run_config(ds_config: dict[str, Any]):
         raise ConfigError(f"zero_optimization.stage {stage!r} is not supported by ds_optimus.train (use 0, 1 or 2)")
     check_optimizer_section(ds_config)
     check_config_keys(ds_config)
+    check_schedule_keys(ds_config, opt)
+    kept = [key for key, on in (("optimus.train.export", opt.train.export),
+                                ("optimus.checkpoint.enabled", opt.checkpoint.enabled)) if on]
+    if opt.moe.force_uniform_routing and kept:  # the routing is not learned: no model of it is worth keeping
+        raise ConfigError("optimus.moe.force_uniform_routing is a benchmark mode (the routing is not learned) for "
+                          f"runs that keep no model: set {' and '.join(f'{key} false' for key in kept)}")
     if opt.train.clip_after_warmup:  # something to clip, and a warm-up to wait for
         from .optim.warmup_clipping import delayed_clipping
 
         delayed_clipping(ds_config, opt.train.warmup_steps)
     return opt
+
+
+def check_schedule_keys(ds_config: dict[str, Any], opt) -> None:
+    """One-line errors for schedule keys that contradict each other or the DeepSpeed config: steps and
+    tokens both given, the schedule's own keys beside a "scheduler" section, the decay after the update
+    with an optimizer other than Adam/AdamW."""
+    given = ds_config.get("optimus", {}).get("train", {})
+    if "steps" in given and given.get("tokens") is not None:
+        raise ConfigError("optimus.train.steps and optimus.train.tokens both give the run's length; set one "
+                          "(tokens: steps = tokens / tokens per optimizer step)")
+    if "scheduler" in ds_config:
+        ours = [k for k in ("lr_schedule", "warmup_start_lr") if k in given and given[k] is not None]
+        if ours:
+            raise ConfigError(f"optimus.train.{ours[0]} shapes ds_optimus' own LR schedule, but the config has a "
+                              "\"scheduler\" section (DeepSpeed's schedule); remove one of them")
+    kind = str(ds_config.get("optimizer", {}).get("type", "")).lower()
+    if opt.train.decay_after_update and kind not in ("adam", "adamw"):
+        raise ConfigError("optimus.train.decay_after_update applies to Adam and AdamW; the config's optimizer is "
+                          f"{ds_config.get('optimizer', {}).get('type')!r}")
+
+
+def resolve_schedule(opt, tokens_per_step: int):
+    """`opt` with `train.steps` from `train.tokens` (when given) at `tokens_per_step` tokens per optimizer step."""
+    from dataclasses import replace
+
+    from .optim.schedule import steps_for_tokens, token_count
+
+    tokens = token_count(opt.train.tokens, "optimus.train.tokens")
+    if tokens is None:
+        return opt
+    return replace(opt, train=replace(opt.train, steps=steps_for_tokens(tokens, tokens_per_step)))
 
 
 def resolve_batch_sizes(ds_config: dict[str, Any], world_size: int, stages: int = 1,

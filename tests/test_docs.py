@@ -50,6 +50,9 @@ RUN = {
         HERE + "test_converter_commands_run_as_written",
     "python -m ds_optimus.hf_models.mula.convert_olmo path/to/mula path/to/olmo --to-olmo":
         HERE + "test_converter_commands_run_as_written",
+    "python -m ds_optimus.hf_models.mula.convert_optimus path/to/checkpoint path/to/mula --config "
+    "path/to/config.json --vpp 2 --tokenizer path/to/tokenizer":
+        "test_convert_optimus.py::test_the_docs_import_commands_run_as_written",
     "python -m ds_optimus.train --config my-mix.json --check": MIX,
     "python -m ds_optimus.data.prepare --config my-mix.json --workers 2": MIX,
     "deepspeed --num_gpus 2 --module ds_optimus.train --config my-mix.json": MIX,
@@ -68,6 +71,8 @@ RUN = {
     "deepspeed --num_gpus 2 --module ds_optimus.train --config ds_configs/mula-tiny-moe-cpu.json --set "
     "train_micro_batch_size_per_gpu=4 --set gradient_accumulation_steps=2":
         HERE + "test_launches_pass_the_check_at_their_world_size",
+    "python -m ds_optimus.evaluate.export runs/mula-220b-a10b-aurora/checkpoints/cold/step250-tokens2B hf-step250":
+        "test_checkpoint_stagger.py::test_staggered_checkpoints_hold_the_same_weights_resume_and_keep_cold_copies",
 }
 # NOT_RUN: why not. Those that launch ds_optimus.train with a shipped config still have it checked at
 # their world size (test_launches_pass_the_check_at_their_world_size).
@@ -88,6 +93,14 @@ NOT_RUN = {
     'mkdocs build --strict --site-dir /tmp/ds_optimus_site && '
     "python -m pytest -q --durations=25": "the test command itself: CI runs it (.ci/run)",
     "mkdocs build --strict --site-dir /tmp/ds_optimus_site": "part of the test command, which CI runs",
+    "deepspeed --num_gpus 2 --module ds_optimus.train --config ds_configs/mula-tiny-moe-cpu.json --set "
+    "optimus.profile.enabled=true": "200 steps of the main job, profiled; tests/test_phase_profile.py runs profiled "
+                                    "EP-2 and pipeline runs shortened",
+    "python -m ds_optimus.hf_models.mula.convert_optimus runs/my-run/checkpoints/main path/to/mula --model-choice "
+    "allenai/OLMoE-1B-7B-0924--SA1.5-SH1.5-SE3.75-SI1.5-L64 --pp 8 --ep 12 --dtype bf16":
+        "a 220B checkpoint (96 files of 4.6 GB); tests/test_convert_optimus.py::test_the_docs_import_commands_run_"
+        "as_written checks its --model-choice against mula-220b-a10b, and the module imports tiny checkpoints "
+        "in these layouts",
     "deepspeed --num_gpus 2 --module ds_optimus.train --config ds_configs/mula-tiny-moe-cpu.json --set "
     "optimus.train.steps=50": f"50 steps of the main job; {MAIN_JOB_TEST}",
     "ds-optimus-train --config ds_configs/mula-tiny-moe-cpu.json --set optimus.expert_parallel.size=1 --set "

@@ -135,3 +135,152 @@ def test_decay_all_params_puts_norms_and_biases_in_a_decayed_group():
     assert [g["name"] for g in everything] == ["dense"]  # the tiny model is not expert-parallel here
     assert set(decay_of(everything).values()) == {0.1} and len(decay_of(everything)) == len(list(model.parameters()))
     assert everything[0]["lr"] == 0.01
+
+
+# -- the seed's LR schedule, token-based length, and weight decay after the update -----------------
+
+
+def seed_learning_rate(k: int, steps: int, warmup: int, lr: float, min_lr: float) -> float:
+    """The seed's LR for optimizer step k (0-based), restated from its dist_train.get_learning_rate: a
+    linear warm-up from the minimum LR, then a cosine over the remaining steps of its schedule."""
+    import math
+
+    if k < warmup:
+        return min_lr + (lr - min_lr) * k / max(1, warmup)
+    ratio = (k - warmup) / (steps - warmup)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)
+
+
+@pytest.mark.parametrize("steps, warmup", [(100, 10), (2000, 250), (7, 0), (5, 4)])
+def test_the_optimus_schedule_is_the_seeds_formula(steps, warmup):
+    from ds_optimus.optim.schedule import lr_factor, warmup_start
+
+    lr, ratio = 4e-4, 0.1
+    factor = lr_factor("optimus", steps, warmup, ratio, warmup_start("optimus", None, ratio, lr))
+    for k in range(steps):  # float64 both ways, the same operations up to their order: a few ulps
+        assert factor(k) * lr == pytest.approx(seed_learning_rate(k, steps, warmup, lr, ratio * lr), rel=1e-12)
+    assert factor(0) * lr == pytest.approx(ratio * lr if warmup else lr, rel=1e-12)  # a warm-up starts at the minimum
+
+
+def test_warmup_start_lr_sets_the_first_step_of_the_cosine_schedule():
+    from ds_optimus.optim.schedule import lr_factor, warmup_start
+
+    lr = 1e-3
+    default = lr_factor("cosine", 20, 4, 0.1, warmup_start("cosine", None, 0.1, lr))
+    assert [default(k) for k in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]  # ours: lr / W at the first step
+    assert default(19) == pytest.approx(0.1)  # the minimum at the last step
+    from_min = lr_factor("cosine", 20, 4, 0.1, warmup_start("cosine", "min", 0.1, lr))
+    assert [from_min(k) for k in range(5)] == pytest.approx([0.1, 0.325, 0.55, 0.775, 1.0])
+    given = lr_factor("cosine", 20, 4, 0.1, warmup_start("cosine", 2e-4, 0.1, lr))
+    assert given(0) == pytest.approx(0.2) and given(4) == 1.0
+
+
+@pytest.mark.parametrize("value, tokens", [("4T", 4 * 10**12), ("100B", 10**11), ("2.5e9", 2_500_000_000),
+                                           (123456, 123456), (" 7m ", 7_000_000), ("1.5K", 1500)])
+def test_token_counts_read_as_written(value, tokens):
+    from ds_optimus.optim.schedule import token_count
+
+    assert token_count(value, "k") == tokens
+
+
+@pytest.mark.parametrize("train, message", [
+    ({"tokens": "lots"}, r"^optimus\.train\.tokens must be a token count such as 100000000000, \"100B\" or \"4T\", "
+                         r"got 'lots'$"),
+    ({"tokens": 0}, r"^optimus\.train\.tokens must be a whole, positive number of tokens, got 0$"),
+    ({"stop_after_tokens": "0.5"}, r"^optimus\.train\.stop_after_tokens must be a whole, positive number"),
+    ({"lr_schedule": "linear"}, r"^optimus\.train\.lr_schedule must be one of cosine, optimus, got 'linear'$"),
+    ({"warmup_start_lr": "max"}, r"^optimus\.train\.warmup_start_lr must be null, \"min\" or an LR >= 0"),
+    ({"decay_after_update": 1}, r"^optimus\.train\.decay_after_update must be true or false, got 1$"),
+])
+def test_schedule_keys_refuse_bad_values_in_one_line(train, message):
+    with pytest.raises(ConfigError, match=message):
+        OptimusConfig.from_ds_config({"optimus": {"train": train}})
+
+
+def test_schedule_keys_that_contradict_each_other_are_refused(tmp_path):
+    from ds_optimus.config import check_run_config
+
+    config = tiny_config(tmp_path, tmp_path, train={"tokens": "1M"})  # tiny_config gives steps too
+    with pytest.raises(ConfigError, match=r"^optimus\.train\.steps and optimus\.train\.tokens both give the run"):
+        check_run_config(config)
+    config = tiny_config(tmp_path, tmp_path, train={"lr_schedule": "optimus"})
+    config["scheduler"] = {"type": "WarmupLR"}
+    with pytest.raises(ConfigError, match=r"^optimus\.train\.lr_schedule shapes ds_optimus' own LR schedule, but"):
+        check_run_config(config)
+    config = tiny_config(tmp_path, tmp_path, train={"decay_after_update": True})
+    config["optimizer"] = {"type": "Lamb", "params": {"lr": 1e-3}}
+    with pytest.raises(ConfigError, match=r"^optimus\.train\.decay_after_update applies to Adam and AdamW; the conf"):
+        check_run_config(config)
+
+
+class Schedule(Callback):
+    """Per step: the LR the step ran with, and the fp32 weights after the first update."""
+
+    def __init__(self) -> None:
+        self.lrs, self.after_first = {}, None
+
+    def post_step(self, step: int) -> None:
+        self.lrs[step] = self.trainer.lr
+        if step == 1:
+            self.after_first = {n: p.detach().clone() for n, p in self.trainer.engine.module.named_parameters()}
+
+
+def schedule_worker(rank: int, world: int, config: dict) -> dict:
+    seen = Schedule()
+    trainer = Trainer(config, callbacks=[seen])
+    summary = trainer.train()
+    return {"lrs": seen.lrs, "after_first": seen.after_first, "steps": trainer.opt.train.steps,
+            "tokens_per_step": trainer.tokens_per_step, "finished": summary["finished"],
+            "end": getattr(trainer, "step", summary["start_step"]), "nothing_to_do": summary.get("nothing_to_do")}
+
+
+def _run_config(tmp_path, cache, name, train, sharded=True, stage=1):
+    c = tiny_config(tmp_path / name, cache, sharded_optimizer={"enabled": sharded},
+                    train={"eval_interval": 0, "export": False, **train}, checkpoint={"interval": 0})
+    c["zero_optimization"] = {"stage": stage}
+    return c
+
+
+@pytest.mark.slow
+def test_a_run_follows_the_seeds_schedule_over_its_tokens(tmp_path, cache):
+    """`train.tokens` sizes the schedule (steps = tokens / tokens per step, rounded up), the "optimus"
+    schedule gives each step the seed's LR, and `stop_after_tokens` ends the run at its step: finished."""
+    c = _run_config(tmp_path, cache, "tokens", {"lr_schedule": "optimus", "warmup_steps": 3, "min_lr_ratio": 0.1})
+    del c["optimus"]["train"]["steps"]
+    per_step = 4 * 32  # tiny_config: micro-batch 4 of 32 tokens, one rank, no accumulation
+    c["optimus"]["train"].update(tokens=9 * per_step - 5, stop_after_tokens=6 * per_step)
+    out = run_distributed(schedule_worker, 1, c)[0]
+    assert out["tokens_per_step"] == per_step and out["steps"] == 9  # 9 x 128 - 5 tokens: 9 steps
+    assert out["end"] == 6 and out["finished"] is True and sorted(out["lrs"]) == [1, 2, 3, 4, 5, 6]
+    lr = c["optimizer"]["params"]["lr"]
+    for step, got in out["lrs"].items():
+        assert got == pytest.approx(seed_learning_rate(step - 1, 9, 3, lr, 0.1 * lr), rel=1e-12)
+    again = run_distributed(schedule_worker, 1, c)[0]  # launched again: the run is over
+    assert again["end"] == 6 and again["lrs"] == {} and again["nothing_to_do"] is True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", list(PATHS))
+def test_decay_after_update_shrinks_the_updated_weights(tmp_path, cache, path):
+    """The seed's order: p1 = (p0 - lr u) (1 - lr wd), i.e. the weights of the same first step without
+    weight decay, times (1 - lr wd); torch's AdamW gives p0 (1 - lr wd) - lr u instead, lr^2 wd u away.
+    One process, fp32: the same gradients at step 1 in all three runs."""
+    stage, sharded, optimizer = PATHS[path]
+    lr, wd = 0.05, 0.5  # lr^2 wd = 1.25e-3 times |u| ~ 1 at the first Adam step: far above fp32 rounding
+
+    def run(name, weight_decay, after):
+        c = _run_config(tmp_path, cache, name, {"steps": 1, "warmup_steps": 0, "decay_after_update": after},
+                        sharded=sharded, stage=stage)
+        c["optimizer"]["params"].update(lr=lr, weight_decay=weight_decay)
+        return run_distributed(schedule_worker, 1, c)[0]["after_first"]
+
+    plain, before, after = run("plain", 0.0, False), run("before", wd, False), run("after", wd, True)
+    decayed = set(n for n, p in plain.items() if p.ndim >= 2)  # 1-D weights are in the group without decay
+    moved_apart = 0.0
+    for name, p in plain.items():
+        shrink = 1.0 - lr * wd if name in decayed else 1.0
+        # one fp32 multiply after the same Adam step (fused kernels with and without their own decay term):
+        # a few ulps of the weight
+        torch.testing.assert_close(after[name], p * shrink, rtol=4e-6, atol=1e-7)
+        moved_apart = max(moved_apart, (before[name] - after[name]).abs().max().item())
+    assert moved_apart > 1e-4  # torch's order is measurably another update

@@ -82,6 +82,7 @@ class ShardedOptimizer:
         self.optimizer = init_optimizer
         self.param_groups = init_optimizer.param_groups  # shared: LR schedulers act on these dicts
         self.decoupled, self.amsgrad = adam_kind(init_optimizer)
+        self.decay_after_update = False  # the weight decay after the update (`decay_after.apply_decay_after_update`)
         if self.amsgrad:
             raise ShardedOptimizerError("the sharded optimizer does not implement amsgrad")
         self.stage = stage
@@ -458,7 +459,7 @@ class ShardedOptimizer:
         clip = self.clip_grad / (norm + 1e-6) if self.clip_grad > 0 and norm > self.clip_grad else 1.0
         divisor = torch.full((), 1.0 / (inv * clip), dtype=torch.float32, device=self._step.device)  # no copy
         self._step += 1
-        fused_adam(self._segments, self.param_groups, self._step, self.decoupled, divisor)
+        fused_adam(self._segments, self.param_groups, self._step, self.decoupled, divisor, self.decay_after_update)
         self.gather.launch()
 
     def _reduce_across_replicas(self) -> None:

@@ -4,7 +4,6 @@ layers, the Hugging Face export and a sample from the exported folder."""
 
 from __future__ import annotations
 
-import math
 import os
 import random
 import socket
@@ -17,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..command_line import said_by_every_rank
-from ..config import ConfigError, check_run_config, resolve_batch_sizes  # noqa: F401  (re-exported: the trainer's pieces)
+from ..config import ConfigError, check_run_config, resolve_batch_sizes, resolve_schedule  # noqa: F401  (re-exported: the trainer's pieces)
 
 
 def init_distributed() -> str:
@@ -137,17 +136,13 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def warmup_cosine(steps: int, warmup_steps: int, min_lr_ratio: float):
-    """`optimizer -> LambdaLR`: linear warm-up over `warmup_steps` optimizer steps (the first step
-    already at lr/warmup, not 0), then cosine decay to `min_lr_ratio` x lr at step `steps`."""
+def lr_schedule(train, lr: float):
+    """`optimizer -> LambdaLR` of `optimus.train`'s schedule (`train`, a TrainConfig; `lr`: the optimizer's),
+    shaped by `optim.schedule.lr_factor`: its warm-up, then the cosine decay to min_lr_ratio x lr."""
+    from ..optim.schedule import lr_factor, warmup_start
 
-    def factor(done: int) -> float:  # `done` optimizer steps taken before this one
-        if done < warmup_steps:
-            return (done + 1) / warmup_steps
-        span = max(1, steps - warmup_steps - 1)
-        progress = min(1.0, (done - warmup_steps) / span)
-        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
+    start = warmup_start(train.lr_schedule, train.warmup_start_lr, train.min_lr_ratio, lr)
+    factor = lr_factor(train.lr_schedule, train.steps, train.warmup_steps, train.min_lr_ratio, start)
     return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
@@ -376,16 +371,24 @@ def _finished_with_this_model(opt, checkpoint: Path, summary: Path) -> bool:
     return all(saved.get(key) == now.get(key) for key in _SHAPE_KEYS)
 
 
-def finished_already(opt, output_dir: Path) -> int | None:
-    """The step of the run's newest complete checkpoint when the run is finished there (at or past
-    `train.steps`, and its summary.json says finished): a finished run launched again, known before
+def last_step(opt, tokens_per_step: int) -> int:
+    """The run's last step: `train.steps`, or sooner the step that reaches `train.stop_after_tokens`."""
+    from ..optim.schedule import steps_for_tokens, token_count
+
+    stop = token_count(opt.train.stop_after_tokens, "optimus.train.stop_after_tokens")
+    return opt.train.steps if stop is None else min(opt.train.steps, steps_for_tokens(stop, tokens_per_step))
+
+
+def finished_already(opt, output_dir: Path, last: int) -> int | None:
+    """The step of the run's newest complete checkpoint when the run is finished there (at or past its
+    `last` step, and its summary.json says finished): a finished run launched again, known before
     anything is built. Rank 0's view, on every rank (collective); None otherwise."""
     found: list[int | None] = [None]
     if dist.get_rank() == 0 and opt.checkpoint.resume and opt.checkpoint.enabled:
         complete = opt.checkpoint.build(output_dir).complete()
         step = int(complete[-1].name.split("_")[-1]) if complete else 0
         summary = output_dir / "summary.json"
-        if complete and step >= opt.train.steps and summary.exists():
+        if complete and step >= last and summary.exists():
             found = [step if _finished_with_this_model(opt, complete[-1], summary) else None]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(found, src=0)

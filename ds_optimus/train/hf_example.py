@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     from ds_optimus.config import ConfigError, OptimusConfig, apply_overrides, load_json_config
     from ds_optimus.data import DataError, load_tokenizer
     from ds_optimus.launch import adopt
-    from ds_optimus.train.components import prepare_everywhere, resolve_batch_sizes
+    from ds_optimus.train.components import prepare_everywhere, resolve_batch_sizes, resolve_schedule
     from ds_optimus.train.hf_trainer import PackedSequences, trainer_ds_config
 
     try:
@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         prepare_op_builds()  # before the Trainer's accelerate starts DeepSpeed's communication
         world = adopt().size  # torch's variables from any launcher (mpiexec, srun, ...), which accelerate reads
         micro, accumulation = resolve_batch_sizes(config, world)
+        opt = resolve_schedule(opt, micro * accumulation * world * opt.data.seq_len)  # train.tokens: its steps
         tokenizer = load_tokenizer(opt.data.tokenizer)
         out = Path(opt.train.output_dir)
         optimizer = config.get("optimizer", {}).get("params", {})

@@ -57,7 +57,7 @@ def check_run(ds_config: dict[str, Any], world: int | None = None, cluster: str 
     name or file) adds a check of the predicted memory per rank against its devices'."""
     import torch
 
-    from ..config import check_run_config, resolve_batch_sizes
+    from ..config import check_run_config, resolve_batch_sizes, resolve_schedule
     from ..data import load_tokenizer
     from ..data.tokenizer import looks_like_a_path
     from ..hf_models.mula import MulaForCausalLM, count_parameters
@@ -126,6 +126,7 @@ def check_run(ds_config: dict[str, Any], world: int | None = None, cluster: str 
     tensor = f", tensor parallel {tp}{sequence} (inside each group of {tp} consecutive ranks)" if tp > 1 else ""
     ranks = _count(world, "rank") if stages == 1 and tp == 1 else _count(dp, "data-parallel rank")
     tokens = micro * accumulation * dp * opt.data.seq_len
+    opt = resolve_schedule(opt, tokens)  # train.tokens: the steps they take at this batch
     lines = [
         f"model     {opt.model.describe()}: {total / 1e6:,.2f}M parameters ({active / 1e6:,.2f}M active per token), "
         f"{model_config.num_hidden_layers} layers{experts}; built on the meta device",
@@ -136,7 +137,7 @@ def check_run(ds_config: dict[str, Any], world: int | None = None, cluster: str 
         f"{_count(micro * accumulation * dp, 'sequence')} of {opt.data.seq_len} tokens ({tokens:,} tokens) per step",
         *_data_lines(opt, tokenizer),
         _memory_line(model_config, opt, config, world, micro, accumulation, cluster),
-        _run_line(opt, tokenizer, world),
+        _run_line(opt, tokenizer, world, tokens),
     ]
     return lines
 
@@ -295,8 +296,9 @@ def _data_change(opt, tokenizer, checkpoint: Path) -> None:
         raise ConfigError(changed_data_message(changes, since=str(checkpoint)))
 
 
-def _run_line(opt, tokenizer=None, world: int | None = None) -> str:
+def _run_line(opt, tokenizer=None, world: int | None = None, tokens_per_step: int | None = None) -> str:
     from ..checkpoint.manager import CheckpointManager, describe_layout, saved_layout
+    from .components import last_step
 
     train, checkpoint = opt.train, opt.checkpoint
     manager = CheckpointManager(checkpoint.dir or Path(train.output_dir) / "checkpoints")
@@ -323,7 +325,15 @@ def _run_line(opt, tokenizer=None, world: int | None = None) -> str:
     every = f"every {checkpoint.interval} steps and " if checkpoint.interval else ""
     saves = f"checkpoints {every}at the end (keep {checkpoint.keep_last})" if checkpoint.enabled else \
         "no checkpoints (checkpoint.enabled is false)"
-    return f"run       {train.steps} steps into {train.output_dir}; {saves}; {start}"
+    if checkpoint.enabled and checkpoint.keep_every:
+        saves += f", the model alone every {checkpoint.keep_every} steps (kept)"
+    length = f"{train.steps} steps"
+    if train.tokens is not None and tokens_per_step:
+        length += f" ({train.tokens} tokens)"
+    stop = last_step(opt, tokens_per_step) if tokens_per_step else train.steps
+    if stop < train.steps:
+        length += f", stopping after step {stop} (train.stop_after_tokens {train.stop_after_tokens})"
+    return f"run       {length} into {train.output_dir}; {saves}; {start}"
 
 
 def _count(n: int, noun: str) -> str:

@@ -34,6 +34,8 @@ from .callbacks import Callback, default_callbacks
 from .metrics import LOSS_PARTS, MetricsSink, append_log
 from .pipelined import PipelineRunner, check_pipeline, data_parallel_size, engine_batch_config
 
+_NO_PHASE = contextlib.nullcontext()  # `Trainer._phase` of a step that is not profiled: nothing at all
+
 
 @contextlib.contextmanager
 def every_rank_alike():
@@ -76,12 +78,14 @@ class Trainer:
                                         opt.expert_parallel.size)
         self.dp_rank, self.runner = self.position["dp_rank"], None
         self.tokens_per_step = self.micro_batch * self.accumulation * self.dp_world * opt.data.seq_len
+        self.opt = opt = C.resolve_schedule(opt, self.tokens_per_step)  # train.tokens: the steps they take
+        self.last_step = C.last_step(opt, self.tokens_per_step)  # train.steps, or the step of stop_after_tokens
         C.scheduler_defaults(self.ds_config, opt.train.steps)
         C.seed_everything(opt.train.seed)  # the same initial weights on every rank
         self.output_dir = Path(opt.train.output_dir)
         self.log_every_rank = log_every_rank
         self.sink: MetricsSink | None = None
-        self.finished_at = C.finished_already(opt, self.output_dir)  # launched again after its last step
+        self.finished_at = C.finished_already(opt, self.output_dir, self.last_step)  # launched again after the end
         if self.finished_at is not None:
             self.callbacks = []  # nothing is built: train() says so and returns
             return
@@ -102,16 +106,17 @@ class Trainer:
         except BaseException as err:
             self.close(err)
             raise
-        self.end_step = opt.train.steps
+        self.end_step = self.last_step
         if opt.train.stop_after_steps is not None:
             self.end_step = min(self.end_step, self.start_step + opt.train.stop_after_steps)
         self.summary: dict[str, Any] = {
             "rank": self.rank, "start_step": self.start_step, "resumed_from": self.resumed_from, "losses": {},
-            "evals": {}, "step_seconds": {}, "finished": self.end_step == opt.train.steps, "rollbacks": 0}
+            "evals": {}, "step_seconds": {}, "finished": self.end_step == self.last_step, "rollbacks": 0}
         self.stop_reason: str | None = None  # set by a callback to end the run after this step
         self.metrics: dict[str, float] = {}  # the current step's numbers, reduced over ranks
         self.expert_loads: torch.Tensor | None = None  # token slots per MoE layer and expert since the last log
         self.step_loads: list[list[float]] | None = None  # those loads summed over ranks, on log steps
+        self.phases = None  # a profiled step's phase timer (optimus.profile: PhaseProfileCallback sets it)
         self._rewound = False
 
     # -- assembly ---------------------------------------------------------------------------------
@@ -193,7 +198,7 @@ class Trainer:
         weight_decay = config["optimizer"].get("params", {}).get("weight_decay", 0.0)
         schedule = None
         if "scheduler" not in config:
-            schedule = C.warmup_cosine(opt.train.steps, opt.train.warmup_steps, opt.train.min_lr_ratio)
+            schedule = C.lr_schedule(opt.train, config["optimizer"].get("params", {}).get("lr", 1e-3))
         # The engine applies the optimus section's moe, expert_parallel (done already: the model is
         # expert-parallel) and sharded_optimizer; the rest is this trainer's.
         mpu = None
@@ -208,6 +213,10 @@ class Trainer:
             model=self.model, lr_scheduler=schedule, config=engine_ds_config(config), mpu=mpu,
             model_parameters=moe_param_groups(self.model, weight_decay=weight_decay,
                                               decay_all=opt.train.decay_all_params))
+        if opt.train.decay_after_update:  # the seed's order: the decay shrinks the updated weights
+            from ..optim.decay_after import apply_decay_after_update
+
+            apply_decay_after_update(self.engine)
         if self.runner is not None:
             self.runner.attach(self.engine)
         self.engine.drives_router_bias = False  # RouterBiasCallback does it, leaving out the skipped steps
@@ -235,7 +244,7 @@ class Trainer:
             for callback in (c for c in self.callbacks if c.state_key is not None):
                 callback.load_state_dict(extra.get(callback.state_key, {}))
             self.resumed_from = str(latest)
-        self.sink = MetricsSink(self.output_dir, self.opt.train.steps, start, self.opt.wandb, self.ds_config,
+        self.sink = MetricsSink(self.output_dir, self.last_step, start, self.opt.wandb, self.ds_config,
                                 enabled=self.rank == 0 or self.log_every_rank)
         if self.rank == 0:
             self.message(C.describe_data(self.packed, self.train_loader))
@@ -265,16 +274,21 @@ class Trainer:
         self.lr = engine.get_lr()[0]
         parts = torch.zeros(len(LOSS_PARTS), dtype=self.sum_dtype, device=self.device)
         if self.runner is not None:  # every micro-batch through the pipeline schedule, then the update
-            batch = torch.cat([self.train_loader.next_batch() for _ in range(accumulation)]).to(self.device)
-            loads = self.runner.step(batch, parts)
+            with self._phase("data"):
+                batch = torch.cat([self.train_loader.next_batch() for _ in range(accumulation)]).to(self.device)
+            with self._phase("pipeline"):
+                loads = self.runner.step(batch, parts)
             if loads is not None:
                 self.expert_loads = loads if self.expert_loads is None else self.expert_loads + loads
             self._reduce_step(parts)
-            engine.step()
+            with self._phase("optimizer"):
+                engine.step()
             accumulation = 0
         for micro in range(accumulation):
-            batch = self.train_loader.next_batch().to(self.device, non_blocking=True)
-            out = engine(input_ids=batch, labels=batch, use_cache=False)  # training keeps no KV cache
+            with self._phase("data"):
+                batch = self.train_loader.next_batch().to(self.device, non_blocking=True)
+            with self._phase("forward"):
+                out = engine(input_ids=batch, labels=batch, use_cache=False)  # training keeps no KV cache
             parts += torch.stack([_loss_part(out, key, self.sum_dtype) for key in LOSS_PARTS]) / accumulation
             if out.tokens_per_expert is not None:
                 counts = out.tokens_per_expert.detach().float()
@@ -282,10 +296,12 @@ class Trainer:
             loss = out.loss
             if self.sequence and out.aux_loss is not None:  # this rank's tokens' router losses: 1/T of them
                 loss = sequence_router_share(out.loss, out.lm_loss, self.tp)
-            engine.backward(loss)
+            with self._phase("backward"):
+                engine.backward(loss)
             if micro == accumulation - 1:
                 self._reduce_step(parts)
-            engine.step()
+            with self._phase("optimizer"):  # the update; before the last micro-batch, next to nothing
+                engine.step()
         self.step_seconds = time.perf_counter() - began
         self.update_skipped = engine.skipped_steps > skipped_before
 
@@ -306,7 +322,8 @@ class Trainer:
         if loads is not None:
             pieces.append(loads.reshape(-1).to(parts.dtype))
         packed = torch.cat(pieces)
-        with waiting_for_peers():  # a rank stuck here waits for another (the heartbeats say which)
+        # a rank stuck here waits for another (the heartbeats say which); its wait is its jitter (the profiler's)
+        with waiting_for_peers(), self._phase("reduce"):
             if self.world > 1:
                 dist.all_reduce(packed)
                 # with pipeline stages, the last chunk's ranks add them; every rank of a TP group has the same
@@ -324,17 +341,20 @@ class Trainer:
             self.step_loads = [flat[i:i + experts] for i in range(0, len(flat), experts)]
             self.expert_loads = None
 
+    def _phase(self, name: str):
+        """A context timing phase `name` of a profiled step (`optimus.profile`); else a shared no-op."""
+        return _NO_PHASE if self.phases is None else self.phases.phase(name)
+
     def is_log_step(self, step: int) -> bool:
         """Whether step `step`'s metrics go to the logs: every `log_interval`-th, and the last."""
-        return step % self.opt.train.log_interval == 0 or step in (self.end_step, self.opt.train.steps)
+        return step % self.opt.train.log_interval == 0 or step in (self.end_step, self.last_step)
 
     def train(self) -> dict[str, Any]:
         """Run from the resumed step to the last one (or until a callback stops the run), export
         the model at the end, and return the summary (on every rank)."""
         if self.finished_at is not None:
-            text = (f"the run was already trained to step {self.finished_at}: nothing to do (raise optimus.train.steps "
-                    f"past it to train further: the LR schedule then stretches to the new length; or remove "
-                    f"{self.output_dir} to start over)")
+            text = (f"the run was already trained to step {self.finished_at}: nothing to do ({self._further()}; or "
+                    f"remove {self.output_dir} to start over)")
             self.message(text)
             if self.rank == 0:
                 append_log(self.output_dir, text)
@@ -362,13 +382,12 @@ class Trainer:
         self.sink.end_progress()  # the export and the sample print below it, not through it
         self.summary.update(skipped_steps=self.engine.skipped_steps,
                             weights_fingerprint=C.dense_fingerprint(self.engine.module))
-        if self.step >= self.opt.train.steps:  # the last step is done, in this invocation or an earlier one
+        if self.step >= self.last_step:  # the last step is done, in this invocation or an earlier one
             self.stop_reason = None  # a stop asked for at the last step leaves nothing to come back for
             self.summary["finished"] = True
-            if self.start_step >= self.opt.train.steps and self._summary_written():
-                self.message(f"the run was already trained to step {self.start_step}: nothing to do (raise "
-                             f"optimus.train.steps to train further: the LR schedule then stretches to the new "
-                             f"length; or remove {self.output_dir} to start over)")
+            if self.start_step >= self.last_step and self._summary_written():
+                self.message(f"the run was already trained to step {self.start_step}: nothing to do "
+                             f"({self._further()}; or remove {self.output_dir} to start over)")
             else:
                 self._export()
         elif self.stop_reason is not None:
@@ -376,10 +395,16 @@ class Trainer:
             if self.stop_reason != "preempted":  # a callback of the user's asked for it
                 self.message(f"stopped after step {self.step} ({self.stop_reason}); run again to resume")
         else:
-            self.message(f"stopped after step {self.end_step} of {self.opt.train.steps} (train.stop_after_steps); "
+            self.message(f"stopped after step {self.end_step} of {self.last_step} (train.stop_after_steps); "
                          "run again to resume")
         self.sink.close()
         dist.barrier()
+
+    def _further(self) -> str:
+        """How to train a finished run further."""
+        if self.last_step < self.opt.train.steps:
+            return "raise optimus.train.stop_after_tokens to train further, along the same LR schedule"
+        return "raise optimus.train.steps past it to train further: the LR schedule then stretches to the new length"
 
     def _summary_written(self) -> bool:
         """Whether the run's `summary.json`, written last, exists: rank 0's view, on every rank."""

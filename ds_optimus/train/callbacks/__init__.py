@@ -3,7 +3,8 @@
 `default_callbacks(opt, extra)` gives a run's callbacks in the order their hooks run: the watchdog
 first (it re-arms before anything else can hang), fault injection (only with `DS_OPTIMUS_FAULTS`),
 the naming of ranks behind a non-finite loss and of stragglers (into faults.jsonl), the memory
-meter, the profiler (`optimus.train.profile_steps`), clipping after the warm-up
+meter, the profilers (`optimus.train.profile_steps`, then the phase profiler of `optimus.profile`, whose
+`post_step` comes before the guards' rollback can skip it), clipping after the warm-up
 (`optimus.train.clip_after_warmup`), the router-bias update right after the optimizer step, metrics
 and the progress file, the guards (whose rollback ends the step's remaining `post_step` calls), then
 the `extra` callbacks of the user, so that what they do or ask for (a stop) is in the step's
@@ -23,6 +24,7 @@ from .fault_record import FaultRecordCallback
 from .faults import FaultInjectionCallback
 from .logging import MetricsCallback, ProgressFileCallback
 from .peak_memory import MemoryCallback
+from .phase_timing import PhaseProfileCallback
 from .profiling import ProfileCallback
 from .reliability import GuardCallback, PreemptionCallback, WatchdogCallback
 from .router_bias import RouterBiasCallback, uses_router_bias
@@ -38,6 +40,7 @@ __all__ = [
     "GuardCallback",
     "MemoryCallback",
     "MetricsCallback",
+    "PhaseProfileCallback",
     "PreemptionCallback",
     "ProfileCallback",
     "ProgressFileCallback",
@@ -62,6 +65,8 @@ def default_callbacks(opt, extra: list[Callback] = ()) -> list[Callback]:
         callbacks.append(MemoryCallback(opt.train.measure_memory_steps))
     if opt.train.profile_steps:
         callbacks.append(ProfileCallback(*opt.train.profile_steps))
+    if opt.profile.enabled:
+        callbacks.append(PhaseProfileCallback(opt.profile))
     if opt.train.clip_after_warmup:
         callbacks.append(ClipAfterWarmupCallback())
     callbacks += [RouterBiasCallback(), MetricsCallback(), ProgressFileCallback(), GuardCallback(opt.guards),

@@ -11,7 +11,7 @@ class EvaluationCallback(Callback):
     def post_step(self, step: int) -> None:
         trainer = self.trainer
         interval = trainer.opt.train.eval_interval
-        if not ((interval and step % interval == 0) or step == trainer.opt.train.steps):
+        if not ((interval and step % interval == 0) or step == trainer.last_step):
             return
         trainer.begin_long_work(f"the evaluation after step {step}")
         held_out_loss = trainer.evaluate()
