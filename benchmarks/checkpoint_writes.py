@@ -7,7 +7,9 @@ data-parallel ranks (dense) and each EP rank's 128 expert-data-parallel replicas
 split evenly over the stages. For each file kind it counts the bytes, the ranks that hold it, the parts
 `optimus.checkpoint.min_part_mib` cuts it into and the most one rank writes; then the checkpoint's file
 count and the write time at a per-rank write rate (the slowest rank decides it: every rank waits for
-the manifest).
+the manifest). The busiest rank is found by placing every part on its writer as the checkpoint code
+does (`model_files.writer_of`, each file's writers starting at an offset hashed from its name), so a
+rank writing parts of two files is counted.
 
     python benchmarks/checkpoint_writes.py [--preset mula-220b-a10b] [--pp 8] [--ep 12] [--dp 1536]
                                            [--min-part-mib 256] [--rank-gbps 2.0]
@@ -23,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ds_optimus.checkpoint.model_files import part_count
+from ds_optimus.checkpoint.model_files import first_writer, part_count, writer_of
 from ds_optimus.hf_models.mula import MulaConfig, MulaForCausalLM
 
 GIB = 2**30
@@ -63,18 +65,28 @@ def main() -> None:
     rows, most = [], {"whole": 0.0, "staggered": 0.0}
     files = {"whole": 0, "staggered": 0}
     for s, (dense, experts) in enumerate(stages):
-        kinds = [("dense", 2 * dense, args.dp, 1), ("experts", 2 * experts // args.ep, edp, args.ep)]
-        for kind, size, replicas, count in kinds:
-            parts = part_count(size, replicas, floor)
-            rows.append({"stage": s, "kind": kind, "files": count, "bytes": size, "replicas": replicas, "parts": parts,
-                         "most_per_rank_gib": size / parts / GIB})
-            files["whole"] += count
-            files["staggered"] += count * parts
+        # what each of the stage's ranks writes (stage-local rank r: EP rank r % EP, replica r // EP of it)
+        written = {"whole": [0.0] * args.dp, "staggered": [0.0] * args.dp}
+        optimizer = 12 * (dense / args.dp + experts / args.ep / edp)  # every rank's own shard
+        files_of = [(f"model_dense_pp{s:03d}", 2 * dense, list(range(args.dp)))]
+        files_of += [(f"model_experts_ep{q:03d}_pp{s:03d}", 2 * experts // args.ep, list(range(q, args.dp, args.ep)))
+                     for q in range(args.ep)]
+        for name, size, replicas in files_of:
+            parts = part_count(size, len(replicas), floor)
+            written["whole"][replicas[0]] += size
+            offset = first_writer(name, len(replicas))
+            for j in range(parts):
+                written["staggered"][replicas[writer_of(j, parts, len(replicas), offset)]] += size / parts
+            files["whole"] += 1
+            files["staggered"] += parts
+            if name.startswith("model_dense") or name.startswith("model_experts_ep000"):
+                rows.append({"stage": s, "kind": name.split("_")[1], "files": 1 if "dense" in name else args.ep,
+                             "bytes": size, "replicas": len(replicas), "parts": parts,
+                             "most_per_rank_gib": size / parts / GIB})
+        for kind in most:
+            most[kind] = max(most[kind], optimizer + max(written[kind]))
     optimizer = max(12 * (dense / args.dp + experts / args.ep / edp) for dense, experts in stages)  # one rank's shard
-    for row in rows:  # the busiest rank: its optimizer shard, and a whole model file or one part of it
-        most["whole"] = max(most["whole"], optimizer + row["bytes"])
-        most["staggered"] = max(most["staggered"], optimizer + row["bytes"] / row["parts"])
-    files = {k: v + ranks for k, v in files.items()}  # every rank's optimizer file
+    files = {k: v + 2 * ranks + 3 for k, v in files.items()}  # each rank's optimizer and client files; engine, ...
     total = sum(12 * (d + e) + 2 * (d + e) for d, e in stages)
     result = {"preset": args.preset, "layout": f"PP {args.pp} x EP {args.ep} x DP {args.dp} ({ranks:,} ranks)",
               "min_part_mib": args.min_part_mib, "checkpoint_gib": total / GIB, "optimizer_shard_gib": optimizer / GIB,

@@ -73,14 +73,16 @@ def train(rank: int, world: int, spec: dict) -> dict:
                                       model_parameters=moe_param_groups(model, weight_decay=WEIGHT_DECAY))
     start, opened = 0, []
     if spec.get("load"):  # which of the checkpoint's files this rank opens, in order
+        from ds_optimus.checkpoint import model_files
         from ds_optimus.checkpoint import optimizer_state as checkpointing
 
-        real = checkpointing.load
-        checkpointing.load = lambda file, *a, **k: (opened.append(Path(file).name), real(file, *a, **k))[1]
+        real = checkpointing.load  # the same function in both modules: the optimizer's files and the model's
+        checkpointing.load = model_files.load = \
+            lambda file, *a, **k: (opened.append(Path(file).name), real(file, *a, **k))[1]
         try:
             path, client = engine.load_checkpoint(spec["load"])
         finally:
-            checkpointing.load = real
+            checkpointing.load = model_files.load = real
         start = client["step"]
     losses, norms, lrs = {}, {}, {}
     vocab = model.config.vocab_size

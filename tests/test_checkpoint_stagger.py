@@ -13,7 +13,15 @@ from train_workers import pretrain_worker, tiny_config
 
 from ds_optimus.checkpoint.files import CheckpointError
 from ds_optimus.checkpoint.manager import cold_name, consolidated_state
-from ds_optimus.checkpoint.model_files import cut, part_count, read_weights, this_ranks_parts, writer_of
+from ds_optimus.checkpoint.model_files import (
+    compact,
+    cut,
+    first_writer,
+    part_count,
+    read_weights,
+    this_ranks_parts,
+    writer_of,
+)
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +45,12 @@ def test_parts_cut_between_rows_hold_a_share_each_and_join_back(tmp_path, parts)
     for held, _ in pieces:  # no part holds more than its share and one row (a cut falls between rows)
         assert sum(t.numel() * t.element_size() for t in held.values()) <= share + widest_row
     replicas = list(range(10, 10 + max(parts, 4)))
-    files = {}
+    files, about = {}, {}
     for rank in replicas:
-        files.update(this_ranks_parts("model_x", weights, {"kind": "x"}, replicas, rank, min_part_bytes=1))
-    wrote = {rank: len(this_ranks_parts("model_x", weights, None, replicas, rank, 1)) for rank in replicas}
+        written, told = this_ranks_parts("model_x", weights, {"kind": "x"}, replicas, rank, min_part_bytes=1)
+        files.update(written)
+        about.update(told)
+    wrote = {rank: len(this_ranks_parts("model_x", weights, None, replicas, rank, 1)[0]) for rank in replicas}
     assert max(wrote.values()) == 1 and sum(wrote.values()) == min(len(replicas), total)  # one part per replica
     for name, obj in files.items():
         torch.save(obj, tmp_path / name)
@@ -48,6 +58,15 @@ def test_parts_cut_between_rows_hold_a_share_each_and_join_back(tmp_path, parts)
     assert extra == {"kind": "x"} and joined.keys() == weights.keys()
     for name, tensor in weights.items():
         assert torch.equal(joined[name], tensor), name
+    # a reader wanting some weights opens only the parts the manifest says hold them
+    wanted = {"c", "e"}
+    holding = {f for f, record in about.items() if wanted & set(record["names"])}
+    for name in set(files) - holding:
+        (tmp_path / name).rename(tmp_path / (name + ".away"))
+    some, _ = read_weights(tmp_path, sorted(files), wanted.__contains__, about)
+    assert all(torch.equal(some[name], weights[name]) for name in wanted)
+    for name in set(files) - holding:
+        (tmp_path / (name + ".away")).rename(tmp_path / name)
     (tmp_path / sorted(files)[1]).unlink()  # a part lost: one line naming it
     with pytest.raises(CheckpointError, match=r"model_x is written in \d+ parts but part 1 is not among the files"):
         read_weights(tmp_path, sorted(files)[:1] + sorted(files)[2:])
@@ -58,8 +77,29 @@ def test_a_small_file_stays_whole_and_the_parts_spread_over_the_replicas():
     assert part_count(4400 * 2**20, 128, 256 * 2**20) == 17  # the 220B run's expert file per (stage, EP rank)
     assert part_count(4400 * 2**20, 8, 256 * 2**20) == 8  # one per replica at most
     assert [writer_of(j, 4, 128) for j in range(4)] == [0, 32, 64, 96]  # spread over the replicas' nodes
-    assert this_ranks_parts("m", {"w": torch.zeros(4)}, None, [3, 5], 5, 2**20) == {}  # whole: the first's
-    assert list(this_ranks_parts("m", {"w": torch.zeros(4)}, None, [3, 5], 3, None)) == ["m.pt"]
+    assert [writer_of(j, 4, 128, 100) for j in range(4)] == [100, 4, 36, 68]  # from a file's own offset
+    assert first_writer("model_dense_pp000", 128) != first_writer("model_experts_ep000_pp000", 128)
+    assert this_ranks_parts("m", {"w": torch.zeros(4)}, None, [3, 5], 5, 2**20) == ({}, {})  # whole: the first's
+    assert list(this_ranks_parts("m", {"w": torch.zeros(4)}, None, [3, 5], 3, None)[0]) == ["m.pt"]
+
+
+def test_what_is_written_holds_its_own_elements_only(tmp_path):
+    """A slice, or a parameter that views an optimizer's flat buffer (DeepSpeed's ZeRO and bf16
+    optimizers), is written as its own elements, not the buffer's; an empty tensor survives the cut."""
+    flat = torch.arange(1_000_000, dtype=torch.float32)
+    view = flat[1000:1100].view(10, 10)
+    assert compact(view).untyped_storage().nbytes() == 400 and torch.equal(compact(view), view)
+    owned = torch.ones(3)
+    assert compact(owned) is owned
+    weights = {"w": flat[:4000].view(40, 100), "empty": torch.zeros(0, 5), "b": flat[4000:4100]}
+    files = {}
+    for rank in range(4):
+        files.update(this_ranks_parts("model_y", weights, None, list(range(4)), rank, 1)[0])
+    for name, obj in files.items():
+        torch.save(obj, tmp_path / name)
+        assert (tmp_path / name).stat().st_size < 40_000  # a quarter of 16 KB, not the 4 MB buffer
+    joined, _ = read_weights(tmp_path, sorted(files))
+    assert joined.keys() == weights.keys() and all(torch.equal(joined[k], v) for k, v in weights.items())
 
 
 def test_cold_checkpoints_are_named_as_the_seed_named_them():
@@ -118,7 +158,32 @@ def test_staggered_checkpoints_hold_the_same_weights_resume_and_keep_cold_copies
     model = MulaForCausalLM.from_pretrained(tmp_path / out_arg)
     assert torch.equal(model.state_dict()["model.embed_tokens.weight"], ours["model.embed_tokens.weight"])
 
+    from ds_optimus.evaluate import resolve
+
+    assert resolve(kept) == [(kept, tmp_path / "staggered" / "run", 2)]  # ds_optimus.evaluate scores it too
     resumed = json.loads(json.dumps(staggered))
     resumed["optimus"]["train"]["steps"] = 3
     summary = run_distributed(pretrain_worker, 2, resumed)[0]  # 2 ranks: each reads the parts of its weights
     assert summary["start_step"] == 2 and sorted(summary["losses"]) == [3]
+
+
+@pytest.mark.slow
+def test_cold_checkpoints_of_deepspeeds_own_optimizer_hold_the_weights_alone(tmp_path, cache):
+    """2 ranks, ZeRO-1 without the sharded optimizer: the parameters view DeepSpeed's flat buffers,
+    yet each of the dense file's 2 parts holds its half of the 11 MiB of weights, not the buffers; the
+    cold checkpoint exports as the run's own export at the same step."""
+    config = tiny_config(tmp_path / "zero1", cache, sharded_optimizer={"enabled": False},
+                         train={"steps": 1, "eval_interval": 0, "sample_tokens": 0},
+                         checkpoint={"interval": 0, "keep_every": 1, "min_part_mib": 1})
+    config["zero_optimization"] = {"stage": 1}
+    run_distributed(pretrain_worker, 2, config)
+    kept = tmp_path / "zero1" / "run" / "checkpoints" / "cold" / "step1-tokens256"
+    files = json.loads((kept / "meta.json").read_text())["files"]
+    parts = sorted(f for f in files if f.startswith("model_dense"))
+    assert parts == ["model_dense_part0000.pt", "model_dense_part0001.pt"]
+    assert all(files[f]["bytes"] < 7 * 2**20 for f in parts)  # about half of 11 MiB each
+    from ds_optimus.hf_models.mula import MulaForCausalLM
+
+    exported = MulaForCausalLM.from_pretrained(tmp_path / "zero1" / "run" / "hf").state_dict()
+    cold = consolidated_state(kept)
+    assert all(torch.equal(cold[k], exported[k]) for k in cold)

@@ -176,7 +176,8 @@ def test_warmup_start_lr_sets_the_first_step_of_the_cosine_schedule():
 
 
 @pytest.mark.parametrize("value, tokens", [("4T", 4 * 10**12), ("100B", 10**11), ("2.5e9", 2_500_000_000),
-                                           (123456, 123456), (" 7m ", 7_000_000), ("1.5K", 1500)])
+                                           (123456, 123456), (" 7m ", 7_000_000), ("1.5K", 1500),
+                                           ("4.1T", 4_100_000_000_000), ("8.2B", 8_200_000_000), (1e9, 10**9)])
 def test_token_counts_read_as_written(value, tokens):
     from ds_optimus.optim.schedule import token_count
 
@@ -284,3 +285,15 @@ def test_decay_after_update_shrinks_the_updated_weights(tmp_path, cache, path):
         torch.testing.assert_close(after[name], p * shrink, rtol=4e-6, atol=1e-7)
         moved_apart = max(moved_apart, (before[name] - after[name]).abs().max().item())
     assert moved_apart > 1e-4  # torch's order is measurably another update
+
+
+def test_stop_after_tokens_counts_the_tokens_trained_before_a_resume():
+    """A resume with another global batch: the end is where the tokens reach the count, from those the
+    data gave so far (100 steps of 1,000 tokens, then 500 a step), not steps x today's batch."""
+    from ds_optimus.train.components import last_step
+
+    opt = OptimusConfig.from_ds_config({"optimus": {"train": {"steps": 10_000, "stop_after_tokens": "150K"}}})
+    assert last_step(opt, 1000) == 150  # from the start: 150 steps of 1,000
+    assert last_step(opt, 500, start_step=100, trained=100_000) == 200  # 50,000 more at 500 a step
+    assert last_step(opt, 500, start_step=400, trained=200_000) == 400  # past it already: no step more
+    assert last_step(OptimusConfig.from_ds_config({}), 500, 3, 1500) == 100  # without it: train.steps

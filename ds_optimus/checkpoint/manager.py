@@ -327,12 +327,12 @@ class CheckpointManager:
         root, name = self.directory / COLD, cold_name(step, tokens)
         writer = CheckpointWriter(self.rank, self.world_size)  # its own: a full save may be in flight
         writer.prepare(root, name)
-        files = model_files(engine, self.groups, min_part_bytes=self.min_part_bytes)
+        files, about = model_files(engine, self.groups, min_part_bytes=self.min_part_bytes)
         if self.rank == 0 and self.model_record is not None:
             files[MODEL_FILE] = self.model_record
         meta = {**layout_meta(engine, self.groups), "step": step, "tokens": tokens, "model_only": True, "tag": name}
         try:
-            writer.write(root, name, files, meta, save_latest=False)
+            writer.write(root, name, files, meta, save_latest=False, about=about)
         except CheckpointError as err:
             raise CollectiveCheckpointError(str(err)) from None
         return root / name

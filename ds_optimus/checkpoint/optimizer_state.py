@@ -55,34 +55,41 @@ class CheckpointLoadError(CheckpointError):
 
 
 def model_files(engine, groups, exclude_frozen_parameters: bool = False,
-                min_part_bytes: int | None = None) -> dict[str, Any]:
+                min_part_bytes: int | None = None) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """This rank's model files of a checkpoint of `engine` (experts sharded over `groups`, or None): a
     stage's dense weights, a TP position's split weights, an EP rank's experts, each written whole by its
-    first replica or, with `min_part_bytes`, in parts by many (`model_files` module); collective-free."""
+    first replica or, with `min_part_bytes`, in parts by many (`model_files` module); and what the manifest
+    says of them (each part's weights). Collective-free."""
     rank, world = dist.get_rank(), dist.get_world_size()
     module = engine.module
     frozen = {n for n, p in module.named_parameters() if not p.requires_grad} if exclude_frozen_parameters else set()
     experts = {n for n, p in module.named_parameters() if is_expert_param(p)}
     state = {k: v.detach() for k, v in module.state_dict().items() if k not in frozen}
     files: dict[str, Any] = {}
+    about: dict[str, dict[str, Any]] = {}
+
+    def add(written: tuple[dict, dict]) -> None:
+        files.update(written[0])
+        about.update(written[1])
+
     # With pipeline stages, each stage's ranks write its stage's part (names are the whole model's).
     pipeline, tensor = pipeline_of(engine, groups), getattr(groups, "tensor", None)
     splits = split_parameters(module) if tensor is not None else {}
     part = f"_pp{pipeline.stage:03d}" if pipeline is not None else ""
     dense = {k: v for k, v in state.items() if k not in experts and k not in splits}
     stage_ranks = list(pipeline.stage_ranks) if pipeline is not None else list(range(world))
-    files.update(this_ranks_parts(f"model_dense{part}", dense, None, stage_ranks, rank, min_part_bytes))
+    add(this_ranks_parts(f"model_dense{part}", dense, None, stage_ranks, rank, min_part_bytes))
     if splits:  # each TP position's part, by that position's data-parallel ranks
-        files.update(this_ranks_parts(
+        add(this_ranks_parts(
             f"model_tensor{part}_tp{tensor.rank:03d}", {k: v for k, v in state.items() if k in splits},
             {"tp_size": tensor.size, "tp_rank": tensor.rank,
              "splits": {k: [list(v.full), v.dim, v.start, v.stop] for k, v in splits.items() if k in state}},
             list(groups.dp_ranks), rank, min_part_bytes))
     if experts and groups is not None and (tensor is None or tensor.rank == 0):  # by the EP rank's replicas
-        files.update(this_ranks_parts(
+        add(this_ranks_parts(
             f"model_experts_ep{groups.ep_rank:03d}{part}", {k: v for k, v in state.items() if k in experts},
             {"ep_size": groups.ep_size, "ep_rank": groups.ep_rank}, list(groups.edp_ranks), rank, min_part_bytes))
-    return files
+    return files, about
 
 
 def checkpoint_files(engine, groups, client_state=None, exclude_frozen_parameters: bool = False,
@@ -94,7 +101,7 @@ def checkpoint_files(engine, groups, client_state=None, exclude_frozen_parameter
     every tensor, for a save that runs while training goes on; `min_part_bytes`: the model files
     staggered over their replicas (`model_files`)."""
     rank = dist.get_rank()
-    files = model_files(engine, groups, exclude_frozen_parameters, min_part_bytes)
+    files, about = model_files(engine, groups, exclude_frozen_parameters, min_part_bytes)
     optim = files[f"optim_rank{rank:05d}.pt"] = engine.optimizer.state_dict()
     files[f"client_rank{rank:05d}.pt"] = client_state or {}
     if rank == 0:
@@ -103,7 +110,7 @@ def checkpoint_files(engine, groups, client_state=None, exclude_frozen_parameter
                               "param_groups": optim["param_groups"]}  # what the scheduler's lists follow
     files = copy_to_cpu(files, copy)
     meta = {**layout_meta(engine, groups), "zero_stage": engine.optimizer.stage}
-    return files, meta, {f"optim_rank{rank:05d}.pt": {"holds": held_ranges(optim)}}
+    return files, meta, {**about, f"optim_rank{rank:05d}.pt": {"holds": held_ranges(optim)}}
 
 
 def layout_meta(engine, groups) -> dict[str, Any]:
@@ -208,12 +215,14 @@ def _read_and_load_weights(engine, path: Path, groups, meta: dict, strict: bool,
     if saved is not None and "param_groups" not in saved:  # written before engine.pt kept rank 0's groups
         saved["param_groups"] = load(path / "optim_rank00000.pt", mmap=True)["param_groups"]
     shards = [load(path / name, mmap=True) for name in optimizer_files(meta, engine.optimizer.spaces)] if optim else []
-    # one file per pipeline stage (or its parts), mapped: a stage copies only its own part
-    state, _ = read_weights(path, [f for f in meta["files"] if f.startswith("model_dense")])
+    # one file per pipeline stage (or its parts), mapped: a stage copies only its own part, and opens only
+    # the parts holding its weights (or names of no stage, which then fail below)
+    own, whole = module.state_dict().keys(), _whole_model_names(module) if pipeline_of(engine, groups) else None
+    wanted = None if whole is None else (lambda name: name in own or name not in whole)
+    state, _ = read_weights(path, [f for f in meta["files"] if f.startswith("model_dense")], wanted, meta["files"])
     state.update(_split_weights(module, path, meta, state))  # first: what is not among them may be experts
     state.update(_expert_weights(engine, path, meta, state, groups))
-    if pipeline_of(engine, groups) is not None:  # a stage keeps its part; a name of no stage stays, and fails
-        own, whole = module.state_dict().keys(), _whole_model_names(module)
+    if whole is not None:  # a stage keeps its part; a name of no stage stays, and fails
         state = {k: v for k, v in state.items() if k in own or k not in whole}
     try:
         module.load_state_dict(state, strict=strict)
@@ -262,7 +271,8 @@ def _expert_weights(engine, path: Path, meta: dict, dense: dict[str, torch.Tenso
         pieces, saved_per = [], -(-experts // meta["ep_size"])
         for q in range(lo // saved_per, min(meta["ep_size"], -(-hi // saved_per))):
             if q not in files:  # EP rank q's file, or one per pipeline stage (or their parts)
-                files[q] = read_weights(path, [f for f in meta["files"] if f.startswith(f"model_experts_ep{q:03d}")])[0]
+                files[q] = read_weights(path, [f for f in meta["files"] if f.startswith(f"model_experts_ep{q:03d}")],
+                                        wanted.__contains__, meta["files"])[0]
             if name not in files[q]:
                 raise CheckpointLoadError(f"{path} has no weight {name}: {_OTHER_MODEL}")
             per = files[q][name].shape[0]
@@ -280,12 +290,13 @@ def _split_weights(module, path: Path, meta: dict, state: dict[str, torch.Tensor
     split it), cut from the saved whole tensors (`state`) or the saved parts of any TP size."""
     splits = split_parameters(module)
     parts: dict[str, list] = {}
+    own = module.state_dict()
     for group in grouped(list(meta["files"]), "model_tensor").values():  # a TP position's file, or its parts
-        weights, saved = read_weights(path, group)
+        weights, saved = read_weights(path, group, own.__contains__, meta["files"])
         for name, tensor in weights.items():
             full, dim, start, stop = saved["splits"][name]
             parts.setdefault(name, []).append((Split(tuple(full), dim, start, stop), tensor))
-    own, out = module.state_dict(), {}
+    out = {}
     for name, pieces in parts.items():
         if name not in own:
             continue  # another pipeline stage's

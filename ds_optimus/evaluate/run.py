@@ -34,6 +34,8 @@ def resolve(target: str | Path, step: int | None = None, every: bool = False) ->
         raise EvaluationError(f"{target} does not exist")
     if (target / "meta.json").exists() and target.parent.name == "checkpoints":  # one checkpoint
         return [(target, target.parent.parent, json.loads((target / "meta.json").read_text()).get("step"))]
+    if (target / "meta.json").exists() and target.parent.name == "cold":  # a model-only one (checkpoint.keep_every)
+        return [(target, target.parent.parent.parent, json.loads((target / "meta.json").read_text()).get("step"))]
     if (target / "checkpoints").is_dir():  # a run
         found = checkpoints_of(target)
         if step is not None:

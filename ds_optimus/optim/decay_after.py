@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from ..schema import ConfigError
 from .adam import adam_kind, decay_updated
+from .spaces import ShardedOptimizerError
 
 
 def master_optimizer(optimizer) -> torch.optim.Optimizer:
@@ -29,16 +31,20 @@ def master_optimizer(optimizer) -> torch.optim.Optimizer:
 
 
 def apply_decay_after_update(engine) -> None:
-    """Make `engine`'s optimizer decay the weights after its Adam update instead of before (or as
-    well, for an L2 Adam); a ShardedOptimizerError/ValueError in one line for an optimizer that is
-    not Adam or AdamW."""
+    """Make `engine`'s optimizer decay the weights after its Adam update instead of before it (an Adam
+    with L2 decay gets the decoupled decay in place of its L2 term); a one-line ConfigError for an
+    optimizer that is not Adam or AdamW."""
     from .sharded import ShardedOptimizer
 
     if isinstance(engine.optimizer, ShardedOptimizer):
         engine.optimizer.decay_after_update = True
         return
     inner = master_optimizer(engine.optimizer)
-    adam_kind(inner)  # Adam or AdamW, or a one-line error
+    try:
+        adam_kind(inner)
+    except ShardedOptimizerError:
+        raise ConfigError(f"optimus.train.decay_after_update applies to Adam and AdamW; the engine's optimizer is "
+                          f"{type(inner).__name__}") from None
     if getattr(inner, "decays_after_update", False):
         return
     step = inner.step

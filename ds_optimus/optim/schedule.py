@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
+from decimal import Decimal, InvalidOperation
 
 from ..schema import ConfigError
 
@@ -39,8 +40,11 @@ def token_count(value, key: str) -> int | None:
     match = _COUNT.match(value) if isinstance(value, str) else None
     if isinstance(value, str) and match is None:
         raise ConfigError(f"{key} must be a token count such as 100000000000, \"100B\" or \"4T\", got {value!r}")
-    count = float(match.group(1)) * _SUFFIX[match.group(2).upper()] if match else float(value)
-    if not math.isfinite(count) or count < 1 or count != int(count):
+    try:  # decimal arithmetic: "4.1T" is 4,100,000,000,000, not 4099999999999.9995
+        count = Decimal(match.group(1)) * _SUFFIX[match.group(2).upper()] if match else Decimal(str(value))
+    except InvalidOperation:
+        count = Decimal("NaN")
+    if not count.is_finite() or count < 1 or count != count.to_integral_value():
         raise ConfigError(f"{key} must be a whole, positive number of tokens, got {value!r}")
     return int(count)
 

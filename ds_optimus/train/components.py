@@ -371,12 +371,19 @@ def _finished_with_this_model(opt, checkpoint: Path, summary: Path) -> bool:
     return all(saved.get(key) == now.get(key) for key in _SHAPE_KEYS)
 
 
-def last_step(opt, tokens_per_step: int) -> int:
-    """The run's last step: `train.steps`, or sooner the step that reaches `train.stop_after_tokens`."""
+def last_step(opt, tokens_per_step: int, start_step: int = 0, trained: int | None = None) -> int:
+    """The run's last step: `train.steps`, or sooner the step that reaches `train.stop_after_tokens`, from
+    `trained` tokens at `start_step` (the data's count at a resume, whatever batch the steps before it
+    had) on at `tokens_per_step`; without `trained`, every step at `tokens_per_step`."""
     from ..optim.schedule import steps_for_tokens, token_count
 
     stop = token_count(opt.train.stop_after_tokens, "optimus.train.stop_after_tokens")
-    return opt.train.steps if stop is None else min(opt.train.steps, steps_for_tokens(stop, tokens_per_step))
+    if stop is None:
+        return opt.train.steps
+    if trained is None:
+        return min(opt.train.steps, steps_for_tokens(stop, tokens_per_step))
+    left = stop - trained
+    return min(opt.train.steps, start_step + (steps_for_tokens(left, tokens_per_step) if left > 0 else 0))
 
 
 def finished_already(opt, output_dir: Path, last: int) -> int | None:

@@ -137,7 +137,7 @@ def check_run(ds_config: dict[str, Any], world: int | None = None, cluster: str 
         f"{_count(micro * accumulation * dp, 'sequence')} of {opt.data.seq_len} tokens ({tokens:,} tokens) per step",
         *_data_lines(opt, tokenizer),
         _memory_line(model_config, opt, config, world, micro, accumulation, cluster),
-        _run_line(opt, tokenizer, world, tokens),
+        _run_line(opt, tokenizer, world, tokens, total * _weight_bytes(config)),
     ]
     return lines
 
@@ -296,7 +296,14 @@ def _data_change(opt, tokenizer, checkpoint: Path) -> None:
         raise ConfigError(changed_data_message(changes, since=str(checkpoint)))
 
 
-def _run_line(opt, tokenizer=None, world: int | None = None, tokens_per_step: int | None = None) -> str:
+def _weight_bytes(ds_config: dict[str, Any]) -> int:
+    """Bytes of a weight as the model holds it: 2 under bf16 or fp16, else 4."""
+    half = any(ds_config.get(key, {}).get("enabled") for key in ("bf16", "fp16"))
+    return 2 if half else 4
+
+
+def _run_line(opt, tokenizer=None, world: int | None = None, tokens_per_step: int | None = None,
+              model_bytes: int | None = None) -> str:
     from ..checkpoint.manager import CheckpointManager, describe_layout, saved_layout
     from .components import last_step
 
@@ -304,9 +311,11 @@ def _run_line(opt, tokenizer=None, world: int | None = None, tokens_per_step: in
     manager = CheckpointManager(checkpoint.dir or Path(train.output_dir) / "checkpoints")
     complete = manager.complete()
     done = int(complete[-1].name.split("_")[-1]) if complete else 0
-    if complete and checkpoint.resume and done >= train.steps:
-        start = (f"nothing to train: {complete[-1]} is step {done} of {train.steps} (raise optimus.train.steps to "
-                 "train further; the LR schedule then stretches to the new length)")
+    stop = last_step(opt, tokens_per_step) if tokens_per_step else train.steps
+    if complete and checkpoint.resume and done >= stop:
+        further = ("raise optimus.train.stop_after_tokens to train further" if stop < train.steps else
+                   "raise optimus.train.steps to train further; the LR schedule then stretches to the new length")
+        start = f"nothing to train: {complete[-1]} is step {done} of {stop} ({further})"
     elif complete and checkpoint.resume:
         _data_change(opt, tokenizer, complete[-1])
         start = f"resumes from {complete[-1]} (if intact)"
@@ -326,11 +335,14 @@ def _run_line(opt, tokenizer=None, world: int | None = None, tokens_per_step: in
     saves = f"checkpoints {every}at the end (keep {checkpoint.keep_last})" if checkpoint.enabled else \
         "no checkpoints (checkpoint.enabled is false)"
     if checkpoint.enabled and checkpoint.keep_every:
-        saves += f", the model alone every {checkpoint.keep_every} steps (kept)"
+        saves += f", the model alone every {checkpoint.keep_every} steps (kept"
+        count = stop // checkpoint.keep_every
+        if model_bytes and count:  # never pruned: what they come to by the run's end
+            saves += f": {count:,} of {model_bytes / 2**30:,.0f} GiB, {count * model_bytes / 2**40:,.1f} TiB by the end"
+        saves += ")"
     length = f"{train.steps} steps"
     if train.tokens is not None and tokens_per_step:
         length += f" ({train.tokens} tokens)"
-    stop = last_step(opt, tokens_per_step) if tokens_per_step else train.steps
     if stop < train.steps:
         length += f", stopping after step {stop} (train.stop_after_tokens {train.stop_after_tokens})"
     return f"run       {length} into {train.output_dir}; {saves}; {start}"

@@ -244,6 +244,8 @@ class Trainer:
             for callback in (c for c in self.callbacks if c.state_key is not None):
                 callback.load_state_dict(extra.get(callback.state_key, {}))
             self.resumed_from = str(latest)
+        # stop_after_tokens: from the tokens the data has given so far (the batch may have changed at a resume)
+        self.last_step = C.last_step(self.opt, self.tokens_per_step, start, self.train_loader.tokens_consumed)
         self.sink = MetricsSink(self.output_dir, self.last_step, start, self.opt.wandb, self.ds_config,
                                 enabled=self.rank == 0 or self.log_every_rank)
         if self.rank == 0:

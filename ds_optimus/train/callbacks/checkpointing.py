@@ -24,7 +24,7 @@ class CheckpointCallback(Callback):
         every = trainer.opt.checkpoint.keep_every
         if every and step % every == 0:  # the model alone, kept for good
             trainer.begin_long_work(f"the cold checkpoint of step {step}")
-            path = trainer.checkpoints.save_cold(step, trainer.engine, step * trainer.tokens_per_step)
+            path = trainer.checkpoints.save_cold(step, trainer.engine, trainer.train_loader.tokens_consumed)
             trainer.message(f"step {step}: cold checkpoint {path}")
 
     def post_train(self) -> None:
