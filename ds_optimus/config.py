@@ -325,7 +325,7 @@ def check_schedule_keys(ds_config: dict[str, Any], opt) -> None:
     given = ds_config.get("optimus", {}).get("train", {})
     if "steps" in given and given.get("tokens") is not None:
         raise ConfigError("optimus.train.steps and optimus.train.tokens both give the run's length; set one "
-                          "(tokens: steps = tokens / tokens per optimizer step)")
+                          "(--set optimus.train.tokens=null to give steps; tokens: steps = tokens / tokens per step)")
     if "scheduler" in ds_config:
         ours = [k for k in ("lr_schedule", "warmup_start_lr") if k in given and given[k] is not None]
         if ours:

@@ -432,8 +432,9 @@ class CheckpointConfig(Section):
     dir: str | None = None  # where checkpoints go; null: <train.output_dir>/checkpoints
     resume: bool = True  # continue from the latest complete checkpoint in dir, if there is one
     async_save: bool = False  # write checkpoints in a background thread while training goes on
-    # every N steps also a model-only checkpoint <dir>/cold/step{N}-tokens{T}B, never pruned (the seed's
-    # "cold" checkpoints: the run's history, each exportable by `python -m ds_optimus.evaluate`); 0: none
+    # every this many steps also a model-only checkpoint <dir>/cold/step{step}-tokens{T}B (M, K below a
+    # billion), never pruned (the seed's "cold" checkpoints: the run's history, each exported by `python -m
+    # ds_optimus.evaluate.export` and scored by `ds_optimus.evaluate`); 0: none
     keep_every: int = 0
     # each model file written in parts by the ranks that hold it (each a share, none under min_part_mib),
     # not whole by the first of them (`checkpoint.model_files`)
