@@ -24,6 +24,7 @@ import json
 from pathlib import Path
 
 import torch
+from checkpoint_index import stage_params  # the stages' parameters, as that benchmark splits them
 
 from ds_optimus.checkpoint.model_files import first_writer, part_count, writer_of
 from ds_optimus.hf_models.mula import MulaConfig, MulaForCausalLM
@@ -32,20 +33,9 @@ GIB = 2**30
 
 
 def stage_bytes(model, stage: int, pp: int, layers: int) -> tuple[int, int]:
-    """(dense parameters, expert parameters) of one stage."""
-    per = layers // pp
-    dense = experts = 0
-    for name, p in model.named_parameters():
-        if name.startswith("model.layers."):
-            if int(name.split(".")[2]) // per != stage:
-                continue
-        elif not ((stage == 0 and "embed" in name) or (stage == pp - 1 and "embed" not in name)):
-            continue
-        if ".experts." in name:
-            experts += p.numel()
-        else:
-            dense += p.numel()
-    return dense, experts
+    """(dense parameters, expert parameters) of one stage, with the stage split of `checkpoint_index`."""
+    owned = stage_params(model, stage, pp, layers)
+    return sum(n for _, n, expert in owned if not expert), sum(n for _, n, expert in owned if expert)
 
 
 def main() -> None:
