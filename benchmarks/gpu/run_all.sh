@@ -78,6 +78,7 @@ if [[ $cuda == 1 ]]; then
     step tune 150 $py benchmarks/tune_moe_kernels.py --write
     cp ops/tuned_blocks.json "$out/" 2>/dev/null
     step kernels 150 $py benchmarks/moe_kernels.py --tokens 8192,16384 --profile
+    step routing 90 $py benchmarks/moe_routing.py --tokens 8192 --repeats 5 --dtypes bfloat16
 fi
 if [[ $dry == 1 ]]; then
     step e2e 900 $py benchmarks/gpu/train_e2e.py --dry-run --profile

@@ -8,7 +8,7 @@ Hugging Face Trainer and `accelerate launch` alike. Modules:
   handling for ds_optimus' experts, the EP-aware sharded optimizer as its ZeRO optimizer, its
   checkpoints), and the engine state of ds_optimus' per-rank checkpoints.
 - `deepspeed_ops`: where DeepSpeed's JIT-built ops are kept and which are built; the CPU backend's
-  shared-memory workspace.
+  shared-memory workspace; ds_optimus' own op registered with DeepSpeed's op builders and `ds_report`.
 - `deepspeed_config`: the DeepSpeed part of a config checked against the keys the installed
   DeepSpeed reads.
 - `deepspeed_version`: the DeepSpeed versions these were tested with.
@@ -64,6 +64,10 @@ PATCHES = (
           "read them, on any layout"),
     Patch("deepspeed.ops.op_builder.builder:OpBuilder.jit_load", "(self, verbose=True)", DS,
           "say a JIT build in one line before its minutes start; ops kept per Python environment"),
+    *(Patch(f"deepspeed.accelerator.{cls}.get_op_builder", "(self, class_name)", DS,
+            "find ds_optimus' op builders (MoERoutingBuilder) by class name, as DeepSpeed's own are found")
+      for cls in ("cpu_accelerator:CPU_Accelerator", "cuda_accelerator:CUDA_Accelerator",
+                  "xpu_accelerator:XPU_Accelerator")),
     Patch("accelerate.utils.dataclasses:DeepSpeedPlugin.deepspeed_config_process",
           "(self, prefix='', mismatches=None, config=None, must_match=True, **kwargs)", ACCELERATE,
           "leave the optimus section out of accelerate's \"auto\" filling (it stops at values it has none for)"),
@@ -77,6 +81,8 @@ PRIVATE_STATE = (
     ("deepspeed.utils.groups", "_EXPERT_PARALLEL_GROUP_RANKS", "register ds_optimus' expert groups by name"),
     ("deepspeed.utils.groups", "_EXPERT_DATA_PARALLEL_GROUP", "register ds_optimus' expert groups by name"),
     ("deepspeed.utils.groups", "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "register ds_optimus' expert groups by name"),
+    ("deepspeed.ops.op_builder.all_ops", "ALL_OPS", "list ds_optimus' moe_routing op in ds_report"),
+    ("deepspeed.git_version_info", "installed_ops", "report the moe_routing op installed where it was prebuilt"),
     ("deepspeed.runtime.config:DeepSpeedConfig", "_param_dict", "read the optimus section of an engine's config"),
     ("deepspeed.runtime.config:DeepSpeedConfig", "gradient_clipping", "switch clipping after the warm-up"),
 )

@@ -7,6 +7,10 @@ against DeepSpeed 0.19.8 (listed in `ds_optimus.integrations.PATCHES`):
   (`OpBuilder.jit_load` wrapped).
 - `release_shm_workspace`: the CPU backend's shared-memory workspace, which DeepSpeed never removes,
   is unlinked once every rank has mapped it.
+- `register_ops`: ds_optimus' own op (`moe_routing`, the routing/gather/combine kernels,
+  `ds_optimus.ops.op_builder`) joins DeepSpeed's: `get_accelerator().create_op_builder(
+  "MoERoutingBuilder")` returns its builder for the accelerator (each accelerator's `get_op_builder`
+  wrapped), `ds_report` lists it (`ALL_OPS`), and a build at install counts as installed there.
 """
 
 from __future__ import annotations
@@ -28,7 +32,12 @@ from .deepspeed_version import check_version
 # workspace per rank.
 UNNEEDED_OPS = ("deepspeed_shm_comm",)
 _ADAM = "DeepSpeed's Adam on this device; optimizer.params.torch_adam: true uses PyTorch's, unbuilt"
-_WHY = {"fused_adam": _ADAM, "cpu_adam": _ADAM}
+_WHY = {"fused_adam": _ADAM, "cpu_adam": _ADAM,
+        "moe_routing": "ds_optimus' MoE routing, gather and combine on the CPU; DS_BUILD_MOE_ROUTING=1 at install "
+                       "prebuilds it"}
+# The accelerator classes whose op lookup learns ds_optimus' builders (ROCm runs CUDA_Accelerator).
+ACCELERATORS = ("cpu_accelerator:CPU_Accelerator", "cuda_accelerator:CUDA_Accelerator",
+                "xpu_accelerator:XPU_Accelerator")
 
 
 def extensions_dir() -> Path:
@@ -89,6 +98,56 @@ def release_shm_workspace() -> None:
         pass
 
 
+def our_builders(accelerator_name: str) -> dict[str, type]:
+    """ds_optimus' op builders by class name, for the accelerator named `accelerator_name`."""
+    from ..ops.op_builder import MoERoutingBuilder, MoERoutingTritonBuilder
+
+    return {"MoERoutingBuilder": MoERoutingBuilder if accelerator_name == "cpu" else MoERoutingTritonBuilder}
+
+
+def _wrap_get_op_builder(cls) -> None:
+    original = cls.get_op_builder
+    if getattr(original, "__wrapped__", None) is not None:
+        return
+
+    def get_op_builder(self, class_name):
+        return our_builders(self._name).get(class_name) or original(self, class_name)
+
+    get_op_builder.__wrapped__ = original
+    cls.get_op_builder = get_op_builder
+
+
+def register_ops() -> None:
+    """Make ds_optimus' op one of DeepSpeed's: found by every accelerator's op lookup, listed by
+    `ds_report` (`deepspeed.env_report`), installed there when built at install. Idempotent."""
+    import importlib
+
+    from deepspeed.accelerator import get_accelerator
+
+    for target in ACCELERATORS:
+        module, _, name = target.partition(":")
+        try:
+            _wrap_get_op_builder(getattr(importlib.import_module(f"deepspeed.accelerator.{module}"), name))
+        except ImportError:  # an accelerator module that needs a package this machine lacks
+            continue
+    builders = sys.modules.get("ds_optimus.ops.op_builder")
+    if builders is not None and not hasattr(builders, "MoERoutingTritonBuilder"):
+        # Importing DeepSpeed from that module brought us here: it registers itself once it is done
+        # (ds_optimus.ops.routing imports DeepSpeed before it, so this only happens on a direct import).
+        return
+    from deepspeed.git_version_info import installed_ops
+    from deepspeed.ops.op_builder.all_ops import ALL_OPS
+
+    from ..ops.op_builder import NAME, prebuilt_available
+
+    builder = get_accelerator().create_op_builder("MoERoutingBuilder")
+    if builder is not None and NAME not in ALL_OPS:
+        ALL_OPS[NAME] = builder
+        cpu = get_accelerator()._name == "cpu"  # elsewhere nothing is built ahead: Triton compiles at first call
+        installed_ops[NAME] = prebuilt_available() if cpu else builder.is_compatible()
+
+
 # Importing this module hooks the op builds (`import ds_optimus` imports it right after `import deepspeed`),
 # before anything of DeepSpeed's builds or loads an op.
 prepare_op_builds()
+register_ops()

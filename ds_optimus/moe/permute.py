@@ -5,6 +5,11 @@ A routing decision `top_k_index [T, k]` has S = T*k slots. `plan_routing` sorts 
 their counts. `permute_tokens` gathers the token rows into that order; `unpermute_combine` brings the
 expert outputs back to slot order and sums each token's k outputs weighted by its routing weights.
 Both are gathers in forward and backward (no scatter-add, no atomics), so results are deterministic.
+
+All three run the compiled routing kernels (`ds_optimus.ops.routing`: C++ on the CPU, Triton on GPUs)
+unless `ops.routing.routing_kernel` says "reference" (`DS_OPTIMUS_KERNELS=reference`, or no compiler
+for the CPU op); then the PyTorch implementation below serves, the one the kernels are measured
+against (`benchmarks/moe_routing.py`).
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from ..ops import routing
 
 
 @dataclass
@@ -32,9 +39,18 @@ class RoutingPlan:
         return self.num_tokens * self.top_k
 
 
+def kernels_on(device: torch.device) -> bool:
+    """Whether the layer's routing, gather and combine run the compiled kernels on `device`."""
+    return routing.routing_kernel(device) != "reference"
+
+
 def plan_routing(top_k_index: torch.Tensor, num_experts: int) -> RoutingPlan:
     """Sort the slots of `top_k_index [T, k]` by expert id (ids in [0, num_experts))."""
     num_tokens, top_k = top_k_index.shape
+    if kernels_on(top_k_index.device):
+        order, inverse, counts = routing.route_slots(top_k_index, num_experts)
+        by_slot = inverse.view(num_tokens, top_k).t()  # a view: the kernels take the [T, k] table itself
+        return RoutingPlan(order, inverse, order // top_k, counts, by_slot, num_tokens, top_k)
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)
     inverse = torch.empty_like(order)
@@ -114,9 +130,15 @@ class _UnpermuteCombine(torch.autograd.Function):
 
 def permute_tokens(x: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
     """Rows of `x [T, H]` in sorted-slot order `[S, H]` (each token repeated once per chosen expert)."""
+    if kernels_on(x.device):
+        return routing.gather_rows(x, plan.token_of_sorted, plan.inverse.view(plan.num_tokens, plan.top_k))
     return _PermuteTokens.apply(x, plan.token_of_sorted, plan.inverse_by_slot)
 
 
 def unpermute_combine(y_sorted: torch.Tensor, weights: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
     """`out[t] = sum_j weights[t, j] * y[slot (t, j)]` from expert outputs in sorted order `[S, H]`."""
+    if kernels_on(y_sorted.device):
+        w_sorted = weights.reshape(-1).index_select(0, plan.order)  # [S]: each sorted position's weight
+        table = plan.inverse.view(plan.num_tokens, plan.top_k)
+        return routing.combine_rows(y_sorted, w_sorted, table, plan.token_of_sorted)
     return _UnpermuteCombine.apply(y_sorted, weights, plan.inverse_by_slot, plan.order, plan.token_of_sorted)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..moe.permute import _rowwise_dot
+from ..moe.permute import _rowwise_dot, kernels_on
 from .dispatch import all_to_all, all_to_all_autograd, wire
 from .groups import ExpertParallelGroups
 
@@ -85,13 +85,15 @@ class _Members:
     """The members of N rows given by a mask [N, C], numbered column by column: member p is
     (column `column_of[p]`, row `row_of[p]`). With the rows ordered by member count, most first,
     `nth[j]` holds the member numbers of the j-th member of the first len(nth[j]) rows, and
-    `inverse[r]` is row r's place in that order."""
+    `inverse[r]` is row r's place in that order. `table [N, depth]` lists each row's members in
+    order (-1 past the last): what the compiled combine kernels take (`ds_optimus.ops.routing`)."""
 
     row_of: torch.Tensor
     column_of: torch.Tensor
     inverse: torch.Tensor
     nth: list[torch.Tensor]
     rows: int
+    table: torch.Tensor
 
 
 def _nonzero(flat: torch.Tensor, size: int) -> torch.Tensor:
@@ -110,15 +112,17 @@ def _members(mask: torch.Tensor, total: int, at_least: list[int]) -> _Members:
     inverse[order] = torch.arange(n, device=mask.device)
     ordinal = (mask.cumsum(1) - 1).reshape(-1).index_select(0, row_of * c + column_of)
     depth = max(len(at_least), 1)
-    table = torch.zeros(n * depth, dtype=torch.long, device=mask.device)
+    table = torch.full((n * depth,), -1, dtype=torch.long, device=mask.device)
     table[row_of * depth + ordinal] = torch.arange(total, device=mask.device)  # every index once
     table = table.view(n, depth)
     nth = [table[order[:m], j] for j, m in enumerate(at_least) if m]
-    return _Members(row_of, column_of, inverse, nth, n)
+    return _Members(row_of, column_of, inverse, nth, n, table)
 
 
 def _sum_members(src: torch.Tensor, m: _Members, weight: torch.Tensor | None) -> torch.Tensor:
     """out[r] = sum over the members p of row r of weight[p] * src[p]."""
+    if kernels_on(src.device):  # one pass; the same sums in the same order
+        return torch.ops.ds_optimus.combine_rows(src.contiguous(), weight, m.table, m.row_of)
     dtype = torch.float32 if src.element_size() < 4 else src.dtype
     acc = torch.zeros(m.rows, src.shape[-1], dtype=dtype, device=src.device)
     for positions in m.nth:
@@ -136,6 +140,8 @@ class _Spread(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, m: _Members):
         ctx.m = m
+        if kernels_on(x.device):
+            return torch.ops.ds_optimus.gather_rows(x.contiguous(), m.row_of, m.table)
         return x.index_select(0, m.row_of)
 
     @staticmethod
@@ -155,6 +161,12 @@ class _Collect(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         saved = ctx.saved_tensors  # unpacked once (activation checkpointing allows no more)
+        if kernels_on(grad.device):  # the gathered rows, weighted, and the weights' gradient in one pass
+            src, weight = saved or (grad.new_empty(0, grad.shape[1]), None)
+            need = bool(saved) and ctx.needs_input_grad[1]
+            rows, grad_w = torch.ops.ds_optimus.combine_rows_backward(grad.contiguous(), src.contiguous(),
+                                                                      ctx.m.row_of, weight, need)
+            return rows, (grad_w.to(weight.dtype) if need else None), None
         rows = grad.contiguous().index_select(0, ctx.m.row_of)
         if not saved:
             return rows, None, None
