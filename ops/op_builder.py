@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 from pathlib import Path
 
 from deepspeed.ops.op_builder.builder import OpBuilder
@@ -67,7 +68,8 @@ class MoERoutingBuilder(CPUOpBuilder):
             try:
                 module = importlib.import_module(PREBUILT)
             except (ImportError, OSError) as error:  # built against another PyTorch
-                print(f"ds_optimus: the prebuilt {self.name} op does not load ({error}); building it again")
+                print(f"ds_optimus: the prebuilt {self.name} op does not load ({error}); building it again",
+                      file=sys.stderr)
             else:
                 OpBuilder._loaded_ops[self.name] = module
                 return module

@@ -93,10 +93,12 @@ def _triton():
     return _triton_routing
 
 
-def _impl(device: torch.device):
+def _impl(device: torch.device, dtype: torch.dtype | None = None):
     kind = routing_kernel(device)
-    if kind == "triton":
+    if kind == "triton" and dtype != torch.float64:  # the Triton kernels add in float32: float64 stays exact here
         return _triton()
+    if kind == "triton":
+        return sys.modules[__name__]
     if kind == "cpu":
         return cpu_module()
     return sys.modules[__name__]  # the reference functions below
@@ -165,6 +167,10 @@ def _route(ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
     return tuple(_impl(ids.device).route(ids.contiguous(), num_experts))
 
 
+def _index(t: Tensor) -> Tensor:
+    return t.contiguous().long()  # the compiled kernels take contiguous int64 indices
+
+
 @_route.register_fake
 def _(ids, num_experts):
     n = ids.numel()
@@ -176,7 +182,7 @@ def _(ids, num_experts):
 def _gather_rows(x: Tensor, row_of: Tensor, table: Tensor) -> Tensor:
     if row_of.numel() == 0:
         return x.new_empty(0, x.shape[1])
-    return _impl(x.device).gather(x.contiguous(), row_of, None)
+    return _impl(x.device, x.dtype).gather(x.contiguous(), _index(row_of), None)
 
 
 @_gather_rows.register_fake
@@ -188,7 +194,8 @@ def _(x, row_of, table):
 def _combine_rows(src: Tensor, weight: Tensor | None, table: Tensor, row_of: Tensor) -> Tensor:
     if table.numel() == 0 or src.shape[0] == 0:
         return src.new_zeros(table.shape[0], src.shape[1])
-    return _impl(src.device).combine(src.contiguous(), table.contiguous(), weight)
+    weight = weight.contiguous() if weight is not None else None
+    return _impl(src.device, src.dtype).combine(src.contiguous(), _index(table), weight)
 
 
 @_combine_rows.register_fake
@@ -201,8 +208,9 @@ def _combine_rows_backward(grad: Tensor, src: Tensor, row_of: Tensor, weight: Te
                            need_weight_grad: bool) -> tuple[Tensor, Tensor]:
     if row_of.numel() == 0:
         return grad.new_empty(0, grad.shape[1]), grad.new_empty(0, dtype=_acc(grad))
-    return tuple(_impl(grad.device).combine_backward(grad.contiguous(), src.contiguous(), row_of, weight,
-                                                     need_weight_grad))
+    weight = weight.contiguous() if weight is not None else None
+    return tuple(_impl(grad.device, grad.dtype).combine_backward(grad.contiguous(), src.contiguous(), _index(row_of),
+                                                                 weight, need_weight_grad))
 
 
 @_combine_rows_backward.register_fake
@@ -212,14 +220,12 @@ def _(grad, src, row_of, weight, need_weight_grad):
 
 
 def _gather_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[2])
-    ctx.rows = inputs[0].shape[0]
+    ctx.save_for_backward(inputs[2], inputs[1])
 
 
 def _gather_backward(ctx, grad):
-    (table,) = ctx.saved_tensors
-    dummy = table.new_empty(0)
-    return torch.ops.ds_optimus.combine_rows(grad.contiguous(), None, table, dummy), None, None
+    table, row_of = ctx.saved_tensors
+    return torch.ops.ds_optimus.combine_rows(grad.contiguous(), None, table, row_of), None, None
 
 
 _gather_rows.register_autograd(_gather_backward, setup_context=_gather_setup)

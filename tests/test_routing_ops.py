@@ -101,6 +101,27 @@ def test_results_do_not_depend_on_the_thread_count(op):
     assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_ops_pass_torch_library_opcheck(op, dtype):
+    """Fake implementations, autograd registration and schemas agree with the real ops
+    (torch.library.opcheck: what torch.compile relies on), with int32 and strided indices too."""
+    gen = torch.Generator().manual_seed(5)
+    tokens, k, experts, hidden = 13, 3, 5, 24
+    ids = _ids(tokens, k, experts, gen)
+    order, inverse, _ = routing.route(ids, experts)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype).requires_grad_()
+    src = torch.randn(tokens * k, hidden, generator=gen).to(dtype).requires_grad_()
+    w = torch.rand(tokens * k, generator=gen).requires_grad_()
+    table = inverse.view(tokens, k)
+    torch.library.opcheck(torch.ops.ds_optimus.route, (ids, experts))
+    torch.library.opcheck(torch.ops.ds_optimus.gather_rows, (x, (order // k).int(), table))
+    torch.library.opcheck(torch.ops.ds_optimus.combine_rows, (src, w, table.t().contiguous().t(), order // k))
+    torch.library.opcheck(torch.ops.ds_optimus.combine_rows, (src, None, table, order // k))
+    grad = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    torch.library.opcheck(torch.ops.ds_optimus.combine_rows_backward,
+                          (grad, src.detach(), order // k, w.detach(), True))
+
+
 def test_bad_input_is_one_line(op):
     with pytest.raises(RuntimeError, match=r"route: an expert id is outside \[0, 4\)"):
         routing.route_slots(torch.tensor([[0, 4]]), 4)
@@ -110,9 +131,10 @@ def test_bad_input_is_one_line(op):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_layer_with_the_kernels_matches_the_pytorch_path(monkeypatch, dtype):
-    """Forward and backward of a MoE layer: only the routing weights' gradient sums in another order
-    (float32: relative 1e-6 covers hidden 64 * 2**-23 * the terms' cancellation); in bf16 the PyTorch
-    path rounds the weights to bf16 before multiplying, 2**-9 relative on each term: 1e-2 on the whole."""
+    """Forward and backward of a MoE layer. float32: the routing weights' gradient sums its 64 products
+    in another order (elementwise within 64 * 2**-23 * sum|terms|, 7.6e-6 relative to that sum), and
+    PyTorch's addcmul may fuse a multiply-add: 1e-5 relative over each tensor. bf16: the PyTorch path
+    rounds the weights to bf16 before multiplying, 2**-9 relative on each term: 1e-2."""
     torch.manual_seed(0)
     layer = MoELayer(64, 32, 8, 3).to(dtype)
     x = torch.randn(2, 17, 64).to(dtype)
@@ -126,7 +148,7 @@ def test_layer_with_the_kernels_matches_the_pytorch_path(monkeypatch, dtype):
         out = layer(xs)[0]
         out.backward(grad)
         results[choice] = [out, xs.grad, layer.gate.weight.grad, layer.experts.gate_up_proj.grad]
-    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
     for a, b in zip(results["auto"], results["reference"], strict=True):
         assert ((a.double() - b.double()).norm() / b.double().norm()).item() <= tol
 

@@ -121,6 +121,7 @@ def register_ops() -> None:
     """Make ds_optimus' op one of DeepSpeed's: found by every accelerator's op lookup, listed by
     `ds_report` (`deepspeed.env_report`), installed there when built at install. Idempotent."""
     import importlib
+    import importlib.util
 
     from deepspeed.accelerator import get_accelerator
 
@@ -132,8 +133,9 @@ def register_ops() -> None:
             continue
     builders = sys.modules.get("ds_optimus.ops.op_builder")
     if builders is not None and not hasattr(builders, "MoERoutingTritonBuilder"):
-        # Importing DeepSpeed from that module brought us here: it registers itself once it is done
-        # (ds_optimus.ops.routing imports DeepSpeed before it, so this only happens on a direct import).
+        # Importing DeepSpeed from that module brought us here, before its builders exist: the lookup
+        # above finds them at call time, and `python -m ds_optimus.ds_report` registers again before it
+        # reports (ds_optimus.ops.routing imports DeepSpeed before that module: a direct import only).
         return
     from deepspeed.git_version_info import installed_ops
     from deepspeed.ops.op_builder.all_ops import ALL_OPS
@@ -144,10 +146,14 @@ def register_ops() -> None:
     if builder is not None and NAME not in ALL_OPS:
         ALL_OPS[NAME] = builder
         cpu = get_accelerator()._name == "cpu"  # elsewhere nothing is built ahead: Triton compiles at first call
-        installed_ops[NAME] = prebuilt_available() if cpu else builder.is_compatible()
+        installed_ops[NAME] = prebuilt_available() if cpu else importlib.util.find_spec("triton") is not None
 
 
 # Importing this module hooks the op builds (`import ds_optimus` imports it right after `import deepspeed`),
 # before anything of DeepSpeed's builds or loads an op.
 prepare_op_builds()
-register_ops()
+try:
+    register_ops()
+except Exception as error:  # never at the cost of the engine hooks that follow this module's import
+    print(f"ds_optimus: the moe_routing op is not registered with DeepSpeed ({type(error).__name__}: {error})",
+          file=sys.stderr)
