@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -53,6 +55,18 @@ class MoERoutingBuilder(CPUOpBuilder):
 
     def include_paths(self) -> list[str]:
         return []
+
+    @staticmethod
+    def compiler() -> str:
+        return os.environ.get("CXX", "c++")
+
+    def is_compatible(self, verbose: bool = False) -> bool:
+        """Whether it can be built here: a C++ compiler (DeepSpeed's own CPU ops do not check)."""
+        if shutil.which(self.compiler()) is None:
+            if verbose:
+                self.warning(f"{self.NAME} needs a C++ compiler ({self.compiler()} is not found)")
+            return False
+        return super().is_compatible(verbose)
 
     def cxx_args(self) -> list[str]:
         # A multiply and an add round separately, as in the reference; C++17 for std::optional;

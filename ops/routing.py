@@ -52,9 +52,12 @@ def cpu_module():
         try:
             import deepspeed  # noqa: F401  (first: importing it registers the op with DeepSpeed, ds_optimus.integrations)
 
-            from .op_builder import MoERoutingBuilder
+            from .op_builder import MoERoutingBuilder, prebuilt_available
 
-            _cpu_module = MoERoutingBuilder().load(verbose=False)
+            builder = MoERoutingBuilder()
+            if not prebuilt_available() and not builder.is_compatible():
+                raise RuntimeError(f"no C++ compiler ({builder.compiler()}) to build it")
+            _cpu_module = builder.load(verbose=False)
         except Exception as error:  # no DeepSpeed, no compiler, no ninja: the reference serves
             _cpu_failed = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
             print(f"ds_optimus: the compiled {OP_NAME} CPU op is unavailable ({_cpu_failed}); "

@@ -221,6 +221,22 @@ def test_deepspeed_finds_the_builder_and_ds_report_lists_the_op():
     assert any(line.startswith("cpu_adam ") for line in done.stdout.splitlines())  # DeepSpeed's own still there
 
 
+def test_without_a_compiler_the_op_is_not_compatible_and_the_reference_serves(monkeypatch, capfd):
+    """No C++ compiler: ds_report's "compatible" says no, and the layer runs the PyTorch path after one
+    line saying why (no "compiling" line first)."""
+    from ds_optimus.ops import op_builder
+
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    assert not op_builder.MoERoutingBuilder().is_compatible()
+    monkeypatch.setattr(op_builder.MoERoutingBuilder, "load", lambda self, verbose=False: pytest.fail("built"))
+    monkeypatch.setattr(op_builder, "prebuilt_available", lambda: False)
+    monkeypatch.setattr(routing, "_cpu_module", None)
+    monkeypatch.setattr(routing, "_cpu_failed", None)
+    assert routing.routing_kernel("cpu") == "reference"
+    err = capfd.readouterr().err
+    assert "no C++ compiler (no-such-compiler-here)" in err and "compiling" not in err
+
+
 def test_without_a_build_the_reference_serves_and_says_so_once(monkeypatch, capfd):
     from ds_optimus.ops import op_builder
 
@@ -250,7 +266,7 @@ def test_jit_build_says_one_line_and_loads(tmp_path):
     lines = done.stdout.splitlines()
     assert lines[-2].startswith(str(tmp_path / "ext")) and lines[-1] == "[1, 1]"
     said = [line for line in done.stderr.splitlines() if "moe_routing op" in line]
-    assert len(said) == 2 and "compiling DeepSpeed's moe_routing op" in said[0] and "is ready" in said[1]
+    assert len(said) == 2 and "compiling ds_optimus' moe_routing op" in said[0] and "is ready" in said[1]
 
 
 @pytest.mark.slow

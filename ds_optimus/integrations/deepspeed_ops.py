@@ -33,8 +33,9 @@ from .deepspeed_version import check_version
 UNNEEDED_OPS = ("deepspeed_shm_comm",)
 _ADAM = "DeepSpeed's Adam on this device; optimizer.params.torch_adam: true uses PyTorch's, unbuilt"
 _WHY = {"fused_adam": _ADAM, "cpu_adam": _ADAM,
-        "moe_routing": "ds_optimus' MoE routing, gather and combine on the CPU; DS_BUILD_MOE_ROUTING=1 at install "
+        "moe_routing": "the MoE layer's routing, gather and combine on the CPU; DS_BUILD_MOE_ROUTING=1 at install "
                        "prebuilds it"}
+OWN_OPS = ("moe_routing",)  # built by DeepSpeed's op builder, but ds_optimus' own
 # The accelerator classes whose op lookup learns ds_optimus' builders (ROCm runs CUDA_Accelerator).
 ACCELERATORS = ("cpu_accelerator:CPU_Accelerator", "cuda_accelerator:CUDA_Accelerator",
                 "xpu_accelerator:XPU_Accelerator")
@@ -65,13 +66,14 @@ def prepare_op_builds(say=None) -> None:
     def jit_load(self, verbose=True):
         root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", extensions_dir()))
         first = os.environ.get("LOCAL_RANK", "0") in ("", "0") and not any((root / self.name).glob(f"{self.name}*.so"))
+        whose, takes = ("ds_optimus'", "under a minute") if self.name in OWN_OPS else ("DeepSpeed's", "a few minutes")
         if first:
-            say(f"ds_optimus: compiling DeepSpeed's {self.name} op ({_WHY.get(self.name, 'this config needs it')}): "
-                f"a few minutes, once per environment, kept in {root}")
+            say(f"ds_optimus: compiling {whose} {self.name} op ({_WHY.get(self.name, 'this config needs it')}): "
+                f"{takes}, once per environment, kept in {root}")
         began = time.perf_counter()
         module = original(self, verbose=os.environ.get("DS_OPTIMUS_VERBOSE", "") not in ("", "0", "false"))
         if first:
-            say(f"ds_optimus: DeepSpeed's {self.name} op is ready ({time.perf_counter() - began:.0f} s)")
+            say(f"ds_optimus: {whose} {self.name} op is ready ({time.perf_counter() - began:.0f} s)")
         return module
 
     jit_load.says_builds = True
