@@ -4,7 +4,9 @@
 # DeepSpeed Team
 # Ported to ds_optimus from deepspeedai/DeepSpeed, tests/unit/common.py, commit
 # edaa7221267243c7be7fb49c5d5f5c4fb97b4641 (2026-08-22), under the Apache License 2.0. Changed: `import ds_optimus`
-# below (every spawned rank imports it, so DeepSpeed's engine runs with ds_optimus' patches installed).
+# below (every spawned rank imports it, so DeepSpeed's engine runs with ds_optimus' patches installed);
+# `reuse_dist_env` on by default (one pool of ranks per test class, as upstream's own classes may ask) and the
+# forkserver preloading the libraries, so a test's ranks start without 5 s of imports each.
 
 import ds_optimus  # noqa: F401  (installs its engine patches in every rank)
 import os
@@ -150,7 +152,7 @@ class DistributedExec(ABC):
     init_distributed = True
     set_dist_env = True
     requires_cuda_env = True
-    reuse_dist_env = False
+    reuse_dist_env = True  # ds_optimus: one pool of ranks per class (upstream: False)
     non_daemonic_procs = False
     _pool_cache = {}
     exec_timeout = DEEPSPEED_TEST_TIMEOUT
@@ -290,6 +292,8 @@ class DistributedExec(ABC):
 
         # Set start method to `forkserver` (or `fork`)
         mp.set_start_method('forkserver', force=True)
+        # ds_optimus: the server imports these once, so each test's ranks start without their imports
+        mp.set_forkserver_preload(["torch", "deepspeed", "ds_optimus", "unit.common", "unit.simple_model"])
 
         if self.non_daemonic_procs:
             self._launch_non_daemonic_procs(num_procs, init_method)
