@@ -13,7 +13,7 @@ import pytest
 import torch
 from distributed import run_distributed
 from test_fault_tolerance import launch, write_config
-from train_workers import pretrain_worker, tiny_config
+from train_workers import HANG_TIMEOUT_S, pretrain_worker, tiny_config
 
 from ds_optimus.config import OptimusConfig
 from ds_optimus.hf_models.mula import PRESETS, MulaConfig
@@ -399,12 +399,12 @@ def test_watchdog_stops_a_hung_stage(tmp_path, cache):
     from ds_optimus.reliability.watchdog import EXIT_HUNG
 
     config = run_config(tmp_path, cache, "hung", micro=2, pipeline_parallel={"size": 2},
-                        watchdog={"step_timeout_s": 5, "first_step_timeout_s": 120})
-    proc = launch(write_config(tmp_path, config), faults=[{"kind": "sleep", "step": 3, "rank": 0, "seconds": 300}],
-                  timeout=240)
+                        watchdog={"step_timeout_s": HANG_TIMEOUT_S, "first_step_timeout_s": 600})
+    proc = launch(write_config(tmp_path, config), faults=[{"kind": "sleep", "step": 3, "rank": 0, "seconds": 3600}],
+                  timeout=600)
     output = proc.stdout + proc.stderr
     assert proc.returncode == EXIT_HUNG, output[-3000:]
-    assert "rank 0: step 3 exceeded its 5 s time-out" in output, output[-3000:]
+    assert f"rank 0: step 3 exceeded its {HANG_TIMEOUT_S} s time-out" in output, output[-3000:]
     hung = "\n".join(line for line in output.splitlines() if line.startswith("[rank 0] "))
     assert "in sleep_inside_step" in hung, output[-3000:]
 

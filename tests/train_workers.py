@@ -15,6 +15,10 @@ from ds_optimus.command_line import deepspeed_launcher  # noqa: F401  (the tests
 from ds_optimus.train import Callback, Trainer, pretrain
 
 ROOT = Path(__file__).resolve().parents[1]
+# The watchdog's step time-out where a test hangs a rank on purpose (which it does for ever): far above
+# any healthy step of the tiny runs, a fraction of a second here and a few seconds on a 2-core machine
+# loaded several times over, so only the injected hang trips it, whatever the load.
+HANG_TIMEOUT_S = 20
 
 
 def child_pythonpath() -> str:

@@ -5,11 +5,12 @@ collective the others wait in.
 A beat is one `pwrite` of 128 bytes into a file opened once (no metadata operation on the shared
 file system per step: at 12,288 ranks and a 4-s step, about 3,000 small writes a second spread over
 the file system's storage targets). When a rank's watchdog fires it writes `fired` with whether its
-main thread waits on the others; the first waiting rank to claim the step's report waits a grace
-period, reads every record once and names the ranks that are behind: not at the step, not fired
-(dead, or hung holding the interpreter), or fired while not waiting (busy elsewhere: the culprit).
-A rank whose accelerator hangs inside a kernel waits at the step's read like the healthy ones, so
-it is named only when its process stops answering too.
+main thread waits on the others; the first waiting rank to claim the step's report reads the
+records until every rank has fired, or a grace period has passed, and names the ranks that are
+behind: not at the step, not fired (dead, or hung holding the interpreter), or fired while not
+waiting (busy elsewhere: the culprit). The others stay up until its report is written. A rank whose
+accelerator hangs inside a kernel waits at the step's read like the healthy ones, so it is named
+only when its process stops answering too.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class Heartbeat:
         self.fd = os.open(self.folder / f"rank-{rank:06d}", os.O_RDWR | os.O_CREAT, 0o644)
         self.beat(-1)
         if rank == 0:  # an earlier launch's report claims (a watchdog fires long after every rank starts)
-            for stale in self.folder.glob("reporter-*"):
+            for stale in [*self.folder.glob("reporter-*"), *self.folder.glob("reported-*")]:
                 stale.unlink(missing_ok=True)
 
     def beat(self, step: int, fired: bool = False, waiting: bool = False) -> None:
@@ -99,33 +100,61 @@ def main_thread_in_collective() -> bool:
     return False
 
 
-def name_the_missing(heartbeat: Heartbeat, world: int, grace_s: float) -> tuple[list[Beat | int], bool]:
+def behind(beats: list[Beat | None], step: int) -> list[Beat | int]:
+    """The ranks behind at `step`, from every rank's record (None: it never beat): each its last `Beat`,
+    or its rank number when it never beat. Behind: not at the step, not fired (dead, or hung holding the
+    interpreter), or fired while not waiting on the others (busy elsewhere: the culprit)."""
+    out: list[Beat | int] = []
+    for rank, beat in enumerate(beats):
+        if beat is None:
+            out.append(rank)
+        elif beat.step < step or not beat.fired or not beat.waiting:
+            out.append(beat)
+    return out
+
+
+def poll_seconds(world: int) -> float:
+    """How often the reporter re-reads the records still missing: 0.2 s, slower with the world size
+    (one 128-byte read a missing rank each time: at 12,288 ranks about 5,000 reads a second at most)."""
+    return max(0.2, world / 5000)
+
+
+def name_the_missing(heartbeat: Heartbeat, world: int, grace_s: float, sleep=time.sleep,
+                     clock=time.monotonic) -> tuple[list[Beat | int], bool]:
     """Called by a rank whose watchdog fired: say so (flushed to the file system), and, when this rank
     waits on the others, try to be the one that reports this step (the first to create the step's
-    `reporter-<step>` file); the reporter waits `grace_s` for the others to say so too, then reads
-    every rank's record and returns the ranks that are behind, each its last `Beat` or its rank
-    number when it never beat, and True. The others read nothing and wait long enough for the report
-    to be written before their exit ends the launch."""
+    `reporter-<step>` file). The reporter reads the records until every rank has said its watchdog
+    fired, or `grace_s` has passed (a dead rank never says so), and returns the ranks `behind` and
+    True. The others wait for the report to be written (`report_written`: a launcher stops every rank
+    when the first exits), at most 2 x `grace_s` + 5 s, and return ([], False)."""
     waiting = main_thread_in_collective()
     heartbeat.beat(heartbeat.step, fired=True, waiting=waiting)
     os.fsync(heartbeat.fd)  # other nodes read it (NFS shows a write to other clients once flushed)
+    step = heartbeat.step
     reporter = False
     if waiting:
         try:
-            os.close(os.open(heartbeat.folder / f"reporter-{heartbeat.step}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            os.close(os.open(heartbeat.folder / f"reporter-{step}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
             reporter = True
         except FileExistsError:
             pass
-    if not reporter:  # stay up past the report (a launcher stops every rank when the first exits)
-        time.sleep(2 * grace_s + 5)
+    deadline = clock() + (grace_s if reporter else 2 * grace_s + 5)
+    if not reporter:
+        while not (heartbeat.folder / f"reported-{step}").exists() and clock() < deadline:
+            sleep(min(0.2, deadline - clock()))
         return [], False
-    time.sleep(grace_s)
-    step = heartbeat.step
-    behind: list[Beat | int] = []
-    for rank in range(world):
-        beat = read_beat(heartbeat.folder / f"rank-{rank:06d}")
-        if beat is None:
-            behind.append(rank)
-        elif beat.step < step or not beat.fired or not beat.waiting:
-            behind.append(beat)
-    return behind, True
+    paths = [heartbeat.folder / f"rank-{rank:06d}" for rank in range(world)]
+    beats: list[Beat | None] = [None] * world
+    missing = list(range(world))  # not yet fired
+    while True:
+        for rank in missing:
+            beats[rank] = read_beat(paths[rank])
+        missing = [rank for rank in missing if beats[rank] is None or not beats[rank].fired]
+        if not missing or clock() >= deadline:
+            return behind(beats, step), True
+        sleep(min(poll_seconds(world), max(0.0, deadline - clock())))
+
+
+def report_written(heartbeat: Heartbeat) -> None:
+    """The reporter's last act before it exits: the others, waiting for it, may exit now."""
+    os.close(os.open(heartbeat.folder / f"reported-{heartbeat.step}", os.O_CREAT | os.O_WRONLY))

@@ -34,6 +34,7 @@ class Watchdog:
         self._wake = threading.Event()
         # called when it fires, before the stacks: each may return a line to say (fault attribution)
         self.on_fire: list = []
+        self.after_fire: list = []  # called once its message and stacks are written, right before the exit
         self._thread = threading.Thread(target=self._watch, name="ds_optimus-watchdog", daemon=True)
         self._thread.start()
 
@@ -73,6 +74,8 @@ class Watchdog:
             self._write("".join(note + "\n" for note in notes)
                         + f"[ds_optimus watchdog] rank {self.rank}: {self._what} exceeded its {self._timeout:g} s "
                         f"time-out; stacks of all threads follow, then exit {EXIT_HUNG}\n" + thread_stacks())
+            for hook in self.after_fire:
+                hook()
         finally:
             os._exit(EXIT_HUNG)
 
@@ -117,8 +120,8 @@ class WatchdogConfig(Section):
     step_timeout_s: float = 900.0  # time-out of any other step: past it the rank dumps its stacks and exits 124
     first_step_timeout_s: float = 3600.0  # time-out of the first step after a (re)start, which compiles and warms up
     checkpoint_timeout_s: float = 3600.0  # time-out of a synchronous save, an evaluation or the final export
-    # seconds a rank whose watchdog fired waits for the others' heartbeats before naming the ranks that
-    # did not reach the collective (in faults.jsonl); 0: no heartbeats
+    # seconds at most a rank whose watchdog fired waits for every other rank to say its watchdog fired too
+    # before naming the ranks that did not reach the collective (in faults.jsonl); 0: no heartbeats
     heartbeat_grace_s: float = 10.0
     straggler_interval: int = 100  # every this many steps, gather each rank's step time (a small all-gather); 0: never
     straggler_factor: float = 1.5  # a rank this many times slower than the median is named a straggler

@@ -7,7 +7,8 @@ checkpoint of step N is being written, after its first file), `nan_loss` (this r
 N becomes NaN, so its gradients do), `sleep` (sleep `seconds` inside step N, before its
 collectives), `signal` (send this process `signal`, default SIGTERM, at the start of step N), `raise`
 (raise a RuntimeError at the start of step N: an error on one rank that the others do not share),
-`late` (sleep `seconds` right before step N's reduction: a straggler). (`{"kind": "probe", "host": H}`
+`late` (sleep right before step N's reduction: a straggler; `seconds`, or `times` the time this rank's
+step took until then, which holds on a machine of any speed or load). (`{"kind": "probe", "host": H}`
 fails the node probe on host H: `ds_optimus.reliability.probe`.)
 """
 
@@ -37,6 +38,7 @@ class FaultInjectionCallback(Callback):
                                  f"got {fault!r}")
         self.faults = list(faults)
         self.fired: set[int] = set()
+        self.step_began = time.perf_counter()
 
     @classmethod
     def from_environment(cls) -> FaultInjectionCallback | None:
@@ -59,6 +61,7 @@ class FaultInjectionCallback(Callback):
         self.trainer.checkpoints.writer.file_hooks.append(self._file_written)
 
     def pre_step(self, step: int) -> None:
+        self.step_began = time.perf_counter()
         if self.due("kill", step):
             os.kill(os.getpid(), signal.SIGKILL)
         if self.due("raise", step):
@@ -78,7 +81,8 @@ class FaultInjectionCallback(Callback):
     def step_flags(self) -> dict[str, float]:
         fault = self.due("late", self.trainer.step)
         if fault:
-            time.sleep(float(fault.get("seconds", 1.0)))
+            took = time.perf_counter() - self.step_began
+            time.sleep(float(fault["times"]) * took if "times" in fault else float(fault.get("seconds", 1.0)))
         return {}
 
     def _file_written(self, path: Path, step: int | None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from ...reliability.guards import GuardsConfig
@@ -34,9 +35,11 @@ class WatchdogCallback(Callback):
         """On a fired watchdog: the ranks that did not reach the collective the others wait in,
         named (by the lowest rank that waits) and recorded in faults.jsonl."""
         from ...reliability.fault_log import append_fault, describe
-        from ...reliability.heartbeat import name_the_missing
+        from ...reliability.heartbeat import name_the_missing, report_written
 
         behind, reporter = name_the_missing(self.heartbeat, self.trainer.world, self.config.heartbeat_grace_s)
+        if reporter:  # the others wait for its report before they exit
+            self.watchdog.after_fire.append(partial(report_written, self.heartbeat))
         if not reporter or not behind:
             return None
         ranks = [b if isinstance(b, int) else b.rank for b in behind]
