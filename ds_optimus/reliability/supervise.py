@@ -94,8 +94,9 @@ def _step(progress: Path | None) -> int | None:
 def supervise(command: list[str], max_restarts: int = 3, backoff: float = 30.0, max_backoff: float = 600.0,
               progress: Path | None = None, log=print, allocation: Allocation | None = None,
               ranks_per_node: int = 1, strikes_to_leave_out: int = 1, fits=None,
-              probe: list[str] | None = None) -> int:
-    """Run `command` until it succeeds or the rules above stop it; returns the exit status to use."""
+              probe: list[str] | None = None, sleep=time.sleep) -> int:
+    """Run `command` until it succeeds or the rules above stop it; returns the exit status to use
+    (`sleep` waits out each back-off)."""
     progress = progress or _progress_file(command)
     output_dir = progress.parent if progress is not None else Path(DEFAULT_OUTPUT_DIR)
     child: subprocess.Popen | None = None
@@ -115,7 +116,7 @@ def supervise(command: list[str], max_restarts: int = 3, backoff: float = 30.0, 
             if attempt:
                 wait = min(max_backoff, backoff * 2 ** (attempt - 1))
                 log(f"supervise: restart {attempt} of {max_restarts} in {wait:g} s")
-                time.sleep(wait)
+                sleep(wait)
             env = {**os.environ, ATTEMPT_VAR: str(attempt)}
             run = command
             if allocation is not None and not stopping:
