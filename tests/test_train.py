@@ -15,7 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 from distributed import run_distributed
-from train_workers import ROOT, child_pythonpath, cli_errors_worker, deepspeed_launcher, pretrain_worker, tiny_config
+from train_workers import (
+    ROOT,
+    child_pythonpath,
+    cli_errors_worker,
+    deepspeed_launcher,
+    left_alive_worker,
+    pretrain_worker,
+    tiny_config,
+)
 
 from ds_optimus.plan.measure import free_port
 from ds_optimus.train.components import resume_changes
@@ -92,6 +100,21 @@ def test_run_with_the_sharded_optimizer_resumes_on_another_layout(tmp_path, cach
     assert f"the numerical guards' statistics start afresh: they were measured at {tokens:,} tokens a step" in log
     logged = [json.loads(line) for line in (tmp_path / "halved" / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["tokens"] for r in logged if r.get("step") == 5 and "tokens" in r] == [4 * tokens + tokens // 2]
+
+
+@pytest.mark.slow
+def test_a_finished_run_leaves_nothing_alive_in_its_process(tmp_path, cache):
+    """A process that lives on after a run (a notebook, a second run, the tests' pool of ranks) keeps
+    none of it: the optimizer's gradient hooks on the parameters' autograd nodes, which the garbage
+    collector cannot see through, are removed, and the watchdog's thread ends, so the engine, the model
+    and, once the process group is destroyed, the groups (whose gloo threads poll while they live) are freed."""
+    config = tiny_config(tmp_path, cache, expert_parallel={"size": 2}, sharded_optimizer={"enabled": True})
+    config["zero_optimization"] = {"stage": 1}
+    deepspeed_zero = tiny_config(tmp_path / "ds", cache, sharded_optimizer={"enabled": False})
+    deepspeed_zero["zero_optimization"] = {"stage": 2}
+    for run in (config, deepspeed_zero):
+        for left in run_distributed(left_alive_worker, 2, run):
+            assert left == {"engines": 0, "optimizers": 0, "watchdogs": []}, left
 
 
 def test_a_resume_says_what_changed_since_the_checkpoint_only():

@@ -49,6 +49,25 @@ def pretrain_worker(rank: int, world: int, config: dict) -> dict:
     return pretrain(config)
 
 
+def left_alive_worker(rank: int, world: int, config: dict) -> dict:
+    """What of a finished run this process still holds once the garbage is collected: engines, optimizers
+    and the watchdog's thread (an engine held keeps its process groups, and their polling gloo threads,
+    past `destroy_process_group`)."""
+    import gc
+    import threading
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from ds_optimus.optim.sharded import ShardedOptimizer
+
+    pretrain(config)
+    gc.collect()
+    objects = gc.get_objects()
+    return {"engines": sum(issubclass(type(o), DeepSpeedEngine) for o in objects),
+            "optimizers": sum(issubclass(type(o), ShardedOptimizer) for o in objects),
+            "watchdogs": [t.name for t in threading.enumerate() if t.name == "ds_optimus-watchdog"]}
+
+
 def cli_errors_worker(rank: int, world: int, configs: list[tuple[dict, list[str]]], tmp: str) -> list:
     """Run the command line on each (config, overrides); return (exit status, stderr) of each."""
     from ds_optimus.train.cli import main

@@ -541,3 +541,8 @@ class ShardedOptimizer:
         self._hooks = []
         self.gather.remove_hooks()
 
+    def destroy(self) -> None:
+        """What `DeepSpeedEngine.destroy()` calls: the hooks removed, so that the parameters' autograd
+        nodes (which the garbage collector cannot see through) no longer keep the optimizer alive."""
+        self.remove_hooks()
+

@@ -32,6 +32,7 @@ class Watchdog:
         self._timeout = 0.0
         self._what = ""
         self._wake = threading.Event()
+        self._closed = False
         # called when it fires, before the stacks: each may return a line to say (fault attribution)
         self.on_fire: list = []
         self.after_fire: list = []  # called once its message and stacks are written, right before the exit
@@ -48,15 +49,21 @@ class Watchdog:
         self._wake.set()
 
     def close(self) -> None:
+        """Disarm and end the watching thread, which drops the hooks: in a process that lives on (a
+        notebook, a pool of test ranks) a closed watchdog keeps nothing of its run alive."""
+        self._closed = True
         self._deadline = None
         faulthandler.cancel_dump_traceback_later()
+        self.on_fire, self.after_fire = [], []
         self._wake.set()
 
     def _watch(self) -> None:
-        while True:
+        while not self._closed:
             deadline = self._deadline
             self._wake.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
             self._wake.clear()
+            if self._closed:
+                return
             deadline = self._deadline
             if deadline is not None and time.monotonic() >= deadline:
                 self._fire()

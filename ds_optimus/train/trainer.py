@@ -447,6 +447,15 @@ class Trainer:
             append_log(self.output_dir, f"the run stopped on an error: {type(error).__name__}: {first}")
         if self.sink is not None:
             self.sink.close()  # ends the progress bar's line, so an error message starts on its own
+        # the optimizers' gradient hooks live on the parameters' autograd nodes (C++), which the garbage
+        # collector cannot see through: left in place they keep the engine, the model and its process
+        # groups' threads alive for as long as the process lives on (a notebook, a second run)
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            try:
+                engine.destroy()
+            except Exception as err:  # noqa: BLE001 - the run's own error comes first
+                failures.append(err)
         if failures and error is None:
             raise failures[0]
 
