@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -123,26 +124,66 @@ MEMORY_RUNS = [
     # running in its own threads inside the profiled window break torch's memory profiler, "cannot
     # create std::vector larger than max_size()")
     dict(world=4, ep=2, zero=1, micro=8, shard_group=2),
+    # DeepSpeed's ZeRO-0 on bf16 weights: 14 bytes a parameter between steps (its fp32 gradients only from
+    # the backward pass to the update), measured here first
+    dict(world=2, ep=1, zero=0, sharded=False, micro=8, dtype="bf16"),
+]
+# Layouts no part of the memory model was set from (the runs above were its measurements): bf16 under the
+# sharded optimizer's ZeRO-1 and ZeRO-2 and DeepSpeed's ZeRO-0 with experts, a longer accumulation under
+# DeepSpeed's ZeRO-1, and pipeline stages in float32 and bf16
+HELD_OUT = [
+    dict(world=2, ep=2, zero=1, micro=8, dtype="bf16"),
+    dict(world=2, ep=1, zero=2, micro=4, accumulation=2, dtype="bf16"),
+    dict(world=2, ep=2, zero=0, sharded=False, micro=8, dtype="bf16"),
+    dict(world=2, ep=1, zero=1, sharded=False, micro=2, accumulation=4, bucket_size=5_000_000),
+    dict(world=4, ep=2, pp=2, zero=1, micro=4, accumulation=2),
+    dict(world=4, ep=2, pp=2, zero=1, micro=4, accumulation=2, dtype="bf16"),
 ]
 
 
+def _ep_imbalance(run: Path, ep: int, steps: int) -> float:
+    """The busiest EP rank's routed rows over the mean, at its worst layer and step among the first
+    `steps` (the steps profiled for memory), from the run's logged expert loads."""
+    worst = 1.0
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record.get("step", steps + 1) > steps or "expert_tokens" not in record:
+            continue
+        for layer in record["expert_tokens"]:
+            per_rank = [sum(layer[r * len(layer) // ep:(r + 1) * len(layer) // ep]) for r in range(ep)]
+            worst = max(worst, max(per_rank) * ep / sum(per_rank))
+    return worst
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", MEMORY_RUNS, ids=lambda s: Layout(**s).describe().replace(" ", "-"))
+@pytest.mark.parametrize("spec", MEMORY_RUNS + HELD_OUT, ids=lambda s: (
+    ("held-out-" if s in HELD_OUT else "") + Layout(**{**TINY, **s}).describe().replace(" ", "-")
+    + ("-bf16" if s.get("dtype") == "bf16" else "")))
 def test_memory_model_matches_every_ranks_measured_peak(tmp_path, spec, cache, monkeypatch):
+    """Every rank's measured peak within the 10 % the planner claims (docs/planner.md) of the prediction:
+    of the balanced one, or, for a rank above it, of the one at the routing imbalance the run had (at
+    random initialisation the busiest EP rank's experts receive more rows; the planner predicts
+    balanced routing unless told `--expert-imbalance`)."""
     # the config `measure_layout` runs, on the shared worker processes rather than through a launcher
     # of its own (test_cli_measure_runs_the_top_layout_on_this_machine runs that path)
     monkeypatch.setenv("DS_OPTIMUS_MEASURE_CACHE", str(cache))
     layout = Layout(**{**TINY, **spec})
     config = measuring_config(layout, "mula-tiny-moe", tmp_path, steps=3, memory_steps=2)
     measured = measurement(layout, run_distributed(pretrain_worker, layout.world, config)[0], 2)
-    estimate = estimate_memory(ModelShape.from_preset("mula-tiny-moe"), layout)
-    assert len(measured.peak_bytes) == layout.world
-    for peak in measured.peak_bytes:
-        assert abs(estimate.peak / peak - 1) < 0.10, (estimate.as_dict(), measured.peak_bytes)
+    shape = ModelShape.from_preset("mula-tiny-moe")
+    imbalance = _ep_imbalance(Path(config["optimus"]["train"]["output_dir"]), layout.ep, 2)
+    # each rank against its own pipeline stage's prediction (stage s: ranks [s x dp, (s + 1) x dp))
+    balanced, hot = stage_memory(shape, layout), stage_memory(shape, layout, imbalance)
+    assert len(measured.peak_bytes) == layout.world and imbalance >= 1.0
+    for rank, peak in enumerate(measured.peak_bytes):
+        stage = rank // (layout.world // layout.pp)
+        assert balanced[stage].peak / peak - 1 < 0.10 and hot[stage].peak / peak - 1 > -0.10, (
+            rank, balanced[stage].as_dict(), imbalance, hot[stage].peak, measured.peak_bytes)
     if layout.sharded:  # once the engine is built: the weights and the sharded optimizer's states
-        states = estimate.weights + estimate.optimizer_state
-        for held in measured.initialized_bytes:
-            assert abs(states / held - 1) < 0.05, (states, measured.initialized_bytes)
+        for rank, held in enumerate(measured.initialized_bytes):
+            stage = balanced[rank // (layout.world // layout.pp)]
+            states = stage.weights + stage.optimizer_state
+            assert abs(states / held - 1) < 0.05, (rank, states, measured.initialized_bytes)
 
 
 def test_memory_model_follows_the_layout():
@@ -164,9 +205,11 @@ def test_memory_model_follows_the_layout():
     assert inside.moment == "all-to-all of the last MoE layer"
     assert inside.all_to_all == 2 * 2 * 4096 * shape.top_k * shape.hidden * 2
     assert inside.peak > inside.start_of_backward
-    # DeepSpeed ZeRO-0 keeps full fp32 master weights, moments and gradients on every rank
+    # DeepSpeed ZeRO-0 keeps full fp32 master weights and moments on every rank between steps, and fp32
+    # gradients beside the bf16 .grad from the backward pass to the update
     z0 = estimate_memory(shape, base.with_(zero=0, sharded=False))
-    assert z0.optimizer_state == pytest.approx(16 * (shape.dense_params + shape.expert_params / 8))
+    assert z0.optimizer_state == pytest.approx(12 * (shape.dense_params + shape.expert_params / 8))
+    assert z0.gradients == pytest.approx(6 * (shape.dense_params + shape.expert_params / 8))
     # with accumulation DeepSpeed's ZeRO-0 and ZeRO-1 hold every .grad (bf16) from one micro-step to the
     # next (ZeRO-1 its staging buckets too); ZeRO-2 reduces each micro-step's into its shard, and one
     # micro-step holds nothing yet
@@ -175,6 +218,20 @@ def test_memory_model_follows_the_layout():
     for zero, accumulation, held in [(1, 8, 2 * local + staging), (0, 8, 2 * local), (2, 8, 0.0), (1, 1, 0.0)]:
         estimate = estimate_memory(shape, base.with_(zero=zero, sharded=False, accumulation=accumulation))
         assert estimate.gradients_at_peak == pytest.approx(held), (zero, accumulation)
+
+
+
+def test_memory_model_does_not_read_the_exchanges_dedup_or_chunks():
+    """The search shares one estimate between an exchange's dedup/chunks variants (search._fitting): that
+    holds only while the memory model gives each variant the same estimate, at every part of the count."""
+    shape = ModelShape.from_preset("mula-7b-a1b")
+    for base in (Layout(world=64, ep=8, zero=1, micro=2, accumulation=8),
+                 Layout(world=64, ep=16, zero=2, micro=1, accumulation=4, hierarchical=True, checkpointing=True),
+                 Layout(world=64, ep=8, pp=2, zero=1, micro=1, accumulation=8, dtype="bf16")):
+        want = estimate_memory(shape, base).as_dict()
+        for dedup, chunks in ((True, 1), (True, 2), (True, 4), (False, 2)):
+            variant = base.with_(dedup=dedup, chunks=chunks)
+            assert estimate_memory(shape, variant).as_dict() == want, variant
 
 
 # -- time ---------------------------------------------------------------------------------------
@@ -598,16 +655,29 @@ def test_allgather_dispatch_where_the_bytes_say_so():
 
 def test_each_efficiency_applies_to_its_own_flops_against_the_peak():
     h100 = BUILTIN["h100"]
-    # both rates from one run on a Hopper GPU (an H200: the H100 SXM's peak and SMs), 8k and 16k tokens
+    # both rates from one run on a Hopper GPU (an H200: the H100 SXM's peak and SMs), 8k and 16k tokens:
+    # each efficiency is the mean of the two measured fractions of peak, to the 2 decimals it is given in
     measured = json.loads((ROOT / "benchmarks" / "results" / "moe_kernels_NVIDIA_H200.json").read_text())
+    ratios = {}
     for name, assumed in (("ours_triton", h100.expert_efficiency), ("dense", h100.compute_efficiency)):
         rates = [r["times"][name]["tflops"] / h100.peak_tflops for r in measured["results"].values()]
-        assert min(rates) <= assumed <= max(rates), (name, rates)
-    # the experts run at their own fraction of peak, not at a fraction of the dense rate
+        assert sorted(int(tokens) for tokens in measured["results"]) == [8192, 16384]
+        assert assumed == round(sum(rates) / len(rates), 2), (name, rates)
+        ratios[name] = assumed
+    # Aurora's and Frontier's experts: the measured Hopper expert/dense ratio applied to their assumed
+    # dense efficiency, to 2 decimals
+    for name in ("aurora", "frontier"):
+        cluster = BUILTIN[name]
+        derived = cluster.compute_efficiency * ratios["ours_triton"] / ratios["dense"]
+        assert cluster.expert_efficiency == round(derived, 2), (name, derived)
+    # the experts run at their own fraction of peak, not at a fraction of the dense rate; a GPU's rate is
+    # its own whatever the ranks of its node (no shared cores)
     shape, layout = ModelShape.from_preset("mula-7b-a1b"), Layout(world=8, ep=8, micro=2)
     flops = 2 * shape.top_k * 3 * shape.hidden * shape.expert_intermediate * 2 * 4096
     assert expert_seconds(shape, layout, h100) == pytest.approx(flops / (989e12 * h100.expert_efficiency))
-    assert h100.expert_rate(8) == pytest.approx(989e12 * 0.33) and h100.rate(8) == pytest.approx(989e12 * 0.68)
+    for ranks in (1, 8):
+        assert h100.expert_rate(ranks) == pytest.approx(989e12 * h100.expert_efficiency)
+        assert h100.rate(ranks) == pytest.approx(989e12 * h100.compute_efficiency)
     # Aurora's dragonfly: 2 global links to each of the other 165 compute groups, for the 512 NIC endpoints
     # of a group (arXiv:2512.04291)
     assert BUILTIN["aurora"].global_bandwidth_fraction == pytest.approx(2 * 165 / 512, abs=0.001)
