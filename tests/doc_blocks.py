@@ -73,3 +73,20 @@ def strip_comment(command: str) -> str:
         except ValueError:  # a quote opened in the comment
             continue
     raise AssertionError(f"cannot find the comment of {command!r}")
+
+
+RUNS_VAR = "DS_OPTIMUS_DOC_RUNS"  # the file each run of a docs command is recorded in (set by conftest.py)
+
+
+def ran(command: str) -> None:
+    """Record that the running test runs `command`, a command of the docs as the page gives it, here and
+    now (call it where the command is run). The session's end holds each test that `tests/test_docs.py`
+    names for a command to having recorded that command (conftest.py)."""
+    import json
+    import os
+
+    path = os.environ.get(RUNS_VAR)
+    if path:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": test, "command": command}) + "\n")

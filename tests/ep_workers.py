@@ -210,14 +210,43 @@ def save_expert_parallel(rank: int, world: int, ep_size: int, folder: str):
             "plain_written": (Path(folder) / f"plain{rank}").exists()}
 
 
+@contextlib.contextmanager
+def routing_kernels_used():
+    """A Counter of the routing ops' calls, as "module.function" of the implementation that ran them
+    (`ds_optimus.ops.routing` picks one per call: the compiled CPU op's module, the Triton module, or
+    its own reference functions)."""
+    from collections import Counter
+
+    from ds_optimus.ops import routing
+
+    used, pick = Counter(), routing._impl
+
+    class Counted:
+        def __init__(self, impl) -> None:
+            self.impl = impl
+
+        def __getattr__(self, name):
+            used[f"{self.impl.__name__.rsplit('.', 1)[-1]}.{name}"] += 1
+            return getattr(self.impl, name)
+
+    def counted(*args, **kwargs):
+        return Counted(pick(*args, **kwargs))
+
+    routing._impl = counted
+    try:
+        yield used
+    finally:
+        routing._impl = pick
+
+
 def ep_exchange_variants(rank: int, world: int, variants: list[dict], batch: int = 8, seq: int = 12):
     """The same global batch through several expert-parallel exchanges, one fresh model each.
 
     A variant gives `expert_parallel` (the config section), optional `model` overrides, and optional
     `bias` ({expert: value}: a router bias that pulls every token to those experts). Returns, per
-    variant, this rank's logits, the gradients reassembled as `ep_forward_backward` does, and the
+    variant, this rank's logits, the gradients reassembled as `ep_forward_backward` does, the
     hidden-state rows this rank sent to other ranks and to other nodes of 2 (counted at the
-    collective, forward and backward)."""
+    collective, forward and backward), and the routing ops' calls by implementation."""
     from ds_optimus.parallel.traffic import ExchangeTraffic
 
     results = []
@@ -233,14 +262,14 @@ def ep_exchange_variants(rank: int, world: int, variants: list[dict], batch: int
         groups = setup_moe(model, OptimusConfig.from_ds_config(config))
         ids, probe = global_batch(1, batch, seq, model.config.vocab_size)
         mine = slice(rank * (batch // world), (rank + 1) * (batch // world))
-        with ExchangeTraffic() as traffic:
+        with ExchangeTraffic() as traffic, routing_kernels_used() as kernels:
             logits = model(ids[mine]).logits
             (logits.float() * probe[mine]).sum().backward()
         row_bytes = model.config.hidden_size * logits.element_size()
         dispatcher = model.model.layers[0].mlp.experts.expert_parallel
         results.append({"logits": logits.detach(), "grads": summed_grads(model, groups), "rows": mine,
                         "dedup": dispatcher.deduplicated, "rows_sent": traffic.rows(row_bytes),
-                        "rows_between_nodes": traffic.rows(row_bytes, node_size=2)})
+                        "rows_between_nodes": traffic.rows(row_bytes, node_size=2), "kernels": dict(kernels)})
     return results
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from distributed import run_distributed
-from doc_blocks import doc_commands
+from doc_blocks import doc_commands, ran
 from train_workers import pretrain_worker, tiny_config
 
 from ds_optimus.checkpoint.files import CheckpointError
@@ -151,6 +151,7 @@ def test_staggered_checkpoints_hold_the_same_weights_resume_and_keep_cold_copies
     written = next(c for c in doc_commands() if c.text.startswith("python -m ds_optimus.evaluate.export "))
     _, _, _, cold_arg, out_arg = written.argv()
     assert cold_arg.endswith("/checkpoints/cold/step250-tokens2B") and out_arg == "hf-step250"
+    ran(written.text)
     assert export([str(kept), str(tmp_path / out_arg)]) == 0
     assert export([str(tmp_path), str(tmp_path / "x")]) == 2  # not a checkpoint folder: one line
     from ds_optimus.hf_models.mula import MulaForCausalLM

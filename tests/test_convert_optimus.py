@@ -22,7 +22,7 @@ import conversion
 import pytest
 import torch
 from conversion import VOCAB, load, logits, random_ids
-from doc_blocks import doc_commands
+from doc_blocks import doc_commands, ran
 from safetensors.torch import load_file
 from seed_checkpoints import seed_names, write_checkpoint
 
@@ -548,6 +548,7 @@ def test_the_docs_import_commands_run_as_written(tmp_path, monkeypatch, capsys):
     config_file = Path(argv[argv.index("--config") + 1])
     config_file.write_text((tmp_path / "ref" / "config.json").read_text())
     load_tokenizer().save_pretrained(argv[argv.index("--tokenizer") + 1])
+    ran(tiny)
     assert main(argv) == 0
     imported = load(Path(argv[1]))
     assert_same_model(imported, load(tmp_path / "ref", dtype=torch.bfloat16))

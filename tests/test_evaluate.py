@@ -9,10 +9,11 @@ import re
 import struct
 from pathlib import Path
 
+import needs
 import pytest
 import torch
 
-pytest.importorskip("lm_eval", reason="lm-evaluation-harness is an optional extra: pip install -e '.[eval]'")
+needs.module("lm_eval", "lm-evaluation-harness is an optional extra: pip install -e '.[eval]'")
 
 from ds_optimus.evaluate.__main__ import main  # noqa: E402
 from ds_optimus.evaluate.tasks import MULA_SUITE, expand, write_pydoc_cloze  # noqa: E402
@@ -29,6 +30,7 @@ doc_to_choice: "{{{{choices}}}}"
 doc_to_target: "{{{{label}}}}"
 metric_list:
   - metric: acc
+  - metric: acc_norm
 """
 
 
@@ -98,13 +100,15 @@ def test_the_docs_evaluate_command_scores_the_newest_checkpoint(run, tmp_path, m
     import shlex
     import shutil
 
-    from doc_blocks import doc_commands
+    from doc_blocks import doc_commands, ran
 
     found = {c.text for c in doc_commands() if c.text.startswith("python -m ds_optimus.evaluate runs/mula-tiny-moe")}
     assert len(found) == 1, found
     shutil.copytree(run, tmp_path / "runs" / "mula-tiny-moe")
     monkeypatch.chdir(tmp_path)
-    status, out, err = _run(capsys, *shlex.split(found.pop())[3:])
+    written = found.pop()
+    ran(written)
+    status, out, err = _run(capsys, *shlex.split(written)[3:])
     assert status == 0, err
     scores = json.loads((tmp_path / "runs" / "mula-tiny-moe" / "eval" / "step_00000004.json").read_text())
     assert scores["tasks"]["pydoc_cloze"]["samples"] == 200 and "pydoc_cloze acc_norm " in out
@@ -126,23 +130,86 @@ def test_a_checkpoint_exports_as_a_complete_hugging_face_folder(run, tmp_path):
     assert AutoTokenizer.from_pretrained(folder).model_max_length == exported.config.max_position_embeddings
 
 
+QUESTIONS = [
+    ("Which animal barks?", ["a dog", "a cat", "a fish"]), ("Which animal meows?", ["a dog", "a cat", "a cow"]),
+    ("What does a cow say?", ["moo", "woof", "quack quack"]), ("What flies?", ["a bird", "a stone", "the sea"]),
+    ("What swims?", ["a fish", "a tree", "a car"]), ("What is cold?", ["ice", "fire", "the sun at noon"]),
+    ("What is a number?", ["seven", "blue", "loud"]), ("What do we read?", ["a book", "a spoon", "rain"]),
+    ("Which is a colour?", ["red", "ten", "under"]), ("What grows?", ["a plant", "a rock", "a key"]),
+    ("Which is a fruit?", ["an apple", "a shoe", "a door"]), ("What rings?", ["a bell", "a sock", "milk"]),
+]
+
+
+def _choice_logliks(folder: Path, questions) -> list[list[float]]:
+    """Each choice's log-likelihood after its question, computed here as lm-eval defines it for a
+    multiple-choice task (the continuation " " + choice, the pair encoded whole and split after the
+    context's tokens), with the exported model and its tokenizer: the oracle of the scores."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert tokenizer.encode("Answer: a") == tokenizer.encode("Answer: a", add_special_tokens=False)
+    out = []
+    for question, choices in questions:
+        context = f"Question: {question}\nAnswer:"
+        start = len(tokenizer.encode(context))
+        row = []
+        for choice in choices:
+            ids = torch.tensor([tokenizer.encode(context + " " + choice)])
+            with torch.no_grad():
+                logp = torch.log_softmax(model(ids[:, :-1]).logits.double(), -1)[0]
+            row.append(logp[start - 1:].gather(1, ids[0, start:, None]).sum().item())
+        out.append(row)
+    return out
+
+
 @pytest.mark.slow
 def test_a_task_of_ones_own_yaml_and_jsonl_and_every_checkpoint_once(run, tmp_path, capsys):
+    """A task whose answers the test sets from the models' own log-likelihoods (computed here): the
+    likeliest choice right for the first half of the questions and the least likely for the rest, so
+    that the final checkpoint scores exactly 0.5 and the earlier one what its own likelihoods say."""
+    from ds_optimus.evaluate import export_checkpoint
+
+    folders = {2: export_checkpoint(run / "checkpoints" / "step_00000002", tmp_path / "step2"), 4: run / "hf"}
+    lls = {step: _choice_logliks(folder, QUESTIONS) for step, folder in folders.items()}
+    lengths = [[float(len(c)) for c in choices] for _, choices in QUESTIONS]
+
+    def margin(values):
+        top = sorted(values, reverse=True)
+        return top[0] - top[1]
+
+    # questions whose choices the models tell apart well beyond float32 rounding (batched or not)
+    kept = [i for i in range(len(QUESTIONS)) if all(
+        margin(ll[i]) > 1e-2 and margin([v / n for v, n in zip(ll[i], lengths[i], strict=True)]) > 1e-3
+        for ll in lls.values())]
+    assert len(kept) >= 4, lls
+    kept = kept[:len(kept) // 2 * 2]
+    final = [max(range(3), key=lls[4][i].__getitem__) for i in kept]
+    labels = [best if j < len(kept) // 2 else min(range(3), key=lls[4][i].__getitem__)
+              for j, (i, best) in enumerate(zip(kept, final, strict=True))]
+    expected = {}
+    for step, ll in lls.items():
+        acc = [max(range(3), key=ll[i].__getitem__) == label for i, label in zip(kept, labels, strict=True)]
+        norm = [max(range(3), key=lambda c, i=i: ll[i][c] / lengths[i][c]) == label
+                for i, label in zip(kept, labels, strict=True)]
+        expected[step] = (sum(acc) / len(kept), sum(norm) / len(kept))
+    assert expected[4][0] == 0.5
+
     data = tmp_path / "tasks" / "animal_sounds.jsonl"
     data.parent.mkdir()
-    rows = [("Which animal barks?", ["a dog", "a cat", "a fish"], 0), ("Which animal meows?", ["a dog", "a cat",
-                                                                                               "a fish"], 1)]
-    data.write_text("".join(json.dumps({"question": q, "choices": c, "label": lab}) + "\n" for q, c, lab in rows))
+    data.write_text("".join(json.dumps({"question": QUESTIONS[i][0], "choices": QUESTIONS[i][1], "label": label})
+                            + "\n" for i, label in zip(kept, labels, strict=True)))
     (tmp_path / "tasks" / "animal_sounds.yaml").write_text(TASK.format(data=json.dumps(str(data))))
     status, out, err = _run(capsys, run, "--all", "--tasks", "pydoc_cloze")  # the run scored it at every checkpoint
     assert status == 0 and out == f"every checkpoint of {run} is scored on pydoc_cloze already ({run / 'eval'})\n"
     status, out, err = _run(capsys, run, "--all", "--tasks", "animal_sounds", "--include", tmp_path / "tasks")
-    assert status == 0 and out.count("animal_sounds acc ") == 2, out + err  # both checkpoints, on the new task
+    assert status == 0 and out.count("animal_sounds acc_norm ") == 2, out + err  # both checkpoints, the new task
     for step in (2, 4):  # added beside the scores the run wrote, which stay
         record = json.loads((run / "eval" / f"step_0000000{step}.json").read_text())
         assert sorted(record["tasks"]) == ["animal_sounds", "pydoc_cloze"] and record["step"] == step
-        assert record["tasks"]["animal_sounds"]["samples"] == 2 and record["tasks"]["pydoc_cloze"]["limit"] == 24
-        assert record["tasks"]["animal_sounds"]["acc"] in (0.0, 0.5, 1.0)
+        task = record["tasks"]["animal_sounds"]
+        assert task["samples"] == len(kept) and record["tasks"]["pydoc_cloze"]["limit"] == 24
+        assert (task["acc"], task["acc_norm"]) == pytest.approx(expected[step]), (step, expected, lls)
 
 
 @pytest.mark.slow

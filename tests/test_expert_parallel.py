@@ -2,6 +2,7 @@
 the single-process outputs and gradients; global-batch load balancing; DeepSpeed ZeRO reduces expert
 gradients over the expert-data-parallel group; layout errors are one line."""
 
+import needs
 import pytest
 import torch
 from distributed import run_distributed
@@ -151,7 +152,7 @@ def test_global_batch_load_balancing_over_ranks():
 def test_deepspeed_zero_reduces_expert_gradients_over_edp(stage):
     """4 ranks at EP=2: ZeRO must average dense gradients over all ranks and expert gradients over the
     expert-data-parallel pairs {0,2} and {1,3}; one SGD step then equals the single-process step."""
-    pytest.importorskip("deepspeed")
+    needs.module("deepspeed", "pip install -e .")
     ref = reference_sgd_step(world=4)
     results = run_distributed(deepspeed_sgd_step, 4, 2, stage)
     for r in results:

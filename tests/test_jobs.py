@@ -77,10 +77,11 @@ def test_the_planner_writes_the_job_beside_the_config(tmp_path):
 
 def test_the_docs_job_scripts_are_the_planners(tmp_path):
     """The cluster page's two job commands, run as written: the scripts it shows are what they write."""
-    from doc_blocks import doc_block, doc_commands
+    from doc_blocks import doc_block, doc_commands, ran
 
     for command in [c for c in doc_commands() if "--job" in c.text]:
         argv = command.argv()
+        ran(command.text)
         proc = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr
         config = argv[argv.index("--write") + 1]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+import needs
 import pytest
 import torch
 
@@ -18,7 +19,7 @@ import ds_optimus.ops as ops
 from ds_optimus.moe import MoELayer, grouped_swiglu, permute_tokens, plan_routing, select_backend, unpermute_combine
 from ds_optimus.ops import moe as ops_moe
 
-needs_triton = pytest.mark.skipif(not ops.triton_available(), reason="Triton is not installed")
+needs_triton = needs.unless(ops.triton_available(), "Triton is not installed (pip install triton)")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 SMALL_BLOCKS = {name: dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)
@@ -261,7 +262,7 @@ def test_without_triton_the_layer_falls_back(monkeypatch):
 def test_tuned_tiles_are_fitted_to_the_gpus_shared_memory_for_float32_data():
     # The H200 tiles are tuned on bf16; float32 doubles every tile. On the H200 (232,448 bytes of shared
     # memory per block) Triton refused the tuned "dx" tiles on float32 data asking for 294,912 bytes.
-    pytest.importorskip("triton")
+    needs.module("triton", "pip install triton")
     from ds_optimus.ops import _triton_moe as k
 
     limit = 232448

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from doc_blocks import doc_block
+from doc_blocks import doc_block, ran
 from train_workers import child_pythonpath, deepspeed_launcher
 
 
@@ -30,10 +30,12 @@ def test_the_hugging_face_trainer_example_runs_as_written(tmp_path):
 
     (tmp_path / "train_hf.py").write_text(doc_block("A complete script, `train_hf.py`", "python"))
     (tmp_path / "ds.json").write_text(doc_block("with `ds.json`", "json"))
-    command = shlex.split(doc_block("launched on 2 processes", "bash"))
+    written = doc_block("launched on 2 processes", "bash").strip()
+    command = shlex.split(written)
     launcher = deepspeed_launcher() if command[0] == "deepspeed" else str(Path(sys.executable).with_name(command[0]))
     command = [launcher, "--master_port", str(free_port()), *command[1:]]  # a free port, beside other runs
     env = {**os.environ, "PYTHONPATH": child_pythonpath()}
+    ran(written)
     proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     output = proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.returncode == 0, output

@@ -14,16 +14,16 @@ before it multiplies; their tolerances are stated where they are used.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import needs
 import pytest
 import torch
 from distributed import run_distributed
-from doc_blocks import doc_block
-from ep_workers import ep_exchange_variants
+from doc_blocks import doc_block, ran
+from ep_workers import ep_exchange_variants, tiny_moe
 
 from ds_optimus.moe import MoELayer
 from ds_optimus.ops import routing
@@ -167,12 +167,21 @@ def _exchanges(monkeypatch, choice: str, names: list[str], world: int):
     return run_distributed(ep_exchange_variants, world, variants)
 
 
-def _assert_close(got, want, tol):
+def _assert_close(got, want, tol, kernel):
+    """Within `tol`, and `got` ran on the `kernel` module alone, `want` on the PyTorch path."""
     def rel(a, b):
         return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
+    kernel = kernel.rsplit(".", 1)[-1]
+    layers = tiny_moe().config.num_hidden_layers
     for g_rank, w_rank in zip(got, want, strict=True):
         for g, w in zip(g_rank, w_rank, strict=True):
+            used = g["kernels"]
+            assert {name.split(".")[0] for name in used} == {kernel}, used
+            # every exchange combines a layer's rows at least once, forward and backward (the all-gather
+            # one by combine alone, the others with gather and combine_backward too)
+            assert used.get(f"{kernel}.combine", 0) >= layers and sum(used.values()) >= 2 * layers, used
+            assert {name.split(".")[0] for name in w["kernels"]} <= {"routing"}, w["kernels"]  # the PyTorch path
             assert rel(g["logits"], w["logits"]) <= tol
             assert all(rel(g["grads"][n], w["grads"][n]) <= tol for n in w["grads"])
 
@@ -188,19 +197,21 @@ def test_every_exchange_with_the_compiled_op_matches_the_pytorch_path(monkeypatc
     amplify to about 1e-6 relative on some gradients (measured); 1e-5, as against one process
     (test_expert_parallel.py)."""
     got = _exchanges(monkeypatch, "auto", names, world)
-    _assert_close(got, _exchanges(monkeypatch, "reference", names, world), 1e-5)
+    _assert_close(got, _exchanges(monkeypatch, "reference", names, world), 1e-5, routing.cpu_module().__name__)
 
 
 @pytest.mark.slow
 def test_every_exchange_with_the_triton_kernels_matches_the_pytorch_path(monkeypatch):
     """The Triton kernels, in Triton's CPU interpreter, on every exchange (EP 4 for the hierarchical
     ones), within the same 1e-5 as the compiled op."""
-    pytest.importorskip("triton")
+    needs.module("triton", "pip install triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     names = ["per-slot", "dedup", "dedup-chunked", "allgather"]
-    _assert_close(_exchanges(monkeypatch, "triton", names, 2), _exchanges(monkeypatch, "reference", names, 2), 1e-5)
+    _assert_close(_exchanges(monkeypatch, "triton", names, 2), _exchanges(monkeypatch, "reference", names, 2), 1e-5,
+                  "_triton_routing")
     names = ["hierarchical", "hierarchical-dedup"]
-    _assert_close(_exchanges(monkeypatch, "triton", names, 4), _exchanges(monkeypatch, "reference", names, 4), 1e-5)
+    _assert_close(_exchanges(monkeypatch, "triton", names, 4), _exchanges(monkeypatch, "reference", names, 4), 1e-5,
+                  "_triton_routing")
 
 
 def test_deepspeed_finds_the_builder_and_ds_report_lists_the_op():
@@ -213,6 +224,7 @@ def test_deepspeed_finds_the_builder_and_ds_report_lists_the_op():
     assert builder.is_compatible()
     command = doc_block("DeepSpeed's op report lists it with its own", "bash").strip()
     assert command == "python -m ds_optimus.ds_report"
+    ran(command)
     done = subprocess.run([sys.executable, *command.split()[1:], "--hide_errors_and_warnings"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr
@@ -270,23 +282,14 @@ def test_jit_build_says_one_line_and_loads(tmp_path):
 
 
 @pytest.mark.slow
-def test_ds_build_ops_prebuilds_the_op_at_install(tmp_path):
-    """`DS_BUILD_OPS=1 pip install --no-build-isolation` of a clean copy compiles the op into the
-    installed package, which then loads it without building anything."""
-    src = tmp_path / "src"
-    skip = (".git", ".venv", "build", "*.so", "__pycache__", "*.egg-info", "tests", "benchmarks", "docs", ".gpu-kit")
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(*skip))
-    env = {**os.environ, "DS_BUILD_OPS": "1"}
-    env.pop("DS_BUILD_MOE_ROUTING", None)
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps",
-                           "--target", str(tmp_path / "site"), str(src)], capture_output=True, text=True, env=env,
-                          timeout=1800)
-    assert done.returncode == 0, done.stderr[-3000:]
-    built = list((tmp_path / "site" / "ds_optimus" / "ops").glob("moe_routing_op*.so"))
+def test_ds_build_ops_prebuilds_the_op_at_install(tmp_path, installed_copy):
+    """`DS_BUILD_OPS=1 pip install --no-build-isolation` of a clean copy (the session's, tests/installed_copy.py)
+    compiles the op into the installed package, which then loads it without building anything."""
+    built = list((installed_copy / "ds_optimus" / "ops").glob("moe_routing_op*.so"))
     assert len(built) == 1
     code = ("from ds_optimus.ops.op_builder import MoERoutingBuilder, prebuilt_available; "
             "m = MoERoutingBuilder().load(); print(prebuilt_available(), m.__file__)")
-    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "none")}
+    env = {**os.environ, "PYTHONPATH": str(installed_copy), "TORCH_EXTENSIONS_DIR": str(tmp_path / "none")}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600,
                           cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]

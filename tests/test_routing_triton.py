@@ -9,10 +9,11 @@ the float32 sums of `combine` and the weight gradient agree within the bounds de
 
 from __future__ import annotations
 
+import needs
 import pytest
 import torch
 
-pytest.importorskip("triton")
+needs.module("triton", "pip install triton")
 
 import ds_optimus.ops._triton_routing as tr  # noqa: E402
 import ds_optimus.ops.routing as routing  # noqa: E402

@@ -66,7 +66,7 @@ step() {  # step NAME CAP_S COMMAND...: its output in NAME.log, its status and t
     [[ $rc == 0 ]] || echo "== $name failed (rc $rc): see $out/$name.log"
 }
 
-xdist=(); $py -c "import xdist" 2>/dev/null && xdist=(-n 4)
+xdist=(); [[ $cuda == 1 ]] && $py -c "import xdist" 2>/dev/null && xdist=(-n 4)  # a CPU only skips them
 if [[ $cuda == 1 ]]; then  # the tuning's Triton compilations, beside the tests (both mostly CPU work)
     timeout "$(budget 300)" $py benchmarks/tune_moe_kernels.py --compile-only --jobs 12 > "$out/compile.log" 2>&1 &
     compiling=$!
