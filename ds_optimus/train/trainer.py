@@ -449,9 +449,10 @@ class Trainer:
             self.sink.close()  # ends the progress bar's line, so an error message starts on its own
         # the optimizers' gradient hooks live on the parameters' autograd nodes (C++), which the garbage
         # collector cannot see through: left in place they keep the engine, the model and its process
-        # groups' threads alive for as long as the process lives on (a notebook, a second run)
+        # groups' threads alive for as long as the process lives on (a notebook, a second run). Not after
+        # an error: destroy waits for in-flight gathers (and a device sync), which a dead peer never ends
         engine = getattr(self, "engine", None)
-        if engine is not None:
+        if engine is not None and error is None:
             try:
                 engine.destroy()
             except Exception as err:  # noqa: BLE001 - the run's own error comes first
