@@ -169,6 +169,9 @@ class TrainConfig(Section):
     # At the end: the Hugging Face folder <output_dir>/hf (every expert) and a sample from it. false:
     # neither (summary.json is still written), for throughput measurements of big models.
     export: bool = True
+    # the run's plots (PNGs in <output_dir>/plots) on rank 0 at the end of an invocation that did not
+    # fail; false: none (`python -m ds_optimus.report <output_dir>` draws them at any time)
+    plots: bool = True
     # Recompute activations in the backward pass instead of keeping them: true, each decoder layer
     # whole; a list, those parts of each layer (selective recomputation, `recompute_parts`).
     activation_checkpointing: bool | list[str] = False

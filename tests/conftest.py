@@ -24,13 +24,16 @@ UPSTREAM = "DS_OPTIMUS_UPSTREAM_TESTS"
 collect_ignore = [] if os.environ.get(UPSTREAM) else ["deepspeed_upstream"]
 
 
-# The modules that take longest (CPU and waiting, 2 cores), run first: pytest-xdist's workers (the README's
-# test command runs two, one module at a time each) then finish together instead of one waiting on a
-# long module dealt out last. A module missing here only runs later; the order changes no result.
-LONGEST_FIRST = ("test_pipeline.py", "test_tensor_parallel_training.py", "test_fault_tolerance.py",
-                 "test_sharded_optimizer.py", "test_plan.py", "test_launch.py", "test_expert_parallel.py",
-                 "test_routing_ops.py", "test_train.py", "test_trainer.py", "test_deepspeed_upstream_subset.py",
-                 "test_jobs.py", "test_gpu_battery.py", "test_build.py", "test_evaluate.py", "test_hf_engine.py")
+# The modules that take longest (seconds on 2 cores, measured 2026-12-02), run first: pytest-xdist's workers
+# (the README's test command runs two, one module at a time each, in this order: --no-loadscope-reorder,
+# without which xdist deals the modules with most tests first) then finish together instead of one
+# waiting on a long module dealt out last. A module missing here only runs later; the order changes no result.
+LONGEST_FIRST = ("test_pipeline.py", "test_fault_tolerance.py", "test_plan.py", "test_tensor_parallel_training.py",
+                 "test_sharded_optimizer.py", "test_trainer.py", "test_routing_ops.py", "test_train.py",
+                 "test_deepspeed_upstream_subset.py", "test_expert_parallel.py", "test_gpu_battery.py", "test_jobs.py",
+                 "test_evaluate.py", "test_hf_common.py", "test_launch.py", "test_hf_engine.py", "test_build.py",
+                 "test_kernels.py", "test_entry_points.py", "test_data_sources.py", "test_package.py",
+                 "test_data_training.py", "test_phase_profile.py", "test_readme.py")
 
 
 def pytest_collection_modifyitems(config, items):

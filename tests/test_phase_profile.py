@@ -252,7 +252,8 @@ def _check_phases_add_up(record: dict, phases) -> None:
 
 @pytest.mark.slow
 def test_an_ep2_run_reports_phases_collective_bytes_jitter_and_a_plot(tmp_path, cache):
-    config = tiny_config(tmp_path, cache, train={"steps": 4, "eval_interval": 0, "log_interval": 1, "export": False},
+    config = tiny_config(tmp_path, cache, train={"steps": 4, "eval_interval": 0, "log_interval": 1, "export": False,
+                                                 "plots": True},
                          checkpoint={"interval": 0}, sharded_optimizer={"enabled": True},
                          expert_parallel={"size": 2, "dedup": False},  # one row a routed slot: sized by the shapes
                          profile={"enabled": True})
@@ -318,12 +319,12 @@ def test_a_pipeline_step_is_one_phase_and_its_sends_are_the_activations(tmp_path
 
 @pytest.mark.slow
 def test_without_the_section_a_run_has_no_profile_fields(tmp_path, cache):
-    config = tiny_config(tmp_path, cache, train={"steps": 2, "eval_interval": 0, "log_interval": 1, "export": False},
-                         checkpoint={"interval": 0})
+    config = tiny_config(tmp_path, cache, train={"steps": 2, "eval_interval": 0, "log_interval": 1, "export": False,
+                                                 "plots": True}, checkpoint={"interval": 0})
     got = run_distributed(plain_run_worker, 1, config)[0]
     assert got["phases"] is None and len(got["records"]) >= 2
     assert not any(key.startswith("profile") for record in got["records"] for key in record)
-    assert "profile.png" not in got["plots"]
+    assert got["plots"] and "profile.png" not in got["plots"]
 
 
 def plain_run_worker(rank: int, world: int, config: dict) -> dict:

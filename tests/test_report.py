@@ -243,7 +243,8 @@ def test_a_real_run_records_each_experts_tokens_and_leaves_its_plots(tmp_path):
 
     from ds_optimus.hf_models.mula import MulaConfig
 
-    config = tiny_config(tmp_path, tmp_path / "cache", train={"steps": 5, "eval_interval": 2, "log_interval": 2},
+    config = tiny_config(tmp_path, tmp_path / "cache", train={"steps": 5, "eval_interval": 2, "log_interval": 2,
+                                                              "plots": True},
                          checkpoint={"interval": 0}, expert_parallel={"size": 2})
     records = [r for r in run_distributed(metrics_worker, 2, config)[0] if "loss" in r]
     preset = MulaConfig.from_preset("mula-tiny-moe")
@@ -271,6 +272,22 @@ def test_a_real_run_records_each_experts_tokens_and_leaves_its_plots(tmp_path):
     status, out, _ = _cli(run, "--out", tmp_path / "again", "--dpi", "60")
     assert status == 0 and {Path(line).name for line in out.splitlines()} == trained
     _png(tmp_path / "again" / "expert_load.png")
+
+
+def test_a_run_with_plots_off_draws_none(tmp_path):
+    """`optimus.train.plots: false`: the run ends without drawing, and its metrics still draw later."""
+    from distributed import run_distributed
+    from train_workers import pretrain_worker, tiny_config
+
+    config = tiny_config(tmp_path, tmp_path / "cache", train={"steps": 2, "eval_interval": 0, "export": False},
+                         checkpoint={"interval": 0})
+    assert config["optimus"]["train"]["plots"] is False
+    run_distributed(pretrain_worker, 1, config)
+    run = tmp_path / "run"
+    assert (run / "summary.json").exists() and not (run / "plots").exists()
+    assert "plots:" not in (run / "log.txt").read_text()
+    status, out, _ = _cli(run, "--out", tmp_path / "later", "--dpi", "60")
+    assert status == 0 and "loss.png" in {Path(line).name for line in out.splitlines()}
 
 
 def test_the_data_mixture_is_drawn_from_each_sources_tokens(tmp_path):

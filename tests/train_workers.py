@@ -36,7 +36,7 @@ def tiny_config(tmp_path: Path, cache: Path, **optimus) -> dict:
         expert_parallel={"size": 1},
         data={"sources": ["embedded"], "seq_len": 32, "val_fraction": 0.05, "cache_dir": str(cache)},
         train={"steps": 8, "seed": 0, "output_dir": str(tmp_path / "run"), "eval_interval": 4, "eval_batches": 2,
-               "warmup_steps": 2, "sample_tokens": 0},
+               "warmup_steps": 2, "sample_tokens": 0, "plots": False},  # plots: by the tests that check them
         checkpoint={"interval": 4, "keep_last": 2},
         wandb={"mode": "disabled"},
     )

@@ -73,7 +73,8 @@ class MetricsCallback(Callback):
     def close(self, error: BaseException | None) -> None:
         trainer = self.trainer
         trained = trainer.step > trainer.start_step  # a finished run launched again is left as it is
-        if error is None and self.loop_ended and trained and trainer.rank == 0 and trainer.stop_reason != "preempted":
+        if (error is None and self.loop_ended and trained and trainer.rank == 0 and trainer.stop_reason != "preempted"
+                and trainer.opt.train.plots):
             self._write_plots()
 
     def _write_plots(self) -> None:
