@@ -195,7 +195,7 @@ def test_without_matplotlib_the_command_and_the_end_of_a_run_say_how_to_get_it(t
 
     callback, messages = MetricsCallback(), []
     callback.trainer = SimpleNamespace(output_dir=run, rank=0, stop_reason=None, message=messages.append, step=2,
-                                       start_step=2)
+                                       start_step=2, opt=SimpleNamespace(train=SimpleNamespace(plots=True)))
     callback.close(None)  # the loop never ran (set-up failed): nothing to draw
     callback.post_train()
     callback.close(None)  # a finished run launched again trained nothing: its plots are left as they are
