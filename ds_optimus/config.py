@@ -136,7 +136,7 @@ class TrainConfig(Section):
     log_interval: int = 1  # metrics reach the host, metrics.jsonl and wandb every this many steps
     peak_tflops: float | None = None  # per device, for model FLOPs utilisation; null: not reported
     # The schedule's length in tokens instead of steps: steps = ceil(tokens / tokens of one optimizer
-    # step), e.g. "100B", "4T" or an integer. Give steps or tokens, not both.
+    # step), e.g. "100B", "4T" or an integer. Give steps or tokens, not both (steps: null with tokens).
     tokens: int | str | None = None
     # Without a "scheduler" section in the DeepSpeed config, the LR schedule is a linear warm-up to the
     # optimizer's lr over warmup_steps, then a cosine decay to min_lr_ratio x lr (`optim.schedule`):
@@ -217,7 +217,9 @@ class TrainConfig(Section):
             for i, part in enumerate(value):
                 need(part in self.recompute_parts, f"{key}: unknown part {part!r} (allowed: {allowed})")
                 need(part not in value[:i], f"{key}: {part!r} is listed twice (allowed: {allowed})")
-        need(positive_int(self.steps), f"{where}.steps must be a positive integer, got {self.steps!r}")
+        need(positive_int(self.steps) or (self.steps is None and self.tokens is not None),
+             f"{where}.steps must be a positive integer (or null, with {where}.tokens giving the run's length), got "
+             f"{self.steps!r}")
         need(isinstance(self.seed, int) and not isinstance(self.seed, bool),
              f"{where}.seed must be an integer, got {self.seed!r}")
         need(number(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1,
@@ -326,9 +328,10 @@ def check_schedule_keys(ds_config: dict[str, Any], opt) -> None:
     tokens both given, the schedule's own keys beside a "scheduler" section, the decay after the update
     with an optimizer other than Adam/AdamW."""
     given = ds_config.get("optimus", {}).get("train", {})
-    if "steps" in given and given.get("tokens") is not None:
-        raise ConfigError("optimus.train.steps and optimus.train.tokens both give the run's length; set one "
-                          "(--set optimus.train.tokens=null to give steps; tokens: steps = tokens / tokens per step)")
+    if given.get("steps") is not None and given.get("tokens") is not None:
+        raise ConfigError("optimus.train.steps and optimus.train.tokens both give the run's length; set one: "
+                          "--set optimus.train.steps=null to size it in tokens (steps = tokens / tokens per step), "
+                          "or --set optimus.train.tokens=null to give steps")
     if "scheduler" in ds_config:
         ours = [k for k in ("lr_schedule", "warmup_start_lr") if k in given and given[k] is not None]
         if ours:

@@ -46,19 +46,24 @@ def doc_commands() -> list[DocCommand]:
     for page in doc_pages():
         text = page.read_text()
         for match in FENCE.finditer(text):
-            if match.group(1) != "bash":
-                continue
-            line = text.count("\n", 0, match.start()) + 1
-            pending = ""
-            for raw in match.group(2).splitlines():
-                if not pending and (not raw.strip() or raw.lstrip().startswith("#")):
-                    continue
-                pending += raw.strip() if pending else raw.rstrip()
-                if pending.endswith("\\"):
-                    pending = pending[:-1].rstrip() + " "
-                    continue
-                commands.append(DocCommand(str(page.relative_to(ROOT)), line, strip_comment(pending)))
-                pending = ""
+            if match.group(1) == "bash":
+                line = text.count("\n", 0, match.start()) + 1
+                commands += [DocCommand(str(page.relative_to(ROOT)), line, c) for c in block_commands(match.group(2))]
+    return commands
+
+
+def block_commands(block: str) -> list[str]:
+    """The command lines of a bash block's text, as `doc_commands` reads them."""
+    commands, pending = [], ""
+    for raw in block.splitlines():
+        if not pending and (not raw.strip() or raw.lstrip().startswith("#")):
+            continue
+        pending += raw.strip() if pending else raw.rstrip()
+        if pending.endswith("\\"):
+            pending = pending[:-1].rstrip() + " "
+            continue
+        commands.append(strip_comment(pending))
+        pending = ""
     return commands
 
 

@@ -37,7 +37,7 @@ def test_check_says_what_would_run_without_a_process_group(tmp_path, capsys):
     assert "8 sequences x 1 accumulation x 2 ranks = 16 sequences of 128 tokens (2,048 tokens) per step" in out
     assert f"tokens    cache {tmp_path}/cache; embedded tokenized at the start (every rank its share)" in out
     assert "predicted peak 0.15 GiB per rank" in out
-    assert out.rstrip().endswith("starts at step 0")
+    assert out.rstrip().endswith(f"starts at step 0 (no checkpoint in {tmp_path}/run/checkpoints)")
     assert not dist.is_initialized() and not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
 
     (tmp_path / "run" / "checkpoints" / "step_00000200").mkdir(parents=True)
@@ -46,6 +46,12 @@ def test_check_says_what_would_run_without_a_process_group(tmp_path, capsys):
     assert status == 0 and out.rstrip().endswith("nothing to train: " + str(tmp_path / "run" / "checkpoints" /
                                                  "step_00000200") + " is step 200 of 200 (raise optimus.train.steps to "
                                                  "train further; the LR schedule then stretches to the new length)")
+
+    status, out, _ = _run(capsys, str(TINY), "--check", "--set", "optimus.checkpoint.keep_every=50", "--set",
+                          f"optimus.train.output_dir={tmp_path}/other")
+    model = re.search(r"the model alone every 50 steps \(kept: 4 of (\d+\.?\d*) MiB, (\d+\.?\d*) MiB by the end\)", out)
+    assert status == 0 and model, out  # a tiny model's sizes in MiB, not "0 GiB, 0.0 TiB"
+    assert float(model.group(2)) == pytest.approx(4 * float(model.group(1)), rel=0.01)  # each to 3 digits: 0.5 %
 
     status, out, _ = _run(capsys, str(TINY), "--check", "--world", "4", "--set", "gradient_accumulation_steps=null",
                           "--set", "train_batch_size=null")

@@ -438,17 +438,18 @@ def test_asynchronous_saves_resume_exactly(tmp_path, cache):
 
 # -- failing nodes left out ---------------------------------------------------------------------
 
-FAKE_CLUSTER = str(Path(__file__).resolve().parent / "fake_cluster.py")
+SIMULATE = ["-m", "ds_optimus.launch.simulate"]  # nodes on this machine, by name
 
 
 @pytest.mark.slow
 def test_the_supervisor_leaves_failing_nodes_out_on_spares_then_at_a_smaller_dp(tmp_path, cache):
-    """Three "nodes" of 2 ranks (tests/fake_cluster.py gives each its host name), the run on two of
+    """Three "nodes" of 2 ranks (ds_optimus.launch.simulate gives each its host name), the run on two of
     them (EP 2, data parallel 4, global batch 16), one spare. Attempt 0: rank 2 (node n2) computes a
     NaN at step 3 (named, skipped) and hangs at step 5 (named by the watchdog): n2 is left out, the
-    spare n3 comes in. Attempt 1: rank 2, now on n3, hangs at step 7: n3 is left out, no spare is
-    left, and the run finishes on n1 alone at data parallel 2, the global batch kept by accumulation,
-    each attempt resuming from the last checkpoint."""
+    spare n3 comes in. Attempt 1: rank 2, now on n3, is killed (SIGKILL) at step 7: the others say
+    their last word as they go, rank 2 says none, the supervisor names it from the heartbeats and n3
+    is left out; no spare is left, and the run finishes on n1 alone at data parallel 2, the global
+    batch kept by accumulation, each attempt resuming from the last checkpoint. The log keeps it all."""
     hostfile = tmp_path / "allocation"
     hostfile.write_text("n1\nn2\nn3\n")
     config = fault_config(tmp_path, cache, watchdog={"step_timeout_s": HANG_TIMEOUT_S, "first_step_timeout_s": 600})
@@ -456,10 +457,10 @@ def test_the_supervisor_leaves_failing_nodes_out_on_spares_then_at_a_smaller_dp(
     config.pop("gradient_accumulation_steps", None)  # derived: 1 at data parallel 4, 2 at 2
     path = write_config(tmp_path, config)
     faults = [{"kind": "nan_loss", "step": 3, "rank": 2}, {"kind": "sleep", "step": 5, "rank": 2, "seconds": 3600},
-              {"kind": "sleep", "step": 7, "rank": 2, "seconds": 3600, "attempt": 1}]
+              {"kind": "kill", "step": 7, "rank": 2, "attempt": 1}]
     command = [sys.executable, "-m", "ds_optimus.reliability.supervise", "--backoff", "0", "--hosts", str(hostfile),
                "--ranks-per-node", "2", "--spares", "1", "--",
-               sys.executable, FAKE_CLUSTER, "--hostfile", "{hostfile}", "--ppn", "2", "--",
+               sys.executable, *SIMULATE, "--hostfile", "{hostfile}", "--ppn", "2", "--",
                sys.executable, "-m", "ds_optimus.train", "--config", str(path)]
     proc = subprocess.run(command, cwd=tmp_path, env=env_with(faults), capture_output=True, text=True, timeout=1200)
     output = proc.stdout + proc.stderr
@@ -467,8 +468,9 @@ def test_the_supervisor_leaves_failing_nodes_out_on_spares_then_at_a_smaller_dp(
     run = Path(config["optimus"]["train"]["output_dir"])
     faults_seen = [json.loads(line) for line in (run / "faults.jsonl").read_text().splitlines()]
     assert [(f["step"], f["kind"], f["ranks"], f["hosts"], f["attempt"]) for f in faults_seen] == [
-        (3, "nonfinite", [2], ["n2"], 0), (5, "hang", [2], ["n2"], 0), (7, "hang", [2], ["n3"], 1)], faults_seen
+        (3, "nonfinite", [2], ["n2"], 0), (5, "hang", [2], ["n2"], 0), (7, "lost", [2], ["n3"], 1)], faults_seen
     assert "supervise: leaving out n2 (out: n2); running on 2 nodes, spares n3 in" in output, output[-5000:]
+    assert "supervise: attempt 1: rank 2 (host n3) ended without a word at step 7" in output
     assert ("supervise: leaving out n3 (out: n2, n3); running on 1 node (fewer than the 2 planned: the "
             "data-parallel size shrinks)") in output
     assert [(run / "hosts" / f"attempt-{i}.txt").read_text().split() for i in range(3)] == [
@@ -476,10 +478,42 @@ def test_the_supervisor_leaves_failing_nodes_out_on_spares_then_at_a_smaller_dp(
     log = (run / "log.txt").read_text()
     assert "resumed from" in log and "step_00000004 at step 4" in log and "step_00000006 at step 6" in log
     assert "saved by 4 ranks" in log and "resumed by 2 ranks" in log  # the reshard, said
+    # the hang's report, the watchdog's stop and the supervisor's decisions are in the log, not only on stderr
+    assert "[ds_optimus watchdog] step 5: rank 2 (host n2) did not reach the collective" in log
+    assert "the watchdog stopped the run: step 5 exceeded its" in log
+    assert "supervise: leaving out n3 (out: n2, n3); running on 1 node" in log
+    assert "supervise: attempt 1: rank 2 (host n3) ended without a word at step 7" in log
     summary = json.loads((run / "summary.json").read_text())
     assert sorted(map(int, summary["losses"])) == [7, 8] and all(math.isfinite(v) for v in summary["losses"].values())
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert {r["step"] for r in records if "loss" in r} == set(range(1, 9))  # the losses continue to step 8
+
+
+@pytest.mark.slow
+def test_the_docs_simulated_cluster_runs_as_written(tmp_path):
+    """docs/cluster.md's nodes simulated on one machine, its commands run as the page gives them (in a
+    folder of their own, `python` this interpreter): the killed rank is named, its node left out, the
+    run finished on the spare, and the lines the page shows are printed."""
+    from doc_blocks import ROOT, block_commands, doc_block, ran
+
+    commands = block_commands(doc_block("Three simulated nodes", "bash"))
+    assert len(commands) == 2
+    (tmp_path / "ds_configs").symlink_to(ROOT / "ds_configs")
+    env = {**env_with(), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    outputs = []
+    for command in commands:
+        ran(command)
+        proc = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=900)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+        outputs.append(proc.stdout + proc.stderr)
+    for line in doc_block("relaunches on\nn1 and the spare n3", "text").splitlines():
+        assert line in outputs[-1], (line, outputs[-1][-5000:])
+    run = tmp_path / "runs" / "simulated"
+    assert [(f["step"], f["kind"], f["hosts"]) for f in map(json.loads, (run / "faults.jsonl").read_text().split(
+        "\n")[:-1])] == [(3, "lost", ["n2"])]
+    assert [(run / "hosts" / f"attempt-{i}.txt").read_text().split() for i in range(2)] == [["n1", "n2"], ["n1", "n3"]]
+    assert json.loads((run / "summary.json").read_text())["losses"].keys() >= {"3", "4"}
 
 
 def test_the_supervisor_stops_in_one_line_when_too_few_nodes_remain(tmp_path):
@@ -523,7 +557,7 @@ def test_the_probe_strikes_a_failing_node_before_a_relaunch(tmp_path):
     from ds_optimus.reliability.allocation import Allocation
     from ds_optimus.reliability.supervise import run_probe
 
-    probe = [sys.executable, FAKE_CLUSTER, "--hostfile", "{hostfile}", "--ppn", "1", "--",
+    probe = [sys.executable, *SIMULATE, "--hostfile", "{hostfile}", "--ppn", "1", "--",
              sys.executable, "-m", "ds_optimus.reliability.probe"]
     env = {**env_with([{"kind": "probe", "host": "n2"}])}
     log = []

@@ -19,6 +19,7 @@ from ds_optimus.reliability.heartbeat import (
     poll_seconds,
     read_beat,
     report_written,
+    silent_ranks,
     waiting_for_peers,
 )
 from ds_optimus.reliability.watchdog import EXIT_HUNG
@@ -139,12 +140,15 @@ def test_the_reporting_rank_says_whom_and_records_it(tmp_path):
     ranks[2].beat(7, fired=True, waiting=True)
     callback = WatchdogCallback(WatchdogConfig(heartbeat_grace_s=5.0))
     callback.trainer = SimpleNamespace(world=3, output_dir=tmp_path, rank_hosts=["n0", "n1", "n2"])
-    callback.heartbeat, callback.watchdog = ranks[0], SimpleNamespace(after_fire=[])
+    callback.heartbeat = ranks[0]
+    callback.watchdog = SimpleNamespace(after_fire=[], describe=lambda: "step 7 exceeded its 20 s time-out")
     with waiting_for_peers():
         note = callback._name_the_missing()
     assert note == (f"[ds_optimus watchdog] step 7: rank 1 (host n1) did not reach the collective the others wait in "
                     f"(rank 1: busy outside any collective); recorded in {tmp_path}/faults.jsonl")
     assert [(f["step"], f["kind"], f["ranks"], f["hosts"]) for f in read_faults(tmp_path)] == [(7, "hang", [1], ["n1"])]
+    log = (tmp_path / "log.txt").read_text()  # the run's record has the naming and the stop
+    assert note in log and "the watchdog stopped the run: step 7 exceeded its 20 s time-out (exit 124" in log
     assert not (tmp_path / "heartbeats" / "reported-7").exists()  # the message is not out yet
     [mark] = callback.watchdog.after_fire
     mark()
@@ -170,3 +174,74 @@ def test_the_watchdog_writes_attribution_message_and_stacks_then_its_hooks_then_
     assert lines[0] == "[rank 3] attributed"
     assert lines[1].startswith("[rank 3] [ds_optimus watchdog] rank 3: step 9 exceeded its 0.05 s time-out")
     assert any("in <module>" in line for line in lines) and lines[-1] == "after the stacks"
+
+
+# -- last words, and the ranks that left without one ----------------------------------------------
+
+def test_the_first_last_word_stays_and_survives_later_beats(tmp_path):
+    heartbeat = Heartbeat(tmp_path, 2, "n2", attempt=4)
+    heartbeat.beat(7)
+    heartbeat.last_word("error")
+    heartbeat.last_word("signal")  # the launcher's SIGTERM after the error: still an error
+    heartbeat.beat(7, fired=True, waiting=True)
+    got = read_beat(tmp_path / "heartbeats" / "rank-000002")
+    assert (got.step, got.attempt, got.word, got.fired) == (7, 4, "error", True)
+    heartbeat.close()
+    heartbeat.last_word("done")  # closed: nothing written, nothing raised
+    assert read_beat(tmp_path / "heartbeats" / "rank-000002").word == "error"
+
+
+def test_a_record_of_before_last_words_reads_without_them(tmp_path):
+    folder = tmp_path / "heartbeats"
+    folder.mkdir()
+    (folder / "rank-000001").write_bytes(b"5 0 0 100.000 n1".ljust(127) + b"\n")
+    got = read_beat(folder / "rank-000001")
+    assert (got.step, got.host, got.attempt, got.word) == (5, "n1", None, "")
+
+
+def test_silent_ranks_are_those_of_the_attempt_that_said_nothing_while_others_did(tmp_path):
+    def rank(r, attempt, word="", fired=False):
+        heartbeat = Heartbeat(tmp_path, r, f"n{r // 2 + 1}", attempt=attempt)
+        heartbeat.beat(7)
+        if fired:
+            heartbeat.beat(7, fired=True, waiting=True)
+        if word:
+            heartbeat.last_word(word)
+        heartbeat.close()
+
+    rank(0, 1, "error")
+    rank(1, 1, "signal")
+    rank(2, 1)  # killed outright
+    rank(3, 1)
+    rank(4, 1, fired=True)  # its watchdog fired: it spoke
+    rank(5, 0)  # an earlier attempt's record (a larger world then)
+    assert [(b.rank, b.host, b.step) for b in silent_ranks(tmp_path, 1)] == [(2, "n2", 7), (3, "n2", 7)]
+    assert silent_ranks(tmp_path, 0) == []  # nobody of attempt 0 spoke: nothing to tell the silent apart by
+    assert silent_ranks(tmp_path, 2) == []
+
+
+def test_a_signal_is_said_while_the_main_thread_is_elsewhere(tmp_path):
+    """The preemption handler's wake-up thread writes `signal` as the signal arrives, without the main
+    thread's Python handler (replaced here by one that does nothing, as a main thread blocked in a
+    collective would never run it)."""
+    import os
+    import signal
+    import time
+
+    from ds_optimus.reliability.signals import PreemptionHandler
+
+    heartbeat = Heartbeat(tmp_path, 0, "n1", attempt=0)
+    handler = PreemptionHandler()
+    try:
+        signal.signal(signal.SIGTERM, lambda *_: None)
+        os.kill(os.getpid(), signal.SIGTERM)
+        path = tmp_path / "heartbeats" / "rank-000000"
+        for _ in range(3000):  # the thread's read is immediate; up to 5 min on a machine busy elsewhere
+            if read_beat(path).word:
+                break
+            time.sleep(0.1)
+        assert read_beat(path).word == "signal" and handler.received is None  # the thread, not the handler
+    finally:
+        handler.close()
+        heartbeat.close()
+    assert signal.set_wakeup_fd(-1) == -1  # closed: the wake-up fd put back

@@ -202,8 +202,21 @@ def test_schedule_keys_that_contradict_each_other_are_refused(tmp_path):
     from ds_optimus.config import check_run_config
 
     config = tiny_config(tmp_path, tmp_path, train={"tokens": "1M"})  # tiny_config gives steps too
-    with pytest.raises(ConfigError, match=r"^optimus\.train\.steps and optimus\.train\.tokens both give the run"):
+    with pytest.raises(ConfigError) as err:
         check_run_config(config)
+    assert str(err.value) == ("optimus.train.steps and optimus.train.tokens both give the run's length; set one: "
+                              "--set optimus.train.steps=null to size it in tokens (steps = tokens / tokens per step), "
+                              "or --set optimus.train.tokens=null to give steps")
+    # the first way out, taken from the command line: steps null, the length in tokens
+    from ds_optimus.config import resolve_schedule
+    from ds_optimus.schema import apply_overrides
+
+    switched = apply_overrides(config, ["optimus.train.steps=null"])
+    assert resolve_schedule(check_run_config(switched), 1024).train.steps == 977  # ceil(1M / 1,024)
+    neither = apply_overrides(switched, ["optimus.train.tokens=null"])
+    with pytest.raises(ConfigError, match=r"^optimus\.train\.steps must be a positive integer \(or null, with "
+                                          r"optimus\.train\.tokens giving the run's length\), got None$"):
+        check_run_config(neither)
     config = tiny_config(tmp_path, tmp_path, train={"lr_schedule": "optimus"})
     config["scheduler"] = {"type": "WarmupLR"}
     with pytest.raises(ConfigError, match=r"^optimus\.train\.lr_schedule shapes ds_optimus' own LR schedule, but"):

@@ -112,6 +112,58 @@ def test_sigterm_reaches_the_run_whose_exit_status_is_the_supervisors(tmp_path, 
                                            "not restarting"
 
 
+def test_a_launch_refused_before_its_first_step_is_not_relaunched(tmp_path):
+    """A failure before the first step is put to the trainer's `--check` (here a stand-in): refused, the
+    supervisor stops at once with status 2 (a config error fails every relaunch alike); passing, or
+    after progress, it restarts as before. What it decides is in the run's log.txt too."""
+    progress = tmp_path / "progress.json"
+    asked = []
+    reason = "optimus.expert_parallel.size 3 does not divide the data-parallel size 4"
+    status, said, waits = run(exits(2), max_restarts=3, backoff=30, progress=progress,
+                              refused=lambda nodes: asked.append(nodes) or reason)
+    assert (status, waits, asked) == (2, [], [None])
+    assert said[-1] == (f"supervise: the trainer refuses this launch ({reason}); not restarting: every relaunch "
+                        "would stop on it")
+    log = (tmp_path / "log.txt").read_text()
+    assert "supervise: attempt 0 failed with status 2 before its first step" in log and reason in log
+    status, said, waits = run(exits(1), max_restarts=2, backoff=0, progress=progress, refused=lambda nodes: None)
+    assert status == EXIT_GAVE_UP and waits == [0, 0]  # --check passes: a failure of another kind
+    progress.write_text(json.dumps({"step": 4}))
+    code = (f"import json, sys; p = {str(progress)!r}; s = json.load(open(p))['step']; "
+            "json.dump({'step': s + 1}, open(p, 'w')); sys.exit(0 if s == 5 else 1)")
+    asked.clear()
+    status, said, waits = run([sys.executable, "-c", code], max_restarts=2, backoff=0, progress=progress,
+                              refused=lambda nodes: asked.append(nodes) or reason)
+    assert status == 0 and asked == []  # it made progress: no config error, not asked
+
+
+def test_ranks_that_ended_without_a_word_are_named_and_their_node_left_out(tmp_path):
+    """Attempt 0's heartbeats: rank 1 (node n2) said nothing, rank 0 said `error`: the supervisor names
+    rank 1 and its host as `lost`, and the spare takes n2's place in attempt 1."""
+    from ds_optimus.reliability.allocation import Allocation
+    from ds_optimus.reliability.fault_log import read_faults
+    from ds_optimus.reliability.heartbeat import Heartbeat
+
+    for rank, host, word in ((0, "n1", "error"), (1, "n2", "")):
+        heartbeat = Heartbeat(tmp_path, rank, host, attempt=0)
+        heartbeat.beat(3)
+        if word:
+            heartbeat.last_word(word)
+        heartbeat.close()
+    code = f"import os, sys; sys.exit(0 if os.environ[{ATTEMPT_VAR!r}] == '1' else 1)"
+    allocation = Allocation(["n1", "n2", "n3"], spares=1)
+    status, said, waits = run([sys.executable, "-c", code, "{hosts}"], max_restarts=2, backoff=0,
+                              progress=tmp_path / "progress.json", allocation=allocation)
+    assert status == 0
+    assert [(f["step"], f["kind"], f["ranks"], f["hosts"], f["attempt"]) for f in read_faults(tmp_path)] == [
+        (3, "lost", [1], ["n2"], 0)]
+    assert (f"supervise: attempt 0: rank 1 (host n2) ended without a word at step 3 (killed outright, out of memory, "
+            f"or the node lost); recorded in {tmp_path}/faults.jsonl") in said
+    assert "supervise: leaving out n2 (out: n2); running on 2 nodes, spares n3 in" in said
+    assert [(tmp_path / "hosts" / f"attempt-{i}.txt").read_text().split() for i in (0, 1)] == [["n1", "n2"],
+                                                                                            ["n1", "n3"]]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--"], "no command to run (put it after --)"),
     (["--max-restarts", "-1", "--", "true"], "--max-restarts and --backoff must be >= 0"),
@@ -124,6 +176,10 @@ def test_sigterm_reaches_the_run_whose_exit_status_is_the_supervisors(tmp_path, 
     (["--hosts", "HOSTS", "--spares", "2", "--", "true"],
      "--hosts HOSTS: 2 spare nodes leaves none of the allocation's 2 to run on"),
     (["--hosts", "no-such-file", "--", "true"], "--hosts no-such-file: cannot read the host file 'no-such-file'"),
+    (["--hosts", "HOSTS", "--", "mpiexec", "-n", "{ranks}", "true"],
+     "{ranks} needs --ranks-per-node ({ranks} = nodes x ranks per node)"),
+    (["--hosts", "HOSTS", "--", "mpiexec", "--hostfile", "{hostsfile}", "true"],
+     "{hostsfile} in the command is not a placeholder (the supervisor fills {hostfile}, {hosts}, {nodes}, {ranks})"),
 ])
 def test_argument_errors_are_one_line_and_run_nothing(tmp_path, monkeypatch, capsys, argv, message):
     (tmp_path / "HOSTS").write_text("n1\nn2\n")

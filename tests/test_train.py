@@ -274,6 +274,37 @@ def test_a_data_error_on_rank_zero_stops_every_rank_and_every_error_is_said_once
 
 
 @pytest.mark.slow
+def test_a_run_whose_checkpoints_are_gone_is_refused_not_started_over(tmp_path, cache):
+    """A run folder whose progress.json names a checkpoint while the checkpoint folder has none (removed,
+    or optimus.checkpoint.dir misspelt): the launch and `--check` refuse in one line, and the run's
+    metrics are left as they were. A run that crashed before its first checkpoint starts over."""
+    import shutil
+
+    config = tiny_config(tmp_path, cache, train={"steps": 4, "eval_interval": 0, "export": False},
+                         checkpoint={"interval": 2})
+    run_distributed(pretrain_worker, 1, config)
+    run = tmp_path / "run"
+    assert json.loads((run / "progress.json").read_text())["checkpoint"] == str(run / "checkpoints" / "step_00000004")
+    shutil.rmtree(run / "checkpoints")
+    metrics = (run / "metrics.jsonl").read_text()
+    misspelt = json.loads(json.dumps(config))
+    misspelt["optimus"]["checkpoint"]["dir"] = str(tmp_path / "chekpoints")
+    (tmp_path / "check").mkdir()
+    results = run_distributed(cli_errors_worker, 1, [(config, []), (misspelt, []), (config, ["--check"])],
+                              str(tmp_path / "check"))[0]
+    for (status, stderr), folder in zip(results, ["run/checkpoints", "chekpoints", "run/checkpoints"], strict=True):
+        assert status == 2 and stderr.strip().splitlines()[-1] == (
+            f"ds_optimus.train: error: {run} holds a run trained to step 4, its last checkpoint {run}/checkpoints/"
+            f"step_00000004, but {tmp_path}/{folder} has no complete checkpoint to resume from; refusing to start "
+            "over (its metrics would be rewritten): point optimus.checkpoint.dir at its checkpoints, give another "
+            "optimus.train.output_dir, or remove the folder to start over"), stderr
+    assert (run / "metrics.jsonl").read_text() == metrics
+    # killed before its first checkpoint: nothing to resume, nothing lost by starting over
+    (run / "progress.json").write_text(json.dumps({"step": 1, "time": 0.0, "checkpoint": None}))
+    assert run_distributed(pretrain_worker, 1, config)[0]["start_step"] == 0
+
+
+@pytest.mark.slow
 def test_deepspeed_launcher_runs_the_tiny_moe_job(tmp_path, cache):
     """The README's main job, shortened: the real `deepspeed` launcher, 2 processes, EP=2; quiet: what
     it prints is its own (DeepSpeed's launcher aside), not the libraries' INFO lines, bars and tables."""

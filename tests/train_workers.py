@@ -69,7 +69,8 @@ def left_alive_worker(rank: int, world: int, config: dict) -> dict:
 
 
 def cli_errors_worker(rank: int, world: int, configs: list[tuple[dict, list[str]]], tmp: str) -> list:
-    """Run the command line on each (config, overrides); return (exit status, stderr) of each."""
+    """Run the command line on each (config, overrides: `--set` values, or options such as `--check`);
+    return (exit status, stderr) of each."""
     from ds_optimus.train.cli import main
 
     results = []
@@ -78,8 +79,9 @@ def cli_errors_worker(rank: int, world: int, configs: list[tuple[dict, list[str]
         with open(path, "w") as f:
             json.dump(config, f)
         err = io.StringIO()
+        args = sum(([o] if o.startswith("--") else ["--set", o] for o in overrides), [])
         with contextlib.redirect_stderr(err):
-            status = main(["--config", path, *sum((["--set", o] for o in overrides), [])])
+            status = main(["--config", path, *args])
         results.append((status, err.getvalue()))
     return results
 

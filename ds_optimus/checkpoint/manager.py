@@ -144,6 +144,24 @@ def _sharded(engine) -> bool:
     return isinstance(engine.optimizer, ShardedOptimizer)
 
 
+def trained_without_checkpoint(output_dir: str | Path, directory: str | Path) -> str | None:
+    """Why a fresh start must not happen in `output_dir`: its progress.json says the run trained to a
+    step and saved a checkpoint, while `directory` has no complete one to resume from (removed, or
+    `checkpoint.dir` misspelt): starting over would rewrite its metrics. None otherwise (no run
+    there, or one that crashed before its first checkpoint, whose steps a fresh start redoes)."""
+    try:
+        progress = json.loads((Path(output_dir) / "progress.json").read_text())
+        step, last = int(progress["step"]), progress.get("checkpoint")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if not last or any((p / "meta.json").exists() for p in CheckpointManager(directory).step_folders()):
+        return None
+    return (f"{output_dir} holds a run trained to step {step}, its last checkpoint {last}, but {directory} has no "
+            "complete checkpoint to resume from; refusing to start over (its metrics would be rewritten): point "
+            "optimus.checkpoint.dir at its checkpoints, give another optimus.train.output_dir, or remove the folder "
+            "to start over")
+
+
 class CheckpointManager:
     """Save and find checkpoints of `engine` (whose module may be expert-parallel) in `directory`."""
 

@@ -7,7 +7,9 @@ object a line, appended by one rank per fault:
 Kinds: `nonfinite` (a rank's own loss was NaN/Inf: its node computed it), `hang` (ranks that did
 not reach the collective the others waited in when the watchdog fired), `straggler` (ranks slower
 than the median by the configured factor; informational: the supervisor does not strike them),
-`probe` (a node that failed the pre-launch probe). The supervisor reads it to leave nodes out.
+`probe` (a node that failed the pre-launch probe), `lost` (ranks that ended without a word, killed
+outright or with their node: named by the supervisor from the heartbeats after the launch failed).
+The supervisor reads it to leave nodes out.
 """
 
 from __future__ import annotations
@@ -20,15 +22,17 @@ from pathlib import Path
 from ..launch.hosts import short_host
 
 FAULTS_FILE = "faults.jsonl"
-STRIKING = ("nonfinite", "hang", "probe")  # the kinds that count against a node
+STRIKING = ("nonfinite", "hang", "probe", "lost")  # the kinds that count against a node
 
 
 def append_fault(output_dir: str | Path, step: int | None, kind: str, ranks: list[int], hosts: list[str],
-                 detail: str = "") -> dict:
-    """Append one record (a single `write` of one line, so concurrent appenders never interleave)."""
-    record = {"step": step, "kind": kind, "ranks": sorted(ranks), "hosts": sorted(set(hosts)),
-              "attempt": int(os.environ.get("DS_OPTIMUS_ATTEMPT", "0") or 0), "time": round(time.time(), 3),
-              "detail": detail}
+                 detail: str = "", attempt: int | None = None) -> dict:
+    """Append one record (a single `write` of one line, so concurrent appenders never interleave);
+    `attempt` defaults to this process's (DS_OPTIMUS_ATTEMPT)."""
+    if attempt is None:
+        attempt = int(os.environ.get("DS_OPTIMUS_ATTEMPT", "0") or 0)
+    record = {"step": step, "kind": kind, "ranks": sorted(ranks), "hosts": sorted(set(hosts)), "attempt": attempt,
+              "time": round(time.time(), 3), "detail": detail}
     path = Path(output_dir) / FAULTS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

@@ -11,6 +11,11 @@ behind: not at the step, not fired (dead, or hung holding the interpreter), or f
 waiting (busy elsewhere: the culprit). The others stay up until its report is written. A rank whose
 accelerator hangs inside a kernel waits at the step's read like the healthy ones, so it is named
 only when its process stops answering too.
+
+A rank also says its last word in its record as it leaves (`last_word`: `done`, `error`, or `signal`
+when a launcher or scheduler asks it to stop), so that after a failed launch the ranks that left
+without one, killed outright or with their node, can be told from the others (`silent_ranks`: the
+supervisor names them).
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ RECORD = 128
 FOLDER = "heartbeats"
 
 
+WORDS = ("done", "error", "signal")  # a rank's last word: how it left (none: still running, or killed)
+
+
 @dataclass(frozen=True)
 class Beat:
     rank: int
@@ -35,40 +43,94 @@ class Beat:
     waiting: bool  # ... while its main thread was inside a collective
     host: str
     time: float
+    attempt: int | None = None  # the supervisor's attempt (DS_OPTIMUS_ATTEMPT) that wrote it
+    word: str = ""  # its last word, one of WORDS ("": none yet)
 
 
 class Heartbeat:
     """This rank's heartbeat file, opened once."""
 
-    def __init__(self, output_dir: str | Path, rank: int, host: str) -> None:
+    def __init__(self, output_dir: str | Path, rank: int, host: str, attempt: int | None = None) -> None:
         self.folder = Path(output_dir) / FOLDER
         self.folder.mkdir(parents=True, exist_ok=True)
         self.rank, self.host, self.step = rank, host.replace(" ", "_"), -1
+        self.attempt = attempt if attempt is not None else _attempt()
+        self.word = ""
+        self.fired = self.waiting = False
         self.fd = os.open(self.folder / f"rank-{rank:06d}", os.O_RDWR | os.O_CREAT, 0o644)
         self.beat(-1)
+        _OPEN.add(self)
         if rank == 0:  # an earlier launch's report claims (a watchdog fires long after every rank starts)
             for stale in [*self.folder.glob("reporter-*"), *self.folder.glob("reported-*")]:
                 stale.unlink(missing_ok=True)
 
     def beat(self, step: int, fired: bool = False, waiting: bool = False) -> None:
         self.step = step if not fired else self.step
-        text = f"{self.step} {int(fired)} {int(waiting)} {time.time():.3f} {self.host}"
+        self.fired, self.waiting = fired, waiting
+        self._write()
+
+    def last_word(self, word: str) -> None:
+        """Say how this rank leaves (one of WORDS), flushed: the first word stays (an error, then the
+        launcher's SIGTERM, is an error). Safe in a signal handler and after `close` (then a no-op)."""
+        if self.word or self.fd < 0:
+            return
+        self.word = word
+        try:
+            self._write()
+            os.fsync(self.fd)
+        except OSError:  # the file system is what failed: nothing more to say
+            pass
+
+    def _write(self) -> None:
+        text = (f"{self.step} {int(self.fired)} {int(self.waiting)} {time.time():.3f} {self.host} {self.attempt} "
+                f"{self.word or '-'}")
         os.pwrite(self.fd, text.encode()[: RECORD - 1].ljust(RECORD - 1) + b"\n", 0)
 
     def close(self) -> None:
+        _OPEN.discard(self)
+        fd, self.fd = self.fd, -1
         try:
-            os.close(self.fd)
+            os.close(fd)
         except OSError:
             pass
+
+
+_OPEN: set[Heartbeat] = set()  # this process's open heartbeats (one a run), for `say_everywhere`
+
+
+def say_everywhere(word: str) -> None:
+    """`last_word(word)` on every open heartbeat of this process (a signal handler's)."""
+    for heartbeat in list(_OPEN):
+        heartbeat.last_word(word)
+
+
+def _attempt() -> int:
+    try:
+        return int(os.environ.get("DS_OPTIMUS_ATTEMPT", "0") or 0)
+    except ValueError:
+        return 0
 
 
 def read_beat(path: Path) -> Beat | None:
     try:
         fields = path.read_bytes()[:RECORD].decode(errors="replace").split()
+        attempt = int(fields[5]) if len(fields) > 5 else None
+        word = fields[6] if len(fields) > 6 and fields[6] in WORDS else ""
         return Beat(int(path.name.split("-")[1]), int(fields[0]), fields[1] == "1", fields[2] == "1", fields[4],
-                    float(fields[3]))
+                    float(fields[3]), attempt, word)
     except (OSError, ValueError, IndexError):
         return None
+
+
+def silent_ranks(output_dir: str | Path, attempt: int) -> list[Beat]:
+    """After a failed launch: the ranks of `attempt` that left without a word (none said, no watchdog
+    fired), killed outright (SIGKILL, the out-of-memory killer) or with their node, while others of
+    the attempt did say one. Empty when none said a word: a launcher that killed every rank at once
+    leaves nothing to tell them apart by."""
+    beats = [beat for path in sorted((Path(output_dir) / FOLDER).glob("rank-*"))
+             if (beat := read_beat(path)) is not None and beat.attempt == attempt]
+    spoke = [beat for beat in beats if beat.word or beat.fired]
+    return [beat for beat in beats if not (beat.word or beat.fired)] if spoke else []
 
 
 _waiting = threading.Event()  # set by the trainer while its main thread waits for the step's reduction

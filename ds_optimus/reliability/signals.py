@@ -3,11 +3,19 @@ limit) ask for a checkpoint at the next step boundary and a clean exit with `EXI
 
 The handler only sets a flag. At each step boundary the ranks all-reduce it (a signal may reach only
 some ranks), so they all stop after the same step, write the same checkpoint and exit together.
+
+A Python handler runs only when the main thread returns to the interpreter, which a rank blocked in a
+collective with a dead peer may never do before its launcher kills it. So the signal is also seen at
+once through `signal.set_wakeup_fd`: CPython's C handler writes its number to a pipe that a thread
+reads, and that thread says the rank's last word in its heartbeat (`signal`): a rank stopped by its
+launcher is then told apart from one that died without a word.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the supervisor reads EXIT_PREEMPTED without PyTorch
@@ -23,9 +31,13 @@ class PreemptionHandler:
     def __init__(self) -> None:
         self.received: str | None = None
         self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
+        self._wakeup = _WakeupWatcher() if threading.current_thread() is threading.main_thread() else None
 
     def _handle(self, signum, frame) -> None:
+        from .heartbeat import say_everywhere
+
         self.received = signal.Signals(signum).name
+        say_everywhere("signal")  # (the wake-up thread has said it already, unless the pipe was full)
 
     def requested(self, device: torch.device | str = "cpu") -> bool:
         """Whether any rank received a signal (collective: every rank calls it at the same boundary)."""
@@ -40,3 +52,43 @@ class PreemptionHandler:
     def close(self) -> None:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
+        if self._wakeup is not None:
+            self._wakeup.close()
+            self._wakeup = None
+
+
+class _WakeupWatcher:
+    """A thread that reads the signal numbers CPython's C handler writes to `set_wakeup_fd`'s pipe and
+    says `signal` in this process's heartbeats for SIGNALS; bytes go on to a wake-up fd set before."""
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)  # the C handler never blocks
+        self._before = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        self._thread = threading.Thread(target=self._watch, name="ds_optimus-signals", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        from .heartbeat import say_everywhere
+
+        watched = {int(sig) for sig in SIGNALS}
+        while True:
+            try:
+                data = os.read(self._read, 64)
+            except OSError:
+                return
+            if not data:  # closed
+                return
+            if watched & set(data):
+                say_everywhere("signal")
+            if self._before != -1:
+                try:
+                    os.write(self._before, data)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(self._before)  # the main thread's, as the handlers' restore is
+        os.close(self._write)  # the thread reads end-of-file and ends
+        self._thread.join(timeout=5)
+        os.close(self._read)

@@ -7,7 +7,9 @@ Runs the command; when it fails (a killed rank, a watchdog exit, a crash), waits
 seconds, doubling up to `--max-backoff`) and runs it again: the training entry point resumes from
 the newest intact checkpoint. It stops when the run succeeds, when it was preempted (exit status 75:
 the checkpoint is written; the scheduler requeues), after `--max-restarts` restarts, or when two
-failures in a row happen at the same step (no progress: restarting again would fail again). The
+failures in a row happen at the same step (no progress: restarting again would fail again), or when
+a launch that failed before its first step is refused by the trainer's `--check` (a config error:
+every relaunch would stop on it; exit status 2). The
 step comes from `<train.output_dir>/progress.json`, found through the command's `--config` (or
 `--progress FILE`). Each attempt gets `DS_OPTIMUS_ATTEMPT=<n>` in its environment. SIGTERM/SIGINT
 are passed on to the run, whose exit status is then the supervisor's.
@@ -17,9 +19,11 @@ each attempt it reads `<output_dir>/faults.jsonl` (the ranks and hosts the run n
 loss, a hang; or the probe) and leaves out each node named `--strikes` times, a spare (`--spares`:
 the allocation's last nodes, held back) taking its place, else running on fewer nodes where the
 layout allows it (the trainer's `--check` says; checkpoints reshard, the global batch is kept by
-accumulation). `--probe "COMMAND"` runs a per-node probe on the chosen nodes before each relaunch.
-The command's `{hostfile}`, `{hosts}`, `{nodes}` and `{ranks}` (nodes x `--ranks-per-node`) are
-filled for each attempt:
+accumulation). After a failed launch it names the ranks that ended without a word in their
+heartbeats (killed outright, out of memory, or with their node: `lost` in faults.jsonl), so their
+nodes are left out too. What it decides is also kept in the run's `log.txt`. `--probe "COMMAND"`
+runs a per-node probe on the chosen nodes before each relaunch. The command's `{hostfile}`,
+`{hosts}`, `{nodes}` and `{ranks}` (nodes x `--ranks-per-node`) are filled for each attempt:
 
     python -m ds_optimus.reliability.supervise --hosts pbs --ranks-per-node 12 --spares 2 -- \
         mpiexec -n {ranks} --ppn 12 --hostfile {hostfile} python -m ds_optimus.train --config C.json
@@ -30,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -38,11 +43,14 @@ import time
 from pathlib import Path
 
 from ..launch.hosts import short_host
+from ..run_log import append_log
 from .allocation import PLACEHOLDERS, Allocation, AllocationError, fill
-from .fault_log import append_fault, read_faults, strikes
+from .fault_log import append_fault, describe, read_faults, strikes
+from .heartbeat import silent_ranks
 from .signals import EXIT_PREEMPTED
 
 EXIT_GAVE_UP = 3
+EXIT_REFUSED = 2  # the trainer's status for a config or launch it refuses
 ATTEMPT_VAR = "DS_OPTIMUS_ATTEMPT"  # the restart count, in every attempt's environment
 DEFAULT_OUTPUT_DIR = "runs/mula"  # optimus.train.output_dir when a config does not set it
 
@@ -67,15 +75,17 @@ def _progress_file(command: list[str]) -> Path | None:
 
 
 def layout_check(command: list[str], ranks_per_node: int):
-    """`fits(nodes)`: None when the trainer's `--check` passes at nodes x ranks_per_node ranks, else
-    its one-line reason (a subprocess: the supervisor imports no training code)."""
+    """`fits(nodes)`: None when the trainer's `--check` passes at nodes x ranks_per_node ranks (nodes
+    None: the world `--check` finds itself), else its one-line reason (a subprocess: the supervisor
+    imports no training code)."""
     found = _config_of(command)
 
-    def fits(nodes: int) -> str | None:
+    def fits(nodes: int | None) -> str | None:
         if found is None:
             return None
+        world = ["--world", str(nodes * ranks_per_node)] if nodes is not None else []
         check = [sys.executable, "-m", "ds_optimus.train", "--config", found[0],
-                 *[a for o in found[1] for a in ("--set", o)], "--check", "--world", str(nodes * ranks_per_node)]
+                 *[a for o in found[1] for a in ("--set", o)], "--check", *world]
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
         proc = subprocess.run(check, capture_output=True, text=True, env=env)
         lines = proc.stderr.strip().splitlines()
@@ -94,13 +104,24 @@ def _step(progress: Path | None) -> int | None:
 def supervise(command: list[str], max_restarts: int = 3, backoff: float = 30.0, max_backoff: float = 600.0,
               progress: Path | None = None, log=print, allocation: Allocation | None = None,
               ranks_per_node: int = 1, strikes_to_leave_out: int = 1, fits=None,
-              probe: list[str] | None = None, sleep=time.sleep) -> int:
+              probe: list[str] | None = None, sleep=time.sleep, refused=None) -> int:
     """Run `command` until it succeeds or the rules above stop it; returns the exit status to use
-    (`sleep` waits out each back-off)."""
+    (`sleep` waits out each back-off). `refused(nodes)`: the trainer's `--check` refusal of the
+    launch (None: it would start), asked after a launch that failed before its first step."""
+    known = progress is not None or _config_of(command) is not None
     progress = progress or _progress_file(command)
     output_dir = progress.parent if progress is not None else Path(DEFAULT_OUTPUT_DIR)
     child: subprocess.Popen | None = None
     stopping = []
+
+    def say(message: str) -> None:
+        """To the caller's `log`, and to the run's log.txt where the run is known."""
+        log(message)
+        if known:
+            try:
+                append_log(output_dir, message)
+            except OSError:
+                pass
 
     def forward(signum, frame):
         stopping.append(signum)
@@ -115,46 +136,70 @@ def supervise(command: list[str], max_restarts: int = 3, backoff: float = 30.0, 
         for attempt in range(max_restarts + 1):
             if attempt:
                 wait = min(max_backoff, backoff * 2 ** (attempt - 1))
-                log(f"supervise: restart {attempt} of {max_restarts} in {wait:g} s")
+                say(f"supervise: restart {attempt} of {max_restarts} in {wait:g} s")
                 sleep(wait)
             env = {**os.environ, ATTEMPT_VAR: str(attempt)}
             run = command
             if allocation is not None and not stopping:
                 try:
-                    hosts = _choose_hosts(allocation, output_dir, strikes_to_leave_out, fits, log,
+                    hosts = _choose_hosts(allocation, output_dir, strikes_to_leave_out, fits, say,
                                           probe if attempt else None, ranks_per_node, attempt, started)
                 except AllocationError as err:
-                    log(f"supervise: {err}")
+                    say(f"supervise: {err}")
                     return EXIT_GAVE_UP
                 left_out = len(allocation.out)
                 hostfile = output_dir / "hosts" / f"attempt-{attempt}.txt"
                 run = fill(command, hosts, ranks_per_node, hostfile)
                 env["DS_OPTIMUS_HOSTFILE"] = str(hostfile)  # rank 0's host: the attempt's first, not the allocation's
             if stopping:  # a signal during the back-off or the probe
-                log(f"supervise: signal {stopping[0]} before attempt {attempt}; not starting it")
+                say(f"supervise: signal {stopping[0]} before attempt {attempt}; not starting it")
                 return 128 + stopping[0]
+            before = _step(progress)
             child = subprocess.Popen(run, env=env)
             status = child.wait()
             if status == 0:
                 return 0
             if status == EXIT_PREEMPTED or stopping:
-                log(f"supervise: the run exited with status {status} after a signal; not restarting")
+                say(f"supervise: the run exited with status {status} after a signal; not restarting")
                 return status
             step = _step(progress)
             where = f"after step {step}" if step is not None else "before its first step"
-            log(f"supervise: attempt {attempt} failed with status {status} {where}")
+            say(f"supervise: attempt {attempt} failed with status {status} {where}")
+            lost = _name_the_silent(output_dir, attempt, started, say)
+            if refused is not None and step == before and not lost:
+                reason = refused(len(hosts) if allocation is not None else None)
+                if reason:
+                    say(f"supervise: the trainer refuses this launch ({reason}); not restarting: every relaunch "
+                        "would stop on it")
+                    return EXIT_REFUSED
             # a failure that named a node not yet left out changes the next attempt: not "no progress"
             newly_out = allocation is not None and len(_struck(allocation, output_dir, strikes_to_leave_out,
                                                                   started)) > left_out
             if step is not None and step == failed_at and not newly_out:
-                log(f"supervise: two failures in a row after step {step} without progress; giving up")
+                say(f"supervise: two failures in a row after step {step} without progress; giving up")
                 return EXIT_GAVE_UP
             failed_at = step
-        log(f"supervise: {max_restarts} restarts used up; giving up")
+        say(f"supervise: {max_restarts} restarts used up; giving up")
         return EXIT_GAVE_UP
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _name_the_silent(output_dir: Path, attempt: int, since: float, log) -> list[int]:
+    """The ranks of the attempt that ended without a word in their heartbeats (and that no fault of
+    the attempt names already, as a hang's report does), recorded as `lost`; their ranks."""
+    named = {rank for record in read_faults(output_dir) if record.get("attempt") == attempt
+             and record.get("time", 0) >= since for rank in record.get("ranks", [])}
+    silent = [beat for beat in silent_ranks(output_dir, attempt) if beat.rank not in named]
+    if not silent:
+        return []
+    ranks, hosts, step = [b.rank for b in silent], [b.host for b in silent], max(b.step for b in silent)
+    detail = "ended without a word: killed (SIGKILL, the out-of-memory killer) or its node lost"
+    append_fault(output_dir, step, "lost", ranks, hosts, detail, attempt=attempt)
+    log(f"supervise: attempt {attempt}: {describe(ranks, hosts)} ended without a word at step {step} (killed "
+        f"outright, out of memory, or the node lost); recorded in {output_dir}/faults.jsonl")
+    return ranks
 
 
 def _struck(allocation: Allocation, output_dir: Path, strikes_to_leave_out: int, since: float) -> list[str]:
@@ -227,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hosts", default=None, metavar="pbs|slurm|FILE",
                         help="the allocation's nodes: PBS's node file, Slurm's node list, or a host file; failing "
                              "nodes are then left out (the command's {hostfile} {hosts} {nodes} {ranks} are filled)")
-    parser.add_argument("--ranks-per-node", type=int, default=1, help="ranks a node runs ({ranks} = nodes x this)")
+    parser.add_argument("--ranks-per-node", type=int, default=None,
+                        help="ranks a node runs ({ranks} = nodes x this; needed by {ranks}; default 1)")
     parser.add_argument("--spares", type=int, default=0,
                         help="the allocation's last N nodes, held back for failing ones")
     parser.add_argument("--strikes", type=int, default=1,
@@ -254,11 +300,18 @@ def main(argv: list[str] | None = None) -> int:
 
     allocation = fits = None
     placeholders = [p for p in PLACEHOLDERS if any(p in arg for arg in command)]
+    unknown = sorted({word for arg in command for word in re.findall(r"\{[a-z_]+\}", arg)} - set(PLACEHOLDERS))
+    if unknown:
+        parser.error(f"{unknown[0]} in the command is not a placeholder (the supervisor fills "
+                     f"{', '.join(PLACEHOLDERS)})")
+    if "{ranks}" in placeholders and args.ranks_per_node is None:
+        parser.error("{ranks} needs --ranks-per-node ({ranks} = nodes x ranks per node)")
+    ranks_per_node = args.ranks_per_node if args.ranks_per_node is not None else 1
     if args.hosts is None:
         if placeholders or args.probe:
             parser.error(f"{(placeholders or ['--probe'])[0]} needs --hosts (the allocation's nodes)")
     else:
-        if args.ranks_per_node < 1 or args.strikes < 1:
+        if ranks_per_node < 1 or args.strikes < 1:
             parser.error("--ranks-per-node and --strikes must be >= 1")
         from ..launch.environment import LaunchError, job_hosts
         from ..launch.hosts import HostListError, read_hostfile
@@ -273,10 +326,11 @@ def main(argv: list[str] | None = None) -> int:
             allocation = Allocation(found[0], args.spares)
         except (LaunchError, HostListError, AllocationError) as err:
             parser.error(f"--hosts {args.hosts}: {err}")
-        fits = layout_check(command, args.ranks_per_node)
+    check = layout_check(command, ranks_per_node)
+    fits = check if allocation is not None else None
     probe = shlex.split(args.probe) if args.probe else None
     return supervise(command, args.max_restarts, args.backoff, args.max_backoff, progress, log, allocation,
-                     args.ranks_per_node, args.strikes, fits, probe)
+                     ranks_per_node, args.strikes, fits, probe, refused=check)
 
 
 if __name__ == "__main__":

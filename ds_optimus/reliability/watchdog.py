@@ -48,6 +48,10 @@ class Watchdog:
             faulthandler.dump_traceback_later(timeout_s + self.grace_s, exit=True, file=self.log)
         self._wake.set()
 
+    def describe(self) -> str:
+        """What is armed: `step 5 exceeded its 20 s time-out` once it fired."""
+        return f"{self._what} exceeded its {self._timeout:g} s time-out"
+
     def close(self) -> None:
         """Disarm and end the watching thread, which drops the hooks: in a process that lives on (a
         notebook, a pool of test ranks) a closed watchdog keeps nothing of its run alive."""
@@ -79,8 +83,8 @@ class Watchdog:
                 if note:
                     notes.append(note)
             self._write("".join(note + "\n" for note in notes)
-                        + f"[ds_optimus watchdog] rank {self.rank}: {self._what} exceeded its {self._timeout:g} s "
-                        f"time-out; stacks of all threads follow, then exit {EXIT_HUNG}\n" + thread_stacks())
+                        + f"[ds_optimus watchdog] rank {self.rank}: {self.describe()}; stacks of all threads follow, "
+                        f"then exit {EXIT_HUNG}\n" + thread_stacks())
             for hook in self.after_fire:
                 hook()
         finally:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from ..run_log import append_log  # noqa: F401  (the trainer's and the tests' name for it)
 
 LOSS_PARTS = ("loss", "lm_loss", "aux_loss", "z_loss")  # what a Mula output reports of its loss
 
@@ -30,13 +31,6 @@ def expert_token_counts(tokens_per_expert) -> list[list[int]]:
 
 # metrics.jsonl only: wandb gets the per-layer imbalance, not a table of counts per logged step
 FILE_ONLY = frozenset({"expert_tokens"})
-
-
-def append_log(folder: Path, text: str) -> None:
-    """Append `text`, timestamped, to `<folder>/log.txt` (the run's record of what happened)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    with (folder / "log.txt").open("a") as f:
-        f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n")
 
 
 class MetricsSink:

@@ -304,7 +304,7 @@ def _weight_bytes(ds_config: dict[str, Any]) -> int:
 
 def _run_line(opt, tokenizer=None, world: int | None = None, tokens_per_step: int | None = None,
               model_bytes: int | None = None) -> str:
-    from ..checkpoint.manager import CheckpointManager, describe_layout, saved_layout
+    from ..checkpoint.manager import CheckpointManager, describe_layout, saved_layout, trained_without_checkpoint
     from .components import last_step
 
     train, checkpoint = opt.train, opt.checkpoint
@@ -330,7 +330,11 @@ def _run_line(opt, tokenizer=None, world: int | None = None, tokens_per_step: in
         raise ConfigError(f"checkpoint.resume is false but {manager.directory} holds checkpoints of an earlier run; "
                           "remove them or point checkpoint.dir elsewhere")
     else:
-        start = "starts at step 0"
+        refused = trained_without_checkpoint(train.output_dir, manager.directory) if (
+            checkpoint.resume and checkpoint.enabled) else None
+        if refused:
+            raise ConfigError(refused)
+        start = f"starts at step 0 (no checkpoint in {manager.directory})"
     every = f"every {checkpoint.interval} steps and " if checkpoint.interval else ""
     saves = f"checkpoints {every}at the end (keep {checkpoint.keep_last})" if checkpoint.enabled else \
         "no checkpoints (checkpoint.enabled is false)"
@@ -338,7 +342,7 @@ def _run_line(opt, tokenizer=None, world: int | None = None, tokens_per_step: in
         saves += f", the model alone every {checkpoint.keep_every} steps (kept"
         count = stop // checkpoint.keep_every
         if model_bytes and count:  # never pruned: what they come to by the run's end
-            saves += f": {count:,} of {model_bytes / 2**30:,.0f} GiB, {count * model_bytes / 2**40:,.1f} TiB by the end"
+            saves += f": {count:,} of {_bytes(model_bytes)}, {_bytes(count * model_bytes)} by the end"
         saves += ")"
     length = f"{train.steps} steps"
     if train.tokens is not None and tokens_per_step:
@@ -358,3 +362,12 @@ def _a(noun: str) -> str:
     first = noun.split()[0] if noun.split() else ""
     vowel = first[:1] in "AEFHILMNORSX" if first.isupper() else first[:1].lower() in "aeio"
     return f"{'an' if vowel else 'a'} {noun}"
+
+
+def _bytes(count: float) -> str:
+    """A size in binary units, 3 significant digits: 11.4 MiB, 440 GiB, 1.72 TiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1000:
+            return f"{count:.3g} {unit}"
+        count /= 1024
+    return f"{count:,.3g} TiB" if count < 1000 else f"{count:,.0f} TiB"

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..checkpoint.manager import trained_without_checkpoint
 from ..command_line import said_by_every_rank
 from ..config import load_json_config
 from ..parallel.groups import layout_position
@@ -233,6 +234,12 @@ class Trainer:
                 f"checkpoint.resume is false but {checkpoints.directory} holds checkpoints of an earlier run; remove "
                 "them or point checkpoint.dir elsewhere"))
         latest = checkpoints.latest_good(report=notes.append) if self.opt.checkpoint.resume else None
+        if latest is None and self.opt.checkpoint.resume and self.opt.checkpoint.enabled:
+            refused = [trained_without_checkpoint(self.output_dir, checkpoints.directory) if self.rank == 0 else None]
+            if self.world > 1:
+                dist.broadcast_object_list(refused, src=0)
+            if refused[0]:
+                raise said_by_every_rank(ConfigError(refused[0]))
         start = 0
         self.resumed_from = None
         if latest is not None:
@@ -251,8 +258,10 @@ class Trainer:
         if self.rank == 0:
             self.message(C.describe_data(self.packed, self.train_loader))
         if self.tp > 1:
+            ep = self.opt.expert_parallel.size
             notes.append(f"tensor parallel: groups of {self.tp} consecutive ranks split attention, the dense MLPs, the "
-                         f"embedding and the head; data parallel {self.dp_world} over each TP position's ranks")
+                         f"embedding and the head; data parallel {self.dp_world} over each TP position's ranks"
+                         + (f", whose experts are split in expert-parallel groups of {ep}" if ep > 1 else ""))
         for note in [n for n in notes if n] + ([self.runner.describe()] if self.runner is not None else []):
             self.message(note)
         if self.resumed_from:
@@ -437,6 +446,11 @@ class Trainer:
         path for success, an error and a preemption. An error is kept in `log.txt` in one line; a
         callback that fails to close does not keep the others from closing."""
         failures = []
+        for callback in self.callbacks:
+            try:
+                callback.on_exit(error)
+            except Exception as err:  # noqa: BLE001 - a user's hook: the closes below still run
+                failures.append(err)
         for callback in reversed(self.callbacks):
             try:
                 callback.close(error)

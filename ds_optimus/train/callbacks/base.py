@@ -45,6 +45,10 @@ class Callback:
     def post_train(self) -> None:
         """The loop is over: the last step ran, or the run stopped early."""
 
+    def on_exit(self, error: BaseException | None) -> None:
+        """First on the way out (success, `error` or a preemption), before any callback closes: quick,
+        and never raises (the watchdog's heartbeat says the rank's last word here)."""
+
     def close(self, error: BaseException | None) -> None:
         """The one clean-up path, after success, an error (`error`) or a preemption."""
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from pathlib import Path
 
 from ...checkpoint.files import write_text_atomic
 from ...hf_models.mula.sizing import flops_per_token
@@ -98,10 +99,23 @@ class MetricsCallback(Callback):
 
 
 class ProgressFileCallback(Callback):
-    """Rank 0 writes `<output_dir>/progress.json` ({"step", "time"}) after every step: the
-    supervisor tells a crash that made progress from one that did not."""
+    """Rank 0 writes `<output_dir>/progress.json` ({"step", "time", "checkpoint"}) after every step
+    and checkpoint: the supervisor tells a crash that made progress from one that did not, and a
+    launch that finds no checkpoint where the run's last one was refuses to start over its metrics."""
+
+    checkpoint: str | None = None  # the run's newest checkpoint, written or resumed from
+
+    def pre_train(self) -> None:
+        self.checkpoint = self.trainer.resumed_from
 
     def post_step(self, step: int) -> None:
+        self._write(step)
+
+    def on_checkpoint(self, step: int, path: Path) -> None:
+        self.checkpoint = str(path)
+        self._write(step)
+
+    def _write(self, step: int) -> None:
         if self.trainer.rank == 0:
-            record = json.dumps({"step": step, "time": time.time()})
+            record = json.dumps({"step": step, "time": time.time(), "checkpoint": self.checkpoint})
             write_text_atomic(self.trainer.output_dir / "progress.json", record, fsync=False)

@@ -7,7 +7,8 @@ from typing import Any
 
 from ...reliability.guards import GuardsConfig
 from ...reliability.signals import EXIT_PREEMPTED, PreemptionHandler
-from ...reliability.watchdog import WatchdogConfig
+from ...reliability.watchdog import EXIT_HUNG, WatchdogConfig
+from ...run_log import append_log
 from .base import Callback
 
 
@@ -49,8 +50,16 @@ class WatchdogCallback(Callback):
         detail = "; ".join(f"rank {b}: no heartbeat" if isinstance(b, int) else f"rank {b.rank}: {_state(b, step)}"
                            for b in behind[:16])
         append_fault(self.trainer.output_dir, step, "hang", ranks, hosts, detail)
-        return (f"[ds_optimus watchdog] step {step}: {describe(ranks, hosts)} did not reach the collective the "
+        note = (f"[ds_optimus watchdog] step {step}: {describe(ranks, hosts)} did not reach the collective the "
                 f"others wait in ({detail}); recorded in {self.trainer.output_dir}/faults.jsonl")
+        # the run's record too (rank 0's stderr may be gone with the job): the naming and the stop
+        append_log(self.trainer.output_dir, note + "\nthe watchdog stopped the run: " + self.watchdog.describe()
+                   + f" (exit {EXIT_HUNG}; every rank's stacks on its stderr)")
+        return note
+
+    def on_exit(self, error: BaseException | None) -> None:
+        if self.heartbeat is not None:  # before anything can block: a launcher may kill this rank soon
+            self.heartbeat.last_word("error" if error is not None else "done")
 
     def pre_step(self, step: int) -> None:
         if self.heartbeat is not None:
