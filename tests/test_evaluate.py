@@ -115,12 +115,20 @@ def test_the_docs_evaluate_command_scores_the_newest_checkpoint(run, tmp_path, m
 
 
 @pytest.mark.slow
-def test_a_checkpoint_exports_as_a_complete_hugging_face_folder(run, tmp_path):
+def test_a_checkpoint_exports_as_a_complete_hugging_face_folder(run, tmp_path, capfd):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     from ds_optimus.evaluate import export_checkpoint
 
-    folder = export_checkpoint(run / "checkpoints" / "step_00000004", tmp_path / "export")
+    before = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()  # as in a user's script: the library's call draws no bar of its own
+    try:
+        folder = export_checkpoint(run / "checkpoints" / "step_00000004", tmp_path / "export")
+        assert hf_logging.is_progress_bar_enabled()  # and leaves the caller's setting as it was
+    finally:
+        (hf_logging.enable_progress_bar if before else hf_logging.disable_progress_bar)()
+    assert "Writing model shards" not in capfd.readouterr().err
     exported = AutoModelForCausalLM.from_pretrained(folder).eval()
     final = AutoModelForCausalLM.from_pretrained(run / "hf").eval()
     assert exported.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 8  # both EP ranks' experts

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_optimus.launch.jobs import JobError, JobSpec, NodeShape, cpu_bind_list, job_script
+from ds_optimus.launch.jobs import JobError, JobSpec, NodeShape, cpu_bind_list, cpu_masks, job_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,6 +45,31 @@ def test_aurora_binds_each_tile_rank_to_its_own_cores_and_ccl_worker():
     assert 'CCL_KVS_USE_MPI_RANKS="1"' in text and "#PBS -l filesystems=flare:home" in text
 
 
+def test_slurm_on_aurora_binds_like_pbs_and_frontiers_needs_no_user(tmp_path):
+    listed, workers = cpu_bind_list(NodeShape(sockets=2, cores_per_socket=52), 12)
+    masks = cpu_masks(listed)
+    assert masks.startswith("mask_cpu:0xfe,0xfe00,") and masks.count(",") == 11  # cores 1-7, then 9-15
+    text = job_script(JobSpec("slurm", "aurora", "c.json", 2, 12, "runs/x"))
+    assert f'CPU_BIND="${{CPU_BIND---cpu-bind={masks}}}"' in text and f'CCL_WORKER_AFFINITY="{workers}"' in text
+    assert "--kill-on-bad-exit=1" in text and " $CPU_BIND " in text
+    # the environment block as a batch job without USER (a cron or container launch) runs it under set -u
+    text = job_script(JobSpec("slurm", "frontier", "c.json", 2, 8, "runs/x"))
+    exports = "\n".join(line for line in text.splitlines() if line.startswith("export "))
+    env = {k: v for k, v in os.environ.items() if k != "USER"}
+    out = subprocess.run(["bash", "-c", "set -euo pipefail\n" + exports + '\necho "$MIOPEN_USER_DB_PATH"'], env=env,
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip().startswith("/tmp/miopen-") and out.stdout.strip() != \
+        "/tmp/miopen-", out.stderr
+
+
+def test_pbs_scripts_take_the_submitting_environment_one_node_a_chunk():
+    text = job_script(JobSpec("pbs", "aurora", "c.json", 2, 12, "runs/x"))
+    assert "#PBS -V" in text and "#PBS -l place=scatter" in text
+    for scheduler in ("pbs", "slurm"):
+        assert 'if [ -n "${SETUP:-}" ]; then source "$SETUP"; fi' in job_script(
+            JobSpec(scheduler, "h100", "c.json", 1, 8, "r"))
+
+
 @pytest.mark.parametrize("spec, message", [
     (JobSpec("lsf", "h100", "c.json", 1, 8, "r"), "--job must be pbs or slurm, got 'lsf'"),
     (JobSpec("pbs", "h100", "c.json", 1, 8, "r", walltime="6h"), "--walltime must be HH:MM:SS, got '6h'"),
@@ -73,6 +98,35 @@ def test_the_planner_writes_the_job_beside_the_config(tmp_path):
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == (
         "ds_optimus.plan: error: --job goes with --write PATH (the config the job runs; the script is written "
         "beside it)")
+
+
+def test_a_config_can_be_written_as_it_is_for_its_job(tmp_path, capsys):
+    """--keep-layout: the job of a config's own layout (with --set), not of the search's best; without
+    it, the replacement is said."""
+    from train_workers import tiny_config
+
+    from ds_optimus.plan.__main__ import main
+
+    config = tiny_config(tmp_path, tmp_path / "cache", expert_parallel={"size": 2, "dispatch": "allgather"},
+                         sharded_optimizer={"enabled": True, "reduce_dtype": "bf16"})
+    config["train_batch_size"] = 8
+    given = tmp_path / "given.json"
+    given.write_text(json.dumps(config))
+    common = ["--config", str(given), "--cluster", "local", "--devices", "2", "--top", "1", "--job", "slurm"]
+    assert main([*common, "--set", "optimus.train.warmup_steps=3", "--write", str(tmp_path / "kept.json"),
+                 "--keep-layout"]) == 0
+    config["optimus"]["train"]["warmup_steps"] = 3
+    assert json.loads((tmp_path / "kept.json").read_text()) == config
+    assert "--config kept.json" in (tmp_path / "kept.sbatch").read_text().replace(str(tmp_path) + "/", "")
+    assert main([*common, "--write", str(tmp_path / "best.json")]) == 0
+    out = capsys.readouterr().out
+    best = json.loads((tmp_path / "best.json").read_text())
+    if best["optimus"]["expert_parallel"] != config["optimus"]["expert_parallel"]:
+        assert "the search's best layout in place of" in out and "(--keep-layout writes that one)" in out
+    else:
+        assert "in place of" not in out
+    assert main(["--model", "mula-tiny-moe", "--write", str(tmp_path / "x.json"), "--keep-layout"]) == 2
+    assert "--keep-layout goes with --config PATH and --write PATH" in capsys.readouterr().err
 
 
 def test_the_docs_job_scripts_are_the_planners(tmp_path):
@@ -115,8 +169,10 @@ def test_each_job_script_runs_its_launch_line_here(tmp_path, scheduler):
     from train_workers import child_pythonpath
 
     config, job = _tiny_job(tmp_path, scheduler)
+    setup = tmp_path / "env.sh"
+    setup.write_text(f"touch {tmp_path / 'set-up'}\n")  # a site's module loads and venv, sourced first
     env = {**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1", "PYTHON": sys.executable,
-           "WANDB_MODE": "disabled"}
+           "WANDB_MODE": "disabled", "SETUP": str(setup)}
     if scheduler == "pbs":
         nodefile = tmp_path / "nodefile"
         nodefile.write_text(f"{socket.gethostname()}\n")
@@ -136,3 +192,4 @@ def test_each_job_script_runs_its_launch_line_here(tmp_path, scheduler):
     run = Path(json.loads(config.read_text())["optimus"]["train"]["output_dir"])
     assert sorted(json.loads((run / "summary.json").read_text())["losses"]) == ["1", "2"]
     assert (run / "hosts" / "attempt-0.txt").read_text() == f"{socket.gethostname()}\n"
+    assert (tmp_path / "set-up").exists()

@@ -59,6 +59,8 @@ def test_no_launcher_is_a_world_of_one():
     # srun --mpi=pmix: PMIX_RANK with no size beside srun's own variables
     ({"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "1", "PMIX_RANK": "1",
       "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_NODEID": "0"}, ("slurm", 1, 2, 1, 2)),
+    # a launch wrapper forwarding only the job's task count and this task's rank
+    ({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "5"}, ("slurm", 3, 4, None, None)),
     # mpiexec inside a Slurm batch script: MPI's world
     ({"PMI_RANK": "3", "PMI_SIZE": "8", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "5"},
      ("mpich", 3, 8, None, None)),
@@ -81,8 +83,7 @@ def test_each_launchers_variables_give_the_world(env, expected):
     ({"PMI_RANK": "one", "PMI_SIZE": "4"}, "PMI_RANK='one' is not a non-negative integer"),
     ({"PMI_RANK": "1", "PMI_SIZE": "4", "MPI_LOCALRANKID": "2", "MPI_LOCALNRANKS": "2"},
      "local rank 2 of 2 on this host does not fit a world of 4"),
-    # a batch script's own environment is not a launch: srun's step variables are missing
-    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}, "SLURM_PROCID=0 is set (srun) but no world size is"),
+    ({"SLURM_PROCID": "0"}, "SLURM_PROCID=0 is set (srun) but no world size is: none of SLURM_STEP_NUM_TASKS"),
 ])
 def test_a_partial_or_contradictory_environment_is_one_line_naming_the_variables(env, message):
     with pytest.raises(LaunchError) as err:
@@ -188,6 +189,31 @@ def test_adopt_writes_torchs_variables_once():
     assert env["MASTER_PORT"] == str(derived_port("prterun-vm-1@1"))
     before = dict(env)
     assert adopt(env).launcher == "openmpi" and env == before  # again (a child process): the same
+
+
+def test_a_host_file_naming_an_unknown_rank_zero_host_is_one_line_on_the_other_ranks(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("no-such-node.invalid\nn2.invalid\n")
+    env = {"PMI_RANK": "1", "PMI_SIZE": "2", "DS_OPTIMUS_HOSTFILE": str(hosts), "PBS_JOBID": "7"}
+    with pytest.raises(LaunchError) as err:
+        adopt(env)
+    assert str(err.value).startswith("rank 0's host no-such-node.invalid (the first host of DS_OPTIMUS_HOSTFILE) "
+                                     "does not resolve on ") and "\n" not in str(err.value)
+
+
+def test_a_world_sized_by_the_jobs_task_count_says_so():
+    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "5", "MASTER_ADDR": "n1"}
+    assert adopt(env).size == 2 and env["WORLD_SIZE"] == "2" and env["DS_OPTIMUS_SIZE_FROM"] == "SLURM_NTASKS=2"
+    env = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "8", "SLURM_JOB_ID": "5",
+           "MASTER_ADDR": "n1"}
+    assert adopt(env).size == 2 and "DS_OPTIMUS_SIZE_FROM" not in env  # the step's own size wins
+    from ds_optimus.train.components import world_size_note
+
+    batch_shell = {"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_JOB_ID": "5", "MASTER_ADDR": "n1"}
+    assert adopt(batch_shell).size == 8  # a wrapper's forwarding, or a batch script's shell: said before waiting
+    assert world_size_note(0, 8, batch_shell) == ("launch: waiting for 8 ranks (SLURM_NTASKS=8, no srun step): "
+                                                  "inside a batch script, start the ranks with srun")
+    assert world_size_note(1, 8, batch_shell) is None and world_size_note(0, 2, env) is None
 
 
 def test_the_launch_steps_own_hosts_come_before_the_allocations(tmp_path):

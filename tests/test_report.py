@@ -225,6 +225,25 @@ def test_a_run_without_skipped_steps_says_so_in_its_plot(tmp_path, monkeypatch):
     assert figures["skipped_steps.png"] == []
 
 
+def test_the_profile_plots_scale_leaves_a_slow_first_step_off_it(tmp_path, monkeypatch):
+    """Step 1 (compiles, first touches) at 3.9 s beside 0.3-0.8 s: the scale is the later steps', so the
+    jitter marks show; step 1 is labelled off scale. A first step like the others sets the scale."""
+    import ds_optimus.report.plots as plots
+    from ds_optimus.report.reader import RunMetrics
+
+    panels = {}
+    monkeypatch.setattr(plots, "_save", lambda fig, folder, name, dpi, written: panels.__setitem__(name, (
+        fig.axes[0].get_ylim(), [t.get_text() for t in fig.axes[0].texts])))
+    for name, first in (("slow", 3.9), ("even", 0.7)):
+        seconds = [first, 0.3, 0.8, 0.5]
+        records = [{"step": i + 1, "profile/step_s": t, "profile/forward_s": t / 2, "profile/backward_s": t / 2}
+                   for i, t in enumerate(seconds)]
+        plots.plot_profile(RunMetrics(tmp_path / name, records), tmp_path, 80, [])
+        panels[name] = panels.pop("profile.png")
+    assert panels["slow"] == ((0, pytest.approx(1.5 * 800)), ["3.9 s (off scale)"])
+    assert panels["even"] == ((0, pytest.approx(1.5 * 800)), [])
+
+
 def test_the_report_imports_nothing_of_the_training_code():
     from test_structure import GRAPH
 

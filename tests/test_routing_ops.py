@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import needs
 import pytest
@@ -278,6 +279,25 @@ def test_jit_build_says_one_line_and_loads(tmp_path):
     lines = done.stdout.splitlines()
     assert lines[-2].startswith(str(tmp_path / "ext")) and lines[-1] == "[1, 1]"
     said = [line for line in done.stderr.splitlines() if "moe_routing op" in line]
+    assert len(said) == 2 and "compiling ds_optimus' moe_routing op" in said[0] and "is ready" in said[1]
+
+
+def test_a_build_is_said_by_rank_zero_alone_not_by_each_nodes_first_rank(tmp_path, monkeypatch):
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    from ds_optimus.integrations.deepspeed_ops import prepare_op_builds
+
+    built = []
+    monkeypatch.setattr(OpBuilder, "jit_load", lambda self, verbose=True: built.append(self.name) or "module")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    said = []
+    prepare_op_builds(say=said.append)
+    op = SimpleNamespace(name="moe_routing")
+    for rank, local_rank in (("1", "0"), ("3", "1"), ("0", "0")):  # the second node's first rank, another, rank 0
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        assert OpBuilder.jit_load(op) == "module"
+    assert built == ["moe_routing"] * 3
     assert len(said) == 2 and "compiling ds_optimus' moe_routing op" in said[0] and "is ready" in said[1]
 
 

@@ -98,7 +98,9 @@ def test_two_tensor_parallel_ranks_train_as_one_process(tmp_path, cache, referen
         loads = {k: v for k, v in first_ref.items() if k.startswith("expert_imbalance")}
         assert len(loads) > 4 and {k: first[k] for k in loads} == pytest.approx(loads, rel=1e-6)
     log = (Path(config["optimus"]["train"]["output_dir"]) / "log.txt").read_text()
-    assert "world:" in log
+    assert "world:" in log and "tensor parallel: groups of 2 consecutive ranks" in log
+    ep = layout.get("expert_parallel", {}).get("size", 1)
+    assert ("expert-parallel groups of 2" in log) == (ep == 2)  # the log names every dimension of the layout
 
 
 @pytest.mark.slow

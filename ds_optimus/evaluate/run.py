@@ -10,6 +10,7 @@ damaged checkpoints are skipped and named, not set aside."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import time
@@ -61,6 +62,19 @@ def _last_step(run: Path) -> int | None:
         return None
 
 
+@contextlib.contextmanager
+def _no_progress_bars():
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
 def export_checkpoint(checkpoint: Path, out: Path) -> Path:
     """Write checkpoint folder `checkpoint` as a Hugging Face folder `out` (every expert; the config
     and tokenizer the checkpoint keeps); checked against its manifest first."""
@@ -87,7 +101,8 @@ def export_checkpoint(checkpoint: Path, out: Path) -> Path:
     if config.tie_word_embeddings:
         model.tie_weights()
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    with _no_progress_bars():  # a library call: Transformers' shard bar would land in the caller's log
+        model.save_pretrained(out)
     if "tokenizer" in record:
         special = record["tokenizer"]["special_tokens"]
         tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(record["tokenizer"]["json"]),

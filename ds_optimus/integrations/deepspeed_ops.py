@@ -51,7 +51,7 @@ def extensions_dir() -> Path:
 def prepare_op_builds(say=None) -> None:
     """Before DeepSpeed builds or loads its ops: keep them per environment (`TORCH_EXTENSIONS_DIR`,
     unless set), skip those training never calls (`UNNEEDED_OPS`), and say in one line (`say`, on
-    the first local rank) what is being compiled and why before a build starts. Idempotent."""
+    rank 0) what is being compiled and why before a build starts. Idempotent."""
     from deepspeed.ops.op_builder.builder import OpBuilder
 
     check_version()
@@ -65,7 +65,10 @@ def prepare_op_builds(say=None) -> None:
 
     def jit_load(self, verbose=True):
         root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", extensions_dir()))
-        first = os.environ.get("LOCAL_RANK", "0") in ("", "0") and not any((root / self.name).glob(f"{self.name}*.so"))
+        # said by the world's rank 0 alone: each node's first rank builds (or waits on the folder's lock),
+        # and a line per node says nothing more at 1,000 nodes
+        rank = os.environ.get("RANK") or os.environ.get("LOCAL_RANK") or "0"
+        first = rank == "0" and not any((root / self.name).glob(f"{self.name}*.so"))
         whose, takes = ("ds_optimus'", "under a minute") if self.name in OWN_OPS else ("DeepSpeed's", "a few minutes")
         if first:
             say(f"ds_optimus: compiling {whose} {self.name} op ({_WHY.get(self.name, 'this config needs it')}): "

@@ -60,8 +60,10 @@ LAUNCHERS = (
              ("PALS_LOCAL_SIZE", "PMI_LOCAL_SIZE"), ("PALS_APID", "PBS_JOBID")),
     Launcher("mpich", "MPICH or Intel MPI", ("PMI_RANK",), ("PMI_SIZE",), ("MPI_LOCALRANKID", "PMI_LOCAL_RANK"),
              ("MPI_LOCALNRANKS", "PMI_LOCAL_SIZE"), ("PBS_JOBID", "SLURM_JOB_ID")),
-    # srun before PMIx: `srun --mpi=pmix` sets PMIX_RANK but no size variable
-    Launcher("slurm", "srun", ("SLURM_PROCID",), ("SLURM_STEP_NUM_TASKS",), ("SLURM_LOCALID",), (),
+    # srun before PMIx: `srun --mpi=pmix` sets PMIX_RANK but no size variable. The step's size first; a
+    # launch wrapper (Lightning's and others') forwards the job's task count
+    Launcher("slurm", "srun", ("SLURM_PROCID",), ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"),
+             ("SLURM_LOCALID",), (),
              ("SLURM_JOB_ID", "SLURM_STEP_ID"), mpi=False),
     Launcher("pmix", "a PMIx launcher", ("PMIX_RANK",), ("PMIX_SIZE", "PMI_SIZE"), ("PMIX_LOCAL_RANK",),
              ("PMIX_LOCAL_SIZE",), ("PMIX_NAMESPACE",)),
@@ -69,6 +71,7 @@ LAUNCHERS = (
 TORCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 HOSTFILE_VARIABLE = "DS_OPTIMUS_HOSTFILE"
 LAUNCHER_VARIABLE = "DS_OPTIMUS_LAUNCHER"  # set by adopt(): the launcher's short name, for the log
+SIZE_FROM_VARIABLE = "DS_OPTIMUS_SIZE_FROM"  # set by adopt() where the size is not the launcher's own variable
 PORT_BASE, PORT_SPAN = 20000, 12000  # derived ports stay below Linux's ephemeral range (32768-60999)
 
 
@@ -131,8 +134,6 @@ def detect(env: Mapping[str, str] | None = None) -> World:
     launcher, seen = present[0], []
     rank = _integer(env, launcher.rank, seen)
     size = _integer(env, launcher.size, seen)
-    if size is None and launcher.name == "slurm" and "SLURM_NTASKS" in env and "SLURM_STEP_ID" in env:
-        size = _integer(env, ("SLURM_NTASKS",), seen)
     if size is None:
         raise LaunchError(f"{seen[0]} is set ({launcher.what}) but no world size is: none of "
                           f"{', '.join(launcher.size)}")
@@ -217,6 +218,12 @@ def rendezvous(world: World, env: Mapping[str, str] | None = None) -> tuple[str,
         if world.rank == 0 and short_host(address) != short_host(this_host(env)):
             raise LaunchError(f"rank 0 runs on {this_host(env)} but {how} is {address} (ranks not placed "
                               "in host order?): set MASTER_ADDR to rank 0's host")
+        if world.rank != 0:  # one line here, before the process group's own retries and warnings
+            try:
+                socket.getaddrinfo(address, None)
+            except OSError as err:
+                raise LaunchError(f"rank 0's host {address} ({how}) does not resolve on {this_host(env)} "
+                                  f"({err.strerror or err}): a host file of this job's nodes, or MASTER_ADDR") from None
     if env.get("MASTER_PORT"):
         port_text, port_how = env["MASTER_PORT"], "MASTER_PORT"
         if not port_text.isdigit() or not 0 < int(port_text) < 65536:
@@ -254,6 +261,9 @@ def adopt(env: MutableMapping[str, str] | None = None) -> World:
     for key, value in values.items():
         env[key] = str(value)
     env[LAUNCHER_VARIABLE] = world.launcher
+    fallback = [x for x in world.seen if x.startswith(("SLURM_NTASKS=", "SLURM_NPROCS="))]
+    if world.launcher == "slurm" and fallback:
+        env[SIZE_FROM_VARIABLE] = fallback[0]  # the launch line says where the size came from
     return world
 
 

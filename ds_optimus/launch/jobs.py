@@ -50,7 +50,8 @@ FRONTIER_ENVIRONMENT = (
     ("NCCL_SOCKET_IFNAME", "hsn0", "RCCL's bootstrap over the Slingshot interface"),
     ("NCCL_NET_GDR_LEVEL", "3", "GPU-direct RDMA between nodes"),
     ("FI_CXI_ATS", "0", "the CXI provider's address translation off, as OLCF advises for RCCL"),
-    ("MIOPEN_USER_DB_PATH", "/tmp/miopen-$USER", "MIOpen's database per node, not on the shared file system"),
+    ("MIOPEN_USER_DB_PATH", "/tmp/miopen-${USER:-$(id -un)}",
+     "MIOpen's database per node, not on the shared file system"),
 )
 NVIDIA_ENVIRONMENT = (
     ("NCCL_ASYNC_ERROR_HANDLING", "1", "a failed collective ends the rank (the supervisor relaunches)"),
@@ -106,6 +107,15 @@ def cpu_bind_list(shape: NodeShape, ranks: int) -> tuple[str, str]:
     return "list:" + ":".join(runs), ",".join(workers)
 
 
+def cpu_masks(bind_list: str) -> str:
+    """srun's `--cpu-bind=mask_cpu:` form of a `cpu_bind_list` (one hexadecimal mask a local rank)."""
+    masks = []
+    for run in bind_list.removeprefix("list:").split(":"):
+        first, last = (int(x) for x in run.split("-"))
+        masks.append(hex(sum(1 << core for core in range(first, last + 1))))
+    return "mask_cpu:" + ",".join(masks)
+
+
 def job_script(spec: JobSpec) -> str:
     """The job script's text."""
     spec.check()
@@ -137,6 +147,13 @@ def _header_comment(spec: JobSpec) -> list[str]:
             "# is submitted from: keep them on the shared file system)"]
 
 
+def _setup_lines() -> list[str]:
+    # the job runs in the environment it is submitted from (qsub -V, sbatch's default); a script
+    # named by SETUP (module loads, a venv's activate) is sourced first where a site needs more
+    return ['if [ -n "${SETUP:-}" ]; then source "$SETUP"; fi  # SETUP=env.sh qsub/sbatch ...: module loads, '
+            'a venv']
+
+
 def _supervise(spec: JobSpec, hosts: str, probe: str, launch: str) -> list[str]:
     return ['PYTHON="${PYTHON:-python}"',
             f"exec \"$PYTHON\" -m ds_optimus.reliability.supervise --hosts {hosts} --ranks-per-node "
@@ -152,7 +169,9 @@ def _devices(spec: JobSpec) -> str:
 
 def _pbs(spec: JobSpec) -> str:
     lines = ["#!/bin/bash", f"#PBS -N {spec.name}", f"#PBS -l select={spec.nodes + spec.spares}",
-             f"#PBS -l walltime={spec.walltime}", "#PBS -j oe"]
+             "#PBS -l place=scatter",  # a chunk a node: the ranks per node are mpiexec's --ppn
+             f"#PBS -l walltime={spec.walltime}", "#PBS -j oe",
+             "#PBS -V"]  # the submitting shell's environment (its venv, modules) travels with the job
     if spec.cluster == "aurora":
         lines.append("#PBS -l filesystems=flare:home")
     if spec.account:
@@ -160,7 +179,7 @@ def _pbs(spec: JobSpec) -> str:
     if spec.queue:
         lines.append(f"#PBS -q {spec.queue}")
     lines += _header_comment(spec)
-    lines += ["set -euo pipefail", 'cd "${PBS_O_WORKDIR:-.}"']
+    lines += ["set -euo pipefail", 'cd "${PBS_O_WORKDIR:-.}"', *_setup_lines()]
     bind, extra = "", ()
     if spec.cluster in NODE_SHAPES:
         cores, workers = cpu_bind_list(NODE_SHAPES[spec.cluster], spec.ranks_per_node)
@@ -193,13 +212,20 @@ def _slurm(spec: JobSpec) -> str:
     if spec.queue:
         lines.append(f"#SBATCH --partition={spec.queue}")
     lines += _header_comment(spec)
-    lines += ["set -euo pipefail", 'cd "${SLURM_SUBMIT_DIR:-.}"', f"mkdir -p {shlex.quote(spec.output_dir)}",
-              'SRUN="${SRUN:-srun}"']
-    lines += _environment(spec.cluster)
+    lines += ["set -euo pipefail", 'cd "${SLURM_SUBMIT_DIR:-.}"', *_setup_lines(),
+              f"mkdir -p {shlex.quote(spec.output_dir)}", 'SRUN="${SRUN:-srun}"']
+    extra, bind = (), f" --cpus-per-task {cores} --cpu-bind=cores" if cores else ""
+    if spec.cluster in NODE_SHAPES and not cores:
+        listed, workers = cpu_bind_list(NODE_SHAPES[spec.cluster], spec.ranks_per_node)
+        lines.append("# each rank on cores of one socket, its oneCCL worker on the core after them")
+        lines.append(f'CPU_BIND="${{CPU_BIND---cpu-bind={cpu_masks(listed)}}}"  # CPU_BIND= runs the ranks unbound')
+        bind = " $CPU_BIND"
+        if spec.cluster == "aurora":
+            extra = (("CCL_WORKER_COUNT", "1", ""), ("CCL_WORKER_AFFINITY", workers, ""))
+    lines += _environment(spec.cluster, extra)
     # srun's task count given each time: inside the batch job it would take the allocation's (spares too)
     probe = (f"$SRUN --nodes {{nodes}} --ntasks {{nodes}} --ntasks-per-node 1 --nodelist {{hosts}} "
              f"$PYTHON -m ds_optimus.reliability.probe{_devices(spec)}")
-    bind = f" --cpus-per-task {cores} --cpu-bind=cores" if cores else ""
     launch = (f'"$SRUN" --nodes {{nodes}} --ntasks {{ranks}} --ntasks-per-node {spec.ranks_per_node} '
               f"--nodelist {{hosts}}{bind} --kill-on-bad-exit=1")
     lines += _supervise(spec, "slurm", probe, launch)

@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rows the busiest rank's experts receive over the mean (default 1.0)")
     p.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
     p.add_argument("--write", metavar="PATH", help="write the best layout as a DeepSpeed JSON config")
+    p.add_argument("--keep-layout", action="store_true",
+                   help="with --config and --write: write --config as it is (with --set), not the search's best")
     p.add_argument("--job", choices=("pbs", "slurm"), default=None,
                    help="with --write: a job script beside the config (PATH with .pbs or .sbatch): mpiexec under PBS "
                         "(Aurora), srun under Slurm, each wrapped by the supervisor")
@@ -133,6 +135,10 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError("--job goes with --write PATH (the config the job runs; the script is written beside it)")
     if args.job and args.scale:
         raise ValueError("--job writes one job, for one device count: leave out --scale")
+    if args.keep_layout and not (args.config and args.write):
+        raise ValueError("--keep-layout goes with --config PATH and --write PATH (the config written as it is)")
+    if args.keep_layout and args.model:
+        raise ValueError("--keep-layout writes --config's own model: leave out --model")
     cluster = get_cluster(args.cluster)
     fixed = template = None  # the layout of --config; what --write keeps (its recipe, data, run settings)
     if args.set and not args.config:
@@ -203,16 +209,7 @@ def _run(args: argparse.Namespace) -> int:
     report["devices"], report["global_batch"] = devices, global_batch
     report["plans"] = [p.as_dict() for p in plans[: args.top]]
     if args.write:
-        best = plans[0]
-        path = write_config(layout_config(best.layout, args.model, cluster, base=template), args.write)
-        if args.job:
-            job = _write_job(args, path, devices, cluster)
-            print(f"\nwrote {path} ({best.layout.describe()}) and {job}: submit it with "
-                  f"{'qsub' if args.job == 'pbs' else 'sbatch'} {job}")
-        else:
-            print(f"\nwrote {path} ({best.layout.describe()}; run it with: deepspeed --num_nodes "
-                  f"{-(-devices // cluster.devices_per_node)} --num_gpus {min(devices, cluster.devices_per_node)} "
-                  f"--module ds_optimus.train --config {path})")
+        _write(args, plans[0].layout, fixed, template, devices, cluster)
     if args.measure:
         available = _local_ranks()
         if devices > available:
@@ -223,6 +220,25 @@ def _run(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(report, indent=2))
         print(f"wrote {args.json}")
     return 0
+
+
+def _write(args: argparse.Namespace, best, fixed, template: dict, devices: int, cluster) -> None:
+    """Write --write's config (the search's best, or --config's own with --keep-layout) and its job."""
+    if args.keep_layout:
+        path, best = write_config(template, args.write), fixed
+    else:
+        path = write_config(layout_config(best, args.model, cluster, base=template), args.write)
+        if fixed and best.describe() != fixed.describe():
+            print(f"\n{args.write}: the search's best layout in place of {_shown(args.config)}'s "
+                  f"{fixed.describe()} (--keep-layout writes that one)")
+    if args.job:
+        job = _write_job(args, path, devices, cluster)
+        print(f"\nwrote {path} ({best.describe()}) and {job}: submit it with "
+              f"{'qsub' if args.job == 'pbs' else 'sbatch'} {job}")
+    else:
+        print(f"\nwrote {path} ({best.describe()}; run it with: deepspeed --num_nodes "
+              f"{-(-devices // cluster.devices_per_node)} --num_gpus {min(devices, cluster.devices_per_node)} "
+              f"--module ds_optimus.train --config {path})")
 
 
 def _write_job(args: argparse.Namespace, config_path: Path, devices: int, cluster) -> Path:

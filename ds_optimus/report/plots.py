@@ -360,8 +360,12 @@ def plot_profile(run: RunMetrics, folder: Path, dpi: int, written: list[Path]) -
                          yerr=[1e3 * _value(r, "profile/jitter_std_s") for r in rows], color="black", marker="o",
                          markersize=3, linewidth=1, capsize=2,
                          label="jitter: wait at the step's reduction (mean, sd over ranks)")
-    top = max(map(sum, zip(*series, strict=True)))  # room above the stack for the legend
-    axes[0].set(ylabel="ms per step", ylim=(0, 1.5 * top if top > 0 else None),
+    totals = list(map(sum, zip(*series, strict=True)))
+    top = _scale_top(totals)
+    if top < totals[0]:  # the first profiled step (compiles, first touches) would flatten the rest: off scale
+        axes[0].annotate(f"{totals[0] / 1e3:.3g} s (off scale)", (steps[0], 1.5 * top), xytext=(4, -12),
+                         textcoords="offset points", fontsize="small", color="dimgray")
+    axes[0].set(ylabel="ms per step", ylim=(0, 1.5 * top if top > 0 else None),  # room for the legend
                 title="where a step's time goes (rank 0's profiled steps)")
     _legend(axes[0], loc="upper left", fontsize="small", ncol=2)
     for i, kind in enumerate(kinds):
@@ -376,6 +380,13 @@ def plot_profile(run: RunMetrics, folder: Path, dpi: int, written: list[Path]) -
         _legend(axes[1], loc="upper left", fontsize="small", ncol=2)
     axes[-1].set_xlabel("step")
     _save(fig, folder, "profile.png", dpi, written)
+
+
+def _scale_top(totals: list[float]) -> float:
+    """The step time the panel's scale reaches: the largest, less the first step's where that exceeds
+    1.5x the others' largest (it alone would set the scale)."""
+    rest = max(totals[1:], default=0.0)
+    return max(totals) if len(totals) < 2 or totals[0] <= 1.5 * rest else rest
 
 
 def _bin_columns(loads: ExpertLoads, columns: int) -> tuple[np.ndarray, np.ndarray]:

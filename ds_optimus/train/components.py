@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,9 @@ def init_distributed() -> str:
             open_files_for(world.size)  # rank 0's store holds a connection per rank
     except LaunchError as err:
         raise said_by_every_rank(ConfigError(f"launch: {err}")) from None
+    note = world_size_note(world.rank, world.size, os.environ)
+    if note:
+        print(note, file=sys.stderr, flush=True)
     prepare_op_builds()
     if world.launcher == "none":  # plain `python -m ds_optimus.train`: a world of one
         with socket.socket() as s:
@@ -74,9 +78,21 @@ def init_distributed() -> str:
     return launch_summary()
 
 
+def world_size_note(rank: int, size: int, env) -> str | None:
+    """Rank 0's line before the rendezvous where the world's size is Slurm's job task count with no
+    srun step: a batch script's own shell has those variables too, and its one process would wait for
+    peers that never come."""
+    from ..launch.environment import SIZE_FROM_VARIABLE
+
+    if rank != 0 or not env.get(SIZE_FROM_VARIABLE) or env.get("SLURM_STEP_ID"):
+        return None
+    return (f"launch: waiting for {size} ranks ({env[SIZE_FROM_VARIABLE]}, no srun step): inside a batch script, "
+            "start the ranks with srun")
+
+
 def launch_summary() -> str:
     """One line: the world, the launcher, the rendezvous and this rank's CPU cores."""
-    from ..launch.environment import LAUNCHER_VARIABLE, LAUNCHERS
+    from ..launch.environment import LAUNCHER_VARIABLE, LAUNCHERS, SIZE_FROM_VARIABLE
 
     launcher = os.environ.get(LAUNCHER_VARIABLE, "none")
     names = {"none": "no launcher", "openmpi": "Open MPI's mpiexec", "pals": "Cray PALS mpiexec",
@@ -84,8 +100,12 @@ def launch_summary() -> str:
     started_by = names.get(launcher) or next((x.what for x in LAUNCHERS if x.name == launcher), launcher)
     how = os.environ.get("DS_OPTIMUS_RENDEZVOUS")
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    return (f"world: {dist.get_world_size()} ranks, {os.environ.get('LOCAL_WORLD_SIZE', '?')} on this host, started "
-            f"by {started_by}; rendezvous {os.environ.get('MASTER_ADDR')}:"
+    size_from = os.environ.get(SIZE_FROM_VARIABLE)
+    size_from = f" (the size from {size_from}: no srun step variables)" if size_from else ""
+    world = dist.get_world_size()
+    return (f"world: {world} rank{'s' if world != 1 else ''}{size_from}, "
+            f"{os.environ.get('LOCAL_WORLD_SIZE', '?')} on this host, started by {started_by}; rendezvous "
+            f"{os.environ.get('MASTER_ADDR')}:"
             f"{os.environ.get('MASTER_PORT')}" + (f" ({how})" if how else "")
             + (f"; rank {dist.get_rank()} on CPU cores {_ranges(cores)}" if cores else ""))
 
