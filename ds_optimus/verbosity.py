@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 
 from . import after_import
 
@@ -38,6 +39,10 @@ def quiet_libraries(verbose: bool = False) -> None:
     for key, value in QUIET_ENVIRONMENT.items():
         os.environ.setdefault(key, value)
     after_import("deepspeed.utils.logging", _quiet_deepspeed)
+    # DeepSpeed's ZeRO and comm call the names PyTorch 2.13 deprecated (ds_optimus' own calls use the new
+    # ones): a FutureWarning on every rank that no user can act on
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
+                            "is deprecated", category=FutureWarning)
     if "transformers" in sys.modules:  # imported before this call: its environment was read already
         from transformers.utils import logging as hf_logging
 

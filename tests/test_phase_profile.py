@@ -142,7 +142,7 @@ def collectives_worker(rank: int, world: int) -> dict:
     import deepspeed.comm.comm as ds_backend
     import torch.distributed as dist
 
-    from ds_optimus.optim.spaces import collective
+    from ds_optimus.parallel.collectives import collective
     from ds_optimus.parallel.dispatch import all_to_all
 
     deepspeed.init_distributed(dist_backend="gloo")

@@ -4,6 +4,7 @@ leaf modules stay leaves, and no function grows past what one reader takes in.""
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -193,3 +194,13 @@ def test_every_module_has_a_name_of_its_own():
             seen.setdefault(path.name, []).append(module)
     assert len(seen) > 60
     assert not {name: mods for name, mods in seen.items() if len(mods) > 1}
+
+
+def test_ds_optimus_calls_the_current_names_of_the_single_tensor_collectives():
+    """PyTorch 2.13 deprecated `all_gather_into_tensor` and `reduce_scatter_tensor` (a FutureWarning on
+    every call): ds_optimus calls them through `parallel.collectives` alone."""
+    root = Path(__file__).resolve().parents[1] / "ds_optimus"
+    old = re.compile(r"dist\.(all_gather_into_tensor|reduce_scatter_tensor|_all_gather_base|_reduce_scatter_base)\(")
+    calls = [f"{path.relative_to(root)}:{n}" for path in root.rglob("*.py") if path.name != "collectives.py"
+             for n, line in enumerate(path.read_text().splitlines(), 1) if old.search(line)]
+    assert not calls, calls

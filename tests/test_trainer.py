@@ -355,6 +355,9 @@ class _Closing:
     def __init__(self, log: list, fail: bool = False) -> None:
         self.log, self.fail = log, fail
 
+    def on_exit(self, error) -> None:  # the last word, said before any callback closes
+        self.log.append(("exit", self))
+
     def close(self, error) -> None:
         self.log.append(self)
         if self.fail:
@@ -371,10 +374,10 @@ def test_close_reaches_every_callback_and_keeps_the_error(tmp_path):
     stub = SimpleNamespace(callbacks=[first, failing], rank=0, log_every_rank=False, output_dir=tmp_path, sink=None)
     with pytest.raises(RuntimeError, match="could not close"):
         Trainer.close(stub)  # a clean end: the callback's failure is raised, after every callback closed
-    assert log == [failing, first]
+    assert log == [("exit", first), ("exit", failing), failing, first]
     log.clear()
     Trainer.close(stub, ValueError("bad batch\nmore lines"))  # an error already on its way wins
-    assert log == [failing, first]
+    assert log == [("exit", first), ("exit", failing), failing, first]
     assert (tmp_path / "log.txt").read_text().endswith("the run stopped on an error: ValueError: bad batch\n")
 
 

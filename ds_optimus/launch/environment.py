@@ -218,12 +218,6 @@ def rendezvous(world: World, env: Mapping[str, str] | None = None) -> tuple[str,
         if world.rank == 0 and short_host(address) != short_host(this_host(env)):
             raise LaunchError(f"rank 0 runs on {this_host(env)} but {how} is {address} (ranks not placed "
                               "in host order?): set MASTER_ADDR to rank 0's host")
-        if world.rank != 0:  # one line here, before the process group's own retries and warnings
-            try:
-                socket.getaddrinfo(address, None)
-            except OSError as err:
-                raise LaunchError(f"rank 0's host {address} ({how}) does not resolve on {this_host(env)} "
-                                  f"({err.strerror or err}): a host file of this job's nodes, or MASTER_ADDR") from None
     if env.get("MASTER_PORT"):
         port_text, port_how = env["MASTER_PORT"], "MASTER_PORT"
         if not port_text.isdigit() or not 0 < int(port_text) < 65536:
@@ -256,6 +250,8 @@ def adopt(env: MutableMapping[str, str] | None = None) -> World:
         values["LOCAL_WORLD_SIZE"] = world.local_size
     if not formed:
         address, port, how = rendezvous(world, env)
+        if world.rank != 0 and how.startswith("the first host of"):
+            _check_resolves(address, how.split(", port")[0], env)
         values.update(MASTER_ADDR=address, MASTER_PORT=port)
         env["DS_OPTIMUS_RENDEZVOUS"] = how
     for key, value in values.items():
@@ -265,6 +261,16 @@ def adopt(env: MutableMapping[str, str] | None = None) -> World:
     if world.launcher == "slurm" and fallback:
         env[SIZE_FROM_VARIABLE] = fallback[0]  # the launch line says where the size came from
     return world
+
+
+def _check_resolves(address: str, how: str, env: Mapping[str, str]) -> None:
+    """One line here, before the process group's own retries and warnings, where rank 0's host from
+    the job's host list is a name this host cannot resolve."""
+    try:
+        socket.getaddrinfo(address, None)
+    except OSError as err:
+        raise LaunchError(f"rank 0's host {address} ({how}) does not resolve on {this_host(env)} "
+                          f"({err.strerror or err}): a host file of this job's nodes, or MASTER_ADDR") from None
 
 
 def open_files_for(world_size: int) -> None:

@@ -27,7 +27,8 @@ import time
 
 import torch
 
-from .spaces import Bucket, BufferPool, Space, collective
+from ..parallel.collectives import collective
+from .spaces import Bucket, BufferPool, Space
 
 
 class ParamGather:

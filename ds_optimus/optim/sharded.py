@@ -38,13 +38,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..parallel.collectives import collective
 from ..parallel.expert_parallel import is_expert_param
 from ..parallel.groups import ExpertParallelGroups, hybrid_shard_groups
 from .adam import adam_kind, adam_segments, fused_adam
 from .gather import ParamGather
 from .loss_scale import LossScaler
 from .shard_state import STATE_FORMAT, load_spaces, restore_hyperparameters, shard_state
-from .spaces import Bucket, BufferPool, ShardedOptimizerError, Space, collective
+from .spaces import Bucket, BufferPool, ShardedOptimizerError, Space
 
 __all__ = ["LossScaler", "STATE_FORMAT", "ShardedOptimizer", "ShardedOptimizerError"]
 

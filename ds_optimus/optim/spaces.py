@@ -155,8 +155,3 @@ class Space:
             self.master[pos:pos + length].copy_(self.params[i].detach().reshape(-1)[start:start + length])
 
 
-def collective(kind: str):
-    """torch.distributed's single-tensor reduce-scatter / all-gather (`*_single` from PyTorch 2.13,
-    `*_tensor` before), looked up at call time."""
-    fallback = {"reduce_scatter": "reduce_scatter_tensor", "all_gather": "all_gather_into_tensor"}[kind]
-    return getattr(dist, f"{kind}_single", None) or getattr(dist, fallback)

@@ -41,15 +41,10 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from .collectives import collective as _collective
 from .dedup import _at_least, _Collect, _id_dtype, _Plan, _Spread, at_experts, pack, unpack
 from .dispatch import wire
 from .groups import ExpertParallelGroups
-
-
-def _collective(kind: str):
-    """torch.distributed's single-tensor all-gather / reduce-scatter (`*_single` from PyTorch 2.13)."""
-    fallback = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor"}[kind]
-    return getattr(dist, f"{kind}_single", None) or getattr(dist, fallback)
 
 
 def reduce_dtype(x: torch.Tensor, group) -> torch.dtype:

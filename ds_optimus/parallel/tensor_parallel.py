@@ -33,6 +33,7 @@ from torch import nn
 
 from ..hf_models.mula.modeling_mula import MulaAttention, MulaForCausalLM, MulaMLP, MulaRMSNorm
 from ..schema import Section, need, positive_int
+from .collectives import collective
 from .groups import LayoutError
 
 
@@ -121,7 +122,7 @@ def _seq_gather(x: torch.Tensor, group) -> torch.Tensor:
     size = dist.get_world_size(group)
     rows = x.transpose(0, 1).contiguous()
     out = torch.empty((size * rows.shape[0], *rows.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, rows, group=group)
+    collective("all_gather")(out, rows, group=group)
     return out.transpose(0, 1)
 
 
@@ -140,7 +141,7 @@ def _seq_reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
     size = dist.get_world_size(group)
     rows = x.transpose(0, 1).contiguous()
     out = torch.empty((rows.shape[0] // size, *rows.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, rows, group=group)
+    collective("reduce_scatter")(out, rows, group=group)
     return out.transpose(0, 1)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ...parallel.collectives import collective
 from .base import Callback
 
 
@@ -90,7 +91,7 @@ def _gather(value: torch.Tensor, world: int) -> list[float]:
     """Every rank's one number, on the host (gloo or the accelerator's backend, on the CPU tensor's
     device where the backend takes it)."""
     out = torch.zeros(world, dtype=value.dtype)
-    dist.all_gather_into_tensor(out, value) if dist.get_backend() == "gloo" else _on_device(out, value)
+    collective("all_gather")(out, value) if dist.get_backend() == "gloo" else _on_device(out, value)
     return out.tolist()
 
 
@@ -99,5 +100,5 @@ def _on_device(out: torch.Tensor, value: torch.Tensor) -> None:
 
     device = get_accelerator().current_device_name()
     result = out.to(device)
-    dist.all_gather_into_tensor(result, value.to(device))
+    collective("all_gather")(result, value.to(device))
     out.copy_(result.cpu())
