@@ -8,10 +8,13 @@ DS_OPTIMUS_VERBOSE=1, which reaches every rank through a launcher) leaves the li
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+import tempfile
 import warnings
+from collections.abc import Iterator
 
 from . import after_import
 
@@ -55,3 +58,29 @@ def _quiet_deepspeed() -> None:
     logger.setLevel(logging.ERROR)
     for handler in logger.handlers:
         handler.setLevel(logging.ERROR)
+
+
+@contextlib.contextmanager
+def without_profiler_chatter() -> Iterator[None]:
+    """Unless verbose: torch.profiler's start and stop inside, with its C++ `USDT: ... profiler_start`
+    lines left out of stderr (libkineto writes them to fd 2 in every process; in PyTorch 2.13 no log
+    level or variable turns them off). Whatever else reaches fd 2 meanwhile is written out after."""
+    if verbose_requested():
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [line for line in held.read().decode(errors="replace").splitlines(keepends=True)
+                    if not line.startswith("USDT:")]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()

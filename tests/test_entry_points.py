@@ -3,6 +3,7 @@ answers within 1.5 s, and `import ds_optimus` alone imports none of them either 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -130,3 +131,37 @@ def test_quiet_by_default_and_verbose_on_request(mode, level):
     assert deprecated == (mode == "verbose")  # PyTorch 2.13's warning on DeepSpeed's calls, on every rank
     if mode == "quiet":  # not even the accelerator line DeepSpeed logs while it is being imported
         assert "Setting accelerator to CPU" not in proc.stdout + proc.stderr
+
+
+# The torch.profiler runs of a training process (train.profile_steps, the CPU memory meter) through
+# their own code, in a process of their own (the lines are C++ writes to fd 2, which pytest cannot capture).
+PROFILER_PROBE = """
+import os, sys, types
+from pathlib import Path
+import torch
+from ds_optimus.train.callbacks.profiling import ProfileCallback
+from ds_optimus.train.memory_meter import MemoryMeter
+callback = ProfileCallback(1, 1)
+callback.trainer = types.SimpleNamespace(rank=1)  # a rank that writes no table
+callback.pre_step(1)
+os.write(2, b"a line of the step\\n")
+torch.ones(3).sum()
+callback.post_step(1)
+meter = MemoryMeter(torch.device("cpu"))
+meter.start()
+torch.ones(1000).sum()
+print("peak", meter.stop()["peak_bytes"] > 0)
+"""
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_the_profilers_start_and_stop_lines_are_left_out_unless_verbose(verbose):
+    env = {**os.environ, "DS_OPTIMUS_VERBOSE": "1" if verbose else "0"}
+    proc = subprocess.run([sys.executable, "-c", PROFILER_PROBE], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-1] == "peak True"
+    assert "a line of the step" in proc.stderr  # what else reached fd 2 meanwhile is kept
+    usdt = [line for line in proc.stderr.splitlines() if line.startswith("USDT:")]
+    # verbose: both profilers' start and stop, so the quiet case's absence is the filter's doing
+    assert len(usdt) == (4 if verbose else 0), proc.stderr

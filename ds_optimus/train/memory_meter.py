@@ -9,11 +9,12 @@ the allocator's caching or fragmentation, nor the process's code and libraries.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 import torch
+
+from ..verbosity import without_profiler_chatter
 
 
 class MemoryMeter:
@@ -32,9 +33,9 @@ class MemoryMeter:
         if self.device.type == "cpu":
             from torch.profiler import ProfilerActivity, profile
 
-            os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's start/stop chatter
             self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            self._profiler.__enter__()
+            with without_profiler_chatter():
+                self._profiler.__enter__()
         else:
             from deepspeed.accelerator import get_accelerator
 
@@ -61,7 +62,8 @@ class MemoryMeter:
         if self.result is not None:
             return self.result
         if self._profiler is not None:
-            self._profiler.__exit__(None, None, None)
+            with without_profiler_chatter():
+                self._profiler.__exit__(None, None, None)
             events = sorted((e.start_ns(), e.nbytes()) for e in self._profiler.profiler.kineto_results.events()
                             if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
             held = peak = 0

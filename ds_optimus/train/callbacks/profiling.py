@@ -8,10 +8,9 @@ not its speed, so leave them out of a throughput figure (`metrics.jsonl` names e
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from ...verbosity import without_profiler_chatter
 from .base import Callback
 
 ROWS = 25  # the table's operators, by self time
@@ -32,15 +31,16 @@ class ProfileCallback(Callback):
         if torch.cuda.is_available():
             activities.append(ProfilerActivity.CUDA)
             self.sort_key = "self_device_time_total"
-        os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's start/stop chatter
         self.profiler = profile(activities=activities)
-        self.profiler.__enter__()
+        with without_profiler_chatter():
+            self.profiler.__enter__()
 
     def post_step(self, step: int) -> None:
         if self.profiler is None or step < self.last:
             return
         profiler, self.profiler = self.profiler, None
-        profiler.__exit__(None, None, None)
+        with without_profiler_chatter():
+            profiler.__exit__(None, None, None)
         trainer = self.trainer
         if trainer.rank != 0:
             return
@@ -51,5 +51,6 @@ class ProfileCallback(Callback):
 
     def close(self, error: BaseException | None) -> None:
         if self.profiler is not None:
-            self.profiler.__exit__(None, None, None)
+            with without_profiler_chatter():
+                self.profiler.__exit__(None, None, None)
             self.profiler = None
