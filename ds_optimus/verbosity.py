@@ -62,9 +62,8 @@ def _quiet_deepspeed() -> None:
 
 @contextlib.contextmanager
 def without_profiler_chatter() -> Iterator[None]:
-    """Unless verbose: torch.profiler's start and stop inside, with its C++ `USDT: ... profiler_start`
-    lines left out of stderr (libkineto writes them to fd 2 in every process; in PyTorch 2.13 no log
-    level or variable turns them off). Whatever else reaches fd 2 meanwhile is written out after."""
+    """Unless verbose: fd 2 inside, less libkineto's `USDT: ... profiler_start/stop` lines."""
+    # C++ writes to fd 2, which no log level or variable of PyTorch 2.13 turns off
     if verbose_requested():
         yield
         return
