@@ -754,10 +754,11 @@ def test_scaling_report_of_mula_220b_on_aurora(tmp_path):
     assert all(row["plan"] is not None for row in report["scaling"]) and effs[0] == 1.0
     assert all(0.5 < e <= 1.15 for e in effs)
     assert effs[-1] < 0.99 * max(effs)  # tapered global links and stragglers cost something at 1,024 nodes
-    # the library's report is the command line's: its first and last points give the same efficiency
-    points = scaling(shape, aurora, [384, 12288], 2, 2048)  # the Aurora config's sequences, as the command took
-    assert efficiency(points)[-1] == pytest.approx(effs[-1])
-    assert points[-1].plan.layout.describe() == report["scaling"][-1]["plan"]["describe"]
+    # the library's report is the command line's: its first two points give the same efficiency and layout
+    # (the first two: the search at 12,288 tiles is the report's longest, and the same code runs at every count)
+    points = scaling(shape, aurora, [384, 768], 2, 2048)  # the Aurora config's sequences, as the command took
+    assert efficiency(points)[-1] == pytest.approx(effs[1])
+    assert [p.plan.layout.describe() for p in points] == [row["plan"]["describe"] for row in report["scaling"][:2]]
 
 
 # -- the command line ---------------------------------------------------------------------------
