@@ -229,10 +229,12 @@ def test_bf16_weights_with_fp32_master_track_fp32():
 @pytest.mark.slow
 def test_bf16_gradient_communication_accumulates_in_fp32_and_halves_the_bytes():
     """reduce_dtype bf16 is the wire only: ZeRO-1's buckets add the 4 micro-steps up in fp32, the cast
-    happens at the collective, each rank adds its received parts into its fp32 shard. Over 50 steps
-    the losses stay within bf16's noise: closer to the fp32-wire run than a run whose weights and
-    activations are bf16 too (every matmul rounded at 2^-9, not only the reduced gradient) is."""
-    spec = dict(ep=2, stage=1, sharded=True, micro=1, gas=4, steps=50, exchange={"dedup": False})
+    happens at the collective, each rank adds its received parts into its fp32 shard. Over 10 steps
+    the losses stay closer to the fp32-wire run than a run whose weights and activations are bf16 too
+    (every matmul rounded at 2^-9, not only the reduced gradient) does: measured 7.1e-5 against 3.2e-4.
+    10 steps, not more: later, training amplifies either rounding to the same few 1e-3 (50 steps:
+    6.5e-3 against 7.5e-3, with the order flipping at steps 15, 20, 30 and 40), which compares nothing."""
+    spec = dict(ep=2, stage=1, sharded=True, micro=1, gas=4, steps=10, exchange={"dedup": False})
     fp32 = run_distributed(W.train, WORLD, dict(spec, sharded_options={"reduce_dtype": "fp32"}))[0]
     bf16 = run_distributed(W.train, WORLD, dict(spec, sharded_options={"reduce_dtype": "bf16"}))[0]
     everything = run_distributed(W.train, WORLD, dict(spec, dtype="bf16", sharded_options={"reduce_dtype": "fp32"}))[0]
@@ -240,7 +242,7 @@ def test_bf16_gradient_communication_accumulates_in_fp32_and_halves_the_bytes():
     assert 2 * bf16["comm_bytes"]["reduce_scatter"] == fp32["comm_bytes"]["reduce_scatter"] > 0  # counted
     wire = _rel(bf16["losses"], fp32["losses"])
     assert 0 < wire <= _rel(everything["losses"], fp32["losses"]), (wire, _rel(everything["losses"], fp32["losses"]))
-    assert bf16["losses"][50] < bf16["losses"][1] - 0.3
+    assert bf16["losses"][10] < bf16["losses"][1] - 0.3
 
 
 @pytest.mark.slow
