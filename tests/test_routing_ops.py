@@ -13,7 +13,9 @@ before it multiplies; their tolerances are stated where they are used.
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -269,7 +271,14 @@ def test_without_a_build_the_reference_serves_and_says_so_once(monkeypatch, capf
 
 @pytest.mark.slow
 def test_jit_build_says_one_line_and_loads(tmp_path):
-    """Without a prebuilt op, the first use compiles it into the environment's folder, said in one line."""
+    """Without a prebuilt op, the first use compiles it into the environment's folder, said in one line;
+    the folder's lock, left by a build killed before (its process ended), is taken over and said so."""
+    folder = tmp_path / "ext" / "moe_routing"
+    folder.mkdir(parents=True)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (folder / "lock").touch()
+    (folder / "lock.owner").write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "since": 0.0}))
     code = ("import ds_optimus; from ds_optimus.ops.op_builder import MoERoutingBuilder; import torch; "
             "m = MoERoutingBuilder().jit_load(verbose=False); "
             "print(m.__file__); print(m.route(torch.tensor([[1, 0]]), 2)[2].tolist())")
@@ -280,6 +289,8 @@ def test_jit_build_says_one_line_and_loads(tmp_path):
     assert lines[-2].startswith(str(tmp_path / "ext")) and lines[-1] == "[1, 1]"
     said = [line for line in done.stderr.splitlines() if "moe_routing op" in line]
     assert len(said) == 2 and "compiling ds_optimus' moe_routing op" in said[0] and "is ready" in said[1]
+    assert f"the build lock {folder / 'lock'} was left by pid {dead.pid} on " in done.stderr, done.stderr[-3000:]
+    assert not (folder / "lock").exists()
 
 
 def test_a_build_is_said_by_rank_zero_alone_not_by_each_nodes_first_rank(tmp_path, monkeypatch):

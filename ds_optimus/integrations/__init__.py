@@ -1,4 +1,4 @@
-"""Every change ds_optimus makes to DeepSpeed, accelerate and Transformers, in one place.
+"""Every change ds_optimus makes to DeepSpeed, accelerate, Transformers and PyTorch, in one place.
 
 `import ds_optimus` installs them as each library is imported (`ds_optimus/__init__.py`'s import
 hook), so that a DeepSpeed config with an `optimus` section works under `deepspeed.initialize`, the
@@ -9,6 +9,7 @@ Hugging Face Trainer and `accelerate launch` alike. Modules:
   checkpoints), and the engine state of ds_optimus' per-rank checkpoints.
 - `deepspeed_ops`: where DeepSpeed's JIT-built ops are kept and which are built; the CPU backend's
   shared-memory workspace; ds_optimus' own op registered with DeepSpeed's op builders and `ds_report`.
+- `build_lock`: PyTorch's lock on an op's build folder, taken over when its builder died.
 - `deepspeed_config`: the DeepSpeed part of a config checked against the keys the installed
   DeepSpeed reads.
 - `deepspeed_version`: the DeepSpeed versions these were tested with.
@@ -64,6 +65,9 @@ PATCHES = (
           "read them, on any layout"),
     Patch("deepspeed.ops.op_builder.builder:OpBuilder.jit_load", "(self, verbose=True)", DS,
           "say a JIT build in one line before its minutes start; ops kept per Python environment"),
+    Patch("torch.utils.cpp_extension:FileBaton", "(lock_file_path, wait_seconds=0.1, warn_after_seconds=None) -> None",
+          "torch 2.13", "record who holds an op's build lock, so that a lock left by a builder that died is taken "
+          "over rather than waited on forever"),
     *(Patch(f"deepspeed.accelerator.{cls}.get_op_builder", "(self, class_name)", DS,
             "find ds_optimus' op builders (MoERoutingBuilder) by class name, as DeepSpeed's own are found")
       for cls in ("cpu_accelerator:CPU_Accelerator", "cuda_accelerator:CUDA_Accelerator",
@@ -75,7 +79,7 @@ PATCHES = (
           "gather every expert of an expert-parallel model (Trainer.save_model calls it on every rank)"),
 )
 
-# Private state of DeepSpeed read or written (not replaced), each checked by the same test.
+# Private state of DeepSpeed and PyTorch read or written (not replaced), each checked by the same test.
 PRIVATE_STATE = (
     ("deepspeed.utils.groups", "_EXPERT_PARALLEL_GROUP", "register ds_optimus' expert groups by name"),
     ("deepspeed.utils.groups", "_EXPERT_PARALLEL_GROUP_RANKS", "register ds_optimus' expert groups by name"),
@@ -85,4 +89,6 @@ PRIVATE_STATE = (
     ("deepspeed.git_version_info", "installed_ops", "report the moe_routing op installed where it was prebuilt"),
     ("deepspeed.runtime.config:DeepSpeedConfig", "_param_dict", "read the optimus section of an engine's config"),
     ("deepspeed.runtime.config:DeepSpeedConfig", "gradient_clipping", "switch clipping after the warm-up"),
+    ("torch.utils.cpp_extension:JIT_EXTENSION_VERSIONER", "entries",
+     "build again an op whose first build attempt found a stale lock"),
 )

@@ -3,8 +3,9 @@ against DeepSpeed 0.19.8 (listed in `ds_optimus.integrations.PATCHES`):
 
 - `prepare_op_builds`: DeepSpeed's JIT-built ops are kept per Python environment (two environments
   would otherwise rebuild each other's ops in turn in PyTorch's one shared folder), the ones training
-  never calls are not built, and a build is said in one line before its minutes start
-  (`OpBuilder.jit_load` wrapped).
+  never calls are not built, a build is said in one line before its minutes start
+  (`OpBuilder.jit_load` wrapped), and a build folder's lock left by a builder that died is taken
+  over (`build_lock`).
 - `release_shm_workspace`: the CPU backend's shared-memory workspace, which DeepSpeed never removes,
   is unlinked once every rank has mapped it.
 - `register_ops`: ds_optimus' own op (`moe_routing`, the routing/gather/combine kernels,
@@ -25,6 +26,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from . import build_lock
 from .deepspeed_version import check_version
 
 # Ops DeepSpeed builds at start-up that training never calls: the CPU shared-memory all-reduce serves
@@ -56,6 +58,7 @@ def prepare_op_builds(say=None) -> None:
 
     check_version()
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
+    build_lock.install()
     for name in UNNEEDED_OPS:
         deepspeed.ops.__compatible_ops__[name] = False
     original = OpBuilder.jit_load
@@ -74,7 +77,16 @@ def prepare_op_builds(say=None) -> None:
             say(f"ds_optimus: compiling {whose} {self.name} op ({_WHY.get(self.name, 'this config needs it')}): "
                 f"{takes}, once per environment, kept in {root}")
         began = time.perf_counter()
-        module = original(self, verbose=os.environ.get("DS_OPTIMUS_VERBOSE", "") not in ("", "0", "false"))
+        verbose = os.environ.get("DS_OPTIMUS_VERBOSE", "") not in ("", "0", "false")
+        for attempt in range(3):  # a lock left by a builder that died is removed, and the build starts again
+            try:
+                module = original(self, verbose=verbose)
+                break
+            except build_lock.StaleBuildLock as stale:
+                say(f"ds_optimus: {stale}")
+                if attempt == 2:
+                    raise
+                build_lock.forget_build(self.name)
         if first:
             say(f"ds_optimus: {whose} {self.name} op is ready ({time.perf_counter() - began:.0f} s)")
         return module
