@@ -15,6 +15,7 @@ import torch
 from ds_optimus.config import ConfigError, ModelConfig
 from ds_optimus.hf_models.mula import MulaConfig
 from ds_optimus.parallel.build import build_model
+from ds_optimus.plan.measure import free_port
 
 EXPERT_KEYS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 CONFIG = dict(num_experts=8, tie_word_embeddings=False, router_bias_update_rate=0.01)
@@ -197,7 +198,7 @@ def test_ep4_ranks_hold_a_quarter_of_experts_four_whole_copies_of_which_exceed_t
     dense, expert = local_params(shape, Layout(world=4, ep=4))
     planned = 4 * (dense + expert)  # fp32 parameters one rank holds, by the planner
 
-    port = 29500 + os.getpid() % 1000
+    port = free_port()
     mp.start_processes(_memory_rank, args=(4, port, expert_bytes, str(tmp_path)), nprocs=4, start_method="spawn")
     ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(4)]
     for r, result in enumerate(ranks):

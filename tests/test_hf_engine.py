@@ -17,6 +17,8 @@ from distributed import run_distributed
 from engine_workers import client_optimizer_worker, engine_refusals_worker, engine_router_bias_worker
 from train_workers import child_pythonpath, deepspeed_launcher
 
+from ds_optimus.plan.measure import free_port  # a port of each launch's own: 29500 may be taken beside
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "hf_trainer_script.py"
 STEPS, EXPERTS = 12, 8  # as the script trains: mula-tiny-moe
@@ -132,7 +134,8 @@ def test_a_plain_trainer_script_through_the_deepspeed_launcher(tmp_path, one_pro
     optimizer is re-pointed at the expert shards."""
     (tmp_path / "ds.json").write_text(json.dumps(DS_CONFIG))
     launcher = deepspeed_launcher()
-    _launch([str(launcher), "--num_gpus", "2", str(SCRIPT), str(tmp_path / "out"), str(tmp_path / "ds.json")], tmp_path)
+    _launch([str(launcher), "--num_gpus", "2", "--master_port", str(free_port()), str(SCRIPT), str(tmp_path / "out"),
+             str(tmp_path / "ds.json")], tmp_path)
     _check_run(tmp_path / "out", one_process)
 
 
@@ -147,7 +150,7 @@ def test_a_plain_trainer_script_through_accelerate_launch(tmp_path, one_process)
     (tmp_path / "accelerate.yaml").write_text(
         "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nuse_cpu: true\n"
         f"deepspeed_config:\n  deepspeed_config_file: {tmp_path / 'ds.json'}\n  zero3_init_flag: false\n"
-        "num_machines: 1\nnum_processes: 2\nmachine_rank: 0\n")
+        f"num_machines: 1\nnum_processes: 2\nmachine_rank: 0\nmain_process_port: {free_port()}\n")
     launcher = Path(sys.executable).with_name("accelerate")
     _launch([str(launcher), "launch", "--config_file", str(tmp_path / "accelerate.yaml"), str(SCRIPT),
              str(tmp_path / "out")], tmp_path)

@@ -367,7 +367,9 @@ def test_hf_trainer_example_with_expert_parallelism_through_the_launcher(tmp_pat
     path.write_text(json.dumps(config))
     launcher = deepspeed_launcher()
     env = {**os.environ, "PYTHONPATH": child_pythonpath()}
-    proc = subprocess.run([str(launcher), "--num_gpus", "2", "--module", "ds_optimus.train.hf_example",
+    # a free port: the launcher's default 29500 may be another run's beside (DeepSpeed's own tests take it)
+    proc = subprocess.run([str(launcher), "--num_gpus", "2", "--master_port", str(free_port()), "--module",
+                           "ds_optimus.train.hf_example",
                            "--config", str(path)], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
