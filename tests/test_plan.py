@@ -45,12 +45,14 @@ from ds_optimus.plan.scaling import device_counts, efficiency, scaling
 from ds_optimus.plan.search import candidate_layouts, smallest_peak
 from ds_optimus.plan.search import schedules as search_schedules
 from ds_optimus.plan.timing import (
+    STEP_FIELDS,
     Exchange,
     all_to_all_time,
     exchange_seconds,
     exchange_steps,
     expert_seconds,
     overlapped,
+    step_seconds,
 )
 from ds_optimus.train.components import enable_activation_checkpointing, resolve_batch_sizes
 
@@ -291,6 +293,25 @@ def test_hierarchical_dedup_rows_match_simulated_routing():
                                                                    ep, n, True)
     assert between_on == fan_off == 0.0
     assert between_off == pytest.approx(inter, rel=0.01) and fan_out == pytest.approx(inside, rel=0.01)
+
+
+def test_the_step_times_kept_across_optimizers_are_each_layouts_own():
+    """estimate_time keeps the step's seconds but the optimizer's once per layout without its optimizer
+    fields (STEP_FIELDS): every layout of a search, with every optimizer, hybrid shard group, gather
+    overlap, bucket size and reduction dtype, gets what its own layout computes, to the bit."""
+    shape, cluster = ModelShape.from_preset("mula-7b-a1b"), BUILTIN["h100"]
+    layouts = candidate_layouts(shape, cluster, 32, 256, 2048)[::7]
+    assert {(lay.zero, lay.sharded) for lay in layouts} == {(1, True), (2, True), (0, False), (1, False), (2, False)}
+    assert {lay.pp for lay in layouts} > {1} and {lay.ep for lay in layouts} > {1}
+    variants = [lay.with_(shard_group=8, gather_overlap=True, bucket_size=10**6, reduce_dtype="fp32")
+                for lay in layouts if lay.sharded]
+    for layout in layouts + variants:
+        kept = estimate_time(shape, layout, cluster)  # the kept one, computed for another optimizer first
+        own = step_seconds(shape, layout, cluster, 1.0, True)
+        assert (kept.compute, kept.all_to_all, kept.bubble, kept.overhead, kept.tensor) == own[:5], layout
+        assert (kept.experts, kept.all_to_all_hidden, kept.p2p) == own[6:], layout
+    assert set(STEP_FIELDS).isdisjoint({"zero", "sharded", "shard_group", "gather_overlap", "bucket_size",
+                                        "reduce_dtype"})
 
 
 def test_dedup_sends_fewer_rows_and_takes_less_time():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
+from functools import lru_cache
 from math import comb
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,7 @@ def group_hit_probability(num_experts: int, top_k: int, experts_per_group: int) 
     return 1.0 - comb(num_experts - experts_per_group, top_k) / comb(num_experts, top_k)
 
 
+@lru_cache(maxsize=4096)  # the planner asks for the same few (experts, top-k, groups) for every layout
 def expected_groups_hit(num_experts: int, top_k: int, groups: int) -> float:
     """Expected number of distinct groups (of `num_experts / groups` experts each) a token's
     `top_k` experts fall in: the rows per token a deduplicated exchange sends to `groups` ranks."""

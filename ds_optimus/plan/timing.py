@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from ..parallel.stages import V_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 from ..parallel.traffic import expected_groups_hit, metadata_bytes
@@ -224,11 +225,36 @@ def estimate_time(model: ModelShape, layout: Layout, cluster: Cluster, expert_im
                   overlap: bool | None = None) -> TimeEstimate:
     """Seconds per optimizer step of `model` under `layout` on `cluster`; with pipeline stages, the
     slowest stage's micro-batches, the schedule's bubble and the sends between stages."""
+    if overlap is None:
+        overlap = not cluster.shared_compute  # gloo on CPU: the sharded optimizer does not overlap
+    # the step but its optimizer: the same for every optimizer, ZeRO stage and bucketing the search tries
+    compute, a2a, bubble, overhead, tensor, micro_forward, experts, hidden, p2p = _steps_cached(
+        model, cluster, expert_imbalance, overlap, *(getattr(layout, key) for key in STEP_FIELDS))
+    exposed, gather, across, gather_hidden = optimizer_seconds(model, layout, cluster, compute, micro_forward, overlap)
+    return TimeEstimate(compute=compute, all_to_all=a2a, grad_reduce=exposed, param_gather=gather,
+                        bubble=bubble, overhead=overhead, experts=experts, all_to_all_hidden=hidden, p2p=p2p,
+                        reduce_across=across, gather_hidden=gather_hidden, tensor=tensor)
+
+
+# The layout's fields that `step_seconds` reads (none of the optimizer's: ZeRO stage, sharding, buckets,
+# reduction dtype, shard groups, gather overlap); tests/test_plan.py holds it to that.
+STEP_FIELDS = ("world", "ep", "pp", "micro", "accumulation", "checkpointing", "hierarchical", "dedup", "chunks",
+               "seq_len", "dtype", "schedule", "virtual_stages", "dispatch", "tp", "sp")
+
+
+@lru_cache(maxsize=65536)  # a search asks again for each of up to 5 optimizers and the hybrid variants
+def _steps_cached(model: ModelShape, cluster: Cluster, expert_imbalance: float, overlap: bool, *fields) -> tuple:
+    return step_seconds(model, Layout(**dict(zip(STEP_FIELDS, fields, strict=True))), cluster, expert_imbalance,
+                        overlap)
+
+
+def step_seconds(model: ModelShape, layout: Layout, cluster: Cluster, expert_imbalance: float,
+                 overlap: bool) -> tuple[float, ...]:
+    """A step's seconds but the optimizer's: (compute, exchange, bubble, fixed costs, tensor-parallel
+    collectives, one micro-batch's forward on the slowest stage, experts, exchange hidden, stage sends)."""
     rate = _rate(layout, cluster)
     tokens = layout.tokens_per_micro
     micro_batches = layout.accumulation
-    if overlap is None:
-        overlap = not cluster.shared_compute  # gloo on CPU: the sharded optimizer does not overlap
     # recomputation runs the recomputed parts' forward again: the whole layers (not the LM head), or
     # the attention (projections and products) and/or the FFN (router and experts, with their exchange)
     dense_again, experts_again = model.recompute_flops_per_token(layout.checkpointing, layout.seq_len)
@@ -284,16 +310,9 @@ def estimate_time(model: ModelShape, layout: Layout, cluster: Cluster, expert_im
     # replayed (`pipeline_model.idle_slots` of the step's compute, exchanges and fixed costs)
     bubble = idle_slots(layout.schedule, layout.pp, micro_batches, layout.virtual_stages) * (
         compute + a2a + overhead + tensor)
-    compute, a2a, overhead = compute * micro_batches, a2a * micro_batches, overhead * micro_batches
-    tensor *= micro_batches
-
-    exposed, gather, across, gather_hidden = optimizer_seconds(model, layout, cluster, compute, micro_forward, overlap)
-    return TimeEstimate(compute=compute, all_to_all=a2a, grad_reduce=exposed, param_gather=gather,
-                        bubble=bubble, overhead=overhead,
-                        experts=expert_layer * n_moe * micro_batches,
-                        all_to_all_hidden=hidden_layer * n_moe * micro_batches,
-                        p2p=p2p_seconds(model, layout, cluster), reduce_across=across, gather_hidden=gather_hidden,
-                        tensor=tensor)
+    return (compute * micro_batches, a2a * micro_batches, bubble, overhead * micro_batches, tensor * micro_batches,
+            micro_forward, expert_layer * n_moe * micro_batches, hidden_layer * n_moe * micro_batches,
+            p2p_seconds(model, layout, cluster))
 
 
 def tensor_seconds(model: ModelShape, layout: Layout, cluster: Cluster, layers: int, moe_layers: int, first: bool,
