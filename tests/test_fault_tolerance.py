@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import run_distributed
+from distributed import LONG_TEST_TIMEOUT_S, run_distributed
 from train_workers import HANG_TIMEOUT_S, child_pythonpath, deepspeed_launcher, pretrain_worker, tiny_config
 
 from ds_optimus.checkpoint import CheckpointError, CheckpointManager, verify
@@ -442,6 +442,7 @@ SIMULATE = ["-m", "ds_optimus.launch.simulate"]  # nodes on this machine, by nam
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(LONG_TEST_TIMEOUT_S)
 def test_the_supervisor_leaves_failing_nodes_out_on_spares_then_at_a_smaller_dp(tmp_path, cache):
     """Three "nodes" of 2 ranks (ds_optimus.launch.simulate gives each its host name), the run on two of
     them (EP 2, data parallel 4, global batch 16), one spare. Attempt 0: rank 2 (node n2) computes a
@@ -462,7 +463,8 @@ def test_the_supervisor_leaves_failing_nodes_out_on_spares_then_at_a_smaller_dp(
                "--ranks-per-node", "2", "--spares", "1", "--",
                sys.executable, *SIMULATE, "--hostfile", "{hostfile}", "--ppn", "2", "--",
                sys.executable, "-m", "ds_optimus.train", "--config", str(path)]
-    proc = subprocess.run(command, cwd=tmp_path, env=env_with(faults), capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(command, cwd=tmp_path, env=env_with(faults), capture_output=True, text=True,
+                          timeout=LONG_TEST_TIMEOUT_S - 60)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-5000:]
     run = Path(config["optimus"]["train"]["output_dir"])

@@ -11,6 +11,7 @@ from pathlib import Path
 from xml.etree import ElementTree
 
 import pytest
+from distributed import LONG_TEST_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
@@ -79,11 +80,13 @@ def test_train_e2e_refuses_bad_arguments_in_one_line(args, message):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(LONG_TEST_TIMEOUT_S)
 def test_run_all_dry_run_runs_what_a_cpu_can(tmp_path):
     """The battery on a CPU: the gpu tests collected and skipped, the end-to-end script's tiny run of
     every contestant through its entry point, the summary table and its closing line (last)."""
     run = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "run_all.sh"), "--dry-run", str(tmp_path)],
-                         capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHON": sys.executable})
+                         capture_output=True, text=True, timeout=LONG_TEST_TIMEOUT_S - 60,
+                         env={**os.environ, "PYTHON": sys.executable})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert run.stdout.strip().splitlines()[-1].startswith("gpu battery: kernels - of dense (- grouped_mm), e2e ")
     assert (tmp_path / "train_e2e.json").exists(), (tmp_path / "e2e.log").read_text()[-3000:]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import needs
 import pytest
+from distributed import LONG_TEST_TIMEOUT_S
 
 from ds_optimus.launch.environment import (
     LaunchError,
@@ -366,6 +367,7 @@ STARTED_BY = {"deepspeed": "the deepspeed launcher or torchrun", "torchrun": "th
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(LONG_TEST_TIMEOUT_S)
 def test_the_tiny_moe_job_trains_alike_under_every_launcher(tmp_path, cache):
     """2 processes at EP 2, 3 steps, under the deepspeed launcher, torchrun, MPICH's and Open MPI's
     mpiexec and srun (simulated: two "nodes" of one rank): the same losses, to the bit (one thread a
