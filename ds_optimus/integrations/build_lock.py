@@ -25,6 +25,9 @@ from torch.utils.file_baton import FileBaton
 BEAT_S = 10.0  # the holder refreshes its owner file this often
 STALE_AFTER_S = 120.0  # twelve refreshes missed: the holder is gone
 NOTICE_AFTER_S = 60.0  # a waiter says what it waits on after this long
+# a waiter looks at the lock once a second, not PyTorch's ten times: with every rank of 1,000 nodes waiting
+# on one shared folder, each look is a metadata request (two: the lock, and its owner file)
+POLL_S = 1.0
 
 
 class StaleBuildLock(RuntimeError):
@@ -112,7 +115,7 @@ class OwnedBaton(FileBaton):
                 self.say(f"ds_optimus: waiting {now - start:.0f} s on the build lock {self.lock_file_path}, held "
                          f"by {holder}; if no build runs there, delete that file")
                 noticed = True
-            time.sleep(self.wait_seconds)
+            time.sleep(max(self.wait_seconds, POLL_S))
 
     def _take_over(self, stamp: tuple | None) -> bool:
         """Remove the lock and its owner file if the owner file is still the stale one seen (`stamp`):
