@@ -12,8 +12,11 @@ does not see) is never silent."""
 from __future__ import annotations
 
 import argparse
+import atexit
+import os
 import shutil
 import sys
+import threading
 
 EXIT_ERROR = 2
 
@@ -76,3 +79,24 @@ def deepspeed_launcher() -> str:
     if found is None:
         raise FileNotFoundError(f"no `deepspeed` launcher beside {sys.executable} or on PATH")
     return found
+
+
+def exit_without_teardown(status: int | None) -> None:
+    """Exit with `status` once the atexit handlers have run and stdout/stderr are flushed, without the
+    interpreter's teardown; a normal exit where a non-daemon thread still runs (it could be writing).
+
+    A rank's teardown frees PyTorch's, DeepSpeed's and Transformers' modules object by object: 1.5-2 s
+    of one core after a tiny run (measured), paid by every rank of every launch, for nothing the run
+    keeps. Files the run writes are closed by then (every `open` here is a `with`), and what libraries
+    leave open (loggers, wandb) they flush from their atexit handlers, which run first."""
+    status = 0 if status is None else status
+    others = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+    if others:
+        sys.exit(status)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can reach it
+            pass
+    os._exit(status)

@@ -165,3 +165,27 @@ def test_the_profilers_start_and_stop_lines_are_left_out_unless_verbose(verbose)
     usdt = [line for line in proc.stderr.splitlines() if line.startswith("USDT:")]
     # verbose: both profilers' start and stop, so the quiet case's absence is the filter's doing
     assert len(usdt) == (4 if verbose else 0), proc.stderr
+
+
+# The train command's quick exit (`command_line.exit_without_teardown`): nothing a normal exit keeps is lost.
+QUICK_EXIT = """
+import atexit, sys, threading, time
+from ds_optimus.command_line import exit_without_teardown
+atexit.register(lambda: print("atexit handler ran", flush=False))
+print("buffered output", end="")
+sys.stderr.write("buffered error")
+if sys.argv[1] == "thread":  # a non-daemon thread still writing: the exit waits for it, as a normal one does
+    threading.Thread(target=lambda: (time.sleep(0.5), open(sys.argv[2], "w").write("done"))).start()
+exit_without_teardown(int(sys.argv[3]))
+"""
+
+
+@pytest.mark.parametrize("mode", ["alone", "thread"])
+def test_the_quick_exit_keeps_the_status_the_output_the_atexit_handlers_and_a_writing_thread(tmp_path, mode):
+    written = tmp_path / "written"
+    run = subprocess.run([sys.executable, "-c", QUICK_EXIT, mode, str(written), "3"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert run.returncode == 3, run.stderr
+    assert run.stdout == "buffered outputatexit handler ran\n" and run.stderr == "buffered error"
+    assert written.read_text() == "done" if mode == "thread" else not written.exists()
+

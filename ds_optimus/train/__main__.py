@@ -1,5 +1,4 @@
-import sys
-
+from ..command_line import exit_without_teardown
 from .cli import main
 
-sys.exit(main())
+exit_without_teardown(main())
