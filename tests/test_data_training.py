@@ -123,13 +123,14 @@ def test_every_source_kind_trains_in_a_weighted_mixture_and_a_data_change_is_ref
 # The training command in a child that reports, as it exits, its own peak RSS and the pages it faulted in
 # (RUSAGE_CHILDREN would give the largest of every child the test process ever had).
 CHILD = """
-import resource, runpy, sys
-sys.argv = ["ds_optimus.train", "--config", sys.argv[1]]
+import resource, sys
+from ds_optimus.train.cli import main  # the command's own code (its __main__ would exit before the count)
 try:
-    runpy.run_module("ds_optimus.train", run_name="__main__", alter_sys=True)
+    status = main(["--config", sys.argv[1]])
 finally:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     sys.stderr.write(f"MAXRSS {usage.ru_maxrss} FAULTS {usage.ru_minflt + usage.ru_majflt}\\n")
+sys.exit(status)
 """
 
 
