@@ -82,16 +82,10 @@ def deepspeed_launcher() -> str:
 
 
 def exit_without_teardown(status: int | None) -> None:
-    """After a clean finish (`status` 0), exit once the atexit handlers have run and stdout/stderr are
-    flushed, without the interpreter's teardown; a normal exit for any other status, or where a
-    non-daemon thread still runs (it could be writing).
-
-    A rank's teardown frees PyTorch's, DeepSpeed's and Transformers' modules object by object: 1.5-2 s
-    of one core after a tiny run (measured), paid by every rank of every launch, for nothing the run
-    keeps. Files the run writes are closed by then (every `open` here is a `with`), and what libraries
-    leave open (loggers, wandb) they flush from their atexit handlers, which run first. A failed rank
-    keeps the slow exit: a rank stopped by a peer's failure must not end before that peer, whose
-    status (124 hung, 75 preempted) the launcher reports when it ends first."""
+    """Exit 0 without the interpreter's teardown (atexit handlers run, output flushed); any other
+    status, or a non-daemon thread still running, exits normally."""
+    # The teardown costs each rank 1.5-2 s of a core (measured on a tiny run). A failed rank keeps it:
+    # stopped by a peer's failure, it must not end before that peer, whose status the launcher reports.
     status = 0 if status is None else status
     others = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
     if status != 0 or others:
