@@ -143,11 +143,30 @@ def estimate_memory(model: ModelShape, layout: Layout, expert_imbalance: float =
 
     `expert_imbalance`: rows the busiest rank's experts receive over the mean (1.0 balanced).
     """
-    estimates = stage_memory(model, layout, expert_imbalance)
+    return _worst(stage_memory(model, layout, expert_imbalance))
+
+
+def memory_within(model: ModelShape, layout: Layout, limit: float,
+                  expert_imbalance: float = 1.0) -> MemoryEstimate | None:
+    """`estimate_memory` where every stage's peak is at most `limit` bytes; None once one is above it
+    (the search discards those, and most of its layouts at 220B do not fit: the rest of their stages
+    need not be counted)."""
+    estimates = []
+    for i, part in enumerate(_parts(model, layout, expert_imbalance)):
+        estimate = _estimate(model, layout, part, expert_imbalance, i)
+        if estimate.peak > limit:
+            return None
+        estimates.append(estimate)
+    return _worst(estimates)
+
+
+def _worst(estimates: list[MemoryEstimate]) -> MemoryEstimate:
+    """The stage whose peak is the largest (the first of equals), with every stage's peak."""
     if len(estimates) == 1:
         return estimates[0]
-    worst = max(range(len(estimates)), key=lambda i: estimates[i].peak)
-    return replace(estimates[worst], stage=worst, stage_peaks=tuple(e.peak for e in estimates))
+    peaks = tuple(e.peak for e in estimates)
+    worst = peaks.index(max(peaks))
+    return replace(estimates[worst], stage=worst, stage_peaks=peaks)
 
 
 def stage_memory(model: ModelShape, layout: Layout, expert_imbalance: float = 1.0) -> list[MemoryEstimate]:

@@ -25,6 +25,7 @@ reduce-scatter and all-gather, as tree and hierarchical algorithms take on large
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -229,7 +230,7 @@ def estimate_time(model: ModelShape, layout: Layout, cluster: Cluster, expert_im
         overlap = not cluster.shared_compute  # gloo on CPU: the sharded optimizer does not overlap
     # the step but its optimizer: the same for every optimizer, ZeRO stage and bucketing the search tries
     compute, a2a, bubble, overhead, tensor, micro_forward, experts, hidden, p2p = _steps_cached(
-        model, cluster, expert_imbalance, overlap, *(getattr(layout, key) for key in STEP_FIELDS))
+        model, cluster, expert_imbalance, overlap, *_step_fields(layout))
     exposed, gather, across, gather_hidden = optimizer_seconds(model, layout, cluster, compute, micro_forward, overlap)
     return TimeEstimate(compute=compute, all_to_all=a2a, grad_reduce=exposed, param_gather=gather,
                         bubble=bubble, overhead=overhead, experts=experts, all_to_all_hidden=hidden, p2p=p2p,
@@ -240,6 +241,7 @@ def estimate_time(model: ModelShape, layout: Layout, cluster: Cluster, expert_im
 # reduction dtype, shard groups, gather overlap); tests/test_plan.py holds it to that.
 STEP_FIELDS = ("world", "ep", "pp", "micro", "accumulation", "checkpointing", "hierarchical", "dedup", "chunks",
                "seq_len", "dtype", "schedule", "virtual_stages", "dispatch", "tp", "sp")
+_step_fields = operator.attrgetter(*STEP_FIELDS)
 
 
 @lru_cache(maxsize=65536)  # a search asks again for each of up to 5 optimizers and the hybrid variants
@@ -401,13 +403,18 @@ def optimizer_collectives(dense: float, expert: float, layout: Layout, cluster: 
         # the nodes the most spread run touches: runs start at multiples of their span of ranks, and one
         # that does not line up with the nodes straddles one more
         span = shard * stride
-        touched = max(-(-((k * span) % per_node + span) // per_node) for k in range(per_node))
-        shard_nodes = nodes if replicas == 1 else min(shard, touched)
+        shard_nodes = nodes if replicas == 1 else min(shard, _nodes_touched(span, per_node))
         out[0] += ring_time(layout.reduce_bytes * elements, shard, cluster, shard_nodes)
         # all-reduce (reduce-scatter + all-gather) of the shard, over ranks on separate nodes mostly
         out[1] += 2 * ring_time(layout.reduce_bytes * elements / shard, replicas, cluster, min(replicas, nodes))
         out[2] += ring_time(layout.param_bytes * elements, shard, cluster, shard_nodes)
     return out[0], out[1], out[2]
+
+
+@lru_cache(maxsize=1024)
+def _nodes_touched(span: int, per_node: int) -> int:
+    """The most nodes a run of `span` consecutive ranks starting at a multiple of `span` covers."""
+    return max(-(-((k * span) % per_node + span) // per_node) for k in range(per_node))
 
 
 def _rate(layout: Layout, cluster: Cluster) -> float:
