@@ -39,7 +39,7 @@ from ds_optimus.plan.__main__ import main as plan_main
 from ds_optimus.plan.configs import layout_from_config
 from ds_optimus.plan.layout import hierarchy_node_size
 from ds_optimus.plan.measure import measurement, measuring_config
-from ds_optimus.plan.memory import local_params, stage_memory
+from ds_optimus.plan.memory import local_params, memory_within, stage_memory
 from ds_optimus.plan.pipeline_model import bubble_fraction, in_flight, stages
 from ds_optimus.plan.scaling import device_counts, efficiency, scaling
 from ds_optimus.plan.search import candidate_layouts, smallest_peak
@@ -234,6 +234,22 @@ def test_memory_model_does_not_read_the_exchanges_dedup_or_chunks():
         for dedup, chunks in ((True, 1), (True, 2), (True, 4), (False, 2)):
             variant = base.with_(dedup=dedup, chunks=chunks)
             assert estimate_memory(shape, variant).as_dict() == want, variant
+
+
+def test_memory_within_a_limit_is_the_estimate_or_none_exactly_where_a_stage_is_over_it():
+    """The search counts a layout's stages only until one is over the device (search._fitting): what it keeps
+    is the whole estimate, and it drops a layout exactly when the whole estimate's peak is over the limit."""
+    shape = ModelShape.from_preset("mula-220b-a10b")
+    for layout in (SEED_220B, SEED_220B.with_(pp=1, accumulation=1, world=384),
+                   SEED_220B.with_(micro=2, accumulation=4)):
+        full = estimate_memory(shape, layout)
+        peaks = full.stage_peaks or (full.peak,)
+        for limit in sorted({*peaks, full.peak * 0.5, full.peak * 2}):
+            within = memory_within(shape, layout, limit)
+            if full.peak <= limit:
+                assert within == full, (layout.describe(), limit)
+            else:
+                assert within is None, (layout.describe(), limit)
 
 
 # -- time ---------------------------------------------------------------------------------------
