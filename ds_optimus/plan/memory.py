@@ -148,9 +148,8 @@ def estimate_memory(model: ModelShape, layout: Layout, expert_imbalance: float =
 
 def memory_within(model: ModelShape, layout: Layout, limit: float,
                   expert_imbalance: float = 1.0) -> MemoryEstimate | None:
-    """`estimate_memory` where every stage's peak is at most `limit` bytes; None once one is above it
-    (the search discards those, and most of its layouts at 220B do not fit: the rest of their stages
-    need not be counted)."""
+    """`estimate_memory` where every stage's peak is at most `limit` bytes; None once one is above it."""
+    # the search drops those, and most of its 220B layouts do not fit: their later stages go uncounted
     estimates = []
     for i, part in enumerate(_parts(model, layout, expert_imbalance)):
         estimate = _estimate(model, layout, part, expert_imbalance, i)
