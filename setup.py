@@ -27,8 +27,10 @@ def prebuilt_ops():
         builders = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(builders)
     except ImportError as error:
-        sys.exit(f"DS_BUILD_MOE_ROUTING=1 compiles the op with the installed PyTorch and DeepSpeed: install them "
-                 f"first and run pip with --no-build-isolation ({error})")
+        sys.exit(
+            f"DS_BUILD_MOE_ROUTING=1 compiles the op with the installed PyTorch and DeepSpeed: install them "
+            f"first and run pip with --no-build-isolation ({error})"
+        )
     extension = builders.MoERoutingBuilder().builder()
     extension.sources = [os.path.relpath(source) for source in extension.sources]  # setuptools wants them relative
     print(f"ds_optimus: prebuilding the {builders.NAME} op ({extension.name})", file=sys.stderr)
@@ -83,7 +85,11 @@ setup(
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,
-    entry_points={"console_scripts": ["ds-optimus-train = ds_optimus.train.cli:main",
-                                      "ds-optimus-plan = ds_optimus.plan.__main__:main",
-                                      "ds-optimus-evaluate = ds_optimus.evaluate.__main__:main"]},
+    entry_points={
+        "console_scripts": [
+            "ds-optimus-train = ds_optimus.train.cli:main",
+            "ds-optimus-plan = ds_optimus.plan.__main__:main",
+            "ds-optimus-evaluate = ds_optimus.evaluate.__main__:main",
+        ]
+    },
 )

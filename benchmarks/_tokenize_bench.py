@@ -107,15 +107,22 @@ def main(doc: str) -> None:
     parser.add_argument("--files", type=int, default=8)
     parser.add_argument("--mb-per-file", type=float, default=2.0)
     parser.add_argument("--only", default=None, help="comma-separated contestants (default: all)")
-    parser.add_argument("--tokenizer", default="", help="an HF tokenizer folder or cached name (default: the shipped "
-                                                         "BPE); results then go to tokenize_<folder name>.json")
+    parser.add_argument(
+        "--tokenizer",
+        default="",
+        help="an HF tokenizer folder or cached name (default: the shipped "
+        "BPE); results then go to tokenize_<folder name>.json",
+    )
     args = parser.parse_args()
     names = args.only.split(",") if args.only else list(CONTESTANTS)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         documents, text_bytes = make_corpus(work / "corpus", args.files, args.mb_per_file)
-        print(f"corpus: {args.files} .jsonl.gz files, {documents:,} documents, {text_bytes / 1e6:.1f} MB of text; "
-              f"{os.cpu_count()} cores", flush=True)
+        print(
+            f"corpus: {args.files} .jsonl.gz files, {documents:,} documents, {text_bytes / 1e6:.1f} MB of text; "
+            f"{os.cpu_count()} cores",
+            flush=True,
+        )
         runs: dict[str, list[dict]] = {name: [] for name in names}
         for round_ in range(args.repeats + 1):  # round 0 warms the page cache and the imports
             for name in names:
@@ -126,10 +133,14 @@ def main(doc: str) -> None:
     table = {}
     for name, results in runs.items():
         seconds = statistics.median(r["seconds"] for r in results)
-        table[name] = {"median_s": seconds, "runs_s": [r["seconds"] for r in results],
-                       "documents": results[0]["documents"], "tokens": results[0]["tokens"],
-                       "documents_per_s": results[0]["documents"] / seconds,
-                       "tokens_per_s": results[0]["tokens"] / seconds}
+        table[name] = {
+            "median_s": seconds,
+            "runs_s": [r["seconds"] for r in results],
+            "documents": results[0]["documents"],
+            "tokens": results[0]["tokens"],
+            "documents_per_s": results[0]["documents"] / seconds,
+            "tokens_per_s": results[0]["tokens"] / seconds,
+        }
     ratios = {}
     if {"ours_w1", "ours_w2"} <= set(table):
         ratios["ours_w2_over_w1"] = table["ours_w1"]["median_s"] / table["ours_w2"]["median_s"]
@@ -144,7 +155,16 @@ def main(doc: str) -> None:
     for key, value in ratios.items():
         print(f"{key}: {value:.2f}x")
     suffix = f"_{Path(args.tokenizer).name}" if args.tokenizer else ""
-    write_result(f"tokenize_cpu{suffix}", {"tokenizer": args.tokenizer or "shipped BPE", "files": args.files,
-                                           "mb_per_file": args.mb_per_file, "documents": documents,
-                                           "text_bytes": text_bytes, "repeats": args.repeats, "contestants": table,
-                                           "ratios": ratios})
+    write_result(
+        f"tokenize_cpu{suffix}",
+        {
+            "tokenizer": args.tokenizer or "shipped BPE",
+            "files": args.files,
+            "mb_per_file": args.mb_per_file,
+            "documents": documents,
+            "text_bytes": text_bytes,
+            "repeats": args.repeats,
+            "contestants": table,
+            "ratios": ratios,
+        },
+    )

@@ -42,12 +42,21 @@ def main() -> None:
     config = json.loads(open(args.config).read())
     optimizer = config["optimizer"]["params"]
     training_args = TrainingArguments(
-        output_dir=args.out + ".run", deepspeed=trainer_ds_config(config), max_steps=args.steps,
+        output_dir=args.out + ".run",
+        deepspeed=trainer_ds_config(config),
+        max_steps=args.steps,
         per_device_train_batch_size=config["train_micro_batch_size_per_gpu"],
-        gradient_accumulation_steps=config.get("gradient_accumulation_steps", 1), learning_rate=optimizer["lr"],
-        weight_decay=optimizer.get("weight_decay", 0.0), max_grad_norm=config.get("gradient_clipping", 1.0),
-        logging_steps=10, save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(),
-        dataloader_drop_last=True, disable_tqdm=True, seed=0,
+        gradient_accumulation_steps=config.get("gradient_accumulation_steps", 1),
+        learning_rate=optimizer["lr"],
+        weight_decay=optimizer.get("weight_decay", 0.0),
+        max_grad_norm=config.get("gradient_clipping", 1.0),
+        logging_steps=10,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=not torch.cuda.is_available(),
+        dataloader_drop_last=True,
+        disable_tqdm=True,
+        seed=0,
         bf16=bool(config.get("bf16", {}).get("enabled")),  # must agree with the DeepSpeed config's
     )
     torch.manual_seed(0)
@@ -59,8 +68,12 @@ def main() -> None:
     if args.experts_implementation:
         model.set_experts_implementation(args.experts_implementation)
     timer = StepTimes()
-    trainer = Trainer(model=model, args=training_args, callbacks=[timer],
-                      train_dataset=PackedSequences(folder_stream(args.data), args.seq_len))
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        callbacks=[timer],
+        train_dataset=PackedSequences(folder_stream(args.data), args.seq_len),
+    )
     trainer.train()
     if trainer.is_world_process_zero():
         losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]

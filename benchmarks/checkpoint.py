@@ -40,17 +40,33 @@ from common import write_result  # noqa: E402
 
 import ds_optimus  # noqa: E402,F401  (hooks DeepSpeed's engine before it is imported)
 
-MODEL = dict(vocab_size=8192, hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-             intermediate_size=1536, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=384,
-             max_position_embeddings=512, pad_token_id=0, eos_token_id=1)
+MODEL = dict(
+    vocab_size=8192,
+    hidden_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    intermediate_size=1536,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=384,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    eos_token_id=1,
+)
 MICRO, SEQ = 2, 128
 
 
 def ds_config(sharded: bool) -> dict:
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-            "steps_per_print": 10**9, "zero_optimization": {"stage": 1},
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1, "torch_adam": True}},
-            "optimus": {"sharded_optimizer": {"enabled": sharded}}}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": 1},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1, "torch_adam": True}},
+        "optimus": {"sharded_optimizer": {"enabled": sharded}},
+    }
 
 
 def build(sharded: bool):
@@ -61,8 +77,9 @@ def build(sharded: bool):
 
     torch.manual_seed(0)
     model = MulaForCausalLM(MulaConfig(**MODEL))
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=moe_param_groups(model, weight_decay=0.1),
-                                      config=ds_config(sharded))
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=moe_param_groups(model, weight_decay=0.1), config=ds_config(sharded)
+    )
     return engine
 
 
@@ -84,7 +101,7 @@ def raw_write(path: Path, size: int) -> None:
     with open(path, "wb", buffering=0) as f:
         left = size
         while left > 0:
-            left -= f.write(block[:min(left, len(block))])
+            left -= f.write(block[: min(left, len(block))])
         os.fsync(f.fileno())
 
 
@@ -105,9 +122,19 @@ def main() -> None:
     for engine in (ours, peer):
         train_step(engine, gen)  # optimizer state exists
     manager = CheckpointManager(root / "ours", keep_last=2)
-    times: dict[str, list[float]] = {k: [] for k in ("ours_sync", "ours_async_blocking", "ours_async_total",
-                                                     "deepspeed_save", "deepspeed_save_fsync", "raw_write",
-                                                     "ours_load", "deepspeed_load")}
+    times: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "ours_sync",
+            "ours_async_blocking",
+            "ours_async_total",
+            "deepspeed_save",
+            "deepspeed_save_fsync",
+            "raw_write",
+            "ours_load",
+            "deepspeed_load",
+        )
+    }
     size = ds_size = 500_000_000  # until measured
     state = {"step": 0}
 
@@ -176,28 +203,42 @@ def main() -> None:
 
     median = {k: statistics.median(v) for k, v in times.items()}
     gb = size / 1e9
-    print(f"\nmodel {params / 1e6:.1f} M parameters; our checkpoint {size / 1e6:.0f} MB, DeepSpeed's "
-          f"{ds_size / 1e6:.0f} MB; {args.rounds} rounds, medians")
+    print(
+        f"\nmodel {params / 1e6:.1f} M parameters; our checkpoint {size / 1e6:.0f} MB, DeepSpeed's "
+        f"{ds_size / 1e6:.0f} MB; {args.rounds} rounds, medians"
+    )
     print(f"{'':<28}{'seconds':>9}{'GB/s':>8}{'vs raw':>8}")
-    rows = [("ours, synchronous save", "ours_sync", size), ("ours, async: loop blocked", "ours_async_blocking", size),
-            ("ours, async: until written", "ours_async_total", size),
-            ("DeepSpeed save_checkpoint", "deepspeed_save", ds_size),
-            ("DeepSpeed save + fsync", "deepspeed_save_fsync", ds_size),
-            ("raw write + fsync", "raw_write", size), ("ours, verify + load", "ours_load", size),
-            ("DeepSpeed load_checkpoint", "deepspeed_load", ds_size)]
+    rows = [
+        ("ours, synchronous save", "ours_sync", size),
+        ("ours, async: loop blocked", "ours_async_blocking", size),
+        ("ours, async: until written", "ours_async_total", size),
+        ("DeepSpeed save_checkpoint", "deepspeed_save", ds_size),
+        ("DeepSpeed save + fsync", "deepspeed_save_fsync", ds_size),
+        ("raw write + fsync", "raw_write", size),
+        ("ours, verify + load", "ours_load", size),
+        ("DeepSpeed load_checkpoint", "deepspeed_load", ds_size),
+    ]
     for label, key, nbytes in rows:
         ratio = median[key] / median["raw_write"]
         print(f"{label:<28}{median[key]:>9.3f}{nbytes / 1e9 / median[key]:>8.2f}{ratio:>7.2f}x")
     quiet_s, busy_s = statistics.median(quiet), statistics.median(busy) if busy else float("nan")
-    print(f"\ntraining step: {quiet_s * 1e3:.0f} ms without a save in flight, {busy_s * 1e3:.0f} ms while one is "
-          f"written ({busy_s / quiet_s - 1:+.0%}, {len(busy)} steps sampled); a synchronous save stops the loop for "
-          f"{median['ours_sync'] / quiet_s:.1f} steps' time, an asynchronous one for "
-          f"{median['ours_async_blocking'] / quiet_s:.2f}")
-    payload = {"parameters": params, "checkpoint_bytes": size, "deepspeed_checkpoint_bytes": ds_size,
-               "rounds": args.rounds, "median_s": median, "all_s": times,
-               "gb_per_s": {key: nbytes / 1e9 / median[key] for _, key, nbytes in rows},
-               "step_s": {"no_save_in_flight": quiet_s, "async_save_in_flight": busy_s, "busy_samples": len(busy)},
-               "checkpoint_gb": gb}
+    print(
+        f"\ntraining step: {quiet_s * 1e3:.0f} ms without a save in flight, {busy_s * 1e3:.0f} ms while one is "
+        f"written ({busy_s / quiet_s - 1:+.0%}, {len(busy)} steps sampled); a synchronous save stops the loop for "
+        f"{median['ours_sync'] / quiet_s:.1f} steps' time, an asynchronous one for "
+        f"{median['ours_async_blocking'] / quiet_s:.2f}"
+    )
+    payload = {
+        "parameters": params,
+        "checkpoint_bytes": size,
+        "deepspeed_checkpoint_bytes": ds_size,
+        "rounds": args.rounds,
+        "median_s": median,
+        "all_s": times,
+        "gb_per_s": {key: nbytes / 1e9 / median[key] for _, key, nbytes in rows},
+        "step_s": {"no_save_in_flight": quiet_s, "async_save_in_flight": busy_s, "busy_samples": len(busy)},
+        "checkpoint_gb": gb,
+    }
     print(f"wrote {write_result('checkpoint_cpu', payload)}")
 
 

@@ -65,8 +65,9 @@ def spaces(model, config, pp: int, ep: int, dp: int, shard: int | None, bucket_s
         out[(stage, "dense", 0)] = shard_pieces(dense, group, False, bucket_size)
         local, sizes = shard_pieces(experts, min(shard or dp // ep, dp // ep), True, bucket_size), dict(experts)
         for q in range(ep):  # each EP rank's local experts start at q x their size in the full weight
-            out[(stage, "experts", q)] = {o: [[n, q * sizes[n] + s, length] for n, s, length in ps]
-                                         for o, ps in local.items()}
+            out[(stage, "experts", q)] = {
+                o: [[n, q * sizes[n] + s, length] for n, s, length in ps] for o, ps in local.items()
+            }
     return out
 
 
@@ -81,8 +82,11 @@ def most_shards_met(saved, resumed, kind: str) -> int:
             want = defaultdict(list)
             for name, start, length in pieces:
                 want[name].append((start, start + length))
-            met = sum(1 for runs in held.values()
-                      if any(a < s + n and s < b for name, s, n in runs for a, b in want.get(name, ())))
+            met = sum(
+                1
+                for runs in held.values()
+                if any(a < s + n and s < b for name, s, n in runs for a, b in want.get(name, ()))
+            )
             most = max(most, met)
     return most
 
@@ -101,8 +105,15 @@ def main() -> None:
     print(f"{args.preset}: PP {args.pp} x EP {args.ep} x DP {args.dp} = {ranks:,} ranks")
     layouts = {"shard groups of 16": 16, "full sharding": None}
     laid = {label: spaces(model, config, args.pp, args.ep, args.dp, s) for label, s in layouts.items()}
-    result = {"preset": args.preset, "pp": args.pp, "ep": args.ep, "dp": args.dp, "ranks": ranks, "saved": {},
-              "resumed": {}}
+    result = {
+        "preset": args.preset,
+        "pp": args.pp,
+        "ep": args.ep,
+        "dp": args.dp,
+        "ranks": ranks,
+        "saved": {},
+        "resumed": {},
+    }
     for label, saved in laid.items():
         entries = sum(len(p) for owners in saved.values() for p in owners.values())
         size = sum(len(json.dumps(p)) for owners in saved.values() for p in owners.values())
@@ -112,8 +123,10 @@ def main() -> None:
         for b in layouts:
             dense, experts = (most_shards_met(laid[a], laid[b], kind) for kind in ("dense", "experts"))
             result["resumed"][f"{a} -> {b}"] = {"dense_files": dense, "expert_files": experts}
-            print(f"  saved in {a}, resumed in {b}: a rank's state meets at most {dense} saved dense and "
-                  f"{experts} saved expert shards: it opens at most {dense + experts} optimizer files of {ranks:,}")
+            print(
+                f"  saved in {a}, resumed in {b}: a rank's state meets at most {dense} saved dense and "
+                f"{experts} saved expert shards: it opens at most {dense + experts} optimizer files of {ranks:,}"
+            )
     out = Path(__file__).parent / "results" / "checkpoint_index.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"written to {out}")

@@ -59,8 +59,10 @@ def main() -> None:
         written = {"whole": [0.0] * args.dp, "staggered": [0.0] * args.dp}
         optimizer = 12 * (dense / args.dp + experts / args.ep / edp)  # every rank's own shard
         files_of = [(f"model_dense_pp{s:03d}", 2 * dense, list(range(args.dp)))]
-        files_of += [(f"model_experts_ep{q:03d}_pp{s:03d}", 2 * experts // args.ep, list(range(q, args.dp, args.ep)))
-                     for q in range(args.ep)]
+        files_of += [
+            (f"model_experts_ep{q:03d}_pp{s:03d}", 2 * experts // args.ep, list(range(q, args.dp, args.ep)))
+            for q in range(args.ep)
+        ]
         for name, size, replicas in files_of:
             parts = part_count(size, len(replicas), floor)
             written["whole"][replicas[0]] += size
@@ -70,27 +72,48 @@ def main() -> None:
             files["whole"] += 1
             files["staggered"] += parts
             if name.startswith("model_dense") or name.startswith("model_experts_ep000"):
-                rows.append({"stage": s, "kind": name.split("_")[1], "files": 1 if "dense" in name else args.ep,
-                             "bytes": size, "replicas": len(replicas), "parts": parts,
-                             "most_per_rank_gib": size / parts / GIB})
+                rows.append(
+                    {
+                        "stage": s,
+                        "kind": name.split("_")[1],
+                        "files": 1 if "dense" in name else args.ep,
+                        "bytes": size,
+                        "replicas": len(replicas),
+                        "parts": parts,
+                        "most_per_rank_gib": size / parts / GIB,
+                    }
+                )
         for kind in most:
             most[kind] = max(most[kind], optimizer + max(written[kind]))
     optimizer = max(12 * (dense / args.dp + experts / args.ep / edp) for dense, experts in stages)  # one rank's shard
     files = {k: v + 2 * ranks + 3 for k, v in files.items()}  # each rank's optimizer and client files; engine, ...
     total = sum(12 * (d + e) + 2 * (d + e) for d, e in stages)
-    result = {"preset": args.preset, "layout": f"PP {args.pp} x EP {args.ep} x DP {args.dp} ({ranks:,} ranks)",
-              "min_part_mib": args.min_part_mib, "checkpoint_gib": total / GIB, "optimizer_shard_gib": optimizer / GIB,
-              "files": files, "most_per_rank_gib": {k: v / GIB for k, v in most.items()},
-              "seconds_at_rank_gbps": {k: v / (args.rank_gbps * 1e9) for k, v in most.items()},
-              "rank_gbps": args.rank_gbps, "model_files": rows}
-    print(f"{args.preset} at {result['layout']}: a checkpoint of {total / GIB:,.0f} GiB; each rank's optimizer "
-          f"shard {optimizer / GIB:.3f} GiB")
+    result = {
+        "preset": args.preset,
+        "layout": f"PP {args.pp} x EP {args.ep} x DP {args.dp} ({ranks:,} ranks)",
+        "min_part_mib": args.min_part_mib,
+        "checkpoint_gib": total / GIB,
+        "optimizer_shard_gib": optimizer / GIB,
+        "files": files,
+        "most_per_rank_gib": {k: v / GIB for k, v in most.items()},
+        "seconds_at_rank_gbps": {k: v / (args.rank_gbps * 1e9) for k, v in most.items()},
+        "rank_gbps": args.rank_gbps,
+        "model_files": rows,
+    }
+    print(
+        f"{args.preset} at {result['layout']}: a checkpoint of {total / GIB:,.0f} GiB; each rank's optimizer "
+        f"shard {optimizer / GIB:.3f} GiB"
+    )
     for row in rows[:4] + rows[-2:]:
-        print(f"  stage {row['stage']} {row['kind']:8s} {row['files']:3d} file(s) of {row['bytes'] / GIB:6.2f} GiB, "
-              f"{row['replicas']:5d} replicas -> {row['parts']:3d} parts of {row['most_per_rank_gib']:.3f} GiB")
+        print(
+            f"  stage {row['stage']} {row['kind']:8s} {row['files']:3d} file(s) of {row['bytes'] / GIB:6.2f} GiB, "
+            f"{row['replicas']:5d} replicas -> {row['parts']:3d} parts of {row['most_per_rank_gib']:.3f} GiB"
+        )
     for kind in ("whole", "staggered"):
-        print(f"  {kind:9s}: {files[kind]:,} files; the busiest rank writes {most[kind] / GIB:.2f} GiB, "
-              f"{result['seconds_at_rank_gbps'][kind]:.1f} s at {args.rank_gbps} GB/s a rank")
+        print(
+            f"  {kind:9s}: {files[kind]:,} files; the busiest rank writes {most[kind] / GIB:.2f} GiB, "
+            f"{result['seconds_at_rank_gbps'][kind]:.1f} s at {args.rank_gbps} GB/s a rank"
+        )
     out = Path(__file__).parent / "results" / "checkpoint_writes_220b.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

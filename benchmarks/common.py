@@ -24,8 +24,9 @@ def synchronize(device: torch.device | str) -> None:
         torch.cuda.synchronize()
 
 
-def interleaved_medians(contestants: dict[str, Callable[[], object]], repeats: int, warmup: int,
-                        device: str = "cpu") -> dict[str, dict[str, float]]:
+def interleaved_medians(
+    contestants: dict[str, Callable[[], object]], repeats: int, warmup: int, device: str = "cpu"
+) -> dict[str, dict[str, float]]:
     """Run every contestant `warmup` times, then `repeats` rounds in which each runs once (in turn,
     so slow drifts of the machine hit all alike); returns median/min/max seconds per contestant, and
     `host_median_s`: the median time until the call returns, before the device is waited for (on an
@@ -44,8 +45,15 @@ def interleaved_medians(contestants: dict[str, Callable[[], object]], repeats: i
             host[name].append(time.perf_counter() - start)
             synchronize(device)
             times[name].append(time.perf_counter() - start)
-    return {n: {"median_s": statistics.median(t), "min_s": min(t), "max_s": max(t),
-                "host_median_s": statistics.median(host[n])} for n, t in times.items()}
+    return {
+        n: {
+            "median_s": statistics.median(t),
+            "min_s": min(t),
+            "max_s": max(t),
+            "host_median_s": statistics.median(host[n]),
+        }
+        for n, t in times.items()
+    }
 
 
 def machine() -> dict[str, object]:
@@ -117,7 +125,13 @@ def launch_deepspeed(command: list[str], work: Path, gpus: int) -> None:
         port = s.getsockname()[1]
     launcher = deepspeed_launcher()
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([str(launcher), "--num_gpus", str(gpus), "--master_port", str(port), *command], cwd=work,
-                          env=env, capture_output=True, text=True, timeout=3600)
+    proc = subprocess.run(
+        [str(launcher), "--num_gpus", str(gpus), "--master_port", str(port), *command],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     if proc.returncode:
         raise RuntimeError(f"{' '.join(command[:3])} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")

@@ -37,8 +37,12 @@ from common import interleaved_medians, write_result  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, TOP_K, WORLD, NODE = 512, 256, 64, 8, 4, 2
 OURS = {  # name: (node_size, dedup, chunks)
-    "per_slot": (None, False, 1), "dedup": (None, True, 1), "dedup_overlap": (None, True, "chunks"),
-    "per_slot_2x2": (NODE, False, 1), "dedup_2x2": (NODE, True, 1), "dedup_overlap_2x2": (NODE, True, "chunks"),
+    "per_slot": (None, False, 1),
+    "dedup": (None, True, 1),
+    "dedup_overlap": (None, True, "chunks"),
+    "per_slot_2x2": (NODE, False, 1),
+    "dedup_2x2": (NODE, True, 1),
+    "dedup_overlap_2x2": (NODE, True, "chunks"),
 }
 
 
@@ -59,8 +63,9 @@ def _deepspeed_layer(ours, dtype):
 
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
-    moe = MoE(HIDDEN, SwiGLU(), num_experts=EXPERTS, ep_size=WORLD, k=TOP_K, drop_tokens=False,
-              use_rts=False, min_capacity=0)
+    moe = MoE(
+        HIDDEN, SwiGLU(), num_experts=EXPERTS, ep_size=WORLD, k=TOP_K, drop_tokens=False, use_rts=False, min_capacity=0
+    )
     moe.set_deepspeed_parallelism()
     with torch.no_grad():  # the same routing as ours
         moe.deepspeed_moe.gate.wg.weight.copy_(ours.gate.weight.float())
@@ -93,11 +98,13 @@ def _exchange_only(dtype, node_size, dedup, chunks, x, ids, weights):
             plan = plan_routing(ids, EXPERTS)
             y = dispatcher(permute_tokens(x, plan), plan.counts, experts)
             return unpermute_combine(y, weights, plan)
+
     return run
 
 
-def worker(rank: int, world: int, tokens: int, dtype_name: str, chunks: int, repeats: int, warmup: int,
-           with_deepspeed: bool) -> dict:
+def worker(
+    rank: int, world: int, tokens: int, dtype_name: str, chunks: int, repeats: int, warmup: int, with_deepspeed: bool
+) -> dict:
     from ds_optimus.parallel.traffic import ExchangeTraffic
 
     dtype = getattr(torch, dtype_name)
@@ -113,6 +120,7 @@ def worker(rank: int, world: int, tokens: int, dtype_name: str, chunks: int, rep
             layer.zero_grad(set_to_none=True)
             inp = x.detach().requires_grad_()
             layer(inp)[0].backward(grad)
+
         return run
 
     contestants = {name: step(layer) for name, layer in layers.items()}
@@ -121,8 +129,12 @@ def worker(rank: int, world: int, tokens: int, dtype_name: str, chunks: int, rep
         with ExchangeTraffic() as counted:
             run()
         row_bytes = HIDDEN * x.element_size()
-        traffic[name] = {"bytes": counted.sent, "bytes_between_nodes": counted.inter_node(NODE),
-                         "hidden_rows": counted.rows(row_bytes), "collectives": counted.calls}
+        traffic[name] = {
+            "bytes": counted.sent,
+            "bytes_between_nodes": counted.inter_node(NODE),
+            "hidden_rows": counted.rows(row_bytes),
+            "collectives": counted.calls,
+        }
     layer_times = interleaved_medians(contestants, repeats, warmup)
 
     # the exchange alone, on the routing the layer makes
@@ -133,14 +145,16 @@ def worker(rank: int, world: int, tokens: int, dtype_name: str, chunks: int, rep
     exchanges = {}
     for name, (n, d, c) in OURS.items():
         fn = _exchange_only(dtype, n, d, chunks if c == "chunks" else c, inp, ids, w)
-        exchanges[name] = (lambda fn=fn: fn().backward(grad))
+        exchanges[name] = lambda fn=fn: fn().backward(grad)
     exchange_times = interleaved_medians(exchanges, repeats, warmup)
 
     ranks = ids.div(EXPERTS // WORLD, rounding_mode="floor")
     hit = torch.zeros(tokens, WORLD, dtype=torch.bool).scatter_(1, ranks, True)
-    routing = {"ranks_per_token": hit.sum(1).float().mean().item(),
-               "nodes_per_token": hit.view(tokens, WORLD // NODE, NODE).any(2).sum(1).float().mean().item(),
-               "other_ranks_per_token": (hit.sum(1) - hit[:, rank].int()).float().mean().item()}
+    routing = {
+        "ranks_per_token": hit.sum(1).float().mean().item(),
+        "nodes_per_token": hit.view(tokens, WORLD // NODE, NODE).any(2).sum(1).float().mean().item(),
+        "other_ranks_per_token": (hit.sum(1) - hit[:, rank].int()).float().mean().item(),
+    }
     dist.barrier()
     return {"traffic": traffic, "layer": layer_times, "exchange": exchange_times, "routing": routing}
 
@@ -164,10 +178,14 @@ def main() -> None:
 
     from ds_optimus.parallel.traffic import expected_groups_hit, group_hit_probability
 
-    print(f"{WORLD} processes (gloo), {args.tokens} tokens each, {args.dtype}, hidden {HIDDEN}, "
-          f"{EXPERTS} experts top-{TOP_K}, EP {WORLD}; 2x2: nodes of {NODE}", flush=True)
-    results = run_distributed(worker, WORLD, args.tokens, args.dtype, args.chunks, args.repeats, args.warmup,
-                              not args.no_deepspeed)
+    print(
+        f"{WORLD} processes (gloo), {args.tokens} tokens each, {args.dtype}, hidden {HIDDEN}, "
+        f"{EXPERTS} experts top-{TOP_K}, EP {WORLD}; 2x2: nodes of {NODE}",
+        flush=True,
+    )
+    results = run_distributed(
+        worker, WORLD, args.tokens, args.dtype, args.chunks, args.repeats, args.warmup, not args.no_deepspeed
+    )
     names = list(results[0]["traffic"])
     table = {}
     for name in names:
@@ -175,35 +193,62 @@ def main() -> None:
         between = sum(r["traffic"][name]["bytes_between_nodes"] for r in results)
         layer_s = max(r["layer"][name]["median_s"] for r in results)  # the slowest rank sets the pace
         exchange_s = max(r["exchange"][name]["median_s"] for r in results) if name in results[0]["exchange"] else None
-        table[name] = {"bytes_per_rank": sent, "bytes_between_nodes": between, "layer_s": layer_s,
-                       "exchange_s": exchange_s,
-                       "hidden_rows_per_rank": [r["traffic"][name]["hidden_rows"] for r in results]}
+        table[name] = {
+            "bytes_per_rank": sent,
+            "bytes_between_nodes": between,
+            "layer_s": layer_s,
+            "exchange_s": exchange_s,
+            "hidden_rows_per_rank": [r["traffic"][name]["hidden_rows"] for r in results],
+        }
     base = table["per_slot"]
-    print(f"\n{'exchange':<20}{'MB/rank':>9}{'vs per_slot':>12}{'MB 2 nodes':>12}{'vs per_slot':>12}"
-          f"{'layer ms':>10}{'exchange ms':>13}")
+    print(
+        f"\n{'exchange':<20}{'MB/rank':>9}{'vs per_slot':>12}{'MB 2 nodes':>12}{'vs per_slot':>12}"
+        f"{'layer ms':>10}{'exchange ms':>13}"
+    )
     for name, row in table.items():
         mb = statistics.mean(row["bytes_per_rank"]) / 1e6
         row["fewer_bytes"] = statistics.mean(base["bytes_per_rank"]) / statistics.mean(row["bytes_per_rank"])
         row["fewer_bytes_between_nodes"] = base["bytes_between_nodes"] / row["bytes_between_nodes"]
         exchange = f"{row['exchange_s'] * 1e3:.1f}" if row["exchange_s"] is not None else "-"
-        print(f"{name:<20}{mb:>9.2f}{row['fewer_bytes']:>11.2f}x{row['bytes_between_nodes'] / 1e6:>12.2f}"
-              f"{row['fewer_bytes_between_nodes']:>11.2f}x{row['layer_s'] * 1e3:>10.1f}{exchange:>13}")
+        print(
+            f"{name:<20}{mb:>9.2f}{row['fewer_bytes']:>11.2f}x{row['bytes_between_nodes'] / 1e6:>12.2f}"
+            f"{row['fewer_bytes_between_nodes']:>11.2f}x{row['layer_s'] * 1e3:>10.1f}{exchange:>13}"
+        )
     flat = table["per_slot_2x2"]["bytes_between_nodes"] / table["dedup_2x2"]["bytes_between_nodes"]
     measured = {k: statistics.mean(r["routing"][k] for r in results) for k in results[0]["routing"]}
-    model = {"ranks_per_token": expected_groups_hit(EXPERTS, TOP_K, WORLD),
-             "nodes_per_token": expected_groups_hit(EXPERTS, TOP_K, WORLD // NODE),
-             "other_ranks_per_token": (WORLD - 1) * group_hit_probability(EXPERTS, TOP_K, EXPERTS // WORLD)}
+    model = {
+        "ranks_per_token": expected_groups_hit(EXPERTS, TOP_K, WORLD),
+        "nodes_per_token": expected_groups_hit(EXPERTS, TOP_K, WORLD // NODE),
+        "other_ranks_per_token": (WORLD - 1) * group_hit_probability(EXPERTS, TOP_K, EXPERTS // WORLD),
+    }
     print("\nrouting, measured vs the planner's uniform-routing model:")
     for key in measured:
         print(f"  {key:<24}{measured[key]:>7.3f}  model {model[key]:.3f}")
-    print(f"\nEP {WORLD}: dedup sends {table['dedup']['fewer_bytes']:.2f}x fewer bytes per rank than per-slot "
-          f"(target 2x); 2x2: {flat:.2f}x fewer bytes between nodes (target 3x)")
+    print(
+        f"\nEP {WORLD}: dedup sends {table['dedup']['fewer_bytes']:.2f}x fewer bytes per rank than per-slot "
+        f"(target 2x); 2x2: {flat:.2f}x fewer bytes between nodes (target 3x)"
+    )
     if not args.dry_run:
-        path = write_result("ep_dispatch_cpu", {
-            "shape": dict(tokens_per_rank=args.tokens, hidden=HIDDEN, intermediate=INTER, experts=EXPERTS,
-                          top_k=TOP_K, world=WORLD, node_size=NODE, dtype=args.dtype, chunks=args.chunks),
-            "repeats": args.repeats, "warmup": args.warmup, "results": table,
-            "routing": {"measured": measured, "model": model}})
+        path = write_result(
+            "ep_dispatch_cpu",
+            {
+                "shape": dict(
+                    tokens_per_rank=args.tokens,
+                    hidden=HIDDEN,
+                    intermediate=INTER,
+                    experts=EXPERTS,
+                    top_k=TOP_K,
+                    world=WORLD,
+                    node_size=NODE,
+                    dtype=args.dtype,
+                    chunks=args.chunks,
+                ),
+                "repeats": args.repeats,
+                "warmup": args.warmup,
+                "results": table,
+                "routing": {"measured": measured, "model": model},
+            },
+        )
         print(f"wrote {path}")
 
 

@@ -52,22 +52,30 @@ def contestants_for(tokens: int, device: str, dtype: torch.dtype):
         def run():
             module.zero_grad(set_to_none=True)
             call(module, x.detach().requires_grad_()).backward(grad)
+
         return run
 
     runs, outputs = {}, {}
     for backend in available_backends(device, dtype):
         if backend == "reference":
             continue
+
         def call(m, inp, backend=backend):
             m.experts.experts_backend = backend
             return m(inp)[0]
+
         runs[f"ours_{backend}"] = fwd_bwd(ours, call)
         outputs[f"ours_{backend}"] = call(ours, x).detach()
 
     from transformers.models.olmoe.modeling_olmoe import OlmoeConfig, OlmoeSparseMoeBlock
 
-    cfg = OlmoeConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
-                      norm_topk_prob=False)
+    cfg = OlmoeConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        num_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+        norm_topk_prob=False,
+    )
     for impl in ("grouped_mm", "eager"):
         c = copy.deepcopy(cfg)
         c._experts_implementation = impl
@@ -107,12 +115,12 @@ def main() -> None:
     device, dtype = "cuda", torch.bfloat16
     try:
         import triton
+
         versions = {"triton": triton.__version__}
     except ImportError:
         versions = {"triton": None}
     shape = dict(hidden=HIDDEN, intermediate=INTER, experts=EXPERTS, top_k=TOP_K, dtype="bfloat16")
-    payload = {**versions, "shape": shape,
-               "repeats": args.repeats, "results": {}}
+    payload = {**versions, "shape": shape, "repeats": args.repeats, "results": {}}
     for tokens in map(int, args.tokens.split(",")):
         runs, outputs = contestants_for(tokens, device, dtype)
         ref = outputs["hf_eager"].float()
@@ -121,29 +129,41 @@ def main() -> None:
         flops = matmul_flops(tokens)
         dense_rate = flops / times["dense"]["median_s"]
         print(f"\n{tokens} tokens, {torch.cuda.get_device_name()}: dense bf16 rate {dense_rate / 1e12:.0f} TFLOP/s")
-        print(f"{'contestant':<20}{'median ms':>10}{'host ms':>9}{'TFLOP/s':>9}{'of dense':>10}"
-              f"{'rel. diff vs hf_eager':>23}")
+        print(
+            f"{'contestant':<20}{'median ms':>10}{'host ms':>9}{'TFLOP/s':>9}{'of dense':>10}"
+            f"{'rel. diff vs hf_eager':>23}"
+        )
         for name, t in times.items():
             t["tflops"] = flops / t["median_s"] / 1e12
             t["fraction_of_dense"] = t["tflops"] * 1e12 / dense_rate
             diff = f"{agree[name]:.1e}" if name in agree else "-"
-            print(f"{name:<20}{t['median_s'] * 1e3:>10.2f}{t['host_median_s'] * 1e3:>9.2f}{t['tflops']:>9.0f}"
-                  f"{t['fraction_of_dense']:>9.0%}{diff:>23}")
+            print(
+                f"{name:<20}{t['median_s'] * 1e3:>10.2f}{t['host_median_s'] * 1e3:>9.2f}{t['tflops']:>9.0f}"
+                f"{t['fraction_of_dense']:>9.0%}{diff:>23}"
+            )
         result = {"matmul_flops_fwd_bwd": flops, "times": times, "output_rel_diff_vs_hf_eager": agree}
         if "ours_triton" in times and "ours_grouped_mm" in times:
             speedup = times["ours_grouped_mm"]["median_s"] / times["ours_triton"]["median_s"]
             share = times["ours_triton"]["fraction_of_dense"]
             want_speedup, want_share = (1.3, 0.6) if tokens >= 16384 else (1.2, None)
-            result["triton_targets"] = {"speedup_vs_grouped_mm": speedup, "fraction_of_dense": share,
-                                        "met": speedup >= want_speedup and share >= (want_share or 0)}
-            print(f"triton: {speedup:.2f}x ours_grouped_mm (target {want_speedup}x), {share:.0%} of dense"
-                  + (f" (target {want_share:.0%})" if want_share else ""))
+            result["triton_targets"] = {
+                "speedup_vs_grouped_mm": speedup,
+                "fraction_of_dense": share,
+                "met": speedup >= want_speedup and share >= (want_share or 0),
+            }
+            print(
+                f"triton: {speedup:.2f}x ours_grouped_mm (target {want_speedup}x), {share:.0%} of dense"
+                + (f" (target {want_share:.0%})" if want_share else "")
+            )
         payload["results"][str(tokens)] = result
     gpu = torch.cuda.get_device_name().replace(" ", "_")
     print(f"\nwrote {write_result('moe_kernels_' + gpu, payload)}")
     if args.profile:
-        tables = [f"== {name}, {tokens} tokens, forward + backward\n{profile_table(runs[name], device)}"
-                  for name in ("ours_triton", "ours_grouped_mm") if name in runs]
+        tables = [
+            f"== {name}, {tokens} tokens, forward + backward\n{profile_table(runs[name], device)}"
+            for name in ("ours_triton", "ours_grouped_mm")
+            if name in runs
+        ]
         print(f"wrote {write_text_result(f'moe_kernels_profile_{gpu}.txt', chr(10).join(tables))}")
 
 

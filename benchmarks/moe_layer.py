@@ -48,6 +48,7 @@ def build_contestants(tokens: int, dtype: torch.dtype, with_deepspeed: bool):
             module.zero_grad(set_to_none=True)
             inp = x.detach().requires_grad_()
             call(module, inp).backward(grad)
+
         return run
 
     contestants = {"ours": fwd_bwd(ours, lambda m, inp: m(inp)[0])}
@@ -56,8 +57,9 @@ def build_contestants(tokens: int, dtype: torch.dtype, with_deepspeed: bool):
 
     from transformers.models.olmoe.modeling_olmoe import OlmoeConfig, OlmoeSparseMoeBlock
 
-    cfg = OlmoeConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
-                      norm_topk_prob=True)
+    cfg = OlmoeConfig(
+        hidden_size=HIDDEN, intermediate_size=INTER, num_experts=EXPERTS, num_experts_per_tok=TOP_K, norm_topk_prob=True
+    )
     for impl in ("eager", "grouped_mm", "batched_mm"):
         c = copy.deepcopy(cfg)
         c._experts_implementation = impl
@@ -66,8 +68,10 @@ def build_contestants(tokens: int, dtype: torch.dtype, with_deepspeed: bool):
         if impl == "batched_mm":  # it gathers a copy of the expert weights for every token slot
             need = tokens * TOP_K * 3 * INTER * HIDDEN * x.element_size()
             if need > available_memory() // 2:
-                skipped["hf_batched_mm"] = (f"needs {need / 2**30:.0f} GiB for per-slot weight copies, "
-                                            f"{available_memory() / 2**30:.0f} GiB available")
+                skipped["hf_batched_mm"] = (
+                    f"needs {need / 2**30:.0f} GiB for per-slot weight copies, "
+                    f"{available_memory() / 2**30:.0f} GiB available"
+                )
                 continue
         outputs[f"hf_{impl}"] = block(x).detach()
         contestants[f"hf_{impl}"] = fwd_bwd(block, lambda m, inp: m(inp))
@@ -123,8 +127,9 @@ def deepspeed_contestant(ours, x, grad, dtype):
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")
         deepspeed.init_distributed(dist_backend="gloo")
-    moe = MoE(HIDDEN, SwiGLU(), num_experts=EXPERTS, ep_size=1, k=TOP_K, drop_tokens=False,
-              use_rts=False, min_capacity=0)
+    moe = MoE(
+        HIDDEN, SwiGLU(), num_experts=EXPERTS, ep_size=1, k=TOP_K, drop_tokens=False, use_rts=False, min_capacity=0
+    )
     moe.set_deepspeed_parallelism()
     with torch.no_grad():
         moe.deepspeed_moe.gate.wg.weight.copy_(ours.gate.weight)
@@ -160,6 +165,7 @@ def ep_share_worker(rank, world, tokens, dtype_name, repeats):
                 return fn(*args, **kwargs)
             finally:
                 spent[0] += time.perf_counter() - start
+
         return wrapper
 
     # Everything the dispatcher does besides the local experts: count exchange, all-to-alls, regrouping.
@@ -212,8 +218,11 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--no-deepspeed", action="store_true")
     parser.add_argument("--no-ep", action="store_true", help="skip the EP=2 dispatch/combine measurement")
-    parser.add_argument("--profile", action="store_true",
-                        help="instead of timing, print where ours and the floor spend their time, per operator")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead of timing, print where ours and the floor spend their time, per operator",
+    )
     args = parser.parse_args()
     if args.profile:
         for dtype_name in args.dtypes.split(","):
@@ -223,15 +232,22 @@ def main() -> None:
         return
 
     flops = 3 * 2 * args.tokens * TOP_K * (HIDDEN * 2 * INTER + INTER * HIDDEN)
-    payload = {"shape": dict(tokens=args.tokens, hidden=HIDDEN, intermediate=INTER, experts=EXPERTS, top_k=TOP_K),
-               "matmul_flops_fwd_bwd": flops, "repeats": args.repeats, "results": {}}
+    payload = {
+        "shape": dict(tokens=args.tokens, hidden=HIDDEN, intermediate=INTER, experts=EXPERTS, top_k=TOP_K),
+        "matmul_flops_fwd_bwd": flops,
+        "repeats": args.repeats,
+        "results": {},
+    }
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         contestants, outputs, skipped = build_contestants(args.tokens, dtype, not args.no_deepspeed)
         ref = outputs["hf_eager"].float()
         agree = {k: ((v.float() - ref).norm() / ref.norm()).item() for k, v in outputs.items()}
-        print(f"\n{dtype_name}: ours uses backend {select_backend('cpu', dtype)!r}; "
-              f"{args.repeats} interleaved repeats after {args.warmup} warm-up", flush=True)
+        print(
+            f"\n{dtype_name}: ours uses backend {select_backend('cpu', dtype)!r}; "
+            f"{args.repeats} interleaved repeats after {args.warmup} warm-up",
+            flush=True,
+        )
         times = interleaved_medians(contestants, args.repeats, args.warmup)
         ours = times["ours"]["median_s"]
         print(f"{'contestant':<16}{'median ms':>11}{'GFLOP/s':>10}{'vs ours':>9}{'rel. diff vs hf_eager':>24}")

@@ -64,7 +64,9 @@ def part_case(tokens: int, hidden: int, dtype: torch.dtype, device: str):
                 out = unpermute_combine(rows, ws, plan)  # the experts left out: only this part is timed
                 out.backward(grad)
             return out, xs.grad, ws.grad
+
         return go
+
     return run
 
 
@@ -85,18 +87,26 @@ def layer_case(tokens: int, hidden: int, inter: int, dtype: torch.dtype, device:
                 out = layer(xs)[0]
                 out.backward(grad)
             return out, xs.grad, layer.gate.weight.grad
+
         return go
+
     return run
 
 
 def compare(run, repeats: int, device: str) -> dict:
     """Both paths, interleaved; checks that they agree first."""
     got, want = run("auto")(), run("reference")()
-    diff = max(((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-               for a, b in zip(got, want, strict=True))
+    diff = max(
+        ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+        for a, b in zip(got, want, strict=True)
+    )
     times = interleaved_medians({"kernels": run("auto"), "reference": run("reference")}, repeats, 2, device)
-    return {"kernels_s": times["kernels"]["median_s"], "reference_s": times["reference"]["median_s"],
-            "speedup": times["reference"]["median_s"] / times["kernels"]["median_s"], "max_rel_diff": diff}
+    return {
+        "kernels_s": times["kernels"]["median_s"],
+        "reference_s": times["reference"]["median_s"],
+        "speedup": times["reference"]["median_s"] / times["kernels"]["median_s"],
+        "max_rel_diff": diff,
+    }
 
 
 def ep2_worker(rank, world, tokens, hidden, inter, dtype_name, repeats, dedup):
@@ -117,7 +127,9 @@ def ep2_worker(rank, world, tokens, hidden, inter, dtype_name, repeats, dedup):
                 layer.zero_grad(set_to_none=True)
                 layer(x.detach().requires_grad_())[0].backward(grad)
                 torch.distributed.barrier()
+
         return go
+
     times = interleaved_medians({"kernels": run("auto"), "reference": run("reference")}, repeats, 2)
     return {name: t["median_s"] for name, t in times.items()}
 
@@ -147,20 +159,37 @@ def main() -> None:
     results = {}
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
-        res = {"part": compare(part_case(args.tokens, args.hidden, dtype, device), args.repeats, device),
-               "layer": compare(layer_case(args.tokens, args.hidden, args.inter, dtype, device), args.repeats, device)}
+        res = {
+            "part": compare(part_case(args.tokens, args.hidden, dtype, device), args.repeats, device),
+            "layer": compare(layer_case(args.tokens, args.hidden, args.inter, dtype, device), args.repeats, device),
+        }
         if device == "cpu" and not args.skip_ep2:
             for label, dedup in (("layer_ep2_per_slot", False), ("layer_ep2_dedup", True)):
                 res[label] = ep2(args.tokens, args.hidden, args.inter, name, args.repeats, dedup)
         results[name] = res
         for what, r in res.items():
             diff = f"  (rel diff {r['max_rel_diff']:.1e})" if "max_rel_diff" in r else ""
-            print(f"{name:9s} {what:20s} reference {r['reference_s'] * 1e3:9.2f} ms  "
-                  f"kernels {r['kernels_s'] * 1e3:9.2f} ms  speedup {r['speedup']:.2f}x{diff}")
+            print(
+                f"{name:9s} {what:20s} reference {r['reference_s'] * 1e3:9.2f} ms  "
+                f"kernels {r['kernels_s'] * 1e3:9.2f} ms  speedup {r['speedup']:.2f}x{diff}"
+            )
     out = args.out or f"moe_routing_{device}"  # benchmarks/results/<out>.json
-    write_result(out, {"machine": machine(), "kernel": kind, "shape": {
-        "tokens": args.tokens, "hidden": args.hidden, "intermediate": args.inter, "experts": EXPERTS, "top_k": TOP_K},
-        "repeats": args.repeats, "results": results})
+    write_result(
+        out,
+        {
+            "machine": machine(),
+            "kernel": kind,
+            "shape": {
+                "tokens": args.tokens,
+                "hidden": args.hidden,
+                "intermediate": args.inter,
+                "experts": EXPERTS,
+                "top_k": TOP_K,
+            },
+            "repeats": args.repeats,
+            "results": results,
+        },
+    )
     print(f"wrote {out}")
 
 

@@ -47,33 +47,65 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result  # noqa: E402
 
 WORLD, EP, NODE = 4, 2, 2
-SHAPE = dict(vocab_size=2048, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-             intermediate_size=512, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=256,
-             max_position_embeddings=512, pad_token_id=0, eos_token_id=1)
+SHAPE = dict(
+    vocab_size=2048,
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    intermediate_size=512,
+    num_experts=16,
+    num_experts_per_tok=2,
+    moe_intermediate_size=256,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    eos_token_id=1,
+)
 MICRO, SEQ = 2, 64
 # name: (sharded optimizer, ZeRO stage, options of the sharded optimizer)
-CONTESTANTS = {"ours_zero2": (True, 2, {}), "ours_zero2_overlap": (True, 2, {"overlap_comm": True}),
-               "ours_zero2_bf16_wire": (True, 2, {"reduce_dtype": "bf16"}),
-               "ours_zero1": (True, 1, {}),
-               "ours_zero1_bf16_wire": (True, 1, {"reduce_dtype": "bf16"}),
-               "ours_zero1_gather_overlap": (True, 1, {"overlap_param_gather": True}),
-               "ours_zero1_group2": (True, 1, {"shard_group_size": 2}),
-               "ours_zero1_group2_gather_overlap": (True, 1, {"shard_group_size": 2, "overlap_param_gather": True}),
-               "deepspeed_zero2": (False, 2, {}), "deepspeed_zero1": (False, 1, {})}
-COLLECTIVES = ("all_reduce", "reduce", "reduce_scatter_tensor", "reduce_scatter", "reduce_scatter_single",
-               "all_gather_into_tensor", "all_gather", "all_gather_single", "broadcast", "all_to_all_single",
-               "all_to_all")
+CONTESTANTS = {
+    "ours_zero2": (True, 2, {}),
+    "ours_zero2_overlap": (True, 2, {"overlap_comm": True}),
+    "ours_zero2_bf16_wire": (True, 2, {"reduce_dtype": "bf16"}),
+    "ours_zero1": (True, 1, {}),
+    "ours_zero1_bf16_wire": (True, 1, {"reduce_dtype": "bf16"}),
+    "ours_zero1_gather_overlap": (True, 1, {"overlap_param_gather": True}),
+    "ours_zero1_group2": (True, 1, {"shard_group_size": 2}),
+    "ours_zero1_group2_gather_overlap": (True, 1, {"shard_group_size": 2, "overlap_param_gather": True}),
+    "deepspeed_zero2": (False, 2, {}),
+    "deepspeed_zero1": (False, 1, {}),
+}
+COLLECTIVES = (
+    "all_reduce",
+    "reduce",
+    "reduce_scatter_tensor",
+    "reduce_scatter",
+    "reduce_scatter_single",
+    "all_gather_into_tensor",
+    "all_gather",
+    "all_gather_single",
+    "broadcast",
+    "all_to_all_single",
+    "all_to_all",
+)
 
 
 def ds_config(sharded: bool, stage: int, options: dict | None = None) -> dict:
     return {
-        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
         "steps_per_print": 10**9,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
-                                                  "torch_adam": True}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "torch_adam": True},
+        },
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 5_000_000, "allgather_bucket_size": 5_000_000},
-        "optimus": {"expert_parallel": {"size": EP}, "moe": {"experts_backend": "looped"},
-                    "sharded_optimizer": {"enabled": sharded, "bucket_size": 5_000_000, **(options or {})}},
+        "optimus": {
+            "expert_parallel": {"size": EP},
+            "moe": {"experts_backend": "looped"},
+            "sharded_optimizer": {"enabled": sharded, "bucket_size": 5_000_000, **(options or {})},
+        },
     }
 
 
@@ -110,14 +142,18 @@ class Counter:
             if self.active and self.depth == 0 and not any(id(a) in self.skip for a in values):
                 tensors = [a for a in values if isinstance(a, torch.Tensor)]
                 lists = [a for a in values if isinstance(a, list)]
-                if name.endswith(("_into_tensor", "_tensor", "_single")) and name != "all_to_all_single" \
-                        and len(tensors) >= 2:
+                if (
+                    name.endswith(("_into_tensor", "_tensor", "_single"))
+                    and name != "all_to_all_single"
+                    and len(tensors) >= 2
+                ):
                     size = tensors[1].numel() * tensors[1].element_size()  # (output, input)
                 elif tensors:
                     size = tensors[0].numel() * tensors[0].element_size()
                 else:
-                    size = sum(t.numel() * t.element_size() for lst in lists[-1:] for t in lst
-                               if isinstance(t, torch.Tensor))
+                    size = sum(
+                        t.numel() * t.element_size() for lst in lists[-1:] for t in lst if isinstance(t, torch.Tensor)
+                    )
                 groups = [a for a in values if isinstance(a, dist.ProcessGroup)]  # by keyword or position
                 ranks = dist.get_process_group_ranks(groups[0]) if groups else list(range(dist.get_world_size()))
                 n = len(ranks)
@@ -145,16 +181,21 @@ class Counter:
 def deepspeed_state_bytes(engine) -> dict[str, int]:
     opt = engine.optimizer
     master = sum(t.numel() * t.element_size() for t in opt.single_partition_of_fp32_groups)
-    moments = sum(v.numel() * v.element_size() for s in opt.optimizer.state.values() for v in s.values()
-                  if isinstance(v, torch.Tensor) and v.dim() > 0)
+    moments = sum(
+        v.numel() * v.element_size()
+        for s in opt.optimizer.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    )
     grads = 0
     if engine.zero_optimization_stage() == 1:  # full gradients stay on the parameters until the step
         grads = sum(p.numel() * p.element_size() for p in engine.module.parameters() if p.requires_grad)
     else:  # the reduced partition (kept in the parameters' dtype)
         grads = sum(p.numel() * p.element_size() for p in opt.single_partition_of_fp32_groups)
     # plus the reduce buckets the gradients are copied into (ZeRO-2)
-    grads += sum(t.numel() * t.element_size() for b in getattr(opt, "ipg_buckets", {}).values()
-                 for t in getattr(b, "buffer", []))
+    grads += sum(
+        t.numel() * t.element_size() for b in getattr(opt, "ipg_buckets", {}).values() for t in getattr(b, "buffer", [])
+    )
     return {"optimizer_state": master + moments, "gradient_buffers": grads}
 
 
@@ -176,8 +217,9 @@ def try_autoep() -> str:
 
 
 def worker(rank: int, port: int, out: str, rounds: int, warmup: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     import deepspeed
@@ -203,8 +245,9 @@ def worker(rank: int, port: int, out: str, rounds: int, warmup: int) -> None:
         model = build_model()
         config = ds_config(sharded, stage, options)
         setup_moe(model, OptimusConfig.from_ds_config(config))
-        engines[name], *_ = deepspeed.initialize(model=model, config=config,
-                                                 model_parameters=moe_param_groups(model, weight_decay=0.1))
+        engines[name], *_ = deepspeed.initialize(
+            model=model, config=config, model_parameters=moe_param_groups(model, weight_decay=0.1)
+        )
     plain = build_model()
     setup_moe(plain, OptimusConfig.from_ds_config(ds_config(True, 2)))
     g = torch.Generator().manual_seed(rank)
@@ -212,8 +255,13 @@ def worker(rank: int, port: int, out: str, rounds: int, warmup: int) -> None:
     counter = Counter()
     from ds_optimus.parallel.expert_parallel import expert_layouts
 
-    counter.skip = {id(g) for m in [plain, *(e.module for e in engines.values())] for layout in expert_layouts(m)
-                    for g in (layout.ep_group, layout.intra_node_group, layout.inter_node_group) if g is not None}
+    counter.skip = {
+        id(g)
+        for m in [plain, *(e.module for e in engines.values())]
+        for layout in expert_layouts(m)
+        for g in (layout.ep_group, layout.intra_node_group, layout.inter_node_group)
+        if g is not None
+    }
 
     losses = {}
 
@@ -273,13 +321,23 @@ def worker(rank: int, port: int, out: str, rounds: int, warmup: int) -> None:
     for name, engine in engines.items():
         if CONTESTANTS[name][0]:
             b = engine.optimizer.state_bytes()
-            state[name] = {"optimizer_state": b["optimizer_state"],
-                           "gradient_buffers": b["gradient_shard"] + b["gradient_buckets"] + b["communication_buffers"]}
+            state[name] = {
+                "optimizer_state": b["optimizer_state"],
+                "gradient_buffers": b["gradient_shard"] + b["gradient_buckets"] + b["communication_buffers"],
+            }
         else:
             state[name] = deepspeed_state_bytes(engine)
     autoep = try_autoep()  # collective: every rank tries
-    torch.save({"times": times, "messages": messages, "state": state, "autoep": autoep,
-                "params": sum(p.numel() for p in plain.parameters())}, os.path.join(out, f"rank{rank}.pt"))
+    torch.save(
+        {
+            "times": times,
+            "messages": messages,
+            "state": state,
+            "autoep": autoep,
+            "params": sum(p.numel() for p in plain.parameters()),
+        },
+        os.path.join(out, f"rank{rank}.pt"),
+    )
     dist.destroy_process_group()
 
 
@@ -300,8 +358,10 @@ def main() -> None:
     for name in CONTESTANTS:
         t = zero["times"][name]
         engine_bwd, step = statistics.median(t["backward_engine"]), statistics.median(t["step"])
-        per_round = [b + s - p for b, s, p in zip(t["backward_engine"], t["step"], zero["times"]["plain"]["backward"],
-                                                   strict=True)]
+        per_round = [
+            b + s - p
+            for b, s, p in zip(t["backward_engine"], t["step"], zero["times"]["plain"]["backward"], strict=True)
+        ]
         msgs, moe = zero["messages"][name], zero["messages"]["plain"]
         comm = {k: v - moe["calls"].get(k, 0) for k, v in msgs["calls"].items()}
         comm = {k: v for k, v in comm.items() if v}
@@ -309,35 +369,47 @@ def main() -> None:
         wire = sum(msgs["wire"][k] - moe["wire"].get(k, 0) for k in comm)
         where = {k: msgs["where"][k] - moe["where"][k] for k in ("inside", "across")}
         rows[name] = {
-            "backward_s": backward, "reduction_s": engine_bwd - backward, "update_s": step,
+            "backward_s": backward,
+            "reduction_s": engine_bwd - backward,
+            "update_s": step,
             "reduction_plus_update_s": statistics.median(per_round),
-            "messages_per_step": sum(comm.values()), "message_bytes_per_step": sum(comm_bytes.values()),
-            "wire_bytes_per_step": wire, "wire_bytes_inside_node": where["inside"],
-            "wire_bytes_across_nodes": where["across"], "forward_s": statistics.median(t["forward"]),
+            "messages_per_step": sum(comm.values()),
+            "message_bytes_per_step": sum(comm_bytes.values()),
+            "wire_bytes_per_step": wire,
+            "wire_bytes_inside_node": where["inside"],
+            "wire_bytes_across_nodes": where["across"],
+            "forward_s": statistics.median(t["forward"]),
             "param_wait_s": statistics.median(t["param_wait"]),
-            "step_s": statistics.median(f + b + s for f, b, s in zip(t["forward"], t["backward_engine"], t["step"],
-                                                                     strict=True)),
+            "step_s": statistics.median(
+                f + b + s for f, b, s in zip(t["forward"], t["backward_engine"], t["step"], strict=True)
+            ),
             "collectives": comm,
             "optimizer_state_bytes_per_rank": [r["state"][name]["optimizer_state"] for r in ranks],
             "gradient_buffer_bytes_per_rank": [r["state"][name]["gradient_buffers"] for r in ranks],
         }
-    best_ds = min(rows["deepspeed_zero1"]["optimizer_state_bytes_per_rank"][0],
-                  rows["deepspeed_zero2"]["optimizer_state_bytes_per_rank"][0])
+    best_ds = min(
+        rows["deepspeed_zero1"]["optimizer_state_bytes_per_rank"][0],
+        rows["deepspeed_zero2"]["optimizer_state_bytes_per_rank"][0],
+    )
     speedup = rows["deepspeed_zero2"]["reduction_plus_update_s"] / rows["ours_zero2"]["reduction_plus_update_s"]
     print(f"{zero['params'] / 1e6:.1f}M parameters, {WORLD} processes, EP {EP}; medians of {args.rounds} rounds\n")
-    head = f"{'contestant':<33}{'reduce+update ms':>17}{'reduction ms':>13}{'update ms':>10}{'param wait ms':>14}" \
-           f"{'forward ms':>11}{'step ms':>8}{'messages':>9}{'MB in':>7}{'MB sent':>8}{'inside':>7}{'across':>7}" \
-           f"{'state MB/rank':>14}{'grad MB/rank':>13}"
+    head = (
+        f"{'contestant':<33}{'reduce+update ms':>17}{'reduction ms':>13}{'update ms':>10}{'param wait ms':>14}"
+        f"{'forward ms':>11}{'step ms':>8}{'messages':>9}{'MB in':>7}{'MB sent':>8}{'inside':>7}{'across':>7}"
+        f"{'state MB/rank':>14}{'grad MB/rank':>13}"
+    )
     print(head)
     for name, r in rows.items():
         state_mb = max(r["optimizer_state_bytes_per_rank"]) / 1e6
         grad_mb = max(r["gradient_buffer_bytes_per_rank"]) / 1e6
-        print(f"{name:<33}{r['reduction_plus_update_s'] * 1e3:>17.1f}{r['reduction_s'] * 1e3:>13.1f}"
-              f"{r['update_s'] * 1e3:>10.1f}{r['param_wait_s'] * 1e3:>14.1f}{r['forward_s'] * 1e3:>11.1f}"
-              f"{r['step_s'] * 1e3:>8.1f}"
-              f"{r['messages_per_step']:>9}{r['message_bytes_per_step'] / 1e6:>7.1f}"
-              f"{r['wire_bytes_per_step'] / 1e6:>8.1f}{r['wire_bytes_inside_node'] / 1e6:>7.1f}"
-              f"{r['wire_bytes_across_nodes'] / 1e6:>7.1f}{state_mb:>14.2f}{grad_mb:>13.2f}")
+        print(
+            f"{name:<33}{r['reduction_plus_update_s'] * 1e3:>17.1f}{r['reduction_s'] * 1e3:>13.1f}"
+            f"{r['update_s'] * 1e3:>10.1f}{r['param_wait_s'] * 1e3:>14.1f}{r['forward_s'] * 1e3:>11.1f}"
+            f"{r['step_s'] * 1e3:>8.1f}"
+            f"{r['messages_per_step']:>9}{r['message_bytes_per_step'] / 1e6:>7.1f}"
+            f"{r['wire_bytes_per_step'] / 1e6:>8.1f}{r['wire_bytes_inside_node'] / 1e6:>7.1f}"
+            f"{r['wire_bytes_across_nodes'] / 1e6:>7.1f}{state_mb:>14.2f}{grad_mb:>13.2f}"
+        )
     print(f"\nbackward alone: {backward * 1e3:.1f} ms")
     print(f"reduction + update, DeepSpeed ZeRO-2 / ours ZeRO-2: {speedup:.2f}x (target >= 1.5x)")
     ours_state = max(rows["ours_zero2"]["optimizer_state_bytes_per_rank"])
@@ -346,25 +418,48 @@ def main() -> None:
     hybrid, full = rows["ours_zero1_group2"], rows["ours_zero1"]
     across = hybrid["wire_bytes_across_nodes"] / full["wire_bytes_across_nodes"]
     state = max(hybrid["optimizer_state_bytes_per_rank"]) / max(full["optimizer_state_bytes_per_rank"])
-    print(f"shard groups of {NODE} (one node): bytes across nodes x{across:.2f} of full sharding's, inside "
-          f"{hybrid['wire_bytes_inside_node'] / 1e6:.1f} MB against {full['wire_bytes_inside_node'] / 1e6:.1f}; state "
-          f"per rank x{state:.2f}")
+    print(
+        f"shard groups of {NODE} (one node): bytes across nodes x{across:.2f} of full sharding's, inside "
+        f"{hybrid['wire_bytes_inside_node'] / 1e6:.1f} MB against {full['wire_bytes_inside_node'] / 1e6:.1f}; state "
+        f"per rank x{state:.2f}"
+    )
     wires = {}
     for stage in (1, 2):
         fp32, bf16 = rows[f"ours_zero{stage}"], rows[f"ours_zero{stage}_bf16_wire"]
-        wires[stage] = {"bytes_in": bf16["message_bytes_per_step"] / fp32["message_bytes_per_step"],
-                        "reduction_plus_update": bf16["reduction_plus_update_s"] / fp32["reduction_plus_update_s"]}
-        print(f"ZeRO-{stage}, bf16 on the wire / fp32: MB in x{wires[stage]['bytes_in']:.2f} (the parameter all-gather "
-              f"stays fp32), reduction + update x{wires[stage]['reduction_plus_update']:.2f}")
-    waits = {name: rows[name]["param_wait_s"] * 1e3 for name in ("ours_zero1", "ours_zero1_gather_overlap",
-                                                               "deepspeed_zero1", "deepspeed_zero2")}
+        wires[stage] = {
+            "bytes_in": bf16["message_bytes_per_step"] / fp32["message_bytes_per_step"],
+            "reduction_plus_update": bf16["reduction_plus_update_s"] / fp32["reduction_plus_update_s"],
+        }
+        print(
+            f"ZeRO-{stage}, bf16 on the wire / fp32: MB in x{wires[stage]['bytes_in']:.2f} (the parameter all-gather "
+            f"stays fp32), reduction + update x{wires[stage]['reduction_plus_update']:.2f}"
+        )
+    waits = {
+        name: rows[name]["param_wait_s"] * 1e3
+        for name in ("ours_zero1", "ours_zero1_gather_overlap", "deepspeed_zero1", "deepspeed_zero2")
+    }
     print("parameter wait per step (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in waits.items()))
-    path = write_result("optimizer_cpu", {
-        "command": "python benchmarks/optimizer.py " + " ".join(sys.argv[1:]), "world_size": WORLD, "ep_size": EP,
-        "shape": SHAPE, "micro_batch": MICRO, "seq_len": SEQ, "params": zero["params"], "rounds": args.rounds,
-        "contestants": rows, "speedup_reduction_plus_update_vs_deepspeed_zero2": speedup,
-        "state_ratio_vs_best_deepspeed": ours_state / best_ds, "autoep": zero["autoep"], "node_size": NODE,
-        "across_node_bytes_group2_vs_full": across, "param_wait_ms": waits, "bf16_wire_vs_fp32": wires})
+    path = write_result(
+        "optimizer_cpu",
+        {
+            "command": "python benchmarks/optimizer.py " + " ".join(sys.argv[1:]),
+            "world_size": WORLD,
+            "ep_size": EP,
+            "shape": SHAPE,
+            "micro_batch": MICRO,
+            "seq_len": SEQ,
+            "params": zero["params"],
+            "rounds": args.rounds,
+            "contestants": rows,
+            "speedup_reduction_plus_update_vs_deepspeed_zero2": speedup,
+            "state_ratio_vs_best_deepspeed": ours_state / best_ds,
+            "autoep": zero["autoep"],
+            "node_size": NODE,
+            "across_node_bytes_group2_vs_full": across,
+            "param_wait_ms": waits,
+            "bf16_wire_vs_fp32": wires,
+        },
+    )
     print(f"wrote {path}")
 
 

@@ -55,17 +55,26 @@ def seed_row() -> dict:
     model, layout = layout_from_config(config)
     points = scale_layout(model, get_cluster("aurora"), layout, [384, 12288])
     middle, low, high = (efficiency(points, end)[-1] for end in (None, 0, 1))
-    return {"row": "Mula-220B-A10B on Aurora, the seed's layout, weak scaling 384 -> 12,288 tiles",
-            "source": "the seed's paper (../shared/DESIGN.md): 90 %", "layout": layout.describe(),
-            "quantity": "scaling efficiency", "measured": SEED_EFFICIENCY, "predicted": middle,
-            "band": [low, high], "error": middle - SEED_EFFICIENCY, "error_kind": "points"}
+    return {
+        "row": "Mula-220B-A10B on Aurora, the seed's layout, weak scaling 384 -> 12,288 tiles",
+        "source": "the seed's paper (../shared/DESIGN.md): 90 %",
+        "layout": layout.describe(),
+        "quantity": "scaling efficiency",
+        "measured": SEED_EFFICIENCY,
+        "predicted": middle,
+        "band": [low, high],
+        "error": middle - SEED_EFFICIENCY,
+        "error_kind": "points",
+    }
 
 
 # (preset, devices, TP, PP, global batch, sequence length, the paper's GPU throughput, weak-scaling target):
 # the layouts of the study authors' launch scripts (launch_gpt22b/175b/1T_bf16.slurm)
-FRONTIER = (("frontier-22b", 16, 1, 8, 640, 2048, 0.3838, None),
-            ("frontier-175b", 128, 4, 16, 640, 4096, 0.3614, 1024),
-            ("frontier-1t", 1024, 4, 128, 1024, 2048, 0.3196, 3072))
+FRONTIER = (
+    ("frontier-22b", 16, 1, 8, 640, 2048, 0.3838, None),
+    ("frontier-175b", 128, 4, 16, 640, 4096, 0.3614, 1024),
+    ("frontier-1t", 1024, 4, 128, 1024, 2048, 0.3196, 3072),
+)
 
 
 def frontier_rows() -> list[dict]:
@@ -80,23 +89,52 @@ def frontier_rows() -> list[dict]:
     for preset, devices, tp, pp, batch, seq, throughput, scaled in FRONTIER:
         model = ModelShape.from_preset(preset)
         dp = devices // (tp * pp)
-        layout = Layout(world=devices, tp=tp, pp=pp, zero=1, sharded=True, micro=1, accumulation=batch // dp,
-                        checkpointing=True, seq_len=seq, dtype="bf16")
+        layout = Layout(
+            world=devices,
+            tp=tp,
+            pp=pp,
+            zero=1,
+            sharded=True,
+            micro=1,
+            accumulation=batch // dp,
+            checkpointing=True,
+            seq_len=seq,
+            dtype="bf16",
+        )
         plan = evaluate(model, layout, cluster)
         counted = plan.mfu * 4 / 3  # as Megatron counts: the recomputed forward too
         name = preset.removeprefix("frontier-").upper()
-        rows.append({"row": f"{name} on {devices} MI250X GCDs, the study's script layout {layout.describe()}, "
-                            f"{seq:,}-token sequences: GPU throughput (MFU x 4/3; peak "
-                            f"{plan.memory.peak / 2**30:.1f} GiB)",
-                     "source": source, "layout": layout.describe(), "quantity": "throughput", "measured": throughput,
-                     "predicted": counted, "band": None, "error": counted - throughput, "error_kind": "points"})
+        rows.append(
+            {
+                "row": f"{name} on {devices} MI250X GCDs, the study's script layout {layout.describe()}, "
+                f"{seq:,}-token sequences: GPU throughput (MFU x 4/3; peak "
+                f"{plan.memory.peak / 2**30:.1f} GiB)",
+                "source": source,
+                "layout": layout.describe(),
+                "quantity": "throughput",
+                "measured": throughput,
+                "predicted": counted,
+                "band": None,
+                "error": counted - throughput,
+                "error_kind": "points",
+            }
+        )
         if scaled:
             points = scale_layout(model, cluster, layout, [devices, scaled])
             middle, low, high = (efficiency(points, end)[-1] for end in (None, 0, 1))
-            rows.append({"row": f"{name}, the same layout, weak scaling {devices:,} -> {scaled:,} GCDs",
-                         "source": f"{source}: 100 %", "layout": layout.describe(), "quantity": "scaling efficiency",
-                         "measured": 1.0, "predicted": middle, "band": [low, high], "error": middle - 1.0,
-                         "error_kind": "points"})
+            rows.append(
+                {
+                    "row": f"{name}, the same layout, weak scaling {devices:,} -> {scaled:,} GCDs",
+                    "source": f"{source}: 100 %",
+                    "layout": layout.describe(),
+                    "quantity": "scaling efficiency",
+                    "measured": 1.0,
+                    "predicted": middle,
+                    "band": [low, high],
+                    "error": middle - 1.0,
+                    "error_kind": "points",
+                }
+            )
     return rows
 
 
@@ -106,16 +144,33 @@ def gpu_rows() -> list[dict]:
     e2e = json.loads((ROOT / "benchmarks" / "results" / "train_e2e_NVIDIA_H200.json").read_text())
     check = plan_check(e2e)
     source = "benchmarks/results/train_e2e_NVIDIA_H200.json (ours)"
-    rows = [{"row": "one H200, 8 layers of OLMoE-1B-7B, 2 x 4096 tokens, ZeRO-1: step time", "source": source,
-             "layout": check["layout"], "quantity": "step s", "measured": check["measured_step_s"],
-             "predicted": check["predicted_step_s"], "band": None,
-             "error": check["predicted_step_s"] / check["measured_step_s"] - 1, "error_kind": "relative"}]
+    rows = [
+        {
+            "row": "one H200, 8 layers of OLMoE-1B-7B, 2 x 4096 tokens, ZeRO-1: step time",
+            "source": source,
+            "layout": check["layout"],
+            "quantity": "step s",
+            "measured": check["measured_step_s"],
+            "predicted": check["predicted_step_s"],
+            "band": None,
+            "error": check["predicted_step_s"] / check["measured_step_s"] - 1,
+            "error_kind": "relative",
+        }
+    ]
     if check["measured_peak_bytes"]:
-        rows.append({"row": "the same run: peak memory", "source": source, "layout": check["layout"],
-                     "quantity": "peak GiB", "measured": check["measured_peak_bytes"] / 2**30,
-                     "predicted": check["predicted_peak_bytes"] / 2**30, "band": None,
-                     "error": check["predicted_peak_bytes"] / check["measured_peak_bytes"] - 1,
-                     "error_kind": "relative"})
+        rows.append(
+            {
+                "row": "the same run: peak memory",
+                "source": source,
+                "layout": check["layout"],
+                "quantity": "peak GiB",
+                "measured": check["measured_peak_bytes"] / 2**30,
+                "predicted": check["predicted_peak_bytes"] / 2**30,
+                "band": None,
+                "error": check["predicted_peak_bytes"] / check["measured_peak_bytes"] - 1,
+                "error_kind": "relative",
+            }
+        )
     return rows
 
 
@@ -123,8 +178,21 @@ def cpu_rows(path: str | None) -> list[dict]:
     if path is None:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "measured.json"
-            command = [sys.executable, "-m", "ds_optimus.plan", "--model", "mula-tiny-moe", "--cluster", "local",
-                       "--devices", "2", "--measure", "4", "--json", str(out)]
+            command = [
+                sys.executable,
+                "-m",
+                "ds_optimus.plan",
+                "--model",
+                "mula-tiny-moe",
+                "--cluster",
+                "local",
+                "--devices",
+                "2",
+                "--measure",
+                "4",
+                "--json",
+                str(out),
+            ]
             print("running:", " ".join(command[1:]), flush=True)
             subprocess.run(command, check=True, cwd=ROOT)
             measured = json.loads(out.read_text())["measured"]
@@ -135,12 +203,23 @@ def cpu_rows(path: str | None) -> list[dict]:
         measured = data["measured"]
     rows = []
     for m in measured:
-        for quantity, pred, meas, scale in (("step s", m["predicted_step_s"], m["measured_step_s"], 1),
-                                            ("peak MiB", m["predicted_peak_bytes"], m["measured_peak_bytes"], 2**20)):
-            rows.append({"row": f"2 CPU ranks, mula-tiny-moe, {m['layout']}: {quantity.split()[0]}",
-                         "source": "plan --measure, this machine", "layout": m["layout"], "quantity": quantity,
-                         "measured": meas / scale, "predicted": pred / scale, "band": None,
-                         "error": pred / meas - 1, "error_kind": "relative"})
+        for quantity, pred, meas, scale in (
+            ("step s", m["predicted_step_s"], m["measured_step_s"], 1),
+            ("peak MiB", m["predicted_peak_bytes"], m["measured_peak_bytes"], 2**20),
+        ):
+            rows.append(
+                {
+                    "row": f"2 CPU ranks, mula-tiny-moe, {m['layout']}: {quantity.split()[0]}",
+                    "source": "plan --measure, this machine",
+                    "layout": m["layout"],
+                    "quantity": quantity,
+                    "measured": meas / scale,
+                    "predicted": pred / scale,
+                    "band": None,
+                    "error": pred / meas - 1,
+                    "error_kind": "relative",
+                }
+            )
     return rows
 
 
@@ -153,15 +232,20 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         band = f" ({_cell(r['band'][0], r['quantity'])} – {_cell(r['band'][1], r['quantity'])})" if r["band"] else ""
         error = f"{100 * r['error']:+.1f} points" if r["error_kind"] == "points" else f"{r['error']:+.0%}"
-        lines.append(f"| {r['row']} | {r['source']} | {_cell(r['measured'], r['quantity'])} | "
-                     f"{_cell(r['predicted'], r['quantity'])}{band} | {error} |")
+        lines.append(
+            f"| {r['row']} | {r['source']} | {_cell(r['measured'], r['quantity'])} | "
+            f"{_cell(r['predicted'], r['quantity'])}{band} | {error} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cpu-json", default=None,
-                        help="the JSON of an earlier `plan --measure` run, or an earlier plan_calibration.json")
+    parser.add_argument(
+        "--cpu-json",
+        default=None,
+        help="the JSON of an earlier `plan --measure` run, or an earlier plan_calibration.json",
+    )
     args = parser.parse_args(argv)
     rows = [seed_row(), *frontier_rows(), *gpu_rows(), *cpu_rows(args.cpu_json)]
     print(table(rows))

@@ -94,25 +94,40 @@ def main() -> None:
             est = estimate_memory(model, layout)
             errors = [est.peak / peak - 1 for peak in m.peak_bytes]
             worst = max(errors, key=abs)
-            rows.append({"layout": layout.describe(), "spec": spec, "predicted_bytes": est.peak,
-                         "predicted": est.as_dict(), "measured_bytes": m.peak_bytes,
-                         "initialized_bytes": m.initialized_bytes, "worst_error": worst})
-            print(f"  {layout.describe():32s} predicted {est.peak / 2**20:6.1f}  measured "
-                  f"{', '.join(f'{b / 2**20:.1f}' for b in m.peak_bytes):36s} worst {worst:+.1%}  "
-                  f"({time.perf_counter() - began:.0f} s)", flush=True)
+            rows.append(
+                {
+                    "layout": layout.describe(),
+                    "spec": spec,
+                    "predicted_bytes": est.peak,
+                    "predicted": est.as_dict(),
+                    "measured_bytes": m.peak_bytes,
+                    "initialized_bytes": m.initialized_bytes,
+                    "worst_error": worst,
+                }
+            )
+            print(
+                f"  {layout.describe():32s} predicted {est.peak / 2**20:6.1f}  measured "
+                f"{', '.join(f'{b / 2**20:.1f}' for b in m.peak_bytes):36s} worst {worst:+.1%}  "
+                f"({time.perf_counter() - began:.0f} s)",
+                flush=True,
+            )
         result["memory"] = rows
         result["memory_worst_error"] = max((abs(r["worst_error"]) for r in rows), default=0.0)
-        print(f"worst error over {sum(len(r['measured_bytes']) for r in rows)} ranks: "
-              f"{result['memory_worst_error']:.1%}")
+        print(
+            f"worst error over {sum(len(r['measured_bytes']) for r in rows)} ranks: {result['memory_worst_error']:.1%}"
+        )
         print(f"wrote {write_result('plan_memory_cpu', result)}")
 
     if not args.skip_ranking:
         cluster = local_cluster()
         print(f"\nranking: {cluster.notes}; {args.rounds} interleaved rounds, {args.steps} steps each")
-        result = {"preset": PRESET, "ranking": {"cluster": cluster.to_json(), "rounds": args.rounds,
-                                                "steps": args.steps, "presets": {}}}
-        runs = [(preset, i, Layout(**{**BASE, **spec})) for preset, specs in RANKING.items()
-                for i, spec in enumerate(specs)]
+        result = {
+            "preset": PRESET,
+            "ranking": {"cluster": cluster.to_json(), "rounds": args.rounds, "steps": args.steps, "presets": {}},
+        }
+        runs = [
+            (preset, i, Layout(**{**BASE, **spec})) for preset, specs in RANKING.items() for i, spec in enumerate(specs)
+        ]
         times: dict[tuple[str, int], list[float]] = {(preset, i): [] for preset, i, _ in runs}
         for round_ in range(args.rounds):
             shift = round_ * 3 % len(runs)
@@ -126,21 +141,32 @@ def main() -> None:
             predicted = [evaluate(model, layout, cluster).time.step for layout in layouts]
             measured = [statistics.median(times[preset, i]) for i in range(len(layouts))]
             tau = kendall_tau(predicted, measured)
-            pairs = [(i, j) for i, j in itertools.combinations(range(len(layouts)), 2)
-                     if max(predicted[i], predicted[j]) / min(predicted[i], predicted[j]) > 1.15]
+            pairs = [
+                (i, j)
+                for i, j in itertools.combinations(range(len(layouts)), 2)
+                if max(predicted[i], predicted[j]) / min(predicted[i], predicted[j]) > 1.15
+            ]
             agree = sum(1 for i, j in pairs if (predicted[i] - predicted[j]) * (measured[i] - measured[j]) > 0)
             pred_rank = {i: r for r, i in enumerate(sorted(range(len(layouts)), key=predicted.__getitem__), 1)}
             meas_rank = {i: r for r, i in enumerate(sorted(range(len(layouts)), key=measured.__getitem__), 1)}
             print(f"\n  {preset:32s} {'predicted s':>11s} {'measured s':>10s}  rank pred/meas")
             for i, layout in enumerate(layouts):
-                print(f"  {layout.describe():32s} {predicted[i]:11.3f} {measured[i]:10.3f}  "
-                      f"{pred_rank[i]:4d} / {meas_rank[i]}")
-            print(f"  Kendall tau {tau:.2f}; pairs predicted more than 15 % apart ordered the same: "
-                  f"{agree}/{len(pairs)}")
+                print(
+                    f"  {layout.describe():32s} {predicted[i]:11.3f} {measured[i]:10.3f}  "
+                    f"{pred_rank[i]:4d} / {meas_rank[i]}"
+                )
+            print(
+                f"  Kendall tau {tau:.2f}; pairs predicted more than 15 % apart ordered the same: {agree}/{len(pairs)}"
+            )
             result["ranking"]["presets"][preset] = {
-                "layouts": [lay.describe() for lay in layouts], "predicted_s": predicted, "measured_s": measured,
-                "measured_rounds_s": [times[preset, i] for i in range(len(layouts))], "kendall_tau": tau,
-                "clear_pairs": len(pairs), "clear_pairs_agreeing": agree}
+                "layouts": [lay.describe() for lay in layouts],
+                "predicted_s": predicted,
+                "measured_s": measured,
+                "measured_rounds_s": [times[preset, i] for i in range(len(layouts))],
+                "kendall_tau": tau,
+                "clear_pairs": len(pairs),
+                "clear_pairs_agreeing": agree,
+            }
         print(f"wrote {write_result('plan_ranking_cpu', result)}")
 
 

@@ -36,8 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def ds_config(work: Path, name: str, steps: int, profile: dict | None) -> dict:
     config = json.loads((ROOT / "ds_configs" / "mula-tiny-moe-cpu.json").read_text())
     optimus = config["optimus"]
-    optimus["train"].update(steps=steps, output_dir=str(work / name), eval_interval=0, sample_tokens=0,
-                            export=False, log_interval=1)
+    optimus["train"].update(
+        steps=steps, output_dir=str(work / name), eval_interval=0, sample_tokens=0, export=False, log_interval=1
+    )
     optimus["data"]["cache_dir"] = str(work / "cache")
     optimus.update(checkpoint={"enabled": False, "resume": False}, wandb={"mode": "disabled"})
     if profile is not None:
@@ -92,14 +93,16 @@ def main() -> None:
         work = Path(tmp)
         run(work, "tokenize", 2, None)  # the data cache, once, outside the timed runs
         for r in range(args.repeats):
-            for name in (list(contestants) if r % 2 == 0 else list(reversed(contestants))):
+            for name in list(contestants) if r % 2 == 0 else list(reversed(contestants)):
                 times = run(work, name, args.steps, contestants[name])
                 rounds[name].append(statistics.median(t for s, t in times.items() if s > args.warmup))
                 print(f"round {r + 1}: {name:<4} {1e3 * rounds[name][-1]:8.1f} ms per step", flush=True)
         times = run(work, "alternate", 4 * args.steps, {"enabled": True, "interval": 2})
     kept = {s: t for s, t in times.items() if s > args.warmup}
-    alternate = {"profiled_median_s": statistics.median(t for s, t in kept.items() if s % 2 == 0),
-                 "other_median_s": statistics.median(t for s, t in kept.items() if s % 2 == 1)}
+    alternate = {
+        "profiled_median_s": statistics.median(t for s, t in kept.items() if s % 2 == 0),
+        "other_median_s": statistics.median(t for s, t in kept.items() if s % 2 == 1),
+    }
     alternate["ratio"] = alternate["profiled_median_s"] / alternate["other_median_s"]
     results = {name: {"median_s": statistics.median(v), "rounds_s": v} for name, v in rounds.items()}
     ratio = results["on"]["median_s"] / results["off"]["median_s"]
@@ -108,12 +111,23 @@ def main() -> None:
         print(f"{name:<34}{1e3 * v['median_s']:>9.1f}{v['median_s'] / results['off']['median_s']:>8.3f}x")
     print(f"{'interval 2: profiled steps':<34}{1e3 * alternate['profiled_median_s']:>9.1f}{alternate['ratio']:>8.3f}x")
     print(f"{'interval 2: the others':<34}{1e3 * alternate['other_median_s']:>9.1f}{1:>8.3f}x")
-    print(f"overhead: {100 * (ratio - 1):+.2f} % (whole runs), {100 * (alternate['ratio'] - 1):+.2f} % (interleaved "
-          f"steps of one run); {time.perf_counter() - began:.0f} s in all")
-    write_result("profile_overhead_cpu", {
-        "config": "ds_configs/mula-tiny-moe-cpu.json, 2 processes (EP 2, sharded optimizer), eval/checkpoints off",
-        "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "results": results,
-        "overhead": ratio - 1, "interval_2": alternate, "interval_2_overhead": alternate["ratio"] - 1})
+    print(
+        f"overhead: {100 * (ratio - 1):+.2f} % (whole runs), {100 * (alternate['ratio'] - 1):+.2f} % (interleaved "
+        f"steps of one run); {time.perf_counter() - began:.0f} s in all"
+    )
+    write_result(
+        "profile_overhead_cpu",
+        {
+            "config": "ds_configs/mula-tiny-moe-cpu.json, 2 processes (EP 2, sharded optimizer), eval/checkpoints off",
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "repeats": args.repeats,
+            "results": results,
+            "overhead": ratio - 1,
+            "interval_2": alternate,
+            "interval_2_overhead": alternate["ratio"] - 1,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -31,16 +31,30 @@ from ds_optimus.moe.experts import select_backend  # noqa: E402
 from ds_optimus.plan import ModelShape  # noqa: E402
 from ds_optimus.train.components import enable_activation_checkpointing  # noqa: E402
 
-CHOICES = {"none": False, "norms": ["norms"], "attention": ["attention"], "moe": ["moe"],
-           "moe+attention+norms": ["moe", "attention", "norms"], "whole layer": True}
+CHOICES = {
+    "none": False,
+    "norms": ["norms"],
+    "attention": ["attention"],
+    "moe": ["moe"],
+    "moe+attention+norms": ["moe", "attention", "norms"],
+    "whole layer": True,
+}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def layer_config(hidden: int, heads: int, experts: int, intermediate: int, top_k: int) -> MulaConfig:
     """One MoE decoder layer of the OLMoE shape (a small vocabulary: the layer is what is measured)."""
-    return MulaConfig.from_preset("mula-7b-a1b", num_hidden_layers=1, vocab_size=512, hidden_size=hidden,
-                                  num_attention_heads=heads, num_key_value_heads=heads, num_experts=experts,
-                                  moe_intermediate_size=intermediate, num_experts_per_tok=top_k)
+    return MulaConfig.from_preset(
+        "mula-7b-a1b",
+        num_hidden_layers=1,
+        vocab_size=512,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        num_experts=experts,
+        moe_intermediate_size=intermediate,
+        num_experts_per_tok=top_k,
+    )
 
 
 def saved_bytes(model: MulaModel, choice, x: torch.Tensor) -> int:
@@ -98,23 +112,47 @@ def main() -> None:
     for name, choice in CHOICES.items():
         measured = saved_bytes(model, choice, x)
         predicted = tokens * shape.layer_saved_bytes_per_token(a, True, choice)
-        rows[name] = {"choice": choice, "measured_bytes": measured, "predicted_bytes": predicted,
-                      "predicted_over_measured": predicted / measured}
+        rows[name] = {
+            "choice": choice,
+            "measured_bytes": measured,
+            "predicted_bytes": predicted,
+            "predicted_over_measured": predicted / measured,
+        }
     base = rows["none"]["measured_bytes"]
-    print(f"one MoE decoder layer: hidden {args.hidden}, {args.heads} heads, {args.experts} experts x "
-          f"{args.intermediate}, top-{args.top_k}; {args.batch} x {args.seq} tokens, {args.dtype}, "
-          f"{attention} attention, experts backend {backend}")
-    print(f"{'recomputed':22s} {'saved MiB':>10s} {'of none':>8s} {'KiB/token':>10s} {'planner MiB':>12s} "
-          f"{'pred/meas':>9s}")
+    print(
+        f"one MoE decoder layer: hidden {args.hidden}, {args.heads} heads, {args.experts} experts x "
+        f"{args.intermediate}, top-{args.top_k}; {args.batch} x {args.seq} tokens, {args.dtype}, "
+        f"{attention} attention, experts backend {backend}"
+    )
+    print(
+        f"{'recomputed':22s} {'saved MiB':>10s} {'of none':>8s} {'KiB/token':>10s} {'planner MiB':>12s} "
+        f"{'pred/meas':>9s}"
+    )
     for name, row in rows.items():
-        print(f"{name:22s} {row['measured_bytes'] / 2**20:10.1f} {row['measured_bytes'] / base:8.1%} "
-              f"{row['measured_bytes'] / tokens / 1024:10.1f} {row['predicted_bytes'] / 2**20:12.1f} "
-              f"{row['predicted_over_measured']:9.3f}")
-    path = write_result("recompute_memory", {
-        "shape": {"hidden": args.hidden, "heads": args.heads, "experts": args.experts,
-                  "expert_intermediate": args.intermediate, "top_k": args.top_k, "qk_norm": True},
-        "batch": args.batch, "seq_len": args.seq, "dtype": args.dtype, "attention": attention,
-        "experts_backend": backend, "rows": rows})
+        print(
+            f"{name:22s} {row['measured_bytes'] / 2**20:10.1f} {row['measured_bytes'] / base:8.1%} "
+            f"{row['measured_bytes'] / tokens / 1024:10.1f} {row['predicted_bytes'] / 2**20:12.1f} "
+            f"{row['predicted_over_measured']:9.3f}"
+        )
+    path = write_result(
+        "recompute_memory",
+        {
+            "shape": {
+                "hidden": args.hidden,
+                "heads": args.heads,
+                "experts": args.experts,
+                "expert_intermediate": args.intermediate,
+                "top_k": args.top_k,
+                "qk_norm": True,
+            },
+            "batch": args.batch,
+            "seq_len": args.seq,
+            "dtype": args.dtype,
+            "attention": attention,
+            "experts_backend": backend,
+            "rows": rows,
+        },
+    )
     print(f"wrote {path}")
 
 

@@ -34,12 +34,12 @@ def measure(clients: int, ops: int, use_libuv: bool) -> float:
     """Requests a second the server answered, all clients at once."""
     from torch.distributed import TCPStore
 
-    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120),
-                      use_libuv=use_libuv)
+    server = TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120), use_libuv=use_libuv
+    )
     ctx = mp.get_context("spawn")
     ready, out, go = ctx.Queue(), ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=_client, args=(server.port, i, ops, use_libuv, ready, go, out))
-             for i in range(clients)]
+    procs = [ctx.Process(target=_client, args=(server.port, i, ops, use_libuv, ready, go, out)) for i in range(clients)]
     for p in procs:
         p.start()
     for _ in procs:
@@ -69,12 +69,18 @@ def main() -> int:
     # process group it belongs to passes its communicator id through the store (one set, the
     # members' gets): about 10 requests a rank for ~6 kinds of groups
     requests = 12288 * 10
-    result.update(clients=args.clients, ops=args.ops, requests_at_12288=requests,
-                  seconds_at_12288_libuv=requests / result["libuv"],
-                  seconds_at_12288_classic=requests / result["classic"])
-    print(f"TCP store, {args.clients} clients: libuv {result['libuv']:,.0f} requests/s, classic "
-          f"{result['classic']:,.0f} requests/s (ratio {result['libuv'] / result['classic']:.2f}); "
-          f"~{requests:,} requests at 12,288 ranks: {result['seconds_at_12288_libuv']:.1f} s (libuv)")
+    result.update(
+        clients=args.clients,
+        ops=args.ops,
+        requests_at_12288=requests,
+        seconds_at_12288_libuv=requests / result["libuv"],
+        seconds_at_12288_classic=requests / result["classic"],
+    )
+    print(
+        f"TCP store, {args.clients} clients: libuv {result['libuv']:,.0f} requests/s, classic "
+        f"{result['classic']:,.0f} requests/s (ratio {result['libuv'] / result['classic']:.2f}); "
+        f"~{requests:,} requests at 12,288 ranks: {result['seconds_at_12288_libuv']:.1f} s (libuv)"
+    )
     out = Path(__file__).resolve().parent / "results" / f"rendezvous_store_{args.clients}_clients.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -42,8 +42,10 @@ EXPERTS, TOP_K = 240, 8
 
 # the two balancing recipes: the Mula (OLMoE) one, and DeepSeek-V3's auxiliary-loss-free bias on sigmoid
 # scores (bias step 1e-3, their update rate) with no load-balancing loss
-ROUTERS = {"loss": {"router_aux_loss_coef": 0.01},
-           "aux-free": {"router_scoring_func": "sigmoid", "router_bias_update_rate": 1e-3, "router_aux_loss_coef": 0.0}}
+ROUTERS = {
+    "loss": {"router_aux_loss_coef": 0.01},
+    "aux-free": {"router_scoring_func": "sigmoid", "router_bias_update_rate": 1e-3, "router_aux_loss_coef": 0.0},
+}
 
 
 def config(work: Path, steps: int, router: str = "loss") -> dict:
@@ -52,13 +54,28 @@ def config(work: Path, steps: int, router: str = "loss") -> dict:
     base.update(train_micro_batch_size_per_gpu=8, gradient_accumulation_steps=1)
     base["optimus"].update(
         expert_parallel={"size": 1},
-        model={"preset": "mula-tiny-moe",
-               "overrides": {"num_experts": EXPERTS, "num_experts_per_tok": TOP_K, "moe_intermediate_size": 32,
-                             **ROUTERS[router]}},
+        model={
+            "preset": "mula-tiny-moe",
+            "overrides": {
+                "num_experts": EXPERTS,
+                "num_experts_per_tok": TOP_K,
+                "moe_intermediate_size": 32,
+                **ROUTERS[router],
+            },
+        },
         data={"sources": ["embedded"], "seq_len": 256, "val_fraction": 0.02, "cache_dir": str(work / "cache")},
-        train={"steps": steps, "output_dir": str(work / "run"), "eval_interval": 0, "log_interval": 1,
-               "sample_tokens": 0, "export": False, "warmup_steps": 10},
-        checkpoint={"enabled": False, "resume": False}, wandb={"mode": "disabled"})
+        train={
+            "steps": steps,
+            "output_dir": str(work / "run"),
+            "eval_interval": 0,
+            "log_interval": 1,
+            "sample_tokens": 0,
+            "export": False,
+            "warmup_steps": 10,
+        },
+        checkpoint={"enabled": False, "resume": False},
+        wandb={"mode": "disabled"},
+    )
     return base
 
 
@@ -67,7 +84,7 @@ def imbalance(rows: list[list[int]], ranks: int) -> list[float]:
     out = []
     for row in rows:
         k = len(row) // ranks
-        loads = [sum(row[r * k:(r + 1) * k]) for r in range(ranks)]
+        loads = [sum(row[r * k : (r + 1) * k]) for r in range(ranks)]
         out.append(max(loads) / (sum(loads) / ranks))
     return out
 
@@ -75,8 +92,12 @@ def imbalance(rows: list[list[int]], ranks: int) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--router", choices=sorted(ROUTERS), default="loss",
-                        help="loss: the load-balancing loss at 0.01 (softmax); aux-free: the sigmoid router's bias")
+    parser.add_argument(
+        "--router",
+        choices=sorted(ROUTERS),
+        default="loss",
+        help="loss: the load-balancing loss at 0.01 (softmax); aux-free: the sigmoid router's bias",
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -97,18 +118,33 @@ def main(argv: list[str] | None = None) -> int:
         values = sorted(imbalance(rows, ranks))
         k = EXPERTS // ranks
         model = 1 + c * math.sqrt(2 * math.log(ranks)) / math.sqrt(k)
-        entry = {"experts_per_rank": k, "mean": statistics.fmean(values),
-                 "p90": values[int(0.9 * (len(values) - 1))], "model": model}
+        entry = {
+            "experts_per_rank": k,
+            "mean": statistics.fmean(values),
+            "p90": values[int(0.9 * (len(values) - 1))],
+            "model": model,
+        }
         per_ep[ranks] = entry
         print(f"{ranks:>8} {k:>12} {entry['mean']:>7.3f} {entry['p90']:>7.3f} {model:>7.3f}")
     first_cv = statistics.fmean(statistics.pstdev(row) / statistics.fmean(row) for row in steps[0]["expert_tokens"])
     slots = statistics.fmean(sum(row) for row in rows) / EXPERTS
-    print(f"{slots:.0f} token slots an expert and layer row: uniform random routing alone gives c = "
-          f"{math.sqrt(1 / slots):.3f}")
-    payload = {"router": args.router, "recipe": ROUTERS[args.router], "experts": EXPERTS, "top_k": TOP_K,
-               "steps": args.steps, "slots_per_expert": slots, "sampling_cv": math.sqrt(1 / slots),
-               "late_steps": [late[0]["step"], late[-1]["step"]], "expert_load_cv": c,
-               "expert_load_cv_first_step": first_cv, "per_ep": per_ep}
+    print(
+        f"{slots:.0f} token slots an expert and layer row: uniform random routing alone gives c = "
+        f"{math.sqrt(1 / slots):.3f}"
+    )
+    payload = {
+        "router": args.router,
+        "recipe": ROUTERS[args.router],
+        "experts": EXPERTS,
+        "top_k": TOP_K,
+        "steps": args.steps,
+        "slots_per_expert": slots,
+        "sampling_cv": math.sqrt(1 / slots),
+        "late_steps": [late[0]["step"], late[-1]["step"]],
+        "expert_load_cv": c,
+        "expert_load_cv_first_step": first_cv,
+        "per_ep": per_ep,
+    }
     name = "routing_imbalance_cpu" + ("" if args.router == "loss" else "_" + args.router.replace("-", "_"))
     print(f"wrote {write_result(name, payload)}")
     return 0

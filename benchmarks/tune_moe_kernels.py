@@ -36,10 +36,22 @@ HIDDEN, INTER, EXPERTS, TOP_K = 2048, 1024, 64, 8
 CANDIDATES = [
     dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
     for m, n, k, w, s in [
-        (64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (128, 64, 64, 4, 3), (128, 64, 64, 8, 3),
-        (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 32, 8, 4),
-        (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (64, 256, 64, 8, 3), (128, 128, 128, 8, 2),
-        (128, 64, 128, 8, 3), (64, 128, 128, 4, 3), (128, 128, 64, 8, 4), (256, 128, 64, 8, 4),
+        (64, 64, 64, 4, 3),
+        (64, 128, 64, 4, 3),
+        (128, 64, 64, 4, 3),
+        (128, 64, 64, 8, 3),
+        (128, 64, 64, 4, 4),
+        (128, 128, 64, 8, 3),
+        (128, 128, 64, 4, 4),
+        (128, 128, 32, 8, 4),
+        (128, 256, 64, 8, 3),
+        (256, 128, 64, 8, 3),
+        (64, 256, 64, 8, 3),
+        (128, 128, 128, 8, 2),
+        (128, 64, 128, 8, 3),
+        (64, 128, 128, 4, 3),
+        (128, 128, 64, 8, 4),
+        (256, 128, 64, 8, 4),
         (128, 256, 64, 8, 4),
     ]
 ]
@@ -75,8 +87,20 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("tune_moe_kernels.py measures on a GPU; none is visible")
     if args.compile_only and args.jobs > 1 and args.shard is None:
-        procs = [subprocess.Popen([sys.executable, __file__, "--compile-only", "--tokens", str(args.tokens),
-                                   "--shard", f"{i}/{args.jobs}"]) for i in range(args.jobs)]
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--compile-only",
+                    "--tokens",
+                    str(args.tokens),
+                    "--shard",
+                    f"{i}/{args.jobs}",
+                ]
+            )
+            for i in range(args.jobs)
+        ]
         failed = [i for i, proc in enumerate(procs) if proc.wait() != 0]
         sys.exit(f"compile shards {failed} failed" if failed else 0)
     from ds_optimus.ops import _triton_moe as k
@@ -115,15 +139,27 @@ def main() -> None:
     w_h_2i, w_i_h = rand(hidden, 2 * inter), rand(inter, hidden)
     w_h_i, w_2i_h = rand(hidden, inter), rand(2 * inter, hidden)
     kernels = {  # name: (matmul FLOPs, launch(cfg), the dense matmul of the same shapes)
-        "gate_up": (2 * s * hidden * 2 * inter, lambda c: k.launch_gate_up(x, src, gate_up, gu, h, sched, c, num),
-                    lambda: torch.mm(rows_h, w_h_2i)),
-        "down": (2 * s * inter * hidden, lambda c: k.launch_down(h, down, y, dst, w, sched, c, num),
-                 lambda: torch.mm(rows_i, w_i_h)),
+        "gate_up": (
+            2 * s * hidden * 2 * inter,
+            lambda c: k.launch_gate_up(x, src, gate_up, gu, h, sched, c, num),
+            lambda: torch.mm(rows_h, w_h_2i),
+        ),
+        "down": (
+            2 * s * inter * hidden,
+            lambda c: k.launch_down(h, down, y, dst, w, sched, c, num),
+            lambda: torch.mm(rows_i, w_i_h),
+        ),
         "down_bwd": (2 * s * hidden * inter, down_bwd, lambda: torch.mm(rows_h, w_h_i)),
-        "weight_grad": (2 * s * hidden * 3 * inter, weight_grads,
-                        lambda: (torch.mm(rows_h.t(), rows_i), torch.mm(rows_2i.t(), rows_h))),
-        "dx": (2 * s * 2 * inter * hidden, lambda c: k.launch_dx(dgu, gate_up, dx, dst, sched, c, num),
-               lambda: torch.mm(rows_2i, w_2i_h)),
+        "weight_grad": (
+            2 * s * hidden * 3 * inter,
+            weight_grads,
+            lambda: (torch.mm(rows_h.t(), rows_i), torch.mm(rows_2i.t(), rows_h)),
+        ),
+        "dx": (
+            2 * s * 2 * inter * hidden,
+            lambda c: k.launch_dx(dgu, gate_up, dx, dst, sched, c, num),
+            lambda: torch.mm(rows_2i, w_2i_h),
+        ),
     }
     k.launch_gate_up(x, src, gate_up, gu, h, sched, k.resolve_blocks("gate_up", dev), num)  # real gu for backward
     if args.compile_only:
@@ -153,8 +189,10 @@ def main() -> None:
         rows.sort(key=lambda r: r["ms"])
         default = k.resolve_blocks(name, dev)
         default_ms = time_ms(lambda launch=launch, default=default: launch(default), args.repeats)
-        print(f"\n{name}: dense same-FLOPs {dense_tflops:.0f} TFLOP/s; current tiling {default_ms:.3f} ms "
-              f"({flops / default_ms / 1e9:.0f} TFLOP/s)")
+        print(
+            f"\n{name}: dense same-FLOPs {dense_tflops:.0f} TFLOP/s; current tiling {default_ms:.3f} ms "
+            f"({flops / default_ms / 1e9:.0f} TFLOP/s)"
+        )
         for r in rows[:5]:
             share = r["tflops"] / dense_tflops
             print(f"  {r['ms']:.3f} ms  {r['tflops']:.0f} TFLOP/s  {share:.0%} of dense  {r['blocks']}")

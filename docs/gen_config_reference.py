@@ -66,12 +66,21 @@ def field_comments(cls: type) -> dict[str, tuple[str, str]]:
     return out
 
 
-_WORDS = {"int": "integer", "float": "number", "str": "string", "bool": "true/false", "dict": "object",
-          "list": "list", "None": "null", "tuple": "list"}
+_WORDS = {
+    "int": "integer",
+    "float": "number",
+    "str": "string",
+    "bool": "true/false",
+    "dict": "object",
+    "list": "list",
+    "None": "null",
+    "tuple": "list",
+}
 
 
 def json_type(annotation: str) -> str:
     """A Python annotation in the words of a JSON config: `int | None` -> "integer or null"."""
+
     def one(node: ast.expr) -> str:
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
             return f"{one(node.left)} or {one(node.right)}"
@@ -110,7 +119,7 @@ def sections(cls=None, where: str = "optimus") -> list[SectionDoc]:
         keys.append(Key(f"{where}.{f.name}", json_type(annotation), json.dumps(getattr(empty, f.name)), doc))
     summary = " ".join((cls.__doc__ or "").split())
     prefix = f"`{where}`: "
-    summary = summary[len(prefix):] if summary.startswith(prefix) else summary
+    summary = summary[len(prefix) :] if summary.startswith(prefix) else summary
     return ([SectionDoc(where, summary, cls, keys)] if keys else []) + nested
 
 
@@ -169,10 +178,16 @@ def render() -> str:
         module = section.cls.__module__
         title, link = TOPICS.get(section.name, (None, None))
         more = f" More in [{title}]({link})." if title else ""
-        out += [f"## `{section.name}`", "", f"{sentence(section.summary)} (`{module}.{section.cls.__name__}`){more}",
-                "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        out += [
+            f"## `{section.name}`",
+            "",
+            f"{sentence(section.summary)} (`{module}.{section.cls.__name__}`){more}",
+            "",
+            "| key | type | default | meaning |",
+            "|---|---|---|---|",
+        ]
         for key in section.keys:
-            short = key.name[len(section.name) + 1:]
+            short = key.name[len(section.name) + 1 :]
             out.append(f"| `{short}` | {cell(key.type)} | `{cell(key.default)}` | {cell(sentence(key.doc))} |")
         out.append("")
     return "\n".join(out)

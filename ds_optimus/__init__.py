@@ -101,9 +101,12 @@ class _Hooks(importlib.abc.MetaPathFinder):
     it imports nothing itself (`importlib.util.find_spec(name)`, with which Transformers and
     accelerate probe for packages, asks here too), and leaves reloads alone."""
 
-    WATCHED: dict[str, list] = {"transformers": [_register_with_transformers], "deepspeed": [_hook_deepspeed],
-                                "accelerate.utils.dataclasses": [_hook_accelerate_plugin],
-                                "accelerate.accelerator": [_hook_accelerator]}
+    WATCHED: dict[str, list] = {
+        "transformers": [_register_with_transformers],
+        "deepspeed": [_hook_deepspeed],
+        "accelerate.utils.dataclasses": [_hook_accelerate_plugin],
+        "accelerate.accelerator": [_hook_accelerator],
+    }
     pending = False  # the registration waits for an import of ours to finish
     local = threading.local()  # `busy`: this thread is finding the spec (other threads import freely)
 

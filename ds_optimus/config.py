@@ -64,8 +64,16 @@ from .schema import (
     positive_int,
 )
 
-__all__ = ["ConfigError", "OptimusConfig", "apply_overrides", "check_optimizer_section", "check_run_config",
-           "load_json_config", "resolve_batch_sizes", "resolve_schedule"]
+__all__ = [
+    "ConfigError",
+    "OptimusConfig",
+    "apply_overrides",
+    "check_optimizer_section",
+    "check_run_config",
+    "load_json_config",
+    "resolve_batch_sizes",
+    "resolve_schedule",
+]
 
 DEFAULT_PRESET = "mula-tiny-moe"
 
@@ -92,19 +100,23 @@ class ModelConfig(Section):
         from .hf_models.mula import PRESETS
 
         need(self.path is None or isinstance(self.path, str), f"{where}.path must be a string, got {self.path!r}")
-        need(self.preset is None or self.preset in PRESETS,
-             f"{where}.preset {self.preset!r} is not one of {', '.join(PRESETS)}")
+        need(
+            self.preset is None or self.preset in PRESETS,
+            f"{where}.preset {self.preset!r} is not one of {', '.join(PRESETS)}",
+        )
         need(isinstance(self.overrides, dict), f"{where}.overrides must be a JSON object")
 
-    def build(self, tokenizer=None, *, ep_size: int = 1, ep_rank: int = 0, seed: int = 0, stage=None,
-              tensor_parallel=None):
+    def build(
+        self, tokenizer=None, *, ep_size: int = 1, ep_rank: int = 0, seed: int = 0, stage=None, tensor_parallel=None
+    ):
         """The Mula model in fp32, built on the meta device and holding only experts
         [ep_rank*E/ep_size, (ep_rank+1)*E/ep_size) of each MoE layer and, with `tensor_parallel`
         (group, size, rank), its part of each split weight (`parallel.model_source.build`)."""
         from .parallel.model_source import build
 
-        return build(self, tokenizer, ep_size=ep_size, ep_rank=ep_rank, seed=seed, stage=stage,
-                     tensor_parallel=tensor_parallel)
+        return build(
+            self, tokenizer, ep_size=ep_size, ep_rank=ep_rank, seed=seed, stage=stage, tensor_parallel=tensor_parallel
+        )
 
     def mula_config(self, tokenizer=None, seq_len: int | None = None):
         """The `MulaConfig` of the model `build` makes (`parallel.model_source.mula_config`)."""
@@ -203,27 +215,42 @@ class TrainConfig(Section):
 
         for key in ("tokens", "stop_after_tokens"):
             token_count(getattr(self, key), f"{where}.{key}")
-        need(self.lr_schedule in SCHEDULES,
-             f"{where}.lr_schedule must be one of {', '.join(SCHEDULES)}, got {self.lr_schedule!r}")
+        need(
+            self.lr_schedule in SCHEDULES,
+            f"{where}.lr_schedule must be one of {', '.join(SCHEDULES)}, got {self.lr_schedule!r}",
+        )
         start = self.warmup_start_lr
-        need(start is None or start == "min" or (number(start) and start >= 0),
-             f"{where}.warmup_start_lr must be null, \"min\" or an LR >= 0, got {start!r}")
-        value, key, allowed = self.activation_checkpointing, f"{where}.activation_checkpointing", \
-            ", ".join(f'"{p}"' for p in self.recompute_parts)
-        need(isinstance(value, (bool, list)), f"{key} must be true, false or a list of parts to recompute ({allowed}), "
-                                              f"got {value!r}")
+        need(
+            start is None or start == "min" or (number(start) and start >= 0),
+            f'{where}.warmup_start_lr must be null, "min" or an LR >= 0, got {start!r}',
+        )
+        value, key, allowed = (
+            self.activation_checkpointing,
+            f"{where}.activation_checkpointing",
+            ", ".join(f'"{p}"' for p in self.recompute_parts),
+        )
+        need(
+            isinstance(value, (bool, list)),
+            f"{key} must be true, false or a list of parts to recompute ({allowed}), got {value!r}",
+        )
         if isinstance(value, list):
             need(bool(value), f"{key} is an empty list; name parts to recompute ({allowed}) or use false")
             for i, part in enumerate(value):
                 need(part in self.recompute_parts, f"{key}: unknown part {part!r} (allowed: {allowed})")
                 need(part not in value[:i], f"{key}: {part!r} is listed twice (allowed: {allowed})")
-        need(positive_int(self.steps) or (self.steps is None and self.tokens is not None),
-             f"{where}.steps must be a positive integer (or null, with {where}.tokens giving the run's length), got "
-             f"{self.steps!r}")
-        need(isinstance(self.seed, int) and not isinstance(self.seed, bool),
-             f"{where}.seed must be an integer, got {self.seed!r}")
-        need(number(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1,
-             f"{where}.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        need(
+            positive_int(self.steps) or (self.steps is None and self.tokens is not None),
+            f"{where}.steps must be a positive integer (or null, with {where}.tokens giving the run's length), got "
+            f"{self.steps!r}",
+        )
+        need(
+            isinstance(self.seed, int) and not isinstance(self.seed, bool),
+            f"{where}.seed must be an integer, got {self.seed!r}",
+        )
+        need(
+            number(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1,
+            f"{where}.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}",
+        )
         for key in ("eval_interval", "sample_tokens", "warmup_steps", "measure_memory_steps"):
             value = getattr(self, key)
             need(non_negative_int(value), f"{where}.{key} must be an integer >= 0, got {value!r}")
@@ -231,15 +258,23 @@ class TrainConfig(Section):
             value = getattr(self, key)
             need(positive_int(value), f"{where}.{key} must be a positive integer, got {value!r}")
         value = self.profile_steps
-        need(value is None or (isinstance(value, list) and len(value) == 2 and all(map(positive_int, value))
-                               and value[0] <= value[1]),
-             f"{where}.profile_steps must be null or [first, last] steps (1 <= first <= last), got {value!r}")
-        need(self.stop_after_steps is None or positive_int(self.stop_after_steps),
-             f"{where}.stop_after_steps must be null or a positive integer, got {self.stop_after_steps!r}")
-        need(self.sample_prompt is None or isinstance(self.sample_prompt, str),
-             f"{where}.sample_prompt must be a string or null, got {self.sample_prompt!r}")
-        need(self.peak_tflops is None or (number(self.peak_tflops) and self.peak_tflops > 0),
-             f"{where}.peak_tflops must be null or a positive number, got {self.peak_tflops!r}")
+        need(
+            value is None
+            or (isinstance(value, list) and len(value) == 2 and all(map(positive_int, value)) and value[0] <= value[1]),
+            f"{where}.profile_steps must be null or [first, last] steps (1 <= first <= last), got {value!r}",
+        )
+        need(
+            self.stop_after_steps is None or positive_int(self.stop_after_steps),
+            f"{where}.stop_after_steps must be null or a positive integer, got {self.stop_after_steps!r}",
+        )
+        need(
+            self.sample_prompt is None or isinstance(self.sample_prompt, str),
+            f"{where}.sample_prompt must be a string or null, got {self.sample_prompt!r}",
+        )
+        need(
+            self.peak_tflops is None or (number(self.peak_tflops) and self.peak_tflops > 0),
+            f"{where}.peak_tflops must be null or a positive number, got {self.peak_tflops!r}",
+        )
 
 
 @dataclass(frozen=True)
@@ -252,8 +287,10 @@ class WandbConfig(Section):
     entity: str | None = None  # the wandb team or user; null: the account's default
 
     def check(self, where: str) -> None:
-        need(self.mode in (None, "online", "offline", "disabled"),
-             f"{where}.mode must be online, offline, disabled or null, got {self.mode!r}")
+        need(
+            self.mode in (None, "online", "offline", "disabled"),
+            f"{where}.mode must be online, offline, disabled or null, got {self.mode!r}",
+        )
 
 
 @dataclass(frozen=True)
@@ -311,11 +348,19 @@ def check_run_config(ds_config: dict[str, Any]):
     check_optimizer_section(ds_config)
     check_config_keys(ds_config)
     check_schedule_keys(ds_config, opt)
-    kept = [key for key, on in (("optimus.train.export", opt.train.export),
-                                ("optimus.checkpoint.enabled", opt.checkpoint.enabled)) if on]
+    kept = [
+        key
+        for key, on in (
+            ("optimus.train.export", opt.train.export),
+            ("optimus.checkpoint.enabled", opt.checkpoint.enabled),
+        )
+        if on
+    ]
     if opt.moe.force_uniform_routing and kept:  # the routing is not learned: no model of it is worth keeping
-        raise ConfigError("optimus.moe.force_uniform_routing is a benchmark mode (the routing is not learned) for "
-                          f"runs that keep no model: set {' and '.join(f'{key} false' for key in kept)}")
+        raise ConfigError(
+            "optimus.moe.force_uniform_routing is a benchmark mode (the routing is not learned) for "
+            f"runs that keep no model: set {' and '.join(f'{key} false' for key in kept)}"
+        )
     if opt.train.clip_after_warmup:  # something to clip, and a warm-up to wait for
         from .optim.warmup_clipping import delayed_clipping
 
@@ -329,18 +374,24 @@ def check_schedule_keys(ds_config: dict[str, Any], opt) -> None:
     with an optimizer other than Adam/AdamW."""
     given = ds_config.get("optimus", {}).get("train", {})
     if given.get("steps") is not None and given.get("tokens") is not None:
-        raise ConfigError("optimus.train.steps and optimus.train.tokens both give the run's length; set one: "
-                          "--set optimus.train.steps=null to size it in tokens (steps = tokens / tokens per step), "
-                          "or --set optimus.train.tokens=null to give steps")
+        raise ConfigError(
+            "optimus.train.steps and optimus.train.tokens both give the run's length; set one: "
+            "--set optimus.train.steps=null to size it in tokens (steps = tokens / tokens per step), "
+            "or --set optimus.train.tokens=null to give steps"
+        )
     if "scheduler" in ds_config:
         ours = [k for k in ("lr_schedule", "warmup_start_lr") if k in given and given[k] is not None]
         if ours:
-            raise ConfigError(f"optimus.train.{ours[0]} shapes ds_optimus' own LR schedule, but the config has a "
-                              "\"scheduler\" section (DeepSpeed's schedule); remove one of them")
+            raise ConfigError(
+                f"optimus.train.{ours[0]} shapes ds_optimus' own LR schedule, but the config has a "
+                '"scheduler" section (DeepSpeed\'s schedule); remove one of them'
+            )
     kind = str(ds_config.get("optimizer", {}).get("type", "")).lower()
     if opt.train.decay_after_update and kind not in ("adam", "adamw"):
-        raise ConfigError("optimus.train.decay_after_update applies to Adam and AdamW; the config's optimizer is "
-                          f"{ds_config.get('optimizer', {}).get('type')!r}")
+        raise ConfigError(
+            "optimus.train.decay_after_update applies to Adam and AdamW; the config's optimizer is "
+            f"{ds_config.get('optimizer', {}).get('type')!r}"
+        )
 
 
 def resolve_schedule(opt, tokens_per_step: int):
@@ -355,41 +406,61 @@ def resolve_schedule(opt, tokens_per_step: int):
     return replace(opt, train=replace(opt.train, steps=steps_for_tokens(tokens, tokens_per_step)))
 
 
-def resolve_batch_sizes(ds_config: dict[str, Any], world_size: int, stages: int = 1,
-                        tensor: int = 1) -> tuple[int, int]:
+def resolve_batch_sizes(
+    ds_config: dict[str, Any], world_size: int, stages: int = 1, tensor: int = 1
+) -> tuple[int, int]:
     """(micro-batch per rank, accumulation steps), made consistent with train_batch_size over
     `world_size` data-parallel ranks (those of one of `stages` pipeline stages and one of `tensor` TP
     positions); a one-line ConfigError when they cannot be."""
-    cut = " / ".join(part for part in (f"{stages} pipeline stages" if stages > 1 else "",
-                                       f"tensor parallel size {tensor}" if tensor > 1 else "") if part)
-    ranks = f"{world_size} ranks" if not cut else \
-        f"{world_size} data-parallel ranks ({world_size * stages * tensor} ranks / {cut})"
+    cut = " / ".join(
+        part
+        for part in (
+            f"{stages} pipeline stages" if stages > 1 else "",
+            f"tensor parallel size {tensor}" if tensor > 1 else "",
+        )
+        if part
+    )
+    ranks = (
+        f"{world_size} ranks"
+        if not cut
+        else f"{world_size} data-parallel ranks ({world_size * stages * tensor} ranks / {cut})"
+    )
     micro = ds_config.get("train_micro_batch_size_per_gpu")
     accumulation = ds_config.get("gradient_accumulation_steps")
     total = ds_config.get("train_batch_size")
-    for key, value in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", accumulation),
-                       ("train_batch_size", total)):
+    for key, value in (
+        ("train_micro_batch_size_per_gpu", micro),
+        ("gradient_accumulation_steps", accumulation),
+        ("train_batch_size", total),
+    ):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ConfigError(f"{key} must be a positive integer, got {value!r}")
     if micro is None and total is None:
         raise ConfigError("the config needs train_micro_batch_size_per_gpu or train_batch_size")
     if accumulation is None and micro is not None and total is not None:
         if total % (micro * world_size):
-            raise ConfigError(f"train_batch_size {total} does not divide by train_micro_batch_size_per_gpu "
-                              f"{micro} x {ranks}")
+            raise ConfigError(
+                f"train_batch_size {total} does not divide by train_micro_batch_size_per_gpu {micro} x {ranks}"
+            )
         accumulation = total // (micro * world_size)
     accumulation = accumulation or 1
     if micro is None:
         if total % (accumulation * world_size):
-            raise ConfigError(f"train_batch_size {total} does not divide by gradient_accumulation_steps "
-                              f"{accumulation} x {ranks}")
+            raise ConfigError(
+                f"train_batch_size {total} does not divide by gradient_accumulation_steps {accumulation} x {ranks}"
+            )
         micro = total // (accumulation * world_size)
     if total is not None and total != micro * accumulation * world_size:
-        raise ConfigError(f"train_batch_size {total} is not train_micro_batch_size_per_gpu {micro} x "
-                          f"gradient_accumulation_steps {accumulation} x {ranks} (change one of them with "
-                          "--set; train_batch_size=null lets the other two decide)")
-    ds_config.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accumulation,
-                     train_batch_size=micro * accumulation * world_size)
+        raise ConfigError(
+            f"train_batch_size {total} is not train_micro_batch_size_per_gpu {micro} x "
+            f"gradient_accumulation_steps {accumulation} x {ranks} (change one of them with "
+            "--set; train_batch_size=null lets the other two decide)"
+        )
+    ds_config.update(
+        train_micro_batch_size_per_gpu=micro,
+        gradient_accumulation_steps=accumulation,
+        train_batch_size=micro * accumulation * world_size,
+    )
     return micro, accumulation
 
 
@@ -398,8 +469,7 @@ def check_optimizer_section(ds_config: dict[str, Any]) -> None:
     wrong or fail deep inside the engine: a positive learning rate, betas in [0, 1), eps > 0 and a
     weight decay >= 0, each a one-line ConfigError naming the key."""
     section = ds_config.get("optimizer")
-    need(isinstance(section, dict),
-         "the config needs an optimizer section (e.g. {\"type\": \"AdamW\", \"params\": {...}})")
+    need(isinstance(section, dict), 'the config needs an optimizer section (e.g. {"type": "AdamW", "params": {...}})')
     params = section.get("params", {})
     need(isinstance(params, dict), "optimizer.params must be a JSON object")
     lr = params.get("lr")
@@ -407,8 +477,10 @@ def check_optimizer_section(ds_config: dict[str, Any]) -> None:
         need(number(lr) and lr > 0, f"optimizer.params.lr must be a positive number, got {lr!r}")
     betas = params.get("betas")
     if betas is not None:
-        need(isinstance(betas, list) and len(betas) == 2 and all(number(b) and 0 <= b < 1 for b in betas),
-             f"optimizer.params.betas must be two numbers in [0, 1), got {betas!r}")
+        need(
+            isinstance(betas, list) and len(betas) == 2 and all(number(b) and 0 <= b < 1 for b in betas),
+            f"optimizer.params.betas must be two numbers in [0, 1), got {betas!r}",
+        )
     eps = params.get("eps")
     if eps is not None:
         need(number(eps) and eps > 0, f"optimizer.params.eps must be a positive number, got {eps!r}")

@@ -63,8 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     config = MulaConfig.from_preset(args.preset)
     model = MulaForCausalLM(config)
     total, active = count_parameters(config)
-    print(f"{args.preset}: {total / 1e6:.2f}M parameters, {active / 1e6:.2f}M active per token, "
-          f"experts implementation: {config._experts_implementation}")
+    print(
+        f"{args.preset}: {total / 1e6:.2f}M parameters, {active / 1e6:.2f}M active per token, "
+        f"experts implementation: {config._experts_implementation}"
+    )
 
     data = encode(embedded_corpus())
     split = int(0.95 * len(data))
@@ -105,8 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - start
     after = evaluate()
     tokens = args.steps * args.batch_size * args.seq_len
-    print(f"held-out loss {before:.3f} -> {after:.3f} after {args.steps} steps "
-          f"({tokens / elapsed:,.0f} tokens/s on {torch.get_num_threads()} threads)")
+    print(
+        f"held-out loss {before:.3f} -> {after:.3f} after {args.steps} steps "
+        f"({tokens / elapsed:,.0f} tokens/s on {torch.get_num_threads()} threads)"
+    )
 
     out_dir = Path(args.out)
     model.save_pretrained(out_dir)

@@ -9,8 +9,14 @@ import time
 from typing import Any, TextIO
 
 
-def progress(total: int | None = None, initial: int = 0, desc: str = "", unit: str = "it",
-             file: TextIO | None = None, interval: float = 30.0):
+def progress(
+    total: int | None = None,
+    initial: int = 0,
+    desc: str = "",
+    unit: str = "it",
+    file: TextIO | None = None,
+    interval: float = 30.0,
+):
     """A bar with tqdm's `update`, `set_postfix`, `write`, `close` and `n`: tqdm on a terminal,
     `LineProgress` elsewhere."""
     file = file or sys.stderr
@@ -25,8 +31,7 @@ class LineProgress:
     """tqdm's interface as whole lines: `desc: n/total unit (k=v, ...)` at most every `interval`
     seconds and once at `close()` if anything happened since the last line."""
 
-    def __init__(self, total: int | None, initial: int, desc: str, unit: str, file: TextIO,
-                 interval: float) -> None:
+    def __init__(self, total: int | None, initial: int, desc: str, unit: str, file: TextIO, interval: float) -> None:
         self.total, self.n, self.desc, self.unit, self.file, self.interval = total, initial, desc, unit, file, interval
         self.initial = initial
         self.postfix: dict[str, Any] = {}
@@ -53,6 +58,9 @@ class LineProgress:
         done = f"{self.n:,}/{self.total:,}" if self.total else f"{self.n:,}"
         rate = (self.n - self.initial) / max(time.monotonic() - self.started, 1e-9)
         extra = ", ".join(f"{k}={v}" for k, v in self.postfix.items())
-        print(f"{self.desc}: {done} {self.unit}s ({rate:,.2f} {self.unit}s/s{', ' + extra if extra else ''})",
-              file=self.file, flush=True)
+        print(
+            f"{self.desc}: {done} {self.unit}s ({rate:,.2f} {self.unit}s/s{', ' + extra if extra else ''})",
+            file=self.file,
+            flush=True,
+        )
         self.last, self.shown = time.monotonic(), self.n

@@ -106,11 +106,11 @@ def apply_overrides(config: dict[str, Any], assignments: list[str]) -> dict[str,
             if isinstance(node, list):  # a list's item by its index: optimus.data.sources.1.weight
                 node = _item(node, part, key, ".".join(parts[:i]))
                 if not isinstance(node, (dict, list)):
-                    raise ConfigError(f"--set {key}: {'.'.join(parts[:i + 1])} is not an object")
+                    raise ConfigError(f"--set {key}: {'.'.join(parts[: i + 1])} is not an object")
                 continue
             child = node.setdefault(part, {})
             if not isinstance(child, (dict, list)):
-                raise ConfigError(f"--set {key}: {'.'.join(parts[:i + 1])} is not an object")
+                raise ConfigError(f"--set {key}: {'.'.join(parts[: i + 1])} is not an object")
             node = child
         if isinstance(node, list):
             _item(node, parts[-1], key, ".".join(parts[:-1]))
@@ -122,6 +122,7 @@ def apply_overrides(config: dict[str, Any], assignments: list[str]) -> dict[str,
 
 def _item(items: list, index: str, key: str, where: str):
     if not index.isdigit() or int(index) >= len(items):
-        raise ConfigError(f"--set {key}: {where} is a list of {len(items)}; give an index from 0 to {len(items) - 1}, "
-                          f"not {index!r}")
+        raise ConfigError(
+            f"--set {key}: {where} is a list of {len(items)}; give an index from 0 to {len(items) - 1}, not {index!r}"
+        )
     return items[int(index)]

@@ -44,8 +44,12 @@ def quiet_libraries(verbose: bool = False) -> None:
     after_import("deepspeed.utils.logging", _quiet_deepspeed)
     # DeepSpeed's ZeRO and comm call the names PyTorch 2.13 deprecated (ds_optimus' own calls use the new
     # ones): a FutureWarning on every rank that no user can act on
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
-                            "is deprecated", category=FutureWarning)
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
+        "is deprecated",
+        category=FutureWarning,
+    )
     if "transformers" in sys.modules:  # imported before this call: its environment was read already
         from transformers.utils import logging as hf_logging
 
@@ -78,8 +82,11 @@ def without_profiler_chatter() -> Iterator[None]:
             os.dup2(saved, 2)
             os.close(saved)
             held.seek(0)
-            kept = [line for line in held.read().decode(errors="replace").splitlines(keepends=True)
-                    if not line.startswith("USDT:")]
+            kept = [
+                line
+                for line in held.read().decode(errors="replace").splitlines(keepends=True)
+                if not line.startswith("USDT:")
+            ]
             if kept:
                 sys.stderr.write("".join(kept))
                 sys.stderr.flush()

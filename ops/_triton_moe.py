@@ -34,6 +34,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 # -- device helpers -------------------------------------------------------------------------------
 
+
 @triton.jit
 def _mma(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     # Triton's interpreter multiplies bfloat16 tiles as raw integers (numpy has no bfloat16), so it
@@ -58,9 +59,21 @@ def _row_tile(tile_expert_ptr, starts_ptr, ends_ptr, first_tile_ptr, pid, BLOCK_
 
 
 @triton.jit
-def _rows_times_weight(a_rows, row_mask, w_base, stride_wk, stride_wn, cols, col_mask, K,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def _rows_times_weight(
+    a_rows,
+    row_mask,
+    w_base,
+    stride_wk,
+    stride_wn,
+    cols,
+    col_mask,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """acc[m, n] = sum_k a_rows[m][k] * w_base[k * stride_wk + cols[n] * stride_wn], in float32, with
     `a_rows` one pointer per row (so a gathered row costs nothing extra)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -68,25 +81,46 @@ def _rows_times_weight(a_rows, row_mask, w_base, stride_wk, stride_wn, cols, col
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         a = tl.load(a_rows[:, None] + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(w_base + ks[:, None] * stride_wk + cols[None, :] * stride_wn,
-                    mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        b = tl.load(
+            w_base + ks[:, None] * stride_wk + cols[None, :] * stride_wn,
+            mask=k_mask[:, None] & col_mask[None, :],
+            other=0.0,
+        )
         acc = _mma(a, b, acc, UPCAST, PRECISION)
     return acc
 
 
 # -- forward --------------------------------------------------------------------------------------
 
+
 @triton.jit
 def _gate_up_fwd_kernel(
-    x_ptr, src_ptr, w_ptr, gu_ptr, h_ptr,
-    tile_expert_ptr, starts_ptr, ends_ptr, first_tile_ptr,
-    H, INTER, stride_x, stride_w0, stride_w1, stride_w2, stride_gu, stride_h,
-    HAS_SRC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    x_ptr,
+    src_ptr,
+    w_ptr,
+    gu_ptr,
+    h_ptr,
+    tile_expert_ptr,
+    starts_ptr,
+    ends_ptr,
+    first_tile_ptr,
+    H,
+    INTER,
+    stride_x,
+    stride_w0,
+    stride_w1,
+    stride_w2,
+    stride_gu,
+    stride_h,
+    HAS_SRC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """gu[p] = x[src[p]] @ gate_up[e].T (pre-activation) and h[p] = silu(gate) * up."""
-    e, rows, row_mask = _row_tile(tile_expert_ptr, starts_ptr, ends_ptr, first_tile_ptr,
-                                  tl.program_id(1), BLOCK_M)
+    e, rows, row_mask = _row_tile(tile_expert_ptr, starts_ptr, ends_ptr, first_tile_ptr, tl.program_id(1), BLOCK_M)
     if e < 0:
         return
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -101,12 +135,10 @@ def _gate_up_fwd_kernel(
     for k0 in range(0, H, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < H
-        a = tl.load(x_ptr + src[:, None] * stride_x + ks[None, :],
-                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        a = tl.load(x_ptr + src[:, None] * stride_x + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b_mask = k_mask[:, None] & col_mask[None, :]
         b_gate = tl.load(w_base + cols[None, :] * stride_w1 + ks[:, None] * stride_w2, mask=b_mask, other=0.0)
-        b_up = tl.load(w_base + (cols[None, :] + INTER) * stride_w1 + ks[:, None] * stride_w2,
-                       mask=b_mask, other=0.0)
+        b_up = tl.load(w_base + (cols[None, :] + INTER) * stride_w1 + ks[:, None] * stride_w2, mask=b_mask, other=0.0)
         acc_gate = _mma(a, b_gate, acc_gate, UPCAST, PRECISION)
         acc_up = _mma(a, b_up, acc_up, UPCAST, PRECISION)
     out_dtype = gu_ptr.dtype.element_ty
@@ -124,51 +156,108 @@ def _gate_up_fwd_kernel(
 
 @triton.jit
 def _rows_gemm_scatter_kernel(
-    a_ptr, w_ptr, y_ptr, dst_ptr, rw_ptr,
-    tile_expert_ptr, starts_ptr, ends_ptr, first_tile_ptr,
-    N, K, stride_a, stride_w0, stride_wk, stride_wn, stride_y,
-    HAS_DST: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    a_ptr,
+    w_ptr,
+    y_ptr,
+    dst_ptr,
+    rw_ptr,
+    tile_expert_ptr,
+    starts_ptr,
+    ends_ptr,
+    first_tile_ptr,
+    N,
+    K,
+    stride_a,
+    stride_w0,
+    stride_wk,
+    stride_wn,
+    stride_y,
+    HAS_DST: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """y[dst[p], n] = weights[dst[p]] * sum_k a[p, k] * w[e, k, n] (strides as given): the down
     projection (a = h, w = down[e].T, weighted) and the input gradient (a = dgu, w = gate_up[e])."""
-    e, rows, row_mask = _row_tile(tile_expert_ptr, starts_ptr, ends_ptr, first_tile_ptr,
-                                  tl.program_id(1), BLOCK_M)
+    e, rows, row_mask = _row_tile(tile_expert_ptr, starts_ptr, ends_ptr, first_tile_ptr, tl.program_id(1), BLOCK_M)
     if e < 0:
         return
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     w_base = w_ptr + e.to(tl.int64) * stride_w0
-    acc = _rows_times_weight(a_ptr + rows.to(tl.int64) * stride_a, row_mask, w_base, stride_wk, stride_wn,
-                             cols, col_mask, K, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
+    acc = _rows_times_weight(
+        a_ptr + rows.to(tl.int64) * stride_a,
+        row_mask,
+        w_base,
+        stride_wk,
+        stride_wn,
+        cols,
+        col_mask,
+        K,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        UPCAST,
+        PRECISION,
+    )
     if HAS_DST:
         dst = tl.load(dst_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     else:
         dst = rows.to(tl.int64)
     if HAS_WEIGHTS:
         acc = acc * tl.load(rw_ptr + dst, mask=row_mask, other=0.0).to(tl.float32)[:, None]
-    tl.store(y_ptr + dst[:, None] * stride_y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & col_mask[None, :])
+    tl.store(
+        y_ptr + dst[:, None] * stride_y + cols[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & col_mask[None, :],
+    )
 
 
 # -- backward -------------------------------------------------------------------------------------
 
+
 @triton.jit
 def _down_bwd_kernel(
-    g_ptr, gsrc_ptr, w_ptr, gu_ptr, dst_ptr, rw_ptr, dgu_ptr, hw_ptr, gw_ptr,
-    tile_expert_ptr, starts_ptr, ends_ptr, first_tile_ptr,
-    H, INTER, stride_g, stride_w0, stride_w1, stride_w2, stride_gu, stride_dgu, stride_hw, stride_gw,
-    HAS_GSRC: tl.constexpr, HAS_DST: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    g_ptr,
+    gsrc_ptr,
+    w_ptr,
+    gu_ptr,
+    dst_ptr,
+    rw_ptr,
+    dgu_ptr,
+    hw_ptr,
+    gw_ptr,
+    tile_expert_ptr,
+    starts_ptr,
+    ends_ptr,
+    first_tile_ptr,
+    H,
+    INTER,
+    stride_g,
+    stride_w0,
+    stride_w1,
+    stride_w2,
+    stride_gu,
+    stride_dgu,
+    stride_hw,
+    stride_gw,
+    HAS_GSRC: tl.constexpr,
+    HAS_DST: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """The gradient through the down projection and the SwiGLU, from the saved pre-activation:
     a = g[gsrc[p]] @ down[e] (dL/dh before the routing weight), then d gate and d up into dgu,
     w * h into hw (the other factor of the down weight's gradient), and this column block's part
     of the routing-weight gradient sum(a * h) into gw[p, block]."""
-    e, rows, row_mask = _row_tile(tile_expert_ptr, starts_ptr, ends_ptr, first_tile_ptr,
-                                  tl.program_id(1), BLOCK_M)
+    e, rows, row_mask = _row_tile(tile_expert_ptr, starts_ptr, ends_ptr, first_tile_ptr, tl.program_id(1), BLOCK_M)
     if e < 0:
         return
     pid_n = tl.program_id(0)
@@ -179,8 +268,21 @@ def _down_bwd_kernel(
     else:
         gsrc = rows.to(tl.int64)
     w_base = w_ptr + e.to(tl.int64) * stride_w0
-    acc = _rows_times_weight(g_ptr + gsrc * stride_g, row_mask, w_base, stride_w1, stride_w2,
-                             cols, col_mask, H, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
+    acc = _rows_times_weight(
+        g_ptr + gsrc * stride_g,
+        row_mask,
+        w_base,
+        stride_w1,
+        stride_w2,
+        cols,
+        col_mask,
+        H,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        UPCAST,
+        PRECISION,
+    )
     mask = row_mask[:, None] & col_mask[None, :]
     rows64 = rows.to(tl.int64)
     gu_rows = gu_ptr + rows64[:, None] * stride_gu
@@ -209,11 +311,26 @@ def _down_bwd_kernel(
 
 @triton.jit
 def _weight_grad_kernel(
-    a_ptr, asrc_ptr, b_ptr, bsrc_ptr, out_ptr, starts_ptr, ends_ptr,
-    M, N, stride_a, stride_b, stride_o0, stride_o1,
-    HAS_ASRC: tl.constexpr, HAS_BSRC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    a_ptr,
+    asrc_ptr,
+    b_ptr,
+    bsrc_ptr,
+    out_ptr,
+    starts_ptr,
+    ends_ptr,
+    M,
+    N,
+    stride_a,
+    stride_b,
+    stride_o0,
+    stride_o1,
+    HAS_ASRC: tl.constexpr,
+    HAS_BSRC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """out[e] = a[asrc[rows of e]].T @ b[bsrc[rows of e]]: a weight gradient, a GEMM whose
     reduction runs over the expert's rows (ragged K). Zeros for an expert without rows."""
@@ -365,8 +482,21 @@ def launch_gate_up(x, src, gate_up, gu, h, sched: _Schedule, cfg: dict, num: dic
     inter, hidden = gate_up.shape[1] // 2, gate_up.shape[2]
     grid, table = sched.row_grid(cfg, inter)
     _gate_up_fwd_kernel[grid](
-        x, _or(src, x), gate_up, gu, h, *table, hidden, inter, x.stride(0), *gate_up.stride(),
-        gu.stride(0), h.stride(0), HAS_SRC=src is not None, **cfg, **num,
+        x,
+        _or(src, x),
+        gate_up,
+        gu,
+        h,
+        *table,
+        hidden,
+        inter,
+        x.stride(0),
+        *gate_up.stride(),
+        gu.stride(0),
+        h.stride(0),
+        HAS_SRC=src is not None,
+        **cfg,
+        **num,
     )
 
 
@@ -375,23 +505,57 @@ def launch_down(h, down, y, dst, weights, sched: _Schedule, cfg: dict, num: dict
     hidden, inter = down.shape[1], down.shape[2]
     grid, table = sched.row_grid(cfg, hidden)
     _rows_gemm_scatter_kernel[grid](
-        h, down, y, _or(dst, h), _or(weights, h), *table, hidden, inter, h.stride(0), down.stride(0),
-        down.stride(2), down.stride(1), y.stride(0), HAS_DST=dst is not None, HAS_WEIGHTS=weights is not None,
-        **cfg, **num,
+        h,
+        down,
+        y,
+        _or(dst, h),
+        _or(weights, h),
+        *table,
+        hidden,
+        inter,
+        h.stride(0),
+        down.stride(0),
+        down.stride(2),
+        down.stride(1),
+        y.stride(0),
+        HAS_DST=dst is not None,
+        HAS_WEIGHTS=weights is not None,
+        **cfg,
+        **num,
     )
 
 
-def launch_down_bwd(grad, grad_src, down, gu, dst, weights, dgu, hw, gw_parts, sched: _Schedule, cfg: dict,
-                    num: dict) -> None:
+def launch_down_bwd(
+    grad, grad_src, down, gu, dst, weights, dgu, hw, gw_parts, sched: _Schedule, cfg: dict, num: dict
+) -> None:
     """dgu, hw = w * h and the routing-weight gradient parts from the output gradient grad[grad_src]."""
     hidden, inter = down.shape[1], down.shape[2]
     grid, table = sched.row_grid(cfg, inter)
     gw_parts = _or(gw_parts, hw)
     _down_bwd_kernel[grid](
-        grad, _or(grad_src, grad), down, gu, _or(dst, gu), _or(weights, gu), dgu, hw, gw_parts, *table,
-        hidden, inter, grad.stride(0), *down.stride(), gu.stride(0), dgu.stride(0), hw.stride(0),
-        gw_parts.stride(0), HAS_GSRC=grad_src is not None, HAS_DST=dst is not None,
-        HAS_WEIGHTS=weights is not None, **cfg, **num,
+        grad,
+        _or(grad_src, grad),
+        down,
+        gu,
+        _or(dst, gu),
+        _or(weights, gu),
+        dgu,
+        hw,
+        gw_parts,
+        *table,
+        hidden,
+        inter,
+        grad.stride(0),
+        *down.stride(),
+        gu.stride(0),
+        dgu.stride(0),
+        hw.stride(0),
+        gw_parts.stride(0),
+        HAS_GSRC=grad_src is not None,
+        HAS_DST=dst is not None,
+        HAS_WEIGHTS=weights is not None,
+        **cfg,
+        **num,
     )
 
 
@@ -400,8 +564,23 @@ def launch_weight_grad(a, asrc, b, bsrc, out, sched: _Schedule, cfg: dict, num: 
     m, n = out.shape[1], out.shape[2]
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), sched.num_experts)
     _weight_grad_kernel[grid](
-        a, _or(asrc, a), b, _or(bsrc, b), out, sched.starts, sched.ends, m, n, a.stride(0), b.stride(0),
-        out.stride(0), out.stride(1), HAS_ASRC=asrc is not None, HAS_BSRC=bsrc is not None, **cfg, **num,
+        a,
+        _or(asrc, a),
+        b,
+        _or(bsrc, b),
+        out,
+        sched.starts,
+        sched.ends,
+        m,
+        n,
+        a.stride(0),
+        b.stride(0),
+        out.stride(0),
+        out.stride(1),
+        HAS_ASRC=asrc is not None,
+        HAS_BSRC=bsrc is not None,
+        **cfg,
+        **num,
     )
 
 
@@ -410,15 +589,37 @@ def launch_dx(dgu, gate_up, dx, dst, sched: _Schedule, cfg: dict, num: dict) -> 
     hidden = gate_up.shape[2]
     grid, table = sched.row_grid(cfg, hidden)
     _rows_gemm_scatter_kernel[grid](
-        dgu, gate_up, dx, _or(dst, dgu), dgu, *table, hidden, gate_up.shape[1], dgu.stride(0), gate_up.stride(0),
-        gate_up.stride(1), gate_up.stride(2), dx.stride(0), HAS_DST=dst is not None, HAS_WEIGHTS=False,
-        **cfg, **num,
+        dgu,
+        gate_up,
+        dx,
+        _or(dst, dgu),
+        dgu,
+        *table,
+        hidden,
+        gate_up.shape[1],
+        dgu.stride(0),
+        gate_up.stride(0),
+        gate_up.stride(1),
+        gate_up.stride(2),
+        dx.stride(0),
+        HAS_DST=dst is not None,
+        HAS_WEIGHTS=False,
+        **cfg,
+        **num,
     )
 
 
-def forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor,
-            src: torch.Tensor | None, dst: torch.Tensor | None, weights: torch.Tensor | None,
-            out_rows: int, blocks: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    counts: torch.Tensor,
+    src: torch.Tensor | None,
+    dst: torch.Tensor | None,
+    weights: torch.Tensor | None,
+    out_rows: int,
+    blocks: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(y [out_rows, H] written at rows dst, pre-activation gu [S, 2I]) for the sorted rows."""
     num_sorted = src.numel() if src is not None else x.shape[0]
     inter, hidden = down.shape[-1], down.shape[1]
@@ -435,9 +636,20 @@ def forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: 
     return y, gu
 
 
-def backward(grad: torch.Tensor, grad_src: torch.Tensor | None, x: torch.Tensor, gate_up: torch.Tensor,
-             down: torch.Tensor, counts: torch.Tensor, src: torch.Tensor | None, dst: torch.Tensor | None,
-             weights: torch.Tensor | None, gu: torch.Tensor, dx_rows: int, blocks: dict | None = None):
+def backward(
+    grad: torch.Tensor,
+    grad_src: torch.Tensor | None,
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    counts: torch.Tensor,
+    src: torch.Tensor | None,
+    dst: torch.Tensor | None,
+    weights: torch.Tensor | None,
+    gu: torch.Tensor,
+    dx_rows: int,
+    blocks: dict | None = None,
+):
     """Gradients of `forward`. Sorted position p's output gradient is row grad_src[p] of `grad`
     (identity without grad_src: `grad` is then in sorted order). Returns (dx [dx_rows, H] with sorted
     position p's input gradient at row dst[p], d gate_up, d down, the routing-weight gradient per

@@ -53,6 +53,7 @@ _NO_FMA = dict(enable_fp_fusion=False)
 # value. Under the interpreter (EXACT_BF16) both conversions are done here on the bits, as GPUs and torch
 # do them; compiled kernels never see that branch and use the hardware's conversions.
 
+
 @triton.jit
 def _f32(x, EXACT_BF16: tl.constexpr):
     """`x` widened to float32, exactly."""
@@ -84,9 +85,9 @@ def _round(x, dtype: tl.constexpr, EXACT_BF16: tl.constexpr):
 
 # -- route ----------------------------------------------------------------------------------------
 
+
 @triton.jit
-def _route_histogram_kernel(ids_ptr, hist_ptr, S, E, num_blocks,
-                            BLOCK: tl.constexpr, EXPERT_TILE: tl.constexpr):
+def _route_histogram_kernel(ids_ptr, hist_ptr, S, E, num_blocks, BLOCK: tl.constexpr, EXPERT_TILE: tl.constexpr):
     """hist[e, b] = how many of block b's slots chose expert e."""
     b = tl.program_id(0)
     slots = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -99,8 +100,9 @@ def _route_histogram_kernel(ids_ptr, hist_ptr, S, E, num_blocks,
 
 
 @triton.jit
-def _route_scatter_kernel(ids_ptr, starts_ptr, order_ptr, inverse_ptr, S, E, num_blocks,
-                          BLOCK: tl.constexpr, EXPERT_TILE: tl.constexpr):
+def _route_scatter_kernel(
+    ids_ptr, starts_ptr, order_ptr, inverse_ptr, S, E, num_blocks, BLOCK: tl.constexpr, EXPERT_TILE: tl.constexpr
+):
     """inverse[s] = starts[e, b] + (rank of slot s among block b's slots of expert e); order = its inverse."""
     b = tl.program_id(0)
     slots = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -119,8 +121,9 @@ def _route_scatter_kernel(ids_ptr, starts_ptr, order_ptr, inverse_ptr, S, E, num
     tl.store(order_ptr + position, slots, mask=in_range)
 
 
-def route(ids: Tensor, num_experts: int, *, block: int = ROUTE_BLOCK,
-          expert_tile: int = ROUTE_EXPERT_TILE) -> tuple[Tensor, Tensor, Tensor]:
+def route(
+    ids: Tensor, num_experts: int, *, block: int = ROUTE_BLOCK, expert_tile: int = ROUTE_EXPERT_TILE
+) -> tuple[Tensor, Tensor, Tensor]:
     """(order [S], inverse [S], counts [E]), all int64: the slots of `ids [T, k]` sorted by expert, stably."""
     flat = ids.reshape(-1).contiguous()
     num_slots = flat.numel()
@@ -128,25 +131,40 @@ def route(ids: Tensor, num_experts: int, *, block: int = ROUTE_BLOCK,
     tile = min(expert_tile, triton.next_power_of_2(num_experts))
     hist = torch.empty(num_experts, num_blocks, dtype=torch.int32, device=flat.device)
     options = _launch_options(ROUTE_WARPS)
-    _route_histogram_kernel[(num_blocks,)](flat, hist, num_slots, num_experts, num_blocks,
-                                           BLOCK=block, EXPERT_TILE=tile, **options)
+    _route_histogram_kernel[(num_blocks,)](
+        flat, hist, num_slots, num_experts, num_blocks, BLOCK=block, EXPERT_TILE=tile, **options
+    )
     # Expert-major, so (expert, block) order is the flat order: run e of block b starts after every
     # earlier expert's slots and expert e's slots in earlier blocks.
     runs = hist.view(-1)
     starts = torch.cumsum(runs, 0) - runs  # int64
     order = torch.empty(num_slots, dtype=torch.int64, device=flat.device)
     inverse = torch.empty_like(order)
-    _route_scatter_kernel[(num_blocks,)](flat, starts, order, inverse, num_slots, num_experts, num_blocks,
-                                         BLOCK=block, EXPERT_TILE=tile, **options)
+    _route_scatter_kernel[(num_blocks,)](
+        flat, starts, order, inverse, num_slots, num_experts, num_blocks, BLOCK=block, EXPERT_TILE=tile, **options
+    )
     counts = hist.sum(1, dtype=torch.int64)
     return order, inverse, counts
 
 
 # -- gather ---------------------------------------------------------------------------------------
 
+
 @triton.jit
-def _gather_kernel(x_ptr, index_ptr, weight_ptr, out_ptr, S, H, stride_x, stride_out,
-                   HAS_WEIGHT: tl.constexpr, EXACT_BF16: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+def _gather_kernel(
+    x_ptr,
+    index_ptr,
+    weight_ptr,
+    out_ptr,
+    S,
+    H,
+    stride_x,
+    stride_out,
+    HAS_WEIGHT: tl.constexpr,
+    EXACT_BF16: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     """out[p] = x[index[p]] (times weight[p] in float32, rounded once)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -160,8 +178,9 @@ def _gather_kernel(x_ptr, index_ptr, weight_ptr, out_ptr, S, H, stride_x, stride
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], values, mask=mask)
 
 
-def gather(x: Tensor, index: Tensor, weight: Tensor | None, *, block_rows: int = ROW_BLOCK,
-           block_cols: int = COL_BLOCK) -> Tensor:
+def gather(
+    x: Tensor, index: Tensor, weight: Tensor | None, *, block_rows: int = ROW_BLOCK, block_cols: int = COL_BLOCK
+) -> Tensor:
     """Rows `x[index[p]]` ([S, H], x's dtype), times `weight[p]` (in float32, rounded once) when given."""
     x = x.contiguous()
     index = index.contiguous()
@@ -170,17 +189,43 @@ def gather(x: Tensor, index: Tensor, weight: Tensor | None, *, block_rows: int =
     weight = weight.contiguous() if weight is not None else None
     # Rows on the first grid axis: it is the one allowed more than 65535 programs.
     grid = (triton.cdiv(num_rows, block_rows), triton.cdiv(hidden, block_cols))
-    _gather_kernel[grid](x, index, weight if weight is not None else x, out, num_rows, hidden, x.stride(0),
-                         out.stride(0), HAS_WEIGHT=weight is not None, EXACT_BF16=INTERPRET,
-                         BLOCK_R=block_rows, BLOCK_H=block_cols, **_launch_options(ROW_WARPS))
+    _gather_kernel[grid](
+        x,
+        index,
+        weight if weight is not None else x,
+        out,
+        num_rows,
+        hidden,
+        x.stride(0),
+        out.stride(0),
+        HAS_WEIGHT=weight is not None,
+        EXACT_BF16=INTERPRET,
+        BLOCK_R=block_rows,
+        BLOCK_H=block_cols,
+        **_launch_options(ROW_WARPS),
+    )
     return out
 
 
 # -- combine --------------------------------------------------------------------------------------
 
+
 @triton.jit
-def _combine_kernel(src_ptr, table_ptr, weight_ptr, out_ptr, N, H, D, stride_src, stride_out,
-                    HAS_WEIGHT: tl.constexpr, EXACT_BF16: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+def _combine_kernel(
+    src_ptr,
+    table_ptr,
+    weight_ptr,
+    out_ptr,
+    N,
+    H,
+    D,
+    stride_src,
+    stride_out,
+    HAS_WEIGHT: tl.constexpr,
+    EXACT_BF16: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     """out[r] = sum over j of weight[table[r, j]] * src[table[r, j]] (table -1: skipped), float32, j order."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -191,8 +236,14 @@ def _combine_kernel(src_ptr, table_ptr, weight_ptr, out_ptr, N, H, D, stride_src
         entry = tl.load(table_ptr + rows * D + j, mask=row_mask, other=-1)
         valid = entry >= 0
         # A missing entry loads 0.0, so adding it leaves the sum as the reference's masked add does.
-        part = _f32(tl.load(src_ptr + entry[:, None] * stride_src + cols[None, :],
-                            mask=valid[:, None] & col_mask[None, :], other=0.0), EXACT_BF16)
+        part = _f32(
+            tl.load(
+                src_ptr + entry[:, None] * stride_src + cols[None, :],
+                mask=valid[:, None] & col_mask[None, :],
+                other=0.0,
+            ),
+            EXACT_BF16,
+        )
         if HAS_WEIGHT:
             weight = _f32(tl.load(weight_ptr + entry, mask=valid, other=0.0), EXACT_BF16)
             part = part * weight[:, None]
@@ -201,8 +252,9 @@ def _combine_kernel(src_ptr, table_ptr, weight_ptr, out_ptr, N, H, D, stride_src
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], out, mask=row_mask[:, None] & col_mask[None, :])
 
 
-def combine(src: Tensor, table: Tensor, weight: Tensor | None, *, block_rows: int = ROW_BLOCK,
-            block_cols: int = COL_BLOCK) -> Tensor:
+def combine(
+    src: Tensor, table: Tensor, weight: Tensor | None, *, block_rows: int = ROW_BLOCK, block_cols: int = COL_BLOCK
+) -> Tensor:
     """Row r = sum_j `weight[table[r, j]] * src[table[r, j]]` ([N, H], src's dtype; float32 sums)."""
     src = src.contiguous()
     table = table.contiguous()
@@ -211,20 +263,47 @@ def combine(src: Tensor, table: Tensor, weight: Tensor | None, *, block_rows: in
     out = src.new_empty(num_rows, hidden)
     weight = weight.contiguous() if weight is not None else None
     grid = (triton.cdiv(num_rows, block_rows), triton.cdiv(hidden, block_cols))
-    _combine_kernel[grid](src, table, weight if weight is not None else src, out, num_rows, hidden, depth,
-                          src.stride(0), out.stride(0), HAS_WEIGHT=weight is not None,
-                          EXACT_BF16=INTERPRET, BLOCK_R=block_rows, BLOCK_H=block_cols,
-                          **_launch_options(ROW_WARPS, **_NO_FMA))
+    _combine_kernel[grid](
+        src,
+        table,
+        weight if weight is not None else src,
+        out,
+        num_rows,
+        hidden,
+        depth,
+        src.stride(0),
+        out.stride(0),
+        HAS_WEIGHT=weight is not None,
+        EXACT_BF16=INTERPRET,
+        BLOCK_R=block_rows,
+        BLOCK_H=block_cols,
+        **_launch_options(ROW_WARPS, **_NO_FMA),
+    )
     return out
 
 
 # -- combine backward -----------------------------------------------------------------------------
 
+
 @triton.jit
-def _combine_backward_kernel(grad_ptr, src_ptr, row_of_ptr, weight_ptr, grad_src_ptr, grad_w_ptr, S, H,
-                             stride_grad, stride_src, stride_grad_src,
-                             HAS_WEIGHT: tl.constexpr, NEED_WEIGHT_GRAD: tl.constexpr, EXACT_BF16: tl.constexpr,
-                             BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+def _combine_backward_kernel(
+    grad_ptr,
+    src_ptr,
+    row_of_ptr,
+    weight_ptr,
+    grad_src_ptr,
+    grad_w_ptr,
+    S,
+    H,
+    stride_grad,
+    stride_src,
+    stride_grad_src,
+    HAS_WEIGHT: tl.constexpr,
+    NEED_WEIGHT_GRAD: tl.constexpr,
+    EXACT_BF16: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     """grad_src[p] = weight[p] * grad[row_of[p]]; grad_w[p] = dot(src[p], grad[row_of[p]]) in float32."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < S
@@ -247,8 +326,16 @@ def _combine_backward_kernel(grad_ptr, src_ptr, row_of_ptr, weight_ptr, grad_src
         tl.store(grad_w_ptr + rows, dot, mask=row_mask)
 
 
-def combine_backward(grad: Tensor, src: Tensor, row_of: Tensor, weight: Tensor | None, need_weight_grad: bool,
-                     *, block_rows: int = ROW_BLOCK, block_cols: int = COL_BLOCK) -> tuple[Tensor, Tensor]:
+def combine_backward(
+    grad: Tensor,
+    src: Tensor,
+    row_of: Tensor,
+    weight: Tensor | None,
+    need_weight_grad: bool,
+    *,
+    block_rows: int = ROW_BLOCK,
+    block_cols: int = COL_BLOCK,
+) -> tuple[Tensor, Tensor]:
     """(`weight[p] * grad[row_of[p]]` [S, H] of grad's dtype, `dot(src[p], grad[row_of[p]])` float32 [S],
     or an empty float32 tensor without `need_weight_grad`)."""
     grad = grad.contiguous()
@@ -260,8 +347,22 @@ def combine_backward(grad: Tensor, src: Tensor, row_of: Tensor, weight: Tensor |
     src = src.contiguous() if need_weight_grad else grad
     weight = weight.contiguous() if weight is not None else None
     _combine_backward_kernel[(triton.cdiv(num_rows, block_rows),)](
-        grad, src, row_of, weight if weight is not None else grad, grad_src, grad_w if need_weight_grad else grad,
-        num_rows, hidden, grad.stride(0), src.stride(0), grad_src.stride(0), HAS_WEIGHT=weight is not None,
-        NEED_WEIGHT_GRAD=need_weight_grad, EXACT_BF16=INTERPRET,
-        BLOCK_R=block_rows, BLOCK_H=block_cols, **_launch_options(ROW_WARPS, **_NO_FMA))
+        grad,
+        src,
+        row_of,
+        weight if weight is not None else grad,
+        grad_src,
+        grad_w if need_weight_grad else grad,
+        num_rows,
+        hidden,
+        grad.stride(0),
+        src.stride(0),
+        grad_src.stride(0),
+        HAS_WEIGHT=weight is not None,
+        NEED_WEIGHT_GRAD=need_weight_grad,
+        EXACT_BF16=INTERPRET,
+        BLOCK_R=block_rows,
+        BLOCK_H=block_cols,
+        **_launch_options(ROW_WARPS, **_NO_FMA),
+    )
     return grad_src, grad_w

@@ -62,7 +62,7 @@ def triton_runs_on(device: torch.device | str) -> bool:
 
 
 def kernel_for(device: torch.device | str) -> str:
-    """"triton" or "reference": what the ops run on `device` now."""
+    """ "triton" or "reference": what the ops run on `device` now."""
     choice = kernels_choice()
     if choice == "reference":
         return "reference"
@@ -81,6 +81,7 @@ def _triton():
 
 
 # -- reference ------------------------------------------------------------------------------------
+
 
 def _reference_forward(x, gate_up, down, counts, src, dst, weights, top_k):
     """Plain PyTorch, one matmul pair per expert: the oracle and the path without Triton."""
@@ -112,7 +113,7 @@ def _reference_backward(grad, x, gate_up, down, counts, src, dst, weights, top_k
     d_rows, grad_w_sorted = torch.zeros_like(rows), rows.new_zeros(rows.shape[0], dtype=torch.float32)
     start = 0
     for e, n in enumerate(counts.tolist()):
-        part, end = rows[start:start + n], start + n
+        part, end = rows[start : start + n], start + n
         gu = F.linear(part, gate_up[e])
         gate, up = gu[:, :inter].float(), gu[:, inter:].float()
         act = F.silu(gate)
@@ -145,9 +146,18 @@ def _sum_slots(slots: Tensor, top_k: int) -> Tensor:
 
 # -- the ops --------------------------------------------------------------------------------------
 
+
 @torch.library.custom_op("ds_optimus::swiglu_experts_fwd", mutates_args=())
-def _fwd(x: Tensor, gate_up: Tensor, down: Tensor, counts: Tensor, src: Tensor | None,
-         dst: Tensor | None, weights: Tensor | None, top_k: int) -> tuple[Tensor, Tensor]:
+def _fwd(
+    x: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    counts: Tensor,
+    src: Tensor | None,
+    dst: Tensor | None,
+    weights: Tensor | None,
+    top_k: int,
+) -> tuple[Tensor, Tensor]:
     """(out, gate/up pre-activation [S, 2I]); see the module docstring."""
     if kernel_for(x.device) == "reference":
         return _reference_forward(x, gate_up, down, counts, src, dst, weights, top_k)
@@ -164,16 +174,34 @@ def _fwd_fake(x, gate_up, down, counts, src, dst, weights, top_k):
 
 
 @torch.library.custom_op("ds_optimus::swiglu_experts_bwd", mutates_args=())
-def _bwd(grad: Tensor, x: Tensor, gate_up: Tensor, down: Tensor, counts: Tensor, src: Tensor | None,
-         dst: Tensor | None, weights: Tensor | None, gu: Tensor,
-         top_k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _bwd(
+    grad: Tensor,
+    x: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    counts: Tensor,
+    src: Tensor | None,
+    dst: Tensor | None,
+    weights: Tensor | None,
+    gu: Tensor,
+    top_k: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(d x, d gate_up, d down, d weights (empty without weights)) from the gradient of `out`."""
     if kernel_for(x.device) == "reference":
         return _reference_backward(grad, x, gate_up, down, counts, src, dst, weights, top_k)
     fused = dst is not None
     # In the fused layout, sorted position p's output gradient is the gradient of its token, src[p].
     dx, d_gate_up, d_down, gw = _triton().backward(
-        grad, src if fused else None, x, gate_up, down, counts, src, dst, weights, gu,
+        grad,
+        src if fused else None,
+        x,
+        gate_up,
+        down,
+        counts,
+        src,
+        dst,
+        weights,
+        gu,
         dx_rows=gu.shape[0],
     )
     if fused:
@@ -200,7 +228,8 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_out, grad_gu):
     x, gate_up, down, counts, src, dst, weights, gu = ctx.saved_tensors
     dx, d_gate_up, d_down, grad_w = torch.ops.ds_optimus.swiglu_experts_bwd(
-        grad_out.contiguous(), x, gate_up, down, counts, src, dst, weights, gu, ctx.top_k)
+        grad_out.contiguous(), x, gate_up, down, counts, src, dst, weights, gu, ctx.top_k
+    )
     return dx, d_gate_up, d_down, None, None, None, (grad_w if weights is not None else None), None
 
 
@@ -209,20 +238,27 @@ _fwd.register_autograd(_backward, setup_context=_setup_context)
 
 # -- public entry points --------------------------------------------------------------------------
 
+
 def _check(x: Tensor, gate_up: Tensor, down: Tensor, counts: Tensor) -> None:
     if x.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
-        raise ValueError(f"expected x [rows, H], gate_up [E, 2I, H], down [E, H, I]; got "
-                         f"{tuple(x.shape)}, {tuple(gate_up.shape)}, {tuple(down.shape)}")
+        raise ValueError(
+            f"expected x [rows, H], gate_up [E, 2I, H], down [E, H, I]; got "
+            f"{tuple(x.shape)}, {tuple(gate_up.shape)}, {tuple(down.shape)}"
+        )
     experts, two_inter, hidden = gate_up.shape
     if down.shape != (experts, hidden, two_inter // 2) or two_inter % 2 or x.shape[1] != hidden:
-        raise ValueError(f"shapes do not match: x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)}, "
-                         f"down {tuple(down.shape)}")
+        raise ValueError(
+            f"shapes do not match: x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}"
+        )
     if not (x.dtype == gate_up.dtype == down.dtype) or x.dtype not in _FLOATS:
-        raise ValueError(f"x, gate_up and down must share one of float32/bfloat16/float16; got "
-                         f"{x.dtype}, {gate_up.dtype}, {down.dtype}")
+        raise ValueError(
+            f"x, gate_up and down must share one of float32/bfloat16/float16; got "
+            f"{x.dtype}, {gate_up.dtype}, {down.dtype}"
+        )
     if counts.shape != (experts,) or counts.dtype.is_floating_point:
-        raise ValueError(f"counts must be an integer tensor of shape ({experts},), got {counts.dtype} "
-                         f"{tuple(counts.shape)}")
+        raise ValueError(
+            f"counts must be an integer tensor of shape ({experts},), got {counts.dtype} {tuple(counts.shape)}"
+        )
 
 
 def swiglu_experts(x_sorted: Tensor, gate_up: Tensor, down: Tensor, counts: Tensor) -> Tensor:
@@ -233,8 +269,9 @@ def swiglu_experts(x_sorted: Tensor, gate_up: Tensor, down: Tensor, counts: Tens
     return torch.ops.ds_optimus.swiglu_experts_fwd(x_sorted, gate_up, down, counts, None, None, None, 1)[0]
 
 
-def moe_swiglu(x: Tensor, gate_up: Tensor, down: Tensor, counts: Tensor, token_of_sorted: Tensor,
-               order: Tensor, weights: Tensor) -> Tensor:
+def moe_swiglu(
+    x: Tensor, gate_up: Tensor, down: Tensor, counts: Tensor, token_of_sorted: Tensor, order: Tensor, weights: Tensor
+) -> Tensor:
     """`out[t] = sum_j weights[t, j] * experts_{e(t, j)}(x[t])` for tokens `x [T, H]`.
 
     `order [S]` lists the slots (t*k + j) sorted by expert, `token_of_sorted [S]` their tokens and
@@ -242,7 +279,10 @@ def moe_swiglu(x: Tensor, gate_up: Tensor, down: Tensor, counts: Tensor, token_o
     _check(x, gate_up, down, counts)
     tokens, top_k = weights.shape
     if tokens != x.shape[0] or order.shape != (tokens * top_k,) or token_of_sorted.shape != order.shape:
-        raise ValueError(f"routing does not match {tokens} tokens x top-{top_k}: order {tuple(order.shape)}, "
-                         f"token_of_sorted {tuple(token_of_sorted.shape)}, x {tuple(x.shape)}")
+        raise ValueError(
+            f"routing does not match {tokens} tokens x top-{top_k}: order {tuple(order.shape)}, "
+            f"token_of_sorted {tuple(token_of_sorted.shape)}, x {tuple(x.shape)}"
+        )
     return torch.ops.ds_optimus.swiglu_experts_fwd(
-        x, gate_up, down, counts, token_of_sorted, order, weights.reshape(-1), top_k)[0]
+        x, gate_up, down, counts, token_of_sorted, order, weights.reshape(-1), top_k
+    )[0]

@@ -84,8 +84,10 @@ class MoERoutingBuilder(CPUOpBuilder):
             try:
                 module = importlib.import_module(PREBUILT)
             except (ImportError, OSError) as error:  # built against another PyTorch
-                print(f"ds_optimus: the prebuilt {self.name} op does not load ({error}); building it again",
-                      file=sys.stderr)
+                print(
+                    f"ds_optimus: the prebuilt {self.name} op does not load ({error}); building it again",
+                    file=sys.stderr,
+                )
             else:
                 OpBuilder._loaded_ops[self.name] = module
                 return module

@@ -44,6 +44,7 @@ _cpu_failed: str | None = None
 
 # -- which implementation -------------------------------------------------------------------------
 
+
 def cpu_module():
     """The compiled CPU op (`MoERoutingBuilder().load()`: prebuilt, or built once per environment),
     or None where it cannot be built (why: `cpu_build_error()`)."""
@@ -60,8 +61,12 @@ def cpu_module():
             _cpu_module = builder.load(verbose=False)
         except Exception as error:  # no DeepSpeed, no compiler, no ninja: the reference serves
             _cpu_failed = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
-            print(f"ds_optimus: the compiled {OP_NAME} CPU op is unavailable ({_cpu_failed}); "
-                  f"routing, gather and combine run in plain PyTorch", file=sys.stderr, flush=True)
+            print(
+                f"ds_optimus: the compiled {OP_NAME} CPU op is unavailable ({_cpu_failed}); "
+                f"routing, gather and combine run in plain PyTorch",
+                file=sys.stderr,
+                flush=True,
+            )
     return _cpu_module
 
 
@@ -71,7 +76,7 @@ def cpu_build_error() -> str | None:
 
 
 def routing_kernel(device: torch.device | str) -> str:
-    """"triton", "cpu" (the compiled op) or "reference": what the routing ops run on `device` now."""
+    """ "triton", "cpu" (the compiled op) or "reference": what the routing ops run on `device` now."""
     device = torch.device(device)
     choice = kernels_choice()
     if choice == "reference":
@@ -82,8 +87,10 @@ def routing_kernel(device: torch.device | str) -> str:
         if choice == "triton":
             if interpreting() and triton_available():
                 return "triton"
-            raise RuntimeError(f"{ENV_VAR}=triton runs the routing kernels on the CPU only under TRITON_INTERPRET=1 "
-                               "with Triton installed")
+            raise RuntimeError(
+                f"{ENV_VAR}=triton runs the routing kernels on the CPU only under TRITON_INTERPRET=1 "
+                "with Triton installed"
+            )
         return "cpu" if cpu_module() is not None else "reference"
     if choice == "triton":
         raise RuntimeError(f"{ENV_VAR}=triton but Triton does not run on {device}")
@@ -108,6 +115,7 @@ def _impl(device: torch.device, dtype: torch.dtype | None = None):
 
 
 # -- reference (plain PyTorch) --------------------------------------------------------------------
+
 
 def route(ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
     """Reference of the `route` kernel (see the module docstring)."""
@@ -147,8 +155,9 @@ def combine(src: Tensor, table: Tensor, weight: Tensor | None) -> Tensor:
     return acc.to(src.dtype)
 
 
-def combine_backward(grad: Tensor, src: Tensor, row_of: Tensor, weight: Tensor | None,
-                     need_weight_grad: bool) -> tuple[Tensor, Tensor]:
+def combine_backward(
+    grad: Tensor, src: Tensor, row_of: Tensor, weight: Tensor | None, need_weight_grad: bool
+) -> tuple[Tensor, Tensor]:
     """Reference: (`weight[p] * grad[row_of[p]]`, `dot(src[p], grad[row_of[p]])` in float32 or an empty
     tensor)."""
     rows = grad.index_select(0, row_of)
@@ -161,6 +170,7 @@ def combine_backward(grad: Tensor, src: Tensor, row_of: Tensor, weight: Tensor |
 
 
 # -- the custom ops -------------------------------------------------------------------------------
+
 
 @torch.library.custom_op("ds_optimus::route", mutates_args=())
 def _route(ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -207,19 +217,24 @@ def _(src, weight, table, row_of):
 
 
 @torch.library.custom_op("ds_optimus::combine_rows_backward", mutates_args=())
-def _combine_rows_backward(grad: Tensor, src: Tensor, row_of: Tensor, weight: Tensor | None,
-                           need_weight_grad: bool) -> tuple[Tensor, Tensor]:
+def _combine_rows_backward(
+    grad: Tensor, src: Tensor, row_of: Tensor, weight: Tensor | None, need_weight_grad: bool
+) -> tuple[Tensor, Tensor]:
     if row_of.numel() == 0:
         return grad.new_empty(0, grad.shape[1]), grad.new_empty(0, dtype=_acc(grad))
     weight = weight.contiguous() if weight is not None else None
-    return tuple(_impl(grad.device, grad.dtype).combine_backward(grad.contiguous(), src.contiguous(), _index(row_of),
-                                                                 weight, need_weight_grad))
+    return tuple(
+        _impl(grad.device, grad.dtype).combine_backward(
+            grad.contiguous(), src.contiguous(), _index(row_of), weight, need_weight_grad
+        )
+    )
 
 
 @_combine_rows_backward.register_fake
 def _(grad, src, row_of, weight, need_weight_grad):
     return grad.new_empty(row_of.shape[0], grad.shape[1]), grad.new_empty(
-        row_of.shape[0] if need_weight_grad else 0, dtype=_acc(grad))
+        row_of.shape[0] if need_weight_grad else 0, dtype=_acc(grad)
+    )
 
 
 def _gather_setup(ctx, inputs, output):
@@ -247,7 +262,8 @@ def _combine_backward(ctx, grad):
     if src is None:
         src = grad.new_empty(0, grad.shape[1])
     grad_src, grad_w = torch.ops.ds_optimus.combine_rows_backward(
-        grad.contiguous(), src, row_of, weight, ctx.need_weight_grad)
+        grad.contiguous(), src, row_of, weight, ctx.need_weight_grad
+    )
     return grad_src, (grad_w.to(ctx.weight_dtype) if ctx.need_weight_grad else None), None, None
 
 
@@ -255,6 +271,7 @@ _combine_rows.register_autograd(_combine_backward, setup_context=_combine_setup)
 
 
 # -- public entry points --------------------------------------------------------------------------
+
 
 def route_slots(ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
     """`(order, inverse, counts)` of the slots of `ids [T, k]` (ids in [0, num_experts))."""

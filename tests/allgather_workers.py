@@ -25,7 +25,7 @@ class _CountingRows:
             self.rows += rows.shape[0]
             return args[at](rows, *rest)
 
-        return self.inner(*args[:at], experts, *args[at + 1:])
+        return self.inner(*args[:at], experts, *args[at + 1 :])
 
 
 def _layer_run(rank: int, world: int, case: dict, dispatch: str) -> dict:
@@ -48,11 +48,21 @@ def _layer_run(rank: int, world: int, case: dict, dispatch: str) -> dict:
     with ExchangeTraffic() as traffic:
         out, aux = layer(x)
         (out.float() * probe).sum().backward()
-    grads = {"x": x.grad, "router": layer.gate.weight.grad,
-             "gate_up": module.gate_up_proj.grad, "down": module.down_proj.grad}
+    grads = {
+        "x": x.grad,
+        "router": layer.gate.weight.grad,
+        "gate_up": module.gate_up_proj.grad,
+        "down": module.down_proj.grad,
+    }
     local_slots = int((aux["top_k_index"] // (experts // world) == rank).sum())  # this rank's slots on its experts
-    return {"dispatcher": kind, "out": out.detach(), "grads": grads, "expert_rows": counting.rows,
-            "all_to_alls": traffic.calls, "local_slots": local_slots}
+    return {
+        "dispatcher": kind,
+        "out": out.detach(),
+        "grads": grads,
+        "expert_rows": counting.rows,
+        "all_to_alls": traffic.calls,
+        "local_slots": local_slots,
+    }
 
 
 def allgather_against_alltoall(rank: int, world: int, layer_cases: list[dict], model_variants: list[dict]):

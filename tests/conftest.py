@@ -28,12 +28,32 @@ collect_ignore = [] if os.environ.get(UPSTREAM) else ["deepspeed_upstream"]
 # (the README's test command runs two, one module at a time each, in this order: --no-loadscope-reorder,
 # without which xdist deals the modules with most tests first) then finish together instead of one
 # waiting on a long module dealt out last. A module missing here only runs later; the order changes no result.
-LONGEST_FIRST = ("test_pipeline.py", "test_fault_tolerance.py", "test_plan.py", "test_tensor_parallel_training.py",
-                 "test_sharded_optimizer.py", "test_trainer.py", "test_routing_ops.py", "test_train.py",
-                 "test_deepspeed_upstream_subset.py", "test_expert_parallel.py", "test_gpu_battery.py", "test_jobs.py",
-                 "test_evaluate.py", "test_hf_common.py", "test_launch.py", "test_hf_engine.py", "test_build.py",
-                 "test_kernels.py", "test_entry_points.py", "test_data_sources.py", "test_package.py",
-                 "test_data_training.py", "test_phase_profile.py", "test_readme.py")
+LONGEST_FIRST = (
+    "test_pipeline.py",
+    "test_fault_tolerance.py",
+    "test_plan.py",
+    "test_tensor_parallel_training.py",
+    "test_sharded_optimizer.py",
+    "test_trainer.py",
+    "test_routing_ops.py",
+    "test_train.py",
+    "test_deepspeed_upstream_subset.py",
+    "test_expert_parallel.py",
+    "test_gpu_battery.py",
+    "test_jobs.py",
+    "test_evaluate.py",
+    "test_hf_common.py",
+    "test_launch.py",
+    "test_hf_engine.py",
+    "test_build.py",
+    "test_kernels.py",
+    "test_entry_points.py",
+    "test_data_sources.py",
+    "test_package.py",
+    "test_data_training.py",
+    "test_phase_profile.py",
+    "test_readme.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -108,8 +128,11 @@ def pytest_sessionfinish(session, exitstatus):
         for line in open(path):
             entry = json.loads(line)
             recorded.add((entry["test"].split("[")[0], entry["command"]))
-    missing = [f"{test}: {command}" for command, test in RUN.items()
-               if f"tests/{test}" in _passed and (f"tests/{test}", command) not in recorded]
+    missing = [
+        f"{test}: {command}"
+        for command, test in RUN.items()
+        if f"tests/{test}" in _passed and (f"tests/{test}", command) not in recorded
+    ]
     shutil.rmtree(os.path.dirname(path), ignore_errors=True)
     if missing:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")

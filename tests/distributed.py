@@ -40,8 +40,9 @@ def _free_port() -> int:
 
 
 def _run_task(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -111,8 +112,13 @@ def _destroy_engines() -> None:
     the worker with its model and its process groups' polling threads, and slow every later call."""
     import gc
 
-    kinds = tuple(getattr(sys.modules.get(module), name, None) for module, name in
-                  (("deepspeed.runtime.engine", "DeepSpeedEngine"), ("ds_optimus.optim.sharded", "ShardedOptimizer")))
+    kinds = tuple(
+        getattr(sys.modules.get(module), name, None)
+        for module, name in (
+            ("deepspeed.runtime.engine", "DeepSpeedEngine"),
+            ("ds_optimus.optim.sharded", "ShardedOptimizer"),
+        )
+    )
     kinds = tuple(kind for kind in kinds if kind is not None)
     if not kinds:
         return
@@ -142,8 +148,12 @@ class _Pool:
         self.world = world
         self.tasks = [context.Queue() for _ in range(world)]
         self.results = context.Queue()
-        self.processes = [context.Process(target=_serve, args=(rank, world, self.tasks[rank], self.results),
-                                          name=f"ds_optimus-test-rank{rank}") for rank in range(world)]
+        self.processes = [
+            context.Process(
+                target=_serve, args=(rank, world, self.tasks[rank], self.results), name=f"ds_optimus-test-rank{rank}"
+            )
+            for rank in range(world)
+        ]
         for process in self.processes:
             process.start()
 

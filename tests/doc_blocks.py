@@ -71,7 +71,7 @@ def strip_comment(command: str) -> str:
     """The command as written, less a trailing `# comment` (a `#` that starts a word outside quotes)."""
     words = shlex.split(command, comments=True)
     for match in [*re.finditer(r"\s#", command), None]:
-        prefix = command if match is None else command[:match.start()]
+        prefix = command if match is None else command[: match.start()]
         try:
             if shlex.split(prefix) == words:
                 return prefix.strip()

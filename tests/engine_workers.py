@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import torch
 
-BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 1},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}  # DeepSpeed's Adam: a compile
+BASE = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 1,
+    "zero_optimization": {"stage": 1},
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+}  # DeepSpeed's Adam: a compile
 
 
 def _model(preset: str, **overrides):
@@ -47,12 +51,14 @@ def client_optimizer_worker(rank: int, world: int) -> dict:
     model = _model("mula-tiny-moe")
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=1e-3)
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-3
+    )
     # No ZeRO: the engine steps this optimizer itself, so its groups are what trains.
     config = {**{k: v for k, v in BASE.items() if k != "optimizer"}, "zero_optimization": {"stage": 0}}
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                           config={**config, "optimus": {"expert_parallel": {"size": 2}}})
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, config={**config, "optimus": {"expert_parallel": {"size": 2}}}
+    )
     live = {id(p) for p in model.parameters()}
     groups = optimizer.param_groups
     experts = model.model.layers[0].mlp.experts
@@ -61,12 +67,15 @@ def client_optimizer_worker(rank: int, world: int) -> dict:
     engine.backward(loss)
     before = experts.gate_up_proj.detach().clone()
     engine.step()
-    return {"rows": experts.gate_up_proj.shape[0],
-            "stale": sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in live),
-            "moe": sorted((g["name"], g["weight_decay"], len(g["params"])) for g in groups if g.get("moe")),
-            "counted": sum(len(g["params"]) for g in groups), "params": len(list(model.parameters())),
-            "moved": float((experts.gate_up_proj.detach() - before).abs().max()),
-            "same_optimizer": engine.optimizer is optimizer}
+    return {
+        "rows": experts.gate_up_proj.shape[0],
+        "stale": sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in live),
+        "moe": sorted((g["name"], g["weight_decay"], len(g["params"])) for g in groups if g.get("moe")),
+        "counted": sum(len(g["params"]) for g in groups),
+        "params": len(list(model.parameters())),
+        "moved": float((experts.gate_up_proj.detach() - before).abs().max()),
+        "same_optimizer": engine.optimizer is optimizer,
+    }
 
 
 def engine_router_bias_worker(rank: int, world: int) -> list[dict]:
@@ -86,8 +95,13 @@ def engine_router_bias_worker(rank: int, world: int) -> list[dict]:
         ids = torch.randint(2, 4096, (2, 16), generator=torch.Generator().manual_seed(10 * rank + micro))
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.step()
-        seen.append({"bias_moved": float(gate.expert_bias.abs().sum()), "pending": float(gate.load_since_update.sum()),
-                     "drives": engine.drives_router_bias})
+        seen.append(
+            {
+                "bias_moved": float(gate.expert_bias.abs().sum()),
+                "pending": float(gate.load_since_update.sum()),
+                "drives": engine.drives_router_bias,
+            }
+        )
     return seen
 
 
@@ -107,5 +121,9 @@ def plain_engine_worker(rank: int, world: int, stage: int) -> dict:
     engine.backward(loss)
     engine.step()
     ours = sorted(n for n in vars(engine) if "ds_optimus" in n or n == "drives_router_bias")
-    return {"optimizer": type(engine.optimizer).__name__, "ours": ours, "moe": engine.has_moe_layers,
-            "hooked": type(engine)._configure_distributed_model.__module__}
+    return {
+        "optimizer": type(engine.optimizer).__name__,
+        "ours": ours,
+        "moe": engine.has_moe_layers,
+        "hooked": type(engine)._configure_distributed_model.__module__,
+    }

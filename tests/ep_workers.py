@@ -29,8 +29,9 @@ def global_batch(seed: int, batch: int, seq: int, vocab: int) -> tuple[torch.Ten
     return ids, probe
 
 
-def ep_forward_backward(rank: int, world: int, ep_size: int, node_size: int | None, overrides: dict,
-                        batch: int = 8, seq: int = 12):
+def ep_forward_backward(
+    rank: int, world: int, ep_size: int, node_size: int | None, overrides: dict, batch: int = 8, seq: int = 12
+):
     """Each rank runs its share of the global batch through the EP model; returns its logits slice
     and the gradients summed the way data parallelism sums them (dense over all ranks, experts
     over the expert-data-parallel group), with the experts' full tensors reassembled."""
@@ -51,8 +52,13 @@ def ep_forward_backward(rank: int, world: int, ep_size: int, node_size: int | No
         gc.collect()
         kept = sum(run() is not None for run in runs)  # overlapped layers' rows kept for the backward pass
     (logits.float() * probe[mine]).sum().backward()
-    return {"logits": logits.detach(), "grads": summed_grads(model, groups), "rows": mine, "kept_runs": kept,
-            "runs": len(runs)}
+    return {
+        "logits": logits.detach(),
+        "grads": summed_grads(model, groups),
+        "rows": mine,
+        "kept_runs": kept,
+        "runs": len(runs),
+    }
 
 
 @contextlib.contextmanager
@@ -104,7 +110,7 @@ def global_batch_aux_loss(rank: int, world: int, batch: int = 8, seq: int = 12):
     model = tiny_moe(router_aux_loss_scope="global_batch").train()
     ids, _ = global_batch(2, batch, seq, model.config.vocab_size)
     per_rank = batch // world
-    out = model(ids[rank * per_rank:(rank + 1) * per_rank], labels=ids[rank * per_rank:(rank + 1) * per_rank])
+    out = model(ids[rank * per_rank : (rank + 1) * per_rank], labels=ids[rank * per_rank : (rank + 1) * per_rank])
     out.aux_loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if "gate.weight" in n}
     for g in grads.values():
@@ -149,7 +155,7 @@ def deepspeed_sgd_step(rank: int, world: int, ep_size: int, stage: int, batch: i
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     registered.append(ds_groups._get_expert_data_parallel_group_dict().get(groups.name) is groups.edp_group)
     ids, _ = global_batch(3, batch, seq, model.config.vocab_size)
-    mine = ids[rank * (batch // world):(rank + 1) * (batch // world)]
+    mine = ids[rank * (batch // world) : (rank + 1) * (batch // world)]
     loss = engine(mine, labels=mine).loss
     engine.backward(loss)
     engine.step()
@@ -160,8 +166,12 @@ def deepspeed_sgd_step(rank: int, world: int, ep_size: int, stage: int, batch: i
         refused = None
     except NotImplementedError as err:
         refused = str(err)
-    return {"params": params, "has_moe_layers": engine.has_moe_layers, "checkpoint_refused": refused,
-            "registered": registered}
+    return {
+        "params": params,
+        "has_moe_layers": engine.has_moe_layers,
+        "checkpoint_refused": refused,
+        "registered": registered,
+    }
 
 
 def reference_sgd_step(world: int, batch: int = 8, seq: int = 12):
@@ -170,8 +180,13 @@ def reference_sgd_step(world: int, batch: int = 8, seq: int = 12):
     model.set_experts_implementation("eager")
     ids, _ = global_batch(3, batch, seq, model.config.vocab_size)
     per_rank = batch // world
-    loss = sum(model(ids[r * per_rank:(r + 1) * per_rank], labels=ids[r * per_rank:(r + 1) * per_rank]).loss
-               for r in range(world)) / world
+    loss = (
+        sum(
+            model(ids[r * per_rank : (r + 1) * per_rank], labels=ids[r * per_rank : (r + 1) * per_rank]).loss
+            for r in range(world)
+        )
+        / world
+    )
     loss.backward()
     with torch.no_grad():
         for p in model.parameters():
@@ -206,8 +221,12 @@ def save_expert_parallel(rank: int, world: int, ep_size: int, folder: str):
     export_pretrained(model, folder, groups)
     complete = (Path(folder) / "config.json").is_file() and any(Path(folder).glob("*.safetensors"))
     ids, _ = global_batch(4, 2, 10, model.config.vocab_size)
-    return {"logits": model(ids).logits.detach(), "complete": complete, "refused": refused,
-            "plain_written": (Path(folder) / f"plain{rank}").exists()}
+    return {
+        "logits": model(ids).logits.detach(),
+        "complete": complete,
+        "refused": refused,
+        "plain_written": (Path(folder) / f"plain{rank}").exists(),
+    }
 
 
 @contextlib.contextmanager
@@ -267,14 +286,23 @@ def ep_exchange_variants(rank: int, world: int, variants: list[dict], batch: int
             (logits.float() * probe[mine]).sum().backward()
         row_bytes = model.config.hidden_size * logits.element_size()
         dispatcher = model.model.layers[0].mlp.experts.expert_parallel
-        results.append({"logits": logits.detach(), "grads": summed_grads(model, groups), "rows": mine,
-                        "dedup": dispatcher.deduplicated, "rows_sent": traffic.rows(row_bytes),
-                        "rows_between_nodes": traffic.rows(row_bytes, node_size=2), "kernels": dict(kernels)})
+        results.append(
+            {
+                "logits": logits.detach(),
+                "grads": summed_grads(model, groups),
+                "rows": mine,
+                "dedup": dispatcher.deduplicated,
+                "rows_sent": traffic.rows(row_bytes),
+                "rows_between_nodes": traffic.rows(row_bytes, node_size=2),
+                "kernels": dict(kernels),
+            }
+        )
     return results
 
 
-def dispatcher_edge_cases(rank: int, world: int, cases: list[dict], k: int = 3, experts: int = 8,
-                          hidden: int = 16, inter: int = 8) -> list[dict]:
+def dispatcher_edge_cases(
+    rank: int, world: int, cases: list[dict], k: int = 3, experts: int = 8, hidden: int = 16, inter: int = 8
+) -> list[dict]:
     """`DedupDispatcher` on hand-made routing against the same sum computed on one rank with every
     expert. A case gives `node_size`, `chunks`, `tokens` (per rank: 0 is a rank that sends nothing,
     fewer than `chunks` leaves chunks empty) and `frozen` (expert weights without gradients). A
@@ -301,8 +329,11 @@ def dispatcher_edge_cases(rank: int, world: int, cases: list[dict], k: int = 3, 
         shard = [gate_up[mine].clone().requires_grad_(trainable), down[mine].clone().requires_grad_(trainable)]
         g = torch.Generator().manual_seed(10 + rank)
         tokens = case["tokens"][rank]
-        ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)]) if tokens \
+        ids = (
+            torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+            if tokens
             else torch.zeros(0, k, dtype=torch.long)
+        )
         ids[torch.rand(tokens, k, generator=g) < 0.2] = -1
         ids[:1] = -1
         x = torch.randn(tokens, hidden, generator=g)
@@ -329,7 +360,7 @@ def dispatcher_edge_cases(rank: int, world: int, cases: list[dict], k: int = 3, 
                 e = int(ids[t, j])
                 if e >= 0:
                     one = torch.tensor([1])
-                    ref[t] = ref[t] + wr[t, j] * swiglu(xr[t:t + 1], one, full[0][e:e + 1], full[1][e:e + 1])[0]
+                    ref[t] = ref[t] + wr[t, j] * swiglu(xr[t : t + 1], one, full[0][e : e + 1], full[1][e : e + 1])[0]
         (ref * probe).sum().backward() if tokens else None
         diffs = {"out": rel(out, ref) if tokens else 0.0}
         if tokens:

@@ -25,18 +25,26 @@ def main() -> int:
     command = args[i:]
     nodes, per_node = int(options["nodes"]), int(options["ntasks-per-node"])
     if "ntasks" in options and int(options["ntasks"]) != nodes * per_node:
-        print(f"srun: --ntasks {options['ntasks']} is not --nodes {nodes} x --ntasks-per-node {per_node}",
-              file=sys.stderr)
+        print(
+            f"srun: --ntasks {options['ntasks']} is not --nodes {nodes} x --ntasks-per-node {per_node}", file=sys.stderr
+        )
         return 1
     hosts = options["nodelist"].split(",")[:nodes]
     procs = []
     for rank in range(nodes * per_node):
         node = rank // per_node
-        env = {**os.environ, "SLURM_PROCID": str(rank), "SLURM_STEP_NUM_TASKS": str(nodes * per_node),
-               "SLURM_LOCALID": str(rank % per_node), "SLURM_NODEID": str(node),
-               "SLURM_STEP_TASKS_PER_NODE": f"{per_node}(x{nodes})", "SLURM_STEP_NODELIST": ",".join(hosts),
-               "SLURM_JOB_ID": os.environ.get("SLURM_JOB_ID", "1"), "SLURM_STEP_ID": "0",
-               "DS_OPTIMUS_HOST": hosts[node]}
+        env = {
+            **os.environ,
+            "SLURM_PROCID": str(rank),
+            "SLURM_STEP_NUM_TASKS": str(nodes * per_node),
+            "SLURM_LOCALID": str(rank % per_node),
+            "SLURM_NODEID": str(node),
+            "SLURM_STEP_TASKS_PER_NODE": f"{per_node}(x{nodes})",
+            "SLURM_STEP_NODELIST": ",".join(hosts),
+            "SLURM_JOB_ID": os.environ.get("SLURM_JOB_ID", "1"),
+            "SLURM_STEP_ID": "0",
+            "DS_OPTIMUS_HOST": hosts[node],
+        }
         procs.append(subprocess.Popen(command, env=env))
     while any(p.poll() is None for p in procs):
         if any(p.returncode not in (None, 0) for p in procs):

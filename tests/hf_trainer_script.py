@@ -58,10 +58,22 @@ class Watch(TrainerCallback):
             model.update_router_bias()
 
 
-args = TrainingArguments(output_dir=f"{out}/run", deepspeed=ds_config, use_cpu=True, max_steps=12,
-                         per_device_train_batch_size=4, gradient_accumulation_steps=2 if one_process else 1,
-                         learning_rate=3e-3, warmup_steps=2, logging_steps=1,
-                         report_to=[], save_strategy="steps", save_steps=12, disable_tqdm=True, seed=0)
+args = TrainingArguments(
+    output_dir=f"{out}/run",
+    deepspeed=ds_config,
+    use_cpu=True,
+    max_steps=12,
+    per_device_train_batch_size=4,
+    gradient_accumulation_steps=2 if one_process else 1,
+    learning_rate=3e-3,
+    warmup_steps=2,
+    logging_steps=1,
+    report_to=[],
+    save_strategy="steps",
+    save_steps=12,
+    disable_tqdm=True,
+    seed=0,
+)
 trainer = Trainer(model=model, args=args, train_dataset=PackedSequences(tokens, 64), callbacks=[Watch()])
 trainer.train()
 trainer.save_model(f"{out}/hf")  # every rank, as the Trainer itself does

@@ -12,8 +12,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # what a fresh clone does not have, or the package does not ship
-LEFT_OUT = (".git", ".venv", "build", "*.so", "__pycache__", "*.egg-info", "tests", "benchmarks", "docs", ".gpu-kit",
-            "runs")
+LEFT_OUT = (
+    ".git",
+    ".venv",
+    "build",
+    "*.so",
+    "__pycache__",
+    "*.egg-info",
+    "tests",
+    "benchmarks",
+    "docs",
+    ".gpu-kit",
+    "runs",
+)
 
 
 def installed_copy(tmp_path_factory) -> Path:
@@ -29,9 +40,24 @@ def installed_copy(tmp_path_factory) -> Path:
             shutil.copytree(ROOT, folder / "src", ignore=shutil.ignore_patterns(*LEFT_OUT))
             env = {**os.environ, "DS_BUILD_OPS": "1"}
             env.pop("DS_BUILD_MOE_ROUTING", None)
-            done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps",
-                                   "--target", str(folder / "site"), str(folder / "src")], capture_output=True,
-                                  text=True, env=env, timeout=540)
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "install",
+                    "-q",
+                    "--no-build-isolation",
+                    "--no-deps",
+                    "--target",
+                    str(folder / "site"),
+                    str(folder / "src"),
+                ],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=540,
+            )
             assert done.returncode == 0, done.stderr[-3000:]
             (folder / "done").touch()
     return folder / "site"

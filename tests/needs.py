@@ -20,8 +20,7 @@ def under_ci() -> bool:
 def missing(what: str) -> NoReturn:
     """Skip, saying what is missing (`what`: what it is and how to install it); under CI, fail."""
     if under_ci():
-        pytest.fail(f"{what}: the test command installs it, so under CI this fails instead of skipping",
-                    pytrace=False)
+        pytest.fail(f"{what}: the test command installs it, so under CI this fails instead of skipping", pytrace=False)
     pytest.skip(what)
 
 

@@ -19,9 +19,17 @@ LR, WEIGHT_DECAY, BETAS, EPS = 3e-3, 0.1, (0.9, 0.95), 1e-8
 
 def tiny_model(seed: int = 0, **overrides) -> MulaForCausalLM:
     torch.manual_seed(seed)
-    config = MulaConfig.from_preset("mula-tiny-moe", **{"hidden_size": 64, "num_hidden_layers": 2,
-                                                         "moe_intermediate_size": 64, "intermediate_size": 128,
-                                                         "vocab_size": 512, **overrides})
+    config = MulaConfig.from_preset(
+        "mula-tiny-moe",
+        **{
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "moe_intermediate_size": 64,
+            "intermediate_size": 128,
+            "vocab_size": 512,
+            **overrides,
+        },
+    )
     return MulaForCausalLM(config)
 
 
@@ -36,19 +44,28 @@ def ds_config(spec: dict) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": spec["micro"],
         "gradient_accumulation_steps": spec["gas"],
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
-                                                  "weight_decay": WEIGHT_DECAY, "torch_adam": True}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WEIGHT_DECAY, "torch_adam": True},
+        },
         "zero_optimization": {"stage": spec["stage"], **spec.get("zero", {})},
         "gradient_clipping": spec.get("clip", 0.0),
-        "steps_per_print": 10 ** 9,
-        "optimus": {"expert_parallel": {"size": spec["ep"], **spec.get("exchange", {})},
-                    "moe": {"experts_backend": "looped"},
-                    "sharded_optimizer": {"enabled": spec["sharded"], "bucket_size": spec.get("bucket", 20000),
-                                          **spec.get("sharded_options", {})}},
+        "steps_per_print": 10**9,
+        "optimus": {
+            "expert_parallel": {"size": spec["ep"], **spec.get("exchange", {})},
+            "moe": {"experts_backend": "looped"},
+            "sharded_optimizer": {
+                "enabled": spec["sharded"],
+                "bucket_size": spec.get("bucket", 20000),
+                **spec.get("sharded_options", {}),
+            },
+        },
     }
     if spec.get("scheduler"):  # the learning rate changes every step: it must come back with a checkpoint
-        config["scheduler"] = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR,
-                                                                   "warmup_num_steps": 3, "total_num_steps": 12}}
+        config["scheduler"] = {
+            "type": "WarmupDecayLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR, "warmup_num_steps": 3, "total_num_steps": 12},
+        }
     if spec.get("dtype") == "bf16":
         config["bf16"] = {"enabled": True}
     if spec.get("grad_accum_dtype"):  # with bf16 and ZeRO-1, DeepSpeed would build its BF16 optimizer
@@ -69,16 +86,19 @@ def train(rank: int, world: int, spec: dict) -> dict:
     model = tiny_model(**spec.get("model", {}))
     config = ds_config(spec)
     setup_moe(model, OptimusConfig.from_ds_config(config))
-    engine, *_ = deepspeed.initialize(model=model, config=config,
-                                      model_parameters=moe_param_groups(model, weight_decay=WEIGHT_DECAY))
+    engine, *_ = deepspeed.initialize(
+        model=model, config=config, model_parameters=moe_param_groups(model, weight_decay=WEIGHT_DECAY)
+    )
     start, opened = 0, []
     if spec.get("load"):  # which of the checkpoint's files this rank opens, in order
         from ds_optimus.checkpoint import model_files
         from ds_optimus.checkpoint import optimizer_state as checkpointing
 
         real = checkpointing.load  # the same function in both modules: the optimizer's files and the model's
-        checkpointing.load = model_files.load = \
-            lambda file, *a, **k: (opened.append(Path(file).name), real(file, *a, **k))[1]
+        checkpointing.load = model_files.load = lambda file, *a, **k: (
+            opened.append(Path(file).name),
+            real(file, *a, **k),
+        )[1]
         try:
             path, client = engine.load_checkpoint(spec["load"])
         finally:
@@ -106,14 +126,23 @@ def train(rank: int, world: int, spec: dict) -> dict:
         norms[step] = engine.get_global_grad_norm()
         if spec.get("save_at") == step:
             engine.save_checkpoint(spec["save_dir"], client_state={"step": step})
-    result = {"losses": losses, "norms": norms, "lrs": lrs, "optimizer": type(engine.optimizer).__name__,
-              "skipped_steps": engine.skipped_steps, "opened": opened}
+    result = {
+        "losses": losses,
+        "norms": norms,
+        "lrs": lrs,
+        "optimizer": type(engine.optimizer).__name__,
+        "skipped_steps": engine.skipped_steps,
+        "opened": opened,
+    }
     if hasattr(engine.optimizer, "state_bytes"):
         result["state_bytes"] = engine.optimizer.state_bytes()
         result["comm_bytes"] = dict(engine.optimizer.comm_bytes)
         result["bucket_dtypes"] = sorted({str(engine.optimizer.bucket_dtype(s)) for s in engine.optimizer.spaces})
-        result["gather"] = {"launch_s": engine.optimizer.gather.launch_s, "wait_s": engine.optimizer.gather.wait_s,
-                            "pending": len(engine.optimizer.gather.pending)}
+        result["gather"] = {
+            "launch_s": engine.optimizer.gather.launch_s,
+            "wait_s": engine.optimizer.gather.wait_s,
+            "pending": len(engine.optimizer.gather.pending),
+        }
     # through state_dict(): it waits for an overlapped parameter gather still on its way
     state = engine.module.state_dict()
     result["params"] = {n: state[n].detach().float().clone() for n, _ in engine.module.named_parameters()}
@@ -174,9 +203,14 @@ def bad_settings(rank: int, world: int) -> list[str]:
 
     messages = []
     base = dict(ep=2, stage=2, sharded=True, micro=1, gas=1)
-    for change in ({"stage": 0}, {"stage": 3}, {"sgd": True}, {"sharded_options": {"bucket_size": 0}},
-                   {"sharded": False, "sharded_options": {"shard_group_size": 2}},
-                   {"sharded": False, "sharded_options": {"overlap_param_gather": True}}):
+    for change in (
+        {"stage": 0},
+        {"stage": 3},
+        {"sgd": True},
+        {"sharded_options": {"bucket_size": 0}},
+        {"sharded": False, "sharded_options": {"shard_group_size": 2}},
+        {"sharded": False, "sharded_options": {"overlap_param_gather": True}},
+    ):
         spec = {**base, **change}
         model = tiny_model()
         config = ds_config(spec)
@@ -202,9 +236,15 @@ def fp16_direct(rank: int, world: int) -> dict:
     groups = setup_moe(model, OptimusConfig.from_ds_config(options))
     model.half()
     inner = torch.optim.AdamW(moe_param_groups(model, weight_decay=WEIGHT_DECAY), lr=LR, betas=BETAS, eps=1e-4)
-    optimizer = ShardedOptimizer(inner, param_names={p: n for n, p in model.named_parameters()}, stage=2,
-                                 expert_groups=[groups], clip_grad=1.0, bucket_size=20000,
-                                 loss_scaler=LossScaler(2.0 ** 10, dynamic=True, window=2, hysteresis=1))
+    optimizer = ShardedOptimizer(
+        inner,
+        param_names={p: n for n, p in model.named_parameters()},
+        stage=2,
+        expert_groups=[groups],
+        clip_grad=1.0,
+        bucket_size=20000,
+        loss_scaler=LossScaler(2.0**10, dynamic=True, window=2, hysteresis=1),
+    )
     losses, scales = {}, {}
     for step in range(1, 9):
         ids = chunks(step, world, 1, model.config.vocab_size)[rank]
@@ -217,16 +257,25 @@ def fp16_direct(rank: int, world: int) -> dict:
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses[step], scales[step] = total.item() / world, optimizer.cur_scale
-    return {"losses": losses, "scales": scales, "skipped": optimizer.skipped_steps,
-            "params": {n: p.detach().float().clone() for n, p in model.named_parameters()}}
+    return {
+        "losses": losses,
+        "scales": scales,
+        "skipped": optimizer.skipped_steps,
+        "params": {n: p.detach().float().clone() for n, p in model.named_parameters()},
+    }
 
 
 def direct_optimizer(stage: int, model: torch.nn.Module, **options):
     from ds_optimus.optim.sharded import ShardedOptimizer
 
     inner = torch.optim.AdamW(model.parameters(), lr=LR)
-    return ShardedOptimizer(inner, param_names={p: n for n, p in model.named_parameters()}, stage=stage,
-                            bucket_size=options.pop("bucket_size", 1000), **options)
+    return ShardedOptimizer(
+        inner,
+        param_names={p: n for n, p in model.named_parameters()},
+        stage=stage,
+        bucket_size=options.pop("bucket_size", 1000),
+        **options,
+    )
 
 
 def two_backwards(rank: int, world: int, stage: int) -> list[torch.Tensor]:

@@ -63,8 +63,18 @@ def stage_layers(stage: int, pp: int, layers: int, vpp: int = 1) -> list[int]:
     return [(local // chunk * pp + stage) * chunk + local % chunk for local in range(layers // pp)]
 
 
-def rank_state(whole: dict[str, torch.Tensor], stage: int, rank: int, *, pp: int, ep: int, layers: int,
-               experts: int, vpp: int = 1, merged: bool = False) -> dict[str, torch.Tensor]:
+def rank_state(
+    whole: dict[str, torch.Tensor],
+    stage: int,
+    rank: int,
+    *,
+    pp: int,
+    ep: int,
+    layers: int,
+    experts: int,
+    vpp: int = 1,
+    merged: bool = False,
+) -> dict[str, torch.Tensor]:
     """The state dict the rank of pipeline stage `stage` and expert-parallel rank `rank` saves: its layers
     under local indices, its experts under local indices (or stacked as MergedMLP stores them), the
     replicated tensors, the embedding on the first stage and the final norm and head on the last."""
@@ -107,17 +117,31 @@ def as_flat_views(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     flat = torch.zeros(-(-total // 512) * 512, dtype=next(iter(state.values())).dtype)
     out, start = OrderedDict(), 0
     for name, tensor in state.items():
-        view = flat[start:start + tensor.numel()].view(tensor.shape)
+        view = flat[start : start + tensor.numel()].view(tensor.shape)
         view.copy_(tensor)
         out[name] = view
         start += tensor.numel()
     return out
 
 
-def write_checkpoint(folder: Path, whole: dict[str, torch.Tensor], *, layers: int, experts: int = 0, pp: int = 1,
-                     ep: int = 1, vpp: int = 1, merged: bool = False, module_prefix: bool = False, step: int = 1000,
-                     dtype: torch.dtype = torch.bfloat16, flat_buffer: bool = True, optimizer: str | None = None,
-                     dp: int = 1, completed: bool = True) -> Path:
+def write_checkpoint(
+    folder: Path,
+    whole: dict[str, torch.Tensor],
+    *,
+    layers: int,
+    experts: int = 0,
+    pp: int = 1,
+    ep: int = 1,
+    vpp: int = 1,
+    merged: bool = False,
+    module_prefix: bool = False,
+    step: int = 1000,
+    dtype: torch.dtype = torch.bfloat16,
+    flat_buffer: bool = True,
+    optimizer: str | None = None,
+    dp: int = 1,
+    completed: bool = True,
+) -> Path:
     """Write `whole` (the seed's whole-model names: `seed_names`) into `folder` as the seed saves a
     checkpoint on PP x EP ranks (TP 1): the model files, optionally the optimizer files ("sharded": one per
     global rank of DP x PP x EP, "ddp": one), and the `completed` marker. Returns `folder`."""
@@ -125,8 +149,7 @@ def write_checkpoint(folder: Path, whole: dict[str, torch.Tensor], *, layers: in
     whole = OrderedDict((name, t.detach().to(dtype)) for name, t in whole.items())
     for stage in range(pp):
         for rank in range(ep):
-            state = rank_state(whole, stage, rank, pp=pp, ep=ep, layers=layers, experts=experts, vpp=vpp,
-                               merged=merged)
+            state = rank_state(whole, stage, rank, pp=pp, ep=ep, layers=layers, experts=experts, vpp=vpp, merged=merged)
             if flat_buffer:
                 state = as_flat_views(state)
             if module_prefix:
@@ -150,6 +173,8 @@ def write_optimizer(folder: Path, whole: dict[str, torch.Tensor], kind: str, ran
         return
     shard = -(-numel // (ranks * 512)) * 512
     for rank in range(ranks):
-        state = {f"{name}_shard": torch.zeros(shard)
-                 for name in ("flat_exp_avg", "flat_exp_avg_sq", "flat_fp32_master_param")}
+        state = {
+            f"{name}_shard": torch.zeros(shard)
+            for name in ("flat_exp_avg", "flat_exp_avg_sq", "flat_fp32_master_param")
+        }
         torch.save({"state_dict": {**state, "step_id": step}}, folder / f"optimizer_checkpoint_shard-{rank}.pth")

@@ -20,16 +20,20 @@ def rel(a, b):
 
 # One launch per EP size; per case a layer of `experts` experts, top_k, tokens per rank.
 LAYER_CASES = {
-    2: [{"top_k": 2, "tokens": [16, 16]},
+    2: [
+        {"top_k": 2, "tokens": [16, 16]},
         {"top_k": 3, "tokens": [5, 13]},
         {"top_k": 2, "tokens": [9, 4], "bias": [6, 7]},  # rank 0's tokens route nowhere locally
         {"top_k": 3, "tokens": [12, 7], "capacity": 0.5},  # dropped slots (ids -1)
         {"top_k": 2, "tokens": [11, 6], "dtype": "bfloat16"},
-        {"top_k": 3, "tokens": [10, 10], "dtype": "bfloat16", "bias": [5, 6, 7]}],
-    4: [{"top_k": 3, "tokens": [0, 7, 3, 12]},  # a rank without tokens; 2 experts per rank: top-3 > local
+        {"top_k": 3, "tokens": [10, 10], "dtype": "bfloat16", "bias": [5, 6, 7]},
+    ],
+    4: [
+        {"top_k": 3, "tokens": [0, 7, 3, 12]},  # a rank without tokens; 2 experts per rank: top-3 > local
         {"top_k": 2, "tokens": [8, 8, 8, 8], "bias": [6, 7]},  # ranks 0-2 route nowhere locally
         {"top_k": 4, "tokens": [6, 9, 2, 5], "capacity": 0.5, "experts": 16},
-        {"top_k": 2, "tokens": [10, 3, 7, 5], "dtype": "bfloat16"}],
+        {"top_k": 2, "tokens": [10, 3, 7, 5], "dtype": "bfloat16"},
+    ],
 }
 
 
@@ -40,8 +44,11 @@ def test_allgather_equals_alltoall(ep):
     experts receive exactly the routed rows (padding rows carry no routing), and no all-to-all runs.
     At EP 2 whole tiny Mula models configured through setup_moe agree too (every token on one rank)."""
     cases = LAYER_CASES[ep]
-    models = [{"bias": {6: 10.0, 7: 10.0}, "expert_parallel": {"size": 2, "dispatch": d}}
-              for d in ("alltoall", "allgather")] if ep == 2 else []
+    models = (
+        [{"bias": {6: 10.0, 7: 10.0}, "expert_parallel": {"size": 2, "dispatch": d}} for d in ("alltoall", "allgather")]
+        if ep == 2
+        else []
+    )
     results = run_distributed(allgather_against_alltoall, ep, cases, models)
     for rank, result in enumerate(results):
         for case, runs in zip(cases, result["layers"], strict=True):
@@ -80,20 +87,27 @@ def test_allgather_config_errors_are_one_line():
     assert parse({"size": 4, "dispatch": "allgather", "dedup": "auto"}, where).dispatch == "allgather"
     assert parse({"size": 4, "dispatch": "allgather", "node_size": 4}, where).node_size == 4  # one node
     assert parse({"size": 4}, where).dispatch == "alltoall"
-    with pytest.raises(ConfigError, match=r'^optimus.expert_parallel.dispatch must be "alltoall" or "allgather", '
-                                          r"got 'ring'$"):
+    with pytest.raises(
+        ConfigError,
+        match=r'^optimus.expert_parallel.dispatch must be "alltoall" or "allgather", '
+        r"got 'ring'$",
+    ):
         parse({"size": 4, "dispatch": "ring"}, where)
-    message = (r'^optimus.expert_parallel.dispatch "allgather" is a flat exchange in one chunk without dedup; '
-               r"it does not take {}$")
-    for given, named in [({"dedup": True}, "optimus.expert_parallel.dedup true"),
-                         ({"dedup": True, "chunks": 2}, "optimus.expert_parallel.dedup true and "
-                                                        "optimus.expert_parallel.chunks 2"),
-                         ({"node_size": 2}, "optimus.expert_parallel.node_size 2")]:
+    message = (
+        r'^optimus.expert_parallel.dispatch "allgather" is a flat exchange in one chunk without dedup; '
+        r"it does not take {}$"
+    )
+    for given, named in [
+        ({"dedup": True}, "optimus.expert_parallel.dedup true"),
+        ({"dedup": True, "chunks": 2}, "optimus.expert_parallel.dedup true and optimus.expert_parallel.chunks 2"),
+        ({"node_size": 2}, "optimus.expert_parallel.node_size 2"),
+    ]:
         with pytest.raises(ConfigError, match=message.format(named)):
             parse({"size": 4, "dispatch": "allgather", **given}, where)
     with pytest.raises(ConfigError, match=message.format("optimus.expert_parallel.chunks 3")):
-        OptimusConfig.from_ds_config({"optimus": {"expert_parallel": {"size": 2, "dispatch": "allgather",
-                                                                      "chunks": 3}}})
+        OptimusConfig.from_ds_config(
+            {"optimus": {"expert_parallel": {"size": 2, "dispatch": "allgather", "chunks": 3}}}
+        )
 
 
 def test_apply_expert_parallel_refuses_allgather_with_dedup_chunks_or_nodes_before_changing_anything():
@@ -103,13 +117,19 @@ def test_apply_expert_parallel_refuses_allgather_with_dedup_chunks_or_nodes_befo
     model = MulaForCausalLM(MulaConfig.from_preset("mula-tiny-moe"))
     before = model.model.layers[0].mlp.experts.gate_up_proj
     prefix = r'^apply_expert_parallel: dispatch="allgather" is a flat exchange in one chunk without dedup; '
-    for kwargs, named in [({"dedup": True}, "dedup=True"), ({"chunks": 2}, "chunks=2"),
-                          ({"node_size": 2}, "a hierarchical node_size"),
-                          ({"dedup": True, "node_size": 2}, "dedup=True and a hierarchical node_size")]:
+    for kwargs, named in [
+        ({"dedup": True}, "dedup=True"),
+        ({"chunks": 2}, "chunks=2"),
+        ({"node_size": 2}, "a hierarchical node_size"),
+        ({"dedup": True, "node_size": 2}, "dedup=True and a hierarchical node_size"),
+    ]:
         with pytest.raises(ValueError, match=prefix + f"it does not take {named}$"):
             apply_expert_parallel(model, 4, dispatch="allgather", **kwargs)
-    with pytest.raises(ValueError, match=r'^apply_expert_parallel: dispatch must be "alltoall" or "allgather", '
-                                         r"got 'all_gather'$"):
+    with pytest.raises(
+        ValueError,
+        match=r'^apply_expert_parallel: dispatch must be "alltoall" or "allgather", '
+        r"got 'all_gather'$",
+    ):
         apply_expert_parallel(model, 4, dispatch="all_gather")
     assert model.model.layers[0].mlp.experts.gate_up_proj is before
     assert model.model.layers[0].mlp.experts.expert_parallel is None
@@ -123,5 +143,6 @@ def test_allgather_bytes_formula():
     assert exchange_bytes_per_token("alltoall", 4, 8, row_bytes=100) == 2 * 8 * 3 / 4 * 100
     assert [allgather_sends_fewer_bytes(8, ep) for ep in (2, 4, 8, 12)] == [True, True, False, False]
     # the seed's EP 12 with top-8: 1.5x the per-slot bytes
-    assert exchange_bytes_per_token("allgather", 12, 8, 1.0) / exchange_bytes_per_token("alltoall", 12, 8, 1.0) \
-        == pytest.approx(1.5)
+    assert exchange_bytes_per_token("allgather", 12, 8, 1.0) / exchange_bytes_per_token(
+        "alltoall", 12, 8, 1.0
+    ) == pytest.approx(1.5)

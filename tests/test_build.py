@@ -87,9 +87,20 @@ def test_an_olmoe_folder_is_stacked_for_the_rank_s_experts_only(tmp_path):
     from ds_optimus.hf_models.mula.convert_olmoe import olmoe_to_mula_config, read_config
 
     torch.manual_seed(0)
-    OlmoeForCausalLM(OlmoeConfig(vocab_size=96, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
-                                 pad_token_id=0, eos_token_id=1)).save_pretrained(tmp_path, save_original_format=True)
+    OlmoeForCausalLM(
+        OlmoeConfig(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=24,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=8,
+            num_experts_per_tok=2,
+            pad_token_id=0,
+            eos_token_id=1,
+        )
+    ).save_pretrained(tmp_path, save_original_format=True)
     config = olmoe_to_mula_config(read_config(tmp_path))
     whole = build_model(config, folder=tmp_path, kind="olmoe").state_dict()
     assert whole["model.layers.1.mlp.experts.down_proj"].shape[0] == 8
@@ -102,9 +113,18 @@ def test_an_olmo_folder_trains_as_mula(tmp_path, tied):
     from transformers import OlmoConfig, OlmoForCausalLM
 
     torch.manual_seed(0)
-    olmo = OlmoForCausalLM(OlmoConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, pad_token_id=0, eos_token_id=1,
-                                      tie_word_embeddings=tied)).eval()
+    olmo = OlmoForCausalLM(
+        OlmoConfig(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            pad_token_id=0,
+            eos_token_id=1,
+            tie_word_embeddings=tied,
+        )
+    ).eval()
     olmo.save_pretrained(tmp_path)
     spec = ModelConfig(path=str(tmp_path))
     assert spec.describe() == f"{tmp_path} (an OLMo folder, read as Mula, with its weights)"
@@ -126,8 +146,11 @@ def test_model_config_builds_the_slice_and_names_bad_weights(tmp_path):
     tensors = load_file(tmp_path / "model.safetensors")
     tensors["model.layers.0.mlp.experts.down_proj"] = tensors["model.layers.0.mlp.experts.down_proj"][:6]
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ConfigError, match=r"has weights of another shape for model.layers.0.mlp.experts.down_proj: "
-                                          r"they would train from random values"):
+    with pytest.raises(
+        ConfigError,
+        match=r"has weights of another shape for model.layers.0.mlp.experts.down_proj: "
+        r"they would train from random values",
+    ):
         ModelConfig(path=str(tmp_path)).build(ep_size=2, ep_rank=1)
 
 
@@ -145,8 +168,15 @@ def _memory_overrides(expert_bytes: float) -> dict:
     """mula-tiny-moe with two MoE layers of 64 experts whose fp32 expert weights come to about `expert_bytes`."""
     hidden, layers, experts = 1024, 2, 64
     intermediate = max(64, int(expert_bytes / (layers * experts * 3 * hidden * 4)) // 64 * 64)
-    return dict(hidden_size=hidden, num_attention_heads=8, num_key_value_heads=8, num_hidden_layers=layers,
-                num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=intermediate)
+    return dict(
+        hidden_size=hidden,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        num_hidden_layers=layers,
+        num_experts=experts,
+        num_experts_per_tok=2,
+        moe_intermediate_size=intermediate,
+    )
 
 
 def _expert_digests(model) -> dict[str, int]:
@@ -171,12 +201,14 @@ def _memory_rank(rank: int, world: int, port: int, expert_bytes: float, out: str
     dist.init_process_group("gloo", rank=rank, world_size=world)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     model = ModelConfig(preset="mula-tiny-moe", overrides=_memory_overrides(expert_bytes)).build(
-        ep_size=world, ep_rank=rank, seed=5)
+        ep_size=world, ep_rank=rank, seed=5
+    )
     apply_expert_parallel(model, world)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     held = sum(p.numel() * p.element_size() for p in model.parameters())
-    Path(out, f"{rank}.json").write_text(json.dumps({"growth": peak - before, "held": held,
-                                                     "digests": _expert_digests(model)}))
+    Path(out, f"{rank}.json").write_text(
+        json.dumps({"growth": peak - before, "held": held, "digests": _expert_digests(model)})
+    )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -206,9 +238,13 @@ def test_ep4_ranks_hold_a_quarter_of_experts_four_whole_copies_of_which_exceed_t
         # the peak grew by what the rank keeps (and little more): never by the whole model
         assert result["growth"] < 1.15 * planned + 64 * 2**20, (r, result["growth"] / 2**30, planned / 2**30)
         assert result["growth"] < 0.4 * whole_bytes
-    print(f"\nexperts {shape.expert_params * 4 / 2**30:.2f} GiB fp32 (x4 = {4 * whole_bytes / 2**30:.1f} GiB whole "
-          f"copies, machine {total / 2**30:.1f} GiB); per rank planned {planned / 2**30:.2f} GiB, peak growth "
-          + ", ".join(f"{r['growth'] / 2**30:.2f}" for r in ranks) + " GiB", file=sys.stderr)
+    print(
+        f"\nexperts {shape.expert_params * 4 / 2**30:.2f} GiB fp32 (x4 = {4 * whole_bytes / 2**30:.1f} GiB whole "
+        f"copies, machine {total / 2**30:.1f} GiB); per rank planned {planned / 2**30:.2f} GiB, peak growth "
+        + ", ".join(f"{r['growth'] / 2**30:.2f}" for r in ranks)
+        + " GiB",
+        file=sys.stderr,
+    )
 
     digests = {}
     for result in ranks:
@@ -230,27 +266,46 @@ def test_a_folder_s_vocabulary_and_a_dense_model_under_ep_say_what_to_change(tmp
 
     small = MulaConfig.from_preset("mula-tiny-dense", vocab_size=1000)
     build_model(small).save_pretrained(tmp_path / "small")
-    with pytest.raises(ConfigError, match=r"more than the model's vocab_size 1000 \(set optimus.data.tokenizer to the "
-                                          r"model's own tokenizer: its weights fix the vocabulary\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"more than the model's vocab_size 1000 \(set optimus.data.tokenizer to the "
+        r"model's own tokenizer: its weights fix the vocabulary\)$",
+    ):
         ModelConfig(path=str(tmp_path / "small")).mula_config(load_tokenizer(None))
-    with pytest.raises(ConfigError, match=r"more than the model's vocab_size 1000 \(set optimus.model.overrides."
-                                          r"vocab_size\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"more than the model's vocab_size 1000 \(set optimus.model.overrides."
+        r"vocab_size\)$",
+    ):
         ModelConfig(preset="mula-tiny-dense", overrides={"vocab_size": 1000}).mula_config(load_tokenizer(None))
     config = json.loads((Path(__file__).parents[1] / "ds_configs" / "mula-tiny-moe-cpu.json").read_text())
     config["optimus"]["model"] = {"preset": "mula-tiny-dense"}
-    with pytest.raises(ConfigError, match=r"needs an MoE model \(num_experts > 0\); this one is dense: set "
-                                          r"optimus.expert_parallel.size=1$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"needs an MoE model \(num_experts > 0\); this one is dense: set "
+        r"optimus.expert_parallel.size=1$",
+    ):
         check_run(config, 2)
 
 
 def test_overrides_take_every_setting_the_config_takes_and_name_a_misspelled_one():
     """What PretrainedConfig converts or pops (rope_theta into rope_parameters, attn_implementation,
     torch_dtype) stays accepted; a name MulaConfig has nowhere is one line with the closest one."""
-    config = ModelConfig(preset="mula-tiny-moe", overrides={"rope_theta": 5e5, "attn_implementation": "eager",
-                                                            "torch_dtype": "float32", "tie_word_embeddings": False,
-                                                            "num_experts_per_tok": 1}).mula_config()
+    config = ModelConfig(
+        preset="mula-tiny-moe",
+        overrides={
+            "rope_theta": 5e5,
+            "attn_implementation": "eager",
+            "torch_dtype": "float32",
+            "tie_word_embeddings": False,
+            "num_experts_per_tok": 1,
+        },
+    ).mula_config()
     assert config.rope_parameters["rope_theta"] == 5e5 and config._attn_implementation == "eager"
     assert config.num_experts_per_tok == 1
-    with pytest.raises(ConfigError, match=r"^optimus.model.overrides.hiden_size is not a MulaConfig setting \(did "
-                                          r"you mean 'hidden_size'\?\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^optimus.model.overrides.hiden_size is not a MulaConfig setting \(did "
+        r"you mean 'hidden_size'\?\)$",
+    ):
         ModelConfig(preset="mula-tiny-moe", overrides={"hiden_size": 6}).mula_config()

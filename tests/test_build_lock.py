@@ -53,8 +53,9 @@ class FakeClock:
 @pytest.fixture
 def clock(monkeypatch):
     fake = FakeClock()
-    monkeypatch.setattr(build_lock, "time", SimpleNamespace(monotonic=fake.monotonic, sleep=fake.sleep,
-                                                            time=lambda: 0.0))
+    monkeypatch.setattr(
+        build_lock, "time", SimpleNamespace(monotonic=fake.monotonic, sleep=fake.sleep, time=lambda: 0.0)
+    )
     return fake
 
 

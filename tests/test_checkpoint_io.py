@@ -59,17 +59,25 @@ def refusal(path: Path) -> str:
 def save(manager: CheckpointManager, step: int, files: dict | None = None) -> Path:
     name = f"step_{step:08d}"
     manager.writer.prepare(manager.directory, name)
-    manager.writer.write(manager.directory, name, files or {"rank00000.pt": {"step": step}},
-                        {"step": step, "world_size": 1, "ep_size": 1})  # what both formats record
+    manager.writer.write(
+        manager.directory,
+        name,
+        files or {"rank00000.pt": {"step": step}},
+        {"step": step, "world_size": 1, "ep_size": 1},
+    )  # what both formats record
     return manager.directory / name
 
 
 # -- the leaf ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("leaf, expected", [
-    (checkpoint_io, {"torch"}),
-    (rng_state_module, {"torch", "numpy", "deepspeed"}),
-])
+
+@pytest.mark.parametrize(
+    "leaf, expected",
+    [
+        (checkpoint_io, {"torch"}),
+        (rng_state_module, {"torch", "numpy", "deepspeed"}),
+    ],
+)
 def test_the_leaves_import_nothing_of_ds_optimus(leaf, expected):
     tree = ast.parse(Path(leaf.__file__).read_text())
     imported = set()
@@ -81,8 +89,24 @@ def test_the_leaves_import_nothing_of_ds_optimus(leaf, expected):
             imported.add(node.module.split(".")[0])
     assert "ds_optimus" not in imported
     assert expected <= imported  # the walk saw the imports, inside functions too
-    assert imported <= {"__future__", "collections", "json", "os", "pickle", "random", "re", "shutil",
-                        "threading", "time", "zlib", "pathlib", "typing", "numpy", "torch", "deepspeed"}
+    assert imported <= {
+        "__future__",
+        "collections",
+        "json",
+        "os",
+        "pickle",
+        "random",
+        "re",
+        "shutil",
+        "threading",
+        "time",
+        "zlib",
+        "pathlib",
+        "typing",
+        "numpy",
+        "torch",
+        "deepspeed",
+    }
 
 
 def test_file_hooks_see_every_file_with_its_step(tmp_path):
@@ -112,8 +136,10 @@ def test_file_hooks_see_every_file_with_its_step(tmp_path):
 
     writer.file_hooks.append(stop)  # a hook that raises fails the save, as a failed write does
     writer.prepare(tmp_path, "step_00000005")
-    expected = (r"^saving checkpoint step_00000005 failed \(rank 0: RuntimeError: stopped after a.pt of step 5\); "
-                r"the previous checkpoints are untouched$")
+    expected = (
+        r"^saving checkpoint step_00000005 failed \(rank 0: RuntimeError: stopped after a.pt of step 5\); "
+        r"the previous checkpoints are untouched$"
+    )
     with pytest.raises(CheckpointError, match=expected):
         writer.write(tmp_path, "step_00000005", files, {"step": 5})
     assert not (tmp_path / "step_00000005").exists() and (tmp_path / "latest").read_text() == "extra"
@@ -121,6 +147,7 @@ def test_file_hooks_see_every_file_with_its_step(tmp_path):
 
 
 # -- loading without running code -------------------------------------------------------------------
+
 
 def test_a_planted_pickle_is_refused_in_one_line_and_does_not_run(tmp_path):
     path, marker = tmp_path / "client_rank00000.pt", tmp_path / "planted_ran"
@@ -159,6 +186,7 @@ def test_rng_state_is_saved_as_plain_tensors_and_old_numpy_states_still_load(tmp
 
 # -- what latest_good says --------------------------------------------------------------------------
 
+
 def test_a_newer_folder_without_a_manifest_is_reported_and_the_older_checkpoint_used(tmp_path):
     manager = CheckpointManager(tmp_path)
     save(manager, 4)
@@ -166,22 +194,27 @@ def test_a_newer_folder_without_a_manifest_is_reported_and_the_older_checkpoint_
     (tmp_path / "step_00000008" / "meta.json").unlink()  # `latest` names it too: one line, not two
     notes = []
     assert manager.latest_good(notes.append) == tmp_path / "step_00000004"
-    assert notes == ["checkpoint step_00000008 has no manifest meta.json (an interrupted save?); "
-                     "falling back to step_00000004"]
+    assert notes == [
+        "checkpoint step_00000008 has no manifest meta.json (an interrupted save?); falling back to step_00000004"
+    ]
     assert (tmp_path / "step_00000008").is_dir()  # left as it is, as before
 
     (tmp_path / "latest").write_text("step_00000004")
     notes.clear()
     assert manager.latest_good(notes.append) == tmp_path / "step_00000004"
-    assert notes == ["checkpoint step_00000008 has no manifest meta.json (an interrupted save?); "
-                     "falling back to step_00000004"]
+    assert notes == [
+        "checkpoint step_00000008 has no manifest meta.json (an interrupted save?); falling back to step_00000004"
+    ]
 
     (tmp_path / "step_00000004" / "meta.json").unlink()
     notes.clear()
     with pytest.raises(CheckpointError, match="^no intact checkpoint is left in "):  # never a silent fresh start
         manager.latest_good(notes.append)
-    assert notes == [f"checkpoint step_0000000{s} has no manifest meta.json (an interrupted save?); no complete "
-                     "checkpoint is left to fall back to" for s in (8, 4)]
+    assert notes == [
+        f"checkpoint step_0000000{s} has no manifest meta.json (an interrupted save?); no complete "
+        "checkpoint is left to fall back to"
+        for s in (8, 4)
+    ]
 
 
 def test_a_latest_that_names_no_checkpoint_is_reported(tmp_path):
@@ -200,8 +233,9 @@ def test_a_latest_that_names_no_checkpoint_is_reported(tmp_path):
     os.rename(tmp_path / "step_00000008", tmp_path / "step_00000008.away")
     notes.clear()
     assert manager.latest_good(notes.append) == tmp_path / "step_00000004"
-    assert notes == ["latest names step_00000008, which was set aside as damaged (step_00000008.corrupt); "
-                     "using step_00000004"]
+    assert notes == [
+        "latest names step_00000008, which was set aside as damaged (step_00000008.corrupt); using step_00000004"
+    ]
 
 
 def test_a_manifest_without_sizes_and_checksums_counts_as_damage(tmp_path):
@@ -223,7 +257,8 @@ def test_a_manifest_without_sizes_and_checksums_counts_as_damage(tmp_path):
         "falling back to the previous one",
         "checkpoint step_00000012 is damaged: its manifest meta.json has no step; falling back to the previous one",
         "checkpoint step_00000008 is damaged: its manifest meta.json gives no size and CRC-32 for rank00000.pt; "
-        "falling back to the previous one"]
+        "falling back to the previous one",
+    ]
     assert sorted(p.name for p in tmp_path.glob("*.corrupt")) == [f"step_000000{s}.corrupt" for s in ("08", "12", "16")]
     assert verify(tmp_path / "step_00000004") is None
 
@@ -236,8 +271,10 @@ def test_a_newer_complete_checkpoint_than_latest_is_resumed_and_latest_said_to_b
     os.utime(tmp_path / "latest", (0, 0))  # latest is older than step 8's manifest
     notes = []
     assert manager.latest_good(notes.append) == tmp_path / "step_00000008"
-    assert notes == ["latest names step_00000004, but step_00000008 is newer and complete (latest was behind: a "
-                     "save interrupted before latest was updated); using step_00000008"]
+    assert notes == [
+        "latest names step_00000004, but step_00000008 is newer and complete (latest was behind: a "
+        "save interrupted before latest was updated); using step_00000008"
+    ]
 
     (tmp_path / "step_00000008" / "rank00000.pt").write_bytes(b"damaged")  # the newer one damaged: latest's
     notes.clear()
@@ -252,8 +289,10 @@ def test_a_latest_set_back_by_hand_is_obeyed_and_said(tmp_path):
     (tmp_path / "latest").write_text("step_00000008")  # written after step 12's manifest: on purpose
     notes = []
     assert manager.latest_good(notes.append) == tmp_path / "step_00000008"
-    assert notes == ["latest names step_00000008, set after step_00000012 (rewound by hand?): resuming from "
-                     "step_00000008 as it says; the newer checkpoints are overwritten as the run gets there again"]
+    assert notes == [
+        "latest names step_00000008, set after step_00000012 (rewound by hand?): resuming from "
+        "step_00000008 as it says; the newer checkpoints are overwritten as the run gets there again"
+    ]
     os.utime(tmp_path / "latest", (0, 0))  # older than step 12's manifest: a crash before latest was updated
     notes.clear()
     assert manager.latest_good(notes.append) == tmp_path / "step_00000012" and "latest was behind" in notes[0]
@@ -275,23 +314,31 @@ def test_reports_come_from_rank_zero_only(tmp_path):
     (tmp_path / "step_00000016").mkdir()
     size = json.loads((tmp_path / "step_00000008" / "meta.json").read_text())["files"]["rank00000.pt"]["bytes"]
     ranks = run_distributed(_latest_good_worker, 2, str(tmp_path))
-    expected = ["checkpoint step_00000016 has no manifest meta.json (an interrupted save?); falling back to "
-                "step_00000008", "latest names step_00000012, which is missing; using step_00000008",
-                f"checkpoint step_00000008 is damaged: rank00000.pt has 7 bytes, the manifest says {size}; "
-                "falling back to the previous one"]
+    expected = [
+        "checkpoint step_00000016 has no manifest meta.json (an interrupted save?); falling back to step_00000008",
+        "latest names step_00000012, which is missing; using step_00000008",
+        f"checkpoint step_00000008 is damaged: rank00000.pt has 7 bytes, the manifest says {size}; "
+        "falling back to the previous one",
+    ]
     assert ranks == [(str(tmp_path / "step_00000004"), expected), (str(tmp_path / "step_00000004"), [])]
 
 
 # -- through the engine -----------------------------------------------------------------------------
+
 
 def _engine(zero: int, sharded: bool):
     import deepspeed
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-              "zero_optimization": {"stage": zero}, "optimus": {"sharded_optimizer": {"enabled": sharded}}}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+        "zero_optimization": {"stage": zero},
+        "optimus": {"sharded_optimizer": {"enabled": sharded}},
+    }
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     for _ in range(2):  # optimizer state exists
         engine.backward(engine(torch.randn(2, 8)).pow(2).mean())
@@ -377,9 +424,15 @@ def test_a_file_only_one_rank_reads_is_refused_on_every_rank(tmp_path):
     out = run_distributed(_refused_on_another_rank, 2, str(tmp_path))
     planted = ("CheckpointError", refusal(tmp_path / "planted" / "optim_rank00001.pt"), True)
     assert [o["planted"] for o in out] == [planted, planted] and not any(o["ran"] for o in out)
-    assert out[0]["index"] == out[1]["index"] == (
-        "CheckpointLoadError", f"{tmp_path / 'index'}: the checkpoint has no optimizer state for 0.weight; was the "
-        "model changed?", True)
+    assert (
+        out[0]["index"]
+        == out[1]["index"]
+        == (
+            "CheckpointLoadError",
+            f"{tmp_path / 'index'}: the checkpoint has no optimizer state for 0.weight; was the model changed?",
+            True,
+        )
+    )
 
 
 @pytest.mark.slow
@@ -387,11 +440,17 @@ def test_planted_pickles_are_refused_by_every_loader(tmp_path):
     out = run_distributed(_refusal_worker, 1, str(tmp_path))[0]
     assert out["sharded_verified"] is None  # the manifest agrees: only the unpickling can stop it
     assert out["sharded_manager"] == (
-        "CheckpointError", refusal(tmp_path / "sharded" / "step_00000002" / "client_rank00000.pt"), False)
+        "CheckpointError",
+        refusal(tmp_path / "sharded" / "step_00000002" / "client_rank00000.pt"),
+        False,
+    )
     assert out["engine_load"] == ("CheckpointError", refusal(tmp_path / "engine" / "t" / "optim_rank00000.pt"), False)
     assert out["per_rank_optimizer"] == "DeepSpeedZeroOptimizer"
     assert out["per_rank_resumed"] == (2, {"loader": {"tokens_consumed": 8}})
     assert out["per_rank_weights_back"] and out["per_rank_numpy_back"]
     assert out["per_rank_manager"] == (
-        "CheckpointError", refusal(tmp_path / "per_rank" / "step_00000002" / "rank00000.pt"), False)
+        "CheckpointError",
+        refusal(tmp_path / "per_rank" / "step_00000002" / "rank00000.pt"),
+        False,
+    )
     assert not any(tmp_path.glob("*_ran"))

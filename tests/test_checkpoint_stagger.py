@@ -31,8 +31,13 @@ def cache(tmp_path_factory):
 
 def _weights() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return {"a": torch.randn(37, 5, generator=g), "b": torch.randn(3, generator=g), "c": torch.tensor(2.5),
-            "d": torch.randn(101, 3, 2, generator=g).bfloat16(), "e": torch.randn(1, 64, generator=g)}
+    return {
+        "a": torch.randn(37, 5, generator=g),
+        "b": torch.randn(3, generator=g),
+        "c": torch.tensor(2.5),
+        "d": torch.randn(101, 3, 2, generator=g).bfloat16(),
+        "e": torch.randn(1, 64, generator=g),
+    }
 
 
 @pytest.mark.parametrize("parts", [1, 2, 3, 7, 16])
@@ -109,9 +114,14 @@ def test_cold_checkpoints_are_named_as_the_seed_named_them():
 
 
 def _config(tmp_path, cache, name, stagger: bool) -> dict:
-    config = tiny_config(tmp_path / name, cache, expert_parallel={"size": 2}, sharded_optimizer={"enabled": True},
-                         train={"steps": 2, "eval_interval": 0, "export": False},
-                         checkpoint={"interval": 2, "keep_every": 1, "stagger_writes": stagger, "min_part_mib": 1})
+    config = tiny_config(
+        tmp_path / name,
+        cache,
+        expert_parallel={"size": 2},
+        sharded_optimizer={"enabled": True},
+        train={"steps": 2, "eval_interval": 0, "export": False},
+        checkpoint={"interval": 2, "keep_every": 1, "stagger_writes": stagger, "min_part_mib": 1},
+    )
     return config
 
 
@@ -173,9 +183,13 @@ def test_cold_checkpoints_of_deepspeeds_own_optimizer_hold_the_weights_alone(tmp
     """2 ranks, ZeRO-1 without the sharded optimizer: the parameters view DeepSpeed's flat buffers,
     yet each of the dense file's 2 parts holds its half of the 11 MiB of weights, not the buffers; the
     cold checkpoint exports as the run's own export at the same step."""
-    config = tiny_config(tmp_path / "zero1", cache, sharded_optimizer={"enabled": False},
-                         train={"steps": 1, "eval_interval": 0, "sample_tokens": 0},
-                         checkpoint={"interval": 0, "keep_every": 1, "min_part_mib": 1})
+    config = tiny_config(
+        tmp_path / "zero1",
+        cache,
+        sharded_optimizer={"enabled": False},
+        train={"steps": 1, "eval_interval": 0, "sample_tokens": 0},
+        checkpoint={"interval": 0, "keep_every": 1, "min_part_mib": 1},
+    )
     config["zero_optimization"] = {"stage": 1}
     run_distributed(pretrain_worker, 2, config)
     kept = tmp_path / "zero1" / "run" / "checkpoints" / "cold" / "step1-tokens256"

@@ -35,18 +35,37 @@ CONFIGS = {
     "tied": dict(tie_word_embeddings=True),
     "untied": dict(tie_word_embeddings=False),
     "gqa-bias-clip-theta": dict(
-        tie_word_embeddings=False, num_key_value_heads=2, attention_bias=True, clip_qkv=0.5,
+        tie_word_embeddings=False,
+        num_key_value_heads=2,
+        attention_bias=True,
+        clip_qkv=0.5,
         rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
     ),
 }
 
 # OLMo-1B as allenai/OLMo-1B-hf's config.json gives it (Transformers v4 style, as the Hub file is).
 OLMO_1B = dict(
-    model_type="olmo", vocab_size=50304, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-    num_attention_heads=16, num_key_value_heads=16, hidden_act="silu", max_position_embeddings=2048,
-    initializer_range=0.02, use_cache=True, pad_token_id=1, bos_token_id=None, eos_token_id=50279,
-    tie_word_embeddings=True, rope_theta=10000.0, rope_scaling=None, attention_bias=False,
-    attention_dropout=0.0, clip_qkv=None, torch_dtype="float32",
+    model_type="olmo",
+    vocab_size=50304,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    hidden_act="silu",
+    max_position_embeddings=2048,
+    initializer_range=0.02,
+    use_cache=True,
+    pad_token_id=1,
+    bos_token_id=None,
+    eos_token_id=50279,
+    tie_word_embeddings=True,
+    rope_theta=10000.0,
+    rope_scaling=None,
+    attention_bias=False,
+    attention_dropout=0.0,
+    clip_qkv=None,
+    torch_dtype="float32",
 )
 
 
@@ -54,9 +73,17 @@ OLMO_1B = dict(
 def make_olmo(seed: int = 0, **overrides) -> OlmoForCausalLM:
     """A random float32 OLMo model with 2 layers; `overrides` change the config."""
     values = dict(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=128, initializer_range=0.2, pad_token_id=0,
-        eos_token_id=1, bos_token_id=None,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+        initializer_range=0.2,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
     )
     values.update(overrides)
     torch.manual_seed(seed)
@@ -65,8 +92,17 @@ def make_olmo(seed: int = 0, **overrides) -> OlmoForCausalLM:
 
 def tiny_mula(**overrides) -> MulaConfig:
     """mula-1b's architecture at a CPU size."""
-    values = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  max_position_embeddings=128, initializer_range=0.2, pad_token_id=0, eos_token_id=1)
+    values = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        initializer_range=0.2,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
     return MulaConfig.from_preset("mula-1b", **{**values, **overrides})
 
 
@@ -98,7 +134,12 @@ def test_olmo_to_mula_gives_the_same_logits_and_generations(tmp_path, name, attn
     assert type(mula) is MulaForCausalLM
     c = mula.config
     assert (c.norm_type, c.norm_elementwise_affine, c.rms_norm_eps, c.qk_norm, c.num_experts) == (
-        "layer_norm", False, 1e-5, False, 0)
+        "layer_norm",
+        False,
+        1e-5,
+        False,
+        0,
+    )
     assert c.tie_word_embeddings == olmo.config.tie_word_embeddings  # a tied OLMo stays tied
     assert (mula.lm_head.weight.data_ptr() == mula.model.embed_tokens.weight.data_ptr()) == c.tie_word_embeddings
     assert c.clip_qkv == olmo.config.clip_qkv and c.rope_parameters == olmo.config.rope_parameters
@@ -141,9 +182,20 @@ def test_converted_tensors_are_olmos_and_convert_back_exactly(tmp_path, name):
     assert reloaded.state_dict().keys() == olmo.state_dict().keys()
     for key, tensor in olmo.state_dict().items():
         assert torch.equal(reloaded.state_dict()[key], tensor), key
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "vocab_size", "max_position_embeddings", "rope_parameters",
-                "pad_token_id", "eos_token_id", "clip_qkv", "attention_bias"):
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+        "max_position_embeddings",
+        "rope_parameters",
+        "pad_token_id",
+        "eos_token_id",
+        "clip_qkv",
+        "attention_bias",
+    ):
         assert getattr(reloaded.config, key) == getattr(olmo.config, key), key
 
 
@@ -197,14 +249,38 @@ def test_mula_1b_preset_is_olmo_1b_untied():
     preset = MulaConfig.from_preset("mula-1b")
     from_olmo = olmo_to_mula_config(OLMO_1B)
     assert from_olmo.tie_word_embeddings and not preset.tie_word_embeddings  # the one difference
-    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
-              "pad_token_id", "bos_token_id", "eos_token_id", "rope_parameters", "attention_bias", "clip_qkv",
-              "qk_norm", "norm_type", "norm_elementwise_affine", "num_experts")
+    fields = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "hidden_act",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "pad_token_id",
+        "bos_token_id",
+        "eos_token_id",
+        "rope_parameters",
+        "attention_bias",
+        "clip_qkv",
+        "qk_norm",
+        "norm_type",
+        "norm_elementwise_affine",
+        "num_experts",
+    )
     for field in fields:
         assert getattr(preset, field) == getattr(from_olmo, field), field
-    assert (preset.hidden_size, preset.num_hidden_layers, preset.num_attention_heads, preset.intermediate_size,
-            preset.max_position_embeddings, preset.rope_parameters["rope_theta"]) == (2048, 16, 16, 8192, 2048, 10000)
+    assert (
+        preset.hidden_size,
+        preset.num_hidden_layers,
+        preset.num_attention_heads,
+        preset.intermediate_size,
+        preset.max_position_embeddings,
+        preset.rope_parameters["rope_theta"],
+    ) == (2048, 16, 16, 8192, 2048, 10000)
     assert (preset.norm_type, preset.norm_elementwise_affine, preset.qk_norm) == ("layer_norm", False, False)
 
     # The same tensors, name by name and shape by shape, as OlmoForCausalLM of OLMo-1B untied (meta device).
@@ -222,8 +298,9 @@ def test_mula_1b_preset_is_olmo_1b_untied():
 # -- 3. command line ----------------------------------------------------------------------------
 def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    return subprocess.run([sys.executable, "-m", PROG, *args], capture_output=True, text=True, timeout=300,
-                          cwd=cwd, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", PROG, *args], capture_output=True, text=True, timeout=300, cwd=cwd, env=env
+    )
 
 
 def test_cli_both_ways(tmp_path):
@@ -243,14 +320,17 @@ def test_cli_both_ways(tmp_path):
     failed = _run(str(tmp_path / "olmo"), str(tmp_path / "mula"), cwd=tmp_path)  # the output is not empty now
     assert failed.returncode == 2 and "Traceback" not in failed.stderr
     assert [line for line in failed.stderr.splitlines() if line.strip()] == [
-        f"{PROG}: error: output folder {tmp_path / 'mula'} exists and is not empty"]
+        f"{PROG}: error: output folder {tmp_path / 'mula'} exists and is not empty"
+    ]
 
 
 def test_help_imports_neither_torch_nor_transformers():
-    probe = ("import runpy, sys\nsys.argv = [sys.argv[1], '--help']\n"
-             "try:\n    runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)\n"
-             "except SystemExit as exit:\n    assert exit.code in (0, None), exit.code\n"
-             "print('IMPORTED', *[m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules])\n")
+    probe = (
+        "import runpy, sys\nsys.argv = [sys.argv[1], '--help']\n"
+        "try:\n    runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)\n"
+        "except SystemExit as exit:\n    assert exit.code in (0, None), exit.code\n"
+        "print('IMPORTED', *[m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules])\n"
+    )
     proc = subprocess.run([sys.executable, "-c", probe, PROG], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"usage: python -m {PROG}") and "--to-olmo" in proc.stdout
@@ -265,12 +345,15 @@ def olmo_dir(tmp_path) -> Path:
     return tmp_path / "olmo"
 
 
-@pytest.mark.parametrize("model_type, expected", [
-    ("llama", "model_type='llama'"),
-    ("olmoe", "convert_olmoe"),
-    ("hf_olmo", "OLMo-1B-hf"),
-    ("olmo2", "is not an OLMo checkpoint"),
-])
+@pytest.mark.parametrize(
+    "model_type, expected",
+    [
+        ("llama", "model_type='llama'"),
+        ("olmoe", "convert_olmoe"),
+        ("hf_olmo", "OLMo-1B-hf"),
+        ("olmo2", "is not an OLMo checkpoint"),
+    ],
+)
 def test_error_other_model_type(tmp_path, capsys, model_type, expected):
     src = tmp_path / "other"
     src.mkdir()
@@ -295,14 +378,26 @@ def _rewrite(folder: Path, edit) -> None:
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
 
 
-@pytest.mark.parametrize("edit, expected", [
-    pytest.param(lambda t: t.pop("model.layers.1.mlp.up_proj.weight"),
-                 ["missing tensor", "model.layers.1.mlp.up_proj.weight"], id="missing"),
-    pytest.param(lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": torch.zeros(7, 32)}),
-                 ["model.layers.0.self_attn.k_proj.weight", "[7, 32]"], id="misshaped"),
-    pytest.param(lambda t: t.update({"model.norm.weight": torch.ones(32)}),
-                 ["unexpected tensor model.norm.weight"], id="a-norm-weight-olmo-does-not-have"),
-])
+@pytest.mark.parametrize(
+    "edit, expected",
+    [
+        pytest.param(
+            lambda t: t.pop("model.layers.1.mlp.up_proj.weight"),
+            ["missing tensor", "model.layers.1.mlp.up_proj.weight"],
+            id="missing",
+        ),
+        pytest.param(
+            lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": torch.zeros(7, 32)}),
+            ["model.layers.0.self_attn.k_proj.weight", "[7, 32]"],
+            id="misshaped",
+        ),
+        pytest.param(
+            lambda t: t.update({"model.norm.weight": torch.ones(32)}),
+            ["unexpected tensor model.norm.weight"],
+            id="a-norm-weight-olmo-does-not-have",
+        ),
+    ],
+)
 def test_error_bad_tensors(olmo_dir, tmp_path, capsys, edit, expected):
     _rewrite(olmo_dir, edit)
     line = expect_error(capsys, [olmo_dir, tmp_path / "out"])
@@ -318,14 +413,17 @@ def test_error_invalid_olmo_config(olmo_dir, tmp_path, capsys):
     assert "num_attention_heads must be a positive integer" in expect_error(capsys, [olmo_dir, tmp_path / "out"])
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    pytest.param(dict(qk_norm=True), "qk_norm=True", id="qk-norm"),
-    pytest.param(dict(norm_type="rms_norm"), "norm_type='rms_norm'", id="rms-norm"),
-    pytest.param(dict(norm_elementwise_affine=True), "norm_elementwise_affine=True", id="affine"),
-    pytest.param(dict(rms_norm_eps=1e-6), "rms_norm_eps=1e-06", id="eps"),
-    pytest.param(dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16), "MoE layers", id="moe"),
-    pytest.param(dict(head_dim=16), "head_dim", id="head-dim"),
-])
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        pytest.param(dict(qk_norm=True), "qk_norm=True", id="qk-norm"),
+        pytest.param(dict(norm_type="rms_norm"), "norm_type='rms_norm'", id="rms-norm"),
+        pytest.param(dict(norm_elementwise_affine=True), "norm_elementwise_affine=True", id="affine"),
+        pytest.param(dict(rms_norm_eps=1e-6), "rms_norm_eps=1e-06", id="eps"),
+        pytest.param(dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16), "MoE layers", id="moe"),
+        pytest.param(dict(head_dim=16), "head_dim", id="head-dim"),
+    ],
+)
 def test_error_to_olmo_refuses_what_olmo_cannot_express(tmp_path, capsys, overrides, expected):
     MulaForCausalLM(tiny_mula(**overrides)).save_pretrained(tmp_path / "mula")
     line = expect_error(capsys, [tmp_path / "mula", tmp_path / "out", "--to-olmo"])

@@ -32,20 +32,38 @@ EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
 # is decisive: a conversion error then moves the logits far beyond ATOL.
 CONFIGS = {
     "e4-top1-mha-topknorm": dict(
-        num_experts=4, num_experts_per_tok=1, hidden_size=32, num_attention_heads=4, num_key_value_heads=4,
+        num_experts=4,
+        num_experts_per_tok=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=4,
         norm_topk_prob=True,
     ),
     "e8-top2-gqa": dict(
-        num_experts=8, num_experts_per_tok=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=8,
+        num_experts_per_tok=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
         norm_topk_prob=False,
     ),
     "e16-top4-mqa-topknorm": dict(
-        num_experts=16, num_experts_per_tok=4, hidden_size=64, num_attention_heads=8, num_key_value_heads=1,
+        num_experts=16,
+        num_experts_per_tok=4,
+        hidden_size=64,
+        num_attention_heads=8,
+        num_key_value_heads=1,
         norm_topk_prob=True,
     ),
     "e6-top3-gqa-tied-clip-theta": dict(
-        num_experts=6, num_experts_per_tok=3, hidden_size=48, num_attention_heads=8, num_key_value_heads=2,
-        norm_topk_prob=False, tie_word_embeddings=True, clip_qkv=0.8,
+        num_experts=6,
+        num_experts_per_tok=3,
+        hidden_size=48,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        norm_topk_prob=False,
+        tie_word_embeddings=True,
+        clip_qkv=0.8,
         rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
     ),
 }
@@ -55,9 +73,19 @@ CONFIGS = {
 def make_olmoe(seed: int = 0, **overrides) -> OlmoeForCausalLM:
     """A random float32 OLMoE model with 2 layers; `overrides` change the config."""
     values = dict(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, max_position_embeddings=128,
-        initializer_range=0.2, pad_token_id=0, eos_token_id=1, bos_token_id=None,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+        initializer_range=0.2,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
     )
     values.update(overrides)
     torch.manual_seed(seed)
@@ -203,9 +231,18 @@ def test_round_trip_back_to_olmoe(tmp_path, layout):
 def test_native_mula_moe_to_olmoe(tmp_path):
     """A Mula MoE model that never was OLMoE converts to an OLMoE model with the same logits."""
     config = MulaConfig.from_preset(
-        "mula-tiny-moe", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
-        norm_topk_prob=True, initializer_range=0.2, max_position_embeddings=128,
+        "mula-tiny-moe",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        moe_intermediate_size=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        initializer_range=0.2,
+        max_position_embeddings=128,
     )
     torch.manual_seed(13)
     mula = MulaForCausalLM(config).eval()
@@ -229,7 +266,6 @@ def test_sharded_input(tmp_path):
     assert (logits(mula, ids) - logits(olmoe, ids)).abs().max().item() <= ATOL
 
 
-
 def test_v4_hub_style_config(tmp_path):
     """Hub OLMoE config.json files are v4-style: top-level rope_theta, rope_scaling null, torch_dtype."""
     olmoe = make_olmoe(seed=29, rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
@@ -243,6 +279,7 @@ def test_v4_hub_style_config(tmp_path):
     assert json.loads((out / "config.json").read_text())["rope_parameters"]["rope_theta"] == 500000.0
     ids = random_ids(seed=8)
     assert (logits(load_mula(out), ids) - logits(olmoe, ids)).abs().max().item() <= ATOL
+
 
 # -- 4. dtype -----------------------------------------------------------------------------------
 def test_bfloat16_is_kept(tmp_path):
@@ -323,23 +360,47 @@ def _add(key):
 @pytest.mark.parametrize(
     "edit, expected",
     [
-        pytest.param(_drop("model.layers.1.self_attn.q_proj.weight"),
-                     ["missing tensor", "model.layers.1.self_attn.q_proj.weight"], id="missing-q_proj"),
+        pytest.param(
+            _drop("model.layers.1.self_attn.q_proj.weight"),
+            ["missing tensor", "model.layers.1.self_attn.q_proj.weight"],
+            id="missing-q_proj",
+        ),
         pytest.param(_drop("model.norm.weight"), ["missing tensor", "model.norm.weight"], id="missing-final-norm"),
-        pytest.param(_reshape("model.layers.0.self_attn.k_proj.weight", (7, 32)),
-                     ["model.layers.0.self_attn.k_proj.weight", "[7, 32]"], id="misshaped-k_proj"),
-        pytest.param(_reshape("model.layers.1.mlp.gate.weight", (5, 32)),
-                     ["model.layers.1.mlp.gate.weight", "[5, 32]"], id="misshaped-router"),
-        pytest.param(_drop(*(f"model.layers.0.mlp.experts.2.{k}.weight" for k in EXPERT_PARTS)),
-                     ["layer 0", "missing experts [2]"], id="missing-expert"),
-        pytest.param(_drop("model.layers.1.mlp.experts.3.up_proj.weight"),
-                     ["model.layers.1.mlp.experts.3.up_proj.weight"], id="missing-expert-part"),
-        pytest.param(_reshape("model.layers.0.mlp.experts.1.down_proj.weight", (32, 23)),
-                     ["model.layers.0.mlp.experts", "shape"], id="misshaped-expert"),
-        pytest.param(_reshape("model.layers.0.mlp.experts.1.gate_proj.weight", (23, 32)),
-                     ["model.layers.0.mlp.experts.1", "gate_proj and up_proj"], id="gate-up-differ"),
-        pytest.param(_copy("model.layers.0.mlp.experts.{}.weight", 0, 4),
-                     ["layer 0", "experts [4] beyond num_experts=4"], id="extra-expert"),
+        pytest.param(
+            _reshape("model.layers.0.self_attn.k_proj.weight", (7, 32)),
+            ["model.layers.0.self_attn.k_proj.weight", "[7, 32]"],
+            id="misshaped-k_proj",
+        ),
+        pytest.param(
+            _reshape("model.layers.1.mlp.gate.weight", (5, 32)),
+            ["model.layers.1.mlp.gate.weight", "[5, 32]"],
+            id="misshaped-router",
+        ),
+        pytest.param(
+            _drop(*(f"model.layers.0.mlp.experts.2.{k}.weight" for k in EXPERT_PARTS)),
+            ["layer 0", "missing experts [2]"],
+            id="missing-expert",
+        ),
+        pytest.param(
+            _drop("model.layers.1.mlp.experts.3.up_proj.weight"),
+            ["model.layers.1.mlp.experts.3.up_proj.weight"],
+            id="missing-expert-part",
+        ),
+        pytest.param(
+            _reshape("model.layers.0.mlp.experts.1.down_proj.weight", (32, 23)),
+            ["model.layers.0.mlp.experts", "shape"],
+            id="misshaped-expert",
+        ),
+        pytest.param(
+            _reshape("model.layers.0.mlp.experts.1.gate_proj.weight", (23, 32)),
+            ["model.layers.0.mlp.experts.1", "gate_proj and up_proj"],
+            id="gate-up-differ",
+        ),
+        pytest.param(
+            _copy("model.layers.0.mlp.experts.{}.weight", 0, 4),
+            ["layer 0", "experts [4] beyond num_experts=4"],
+            id="extra-expert",
+        ),
         pytest.param(_add("model.extra.weight"), ["unexpected tensor model.extra.weight"], id="unexpected-tensor"),
     ],
 )
@@ -405,8 +466,14 @@ def test_error_to_olmoe_on_olmoe_folder(olmoe_dir, tmp_path, capsys):
 )
 def test_error_to_olmoe_refuses_other_features(tmp_path, capsys, overrides, expected):
     config = MulaConfig.from_preset(
-        "mula-tiny-moe", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, moe_intermediate_size=16, **overrides,
+        "mula-tiny-moe",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        moe_intermediate_size=16,
+        **overrides,
     )
     MulaForCausalLM(config).save_pretrained(tmp_path / "mula")
     assert expected in expect_error(capsys, [tmp_path / "mula", tmp_path / "out", "--to-olmoe"])
@@ -440,8 +507,15 @@ def test_error_config_field_of_the_wrong_type(olmoe_dir, tmp_path, capsys):
 )
 def test_error_to_olmoe_refuses_dense_layers(tmp_path, capsys, overrides):
     config = MulaConfig.from_preset(
-        "mula-tiny-moe", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=48, moe_intermediate_size=16, **overrides,
+        "mula-tiny-moe",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        **overrides,
     )
     assert config.num_experts == 0 or config.moe_layer_freq == 2
     MulaForCausalLM(config).save_pretrained(tmp_path / "mula")
@@ -458,7 +532,11 @@ def test_error_cli_subprocess(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     proc = subprocess.run(
         [sys.executable, "-m", "ds_optimus.hf_models.mula.convert_olmoe", str(src), str(tmp_path / "out")],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=env,
     )
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr

@@ -38,17 +38,35 @@ LAYERS, EXPERTS = 4, 8
 def moe_config(**overrides) -> MulaConfig:
     """A tiny OLMoE-style Mula (QK-norm, RMSNorm, softmax top-2 of 8 experts), untied as the seed's models.
     initializer_range 0.2 makes the logits O(1) and the routing decisive."""
-    values = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=4,
-                  num_key_value_heads=2, num_experts=EXPERTS, num_experts_per_tok=2, moe_intermediate_size=16,
-                  initializer_range=0.2, max_position_embeddings=128, tie_word_embeddings=False)
+    values = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=EXPERTS,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        initializer_range=0.2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
     return MulaConfig.from_preset("mula-tiny-moe", **{**values, **overrides})
 
 
 def dense_config(**overrides) -> MulaConfig:
     """A tiny OLMo-style dense Mula (mula-1b's architecture: parameter-free LayerNorms, no QK-norm)."""
-    values = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=LAYERS,
-                  num_attention_heads=4, initializer_range=0.2, max_position_embeddings=128, pad_token_id=0,
-                  eos_token_id=1)
+    values = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        initializer_range=0.2,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
     return MulaConfig.from_preset("mula-1b", **{**values, **overrides})
 
 
@@ -82,8 +100,7 @@ def assert_same_model(got, want) -> None:
 def moe_checkpoint(tmp_path):
     """A PP2 x EP2 checkpoint of a tiny MoE reference model (fp32), and the reference."""
     model, whole = reference(tmp_path, moe_config())
-    folder = write_checkpoint(tmp_path / "ckpt", whole, layers=LAYERS, experts=EXPERTS, pp=2, ep=2,
-                              dtype=torch.float32)
+    folder = write_checkpoint(tmp_path / "ckpt", whole, layers=LAYERS, experts=EXPERTS, pp=2, ep=2, dtype=torch.float32)
     return folder, model
 
 
@@ -105,8 +122,9 @@ def test_moe_checkpoint_imports_to_the_same_model_in_each_layout(tmp_path, name)
     src = write_checkpoint(tmp_path / "ckpt", whole, layers=LAYERS, experts=EXPERTS, dtype=torch.float32, **layout)
     files = sorted(p.name for p in src.iterdir() if p.name.startswith("model_"))
     pp, ep = layout["pp"], layout["ep"]
-    assert files == (["model_checkpoint.pth"] if pp * ep == 1 else
-                     sorted(f"model_checkpoint_shard-{k}.pth" for k in range(pp * ep)))
+    assert files == (
+        ["model_checkpoint.pth"] if pp * ep == 1 else sorted(f"model_checkpoint_shard-{k}.pth" for k in range(pp * ep))
+    )
     shard0 = torch.load(src / files[0], weights_only=True)
     keys = list(shard0["state_dict"])
     assert shard0["train_step_id"] == 1000 and (src / "completed").read_text() == "1000"
@@ -130,8 +148,9 @@ def test_virtual_stages_must_be_given_and_matter(tmp_path):
     """The files of an interleaved run look like contiguous ones: read without --vpp the layers are
     misplaced, so the logits differ (the importer cannot tell; the docs say to give --vpp)."""
     model, whole = reference(tmp_path, moe_config())
-    src = write_checkpoint(tmp_path / "ckpt", whole, layers=LAYERS, experts=EXPERTS, pp=2, ep=2, vpp=2,
-                           dtype=torch.float32)
+    src = write_checkpoint(
+        tmp_path / "ckpt", whole, layers=LAYERS, experts=EXPERTS, pp=2, ep=2, vpp=2, dtype=torch.float32
+    )
     right = load(run(src, tmp_path / "right", "--config", tmp_path / "ref", "--vpp", 2))
     wrong = load(run(src, tmp_path / "wrong", "--config", tmp_path / "ref"))
     assert_same_model(right, model)
@@ -169,8 +188,9 @@ def test_each_file_is_read_memory_mapped_once_to_check_and_once_to_write(tmp_pat
 
 # -- 2. dense OLMo-style models -----------------------------------------------------------------
 @pytest.mark.parametrize("norm", ["parameter-free-layer-norm", "rms-norm"])
-@pytest.mark.parametrize("layout", [dict(pp=1), dict(pp=2, ep=2), dict(pp=2, vpp=2)],
-                         ids=["pp1", "pp2-ep2", "pp2-vpp2"])
+@pytest.mark.parametrize(
+    "layout", [dict(pp=1), dict(pp=2, ep=2), dict(pp=2, vpp=2)], ids=["pp1", "pp2-ep2", "pp2-vpp2"]
+)
 def test_dense_checkpoint_imports_to_the_same_model(tmp_path, norm, layout):
     """The seed's OLMo: no norm tensors with its parameter-free LayerNorm, a weight each with RMS; under EP
     (more data-parallel ranks for a dense model) every file of a stage holds the whole stage."""
@@ -192,24 +212,48 @@ TINY_OLMO = "allenai/OLMo-1B-hf--S0.0625-L2"
 def test_model_choice_end_to_end_moe_in_bf16(tmp_path):
     """A run of the seed's grammar (OLMoE base shrunk by tags; vocabulary 50304), saved in bf16 as the seed
     saves, imported with --model-choice and --dtype keep: the same bf16 model."""
-    want = MulaConfig(vocab_size=50304, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                      intermediate_size=32, max_position_embeddings=4096, pad_token_id=1, eos_token_id=50279,
-                      initializer_range=0.2)
+    want = MulaConfig(
+        vocab_size=50304,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        intermediate_size=32,
+        max_position_embeddings=4096,
+        pad_token_id=1,
+        eos_token_id=50279,
+        initializer_range=0.2,
+    )
     model, whole = reference(tmp_path, want, dtype=torch.bfloat16)
     src = write_checkpoint(tmp_path / "ckpt", whole, layers=2, experts=8, pp=2, ep=2)  # bf16
     imported = load(run(src, tmp_path / "mula", "--model-choice", TINY_OLMOE))
     assert imported.dtype == torch.bfloat16
     config = imported.config
-    assert (config.router_aux_loss_type, config.router_z_loss_coef, config.router_aux_loss_coef) == \
-        ("transformers", 0.0, 0.01)  # the seed's recipe
+    assert (config.router_aux_loss_type, config.router_z_loss_coef, config.router_aux_loss_coef) == (
+        "transformers",
+        0.0,
+        0.01,
+    )  # the seed's recipe
     assert_same_model(imported, model)
 
 
 def test_model_choice_skip_qk_norm_leaves_the_stored_norm_weights_out(tmp_path):
-    want = MulaConfig(vocab_size=50304, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                      intermediate_size=32, qk_norm=False, initializer_range=0.2)
+    want = MulaConfig(
+        vocab_size=50304,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        intermediate_size=32,
+        qk_norm=False,
+        initializer_range=0.2,
+    )
     model, whole = reference(tmp_path, want)
     for layer in range(2):  # stored by the seed, never applied
         whole[f"model.layers.{layer}.self_attn.q_norm.weight"] = torch.randn(64)
@@ -221,9 +265,17 @@ def test_model_choice_skip_qk_norm_leaves_the_stored_norm_weights_out(tmp_path):
 
 
 def test_model_choice_end_to_end_dense(tmp_path):
-    want = dense_config(vocab_size=50304, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
-                        num_attention_heads=1, max_position_embeddings=4096, pad_token_id=1, eos_token_id=50279,
-                        initializer_range=0.1)
+    want = dense_config(
+        vocab_size=50304,
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=1,
+        max_position_embeddings=4096,
+        pad_token_id=1,
+        eos_token_id=50279,
+        initializer_range=0.1,
+    )
     model, whole = reference(tmp_path, want)
     src = write_checkpoint(tmp_path / "ckpt", whole, layers=2, pp=2, dtype=torch.float32)
     assert_same_model(load(run(src, tmp_path / "mula", "--model-choice", TINY_OLMO)), model)
@@ -231,26 +283,53 @@ def test_model_choice_end_to_end_dense(tmp_path):
 
 def test_model_choice_grammar_gives_the_seeds_shapes():
     def shape(config):
-        return {k: getattr(config, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                                                "num_key_value_heads", "head_dim", "num_experts",
-                                                "num_experts_per_tok", "moe_intermediate_size", "qk_norm",
-                                                "norm_topk_prob", "tie_word_embeddings")}
+        return {
+            k: getattr(config, k)
+            for k in (
+                "vocab_size",
+                "hidden_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+                "num_experts",
+                "num_experts_per_tok",
+                "moe_intermediate_size",
+                "qk_norm",
+                "norm_topk_prob",
+                "tie_word_embeddings",
+            )
+        }
 
-    for tags, preset in (("SA1.5-SH1.5-SE3.75-SI1.5-L64", "mula-220b-a10b"), ("SA1.5-SH1.5-SE2.25-SI1.5-L48",
-                                                                            "mula-100b-a7b"),
-                         ("SE1.5-L32", "mula-20b-a2b"), ("", "mula-7b-a1b")):
-        config, skip = config_from_model_choice(f"allenai/OLMoE-1B-7B-0924--{tags}" if tags else
-                                                "allenai/OLMoE-1B-7B-0924")
+    for tags, preset in (
+        ("SA1.5-SH1.5-SE3.75-SI1.5-L64", "mula-220b-a10b"),
+        ("SA1.5-SH1.5-SE2.25-SI1.5-L48", "mula-100b-a7b"),
+        ("SE1.5-L32", "mula-20b-a2b"),
+        ("", "mula-7b-a1b"),
+    ):
+        config, skip = config_from_model_choice(
+            f"allenai/OLMoE-1B-7B-0924--{tags}" if tags else "allenai/OLMoE-1B-7B-0924"
+        )
         assert shape(config) == shape(MulaConfig.from_preset(preset)) and not skip
         assert count_parameters(config) == count_parameters(MulaConfig.from_preset(preset))
     # the seed's own example, in the forms its folder names take (no org; `/` as `__`)
     run_name = "OLMoE-1B-7B-0924--SA3-SH1.5-SE2.25-SC0.5-SI2-L36_om_omcached_gral_ac1_bf16_n256xg12"
-    for choice in ("allenai/OLMoE-1B-7B-0924--SA3-SH1.5-SE2.25-SC0.5-SI2-L36",
-                   "allenai__OLMoE-1B-7B-0924--SA3-SH1.5-SE2.25-SC0.5-SI2-L36", run_name):
+    for choice in (
+        "allenai/OLMoE-1B-7B-0924--SA3-SH1.5-SE2.25-SC0.5-SI2-L36",
+        "allenai__OLMoE-1B-7B-0924--SA3-SH1.5-SE2.25-SC0.5-SI2-L36",
+        run_name,
+    ):
         config, _ = config_from_model_choice(choice)
-        assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-                config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
-                config.num_hidden_layers) == (3072, 48, 48, 64, 144, 4, 2048, 36)
+        assert (
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+            config.num_experts,
+            config.num_experts_per_tok,
+            config.moe_intermediate_size,
+            config.num_hidden_layers,
+        ) == (3072, 48, 48, 64, 144, 4, 2048, 36)
     assert config_from_model_choice("allenai/OLMoE-1B-7B-0924--S2")[0].num_experts == 128  # S: SA, SH, SE, SI
     assert config_from_model_choice("allenai/OLMoE-1B-7B-0924--SM2")[0].num_experts == 64  # SM: SA and SH
     dense, _ = config_from_model_choice("allenai/OLMo-1B-hf")
@@ -261,16 +340,19 @@ def test_model_choice_grammar_gives_the_seeds_shapes():
     assert rms.norm_elementwise_affine and not rms.tie_word_embeddings  # the seed's head stays separate under TWE
 
 
-@pytest.mark.parametrize("choice, expected", [
-    ("meta-llama/Llama-3.2-1B--L4", "is not allenai/OLMoE-1B-7B-0924 or allenai/OLMo-1B-hf"),
-    ("allenai/OLMoE-1B-7B-0924--SX2", "unknown OLMoE tag 'SX'"),
-    ("allenai/OLMoE-1B-7B-0924--S2-SA1.5", "S scales SA, SH, SE, SI together"),
-    ("allenai/OLMoE-1B-7B-0924--L1.5", "tag L needs an integer"),
-    ("allenai/OLMoE-1B-7B-0924--SA", "tag SA needs a number"),
-    ("allenai/OLMoE-1B-7B-0924--sa2", "tag 'sa2' is not capitals"),
-    ("allenai/OLMo-1B-hf--SA2", "unknown OLMo tag 'SA'"),
-    ("allenai/OLMoE-1B-7B-0924--SA0.01", "num_attention_heads must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "choice, expected",
+    [
+        ("meta-llama/Llama-3.2-1B--L4", "is not allenai/OLMoE-1B-7B-0924 or allenai/OLMo-1B-hf"),
+        ("allenai/OLMoE-1B-7B-0924--SX2", "unknown OLMoE tag 'SX'"),
+        ("allenai/OLMoE-1B-7B-0924--S2-SA1.5", "S scales SA, SH, SE, SI together"),
+        ("allenai/OLMoE-1B-7B-0924--L1.5", "tag L needs an integer"),
+        ("allenai/OLMoE-1B-7B-0924--SA", "tag SA needs a number"),
+        ("allenai/OLMoE-1B-7B-0924--sa2", "tag 'sa2' is not capitals"),
+        ("allenai/OLMo-1B-hf--SA2", "unknown OLMo tag 'SA'"),
+        ("allenai/OLMoE-1B-7B-0924--SA0.01", "num_attention_heads must be a positive integer"),
+    ],
+)
 def test_model_choice_errors(choice, expected):
     with pytest.raises(ConversionError, match=expected.replace("(", r"\(")) as err:
         config_from_model_choice(choice)
@@ -284,10 +366,15 @@ def test_preset(tmp_path):
 
 
 # -- dtypes -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("saved, option, written", [
-    (torch.bfloat16, "keep", torch.bfloat16), (torch.bfloat16, "fp32", torch.float32),
-    (torch.float32, "bf16", torch.bfloat16), (torch.float32, "keep", torch.float32),
-])
+@pytest.mark.parametrize(
+    "saved, option, written",
+    [
+        (torch.bfloat16, "keep", torch.bfloat16),
+        (torch.bfloat16, "fp32", torch.float32),
+        (torch.float32, "bf16", torch.bfloat16),
+        (torch.float32, "keep", torch.float32),
+    ],
+)
 def test_dtype(tmp_path, saved, option, written):
     model, whole = reference(tmp_path, moe_config())
     src = write_checkpoint(tmp_path / "ckpt", whole, layers=LAYERS, experts=EXPERTS, ep=2, dtype=saved)
@@ -314,16 +401,24 @@ def test_error_last_shard_missing(moe_checkpoint, tmp_path, capsys):
     line = expect_error(capsys, [src, tmp_path / "out", "--config", tmp_path / "ref", "--pp", 2, "--ep", 2])
     assert "has 3 model files, but pp 2 x ep 2 makes 4: model_checkpoint_shard-3.pth is missing" in line
     line = expect_error(capsys, [src, tmp_path / "out", "--config", tmp_path / "ref"])  # inferred: pp 2 from shard 0
-    assert "3 model files, which do not divide over 2 pipeline stages (model_checkpoint_shard-0.pth holds 2 of the " \
+    assert (
+        "3 model files, which do not divide over 2 pipeline stages (model_checkpoint_shard-0.pth holds 2 of the "
         "config's 4 layers)" in line
+    )
 
 
-@pytest.mark.parametrize("flags, expected", [
-    (["--pp", 1, "--ep", 2], "has 4 model files, but pp 1 x ep 2 makes 2: more files than that layout has"),
-    (["--pp", 4], "model_checkpoint_shard-0.pth holds 2 decoder layers, but the config's 4 over pp 4 make 1 per stage"),
-    (["--pp", 1, "--ep", 4], "holds 2 decoder layers, but the config's 4 over pp 1 make 4 per stage"),
-    (["--ep", 3], "has 4 model files, but pp 2 x ep 3 makes 6: model_checkpoint_shard-4.pth is missing"),
-])
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--pp", 1, "--ep", 2], "has 4 model files, but pp 1 x ep 2 makes 2: more files than that layout has"),
+        (
+            ["--pp", 4],
+            "model_checkpoint_shard-0.pth holds 2 decoder layers, but the config's 4 over pp 4 make 1 per stage",
+        ),
+        (["--pp", 1, "--ep", 4], "holds 2 decoder layers, but the config's 4 over pp 1 make 4 per stage"),
+        (["--ep", 3], "has 4 model files, but pp 2 x ep 3 makes 6: model_checkpoint_shard-4.pth is missing"),
+    ],
+)
 def test_error_layout_does_not_fit_the_files(moe_checkpoint, tmp_path, capsys, flags, expected):
     src, _ = moe_checkpoint
     line = expect_error(capsys, [src, tmp_path / "out", "--config", tmp_path / "ref", *flags])
@@ -331,18 +426,35 @@ def test_error_layout_does_not_fit_the_files(moe_checkpoint, tmp_path, capsys, f
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    (dict(hidden_size=64), "tensor model.embed_tokens.weight in model_checkpoint_shard-0.pth has shape [112, 32], "
-                           "the config implies [112, 64]"),
-    (dict(num_experts=16), "holds 4 experts per layer, but 16 experts over ep 2 make 8"),
-    (dict(moe_intermediate_size=8), "experts.0.gate_proj.weight in model_checkpoint_shard-0.pth has shape [16, 32], "
-                                    "the config implies [8, 32]"),
-    (dict(num_hidden_layers=6), "4 model files, which do not divide over 3 pipeline stages"),
-    (dict(num_experts=0), "model_checkpoint_shard-0.pth holds 4 experts per layer, but the config's model is dense"),
-    (dict(qk_norm=False), "unexpected tensor model.layers.0.self_attn.q_norm.weight in model_checkpoint_shard-0.pth"),
-    (dict(num_key_value_heads=4), "k_proj.weight in model_checkpoint_shard-0.pth has shape [16, 32], the config "
-                                  "implies [32, 32] (a tensor-parallel part? only TP 1 is read)"),
-])
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (
+            dict(hidden_size=64),
+            "tensor model.embed_tokens.weight in model_checkpoint_shard-0.pth has shape [112, 32], "
+            "the config implies [112, 64]",
+        ),
+        (dict(num_experts=16), "holds 4 experts per layer, but 16 experts over ep 2 make 8"),
+        (
+            dict(moe_intermediate_size=8),
+            "experts.0.gate_proj.weight in model_checkpoint_shard-0.pth has shape [16, 32], the config implies [8, 32]",
+        ),
+        (dict(num_hidden_layers=6), "4 model files, which do not divide over 3 pipeline stages"),
+        (
+            dict(num_experts=0),
+            "model_checkpoint_shard-0.pth holds 4 experts per layer, but the config's model is dense",
+        ),
+        (
+            dict(qk_norm=False),
+            "unexpected tensor model.layers.0.self_attn.q_norm.weight in model_checkpoint_shard-0.pth",
+        ),
+        (
+            dict(num_key_value_heads=4),
+            "k_proj.weight in model_checkpoint_shard-0.pth has shape [16, 32], the config "
+            "implies [32, 32] (a tensor-parallel part? only TP 1 is read)",
+        ),
+    ],
+)
 def test_error_config_does_not_match_the_tensors(moe_checkpoint, tmp_path, capsys, overrides, expected):
     src, _ = moe_checkpoint
     moe_config(**overrides).save_pretrained(tmp_path / "other")
@@ -358,8 +470,9 @@ def test_error_missing_and_unexpected_tensors(moe_checkpoint, tmp_path, capsys):
     del saved["state_dict"]["model.layers.1.mlp.experts.2.up_proj.weight"]  # layer 3, expert 6
     torch.save(saved, path)
     line = expect_error(capsys, [src, tmp_path / "out", "--config", tmp_path / "ref"])
-    assert "missing tensor model.layers.3.mlp.experts.6.up_proj (local expert 2 in model_checkpoint_shard-3.pth)" \
-        in line
+    assert (
+        "missing tensor model.layers.3.mlp.experts.6.up_proj (local expert 2 in model_checkpoint_shard-3.pth)" in line
+    )
     saved["state_dict"]["model.layers.1.mlp.experts.2.up_proj.weight"] = torch.zeros(16, 32)
     saved["state_dict"]["model.layers.1.extra.weight"] = torch.zeros(3)
     torch.save(saved, path)
@@ -370,8 +483,9 @@ def test_error_missing_and_unexpected_tensors(moe_checkpoint, tmp_path, capsys):
 def test_error_empty_folder_and_not_a_folder(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert "is empty" in expect_error(capsys, [tmp_path / "empty", tmp_path / "out", "--preset", "mula-tiny-moe"])
-    assert "is not a folder" in expect_error(capsys, [tmp_path / "nowhere", tmp_path / "out", "--preset",
-                                                      "mula-tiny-moe"])
+    assert "is not a folder" in expect_error(
+        capsys, [tmp_path / "nowhere", tmp_path / "out", "--preset", "mula-tiny-moe"]
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -474,8 +588,11 @@ def test_error_tokenizer_and_shape_options(moe_checkpoint, tmp_path, capsys):
     assert "--config" in line and "no such file" in line
     with pytest.raises(ConversionError, match="give exactly one of --model-choice, --config and --preset"):
         importer.import_checkpoint(src, tmp_path / "out")
-    for argv in ([src, tmp_path / "out"], [src, tmp_path / "out", "--preset", "a", "--config", "b"],
-                 [src, tmp_path / "out", "--preset", "mula-tiny-moe", "--pp", "0"]):
+    for argv in (
+        [src, tmp_path / "out"],
+        [src, tmp_path / "out", "--preset", "a", "--config", "b"],
+        [src, tmp_path / "out", "--preset", "mula-tiny-moe", "--pp", "0"],
+    ):
         with pytest.raises(SystemExit) as exit:
             main([str(a) for a in argv])
         err = capsys.readouterr().err
@@ -488,8 +605,14 @@ def test_error_cli_subprocess(tmp_path):
     """The real command line: exit status 2 and one clean line on stderr."""
     (tmp_path / "empty").mkdir()
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-m", PROG, str(tmp_path / "empty"), str(tmp_path / "out"), "--preset",
-                           "mula-tiny-moe"], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", PROG, str(tmp_path / "empty"), str(tmp_path / "out"), "--preset", "mula-tiny-moe"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=env,
+    )
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines == [f"{PROG}: error: {tmp_path / 'empty'} is empty"], proc.stderr
@@ -537,8 +660,9 @@ def test_the_docs_import_commands_run_as_written(tmp_path, monkeypatch, capsys):
     big, tiny = (c for c in sorted(commands, key=lambda c: "--model-choice" not in c))
     argv = shlex.split(big)
     choice = argv[argv.index("--model-choice") + 1]
-    assert count_parameters(config_from_model_choice(choice)[0]) == \
-        count_parameters(MulaConfig.from_preset("mula-220b-a10b"))
+    assert count_parameters(config_from_model_choice(choice)[0]) == count_parameters(
+        MulaConfig.from_preset("mula-220b-a10b")
+    )
 
     argv = shlex.split(tiny)[3:]
     vpp = int(argv[argv.index("--vpp") + 1]) if "--vpp" in argv else 1

@@ -50,8 +50,11 @@ def test_a_tokenizer_path_that_does_not_exist_is_named_as_a_missing_folder(tmp_p
     with pytest.raises(ValueError, match="is a file; give the folder that holds it$"):
         load_tokenizer(str(tmp_path / "tokenizer.json"))
     monkeypatch.chdir(tmp_path)  # `org/name` could be either: said to have been tried as both
-    with pytest.raises(ValueError, match=r"^cannot load tokenizer 'org/name' \(no such folder here; tried it as a "
-                                         r"Hub name\): "):
+    with pytest.raises(
+        ValueError,
+        match=r"^cannot load tokenizer 'org/name' \(no such folder here; tried it as a "
+        r"Hub name\): ",
+    ):
         load_tokenizer("org/name")
     load_tokenizer().save_pretrained(tmp_path / "mine")
     assert load_tokenizer("mine").eos_token_id == 1  # a relative folder with one part
@@ -60,9 +63,11 @@ def test_a_tokenizer_path_that_does_not_exist_is_named_as_a_missing_folder(tmp_p
 def test_sources_parse_and_fail_with_one_line(tmp_path):
     assert parse_source("embedded").kind == "embedded"
     assert parse_source({"hf": "org/name", "split": "validation"}).split == "validation"
-    for bad, match in [({"hf": "x", "colour": 1}, "unknown key 'colour'"),
-                       ({"what": 1}, "needs exactly one of 'path', 'hf', 'tokens'"),
-                       ({"path": "x", "max_documents": 0}, "max_documents")]:
+    for bad, match in [
+        ({"hf": "x", "colour": 1}, "unknown key 'colour'"),
+        ({"what": 1}, "needs exactly one of 'path', 'hf', 'tokens'"),
+        ({"path": "x", "max_documents": 0}, "max_documents"),
+    ]:
         with pytest.raises(DataError, match=match):
             parse_source(bad)
     with pytest.raises(DataError, match="does not exist"):
@@ -95,7 +100,8 @@ def test_hf_dataset_source_streams_a_local_datasets_folder(tmp_path):
     folder.mkdir(parents=True)
     for shard in range(2):
         (folder / f"part-{shard}.jsonl").write_text(
-            "\n".join(json.dumps({"text": f"doc {shard}-{i}", "id": i}) for i in range(4)) + "\n")
+            "\n".join(json.dumps({"text": f"doc {shard}-{i}", "id": i}) for i in range(4)) + "\n"
+        )
     docs = list(iter_documents(parse_source({"hf": str(tmp_path / "mix"), "split": "train"})))
     assert sorted(docs) == sorted(f"doc {s}-{i}" for s in range(2) for i in range(4))
     with pytest.raises(DataError, match="no 'body' field"):

@@ -53,15 +53,15 @@ def package_imports(folder: Path, package: str = "ds_optimus.data") -> dict[str,
                     else:
                         names.add(f"..{top or node.names[0].name}")
                 elif node.module and node.module.startswith(package + "."):
-                    names.add(node.module[len(package) + 1:].split(".")[0])
+                    names.add(node.module[len(package) + 1 :].split(".")[0])
                 elif node.module and node.module.startswith(parent + "."):
-                    names.add(f"..{node.module[len(parent) + 1:].split('.')[0]}")
+                    names.add(f"..{node.module[len(parent) + 1 :].split('.')[0]}")
             elif isinstance(node, ast.Import):
                 for alias in node.names:
                     if alias.name.startswith(package + "."):
-                        names.add(alias.name[len(package) + 1:].split(".")[0])
+                        names.add(alias.name[len(package) + 1 :].split(".")[0])
                     elif alias.name.startswith(parent + "."):
-                        names.add(f"..{alias.name[len(parent) + 1:].split('.')[0]}")
+                        names.add(f"..{alias.name[len(parent) + 1 :].split('.')[0]}")
         names.discard(path.stem)
         found[path.stem] = names
     return found
@@ -75,7 +75,7 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
         state[node] = 1
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                found.append(path[path.index(nxt):] + [nxt])
+                found.append(path[path.index(nxt) :] + [nxt])
             elif nxt not in state and nxt in graph:
                 visit(nxt, path + [nxt])
         state[node] = 2
@@ -130,18 +130,29 @@ def _package(folder: Path, files: dict[str, str]) -> Path:
     return folder
 
 
-@pytest.mark.parametrize(("files", "expected"), [
-    # a circle made by an import inside a function (as corpus <-> tokens and pack <-> workers were)
-    ({"a": "from .b import x\n", "b": "def f():\n    from .a import y\n"},
-     ["import circle: a -> b -> a", "a.py (early) imports b.py (early): a module after it in its stage"]),
-    # an earlier stage that reaches into a later one, by every spelling of an import
-    ({"a": "def f():\n    import ds_optimus.data.c\n", "b": "from . import c\n", "c": ""},
-     ["a.py (early) imports c.py (late): a later stage", "b.py (early) imports c.py (late): a later stage"]),
-    ({"a": "", "b": "from ..data.c import z\n", "c": "from .a import x\n"},
-     ["b.py (early) imports c.py (late): a later stage"]),
-    ({"a": "", "b": "from .a import x\n", "c": "from .b import y\nfrom .a import z\n", "d": ""},
-     ["d.py is in no stage of the order: place it"]),
-])
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        # a circle made by an import inside a function (as corpus <-> tokens and pack <-> workers were)
+        (
+            {"a": "from .b import x\n", "b": "def f():\n    from .a import y\n"},
+            ["import circle: a -> b -> a", "a.py (early) imports b.py (early): a module after it in its stage"],
+        ),
+        # an earlier stage that reaches into a later one, by every spelling of an import
+        (
+            {"a": "def f():\n    import ds_optimus.data.c\n", "b": "from . import c\n", "c": ""},
+            ["a.py (early) imports c.py (late): a later stage", "b.py (early) imports c.py (late): a later stage"],
+        ),
+        (
+            {"a": "", "b": "from ..data.c import z\n", "c": "from .a import x\n"},
+            ["b.py (early) imports c.py (late): a later stage"],
+        ),
+        (
+            {"a": "", "b": "from .a import x\n", "c": "from .b import y\nfrom .a import z\n", "d": ""},
+            ["d.py is in no stage of the order: place it"],
+        ),
+    ],
+)
 def test_the_check_finds_circles_and_imports_of_later_stages(tmp_path, files, expected):
     folder = _package(tmp_path / "data", files)
     order, stage = ["a", "b", "c"], {"a": "early", "b": "early", "c": "late"}

@@ -80,7 +80,7 @@ def test_a_weighted_mixture_draws_its_shares_and_resumes_exactly(tmp_path):
     drawn = torch.cat(rows)
     from_first = (drawn[:, 0] < 1_000_000).float().mean().item()  # which source a row is from
     assert abs(from_first - 0.75) < 0.05
-    assert all(torch.equal(a, torch.cat(rows[20 + 2 * i:22 + 2 * i])) for i, a in enumerate(after))
+    assert all(torch.equal(a, torch.cat(rows[20 + 2 * i : 22 + 2 * i])) for i, a in enumerate(after))
     tokens = run.source_tokens()
     assert tokens == other.source_tokens() and sum(tokens.values()) == 200 * 8 and abs(tokens["src0"] - 150 * 8) <= 16
 
@@ -104,8 +104,14 @@ def test_a_source_that_runs_out_repeats_in_a_new_order_and_says_so_once(tmp_path
     assert sorted(small[:6]) == list(range(6)) and sorted(small[6:12]) == list(range(6))
     assert small[:6] != small[6:12]  # a new order
     events = loader.take_events()  # one line as each epoch of it begins
-    assert events == [f"data: source 'src1' ran through its 6 sequences; epoch {e} of it goes on in a new order"
-                      for e in range(2, (len(small) - 1) // 6 + 2)] and len(events) >= 1
+    assert (
+        events
+        == [
+            f"data: source 'src1' ran through its 6 sequences; epoch {e} of it goes on in a new order"
+            for e in range(2, (len(small) - 1) // 6 + 2)
+        ]
+        and len(events) >= 1
+    )
     assert loader.take_events() == [] and loader.source_epochs()["src1"] == pytest.approx(len(small) / 6)
 
 
@@ -115,13 +121,30 @@ def test_data_changed_under_a_resume_is_refused_in_one_line_unless_allowed(tmp_p
     for _ in range(3):
         run.next_batch()
     state = json.loads(json.dumps(run.state_dict()))
-    reweighted = prepare_data(parse_sources([{**s, "weight": w} for s, w in zip(
-        [{"tokens": str(tmp_path / "s0.npy"), "name": "src0"}, {"tokens": str(tmp_path / "s1.npy"), "name": "src1"}],
-        [0.8, 0.2], strict=True)]), load_tokenizer(), tmp_path / "cache")
-    with pytest.raises(DataError, match=r"^the data changed since the checkpoint: source 'src0' was reweighted: 0.5 "
-                                        r"-> 0.8; source 'src1' was reweighted: 0.5 -> 0.2; so the share of source "
-                                        r"'src0' went from 0.5 to 0.8 \(and 1 more share\); set "
-                                        "optimus.data.allow_change to") as err:
+    reweighted = prepare_data(
+        parse_sources(
+            [
+                {**s, "weight": w}
+                for s, w in zip(
+                    [
+                        {"tokens": str(tmp_path / "s0.npy"), "name": "src0"},
+                        {"tokens": str(tmp_path / "s1.npy"), "name": "src1"},
+                    ],
+                    [0.8, 0.2],
+                    strict=True,
+                )
+            ]
+        ),
+        load_tokenizer(),
+        tmp_path / "cache",
+    )
+    with pytest.raises(
+        DataError,
+        match=r"^the data changed since the checkpoint: source 'src0' was reweighted: 0.5 "
+        r"-> 0.8; source 'src1' was reweighted: 0.5 -> 0.2; so the share of source "
+        r"'src0' went from 0.5 to 0.8 \(and 1 more share\); set "
+        "optimus.data.allow_change to",
+    ) as err:
         TokenBatches(reweighted, 8, 4, seed=0).load_state_dict(state)
     assert "\n" not in str(err.value)
     np.save(tmp_path / "s1.npy", np.arange(8 * 60, dtype=np.uint32))  # new content: another size
@@ -129,9 +152,11 @@ def test_data_changed_under_a_resume_is_refused_in_one_line_unless_allowed(tmp_p
         TokenBatches(_sources_named(tmp_path, ["s0", "s1"]), 8, 4, seed=0).load_state_dict(state)
     loader = TokenBatches(_sources_named(tmp_path, ["s0", "s1", "s2"]), 8, 4, seed=0)
     notes = loader.load_state_dict(state, allow_change=True)
-    assert notes == ["source 'src2' was added (weight 1)",  # weights 1, 1 for 0.5, 0.5: the same two-source mix
-                     "source 'src1' holds other data (its files, their sizes or times, or the tokenizer)",
-                     "the share of source 'src0' went from 0.5 to 0.3333"]
+    assert notes == [
+        "source 'src2' was added (weight 1)",  # weights 1, 1 for 0.5, 0.5: the same two-source mix
+        "source 'src1' holds other data (its files, their sizes or times, or the tokenizer)",
+        "the share of source 'src0' went from 0.5 to 0.3333",
+    ]
     assert loader.drawn.tolist()[:2] == [run.drawn[0], run.drawn[1]] and loader.drawn[2] == 0  # kept by name
     loader.next_batch()
 
@@ -140,8 +165,11 @@ def _weighted(tmp_path, weights: dict[str, float]):
     for i, name in enumerate(["code", "web", "tok"]):
         if not (tmp_path / f"{name}.npy").exists():  # written once: a rewritten file is other data
             np.save(tmp_path / f"{name}.npy", (np.arange(8 * 40) + 1_000_000 * i).astype(np.uint32))
-    return prepare_data(parse_sources([{"tokens": str(tmp_path / f"{name}.npy"), "weight": w}
-                                       for name, w in weights.items()]), load_tokenizer(), tmp_path / "cache")
+    return prepare_data(
+        parse_sources([{"tokens": str(tmp_path / f"{name}.npy"), "weight": w} for name, w in weights.items()]),
+        load_tokenizer(),
+        tmp_path / "cache",
+    )
 
 
 def test_a_data_change_is_said_by_what_the_user_did_before_the_shares_that_follow(tmp_path):
@@ -152,20 +180,26 @@ def test_a_data_change_is_said_by_what_the_user_did_before_the_shares_that_follo
     added = TokenBatches(_weighted(tmp_path, {"code": 7, "web": 3, "tok": 2}), 8, 4, seed=0)
     with pytest.raises(DataError) as err:  # the shares moved because a source was added: that comes first
         added.load_state_dict(state)
-    assert str(err.value) == ("the data changed since the checkpoint: source 'tok' was added (weight 2); so the share "
-                              "of source 'code' went from 0.7 to 0.5833 (and 1 more share); set "
-                              "optimus.data.allow_change to true to continue on the new data")
+    assert str(err.value) == (
+        "the data changed since the checkpoint: source 'tok' was added (weight 2); so the share "
+        "of source 'code' went from 0.7 to 0.5833 (and 1 more share); set "
+        "optimus.data.allow_change to true to continue on the new data"
+    )
     assert added.load_state_dict(state, allow_change=True) == [  # every change in the log, in that order
-        "source 'tok' was added (weight 2)", "the share of source 'code' went from 0.7 to 0.5833",
-        "the share of source 'web' went from 0.3 to 0.25"]
+        "source 'tok' was added (weight 2)",
+        "the share of source 'code' went from 0.7 to 0.5833",
+        "the share of source 'web' went from 0.3 to 0.25",
+    ]
     # weights all scaled alike are the same mixture: no change, as before
     assert TokenBatches(_weighted(tmp_path, {"code": 0.7, "web": 0.3}), 8, 4, seed=0).load_state_dict(state) == []
 
 
 def test_each_kind_of_data_change_is_named_with_its_old_and_new_values():
     def saved(**sources):
-        return {name: {"drawn": 5, "identity": f"id-{name}", "share": share, "weight": weight}
-                for name, (share, weight) in sources.items()}
+        return {
+            name: {"drawn": 5, "identity": f"id-{name}", "share": share, "weight": weight}
+            for name, (share, weight) in sources.items()
+        }
 
     def changes(before, now, weights, identities=None):
         shares = [w / sum(weights) for w in weights]
@@ -175,29 +209,42 @@ def test_each_kind_of_data_change_is_named_with_its_old_and_new_values():
     assert changes(two, ["code"], [7]) == ["source 'web' was dropped", "the share of source 'code' went from 0.7 to 1"]
     assert changes(two, ["code", "www"], [7, 3], ["id-code", "id-web"]) == ["source 'web' was renamed 'www'"]
     assert changes(two, ["code", "web"], [5, 5]) == [
-        "source 'code' was reweighted: 7 -> 5", "source 'web' was reweighted: 3 -> 5",
-        "the share of source 'code' went from 0.7 to 0.5", "the share of source 'web' went from 0.3 to 0.5"]
+        "source 'code' was reweighted: 7 -> 5",
+        "source 'web' was reweighted: 3 -> 5",
+        "the share of source 'code' went from 0.7 to 0.5",
+        "the share of source 'web' went from 0.3 to 0.5",
+    ]
     three = saved(web=(0.5, 5), code=(0.3, 3), math=(0.2, 2))
     assert changes(three, ["web", "code", "math"], [10, 6, 8]) == [  # two of them doubled: the third was reweighted
-        "source 'math' was reweighted: 2 -> 8", "the share of source 'math' went from 0.2 to 0.3333",
-        "the share of source 'web' went from 0.5 to 0.4167", "the share of source 'code' went from 0.3 to 0.25"]
+        "source 'math' was reweighted: 2 -> 8",
+        "the share of source 'math' went from 0.2 to 0.3333",
+        "the share of source 'web' went from 0.5 to 0.4167",
+        "the share of source 'code' went from 0.3 to 0.25",
+    ]
     assert changes(three, ["web", "code", "math"], [1, 0.6, 0.4]) == []  # scaled alike: the same mixture
     assert changes(two, ["code", "web"], [7, 3], ["id-code", "id-other"]) == [
-        "source 'web' holds other data (its files, their sizes or times, or the tokenizer)"]
+        "source 'web' holds other data (its files, their sizes or times, or the tokenizer)"
+    ]
     old = {name: {k: v for k, v in record.items() if k != "weight"} for name, record in two.items()}
     assert changes(old, ["code", "web"], [5, 5]) == [  # a checkpoint from before weights were recorded: shares only
-        "the share of source 'code' went from 0.7 to 0.5", "the share of source 'web' went from 0.3 to 0.5"]
+        "the share of source 'code' went from 0.7 to 0.5",
+        "the share of source 'web' went from 0.3 to 0.5",
+    ]
     many = changes(two, ["code", "a", "b", "c", "d"], [7, 1, 1, 1, 1])
     assert changed_data_message(many, since="step_00000040") == (
         "the data changed since step_00000040: source 'a' was added (weight 1); source 'b' was added (weight 1); "
         "source 'c' was added (weight 1) (and 2 more); so the share of source 'code' went from 0.7 to 0.6364; set "
-        "optimus.data.allow_change to true to continue on the new data")
+        "optimus.data.allow_change to true to continue on the new data"
+    )
 
 
 def _sources_named(tmp_path, stems):
     np.save(tmp_path / "s2.npy", np.arange(8 * 20, dtype=np.uint32))
-    return prepare_data(parse_sources([{"tokens": str(tmp_path / f"{s}.npy"), "name": f"src{s[1:]}", "weight": 1}
-                                       for s in stems]), load_tokenizer(), tmp_path / "cache")
+    return prepare_data(
+        parse_sources([{"tokens": str(tmp_path / f"{s}.npy"), "name": f"src{s[1:]}", "weight": 1} for s in stems]),
+        load_tokenizer(),
+        tmp_path / "cache",
+    )
 
 
 PROBE = """
@@ -224,8 +271,13 @@ def test_a_four_trillion_token_source_opens_and_draws_at_once(tmp_path):
         array = open_memmap(path, mode="w+", dtype=np.uint16, shape=(tokens,))
         array[-4096:] = 7  # the only pages written
         del array
-        out = subprocess.run([sys.executable, "-c", PROBE, str(path), str(tmp_path)], capture_output=True,
-                             text=True, timeout=300, check=True).stdout.split()
+        out = subprocess.run(
+            [sys.executable, "-c", PROBE, str(path), str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+        ).stdout.split()
         runs[name] = [int(out[0]), int(out[1]), float(out[2]), int(out[3])]
     assert runs["huge"][:2] == [4_000_000_000_000, 4_000_000_000_000 // 2048]
     # no work or memory that grows with the tokens: the peak RSS is that of a file 10,000 times smaller (the
@@ -251,9 +303,16 @@ def test_held_out_batches_come_from_the_sources_that_have_enough(tmp_path):
     for name, size in (("a", 800), ("b", 800), ("va", 80), ("vb", 5)):
         offset = 1_000_000 if name.endswith("b") else 0  # which source a token is from
         np.save(tmp_path / f"{name}.npy", (np.arange(size) + offset).astype(np.uint32))
-    data = prepare_data(parse_sources([
-        {"tokens": str(tmp_path / "a.npy"), "val": str(tmp_path / "va.npy"), "weight": 1},
-        {"tokens": str(tmp_path / "b.npy"), "val": str(tmp_path / "vb.npy"), "weight": 3}]), load_tokenizer(), tmp_path)
+    data = prepare_data(
+        parse_sources(
+            [
+                {"tokens": str(tmp_path / "a.npy"), "val": str(tmp_path / "va.npy"), "weight": 1},
+                {"tokens": str(tmp_path / "b.npy"), "val": str(tmp_path / "vb.npy"), "weight": 3},
+            ]
+        ),
+        load_tokenizer(),
+        tmp_path,
+    )
     batches = eval_batches(data, 8, 2, 0, 1, max_batches=100)  # source b's 5 held-out tokens make no sequence
     rows = torch.cat(batches)
     assert len(batches) == 5 and (rows < 1_000_000).all()
@@ -282,7 +341,8 @@ def test_a_stream_of_many_files_keeps_few_mapped_and_every_index_is_reachable(tm
     parts = [np.arange(n * 8, dtype=np.uint16) for n in (30, 30, 30, 10)]
     for i, part in enumerate(parts):
         np.save(tmp_path / f"p{i}.npy", part)
-    data = prepare_data(parse_sources([{"tokens": str(tmp_path / f"p{i}.npy")} for i in range(4)]), load_tokenizer(),
-                        tmp_path)
+    data = prepare_data(
+        parse_sources([{"tokens": str(tmp_path / f"p{i}.npy")} for i in range(4)]), load_tokenizer(), tmp_path
+    )
     dataset = PackedSequences(data, 8)
     assert len(dataset) == 100 and dataset[99]["input_ids"].shape == (8,)

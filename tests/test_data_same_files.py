@@ -33,8 +33,9 @@ def _corpus(tmp_path: Path) -> Path:
     data = tmp_path / "data"
     (data / "tok").mkdir(parents=True)
     for stem in ("a", "b"):
-        (data / f"{stem}.jsonl").write_text("".join(json.dumps({"text": f"{stem} document {i} " * 20,
-                                                                 "title": f"{stem} {i}"}) + "\n" for i in range(8)))
+        (data / f"{stem}.jsonl").write_text(
+            "".join(json.dumps({"text": f"{stem} document {i} " * 20, "title": f"{stem} {i}"}) + "\n" for i in range(8))
+        )
         np.save(data / "tok" / f"{stem}.npy", np.arange(500, dtype=np.uint16))
     return data
 
@@ -50,25 +51,37 @@ def _link(tmp_path: Path, target: Path, name: str, hard: bool = False) -> Path:
 SPELLINGS = {
     "folder and a glob of its files": (
         lambda d, t: [str(d), {"path": str(d / "*.jsonl"), "name": "data_glob"}],
-        lambda d: rf"sources 0 \('data'\) and 1 \('data_glob'\) both read {d}/a.jsonl: list each file in one source"),
+        lambda d: rf"sources 0 \('data'\) and 1 \('data_glob'\) both read {d}/a.jsonl: list each file in one source",
+    ),
     "a file and a glob that matches it": (
-        lambda d, t: [{"path": str(d / "b.jsonl"), "weight": 1}, {"path": str(d / "*.jsonl"), "name": "all",
-                                                                  "weight": 2}],
-        lambda d: rf"sources 0 \('b'\) and 1 \('all'\) both read {d}/b.jsonl: list each file in one source"),
+        lambda d, t: [
+            {"path": str(d / "b.jsonl"), "weight": 1},
+            {"path": str(d / "*.jsonl"), "name": "all", "weight": 2},
+        ],
+        lambda d: rf"sources 0 \('b'\) and 1 \('all'\) both read {d}/b.jsonl: list each file in one source",
+    ),
     "a symbolic link to a file of a folder": (
         lambda d, t: [str(d), str(_link(t, d / "a.jsonl", "mirror.jsonl"))],
-        lambda d: rf"sources 0 \('data'\) and 1 \('mirror'\) both read {d}/a.jsonl \(as .*/elsewhere/mirror.jsonl\): "
-                  "list each file in one source"),
+        lambda d: (
+            rf"sources 0 \('data'\) and 1 \('mirror'\) both read {d}/a.jsonl \(as .*/elsewhere/mirror.jsonl\): "
+            "list each file in one source"
+        ),
+    ),
     "a hard link": (
         lambda d, t: [str(_link(t, d / "b.jsonl", "copy.jsonl", hard=True)), str(d / "*.jsonl")],
-        lambda d: r"sources 0 \('copy'\) and 1 \('data'\) both read .*/elsewhere/copy.jsonl "
-                  rf"\(as {d}/b.jsonl\): list each file in one source"),
+        lambda d: (
+            r"sources 0 \('copy'\) and 1 \('data'\) both read .*/elsewhere/copy.jsonl "
+            rf"\(as {d}/b.jsonl\): list each file in one source"
+        ),
+    ),
     "token files: a folder and a glob": (
         lambda d, t: [{"tokens": str(d / "tok")}, {"tokens": str(d / "tok" / "*.npy"), "name": "tok_glob"}],
-        lambda d: rf"sources 0 \('tok'\) and 1 \('tok_glob'\) both read {d}/tok/a.npy: list each file in one source"),
+        lambda d: rf"sources 0 \('tok'\) and 1 \('tok_glob'\) both read {d}/tok/a.npy: list each file in one source",
+    ),
     "token files: a symbolic link to a folder": (
         lambda d, t: [{"tokens": str(d / "tok" / "b.npy")}, {"tokens": str(_link(t, d / "tok", "tokens"))}],
-        lambda d: rf"sources 0 \('b'\) and 1 \('tokens'\) both read {d}/tok/b.npy \(as .*/elsewhere/tokens/b.npy\)"),
+        lambda d: rf"sources 0 \('b'\) and 1 \('tokens'\) both read {d}/tok/b.npy \(as .*/elsewhere/tokens/b.npy\)",
+    ),
 }
 
 
@@ -83,14 +96,26 @@ def test_the_same_files_under_other_spellings_are_refused_at_preparation(tmp_pat
     assert not (tmp_path / "cache").exists()  # refused before anything was tokenized
 
 
-@pytest.mark.parametrize("spelling", ["folder and a glob of its files", "a symbolic link to a file of a folder",
-                                      "token files: a folder and a glob"])
+@pytest.mark.parametrize(
+    "spelling",
+    ["folder and a glob of its files", "a symbolic link to a file of a folder", "token files: a folder and a glob"],
+)
 def test_check_refuses_them_with_the_same_line(tmp_path, capsys, spelling):
     data = _corpus(tmp_path)
     specs, message = SPELLINGS[spelling]
-    status = main(["--config", str(TINY), "--check", "--set", f"optimus.data.cache_dir={tmp_path}/cache",
-                   "--set", f"optimus.train.output_dir={tmp_path}/run",
-                   "--set", f"optimus.data.sources={json.dumps(specs(data, tmp_path))}"])
+    status = main(
+        [
+            "--config",
+            str(TINY),
+            "--check",
+            "--set",
+            f"optimus.data.cache_dir={tmp_path}/cache",
+            "--set",
+            f"optimus.train.output_dir={tmp_path}/run",
+            "--set",
+            f"optimus.data.sources={json.dumps(specs(data, tmp_path))}",
+        ]
+    )
     out, err = capsys.readouterr()
     assert status == 2 and out == "" and len(err.splitlines()) == 1, err
     assert err.startswith("ds_optimus.train: error: ") and re.search(message(data), err), err
@@ -98,11 +123,19 @@ def test_check_refuses_them_with_the_same_line(tmp_path, capsys, spelling):
 
 def test_other_files_and_other_fields_of_the_same_files_are_not_the_same_data(tmp_path, tokenizer):
     data = _corpus(tmp_path)
-    prepared = prepare_data(parse_sources([str(data / "a*.jsonl"), {"path": str(data / "b*.jsonl"), "name": "b"},
-                                           {"path": str(data / "*.jsonl"), "text_field": "title", "name": "titles"},
-                                           {"tokens": str(data / "tok" / "a.npy"), "name": "tok_a"},
-                                           {"tokens": str(data / "tok" / "b.npy"), "name": "tok_b"}]),
-                            tokenizer, tmp_path / "cache")
+    prepared = prepare_data(
+        parse_sources(
+            [
+                str(data / "a*.jsonl"),
+                {"path": str(data / "b*.jsonl"), "name": "b"},
+                {"path": str(data / "*.jsonl"), "text_field": "title", "name": "titles"},
+                {"tokens": str(data / "tok" / "a.npy"), "name": "tok_a"},
+                {"tokens": str(data / "tok" / "b.npy"), "name": "tok_b"},
+            ]
+        ),
+        tokenizer,
+        tmp_path / "cache",
+    )
     assert [s.name for s in prepared.sources] == ["data", "b", "titles", "tok_a", "tok_b"]
     assert [s.documents for s in prepared.sources] == [8, 8, 16, None, None]
     assert [s.train.total for s in prepared.sources][3:] == [500, 500]

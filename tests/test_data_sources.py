@@ -51,7 +51,7 @@ def write_corpus(root: Path, files: int, docs=DOCS) -> Path:
     """`files` compressed JSON-lines files (gz and zst by turns) in the layout of OLMoE-mix-0924."""
     root.mkdir(parents=True, exist_ok=True)
     for i in range(files):
-        part = docs[i % len(docs):] + docs[:i % len(docs)]
+        part = docs[i % len(docs) :] + docs[: i % len(docs)]
         if i % 2:
             write_zst(root / f"part-{i:04d}.json.zst", _lines(part[:6]))
         else:
@@ -72,9 +72,15 @@ def test_every_text_source_kind_reads_the_same_documents(tmp_path):
     pq.write_table(pa.table({"text": docs}), tmp_path / "e.parquet")
     datasets.Dataset.from_dict({"body": docs}).save_to_disk(str(tmp_path / "saved"))
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": docs})}).save_to_disk(str(tmp_path / "dict"))
-    specs = [str(tmp_path / "a.jsonl.gz"), str(tmp_path / "b.json.gz"), {"path": str(tmp_path / "c.jsonl.zst")},
-             str(tmp_path / "d.json.zst"), str(tmp_path / "e.parquet"),
-             {"path": str(tmp_path / "saved"), "text_field": "body"}, {"hf": str(tmp_path / "dict")}]
+    specs = [
+        str(tmp_path / "a.jsonl.gz"),
+        str(tmp_path / "b.json.gz"),
+        {"path": str(tmp_path / "c.jsonl.zst")},
+        str(tmp_path / "d.json.zst"),
+        str(tmp_path / "e.parquet"),
+        {"path": str(tmp_path / "saved"), "text_field": "body"},
+        {"hf": str(tmp_path / "dict")},
+    ]
     for spec in specs:
         assert list(iter_documents(parse_source(spec))) == docs, spec
     saved = parse_source({"path": str(tmp_path / "saved"), "text_field": "body"})
@@ -83,8 +89,11 @@ def test_every_text_source_kind_reads_the_same_documents(tmp_path):
     # a folder of compressed files is one unit per file, and the default names come from the paths
     both = parse_source({"path": str(tmp_path / "*.json*")})
     assert len(source_units(both)) == 4 and both.label == tmp_path.name
-    assert [parse_source(s).label for s in ("data/wiki/*.json.gz", "data/dclm", "x/pes2o-0001.json.zst")] == \
-        ["wiki", "dclm", "pes2o-0001"]
+    assert [parse_source(s).label for s in ("data/wiki/*.json.gz", "data/dclm", "x/pes2o-0001.json.zst")] == [
+        "wiki",
+        "dclm",
+        "pes2o-0001",
+    ]
 
 
 def test_token_sources_are_mapped_in_place_across_file_boundaries(tmp_path):
@@ -97,9 +106,16 @@ def test_token_sources_are_mapped_in_place_across_file_boundaries(tmp_path):
     assert npy.arrays == [None] and npy.files[0].length == 50  # sized from the header, mapped on first read
     assert npy.read(48, 2).tolist() == [48, 49]
     assert isinstance(npy.arrays[0], np.memmap) and npy.arrays[0].dtype == np.uint16  # the header's dtype
-    data = prepare_data(parse_sources([{"tokens": str(tmp_path / "a.npy"), "val": str(tmp_path / "v.npy")},
-                                       {"tokens": str(tmp_path / "b.bin"), "dtype": "uint32"}]),
-                        load_tokenizer(), tmp_path / "cache")
+    data = prepare_data(
+        parse_sources(
+            [
+                {"tokens": str(tmp_path / "a.npy"), "val": str(tmp_path / "v.npy")},
+                {"tokens": str(tmp_path / "b.bin"), "dtype": "uint32"},
+            ]
+        ),
+        load_tokenizer(),
+        tmp_path / "cache",
+    )
     assert [s.name for s in data.sources] == ["a", "b"] and data.documents == 0 and data.val_tokens == 40
     assert not (tmp_path / "cache").exists()  # nothing written for token sources
     loader = TokenBatches(data, 10, 13, shuffle=False)  # 5 + 8 sequences, by size; every one once
@@ -135,64 +151,103 @@ def test_bad_mixtures_and_bad_files_are_one_line(tmp_path, tokenizer):
         assert "\n" not in str(err.value)
         return str(err.value)
 
-    one_line(lambda: parse_sources([{"path": "a", "weight": 1}, {"path": "b"}]),
-             r"source 'b' has no \"weight\" while others have one")
+    one_line(
+        lambda: parse_sources([{"path": "a", "weight": 1}, {"path": "b"}]),
+        r"source 'b' has no \"weight\" while others have one",
+    )
     one_line(lambda: parse_sources(["data/wiki.jsonl", "other/wiki.jsonl"]), "sources 0 and 1 are both named 'wiki'")
-    one_line(lambda: parse_sources(["data/web/", {"path": "data/web", "name": "web2"}]),  # the same files, renamed
-             r"sources 0 and 1 read the same data \(files:data/web\): list it once, with the \"weight\" it")
+    one_line(
+        lambda: parse_sources(["data/web/", {"path": "data/web", "name": "web2"}]),  # the same files, renamed
+        r"sources 0 and 1 read the same data \(files:data/web\): list it once, with the \"weight\" it",
+    )
     one_line(lambda: parse_sources([{"path": "x", "wieght": 2}]), r"unknown key 'wieght' \(did you mean 'weight'\?\)")
-    one_line(lambda: list(iter_documents(parse_source(str(tmp_path / "*.jsonl.zst")))),
-             r"data path '.*\*.jsonl.zst' matches no .txt, .md")
-    (tmp_path / "cut.json.zst").write_bytes(__import__("zstandard").ZstdCompressor().compress(
-        _lines(DOCS).encode())[:3000])  # a cut download
-    one_line(lambda: list(iter_documents(parse_source(str(tmp_path / "cut.json.zst")))),
-             r"cut.json.zst: not a readable zst-compressed file \(ZstdError: the file ends inside a zstd frame")
+    one_line(
+        lambda: list(iter_documents(parse_source(str(tmp_path / "*.jsonl.zst")))),
+        r"data path '.*\*.jsonl.zst' matches no .txt, .md",
+    )
+    (tmp_path / "cut.json.zst").write_bytes(
+        __import__("zstandard").ZstdCompressor().compress(_lines(DOCS).encode())[:3000]
+    )  # a cut download
+    one_line(
+        lambda: list(iter_documents(parse_source(str(tmp_path / "cut.json.zst")))),
+        r"cut.json.zst: not a readable zst-compressed file \(ZstdError: the file ends inside a zstd frame",
+    )
     (tmp_path / "fields.jsonl").write_text('{"content": "x", "id": 1}\n')
-    one_line(lambda: list(iter_documents(parse_source(str(tmp_path / "fields.jsonl")))),
-             r"fields.jsonl:1: record has no 'text' field \(its fields: content, id; set the source's \"text_field\"\)")
+    one_line(
+        lambda: list(iter_documents(parse_source(str(tmp_path / "fields.jsonl")))),
+        r"fields.jsonl:1: record has no 'text' field \(its fields: content, id; set the source's \"text_field\"\)",
+    )
     (tmp_path / "corrupt.jsonl.gz").write_bytes(gzip.compress(_lines(DOCS[:50]).encode())[:400])
-    one_line(lambda: list(iter_documents(parse_source(str(tmp_path / "corrupt.jsonl.gz")))),
-             r"corrupt.jsonl.gz: not a readable gz-compressed file \(EOFError")
+    one_line(
+        lambda: list(iter_documents(parse_source(str(tmp_path / "corrupt.jsonl.gz")))),
+        r"corrupt.jsonl.gz: not a readable gz-compressed file \(EOFError",
+    )
     (tmp_path / "junk.json.zst").write_bytes(b"this is not zstd at all")
-    one_line(lambda: list(iter_documents(parse_source(str(tmp_path / "junk.json.zst")))),
-             "junk.json.zst: not a readable zst-compressed file")
+    one_line(
+        lambda: list(iter_documents(parse_source(str(tmp_path / "junk.json.zst")))),
+        "junk.json.zst: not a readable zst-compressed file",
+    )
     (tmp_path / "notext.json.gz").write_bytes(gzip.compress(b'{"body": "x"}\n'))
-    one_line(lambda: prepare_data(parse_sources([str(tmp_path / "notext.json.gz")]), tokenizer, tmp_path / "c"),
-             r"notext.json.gz:1: record has no 'text' field")
+    one_line(
+        lambda: prepare_data(parse_sources([str(tmp_path / "notext.json.gz")]), tokenizer, tmp_path / "c"),
+        r"notext.json.gz:1: record has no 'text' field",
+    )
     np.save(tmp_path / "floats.npy", np.zeros(10, dtype=np.float32))
-    one_line(lambda: prepare_data(parse_sources([{"tokens": str(tmp_path / "floats.npy")}]), tokenizer, tmp_path),
-             r"source 'floats': .*floats.npy: holds float32 values, not integer token ids")
+    one_line(
+        lambda: prepare_data(parse_sources([{"tokens": str(tmp_path / "floats.npy")}]), tokenizer, tmp_path),
+        r"source 'floats': .*floats.npy: holds float32 values, not integer token ids",
+    )
     (tmp_path / "empty.npy").write_bytes(b"")
-    one_line(lambda: prepare_data(parse_sources([{"tokens": str(tmp_path / "empty.npy")}]), tokenizer, tmp_path),
-             r"empty.npy: not a readable .npy file \(EOFError")
+    one_line(
+        lambda: prepare_data(parse_sources([{"tokens": str(tmp_path / "empty.npy")}]), tokenizer, tmp_path),
+        r"empty.npy: not a readable .npy file \(EOFError",
+    )
     np.save(tmp_path / "square.npy", np.zeros((3, 3), dtype=np.int32))
-    one_line(lambda: prepare_data(parse_sources([{"tokens": str(tmp_path / "square.npy")}]), tokenizer, tmp_path),
-             r"must be flat \(1-D\)")
+    one_line(
+        lambda: prepare_data(parse_sources([{"tokens": str(tmp_path / "square.npy")}]), tokenizer, tmp_path),
+        r"must be flat \(1-D\)",
+    )
     np.zeros(5, dtype=np.uint8).tofile(tmp_path / "odd.bin")
-    one_line(lambda: prepare_data(parse_sources([{"tokens": str(tmp_path / "odd.bin")}]), tokenizer, tmp_path),
-             r"raw .bin token files need the source's \"dtype\"")
-    one_line(lambda: prepare_data(parse_sources([{"tokens": str(tmp_path / "odd.bin"), "dtype": "uint16"}]),
-                                  tokenizer, tmp_path), "5 bytes is not a whole number of uint16 tokens")
+    one_line(
+        lambda: prepare_data(parse_sources([{"tokens": str(tmp_path / "odd.bin")}]), tokenizer, tmp_path),
+        r"raw .bin token files need the source's \"dtype\"",
+    )
+    one_line(
+        lambda: prepare_data(
+            parse_sources([{"tokens": str(tmp_path / "odd.bin"), "dtype": "uint16"}]), tokenizer, tmp_path
+        ),
+        "5 bytes is not a whole number of uint16 tokens",
+    )
     import datasets
 
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a"]})}).save_to_disk(str(tmp_path / "d"))
-    one_line(lambda: list(iter_documents(parse_source({"path": str(tmp_path / "d"), "split": "test"}))),
-             r"has no split 'test' \(splits: train")
+    one_line(
+        lambda: list(iter_documents(parse_source({"path": str(tmp_path / "d"), "split": "test"}))),
+        r"has no split 'test' \(splits: train",
+    )
     # a mixture weight on a source too small for one sequence
     np.save(tmp_path / "tiny.npy", np.arange(5, dtype=np.uint16))
     np.save(tmp_path / "big.npy", np.arange(500, dtype=np.uint16))
-    data = prepare_data(parse_sources([{"tokens": str(tmp_path / "tiny.npy"), "weight": 1},
-                                       {"tokens": str(tmp_path / "big.npy"), "weight": 1}]), tokenizer, tmp_path)
+    data = prepare_data(
+        parse_sources(
+            [{"tokens": str(tmp_path / "tiny.npy"), "weight": 1}, {"tokens": str(tmp_path / "big.npy"), "weight": 1}]
+        ),
+        tokenizer,
+        tmp_path,
+    )
     one_line(lambda: TokenBatches(data, 16, 2), "source 'tiny' has fewer than 16 train tokens")
     # token ids the model cannot embed (another tokenizer's files): in a source's first tokens at the start,
-    one_line(lambda: TokenBatches(data.sources[1].train, 16, 2, vocab_size=100),
-             r"source 'data' holds token id 499 in its first 500 tokens, outside the model's vocabulary of 100")
+    one_line(
+        lambda: TokenBatches(data.sources[1].train, 16, 2, vocab_size=100),
+        r"source 'data' holds token id 499 in its first 500 tokens, outside the model's vocabulary of 100",
+    )
     np.save(tmp_path / "late.npy", np.arange(70_000, dtype=np.uint32))  # and past them, at the batch that holds one
     loader = TokenBatches(np.load(tmp_path / "late.npy", mmap_mode="r"), 16, 2, vocab_size=66_000)
 
     def draw_until_refused():
         for _ in range(1000):
             loader.next_batch()
+
     one_line(draw_until_refused, r"source 'data' holds token id \d+, outside the model's vocabulary of 66000")
 
 
@@ -201,15 +256,22 @@ def _files(folder: Path) -> dict[str, bytes]:
 
 
 def _prepare_cli(config: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "ds_optimus.data.prepare", "--config", str(config), *extra],
-                            env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "ds_optimus.data.prepare", "--config", str(config), *extra],
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _config(tmp_path: Path, corpus: Path, cache: Path) -> Path:
     config = json.loads((ROOT / "ds_configs" / "mula-tiny-moe-cpu.json").read_text())
-    config["optimus"]["data"] = {"sources": [{"path": str(corpus), "name": "mix"}, "embedded"],
-                                 "cache_dir": str(cache), "val_fraction": 0.05}
+    config["optimus"]["data"] = {
+        "sources": [{"path": str(corpus), "name": "mix"}, "embedded"],
+        "cache_dir": str(cache),
+        "val_fraction": 0.05,
+    }
     path = tmp_path / f"{cache.name}.json"
     path.write_text(json.dumps(config))
     return path
@@ -222,8 +284,10 @@ def test_parallel_preparation_equals_one_process_bitwise(tmp_path, tokenizer):
     sources = parse_sources([{"path": str(corpus), "name": "mix"}, "embedded"])
     one = prepare_data(sources, tokenizer, tmp_path / "one", 0.05, progress=False)
     two = prepare_data(sources, tokenizer, tmp_path / "two", 0.05, workers=2, progress=False, threads=1)
-    ranks = [_prepare_cli(_config(tmp_path, corpus, tmp_path / "ranks"), env={"RANK": str(r), "WORLD_SIZE": "2"})
-             for r in range(2)]
+    ranks = [
+        _prepare_cli(_config(tmp_path, corpus, tmp_path / "ranks"), env={"RANK": str(r), "WORLD_SIZE": "2"})
+        for r in range(2)
+    ]
     outputs = [p.communicate(timeout=300) for p in ranks]
     assert [p.returncode for p in ranks] == [0, 0], outputs
     assert "ready: " in outputs[0][0] and outputs[1][0] == ""  # rank 0 reports

@@ -32,15 +32,20 @@ def _mixture(tmp_path: Path) -> list:
     pq.write_table(pa.table({"text": docs[50:70]}), root / "books.parquet")
     datasets.Dataset.from_dict({"content": docs[:40]}).save_to_disk(str(root / "saved"))
     tokenizer = load_tokenizer()
-    ids = np.concatenate([tokenizer(d, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-                          for d in docs[:30]]).astype(np.uint16)
+    ids = np.concatenate(
+        [tokenizer(d, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for d in docs[:30]]
+    ).astype(np.uint16)
     np.save(root / "pretok.npy", ids)
     ids.tofile(root / "raw.bin")
-    return [{"path": str(corpus), "weight": 3}, {"path": str(root / "code.jsonl.gz"), "weight": 1},
-            {"path": str(root / "papers.json.zst"), "weight": 1}, {"path": str(root / "books.parquet"), "weight": 1},
-            {"path": str(root / "saved"), "text_field": "content", "name": "disk", "weight": 1},
-            {"tokens": str(root / "pretok.npy"), "weight": 1}, {"tokens": str(root / "raw.bin"), "dtype": "uint16",
-                                                               "weight": 1}]
+    return [
+        {"path": str(corpus), "weight": 3},
+        {"path": str(root / "code.jsonl.gz"), "weight": 1},
+        {"path": str(root / "papers.json.zst"), "weight": 1},
+        {"path": str(root / "books.parquet"), "weight": 1},
+        {"path": str(root / "saved"), "text_field": "content", "name": "disk", "weight": 1},
+        {"tokens": str(root / "pretok.npy"), "weight": 1},
+        {"tokens": str(root / "raw.bin"), "dtype": "uint16", "weight": 1},
+    ]
 
 
 def mixture_worker(rank: int, world: int, config: dict, changed: dict) -> dict:
@@ -62,9 +67,12 @@ def mixture_worker(rank: int, world: int, config: dict, changed: dict) -> dict:
 def test_every_source_kind_trains_in_a_weighted_mixture_and_a_data_change_is_refused(tmp_path):
     sources = _mixture(tmp_path)
     names = ["web", "code", "papers", "books", "disk", "pretok", "raw"]
-    config = tiny_config(tmp_path, tmp_path / "cache", train={"steps": 4, "log_interval": 2, "eval_interval": 4,
-                                                              "stop_after_steps": 4},
-                         checkpoint={"interval": 4})
+    config = tiny_config(
+        tmp_path,
+        tmp_path / "cache",
+        train={"steps": 4, "log_interval": 2, "eval_interval": 4, "stop_after_steps": 4},
+        checkpoint={"interval": 4},
+    )
     config["optimus"]["data"]["sources"] = sources
     config["optimus"]["train"]["steps"] = 6
     changed = json.loads(json.dumps(config))
@@ -85,14 +93,18 @@ def test_every_source_kind_trains_in_a_weighted_mixture_and_a_data_change_is_ref
 
     kind, message, every_rank = first["refused"]
     assert kind == "DataError" and every_rank and "\n" not in message
-    assert message.startswith("the data changed since the checkpoint: source 'code' was reweighted: 1 -> 2; so the "
-                              "share of source 'code' went from 0.1111 to 0.2 (and 6 more shares); set "
-                              "optimus.data.allow_change to true")
+    assert message.startswith(
+        "the data changed since the checkpoint: source 'code' was reweighted: 1 -> 2; so the "
+        "share of source 'code' went from 0.1111 to 0.2 (and 6 more shares); set "
+        "optimus.data.allow_change to true"
+    )
     assert first["allowed"]["start_step"] == 4 and first["allowed"]["finished"]
     log = (tmp_path / "run" / "log.txt").read_text()
     assert "data changed since the checkpoint (optimus.data.allow_change): source 'code' was reweighted: 1 -> 2" in log
-    assert "data changed since the checkpoint (optimus.data.allow_change): the share of source 'code' went from " \
-           "0.1111 to 0.2" in log
+    assert (
+        "data changed since the checkpoint (optimus.data.allow_change): the share of source 'code' went from "
+        "0.1111 to 0.2" in log
+    )
     from ds_optimus.report.plots import resumed_changes  # the report marks the change where the run resumed
 
     marks = resumed_changes(tmp_path / "run" / "log.txt")
@@ -112,12 +124,15 @@ def test_every_source_kind_trains_in_a_weighted_mixture_and_a_data_change_is_ref
     for extra in ([], ["--set", "optimus.data.allow_change=true"]):
         err = io.StringIO()
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            said.append((main(["--config", str(tmp_path / "again.json"), "--check", "--world", "2", *extra]),
-                         err.getvalue()))
+            said.append(
+                (main(["--config", str(tmp_path / "again.json"), "--check", "--world", "2", *extra]), err.getvalue())
+            )
     (refused, message), (allowed, _) = said
     assert (refused, allowed) == (2, 0) and len(message.splitlines()) == 1, said
-    assert "step_00000006: source 'code' was reweighted: 2 -> 1; so the share of source 'code' went from 0.2 to " \
-           "0.1111 (and 6 more shares); set optimus.data.allow_change to true" in message
+    assert (
+        "step_00000006: source 'code' was reweighted: 2 -> 1; so the share of source 'code' went from 0.2 to "
+        "0.1111 (and 6 more shares); set optimus.data.allow_change to true" in message
+    )
 
 
 # The training command in a child that reports, as it exits, its own peak RSS and the pages it faulted in
@@ -153,12 +168,15 @@ def test_a_four_trillion_token_source_trains_at_once_with_the_memory_of_a_small_
     results = {}
     for name, tokens in (("small", 1_000_000_000), ("huge", 4_000_000_000_000)):
         array = open_memmap(tmp_path / f"{name}.npy", mode="w+", dtype=np.uint16, shape=(tokens,))
-        array[::tokens // 8] = 5  # a few pages written; the rest reads as zeros
+        array[:: tokens // 8] = 5  # a few pages written; the rest reads as zeros
         del array
-        config = tiny_config(tmp_path / name, tmp_path / "cache", train={"steps": 1, "eval_interval": 0,
-                                                                          "sample_tokens": 0},
-                             checkpoint={"interval": 0}, data={"sources": [{"tokens": str(tmp_path / f"{name}.npy")}],
-                                                               "val_fraction": 0})
+        config = tiny_config(
+            tmp_path / name,
+            tmp_path / "cache",
+            train={"steps": 1, "eval_interval": 0, "sample_tokens": 0},
+            checkpoint={"interval": 0},
+            data={"sources": [{"tokens": str(tmp_path / f"{name}.npy")}], "val_fraction": 0},
+        )
         config["optimus"]["train"]["steps"] = 2
         config["optimus"]["model"]["overrides"] = {"num_hidden_layers": 1}
         results[name] = _run(config, tmp_path / f"{name}.json")
@@ -171,6 +189,12 @@ def test_a_four_trillion_token_source_trains_at_once_with_the_memory_of_a_small_
 
 def test_the_docs_speak_of_the_data_features():
     docs = "".join(page.read_text() for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))])
-    for needle in ("python -m ds_optimus.data.prepare", "OLMoE-mix-0924", '"weight"', '"tokens"',
-                   "optimus.data.allow_change", "benchmarks/tokenize.py"):
+    for needle in (
+        "python -m ds_optimus.data.prepare",
+        "OLMoE-mix-0924",
+        '"weight"',
+        '"tokens"',
+        "optimus.data.allow_change",
+        "benchmarks/tokenize.py",
+    ):
         assert needle in docs, needle

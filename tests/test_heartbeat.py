@@ -47,12 +47,21 @@ def beat(rank, step, fired=True, waiting=True):
 
 
 def test_each_way_of_being_behind_is_named():
-    beats = [beat(0, 5), None, beat(2, 4), beat(3, 5, fired=False, waiting=False), beat(4, 5, waiting=False),
-             beat(5, 6)]
+    beats = [
+        beat(0, 5),
+        None,
+        beat(2, 4),
+        beat(3, 5, fired=False, waiting=False),
+        beat(4, 5, waiting=False),
+        beat(5, 6),
+    ]
     found = behind(beats, 5)
     assert found == [1, beats[2], beats[3], beats[4]]  # rank 5, a step ahead and waiting, is not behind
     assert [_state(b, 5) for b in found[1:]] == [
-        "last at step 4", "not answering (dead, or hung holding the interpreter)", "busy outside any collective"]
+        "last at step 4",
+        "not answering (dead, or hung holding the interpreter)",
+        "busy outside any collective",
+    ]
     assert behind([beat(0, 5), beat(1, 5)], 5) == []  # every rank waits: nobody to name
 
 
@@ -144,8 +153,10 @@ def test_the_reporting_rank_says_whom_and_records_it(tmp_path):
     callback.watchdog = SimpleNamespace(after_fire=[], describe=lambda: "step 7 exceeded its 20 s time-out")
     with waiting_for_peers():
         note = callback._name_the_missing()
-    assert note == (f"[ds_optimus watchdog] step 7: rank 1 (host n1) did not reach the collective the others wait in "
-                    f"(rank 1: busy outside any collective); recorded in {tmp_path}/faults.jsonl")
+    assert note == (
+        f"[ds_optimus watchdog] step 7: rank 1 (host n1) did not reach the collective the others wait in "
+        f"(rank 1: busy outside any collective); recorded in {tmp_path}/faults.jsonl"
+    )
     assert [(f["step"], f["kind"], f["ranks"], f["hosts"]) for f in read_faults(tmp_path)] == [(7, "hang", [1], ["n1"])]
     log = (tmp_path / "log.txt").read_text()  # the run's record has the naming and the stop
     assert note in log and "the watchdog stopped the run: step 7 exceeded its 20 s time-out (exit 124" in log
@@ -177,6 +188,7 @@ def test_the_watchdog_writes_attribution_message_and_stacks_then_its_hooks_then_
 
 
 # -- last words, and the ranks that left without one ----------------------------------------------
+
 
 def test_the_first_last_word_stays_and_survives_later_beats(tmp_path):
     heartbeat = Heartbeat(tmp_path, 2, "n2", attempt=4)

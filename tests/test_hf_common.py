@@ -26,8 +26,10 @@ from ds_optimus.hf_models.mula import MulaConfig, MulaForCausalLM, MulaModel
 try:
     transformers_sdist.load()
 except transformers_sdist.SdistUnavailable as err:
-    missing(f"Transformers' model-test mixins unavailable (the source distribution comes from the package "
-            f"index once): {err}")
+    missing(
+        f"Transformers' model-test mixins unavailable (the source distribution comes from the package "
+        f"index once): {err}"
+    )
 
 
 common = transformers_sdist.module("test_modeling_common")
@@ -86,12 +88,21 @@ class MulaModelTester:
 
     def get_config(self) -> MulaConfig:
         return MulaConfig(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
-            intermediate_size=self.intermediate_size, num_experts=self.num_experts,
-            num_experts_per_tok=self.num_experts_per_tok, moe_intermediate_size=self.moe_intermediate_size,
-            moe_layer_freq=self.moe_layer_freq, max_position_embeddings=self.max_position_embeddings,
-            pad_token_id=0, bos_token_id=1, eos_token_id=2, **self.config_overrides,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            intermediate_size=self.intermediate_size,
+            num_experts=self.num_experts,
+            num_experts_per_tok=self.num_experts_per_tok,
+            moe_intermediate_size=self.moe_intermediate_size,
+            moe_layer_freq=self.moe_layer_freq,
+            max_position_embeddings=self.max_position_embeddings,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            **self.config_overrides,
         )
 
     def prepare_config_and_inputs_for_common(self) -> tuple[MulaConfig, dict]:
@@ -108,9 +119,15 @@ class MulaModelTester:
 class _CommonTests(
     common.ModelTesterMixin,
     generation_mixin.GenerationTesterMixin,
-    *(mixin for mixin in (tensor_parallel and tensor_parallel.TensorParallelTesterMixin,
-                          expert_parallel and expert_parallel.ExpertParallelTesterMixin,
-                          training and training.TrainingTesterMixin) if mixin),
+    *(
+        mixin
+        for mixin in (
+            tensor_parallel and tensor_parallel.TensorParallelTesterMixin,
+            expert_parallel and expert_parallel.ExpertParallelTesterMixin,
+            training and training.TrainingTesterMixin,
+        )
+        if mixin
+    ),
 ):
     """The mixins, set up for one model family (`model_tester_class`, `all_model_classes`)."""
 
@@ -125,8 +142,10 @@ class _CommonTests(
 
         cls._patches = [
             mock.patch.dict(modeling_auto.MODEL_MAPPING_NAMES, {cls.auto_names["model_type"]: cls.auto_names["base"]}),
-            mock.patch.dict(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-                            {cls.auto_names["model_type"]: cls.auto_names["causal_lm"]}),
+            mock.patch.dict(
+                modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                {cls.auto_names["model_type"]: cls.auto_names["causal_lm"]},
+            ),
         ]
         for patch in cls._patches:
             patch.start()
@@ -138,8 +157,9 @@ class _CommonTests(
 
     def setUp(self) -> None:
         self.model_tester = self.model_tester_class(self)
-        self.config_tester = config_common.ConfigTester(self, config_class=self.model_tester.config_class,
-                                                        hidden_size=32)
+        self.config_tester = config_common.ConfigTester(
+            self, config_class=self.model_tester.config_class, hidden_size=32
+        )
 
     def test_config(self) -> None:
         self.config_tester.run_common_tests()
@@ -160,14 +180,18 @@ def _mark_slow_tests(cls: type) -> type:
     for name in dir(cls):
         original = getattr(cls, name)
         distributed = name.startswith(("test_tp_", "test_ep_")) and name not in (
-            "test_tp_plan_matches_params", "test_tp_plan_shards_input_embeddings")
+            "test_tp_plan_matches_params",
+            "test_tp_plan_shards_input_embeddings",
+        )
         if callable(original) and (distributed or name == "test_training_overfit"):
 
             @wraps(original)
             def run(self, _original=original, _distributed=distributed):
                 if _distributed and _SPAWNS_UNIMPORTABLE:
-                    self.skipTest("this Transformers release's parallel mixin spawns ranks that cannot import "
-                                  "the fetched tests (its newer releases use run_distributed)")
+                    self.skipTest(
+                        "this Transformers release's parallel mixin spawns ranks that cannot import "
+                        "the fetched tests (its newer releases use run_distributed)"
+                    )
                 return _original(self)
 
             setattr(cls, name, pytest.mark.slow(run))
@@ -180,8 +204,10 @@ class MulaCommonTest(_CommonTests, unittest.TestCase):
     all_model_classes = (MulaModel, MulaForCausalLM)
     auto_names = {"model_type": "mula", "base": "MulaModel", "causal_lm": "MulaForCausalLM"}
 
-    _NO_CONVERSION = ("Mula saves the layout it holds (stacked experts) and has no older layout to convert, "
-                      "so that a saved folder also loads as remote code")
+    _NO_CONVERSION = (
+        "Mula saves the layout it holds (stacked experts) and has no older layout to convert, "
+        "so that a saved folder also loads as remote code"
+    )
 
     @unittest.skip(_NO_CONVERSION)
     def test_reverse_loading_mapping(self) -> None: ...
@@ -211,6 +237,7 @@ if expert_parallel is not None:
 
 # -- generation: what the generation mixin (not in the sdist) checks -----------------------------------
 
+
 def _tiny_lm(**overrides) -> MulaForCausalLM:
     torch.manual_seed(0)
     return MulaForCausalLM(MulaModelTester(None, **overrides).get_config()).eval()
@@ -226,17 +253,29 @@ def _left_padded_prompts() -> tuple[torch.Tensor, torch.Tensor]:
 def test_static_cache_generation_matches_the_dynamic_cache():
     model = _tiny_lm()
     input_ids, attention_mask = _left_padded_prompts()
-    runs = [model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=8, do_sample=False,
-                           cache_implementation=cache, output_scores=True, return_dict_in_generate=True)
-            for cache in ("dynamic", "static")]
+    runs = [
+        model.generate(
+            input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=8,
+            do_sample=False,
+            cache_implementation=cache,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+        for cache in ("dynamic", "static")
+    ]
     assert torch.equal(runs[0].sequences, runs[1].sequences)
     torch.testing.assert_close(torch.stack(runs[0].scores), torch.stack(runs[1].scores))
 
 
-@pytest.mark.parametrize("experts", [
-    "grouped_mm",
-    "ds_optimus",
-])
+@pytest.mark.parametrize(
+    "experts",
+    [
+        "grouped_mm",
+        "ds_optimus",
+    ],
+)
 def test_generation_compiles_without_graph_breaks(experts):
     """Greedy generation through a forward compiled with `fullgraph=True` (a graph break fails) on a
     static cache gives the tokens of eager generation. Dynamo's capture is what is checked: the
@@ -244,11 +283,13 @@ def test_generation_compiles_without_graph_breaks(experts):
     model = _tiny_lm()
     model.set_experts_implementation(experts)
     input_ids, attention_mask = _left_padded_prompts()
-    expected = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=5, do_sample=False,
-                              cache_implementation="static")
+    expected = model.generate(
+        input_ids, attention_mask=attention_mask, max_new_tokens=5, do_sample=False, cache_implementation="static"
+    )
     model.forward = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
-    got = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=5, do_sample=False,
-                         cache_implementation="static")
+    got = model.generate(
+        input_ids, attention_mask=attention_mask, max_new_tokens=5, do_sample=False, cache_implementation="static"
+    )
     assert torch.equal(got, expected)
 
 

@@ -25,13 +25,15 @@ STEPS, EXPERTS = 12, 8  # as the script trains: mula-tiny-moe
 
 
 def test_what_the_engine_cannot_apply_is_one_line_on_every_rank():
-    cases = [("mula-tiny-dense", {}, {"expert_parallel": {"size": 2}}),
-             ("mula-tiny-moe", {"num_experts": 3}, {"expert_parallel": {"size": 2}}),
-             ("mula-tiny-moe", {}, {"expert_parallel": {"size": 4}}),
-             ("mula-tiny-moe", {}, {"train": {"steps": 3}}),
-             ("mula-tiny-moe", {}, {"expert_parallel": {"size": 2, "nodes": 1}}),
-             ("mula-tiny-moe", {}, {"already_ep": True, "expert_parallel": {"size": 1}}),
-             ("mula-tiny-moe", {}, {"already_ep": True, "moe": {"experts_backend": "looped"}})]
+    cases = [
+        ("mula-tiny-dense", {}, {"expert_parallel": {"size": 2}}),
+        ("mula-tiny-moe", {"num_experts": 3}, {"expert_parallel": {"size": 2}}),
+        ("mula-tiny-moe", {}, {"expert_parallel": {"size": 4}}),
+        ("mula-tiny-moe", {}, {"train": {"steps": 3}}),
+        ("mula-tiny-moe", {}, {"expert_parallel": {"size": 2, "nodes": 1}}),
+        ("mula-tiny-moe", {}, {"already_ep": True, "expert_parallel": {"size": 1}}),
+        ("mula-tiny-moe", {}, {"already_ep": True, "moe": {"experts_backend": "looped"}}),
+    ]
     first, second = run_distributed(engine_refusals_worker, 2, cases)
     assert first == second  # every rank says the same
     assert first == [
@@ -79,8 +81,11 @@ def one_process(tmp_path_factory) -> dict:
     _launch([sys.executable, str(SCRIPT), str(out / "out"), "--one-process"], out)
     seen = json.loads((out / "out" / "rank0.json").read_text())
     assert seen["world"] == 1 and len(seen["losses"]) == STEPS
-    return {"losses": seen["losses"], "experts": torch.load(out / "out" / "rank0.pt"),
-            "initial": torch.load(out / "out" / "init.pt")}
+    return {
+        "losses": seen["losses"],
+        "experts": torch.load(out / "out" / "rank0.pt"),
+        "initial": torch.load(out / "out" / "init.pt"),
+    }
 
 
 def _check_run(out: Path, one_process: dict, world: int = 2) -> None:
@@ -123,9 +128,14 @@ def _launch(command: list[str], cwd: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-DS_CONFIG = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
-             "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "zero_optimization": {"stage": 1},
-             "optimus": {"expert_parallel": {"size": 2}, "sharded_optimizer": {"enabled": True}}}
+DS_CONFIG = {
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "zero_optimization": {"stage": 1},
+    "optimus": {"expert_parallel": {"size": 2}, "sharded_optimizer": {"enabled": True}},
+}
 
 
 @pytest.mark.slow
@@ -134,8 +144,19 @@ def test_a_plain_trainer_script_through_the_deepspeed_launcher(tmp_path, one_pro
     optimizer is re-pointed at the expert shards."""
     (tmp_path / "ds.json").write_text(json.dumps(DS_CONFIG))
     launcher = deepspeed_launcher()
-    _launch([str(launcher), "--num_gpus", "2", "--master_port", str(free_port()), str(SCRIPT), str(tmp_path / "out"),
-             str(tmp_path / "ds.json")], tmp_path)
+    _launch(
+        [
+            str(launcher),
+            "--num_gpus",
+            "2",
+            "--master_port",
+            str(free_port()),
+            str(SCRIPT),
+            str(tmp_path / "out"),
+            str(tmp_path / "ds.json"),
+        ],
+        tmp_path,
+    )
     _check_run(tmp_path / "out", one_process)
 
 
@@ -143,15 +164,29 @@ def test_a_plain_trainer_script_through_the_deepspeed_launcher(tmp_path, one_pro
 def test_a_plain_trainer_script_through_accelerate_launch(tmp_path, one_process):
     """accelerate's DeepSpeed plugin with a config file that has an optimizer section: DeepSpeed
     builds it from the flat parameter list the Trainer passes, re-pointed and split into moe groups."""
-    config = {**DS_CONFIG, "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto",
-                                                                      "betas": "auto", "eps": "auto",
-                                                                      "torch_adam": True}}}  # no op to compile
+    config = {
+        **DS_CONFIG,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": "auto", "weight_decay": "auto", "betas": "auto", "eps": "auto", "torch_adam": True},
+        },
+    }  # no op to compile
     (tmp_path / "ds.json").write_text(json.dumps(config))
     (tmp_path / "accelerate.yaml").write_text(
         "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nuse_cpu: true\n"
         f"deepspeed_config:\n  deepspeed_config_file: {tmp_path / 'ds.json'}\n  zero3_init_flag: false\n"
-        f"num_machines: 1\nnum_processes: 2\nmachine_rank: 0\nmain_process_port: {free_port()}\n")
+        f"num_machines: 1\nnum_processes: 2\nmachine_rank: 0\nmain_process_port: {free_port()}\n"
+    )
     launcher = Path(sys.executable).with_name("accelerate")
-    _launch([str(launcher), "launch", "--config_file", str(tmp_path / "accelerate.yaml"), str(SCRIPT),
-             str(tmp_path / "out")], tmp_path)
+    _launch(
+        [
+            str(launcher),
+            "launch",
+            "--config_file",
+            str(tmp_path / "accelerate.yaml"),
+            str(SCRIPT),
+            str(tmp_path / "out"),
+        ],
+        tmp_path,
+    )
     _check_run(tmp_path / "out", one_process)

@@ -45,8 +45,11 @@ def lay_out_hub_cache(folder: Path, hub_cache: Path, repo_id: str) -> Path:
     `models--<org>--<name>/blobs/<etag>`, `snapshots/<commit>/<file>` as relative links to the
     blobs, `refs/main` holding the commit. Returns the snapshot folder."""
     repo = hub_cache / f"models--{repo_id.replace('/', '--')}"
-    etags = {p.relative_to(folder).as_posix(): _etag(p.read_bytes(), p.name)
-             for p in sorted(folder.rglob("*")) if p.is_file()}
+    etags = {
+        p.relative_to(folder).as_posix(): _etag(p.read_bytes(), p.name)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
     commit = hashlib.sha1("".join(f"{name} {etag}\n" for name, etag in etags.items()).encode()).hexdigest()
     snapshot = repo / "snapshots" / commit
     for name, etag in etags.items():
@@ -73,8 +76,15 @@ def hub(tmp_path_factory):
     model = MulaForCausalLM(MulaConfig.from_preset("mula-tiny-moe")).eval()
     tokenizer = load_tokenizer(None)
     config = json.loads((ROOT / "ds_configs" / "mula-tiny-moe-cpu.json").read_text())
-    record = TrainingRecord(config=config, data_fingerprint=source_key(parse_source("embedded"), tokenizer, 0.05),
-                            steps=8, tokens=8 * 16 * 128, loss=5.4321, eval_loss=5.6789, eval_step=8)
+    record = TrainingRecord(
+        config=config,
+        data_fingerprint=source_key(parse_source("embedded"), tokenizer, 0.05),
+        steps=8,
+        tokens=8 * 16 * 128,
+        loss=5.4321,
+        eval_loss=5.6789,
+        eval_step=8,
+    )
     folder = root / "export"
     export(model, tokenizer, folder, None, record=record)
 
@@ -82,19 +92,34 @@ def hub(tmp_path_factory):
     with torch.no_grad():
         logits = model(x).logits
         out = model.generate(x, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    torch.save({"x": x, "logits": logits, "sequences": out.sequences, "step_logits": torch.stack(out.logits)},
-               root / "expected.pt")
+    torch.save(
+        {"x": x, "logits": logits, "sequences": out.sequences, "step_logits": torch.stack(out.logits)},
+        root / "expected.pt",
+    )
     snapshot = lay_out_hub_cache(folder, root / "hub", REPO_ID)
-    return {"root": root, "folder": folder, "snapshot": snapshot, "model": model, "tokenizer": tokenizer,
-            "record": record}
+    return {
+        "root": root,
+        "folder": folder,
+        "snapshot": snapshot,
+        "model": model,
+        "tokenizer": tokenizer,
+        "record": record,
+    }
 
 
 def _load_by_id(hub: dict, code: str, extra_env: dict | None = None) -> tuple[dict, str]:
     """Run `code` in a fresh interpreter (the Hub settings are read at import) with the test cache as
     the Hub cache and offline mode on; returns the JSON it printed last and everything it printed."""
     root = hub["root"]
-    env = dict(os.environ, HF_HOME=str(root / "hf_home"), HF_HUB_CACHE=str(root / "hub"), HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", HF_MODULES_CACHE=str(root / "modules"), **(extra_env or {}))
+    env = dict(
+        os.environ,
+        HF_HOME=str(root / "hf_home"),
+        HF_HUB_CACHE=str(root / "hub"),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_MODULES_CACHE=str(root / "modules"),
+        **(extra_env or {}),
+    )
     env.pop("HUGGINGFACE_HUB_CACHE", None)
     checks = textwrap.dedent(
         f"""
@@ -128,8 +153,15 @@ def _load_by_id(hub: dict, code: str, extra_env: dict | None = None) -> tuple[di
             }}
         """
     )
-    result = subprocess.run([sys.executable, "-c", checks + textwrap.dedent(code)], capture_output=True, text=True,
-                            env=env, cwd=root, stdin=subprocess.DEVNULL, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", checks + textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=root,
+        stdin=subprocess.DEVNULL,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1]), result.stdout + result.stderr
 
@@ -159,21 +191,27 @@ def test_the_cache_is_laid_out_as_huggingface_hub_reads_it(hub):
 
 
 def test_a_hub_id_loads_offline_through_the_auto_classes_with_ds_optimus(hub):
-    got, printed = _load_by_id(hub, f"""
+    got, printed = _load_by_id(
+        hub,
+        f"""
         import sys
         import ds_optimus
         from transformers import AutoModelForCausalLM, AutoTokenizer
         model = AutoModelForCausalLM.from_pretrained({REPO_ID!r}).eval()
         tokenizer = AutoTokenizer.from_pretrained({REPO_ID!r})
         print(json.dumps(compare(model, tokenizer)))
-        """)
+        """,
+    )
     _assert_same_model(got, hub)
     assert got["model"] == "ds_optimus.hf_models.mula.modeling_mula.MulaForCausalLM"
     assert PROMPT_WORDS not in printed
 
 
 def test_a_hub_id_loads_offline_with_remote_code_where_ds_optimus_is_missing(hub):
-    got, printed = _load_by_id(hub, HIDE_DS_OPTIMUS + textwrap.dedent(f"""
+    got, printed = _load_by_id(
+        hub,
+        HIDE_DS_OPTIMUS
+        + textwrap.dedent(f"""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
         try:
             import ds_optimus
@@ -189,7 +227,8 @@ def test_a_hub_id_loads_offline_with_remote_code_where_ds_optimus_is_missing(hub
                    plain_ids=plain({TEXT!r}).input_ids, plain_special=[plain.eos_token_id, plain.pad_token_id],
                    imported="ds_optimus" in sys.modules)
         print(json.dumps(got))
-        """))
+        """),
+    )
     _assert_same_model(got, hub)
     assert got["model"].startswith("transformers_modules.") and got["model"].endswith(".MulaForCausalLM")
     assert got["config"].startswith("transformers_modules.") and got["config"].endswith(".MulaConfig")
@@ -210,20 +249,37 @@ def test_an_exported_folder_carries_a_model_card_generation_config_and_plain_tok
     from transformers import GenerationConfig, PreTrainedTokenizerFast
 
     folder, record, tokenizer = hub["folder"], hub["record"], hub["tokenizer"]
-    assert {"config.json", "model.safetensors", "configuration_mula.py", "modeling_mula.py", "tokenizer.json",
-            "tokenizer_config.json", "generation_config.json", "README.md"} <= {p.name for p in folder.iterdir()}
+    assert {
+        "config.json",
+        "model.safetensors",
+        "configuration_mula.py",
+        "modeling_mula.py",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "README.md",
+    } <= {p.name for p in folder.iterdir()}
 
     card, text, blocks = _card(folder)
     front = card.data.to_dict()
-    assert front == {"library_name": "transformers", "pipeline_tag": "text-generation",
-                     "tags": ["mula", "moe", "ds_optimus"]}  # no license: none is known
+    assert front == {
+        "library_name": "transformers",
+        "pipeline_tag": "text-generation",
+        "tags": ["mula", "moe", "ds_optimus"],
+    }  # no license: none is known
     total, active = count_parameters(hub["model"].config)
     assert f"{total / 1e6:.2f}M total, {active / 1e6:.2f}M active per token" in text
     assert "| experts per MoE layer (routed per token) | 8 (2), softmax router |" in text
     assert blocks == [record.config]  # the training config, whole
-    for fact in (f"`{record.data_fingerprint}`", "optimizer steps: 8", "training tokens: 16,384",
-                 "final training loss: 5.4321", "held-out LM loss: 5.6789 (after step 8)",
-                 'AutoModelForCausalLM.from_pretrained("<org>/<name>")', "trust_remote_code=True"):
+    for fact in (
+        f"`{record.data_fingerprint}`",
+        "optimizer steps: 8",
+        "training tokens: 16,384",
+        "final training loss: 5.4321",
+        "held-out LM loss: 5.6789 (after step 8)",
+        'AutoModelForCausalLM.from_pretrained("<org>/<name>")',
+        "trust_remote_code=True",
+    ):
         assert fact in text, fact
 
     generation = GenerationConfig.from_pretrained(folder)
@@ -265,8 +321,12 @@ def test_the_training_entry_point_exports_a_folder_ready_for_the_hub(tmp_path):
     from distributed import run_distributed
     from train_workers import tiny_config
 
-    config = tiny_config(tmp_path, tmp_path / "cache", train={"steps": 3, "eval_interval": 0, "warmup_steps": 1},
-                         checkpoint={"interval": 0})
+    config = tiny_config(
+        tmp_path,
+        tmp_path / "cache",
+        train={"steps": 3, "eval_interval": 0, "warmup_steps": 1},
+        checkpoint={"interval": 0},
+    )
     summary, record = run_distributed(export_worker, 1, config, str(tmp_path / "with-record"))[0]
 
     hf = tmp_path / "run" / "hf"

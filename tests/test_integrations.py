@@ -34,7 +34,8 @@ def test_each_patched_callable_is_replaced_and_upstream_kept_its_signature(patch
     signature = str(inspect.signature(original, follow_wrapped=False))
     assert signature == patch.signature, (
         f"{patch.target} changed upstream: {signature} (the patch was written against {patch.written_against}, "
-        f"{patch.signature}); check the replacement in {replacement.__module__} ({patch.why})")
+        f"{patch.signature}); check the replacement in {replacement.__module__} ({patch.why})"
+    )
     assert patch.why and patch.written_against
 
 

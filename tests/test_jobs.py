@@ -22,8 +22,13 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("cluster, per_node", [("aurora", 12), ("frontier", 8), ("h100", 8), ("local", 2)])
 def test_every_job_script_is_valid_bash(tmp_path, scheduler, cluster, per_node):
     script = tmp_path / "job.sh"
-    script.write_text(job_script(JobSpec(scheduler, cluster, "ds_configs/x y.json", 4, per_node, "runs/x",
-                                         spares=1, account="P1", queue="prod")))
+    script.write_text(
+        job_script(
+            JobSpec(
+                scheduler, cluster, "ds_configs/x y.json", 4, per_node, "runs/x", spares=1, account="P1", queue="prod"
+            )
+        )
+    )
     check = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert check.returncode == 0, check.stderr
     text = script.read_text()
@@ -56,10 +61,15 @@ def test_slurm_on_aurora_binds_like_pbs_and_frontiers_needs_no_user(tmp_path):
     text = job_script(JobSpec("slurm", "frontier", "c.json", 2, 8, "runs/x"))
     exports = "\n".join(line for line in text.splitlines() if line.startswith("export "))
     env = {k: v for k, v in os.environ.items() if k != "USER"}
-    out = subprocess.run(["bash", "-c", "set -euo pipefail\n" + exports + '\necho "$MIOPEN_USER_DB_PATH"'], env=env,
-                         capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.strip().startswith("/tmp/miopen-") and out.stdout.strip() != \
-        "/tmp/miopen-", out.stderr
+    out = subprocess.run(
+        ["bash", "-c", "set -euo pipefail\n" + exports + '\necho "$MIOPEN_USER_DB_PATH"'],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert (
+        out.returncode == 0 and out.stdout.strip().startswith("/tmp/miopen-") and out.stdout.strip() != "/tmp/miopen-"
+    ), out.stderr
 
 
 def test_pbs_scripts_take_the_submitting_environment_one_node_a_chunk():
@@ -67,15 +77,19 @@ def test_pbs_scripts_take_the_submitting_environment_one_node_a_chunk():
     assert "#PBS -V" in text and "#PBS -l place=scatter" in text
     for scheduler in ("pbs", "slurm"):
         assert 'if [ -n "${SETUP:-}" ]; then source "$SETUP"; fi' in job_script(
-            JobSpec(scheduler, "h100", "c.json", 1, 8, "r"))
+            JobSpec(scheduler, "h100", "c.json", 1, 8, "r")
+        )
 
 
-@pytest.mark.parametrize("spec, message", [
-    (JobSpec("lsf", "h100", "c.json", 1, 8, "r"), "--job must be pbs or slurm, got 'lsf'"),
-    (JobSpec("pbs", "h100", "c.json", 1, 8, "r", walltime="6h"), "--walltime must be HH:MM:SS, got '6h'"),
-    (JobSpec("pbs", "aurora", "c.json", 1, 5, "r"), "5 ranks a node do not spread evenly over 2 sockets"),
-    (JobSpec("pbs", "h100", "c.json", 0, 8, "r"), "a job needs at least one node"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (JobSpec("lsf", "h100", "c.json", 1, 8, "r"), "--job must be pbs or slurm, got 'lsf'"),
+        (JobSpec("pbs", "h100", "c.json", 1, 8, "r", walltime="6h"), "--walltime must be HH:MM:SS, got '6h'"),
+        (JobSpec("pbs", "aurora", "c.json", 1, 5, "r"), "5 ranks a node do not spread evenly over 2 sockets"),
+        (JobSpec("pbs", "h100", "c.json", 0, 8, "r"), "a job needs at least one node"),
+    ],
+)
 def test_bad_job_options_are_one_line(spec, message):
     with pytest.raises(JobError) as err:
         job_script(spec)
@@ -84,20 +98,46 @@ def test_bad_job_options_are_one_line(spec, message):
 
 def test_the_planner_writes_the_job_beside_the_config(tmp_path):
     config = tmp_path / "mula-7b.json"
-    out = subprocess.run([sys.executable, "-m", "ds_optimus.plan", "--model", "mula-7b-a1b", "--cluster", "frontier",
-                          "--devices", "64", "--write", str(config), "--job", "slurm", "--spares", "1", "--top", "1"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ds_optimus.plan",
+            "--model",
+            "mula-7b-a1b",
+            "--cluster",
+            "frontier",
+            "--devices",
+            "64",
+            "--write",
+            str(config),
+            "--job",
+            "slurm",
+            "--spares",
+            "1",
+            "--top",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     job = config.with_suffix(".sbatch")
     assert f"and {job}: submit it with sbatch {job}" in out.stdout
     text = job.read_text()
     assert "#SBATCH --nodes=9" in text and "#SBATCH --ntasks-per-node=8" in text and "--cpus-per-task=7" in text
     assert "written by: python -m ds_optimus.plan --model mula-7b-a1b" in text
-    bad = subprocess.run([sys.executable, "-m", "ds_optimus.plan", "--model", "mula-7b-a1b", "--job", "pbs"],
-                         capture_output=True, text=True, timeout=300)
+    bad = subprocess.run(
+        [sys.executable, "-m", "ds_optimus.plan", "--model", "mula-7b-a1b", "--job", "pbs"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == (
         "ds_optimus.plan: error: --job goes with --write PATH (the config the job runs; the script is written "
-        "beside it)")
+        "beside it)"
+    )
 
 
 def test_a_config_can_be_written_as_it_is_for_its_job(tmp_path, capsys):
@@ -107,14 +147,22 @@ def test_a_config_can_be_written_as_it_is_for_its_job(tmp_path, capsys):
 
     from ds_optimus.plan.__main__ import main
 
-    config = tiny_config(tmp_path, tmp_path / "cache", expert_parallel={"size": 2, "dispatch": "allgather"},
-                         sharded_optimizer={"enabled": True, "reduce_dtype": "bf16"})
+    config = tiny_config(
+        tmp_path,
+        tmp_path / "cache",
+        expert_parallel={"size": 2, "dispatch": "allgather"},
+        sharded_optimizer={"enabled": True, "reduce_dtype": "bf16"},
+    )
     config["train_batch_size"] = 8
     given = tmp_path / "given.json"
     given.write_text(json.dumps(config))
     common = ["--config", str(given), "--cluster", "local", "--devices", "2", "--top", "1", "--job", "slurm"]
-    assert main([*common, "--set", "optimus.train.warmup_steps=3", "--write", str(tmp_path / "kept.json"),
-                 "--keep-layout"]) == 0
+    assert (
+        main(
+            [*common, "--set", "optimus.train.warmup_steps=3", "--write", str(tmp_path / "kept.json"), "--keep-layout"]
+        )
+        == 0
+    )
     config["optimus"]["train"]["warmup_steps"] = 3
     assert json.loads((tmp_path / "kept.json").read_text()) == config
     assert "--config kept.json" in (tmp_path / "kept.sbatch").read_text().replace(str(tmp_path) + "/", "")
@@ -149,14 +197,38 @@ def _tiny_job(tmp_path: Path, scheduler: str) -> tuple[Path, Path]:
     sys.path.insert(0, str(ROOT / "tests"))
     from train_workers import tiny_config
 
-    config = tiny_config(tmp_path, tmp_path / "cache", expert_parallel={"size": 2},
-                         train={"steps": 2, "eval_interval": 0, "export": False}, checkpoint={"enabled": False})
+    config = tiny_config(
+        tmp_path,
+        tmp_path / "cache",
+        expert_parallel={"size": 2},
+        train={"steps": 2, "eval_interval": 0, "export": False},
+        checkpoint={"enabled": False},
+    )
     config["train_batch_size"] = 8
     path = tmp_path / "tiny.json"
     path.write_text(json.dumps(config))
-    out = subprocess.run([sys.executable, "-m", "ds_optimus.plan", "--config", str(path), "--cluster", "local",
-                          "--devices", "2", "--write", str(tmp_path / "job.json"), "--job", scheduler, "--top", "1"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ds_optimus.plan",
+            "--config",
+            str(path),
+            "--cluster",
+            "local",
+            "--devices",
+            "2",
+            "--write",
+            str(tmp_path / "job.json"),
+            "--job",
+            scheduler,
+            "--top",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     return tmp_path / "job.json", tmp_path / ("job.pbs" if scheduler == "pbs" else "job.sbatch")
 
@@ -171,19 +243,30 @@ def test_each_job_script_runs_its_launch_line_here(tmp_path, scheduler):
     config, job = _tiny_job(tmp_path, scheduler)
     setup = tmp_path / "env.sh"
     setup.write_text(f"touch {tmp_path / 'set-up'}\n")  # a site's module loads and venv, sourced first
-    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1", "PYTHON": sys.executable,
-           "WANDB_MODE": "disabled", "SETUP": str(setup)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": child_pythonpath(),
+        "OMP_NUM_THREADS": "1",
+        "PYTHON": sys.executable,
+        "WANDB_MODE": "disabled",
+        "SETUP": str(setup),
+    }
     if scheduler == "pbs":
         nodefile = tmp_path / "nodefile"
         nodefile.write_text(f"{socket.gethostname()}\n")
-        env.update(PBS_O_WORKDIR=str(tmp_path), PBS_NODEFILE=str(nodefile), PBS_JOBID="77.test",
-                   MPIEXEC=str(Path(sys.executable).with_name("mpiexec")))
+        env.update(
+            PBS_O_WORKDIR=str(tmp_path),
+            PBS_NODEFILE=str(nodefile),
+            PBS_JOBID="77.test",
+            MPIEXEC=str(Path(sys.executable).with_name("mpiexec")),
+        )
     else:
         srun = tmp_path / "srun"
-        srun.write_text(f"#!/bin/bash\nexec {sys.executable} {ROOT / 'tests' / 'fake_srun.py'} \"$@\"\n")
+        srun.write_text(f'#!/bin/bash\nexec {sys.executable} {ROOT / "tests" / "fake_srun.py"} "$@"\n')
         srun.chmod(0o755)
-        env.update(SLURM_SUBMIT_DIR=str(tmp_path), SLURM_JOB_NODELIST=socket.gethostname(), SLURM_JOB_ID="78",
-                   SRUN=str(srun))
+        env.update(
+            SLURM_SUBMIT_DIR=str(tmp_path), SLURM_JOB_NODELIST=socket.gethostname(), SLURM_JOB_ID="78", SRUN=str(srun)
+        )
     proc = subprocess.run(["bash", str(job)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]

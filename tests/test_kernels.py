@@ -22,8 +22,9 @@ from ds_optimus.ops import moe as ops_moe
 needs_triton = needs.unless(ops.triton_available(), "Triton is not installed (pip install triton)")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
-SMALL_BLOCKS = {name: dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)
-                for name in ("gate_up", "down", "down_bwd", "dx", "weight_grad")}
+SMALL_BLOCKS = {
+    name: dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16) for name in ("gate_up", "down", "down_bwd", "dx", "weight_grad")
+}
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -36,7 +37,7 @@ def make_case(tokens, hidden, inter, experts, k, kind, dtype, seed=0):
     if kind == "random":
         index = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
     elif kind == "hot":  # one expert takes every token's first slot; the rest spread over a few
-        rest = torch.stack([torch.randperm(experts - 1, generator=gen)[:k - 1] + 1 for _ in range(tokens)])
+        rest = torch.stack([torch.randperm(experts - 1, generator=gen)[: k - 1] + 1 for _ in range(tokens)])
         index = torch.cat([torch.zeros(tokens, 1, dtype=torch.long), rest], 1)
     else:  # "empty": only the first k + 1 experts are ever chosen
         index = torch.stack([torch.randperm(min(experts, k + 1), generator=gen)[:k] for _ in range(tokens)])
@@ -110,8 +111,12 @@ def test_fused_forward_and_backward_match_reference(case, dtype, small_blocks):
 def test_default_tiles_match_reference(dtype):
     """The tile sizes the GPU uses, with rows, columns and reductions shorter than one tile."""
     plan, tensors = make_case(45, 72, 40, 8, 4, "random", dtype)
-    for name, a, b in zip(("output", "d_x", "d_gate_up", "d_down", "d_weights"),
-                          fused(plan, *tensors), oracle(plan, *tensors), strict=True):
+    for name, a, b in zip(
+        ("output", "d_x", "d_gate_up", "d_down", "d_weights"),
+        fused(plan, *tensors),
+        oracle(plan, *tensors),
+        strict=True,
+    ):
         assert rel(a, b) <= TOL[dtype], (name, rel(a, b))
 
 
@@ -165,10 +170,21 @@ def test_ops_pass_torch_library_checks():
     """Schema, fake (meta) implementation and autograd registration, as `torch.library.opcheck`
     tests them (what torch.compile relies on)."""
     plan, (x, gate_up, down, weights, _) = make_case(9, 16, 16, 4, 2, "random", torch.float32)
-    args = (x.requires_grad_(), gate_up.requires_grad_(), down.requires_grad_(), plan.counts,
-            plan.token_of_sorted, plan.order, weights.reshape(-1).requires_grad_(), 2)
-    torch.library.opcheck(torch.ops.ds_optimus.swiglu_experts_fwd.default, args,
-                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    args = (
+        x.requires_grad_(),
+        gate_up.requires_grad_(),
+        down.requires_grad_(),
+        plan.counts,
+        plan.token_of_sorted,
+        plan.order,
+        weights.reshape(-1).requires_grad_(),
+        2,
+    )
+    torch.library.opcheck(
+        torch.ops.ds_optimus.swiglu_experts_fwd.default,
+        args,
+        test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+    )
 
 
 @needs_triton
@@ -208,14 +224,16 @@ def test_layer_runs_the_kernels_when_asked(capacity_factor, monkeypatch):
         leaf = x.clone().requires_grad_()
         out, _ = layer(leaf)
         out.square().sum().backward()
-        results.append([out.detach(), leaf.grad, layer.experts.gate_up_proj.grad.clone(),
-                        layer.gate.weight.grad.clone()])
+        results.append(
+            [out.detach(), leaf.grad, layer.experts.gate_up_proj.grad.clone(), layer.gate.weight.grad.clone()]
+        )
     assert calls == ["moe_swiglu" if capacity_factor is None else "swiglu_experts"]
     for a, b in zip(*results, strict=True):
         assert rel(a, b) <= 1e-5
 
 
 # -- selection and fallbacks (these run without Triton too) ------------------------------------------
+
 
 def test_auto_never_picks_the_interpreter_on_cpu():
     assert select_backend("cpu", torch.bfloat16) != "triton"
@@ -227,8 +245,9 @@ def test_env_forces_the_reference(monkeypatch):
     assert ops.kernel_for(DEVICE) == "reference"
     monkeypatch.setattr(ops_moe, "_triton", lambda: pytest.fail("Triton used though the reference was forced"))
     out = ops.moe_swiglu(x, gate_up, down, plan.counts, plan.token_of_sorted, plan.order, weights)
-    want = unpermute_combine(grouped_swiglu(permute_tokens(x, plan), gate_up, down, plan.counts, "silu", "reference"),
-                             weights, plan)
+    want = unpermute_combine(
+        grouped_swiglu(permute_tokens(x, plan), gate_up, down, plan.counts, "silu", "reference"), weights, plan
+    )
     assert rel(out, want) <= 1e-6
 
 
@@ -244,8 +263,9 @@ def test_bad_settings_and_inputs_are_one_line_errors(monkeypatch):
     with pytest.raises(ValueError, match="shapes do not match"):
         ops.swiglu_experts(torch.randn(4, 32), torch.randn(2, 48, 32), torch.randn(2, 32, 20), torch.tensor([2, 2]))
     with pytest.raises(ValueError, match="must share one of"):
-        ops.swiglu_experts(torch.randn(4, 32).double(), torch.randn(2, 48, 32), torch.randn(2, 32, 24),
-                           torch.tensor([2, 2]))
+        ops.swiglu_experts(
+            torch.randn(4, 32).double(), torch.randn(2, 48, 32), torch.randn(2, 32, 24), torch.tensor([2, 2])
+        )
     with pytest.raises(ValueError, match="counts sum to 3 but there are 4 rows"):
         ops.swiglu_experts(torch.randn(4, 32), torch.randn(2, 48, 32), torch.randn(2, 32, 24), torch.tensor([2, 1]))
 

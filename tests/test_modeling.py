@@ -14,9 +14,18 @@ VOCAB = 96
 
 def tiny(**overrides) -> MulaConfig:
     values = dict(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=48, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-        max_position_embeddings=128, pad_token_id=0, eos_token_id=1,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=48,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        eos_token_id=1,
     )
     values.update(overrides)
     return MulaConfig(**values)
@@ -176,8 +185,9 @@ def test_reference_experts_match_the_definition(routing):
     if routing == "random":
         index = torch.stack([torch.randperm(6)[:3] for _ in range(9)])
     elif routing == "one_hot_expert":  # expert 4 in every token's slot 0
-        index = torch.stack([torch.cat([torch.tensor([4]), torch.tensor([e for e in (0, 1, 2) if e != 4][:2])])
-                             for _ in range(9)])
+        index = torch.stack(
+            [torch.cat([torch.tensor([4]), torch.tensor([e for e in (0, 1, 2) if e != 4][:2])]) for _ in range(9)]
+        )
     else:  # experts 3, 4, 5 receive nothing
         index = torch.stack([torch.randperm(3) for _ in range(9)])
     weights = torch.rand(9, 3)
@@ -329,8 +339,11 @@ def test_update_router_bias_requires_a_rate():
 
 
 def test_a_router_bias_rate_needs_moe_layers():
-    with pytest.raises(ValueError, match=r"^invalid MulaConfig: router_bias_update_rate 0.01 needs MoE layers, "
-                                         r"but num_experts is 0 \(nothing has a router bias\)$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^invalid MulaConfig: router_bias_update_rate 0.01 needs MoE layers, "
+        r"but num_experts is 0 \(nothing has a router bias\)$",
+    ):
         tiny(num_experts=0, router_bias_update_rate=0.01)
 
 
@@ -363,8 +376,9 @@ def test_update_router_bias_makes_no_host_sync_and_one_all_reduce(monkeypatch):
 
     reductions, tolists = [], []
     real_all_reduce, real_tolist = dist.all_reduce, torch.Tensor.tolist
-    monkeypatch.setattr(dist, "all_reduce",
-                        lambda t, *a, **k: reductions.append(t.numel()) or real_all_reduce(t, *a, **k))
+    monkeypatch.setattr(
+        dist, "all_reduce", lambda t, *a, **k: reductions.append(t.numel()) or real_all_reduce(t, *a, **k)
+    )
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: tolists.append(1) or real_tolist(t))  # not dispatched
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -389,7 +403,11 @@ def test_update_router_bias_makes_no_host_sync_and_one_all_reduce(monkeypatch):
 def test_experts_declare_what_expert_parallelism_sets():
     experts = MulaExperts(tiny())
     assert (experts.num_local_experts, experts.expert_parallel, experts.expert_groups, experts.experts_backend) == (
-        4, None, None, None)
+        4,
+        None,
+        None,
+        None,
+    )
     assert MulaForCausalLM(tiny()).router_loss_group is None
 
 
@@ -404,8 +422,10 @@ def test_save_pretrained_refuses_experts_sharded_over_ranks(tmp_path):
         experts.gate_up_proj = torch.nn.Parameter(experts.gate_up_proj.detach()[:2].clone())
         experts.down_proj = torch.nn.Parameter(experts.down_proj.detach()[:2].clone())
         experts.num_local_experts = 2
-    message = ("save_pretrained: model.layers.0.mlp.experts holds 2 of its 4 experts (expert-parallel); "
-               "export on every rank with ds_optimus.parallel.export_pretrained(model, folder)")
+    message = (
+        "save_pretrained: model.layers.0.mlp.experts holds 2 of its 4 experts (expert-parallel); "
+        "export on every rank with ds_optimus.parallel.export_pretrained(model, folder)"
+    )
     with pytest.raises(ValueError) as refused:
         model.save_pretrained(tmp_path / "sharded")
     assert str(refused.value) == message and not (tmp_path / "sharded").exists()
@@ -537,15 +557,21 @@ def test_return_tuple():
 
 
 # -- norms ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("norm_type, affine, per_norm", [
-    ("rms_norm", True, ["weight"]), ("rms_norm", False, []),
-    ("layer_norm", True, ["bias", "weight"]), ("layer_norm", False, []),
-])
+@pytest.mark.parametrize(
+    "norm_type, affine, per_norm",
+    [
+        ("rms_norm", True, ["weight"]),
+        ("rms_norm", False, []),
+        ("layer_norm", True, ["bias", "weight"]),
+        ("layer_norm", False, []),
+    ],
+)
 def test_every_norm_but_qk_norm_follows_the_config(norm_type, affine, per_norm):
     model = model_for(tiny(norm_type=norm_type, norm_elementwise_affine=affine))
     want = MulaLayerNorm if norm_type == "layer_norm" else MulaRMSNorm
-    norms = [model.model.norm] + [n for layer in model.model.layers
-                                  for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    norms = [model.model.norm] + [
+        n for layer in model.model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)
+    ]
     assert all(type(n) is want for n in norms)
     for norm in norms:
         assert sorted(name for name, _ in norm.named_parameters()) == per_norm
@@ -609,10 +635,13 @@ def test_layer_norm_model_saves_and_loads(tmp_path, affine):
     torch.testing.assert_close(loaded(x).logits, model(x).logits, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(norm_type="group_norm"), "norm_type must be one of 'rms_norm', 'layer_norm', got 'group_norm'"),
-    (dict(norm_elementwise_affine="yes"), "norm_elementwise_affine must be true or false, got 'yes'"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(norm_type="group_norm"), "norm_type must be one of 'rms_norm', 'layer_norm', got 'group_norm'"),
+        (dict(norm_elementwise_affine="yes"), "norm_elementwise_affine must be true or false, got 'yes'"),
+    ],
+)
 def test_norm_fields_are_checked_in_one_line(overrides, message):
     with pytest.raises(ValueError) as err:
         tiny(**overrides)

@@ -120,8 +120,11 @@ def test_other_activations_match_reference(backend, act):
     gen = torch.Generator().manual_seed(0)
     index = routing("random", 19, 4, 2, gen)
     plan = plan_routing(index, 4)
-    weights = [torch.randn(19, 32, generator=gen), torch.randn(4, 48, 32, generator=gen) / 6,
-               torch.randn(4, 32, 24, generator=gen) / 5]
+    weights = [
+        torch.randn(19, 32, generator=gen),
+        torch.randn(4, 48, 32, generator=gen) / 6,
+        torch.randn(4, 32, 24, generator=gen) / 5,
+    ]
     probe = torch.randn(38, 32, generator=gen)
     results = []
     for name in ("reference", backend):
@@ -159,9 +162,19 @@ def test_grouped_mm_backend_runs_the_grouped_gemm(monkeypatch):
 
 def _layer_case(impl, dtype, device, tokens, hidden, inter, experts, k, kind, seed, **config):
     torch.manual_seed(seed)
-    cfg = MulaConfig(vocab_size=8, pad_token_id=None, eos_token_id=None, hidden_size=hidden, num_hidden_layers=1,
-                     num_attention_heads=1, head_dim=2, num_experts=experts, num_experts_per_tok=k,
-                     moe_intermediate_size=inter, **config)
+    cfg = MulaConfig(
+        vocab_size=8,
+        pad_token_id=None,
+        eos_token_id=None,
+        hidden_size=hidden,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        head_dim=2,
+        num_experts=experts,
+        num_experts_per_tok=k,
+        moe_intermediate_size=inter,
+        **config,
+    )
     cfg._experts_implementation = impl
     module = MulaExperts(cfg)
     torch.nn.init.normal_(module.gate_up_proj, std=hidden**-0.5)
@@ -214,21 +227,34 @@ def test_other_transformers_experts_classes_run_on_the_layer():
     ours = module(x, index, weights)
     assert rel(ours, eager) <= 1e-5
     assert (module.num_local_experts, module.expert_parallel, module.expert_groups, module.experts_backend) == (
-        4, None, None, None)
+        4,
+        None,
+        None,
+        None,
+    )
 
 
 # -- capacity dropping (explicit option) ------------------------------------------------------------------
 def test_generous_capacity_equals_dropless():
     dropless = _layer_case("ds_optimus", torch.float32, "cpu", 40, 32, 16, 4, 2, "empty", seed=1)
-    capped = _layer_case("ds_optimus", torch.float32, "cpu", 40, 32, 16, 4, 2, "empty", seed=1,
-                         moe_capacity_factor=4.0)
+    capped = _layer_case("ds_optimus", torch.float32, "cpu", 40, 32, 16, 4, 2, "empty", seed=1, moe_capacity_factor=4.0)
     assert all(torch.equal(a, b) for a, b in zip(dropless, capped, strict=True))
 
 
 def test_capacity_drops_the_slots_past_each_experts_capacity():
-    cfg = MulaConfig(vocab_size=8, pad_token_id=None, eos_token_id=None, hidden_size=16, num_hidden_layers=1,
-                     num_attention_heads=1, head_dim=2, num_experts=4, num_experts_per_tok=1,
-                     moe_intermediate_size=8, moe_capacity_factor=1.0)
+    cfg = MulaConfig(
+        vocab_size=8,
+        pad_token_id=None,
+        eos_token_id=None,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        head_dim=2,
+        num_experts=4,
+        num_experts_per_tok=1,
+        moe_intermediate_size=8,
+        moe_capacity_factor=1.0,
+    )
     cfg._experts_implementation = "ds_optimus"
     module = MulaExperts(cfg)
     torch.nn.init.normal_(module.gate_up_proj)
@@ -309,8 +335,9 @@ def test_frozen_expert_weights_get_no_gradient(backend):
 
 def test_looped_backend_rejects_counts_that_do_not_cover_the_rows():
     with pytest.raises(ValueError, match="counts sum to 9"):
-        grouped_swiglu(torch.randn(10, 32), torch.randn(2, 48, 32), torch.randn(2, 32, 24),
-                       torch.tensor([4, 5]), "silu", "looped")
+        grouped_swiglu(
+            torch.randn(10, 32), torch.randn(2, 48, 32), torch.randn(2, 32, 24), torch.tensor([4, 5]), "silu", "looped"
+        )
 
 
 def test_rowwise_dot_in_blocks_matches_float64():

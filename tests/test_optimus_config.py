@@ -24,23 +24,34 @@ def test_reads_a_json_file(tmp_path):
     assert (config.expert_parallel.size, config.expert_parallel.node_size) == (8, 4)
 
 
-@pytest.mark.parametrize("section, message", [
-    ({"expert_parallel": {"sise": 2}},
-     r"^optimus\.expert_parallel: unknown key 'sise' \(known: size, node_size, dedup, chunks, dispatch\)$"),
-    ({"expert_parallel": {"size": 0}}, r"^optimus\.expert_parallel\.size must be a positive integer, got 0$"),
-    ({"expert_parallel": {"size": True}}, r"^optimus\.expert_parallel\.size must be a positive integer"),
-    ({"expert_parallel": {"size": 4, "node_size": 3}}, r"^optimus\.expert_parallel\.node_size 3 does not divide"),
-    ({"expert_parallel": {"size": 4, "dedup": "yes"}},
-     r'^optimus\.expert_parallel\.dedup must be true, false or "auto", got \'yes\'$'),
-    ({"expert_parallel": {"size": 4, "chunks": 0}},
-     r"^optimus\.expert_parallel\.chunks must be a positive integer, got 0$"),
-    ({"expert_parallel": {"size": 4, "dedup": False, "chunks": 2}},
-     r"^optimus\.expert_parallel\.chunks 2 overlaps the deduplicated exchange, which optimus\.expert_parallel\.dedup "
-     r"false turns off$"),
-    ({"moe": {"experts_backend": "fast"}}, r"^optimus\.moe\.experts_backend must be one of auto, .*got 'fast'$"),
-    ({"layout": {}}, r"^optimus: unknown key 'layout'"),
-    ({"moe": []}, r"^optimus\.moe must be a JSON object, got list$"),
-])
+@pytest.mark.parametrize(
+    "section, message",
+    [
+        (
+            {"expert_parallel": {"sise": 2}},
+            r"^optimus\.expert_parallel: unknown key 'sise' \(known: size, node_size, dedup, chunks, dispatch\)$",
+        ),
+        ({"expert_parallel": {"size": 0}}, r"^optimus\.expert_parallel\.size must be a positive integer, got 0$"),
+        ({"expert_parallel": {"size": True}}, r"^optimus\.expert_parallel\.size must be a positive integer"),
+        ({"expert_parallel": {"size": 4, "node_size": 3}}, r"^optimus\.expert_parallel\.node_size 3 does not divide"),
+        (
+            {"expert_parallel": {"size": 4, "dedup": "yes"}},
+            r'^optimus\.expert_parallel\.dedup must be true, false or "auto", got \'yes\'$',
+        ),
+        (
+            {"expert_parallel": {"size": 4, "chunks": 0}},
+            r"^optimus\.expert_parallel\.chunks must be a positive integer, got 0$",
+        ),
+        (
+            {"expert_parallel": {"size": 4, "dedup": False, "chunks": 2}},
+            r"^optimus\.expert_parallel\.chunks 2 overlaps the deduplicated exchange, "
+            r"which optimus\.expert_parallel\.dedup false turns off$",
+        ),
+        ({"moe": {"experts_backend": "fast"}}, r"^optimus\.moe\.experts_backend must be one of auto, .*got 'fast'$"),
+        ({"layout": {}}, r"^optimus: unknown key 'layout'"),
+        ({"moe": []}, r"^optimus\.moe must be a JSON object, got list$"),
+    ],
+)
 def test_bad_values_are_one_line_errors_naming_the_key(section, message):
     with pytest.raises(ConfigError, match=message):
         OptimusConfig.from_ds_config({"optimus": section})
@@ -70,12 +81,15 @@ def test_setup_moe_sets_the_backend_of_every_moe_layer():
     torch.testing.assert_close(model(x).logits, looped, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"dedup": "yes"}, r'^apply_expert_parallel: dedup must be True, False or "auto", got \'yes\'$'),
-    ({"chunks": 0}, r"^apply_expert_parallel: chunks must be a positive integer, got 0$"),
-    ({"chunks": True}, r"^apply_expert_parallel: chunks must be a positive integer, got True$"),
-    ({"dedup": False, "chunks": 2}, r"^apply_expert_parallel: chunks 2 overlaps the deduplicated exchange"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"dedup": "yes"}, r'^apply_expert_parallel: dedup must be True, False or "auto", got \'yes\'$'),
+        ({"chunks": 0}, r"^apply_expert_parallel: chunks must be a positive integer, got 0$"),
+        ({"chunks": True}, r"^apply_expert_parallel: chunks must be a positive integer, got True$"),
+        ({"dedup": False, "chunks": 2}, r"^apply_expert_parallel: chunks 2 overlaps the deduplicated exchange"),
+    ],
+)
 def test_apply_expert_parallel_refuses_a_bad_exchange_before_changing_anything(kwargs, message):
     from ds_optimus.parallel import apply_expert_parallel
 

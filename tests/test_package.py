@@ -97,19 +97,25 @@ def test_sharded_optimizer_runs_without_deepspeed():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     refusal, last = result.stdout.strip().splitlines()[-2:]
-    assert refusal == ("expert parameters of layout 'ep_size_1' but no such layout in expert_groups; "
-                       "pass the groups apply_expert_parallel returned")
+    assert refusal == (
+        "expert parameters of layout 'ep_size_1' but no such layout in expert_groups; "
+        "pass the groups apply_expert_parallel returned"
+    )
     deepspeed, module, step, diff, moved = last.split()
     assert (deepspeed, module, step) == ("None", "ds_optimus.optim.sharded", "3")
     assert float(diff) <= 1e-6 and float(moved) > 1e-3  # every parameter trained, as AdamW trains it
 
 
-@pytest.mark.parametrize("imports", ["import ds_optimus, deepspeed", "import deepspeed, ds_optimus",
-                                     # transformers and accelerate probe for DeepSpeed before importing it
-                                     "import ds_optimus, importlib.util; importlib.util.find_spec('deepspeed'); "
-                                     "import deepspeed",
-                                     "import ds_optimus.optim.bucket_layout; "
-                                     "from ds_optimus.optim.sharded import LossScaler"])
+@pytest.mark.parametrize(
+    "imports",
+    [
+        "import ds_optimus, deepspeed",
+        "import deepspeed, ds_optimus",
+        # transformers and accelerate probe for DeepSpeed before importing it
+        "import ds_optimus, importlib.util; importlib.util.find_spec('deepspeed'); import deepspeed",
+        "import ds_optimus.optim.bucket_layout; from ds_optimus.optim.sharded import LossScaler",
+    ],
+)
 def test_deepspeed_engine_is_hooked_whatever_the_import_order(imports):
     result = _run(
         "import warnings; warnings.simplefilter('error', UserWarning)\n"

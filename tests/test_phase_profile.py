@@ -37,6 +37,7 @@ def cache(tmp_path_factory):
 
 # -- config -------------------------------------------------------------------------------------------
 
+
 def test_off_by_default_and_placed_before_the_guards_when_on():
     assert OptimusConfig().profile.enabled is False
     assert not any(isinstance(c, PhaseProfileCallback) for c in default_callbacks(OptimusConfig()))
@@ -46,14 +47,17 @@ def test_off_by_default_and_placed_before_the_guards_when_on():
     assert kinds.index(PhaseProfileCallback) < kinds.index(GuardCallback)
 
 
-@pytest.mark.parametrize("values, message", [
-    ({"enabled": "yes"}, "optimus.profile.enabled must be true or false, got 'yes'"),
-    ({"interval": 0}, "optimus.profile.interval must be a positive integer, got 0"),
-    ({"interval": 2.5}, "optimus.profile.interval must be a positive integer, got 2.5"),
-    ({"interval": True}, "optimus.profile.interval must be a positive integer, got True"),
-    ({"collectives": None}, "optimus.profile.collectives must be true or false, got None"),
-    ({"plot": True}, "optimus.profile: unknown key 'plot' (known: enabled, interval, collectives)"),
-])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"enabled": "yes"}, "optimus.profile.enabled must be true or false, got 'yes'"),
+        ({"interval": 0}, "optimus.profile.interval must be a positive integer, got 0"),
+        ({"interval": 2.5}, "optimus.profile.interval must be a positive integer, got 2.5"),
+        ({"interval": True}, "optimus.profile.interval must be a positive integer, got True"),
+        ({"collectives": None}, "optimus.profile.collectives must be true or false, got None"),
+        ({"plot": True}, "optimus.profile: unknown key 'plot' (known: enabled, interval, collectives)"),
+    ],
+)
 def test_bad_values_are_one_line_errors(values, message):
     with pytest.raises(ConfigError) as err:
         OptimusConfig.from_ds_config({"optimus": {"profile": values}})
@@ -61,6 +65,7 @@ def test_bad_values_are_one_line_errors(values, message):
 
 
 # -- the arithmetic -----------------------------------------------------------------------------------
+
 
 class CountingClock(HostClock):
     """Each mark one second after the previous: every interval is known exactly."""
@@ -96,12 +101,27 @@ def test_a_log_interval_reports_means_and_the_ranks_spread():
     window.add({"profile/forward_s": 1.0, "profile/comm/all_reduce_bytes": 8, "profile/comm/all_reduce_ranks": 2})
     window.add({"profile/forward_s": 3.0, "profile/comm/all_reduce_bytes": 8, "profile/comm/all_reduce_ranks": 4})
     # two ranks, the previous profiled step: compute times 1 and 3, waits 2 and 2
-    window.add_ranks({"profile/ranks": 2, "profile/compute": 4.0, "profile/compute_sq": 10.0, "profile/wait": 4.0,
-                      "profile/wait_sq": 8.0}, step=7)
+    window.add_ranks(
+        {
+            "profile/ranks": 2,
+            "profile/compute": 4.0,
+            "profile/compute_sq": 10.0,
+            "profile/wait": 4.0,
+            "profile/wait_sq": 8.0,
+        },
+        step=7,
+    )
     record = window.take()
-    assert record == {"profile/forward_s": 2.0, "profile/comm/all_reduce_bytes": 8, "profile/comm/all_reduce_ranks": 4,
-                      "profile/compute_s": 2.0, "profile/compute_std_s": 1.0, "profile/jitter_s": 2.0,
-                      "profile/jitter_std_s": 0.0, "profile/ranks_step": 7}
+    assert record == {
+        "profile/forward_s": 2.0,
+        "profile/comm/all_reduce_bytes": 8,
+        "profile/comm/all_reduce_ranks": 4,
+        "profile/compute_s": 2.0,
+        "profile/compute_std_s": 1.0,
+        "profile/jitter_s": 2.0,
+        "profile/jitter_std_s": 0.0,
+        "profile/ranks_step": 7,
+    }
     assert isinstance(record["profile/comm/all_reduce_bytes"], int)
     assert not window and window.take() == {}
 
@@ -134,6 +154,7 @@ def test_every_wrapped_function_has_the_arguments_it_reads():
 
 
 # -- the collectives ------------------------------------------------------------------------------------
+
 
 def collectives_worker(rank: int, world: int) -> dict:
     """Inside a phase, one call through each way the step's collectives are made; returns the counts."""
@@ -173,13 +194,19 @@ def collectives_worker(rank: int, world: int) -> dict:
         gathered = [None] * world
         dist.all_gather_object(gathered, rank)  # once, not also as the all-gathers inside it
     recorder.uninstall()
-    restored = all(getattr(dist, name) is function for name, function in originals.items()) and \
-        ds_backend.cdb.all_gather_function is bound
+    restored = (
+        all(getattr(dist, name) is function for name, function in originals.items())
+        and ds_backend.cdb.all_gather_function is bound
+    )
     # a P2POp made while the wrappers were in, run by the original batch_isend_irecv after
     for work in dist.batch_isend_irecv([made_during, dist.P2POp(dist.irecv, torch.zeros(3), peer)]):
         work.wait()
-    return {"comm": timer.finish().comm, "restored": restored, "gathered": gathered,
-            "phases": [call[1] for call in timer.calls]}
+    return {
+        "comm": timer.finish().comm,
+        "restored": restored,
+        "gathered": gathered,
+        "phases": [call[1] for call in timer.calls],
+    }
 
 
 @pytest.mark.slow
@@ -188,16 +215,29 @@ def test_collectives_are_counted_once_through_every_caller():
         comm = got["comm"]
         assert got["restored"] and got["gathered"] == [0, 1] and set(got["phases"]) == {"work"}
         assert {kind: entry["calls"] for kind, entry in comm.items()} == {
-            "all_reduce": 2, "all_gather": 2, "reduce_scatter": 1, "all_to_all": 1, "send": 2, "recv": 2,
-            "all_gather_object": 1}
+            "all_reduce": 2,
+            "all_gather": 2,
+            "reduce_scatter": 1,
+            "all_to_all": 1,
+            "send": 2,
+            "recv": 2,
+            "all_gather_object": 1,
+        }
         assert {kind: entry["bytes"] for kind, entry in comm.items()} == {
-            "all_reduce": 2 * 24, "all_gather": 2 * 24, "reduce_scatter": 24, "all_to_all": 64, "send": 20 + 28,
-            "recv": 20 + 28, "all_gather_object": 0}
+            "all_reduce": 2 * 24,
+            "all_gather": 2 * 24,
+            "reduce_scatter": 24,
+            "all_to_all": 64,
+            "send": 20 + 28,
+            "recv": 20 + 28,
+            "all_gather_object": 0,
+        }
         assert comm["all_reduce"]["ranks"] == 2 and comm["send"]["ranks"] == 2
         assert all(entry["s"] >= 0 for entry in comm.values())
 
 
 # -- profiled training runs ----------------------------------------------------------------------------
+
 
 class Collector(Callback):
     """Every profiled step's `StepProfile` of this rank (runs after the profiler)."""
@@ -222,13 +262,20 @@ def profiled_run_worker(rank: int, world: int, config: dict) -> dict:
     path = Path(config["optimus"]["train"]["output_dir"]) / "metrics.jsonl"
     model = trainer.engine.module.config
     optimizer = trainer.engine.optimizer
-    return {"profiles": collector.profiles, "comm_bytes": dict(getattr(optimizer, "comm_bytes", {})),
-            "moe_layers": len(model.moe_layers), "experts": model.num_experts, "top_k": model.num_experts_per_tok,
-            "hidden": model.hidden_size, "tokens": trainer.micro_batch * trainer.opt.data.seq_len,
-            "accumulation": trainer.accumulation, "phases_while_built": phases_while_built,
-            # a pipeline stage's router statistics received with the activations, float32 [rows, width]
-            "stats": [chunk.num_rows * chunk.width * 4 for _, chunk in trainer.runner.chunks] if trainer.runner else [],
-            "records": [json.loads(line) for line in path.read_text().splitlines()] if rank == 0 else []}
+    return {
+        "profiles": collector.profiles,
+        "comm_bytes": dict(getattr(optimizer, "comm_bytes", {})),
+        "moe_layers": len(model.moe_layers),
+        "experts": model.num_experts,
+        "top_k": model.num_experts_per_tok,
+        "hidden": model.hidden_size,
+        "tokens": trainer.micro_batch * trainer.opt.data.seq_len,
+        "accumulation": trainer.accumulation,
+        "phases_while_built": phases_while_built,
+        # a pipeline stage's router statistics received with the activations, float32 [rows, width]
+        "stats": [chunk.num_rows * chunk.width * 4 for _, chunk in trainer.runner.chunks] if trainer.runner else [],
+        "records": [json.loads(line) for line in path.read_text().splitlines()] if rank == 0 else [],
+    }
 
 
 def _by_step(records: list[dict]) -> dict[int, dict]:
@@ -252,11 +299,15 @@ def _check_phases_add_up(record: dict, phases) -> None:
 
 @pytest.mark.slow
 def test_an_ep2_run_reports_phases_collective_bytes_jitter_and_a_plot(tmp_path, cache):
-    config = tiny_config(tmp_path, cache, train={"steps": 4, "eval_interval": 0, "log_interval": 1, "export": False,
-                                                 "plots": True},
-                         checkpoint={"interval": 0}, sharded_optimizer={"enabled": True},
-                         expert_parallel={"size": 2, "dedup": False},  # one row a routed slot: sized by the shapes
-                         profile={"enabled": True})
+    config = tiny_config(
+        tmp_path,
+        cache,
+        train={"steps": 4, "eval_interval": 0, "log_interval": 1, "export": False, "plots": True},
+        checkpoint={"interval": 0},
+        sharded_optimizer={"enabled": True},
+        expert_parallel={"size": 2, "dedup": False},  # one row a routed slot: sized by the shapes
+        profile={"enabled": True},
+    )
     ranks = run_distributed(profiled_run_worker, 2, config)
     steps = [1, 2, 3, 4]
     assert all(sorted(r["profiles"]) == steps and r["phases_while_built"] is None for r in ranks)
@@ -271,8 +322,9 @@ def test_an_ep2_run_reports_phases_collective_bytes_jitter_and_a_plot(tmp_path, 
     # and again in the backward pass; the slots a rank receives, summed over ranks, are the ones sent
     shape = ranks[0]
     ep, slots = 2, shape["tokens"] * shape["top_k"]  # float32 rows; counts: ep ranks x E/ep experts each
-    exchange = shape["moe_layers"] * shape["accumulation"] * ep * (shape["experts"] * 8
-                                                                   + 4 * slots * shape["hidden"] * 4)
+    exchange = (
+        shape["moe_layers"] * shape["accumulation"] * ep * (shape["experts"] * 8 + 4 * slots * shape["hidden"] * 4)
+    )
     # gloo has no reduce-scatter the sharded optimizer can add fp32 shards with: it sends them pairwise
     sent = sum(r["profiles"][s]["profile/comm/all_to_all_bytes"] for r in ranks for s in steps)
     optimizer = sum(r["comm_bytes"]["reduce_scatter"] for r in ranks)
@@ -297,16 +349,27 @@ def test_a_pipeline_step_is_one_phase_and_its_sends_are_the_activations(tmp_path
     """Two stages, every second step profiled: the schedule is the `pipeline` phase; the first stage
     (rank 0) sends each micro-batch's activations with the routers' statistics so far, and receives
     their gradients, of the same size."""
-    config = tiny_config(tmp_path, cache, train={"steps": 4, "eval_interval": 0, "log_interval": 1, "export": False},
-                         checkpoint={"interval": 0}, pipeline_parallel={"size": 2}, sharded_optimizer={"enabled": True},
-                         profile={"enabled": True, "interval": 2})
+    config = tiny_config(
+        tmp_path,
+        cache,
+        train={"steps": 4, "eval_interval": 0, "log_interval": 1, "export": False},
+        checkpoint={"interval": 0},
+        pipeline_parallel={"size": 2},
+        sharded_optimizer={"enabled": True},
+        profile={"enabled": True, "interval": 2},
+    )
     config["gradient_accumulation_steps"] = 2
     ranks = run_distributed(profiled_run_worker, 2, config)
     logged = _by_step(ranks[0]["records"])
     assert not any(k.startswith("profile/") for k in logged[1])  # not profiled
     # step 3 is not profiled either; its reduction carried step 2's numbers of each rank
     assert {k for k in logged[3] if k.startswith("profile/")} == {
-        "profile/compute_s", "profile/compute_std_s", "profile/jitter_s", "profile/jitter_std_s", "profile/ranks_step"}
+        "profile/compute_s",
+        "profile/compute_std_s",
+        "profile/jitter_s",
+        "profile/jitter_std_s",
+        "profile/ranks_step",
+    }
     assert logged[3]["profile/ranks_step"] == 2 and "profile/jitter_s" not in logged[4]
     shape = ranks[0]
     activations = shape["accumulation"] * (shape["tokens"] * shape["hidden"] * 4 + ranks[1]["stats"][0])
@@ -319,8 +382,12 @@ def test_a_pipeline_step_is_one_phase_and_its_sends_are_the_activations(tmp_path
 
 @pytest.mark.slow
 def test_without_the_section_a_run_has_no_profile_fields(tmp_path, cache):
-    config = tiny_config(tmp_path, cache, train={"steps": 2, "eval_interval": 0, "log_interval": 1, "export": False,
-                                                 "plots": True}, checkpoint={"interval": 0})
+    config = tiny_config(
+        tmp_path,
+        cache,
+        train={"steps": 2, "eval_interval": 0, "log_interval": 1, "export": False, "plots": True},
+        checkpoint={"interval": 0},
+    )
     got = run_distributed(plain_run_worker, 1, config)[0]
     assert got["phases"] is None and len(got["records"]) >= 2
     assert not any(key.startswith("profile") for record in got["records"] for key in record)
@@ -331,5 +398,8 @@ def plain_run_worker(rank: int, world: int, config: dict) -> dict:
     trainer = Trainer(config)
     trainer.train()
     out = Path(config["optimus"]["train"]["output_dir"])
-    return {"phases": trainer.phases, "records": [json.loads(line) for line in (out / "metrics.jsonl").open()],
-            "plots": sorted(p.name for p in (out / "plots").glob("*.png"))}
+    return {
+        "phases": trainer.phases,
+        "records": [json.loads(line) for line in (out / "metrics.jsonl").open()],
+        "plots": sorted(p.name for p in (out / "plots").glob("*.png")),
+    }

@@ -62,23 +62,38 @@ def test_v_shaped_schedules_place_two_chunks_a_rank_down_and_back():
     held = {s: [c for c, _ in stage_chunks(v, config, 64, s)] for s in range(4)}
     assert held == {0: [0, 7], 1: [1, 6], 2: [2, 5], 3: [3, 4]}
     # DualPipeV wants at least as many micro-batches as chunks (PyTorch's own condition)
-    opt = OptimusConfig.parse({"pipeline_parallel": {"size": 4, "schedule": "dualpipev", "virtual_stages": 2},
-                               "sharded_optimizer": {"enabled": True}, "model": {"preset": "mula-tiny-moe"}}, "optimus")
+    opt = OptimusConfig.parse(
+        {
+            "pipeline_parallel": {"size": 4, "schedule": "dualpipev", "virtual_stages": 2},
+            "sharded_optimizer": {"enabled": True},
+            "model": {"preset": "mula-tiny-moe"},
+        },
+        "optimus",
+    )
     model = SimpleNamespace(tie_word_embeddings=False)
-    with pytest.raises(ConfigError, match=r"dualpipev needs at least as many micro-batches \(gradient_accumulation_"
-                                          r"steps, 4\) as chunks of layers \(2 x 4 = 8\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"dualpipev needs at least as many micro-batches \(gradient_accumulation_"
+        r"steps, 4\) as chunks of layers \(2 x 4 = 8\)",
+    ):
         check_pipeline(opt, {}, model, accumulation=4)
 
 
-@pytest.mark.parametrize("section, message", [
-    ({"size": 0}, "optimus.pipeline_parallel.size must be a positive integer"),
-    ({"schedule": "zb"}, "optimus.pipeline_parallel.schedule must be one of gpipe, 1f1b, interleaved_1f1b"),
-    ({"size": 2, "virtual_stages": 2}, "virtual_stages 2 needs a schedule with several stages per rank"),
-    ({"size": 2, "layers": [1, 1, 1]}, "optimus.pipeline_parallel.layers has 3 entries; size 2 x virtual_stages 1"),
-    ({"virtual_stages": 2, "schedule": "looped_bfs"}, "and optimus.pipeline_parallel.layers need pipeline stages"),
-    ({"size": 2, "schedule": "interleaved_1f1b"}, "interleaved_1f1b runs several chunks of layers per rank"),
-    ({"size": 2, "schedule": "zbv", "virtual_stages": 3}, "schedule zbv runs exactly two chunks of layers per rank"),
-])
+@pytest.mark.parametrize(
+    "section, message",
+    [
+        ({"size": 0}, "optimus.pipeline_parallel.size must be a positive integer"),
+        ({"schedule": "zb"}, "optimus.pipeline_parallel.schedule must be one of gpipe, 1f1b, interleaved_1f1b"),
+        ({"size": 2, "virtual_stages": 2}, "virtual_stages 2 needs a schedule with several stages per rank"),
+        ({"size": 2, "layers": [1, 1, 1]}, "optimus.pipeline_parallel.layers has 3 entries; size 2 x virtual_stages 1"),
+        ({"virtual_stages": 2, "schedule": "looped_bfs"}, "and optimus.pipeline_parallel.layers need pipeline stages"),
+        ({"size": 2, "schedule": "interleaved_1f1b"}, "interleaved_1f1b runs several chunks of layers per rank"),
+        (
+            {"size": 2, "schedule": "zbv", "virtual_stages": 3},
+            "schedule zbv runs exactly two chunks of layers per rank",
+        ),
+    ],
+)
 def test_bad_pipeline_sections_are_one_line_errors(section, message):
     with pytest.raises(ConfigError) as err:
         OptimusConfig.parse({"pipeline_parallel": section}, "optimus")
@@ -88,11 +103,14 @@ def test_bad_pipeline_sections_are_one_line_errors(section, message):
 def test_a_stage_builds_only_its_layers_with_the_whole_models_values():
     config = MulaConfig(**PRESETS["mula-tiny-moe"], tie_word_embeddings=False)
     whole = build_model(config, seed=3).state_dict()
-    parts = [build_model(config, seed=3, ep_size=2, ep_rank=1, stage=([0, 1], True, False)),
-             build_model(config, seed=3, stage=([2, 3], False, True))]
+    parts = [
+        build_model(config, seed=3, ep_size=2, ep_rank=1, stage=([0, 1], True, False)),
+        build_model(config, seed=3, stage=([2, 3], False, True)),
+    ]
     first, last = (part.state_dict() for part in parts)
-    assert all(k.startswith(("model.embed_tokens", "model.layers.0.", "model.layers.1.", "model.rotary"))
-               for k in first)
+    assert all(
+        k.startswith(("model.embed_tokens", "model.layers.0.", "model.layers.1.", "model.rotary")) for k in first
+    )
     assert "lm_head.weight" in last and "model.norm.weight" in last and "model.embed_tokens.weight" not in last
     assert not any(k.startswith(("model.layers.0.", "model.layers.1.")) for k in last)
     for name, value in last.items():
@@ -115,8 +133,11 @@ def test_stage_chunks_compute_the_models_loss_and_gradients():
     out.loss.backward()
     staged = build_model(config, seed=1).train()
     keep_stage(staged, [0, 1, 2, 3], True, True)
-    chunks = [StageChunk(staged, range(0, 1), True, False), StageChunk(staged, range(1, 3), False, False),
-              StageChunk(staged, range(3, 4), False, True)]
+    chunks = [
+        StageChunk(staged, range(0, 1), True, False),
+        StageChunk(staged, range(1, 3), False, False),
+        StageChunk(staged, range(3, 4), False, True),
+    ]
     loss_fn = PipelineLoss(staged, micro_batches=1)
     hidden = chunks[0](ids)
     for chunk in chunks[1:]:
@@ -129,8 +150,11 @@ def test_stage_chunks_compute_the_models_loss_and_gradients():
     keep_stage(model, [0, 1, 2, 3], True, True)
     with torch.no_grad():
         StageChunk(model, range(0, 4), True, True)(ids)
-    assert all(m.load_since_update is None or not m.load_since_update.any()
-               for m in model.modules() if hasattr(m, "load_since_update"))
+    assert all(
+        m.load_since_update is None or not m.load_since_update.any()
+        for m in model.modules()
+        if hasattr(m, "load_since_update")
+    )
     record = loss_fn.records[0]
     assert loss.item() == out.loss.item() and record["aux_loss"].item() == out.aux_loss.item()
     assert record["z_loss"].item() == out.z_loss.item()
@@ -153,8 +177,11 @@ def run_config(tmp: Path, cache: Path, name: str, micro: int, **optimus) -> dict
     (so that how the micro-batch is spread over ranks does not change the aux loss) and the aux-free
     router bias besides it (each stage moves its routers' biases from its own layers' loads), fp32."""
     overrides = {"router_aux_loss_scope": "global_batch", "router_bias_update_rate": 1e-3}
-    sections = {"train": {"steps": STEPS, "eval_interval": 5, "eval_batches": 1, "warmup_steps": 2},
-                "checkpoint": {"interval": 0}, "model": {"preset": "mula-tiny-moe", "overrides": overrides}}
+    sections = {
+        "train": {"steps": STEPS, "eval_interval": 5, "eval_batches": 1, "warmup_steps": 2},
+        "checkpoint": {"interval": 0},
+        "model": {"preset": "mula-tiny-moe", "overrides": overrides},
+    }
     for section, values in optimus.items():
         if section == "model":  # the model's overrides add to these
             values = {**values, "overrides": {**overrides, **values.get("overrides", {})}}
@@ -214,23 +241,32 @@ def reference(tmp_path_factory, cache):
     """The one-process run every pipelined run must reproduce."""
     config = run_config(tmp_path_factory.mktemp("one"), cache, "one", micro=2)
     summary = run_distributed(pretrain_worker, 1, config)[0]
-    return {"summary": summary, "weights": hf_weights(config), "metrics": step_metrics(config),
-            "weight_files": list((Path(config["optimus"]["train"]["output_dir"]) / "hf").glob("*.safetensors"))}
+    return {
+        "summary": summary,
+        "weights": hf_weights(config),
+        "metrics": step_metrics(config),
+        "weight_files": list((Path(config["optimus"]["train"]["output_dir"]) / "hf").glob("*.safetensors")),
+    }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule, recompute", [
-    ({"size": 2}, True),
-    ({"size": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2}, ["moe", "attention", "norms"]),
-    ({"size": 2, "schedule": "interleaved_zb", "virtual_stages": 2}, ["moe"]),
-    ({"size": 2, "schedule": "zbv", "virtual_stages": 2}, ["norms"]),
-    ({"size": 2, "schedule": "dualpipev", "virtual_stages": 2}, True),
-], ids=["1f1b", "interleaved", "zero-bubble", "zbv", "dualpipev"])
+@pytest.mark.parametrize(
+    "schedule, recompute",
+    [
+        ({"size": 2}, True),
+        ({"size": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2}, ["moe", "attention", "norms"]),
+        ({"size": 2, "schedule": "interleaved_zb", "virtual_stages": 2}, ["moe"]),
+        ({"size": 2, "schedule": "zbv", "virtual_stages": 2}, ["norms"]),
+        ({"size": 2, "schedule": "dualpipev", "virtual_stages": 2}, True),
+    ],
+    ids=["1f1b", "interleaved", "zero-bubble", "zbv", "dualpipev"],
+)
 def test_two_stages_train_as_one_process(tmp_path, cache, reference, schedule, recompute):
     """Also with activation recomputation: whole layers, or the parts of each. The export replaces the
     weights an earlier one left in the folder (from_pretrained would read those first)."""
-    config = run_config(tmp_path, cache, "pp2", micro=2, pipeline_parallel=schedule,
-                        train={"activation_checkpointing": recompute})
+    config = run_config(
+        tmp_path, cache, "pp2", micro=2, pipeline_parallel=schedule, train={"activation_checkpointing": recompute}
+    )
     stale = Path(config["optimus"]["train"]["output_dir"]) / "hf" / "model.safetensors"
     stale.parent.mkdir(parents=True)
     stale.write_bytes(b"an earlier export")
@@ -238,8 +274,10 @@ def test_two_stages_train_as_one_process(tmp_path, cache, reference, schedule, r
     assert summaries[0]["losses"] == summaries[1]["losses"]  # every stage reports the step's loss
     assert_same_run(summaries[0], hf_weights(config), reference, config=config)
     hf = Path(config["optimus"]["train"]["output_dir"]) / "hf"
-    assert sorted(p.name for p in hf.glob("*.safetensors")) == ["model-00001-of-00002.safetensors",
-                                                                 "model-00002-of-00002.safetensors"]
+    assert sorted(p.name for p in hf.glob("*.safetensors")) == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
     config_mode = (hf / "config.json").stat().st_mode & 0o777  # weights as readable as the rest (umask)
     assert {p.stat().st_mode & 0o777 for p in [*hf.glob("*.safetensors"), *reference["weight_files"]]} == {config_mode}
     from transformers import AutoModelForCausalLM  # each stage wrote its shard; the index joins them
@@ -249,17 +287,22 @@ def test_two_stages_train_as_one_process(tmp_path, cache, reference, schedule, r
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", [{"size": 2}, {"size": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2}],
-                         ids=["1f1b", "interleaved"])
+@pytest.mark.parametrize(
+    "schedule",
+    [{"size": 2}, {"size": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2}],
+    ids=["1f1b", "interleaved"],
+)
 @pytest.mark.parametrize("inside", [{"expert_parallel": {"size": 2}}, {}], ids=["pp2-ep2", "pp2-dp2"])
-def test_two_stages_with_expert_or_data_parallelism_inside_train_as_one_process(tmp_path, cache, reference, inside,
-                                                                                 schedule):
+def test_two_stages_with_expert_or_data_parallelism_inside_train_as_one_process(
+    tmp_path, cache, reference, inside, schedule
+):
     """Also with the sharded optimizer's state replicated over the stage's two data-parallel ranks
     (shard groups of one rank) and each stage's parameters gathered while its next forward runs: the
     export at the end has every stage's last update."""
     hybrid = {"shard_group_size": 1, "overlap_param_gather": True}
-    config = run_config(tmp_path, cache, "pp2x2", micro=1, pipeline_parallel=schedule, sharded_optimizer=hybrid,
-                        **inside)
+    config = run_config(
+        tmp_path, cache, "pp2x2", micro=1, pipeline_parallel=schedule, sharded_optimizer=hybrid, **inside
+    )
     summaries = run_distributed(pretrain_worker, 4, config)
     assert_same_run(summaries[0], hf_weights(config), reference, config=config)
 
@@ -272,18 +315,29 @@ def test_a_checkpoint_of_two_stages_resumes_on_one_stage_and_on_four(tmp_path, c
     into micro-batches does not matter)."""
     quiet = {"overrides": {"router_aux_loss_coef": 0.0, "router_z_loss_coef": 0.0}}
     seed_exchange = {"size": 2, "dispatch": "allgather"}  # inside the stages, by all-gather and reduce-scatter
-    whole = run_config(tmp_path, cache, "whole", micro=1, pipeline_parallel={"size": 2}, expert_parallel=seed_exchange,
-                       model=quiet)
+    whole = run_config(
+        tmp_path, cache, "whole", micro=1, pipeline_parallel={"size": 2}, expert_parallel=seed_exchange, model=quiet
+    )
     expected = run_distributed(pretrain_worker, 4, whole)[0]["losses"]
-    first = run_config(tmp_path, cache, "first", micro=1, pipeline_parallel={"size": 2}, expert_parallel=seed_exchange,
-                       model=quiet, checkpoint={"interval": 5}, train={"stop_after_steps": 5},
-                       sharded_optimizer={"shard_group_size": 1})  # saved replicated, resumed sharded
+    first = run_config(
+        tmp_path,
+        cache,
+        "first",
+        micro=1,
+        pipeline_parallel={"size": 2},
+        expert_parallel=seed_exchange,
+        model=quiet,
+        checkpoint={"interval": 5},
+        train={"stop_after_steps": 5},
+        sharded_optimizer={"shard_group_size": 1},
+    )  # saved replicated, resumed sharded
     assert sorted(run_distributed(pretrain_worker, 4, first)[0]["losses"]) == [1, 2, 3, 4, 5]
     zbv = {"size": 2, "schedule": "zbv", "virtual_stages": 2}  # the same ranks, the chunks placed down and back
-    for name, layout, micro, accumulation in (("pp1-ep4", {"expert_parallel": {"size": 4}}, 1, 2),
-                                             ("pp4", {"pipeline_parallel": {"size": 4}}, 2, 4),
-                                             ("pp2-zbv", {"pipeline_parallel": zbv, "expert_parallel": seed_exchange},
-                                              1, 4)):
+    for name, layout, micro, accumulation in (
+        ("pp1-ep4", {"expert_parallel": {"size": 4}}, 1, 2),
+        ("pp4", {"pipeline_parallel": {"size": 4}}, 2, 4),
+        ("pp2-zbv", {"pipeline_parallel": zbv, "expert_parallel": seed_exchange}, 1, 4),
+    ):
         config = json.loads(json.dumps(first))
         config["optimus"]["train"].update(stop_after_steps=None, output_dir=str(tmp_path / name))
         shutil.copytree(tmp_path / "first" / "run" / "checkpoints", tmp_path / name / "checkpoints")
@@ -306,8 +360,9 @@ def test_a_checkpoint_of_two_stages_resumes_on_one_stage_and_on_four(tmp_path, c
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", [{"kind": "raise", "step": 3, "rank": 1}, {"kind": "kill", "step": 3, "rank": 1}],
-                         ids=["error", "kill"])
+@pytest.mark.parametrize(
+    "fault", [{"kind": "raise", "step": 3, "rank": 1}, {"kind": "kill", "step": 3, "rank": 1}], ids=["error", "kill"]
+)
 def test_an_error_or_a_kill_on_one_stage_ends_every_stage(tmp_path, cache, fault):
     """The failing stage's error is printed; the stage that lost its peer says so in one line, without
     a traceback of its own, and nobody is left waiting."""
@@ -331,14 +386,16 @@ def test_what_a_pipeline_cannot_run_is_one_line_from_rank_zero(tmp_path, cache):
 
     config = run_config(tmp_path, cache, "bad", micro=2, pipeline_parallel={"size": 2})
     pp = ["optimus.pipeline_parallel.size=2"]
-    cases = [(config, ["optimus.sharded_optimizer.enabled=false"]),
-             (config, ["optimus.model.overrides.tie_word_embeddings=true"]),
-             (config, ["optimus.pipeline_parallel.size=4"]),
-             (config, [*pp, "optimus.pipeline_parallel.layers=[3,2]"]),
-             (config, ["optimus.pipeline_parallel.virtual_stages=4", "optimus.pipeline_parallel.schedule=looped_bfs"]),
-             (config, ["gradient_accumulation_steps=1", "train_micro_batch_size_per_gpu=8"]),
-             (config, ['fp16={"enabled": true}']),
-             (config, ["optimus.expert_parallel.size=2"])]
+    cases = [
+        (config, ["optimus.sharded_optimizer.enabled=false"]),
+        (config, ["optimus.model.overrides.tie_word_embeddings=true"]),
+        (config, ["optimus.pipeline_parallel.size=4"]),
+        (config, [*pp, "optimus.pipeline_parallel.layers=[3,2]"]),
+        (config, ["optimus.pipeline_parallel.virtual_stages=4", "optimus.pipeline_parallel.schedule=looped_bfs"]),
+        (config, ["gradient_accumulation_steps=1", "train_micro_batch_size_per_gpu=8"]),
+        (config, ['fp16={"enabled": true}']),
+        (config, ["optimus.expert_parallel.size=2"]),
+    ]
     first, second = run_distributed(cli_errors_worker, 2, cases, str(tmp_path))
     assert [status for status, _ in first] == [2] * len(cases) and [err for _, err in second] == [""] * len(cases)
     said = [err.strip().splitlines()[-1] for _, err in first]
@@ -347,8 +404,10 @@ def test_what_a_pipeline_cannot_run_is_one_line_from_rank_zero(tmp_path, cache):
     assert said[2] == "ds_optimus.train: error: optimus.pipeline_parallel.size 4 does not divide the 2 ranks"
     assert said[3].endswith("optimus.pipeline_parallel.layers adds up to 5 layers; the model has 4")
     assert "8 chunks of layers (size 2 x virtual_stages 4) need at least as many decoder layers" in said[4]
-    assert said[5].endswith('1f1b needs at least as many micro-batches (gradient_accumulation_steps, 1) as stages '
-                            '(2); raise it, or use schedule "gpipe"')
+    assert said[5].endswith(
+        "1f1b needs at least as many micro-batches (gradient_accumulation_steps, 1) as stages "
+        '(2); raise it, or use schedule "gpipe"'
+    )
     assert "runs in bf16 or fp32" in said[6]
     assert said[7].endswith("expert parallel size 2 does not divide the 1 ranks of each of the 2 pipeline stages")
     # --check says the same as the run, before it starts
@@ -377,12 +436,23 @@ def test_only_a_communication_backends_lost_peer_is_another_ranks_failure():
 @pytest.mark.slow
 def test_guards_skip_and_roll_back_a_pipelined_run(tmp_path, cache, monkeypatch):
     """A NaN on either stage is skipped on every rank; two in a row roll every stage back (bf16)."""
-    faults = [{"kind": "nan_loss", "step": 3, "rank": 0},
-              {"kind": "nan_loss", "step": 5, "rank": 1}, {"kind": "nan_loss", "step": 6, "rank": 0}]
+    faults = [
+        {"kind": "nan_loss", "step": 3, "rank": 0},
+        {"kind": "nan_loss", "step": 5, "rank": 1},
+        {"kind": "nan_loss", "step": 6, "rank": 0},
+    ]
     monkeypatch.setenv("DS_OPTIMUS_FAULTS", json.dumps(faults))
-    config = run_config(tmp_path, cache, "guards", micro=2, pipeline_parallel={"size": 2},
-                        checkpoint={"interval": 2}, guards={"rollback_after": 2}, train={"steps": 8},
-                        sharded_optimizer={"overlap_param_gather": True})  # a skipped step gathers nothing
+    config = run_config(
+        tmp_path,
+        cache,
+        "guards",
+        micro=2,
+        pipeline_parallel={"size": 2},
+        checkpoint={"interval": 2},
+        guards={"rollback_after": 2},
+        train={"steps": 8},
+        sharded_optimizer={"overlap_param_gather": True},
+    )  # a skipped step gathers nothing
     config["bf16"] = {"enabled": True}  # in bf16, as pipelined runs train
     summaries = run_distributed(pretrain_worker, 2, config)
     log = (Path(config["optimus"]["train"]["output_dir"]) / "log.txt").read_text()
@@ -398,10 +468,17 @@ def test_guards_skip_and_roll_back_a_pipelined_run(tmp_path, cache, monkeypatch)
 def test_watchdog_stops_a_hung_stage(tmp_path, cache):
     from ds_optimus.reliability.watchdog import EXIT_HUNG
 
-    config = run_config(tmp_path, cache, "hung", micro=2, pipeline_parallel={"size": 2},
-                        watchdog={"step_timeout_s": HANG_TIMEOUT_S, "first_step_timeout_s": 600})
-    proc = launch(write_config(tmp_path, config), faults=[{"kind": "sleep", "step": 3, "rank": 0, "seconds": 3600}],
-                  timeout=600)
+    config = run_config(
+        tmp_path,
+        cache,
+        "hung",
+        micro=2,
+        pipeline_parallel={"size": 2},
+        watchdog={"step_timeout_s": HANG_TIMEOUT_S, "first_step_timeout_s": 600},
+    )
+    proc = launch(
+        write_config(tmp_path, config), faults=[{"kind": "sleep", "step": 3, "rank": 0, "seconds": 3600}], timeout=600
+    )
     output = proc.stdout + proc.stderr
     assert proc.returncode == EXIT_HUNG, output[-3000:]
     assert f"rank 0: step 3 exceeded its {HANG_TIMEOUT_S} s time-out" in output, output[-3000:]
@@ -419,8 +496,15 @@ def test_bf16_gradient_communication_under_pipeline_stages(tmp_path, cache):
 
     runs = {}
     for wire in ("fp32", "bf16"):
-        config = run_config(tmp_path, cache, wire, micro=1, pipeline_parallel={"size": 2},
-                            train={"steps": 10, "eval_interval": 0}, sharded_optimizer={"reduce_dtype": wire})
+        config = run_config(
+            tmp_path,
+            cache,
+            wire,
+            micro=1,
+            pipeline_parallel={"size": 2},
+            train={"steps": 10, "eval_interval": 0},
+            sharded_optimizer={"reduce_dtype": wire},
+        )
         runs[wire] = run_distributed(communication_worker, 4, config)[0]
     assert runs["bf16"]["bucket_dtypes"] == ["torch.float32"]
     assert 2 * runs["bf16"]["comm_bytes"]["reduce_scatter"] == runs["fp32"]["comm_bytes"]["reduce_scatter"] > 0
@@ -429,9 +513,15 @@ def test_bf16_gradient_communication_under_pipeline_stages(tmp_path, cache):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", [{"size": 2}, {"size": 2, "schedule": "interleaved_zb", "virtual_stages": 2},
-                                      {"size": 2, "schedule": "zbv", "virtual_stages": 2}],
-                         ids=["1f1b", "zero-bubble", "zbv"])
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        {"size": 2},
+        {"size": 2, "schedule": "interleaved_zb", "virtual_stages": 2},
+        {"size": 2, "schedule": "zbv", "virtual_stages": 2},
+    ],
+    ids=["1f1b", "zero-bubble", "zbv"],
+)
 def test_each_stage_reduces_its_gradients_inside_the_schedules_drain(tmp_path, cache, schedule):
     """PP 2 x DP 2: by the time the schedule returns, every gradient bucket of every rank has been
     launched (each as its parameters' last backward pass produced them), so the optimizer's boundary only
@@ -447,18 +537,23 @@ def test_each_stage_reduces_its_gradients_inside_the_schedules_drain(tmp_path, c
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", [{"size": 2}, {"size": 2, "schedule": "interleaved_zb", "virtual_stages": 2}],
-                         ids=["1f1b", "zero-bubble"])
-def test_zero2_over_one_chunk_per_rank_reduces_every_micro_batch_and_keeps_no_full_gradients(tmp_path, cache,
-                                                                                             reference, schedule):
+@pytest.mark.parametrize(
+    "schedule",
+    [{"size": 2}, {"size": 2, "schedule": "interleaved_zb", "virtual_stages": 2}],
+    ids=["1f1b", "zero-bubble"],
+)
+def test_zero2_over_one_chunk_per_rank_reduces_every_micro_batch_and_keeps_no_full_gradients(
+    tmp_path, cache, reference, schedule
+):
     """PP 2 x DP 2 under ZeRO-2 with small buckets: 1F1B reduces each micro-batch's gradients as its
     backward pass goes, so no bucket holds gradients when a forward pass comes between two backward
     passes; the zero-bubble schedule, whose chunks' backward passes interleave, adds the step's
     gradients up in its buckets until the drain. Both runs are the one-process run."""
     from train_workers import drain_worker
 
-    config = run_config(tmp_path, cache, "zero2", micro=1, pipeline_parallel=schedule,
-                        sharded_optimizer={"bucket_size": 20_000})
+    config = run_config(
+        tmp_path, cache, "zero2", micro=1, pipeline_parallel=schedule, sharded_optimizer={"bucket_size": 20_000}
+    )
     config["zero_optimization"] = {"stage": 2}
     results = run_distributed(drain_worker, 4, config)
     assert all(r["buckets"] >= 4 for r in results)

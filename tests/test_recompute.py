@@ -23,8 +23,15 @@ from ds_optimus.train.components import enable_activation_checkpointing
 from ds_optimus.train.preflight import check_run
 
 ROOT = Path(__file__).resolve().parents[1]
-CHOICES = [True, ["moe"], ["attention"], ["norms"], ["moe", "attention", "norms"], ["moe", "norms"],
-           ["attention", "norms"]]
+CHOICES = [
+    True,
+    ["moe"],
+    ["attention"],
+    ["norms"],
+    ["moe", "attention", "norms"],
+    ["moe", "norms"],
+    ["attention", "norms"],
+]
 
 
 def _ids(choice) -> str:
@@ -33,8 +40,7 @@ def _ids(choice) -> str:
 
 def _model(choice, **overrides) -> MulaForCausalLM:
     torch.manual_seed(0)
-    model = MulaForCausalLM(MulaConfig.from_preset("mula-tiny-moe", router_bias_update_rate=0.01,
-                                                   **overrides)).train()
+    model = MulaForCausalLM(MulaConfig.from_preset("mula-tiny-moe", router_bias_update_rate=0.01, **overrides)).train()
     if choice:
         enable_activation_checkpointing(model, choice)
     return model
@@ -48,11 +54,16 @@ def _step(model: MulaForCausalLM) -> dict:
     def counter(name):
         def hook(module, args):
             calls[name] = calls.get(name, 0) + 1
+
         return hook
 
     layer = model.model.layers[0]
-    for name, module in (("attention", layer.self_attn), ("input_norm", layer.input_layernorm),
-                         ("post_norm", layer.post_attention_layernorm), ("ffn", layer.mlp)):
+    for name, module in (
+        ("attention", layer.self_attn),
+        ("input_norm", layer.input_layernorm),
+        ("post_norm", layer.post_attention_layernorm),
+        ("ffn", layer.mlp),
+    ):
         module.register_forward_pre_hook(counter(name))
     torch.manual_seed(1)
     x = torch.randint(2, model.config.vocab_size, (2, 48))
@@ -61,10 +72,16 @@ def _step(model: MulaForCausalLM) -> dict:
     moe = [m for m in model.model.layers if m.is_moe]
     loads = [m.mlp.gate.load_since_update.clone() for m in moe]
     model.update_router_bias()
-    return {"loss": out.loss.detach(), "aux": out.aux_loss.detach(), "z": out.z_loss.detach(),
-            "tokens_per_expert": out.tokens_per_expert, "loads": loads,
-            "bias": [m.mlp.gate.expert_bias.clone() for m in moe],
-            "grads": {n: p.grad.clone() for n, p in model.named_parameters()}, "calls": calls}
+    return {
+        "loss": out.loss.detach(),
+        "aux": out.aux_loss.detach(),
+        "z": out.z_loss.detach(),
+        "tokens_per_expert": out.tokens_per_expert,
+        "loads": loads,
+        "bias": [m.mlp.gate.expert_bias.clone() for m in moe],
+        "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+        "calls": calls,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +105,12 @@ def test_each_choice_gives_the_loss_gradients_and_router_counts_of_no_recomputat
         torch.testing.assert_close(got["grads"][name], grad, rtol=1e-6, atol=1e-6, msg=name)
     # the parts asked for (and only those) ran again in the backward pass
     parts = set(RECOMPUTE_PARTS) if choice is True else set(choice)
-    again = {"attention": "attention" in parts, "ffn": "moe" in parts, "input_norm": "norms" in parts
-             or (choice is True), "post_norm": "norms" in parts or (choice is True)}
+    again = {
+        "attention": "attention" in parts,
+        "ffn": "moe" in parts,
+        "input_norm": "norms" in parts or (choice is True),
+        "post_norm": "norms" in parts or (choice is True),
+    }
     assert got["calls"] == {name: 2 if twice else 1 for name, twice in again.items()}, (choice, got["calls"])
 
 
@@ -145,10 +166,16 @@ def test_planner_formula_matches_the_measured_olmoe_layer():
     what differs: see the README)."""
     result = json.loads((ROOT / "benchmarks" / "results" / "recompute_memory.json").read_text())
     s = result["shape"]
-    config = MulaConfig.from_preset("mula-7b-a1b", num_hidden_layers=1, hidden_size=s["hidden"],
-                                    num_attention_heads=s["heads"], num_key_value_heads=s["heads"],
-                                    num_experts=s["experts"], moe_intermediate_size=s["expert_intermediate"],
-                                    num_experts_per_tok=s["top_k"])
+    config = MulaConfig.from_preset(
+        "mula-7b-a1b",
+        num_hidden_layers=1,
+        hidden_size=s["hidden"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["heads"],
+        num_experts=s["experts"],
+        moe_intermediate_size=s["expert_intermediate"],
+        num_experts_per_tok=s["top_k"],
+    )
     shape = ModelShape.from_config(config)
     a = {"bf16": 2, "fp32": 4}[result["dtype"]]
     tokens = result["batch"] * result["seq_len"]
@@ -164,6 +191,7 @@ def test_planner_formula_matches_the_measured_olmoe_layer():
 
 # -- the switch --------------------------------------------------------------------------------------
 
+
 def test_whole_layer_checkpointing_wins_and_evaluation_does_not_recompute(base):
     model = _model(["moe"])
     enable_activation_checkpointing(model)  # Transformers' own, over the parts: the layer is replayed once
@@ -174,8 +202,10 @@ def test_whole_layer_checkpointing_wins_and_evaluation_does_not_recompute(base):
     plain, parts = _model(False).eval(), _model(["moe", "attention", "norms"]).eval()
     assert _saved_bytes(parts) == _saved_bytes(plain)
     x = torch.randint(2, 100, (1, 16))
-    assert torch.equal(parts.generate(x, max_new_tokens=3, do_sample=False),  # with its cache, as usual
-                       plain.generate(x, max_new_tokens=3, do_sample=False))
+    assert torch.equal(
+        parts.generate(x, max_new_tokens=3, do_sample=False),  # with its cache, as usual
+        plain.generate(x, max_new_tokens=3, do_sample=False),
+    )
 
 
 def test_a_cache_is_dropped_where_the_attention_is_recomputed():
@@ -198,17 +228,30 @@ def test_the_layer_refuses_unknown_or_repeated_parts():
     assert RECOMPUTE_PARTS == TrainConfig.recompute_parts == plan_layout.RECOMPUTE_PARTS
 
 
-@pytest.mark.parametrize("value, message", [
-    (["mlp"], "optimus.train.activation_checkpointing: unknown part 'mlp' (allowed: \"moe\", \"attention\", "
-              "\"norms\")"),
-    ([], "optimus.train.activation_checkpointing is an empty list; name parts to recompute (\"moe\", "
-         "\"attention\", \"norms\") or use false"),
-    (["moe", "norms", "moe"], "optimus.train.activation_checkpointing: 'moe' is listed twice (allowed: \"moe\", "
-                              "\"attention\", \"norms\")"),
-    ("moe", "optimus.train.activation_checkpointing must be true, false or a list of parts to recompute "
-            "(\"moe\", \"attention\", \"norms\"), got 'moe'"),
-    (1, "optimus.train.activation_checkpointing must be true, false or a list"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (
+            ["mlp"],
+            'optimus.train.activation_checkpointing: unknown part \'mlp\' (allowed: "moe", "attention", "norms")',
+        ),
+        (
+            [],
+            'optimus.train.activation_checkpointing is an empty list; name parts to recompute ("moe", '
+            '"attention", "norms") or use false',
+        ),
+        (
+            ["moe", "norms", "moe"],
+            'optimus.train.activation_checkpointing: \'moe\' is listed twice (allowed: "moe", "attention", "norms")',
+        ),
+        (
+            "moe",
+            "optimus.train.activation_checkpointing must be true, false or a list of parts to recompute "
+            '("moe", "attention", "norms"), got \'moe\'',
+        ),
+        (1, "optimus.train.activation_checkpointing must be true, false or a list"),
+    ],
+)
 def test_config_errors_are_one_line_naming_the_key(value, message):
     with pytest.raises(ConfigError) as err:
         TrainConfig.parse({"activation_checkpointing": value}, "optimus.train")
@@ -216,12 +259,17 @@ def test_config_errors_are_one_line_naming_the_key(value, message):
 
 
 def test_config_accepts_true_false_and_lists():
-    for value, recompute in ((True, True), (False, False), (["norms", "attention"], ("attention", "norms")),
-                             (["moe", "attention", "norms"], ("moe", "attention", "norms"))):
+    for value, recompute in (
+        (True, True),
+        (False, False),
+        (["norms", "attention"], ("attention", "norms")),
+        (["moe", "attention", "norms"], ("moe", "attention", "norms")),
+    ):
         assert TrainConfig.parse({"activation_checkpointing": value}, "optimus.train").recompute == recompute
 
 
 # -- the planner ----------------------------------------------------------------------------------------
+
 
 def test_time_model_charges_the_recomputed_parts_forward():
     h100 = BUILTIN["h100"]
@@ -287,6 +335,7 @@ def test_preflight_names_the_recomputed_parts():
         lines[_ids(value) if value else "none"] = layout
     assert lines["whole-layer"].endswith("; every decoder layer recomputed in the backward pass")
     assert lines["moe"].endswith("; the MoE block of every decoder layer recomputed in the backward pass")
-    assert lines["moe+attention+norms"].endswith("; the MoE block, the attention and the norms of every decoder "
-                                                 "layer recomputed in the backward pass")
+    assert lines["moe+attention+norms"].endswith(
+        "; the MoE block, the attention and the norms of every decoder layer recomputed in the backward pass"
+    )
     assert "recomputed" not in lines["none"]

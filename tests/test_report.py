@@ -24,8 +24,15 @@ from ds_optimus.train.metrics import MetricsSink, expert_imbalance, expert_token
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS, EXPERTS, TOP_K, TOKENS_PER_STEP = 3, 8, 2, 512
-MOE_PLOTS = {"loss.png", "lr.png", "grad_norm.png", "throughput.png", "skipped_steps.png", "expert_load.png",
-             "expert_imbalance.png"}
+MOE_PLOTS = {
+    "loss.png",
+    "lr.png",
+    "grad_norm.png",
+    "throughput.png",
+    "skipped_steps.png",
+    "expert_load.png",
+    "expert_imbalance.png",
+}
 
 
 def _window_counts(rng: np.random.Generator, steps: int) -> np.ndarray:
@@ -34,18 +41,37 @@ def _window_counts(rng: np.random.Generator, steps: int) -> np.ndarray:
     return np.stack([rng.multinomial(slots, rng.dirichlet(np.ones(EXPERTS))) for _ in range(LAYERS)])
 
 
-def _log(folder: Path, steps, *, start_step: int = 0, moe: bool = True, eval_every: int = 0, skipped_at=(),
-         skipped_before: int = 0, loss_offset: float = 0.0, seed: int = 0) -> dict[int, np.ndarray]:
+def _log(
+    folder: Path,
+    steps,
+    *,
+    start_step: int = 0,
+    moe: bool = True,
+    eval_every: int = 0,
+    skipped_at=(),
+    skipped_before: int = 0,
+    loss_offset: float = 0.0,
+    seed: int = 0,
+) -> dict[int, np.ndarray]:
     """Log `steps` through the trainer's metrics sink with the metrics callback's keys (opened as a
     run resumed at `start_step` would); returns each logged step's expert counts."""
     sink = MetricsSink(folder, 100, start_step, SimpleNamespace(mode="disabled"), {}, enabled=True)
     rng, logged, skipped, previous = np.random.default_rng(seed), {}, skipped_before, start_step
     for step in steps:
         skipped += sum(previous < s <= step for s in skipped_at)
-        metrics = {"loss": 8.0 - 0.1 * step + loss_offset, "lm_loss": 7.9 - 0.1 * step, "aux_loss": 1.0,
-                   "z_loss": 4.0, "lr": 1e-3 * min(1.0, step / 3), "grad_norm": 1.0 + 0.1 * step,
-                   "tokens_per_s": 1000.0 + step, "step_seconds": 0.5, "tokens": step * TOKENS_PER_STEP,
-                   "skipped_steps": skipped, "mfu": 0.01}
+        metrics = {
+            "loss": 8.0 - 0.1 * step + loss_offset,
+            "lm_loss": 7.9 - 0.1 * step,
+            "aux_loss": 1.0,
+            "z_loss": 4.0,
+            "lr": 1e-3 * min(1.0, step / 3),
+            "grad_norm": 1.0 + 0.1 * step,
+            "tokens_per_s": 1000.0 + step,
+            "step_seconds": 0.5,
+            "tokens": step * TOKENS_PER_STEP,
+            "skipped_steps": skipped,
+            "mfu": 0.01,
+        }
         if moe:
             counts = _window_counts(rng, step - previous)
             per_layer = expert_imbalance(counts.astype(float).tolist())
@@ -175,8 +201,13 @@ def test_what_cannot_be_reported_is_one_line_and_exit_status_2(tmp_path):
         assert re.search(message, err), (message, err)
     assert not (tmp_path / "no_metrics" / "plots").exists()  # nothing made for a folder with nothing to draw
 
-    done = subprocess.run([sys.executable, "-m", "ds_optimus.report", str(tmp_path / "nowhere")],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "ds_optimus.report", str(tmp_path / "nowhere")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert done.returncode == 2 and done.stdout == "" and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("ds_optimus.report: error: ")
 
@@ -194,8 +225,15 @@ def test_without_matplotlib_the_command_and_the_end_of_a_run_say_how_to_get_it(t
     assert not (run / "plots").exists()
 
     callback, messages = MetricsCallback(), []
-    callback.trainer = SimpleNamespace(output_dir=run, rank=0, stop_reason=None, message=messages.append, step=2,
-                                       start_step=2, opt=SimpleNamespace(train=SimpleNamespace(plots=True)))
+    callback.trainer = SimpleNamespace(
+        output_dir=run,
+        rank=0,
+        stop_reason=None,
+        message=messages.append,
+        step=2,
+        start_step=2,
+        opt=SimpleNamespace(train=SimpleNamespace(plots=True)),
+    )
     callback.close(None)  # the loop never ran (set-up failed): nothing to draw
     callback.post_train()
     callback.close(None)  # a finished run launched again trained nothing: its plots are left as they are
@@ -214,9 +252,14 @@ def test_a_run_without_skipped_steps_says_so_in_its_plot(tmp_path, monkeypatch):
 
     figures = {}
     original = plots._save
-    monkeypatch.setattr(plots, "_save", lambda fig, folder, name, dpi, written: (
-        figures.__setitem__(name, [t.get_text() for ax in fig.axes for t in ax.texts]),
-        original(fig, folder, name, dpi, written)))
+    monkeypatch.setattr(
+        plots,
+        "_save",
+        lambda fig, folder, name, dpi, written: (
+            figures.__setitem__(name, [t.get_text() for ax in fig.axes for t in ax.texts]),
+            original(fig, folder, name, dpi, written),
+        ),
+    )
     _log(tmp_path / "clean", [1, 2, 3])
     write_report(tmp_path / "clean")
     assert figures["skipped_steps.png"] == ["no skipped steps: every update was applied"]
@@ -232,12 +275,19 @@ def test_the_profile_plots_scale_leaves_a_slow_first_step_off_it(tmp_path, monke
     from ds_optimus.report.reader import RunMetrics
 
     panels = {}
-    monkeypatch.setattr(plots, "_save", lambda fig, folder, name, dpi, written: panels.__setitem__(name, (
-        fig.axes[0].get_ylim(), [t.get_text() for t in fig.axes[0].texts])))
+    monkeypatch.setattr(
+        plots,
+        "_save",
+        lambda fig, folder, name, dpi, written: panels.__setitem__(
+            name, (fig.axes[0].get_ylim(), [t.get_text() for t in fig.axes[0].texts])
+        ),
+    )
     for name, first in (("slow", 3.9), ("even", 0.7)):
         seconds = [first, 0.3, 0.8, 0.5]
-        records = [{"step": i + 1, "profile/step_s": t, "profile/forward_s": t / 2, "profile/backward_s": t / 2}
-                   for i, t in enumerate(seconds)]
+        records = [
+            {"step": i + 1, "profile/step_s": t, "profile/forward_s": t / 2, "profile/backward_s": t / 2}
+            for i, t in enumerate(seconds)
+        ]
         plots.plot_profile(RunMetrics(tmp_path / name, records), tmp_path, 80, [])
         panels[name] = panels.pop("profile.png")
     assert panels["slow"] == ((0, pytest.approx(1.5 * 800)), ["3.9 s (off scale)"])
@@ -262,9 +312,13 @@ def test_a_real_run_records_each_experts_tokens_and_leaves_its_plots(tmp_path):
 
     from ds_optimus.hf_models.mula import MulaConfig
 
-    config = tiny_config(tmp_path, tmp_path / "cache", train={"steps": 5, "eval_interval": 2, "log_interval": 2,
-                                                              "plots": True},
-                         checkpoint={"interval": 0}, expert_parallel={"size": 2})
+    config = tiny_config(
+        tmp_path,
+        tmp_path / "cache",
+        train={"steps": 5, "eval_interval": 2, "log_interval": 2, "plots": True},
+        checkpoint={"interval": 0},
+        expert_parallel={"size": 2},
+    )
     records = [r for r in run_distributed(metrics_worker, 2, config)[0] if "loss" in r]
     preset = MulaConfig.from_preset("mula-tiny-moe")
     layers, experts, top_k = preset.num_hidden_layers, preset.num_experts, preset.num_experts_per_tok
@@ -278,7 +332,8 @@ def test_a_real_run_records_each_experts_tokens_and_leaves_its_plots(tmp_path):
         routed = (record["step"] - previous) * tokens_per_step * top_k
         assert [sum(row) for row in table] == [routed] * layers, (record["step"], table)
         assert [record[f"expert_imbalance/layer_{i}"] for i in range(layers)] == pytest.approx(
-            [max(row) * experts / sum(row) for row in table])
+            [max(row) * experts / sum(row) for row in table]
+        )
         previous = record["step"]
 
     run = tmp_path / "run"
@@ -298,8 +353,12 @@ def test_a_run_with_plots_off_draws_none(tmp_path):
     from distributed import run_distributed
     from train_workers import pretrain_worker, tiny_config
 
-    config = tiny_config(tmp_path, tmp_path / "cache", train={"steps": 2, "eval_interval": 0, "export": False},
-                         checkpoint={"interval": 0})
+    config = tiny_config(
+        tmp_path,
+        tmp_path / "cache",
+        train={"steps": 2, "eval_interval": 0, "export": False},
+        checkpoint={"interval": 0},
+    )
     assert config["optimus"]["train"]["plots"] is False
     run_distributed(pretrain_worker, 1, config)
     run = tmp_path / "run"
@@ -310,16 +369,26 @@ def test_a_run_with_plots_off_draws_none(tmp_path):
 
 
 def test_the_data_mixture_is_drawn_from_each_sources_tokens(tmp_path):
-    records = [{"step": step, "loss": 5.0, "tokens/wiki": 100 * step, "tokens/code": 300 * step,
-                "epochs/wiki": step / 10, "epochs/code": step / 40} for step in (1, 2, 3)]
+    records = [
+        {
+            "step": step,
+            "loss": 5.0,
+            "tokens/wiki": 100 * step,
+            "tokens/code": 300 * step,
+            "epochs/wiki": step / 10,
+            "epochs/code": step / 40,
+        }
+        for step in (1, 2, 3)
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     written = write_report(tmp_path, say=lambda _: None)
     assert "data_mixture.png" in {p.name for p in written}
     assert load_metrics(tmp_path).series("tokens/code") == ([1, 2, 3], [300.0, 600.0, 900.0])
 
 
-def _mixture_run(run: Path, shares_before: dict, shares_after: dict, resume_at: int = 30, last: int = 60,
-                 per_interval: int = 10_000) -> None:
+def _mixture_run(
+    run: Path, shares_before: dict, shares_after: dict, resume_at: int = 30, last: int = 60, per_interval: int = 10_000
+) -> None:
     """A run logged every 10 steps, `per_interval` tokens a log interval drawn by `shares_before`,
     resumed from its checkpoint at `resume_at` (the sink keeps the lines up to it) and drawn by
     `shares_after` from there: each source's token counter as the metrics callback logs it."""
@@ -332,20 +401,25 @@ def _mixture_run(run: Path, shares_before: dict, shares_after: dict, resume_at: 
             sink.log(step, {"loss": 5.0, **{f"tokens/{name}": int(totals[name]) for name in shares}})
         sink.close()
 
-    log(MetricsSink(run, 100, 0, SimpleNamespace(mode="disabled"), {}, enabled=True), range(10, 50, 10),
-        shares_before)
+    log(MetricsSink(run, 100, 0, SimpleNamespace(mode="disabled"), {}, enabled=True), range(10, 50, 10), shares_before)
     totals.clear()  # as the checkpoint of step 30 holds them: the interval after it is not trained
     totals.update({name: round(share * per_interval) * resume_at // 10 for name, share in shares_before.items()})
-    log(MetricsSink(run, 100, resume_at, SimpleNamespace(mode="disabled"), {}, enabled=True),
-        range(resume_at + 10, last + 1, 10), shares_after)
+    log(
+        MetricsSink(run, 100, resume_at, SimpleNamespace(mode="disabled"), {}, enabled=True),
+        range(resume_at + 10, last + 1, 10),
+        shares_after,
+    )
 
 
 def _drawn(fig) -> tuple[dict[str, tuple[list, list]], list[float], list[str]]:
     """What the mixture figure drew: each source's per-interval share line, the steps of the change
     markers and their labels (read back from the Axes, not the pixels)."""
     top, bottom = fig.axes
-    lines = {line.get_gid()[len("share/"):]: (list(line.get_xdata()), list(line.get_ydata()))
-             for line in bottom.lines if (line.get_gid() or "").startswith("share/")}
+    lines = {
+        line.get_gid()[len("share/") :]: (list(line.get_xdata()), list(line.get_ydata()))
+        for line in bottom.lines
+        if (line.get_gid() or "").startswith("share/")
+    }
     marks = [line.get_xdata()[0] for line in top.lines if line.get_gid() == "mixture-change"]
     assert marks == [line.get_xdata()[0] for line in bottom.lines if line.get_gid() == "mixture-change"]
     return lines, marks, [text.get_text() for text in top.texts]
@@ -386,9 +460,13 @@ def test_a_reweighted_resume_is_marked_from_the_runs_log_and_a_dropped_source_fr
     say(f"{changed}source 'web' was reweighted: 3 -> 5")
     say(f"{changed}the share of source 'code' went from 0.7 to 0.5")
     say("resumed from run/checkpoints/step_00000030 at step 30")  # ... and the run resumed from an earlier one
-    assert resumed_changes(run / "log.txt") == {30: ["source 'code' was reweighted: 7 -> 5",
-                                                     "source 'web' was reweighted: 3 -> 5",
-                                                     "the share of source 'code' went from 0.7 to 0.5"]}
+    assert resumed_changes(run / "log.txt") == {
+        30: [
+            "source 'code' was reweighted: 7 -> 5",
+            "source 'web' was reweighted: 3 -> 5",
+            "the share of source 'code' went from 0.7 to 0.5",
+        ]
+    }
     lines, marks, labels = _drawn(data_mixture_figure(load_metrics(run)))
     assert lines["web"][1] == pytest.approx([30.0] * 3 + [50.0] * 3)
     assert marks == [30] and labels == ["'code' was reweighted: 7 -> 5; 'web' was reweighted: 3 -> 5"]

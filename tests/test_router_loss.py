@@ -15,8 +15,9 @@ E, K, LAYERS = 8, 2, 3
 def routed(batch: int, seq: int, seed: int = 0) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """Random router logits of every layer [batch*seq, E] and the softmax router's top-k choices."""
     gen = torch.Generator().manual_seed(seed)
-    logits = tuple(torch.randn(batch * seq, E, generator=gen, dtype=torch.float64).float().requires_grad_()
-                   for _ in range(LAYERS))
+    logits = tuple(
+        torch.randn(batch * seq, E, generator=gen, dtype=torch.float64).float().requires_grad_() for _ in range(LAYERS)
+    )
     return logits, tuple(torch.topk(x.softmax(-1), K, dim=-1).indices for x in logits)
 
 
@@ -28,8 +29,9 @@ def test_transformers_form_equals_transformers_function(padded):
         mask = torch.ones(3, 7, dtype=torch.long)
         mask[0, :4] = 0  # left padding
         mask[2, 5:] = 0  # right padding
-    ours, _, counts = router_losses(logits, chosen, E, token_mask=None if mask is None else mask.reshape(-1),
-                                    form="transformers")
+    ours, _, counts = router_losses(
+        logits, chosen, E, token_mask=None if mask is None else mask.reshape(-1), form="transformers"
+    )
     theirs = load_balancing_loss_func(logits, E, K, mask)
     torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)
     real = 21 if mask is None else int(mask.sum())
@@ -79,6 +81,7 @@ def test_global_batch_scope_pools_the_ranks_slot_counts(monkeypatch):
         def all_reduce(tensor, group=None):
             assert group == "dp"
             tensor += other
+
         return all_reduce
 
     monkeypatch.setattr(torch.distributed, "all_reduce", add(flat_b))
@@ -90,17 +93,27 @@ def test_global_batch_scope_pools_the_ranks_slot_counts(monkeypatch):
 
 
 def test_model_uses_the_configured_form():
-    values = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
-                  num_experts=E, num_experts_per_tok=K, moe_intermediate_size=16, max_position_embeddings=64,
-                  pad_token_id=0, eos_token_id=1, router_z_loss_coef=0.0)
+    values = dict(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=48,
+        num_experts=E,
+        num_experts_per_tok=K,
+        moe_intermediate_size=16,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        eos_token_id=1,
+        router_z_loss_coef=0.0,
+    )
     torch.manual_seed(0)
     model = MulaForCausalLM(MulaConfig(**values, router_aux_loss_type="transformers")).train()
     x = torch.randint(2, 64, (2, 9))
     mask = torch.ones(2, 9, dtype=torch.long)
     mask[1, :3] = 0
     out = model(x, attention_mask=mask, labels=x, output_router_logits=True)
-    torch.testing.assert_close(out.aux_loss, load_balancing_loss_func(out.router_logits, E, K, mask),
-                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(out.aux_loss, load_balancing_loss_func(out.router_logits, E, K, mask), atol=1e-6, rtol=0)
     torch.testing.assert_close(out.loss, out.lm_loss + 0.01 * out.aux_loss)
     out.loss.backward()
     assert model.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0

@@ -43,16 +43,27 @@ def op():
 
 
 def _ids(tokens, k, experts, gen, hot=False):
-    ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)]) if k <= experts \
+    ids = (
+        torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
+        if k <= experts
         else torch.randint(0, experts, (tokens, k), generator=gen)
+    )
     if hot:
         ids[:, 0] = experts - 1
     return ids
 
 
-@pytest.mark.parametrize("tokens, k, experts, hot", [
-    (1, 1, 1, False), (37, 3, 5, False), (300, 8, 64, True), (5000, 8, 240, False), (700, 2, 300, False),
-    (64, 4, 3, False)])
+@pytest.mark.parametrize(
+    "tokens, k, experts, hot",
+    [
+        (1, 1, 1, False),
+        (37, 3, 5, False),
+        (300, 8, 64, True),
+        (5000, 8, 240, False),
+        (700, 2, 300, False),
+        (64, 4, 3, False),
+    ],
+)
 def test_route_is_the_stable_sort_bitwise(op, tokens, k, experts, hot):
     """Large enough (5000 x 8 slots) for several chunks on several threads."""
     ids = _ids(tokens, k, experts, torch.Generator().manual_seed(tokens), hot)
@@ -97,8 +108,15 @@ def test_results_do_not_depend_on_the_thread_count(op):
         try:
             order, inverse, counts = op.route(ids, 64)
             table = inverse.view(6000, 8)
-            outs.append([order, inverse, counts, op.combine(src, table, None),
-                         *op.combine_backward(grad, src, order // 8, None, True)])
+            outs.append(
+                [
+                    order,
+                    inverse,
+                    counts,
+                    op.combine(src, table, None),
+                    *op.combine_backward(grad, src, order // 8, None, True),
+                ]
+            )
         finally:
             torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
@@ -121,8 +139,9 @@ def test_the_ops_pass_torch_library_opcheck(op, dtype):
     torch.library.opcheck(torch.ops.ds_optimus.combine_rows, (src, w, table.t().contiguous().t(), order // k))
     torch.library.opcheck(torch.ops.ds_optimus.combine_rows, (src, None, table, order // k))
     grad = torch.randn(tokens, hidden, generator=gen).to(dtype)
-    torch.library.opcheck(torch.ops.ds_optimus.combine_rows_backward,
-                          (grad, src.detach(), order // k, w.detach(), True))
+    torch.library.opcheck(
+        torch.ops.ds_optimus.combine_rows_backward, (grad, src.detach(), order // k, w.detach(), True)
+    )
 
 
 def test_bad_input_is_one_line(op):
@@ -156,11 +175,14 @@ def test_layer_with_the_kernels_matches_the_pytorch_path(monkeypatch, dtype):
         assert ((a.double() - b.double()).norm() / b.double().norm()).item() <= tol
 
 
-EXCHANGES = {"per-slot": {"size": 2, "dedup": False}, "dedup": {"size": 2, "dedup": True},
-             "dedup-chunked": {"size": 2, "dedup": True, "chunks": 3},
-             "allgather": {"size": 2, "dispatch": "allgather"},
-             "hierarchical": {"size": 4, "node_size": 2, "dedup": False},
-             "hierarchical-dedup": {"size": 4, "node_size": 2, "dedup": True}}
+EXCHANGES = {
+    "per-slot": {"size": 2, "dedup": False},
+    "dedup": {"size": 2, "dedup": True},
+    "dedup-chunked": {"size": 2, "dedup": True, "chunks": 3},
+    "allgather": {"size": 2, "dispatch": "allgather"},
+    "hierarchical": {"size": 4, "node_size": 2, "dedup": False},
+    "hierarchical-dedup": {"size": 4, "node_size": 2, "dedup": True},
+}
 
 
 def _exchanges(monkeypatch, choice: str, names: list[str], world: int):
@@ -172,6 +194,7 @@ def _exchanges(monkeypatch, choice: str, names: list[str], world: int):
 
 def _assert_close(got, want, tol, kernel):
     """Within `tol`, and `got` ran on the `kernel` module alone, `want` on the PyTorch path."""
+
     def rel(a, b):
         return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
@@ -190,8 +213,11 @@ def _assert_close(got, want, tol, kernel):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world, names", [(2, ["per-slot", "dedup", "dedup-chunked", "allgather"]),
-                                          (4, ["hierarchical", "hierarchical-dedup"])], ids=["flat", "hierarchical"])
+@pytest.mark.parametrize(
+    "world, names",
+    [(2, ["per-slot", "dedup", "dedup-chunked", "allgather"]), (4, ["hierarchical", "hierarchical-dedup"])],
+    ids=["flat", "hierarchical"],
+)
 def test_every_exchange_with_the_compiled_op_matches_the_pytorch_path(monkeypatch, world, names):
     """Each exchange, and the per-slot one with a capacity limit, with the compiled op and with the
     PyTorch path, through the 4-layer tiny model. The sums are in the same order but for the weights'
@@ -210,11 +236,19 @@ def test_every_exchange_with_the_triton_kernels_matches_the_pytorch_path(monkeyp
     needs.module("triton", "pip install triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     names = ["per-slot", "dedup", "dedup-chunked", "allgather"]
-    _assert_close(_exchanges(monkeypatch, "triton", names, 2), _exchanges(monkeypatch, "reference", names, 2), 1e-5,
-                  "_triton_routing")
+    _assert_close(
+        _exchanges(monkeypatch, "triton", names, 2),
+        _exchanges(monkeypatch, "reference", names, 2),
+        1e-5,
+        "_triton_routing",
+    )
     names = ["hierarchical", "hierarchical-dedup"]
-    _assert_close(_exchanges(monkeypatch, "triton", names, 4), _exchanges(monkeypatch, "reference", names, 4), 1e-5,
-                  "_triton_routing")
+    _assert_close(
+        _exchanges(monkeypatch, "triton", names, 4),
+        _exchanges(monkeypatch, "reference", names, 4),
+        1e-5,
+        "_triton_routing",
+    )
 
 
 def test_deepspeed_finds_the_builder_and_ds_report_lists_the_op():
@@ -228,8 +262,13 @@ def test_deepspeed_finds_the_builder_and_ds_report_lists_the_op():
     command = doc_block("DeepSpeed's op report lists it with its own", "bash").strip()
     assert command == "python -m ds_optimus.ds_report"
     ran(command)
-    done = subprocess.run([sys.executable, *command.split()[1:], "--hide_errors_and_warnings"],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, *command.split()[1:], "--hide_errors_and_warnings"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stderr
     line = next(line for line in done.stdout.splitlines() if line.startswith("moe_routing "))
     assert ("[YES]" in line) == prebuilt_available() and "[OKAY]" in line
@@ -279,9 +318,11 @@ def test_jit_build_says_one_line_and_loads(tmp_path):
     dead.wait()
     (folder / "lock").touch()
     (folder / "lock.owner").write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "since": 0.0}))
-    code = ("import ds_optimus; from ds_optimus.ops.op_builder import MoERoutingBuilder; import torch; "
-            "m = MoERoutingBuilder().jit_load(verbose=False); "
-            "print(m.__file__); print(m.route(torch.tensor([[1, 0]]), 2)[2].tolist())")
+    code = (
+        "import ds_optimus; from ds_optimus.ops.op_builder import MoERoutingBuilder; import torch; "
+        "m = MoERoutingBuilder().jit_load(verbose=False); "
+        "print(m.__file__); print(m.route(torch.tensor([[1, 0]]), 2)[2].tolist())"
+    )
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -318,11 +359,14 @@ def test_ds_build_ops_prebuilds_the_op_at_install(tmp_path, installed_copy):
     compiles the op into the installed package, which then loads it without building anything."""
     built = list((installed_copy / "ds_optimus" / "ops").glob("moe_routing_op*.so"))
     assert len(built) == 1
-    code = ("from ds_optimus.ops.op_builder import MoERoutingBuilder, prebuilt_available; "
-            "m = MoERoutingBuilder().load(); print(prebuilt_available(), m.__file__)")
+    code = (
+        "from ds_optimus.ops.op_builder import MoERoutingBuilder, prebuilt_available; "
+        "m = MoERoutingBuilder().load(); print(prebuilt_available(), m.__file__)"
+    )
     env = {**os.environ, "PYTHONPATH": str(installed_copy), "TORCH_EXTENSIONS_DIR": str(tmp_path / "none")}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600,
-                          cwd=tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split()[-2:] == ["True", str(built[0])]
     assert "compiling" not in done.stderr and not (tmp_path / "none").exists()

@@ -29,17 +29,27 @@ def _ids(tokens: int, k: int, experts: int, kind: str, gen: torch.Generator) -> 
     if kind == "random":  # distinct experts per token, as top-k gives
         return torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
     if kind == "hot":  # expert 3 takes every token's first slot
-        rest = torch.stack([torch.randperm(experts - 1, generator=gen)[:k - 1] + 4 for _ in range(tokens)])
+        rest = torch.stack([torch.randperm(experts - 1, generator=gen)[: k - 1] + 4 for _ in range(tokens)])
         return torch.cat([torch.full((tokens, 1), 3), rest % experts], 1)
     if kind == "few":  # only experts 1 and 2 are chosen: the others get no slot
         return torch.randint(1, 3, (tokens, k), generator=gen)
     return torch.randint(0, experts, (tokens, k), generator=gen)  # "repeats": a token may pick one twice
 
 
-@pytest.mark.parametrize("tokens,k,experts,kind", [
-    (1, 1, 1, "random"), (37, 1, 1, "random"), (50, 2, 5, "random"), (33, 3, 7, "repeats"),
-    (40, 4, 300, "random"), (45, 2, 300, "hot"), (30, 4, 64, "hot"), (29, 3, 40, "few"), (64, 2, 8, "random"),
-])
+@pytest.mark.parametrize(
+    "tokens,k,experts,kind",
+    [
+        (1, 1, 1, "random"),
+        (37, 1, 1, "random"),
+        (50, 2, 5, "random"),
+        (33, 3, 7, "repeats"),
+        (40, 4, 300, "random"),
+        (45, 2, 300, "hot"),
+        (30, 4, 64, "hot"),
+        (29, 3, 40, "few"),
+        (64, 2, 8, "random"),
+    ],
+)
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 def test_route_matches_reference(tokens, k, experts, kind, index_dtype):
     gen = torch.Generator().manual_seed(tokens * 1000 + experts)

@@ -63,9 +63,13 @@ def test_clipping_waits_for_the_end_of_the_warm_up(tmp_path, cache, path):
     stage, sharded, optimizer = PATHS[path]
 
     def config(name: str, clip: float, after_warmup: bool) -> dict:
-        c = tiny_config(tmp_path / name, cache, sharded_optimizer={"enabled": sharded},
-                        train={"steps": 5, "warmup_steps": 2, "eval_interval": 0, "clip_after_warmup": after_warmup},
-                        checkpoint={"interval": 0})
+        c = tiny_config(
+            tmp_path / name,
+            cache,
+            sharded_optimizer={"enabled": sharded},
+            train={"steps": 5, "warmup_steps": 2, "eval_interval": 0, "clip_after_warmup": after_warmup},
+            checkpoint={"interval": 0},
+        )
         c["zero_optimization"] = {"stage": stage}
         c["gradient_clipping"] = clip
         c["optimizer"]["params"].update(lr=0.05, betas=[0.0, 0.999], eps=1.0, weight_decay=0.0)
@@ -83,23 +87,31 @@ def test_clipping_waits_for_the_end_of_the_warm_up(tmp_path, cache, path):
 
 def test_clip_after_warmup_reads_the_warm_up_and_the_clip_value():
     assert delayed_clipping({"gradient_clipping": 1.0}, 2500) == (1.0, 2500)
-    assert delayed_clipping({"gradient_clipping": 0.5, "scheduler": {"type": "WarmupCosineLR", "params": {
-        "warmup_num_steps": 40}}}, 2500) == (0.5, 40)
+    assert delayed_clipping(
+        {"gradient_clipping": 0.5, "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 40}}}, 2500
+    ) == (0.5, 40)
     assert delayed_clipping({"gradient_clipping": 1, "scheduler": {"type": "WarmupLR"}}, 0) == (1.0, 1000)
     assert [clip_for_step(s, 1.0, 2) for s in (1, 2, 3, 4)] == [0.0, 0.0, 1.0, 1.0]  # the seed: step_id >= warmup
     with pytest.raises(ConfigError, match=r"needs a warm-up, but optimus.train.warmup_steps is 0 \(clipping would "):
         delayed_clipping({"gradient_clipping": 1.0}, 0)
 
 
-@pytest.mark.parametrize("ds_config, message", [
-    ({}, "optimus.train.clip_after_warmup needs gradient_clipping > 0, got none"),
-    ({"gradient_clipping": None}, "optimus.train.clip_after_warmup needs gradient_clipping > 0, got none"),
-    ({"gradient_clipping": 1.0, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}},
-     "optimus.train.clip_after_warmup needs a warm-up, but the scheduler's warmup_num_steps is 0"),
-    ({"gradient_clipping": 0}, "optimus.train.clip_after_warmup needs gradient_clipping > 0, got 0"),
-    ({"gradient_clipping": 1.0, "scheduler": {"type": "OneCycle"}},
-     "optimus.train.clip_after_warmup needs a warm-up, but scheduler 'OneCycle' has none"),
-])
+@pytest.mark.parametrize(
+    "ds_config, message",
+    [
+        ({}, "optimus.train.clip_after_warmup needs gradient_clipping > 0, got none"),
+        ({"gradient_clipping": None}, "optimus.train.clip_after_warmup needs gradient_clipping > 0, got none"),
+        (
+            {"gradient_clipping": 1.0, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}},
+            "optimus.train.clip_after_warmup needs a warm-up, but the scheduler's warmup_num_steps is 0",
+        ),
+        ({"gradient_clipping": 0}, "optimus.train.clip_after_warmup needs gradient_clipping > 0, got 0"),
+        (
+            {"gradient_clipping": 1.0, "scheduler": {"type": "OneCycle"}},
+            "optimus.train.clip_after_warmup needs a warm-up, but scheduler 'OneCycle' has none",
+        ),
+    ],
+)
 def test_clip_after_warmup_refuses_a_config_with_nothing_to_wait_for(ds_config, message, tmp_path):
     with pytest.raises(ConfigError, match=message):
         delayed_clipping(ds_config, 10)
@@ -175,24 +187,41 @@ def test_warmup_start_lr_sets_the_first_step_of_the_cosine_schedule():
     assert given(0) == pytest.approx(0.2) and given(4) == 1.0
 
 
-@pytest.mark.parametrize("value, tokens", [("4T", 4 * 10**12), ("100B", 10**11), ("2.5e9", 2_500_000_000),
-                                           (123456, 123456), (" 7m ", 7_000_000), ("1.5K", 1500),
-                                           ("4.1T", 4_100_000_000_000), ("8.2B", 8_200_000_000), (1e9, 10**9)])
+@pytest.mark.parametrize(
+    "value, tokens",
+    [
+        ("4T", 4 * 10**12),
+        ("100B", 10**11),
+        ("2.5e9", 2_500_000_000),
+        (123456, 123456),
+        (" 7m ", 7_000_000),
+        ("1.5K", 1500),
+        ("4.1T", 4_100_000_000_000),
+        ("8.2B", 8_200_000_000),
+        (1e9, 10**9),
+    ],
+)
 def test_token_counts_read_as_written(value, tokens):
     from ds_optimus.optim.schedule import token_count
 
     assert token_count(value, "k") == tokens
 
 
-@pytest.mark.parametrize("train, message", [
-    ({"tokens": "lots"}, r"^optimus\.train\.tokens must be a token count such as 100000000000, \"100B\" or \"4T\", "
-                         r"got 'lots'$"),
-    ({"tokens": 0}, r"^optimus\.train\.tokens must be a whole, positive number of tokens, got 0$"),
-    ({"stop_after_tokens": "0.5"}, r"^optimus\.train\.stop_after_tokens must be a whole, positive number"),
-    ({"lr_schedule": "linear"}, r"^optimus\.train\.lr_schedule must be one of cosine, optimus, got 'linear'$"),
-    ({"warmup_start_lr": "max"}, r"^optimus\.train\.warmup_start_lr must be null, \"min\" or an LR >= 0"),
-    ({"decay_after_update": 1}, r"^optimus\.train\.decay_after_update must be true or false, got 1$"),
-])
+@pytest.mark.parametrize(
+    "train, message",
+    [
+        (
+            {"tokens": "lots"},
+            r"^optimus\.train\.tokens must be a token count such as 100000000000, \"100B\" or \"4T\", "
+            r"got 'lots'$",
+        ),
+        ({"tokens": 0}, r"^optimus\.train\.tokens must be a whole, positive number of tokens, got 0$"),
+        ({"stop_after_tokens": "0.5"}, r"^optimus\.train\.stop_after_tokens must be a whole, positive number"),
+        ({"lr_schedule": "linear"}, r"^optimus\.train\.lr_schedule must be one of cosine, optimus, got 'linear'$"),
+        ({"warmup_start_lr": "max"}, r"^optimus\.train\.warmup_start_lr must be null, \"min\" or an LR >= 0"),
+        ({"decay_after_update": 1}, r"^optimus\.train\.decay_after_update must be true or false, got 1$"),
+    ],
+)
 def test_schedule_keys_refuse_bad_values_in_one_line(train, message):
     with pytest.raises(ConfigError, match=message):
         OptimusConfig.from_ds_config({"optimus": {"train": train}})
@@ -204,9 +233,11 @@ def test_schedule_keys_that_contradict_each_other_are_refused(tmp_path):
     config = tiny_config(tmp_path, tmp_path, train={"tokens": "1M"})  # tiny_config gives steps too
     with pytest.raises(ConfigError) as err:
         check_run_config(config)
-    assert str(err.value) == ("optimus.train.steps and optimus.train.tokens both give the run's length; set one: "
-                              "--set optimus.train.steps=null to size it in tokens (steps = tokens / tokens per step), "
-                              "or --set optimus.train.tokens=null to give steps")
+    assert str(err.value) == (
+        "optimus.train.steps and optimus.train.tokens both give the run's length; set one: "
+        "--set optimus.train.steps=null to size it in tokens (steps = tokens / tokens per step), "
+        "or --set optimus.train.tokens=null to give steps"
+    )
     # the first way out, taken from the command line: steps null, the length in tokens
     from ds_optimus.config import resolve_schedule
     from ds_optimus.schema import apply_overrides
@@ -214,8 +245,11 @@ def test_schedule_keys_that_contradict_each_other_are_refused(tmp_path):
     switched = apply_overrides(config, ["optimus.train.steps=null"])
     assert resolve_schedule(check_run_config(switched), 1024).train.steps == 977  # ceil(1M / 1,024)
     neither = apply_overrides(switched, ["optimus.train.tokens=null"])
-    with pytest.raises(ConfigError, match=r"^optimus\.train\.steps must be a positive integer \(or null, with "
-                                          r"optimus\.train\.tokens giving the run's length\), got None$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^optimus\.train\.steps must be a positive integer \(or null, with "
+        r"optimus\.train\.tokens giving the run's length\), got None$",
+    ):
         check_run_config(neither)
     config = tiny_config(tmp_path, tmp_path, train={"lr_schedule": "optimus"})
     config["scheduler"] = {"type": "WarmupLR"}
@@ -243,14 +277,25 @@ def schedule_worker(rank: int, world: int, config: dict) -> dict:
     seen = Schedule()
     trainer = Trainer(config, callbacks=[seen])
     summary = trainer.train()
-    return {"lrs": seen.lrs, "after_first": seen.after_first, "steps": trainer.opt.train.steps,
-            "tokens_per_step": trainer.tokens_per_step, "finished": summary["finished"],
-            "end": getattr(trainer, "step", summary["start_step"]), "nothing_to_do": summary.get("nothing_to_do")}
+    return {
+        "lrs": seen.lrs,
+        "after_first": seen.after_first,
+        "steps": trainer.opt.train.steps,
+        "tokens_per_step": trainer.tokens_per_step,
+        "finished": summary["finished"],
+        "end": getattr(trainer, "step", summary["start_step"]),
+        "nothing_to_do": summary.get("nothing_to_do"),
+    }
 
 
 def _run_config(tmp_path, cache, name, train, sharded=True, stage=1):
-    c = tiny_config(tmp_path / name, cache, sharded_optimizer={"enabled": sharded},
-                    train={"eval_interval": 0, "export": False, **train}, checkpoint={"interval": 0})
+    c = tiny_config(
+        tmp_path / name,
+        cache,
+        sharded_optimizer={"enabled": sharded},
+        train={"eval_interval": 0, "export": False, **train},
+        checkpoint={"interval": 0},
+    )
     c["zero_optimization"] = {"stage": stage}
     return c
 
@@ -283,8 +328,14 @@ def test_decay_after_update_shrinks_the_updated_weights(tmp_path, cache, path):
     lr, wd = 0.05, 0.5  # lr^2 wd = 1.25e-3 times |u| ~ 1 at the first Adam step: far above fp32 rounding
 
     def run(name, weight_decay, after):
-        c = _run_config(tmp_path, cache, name, {"steps": 1, "warmup_steps": 0, "decay_after_update": after},
-                        sharded=sharded, stage=stage)
+        c = _run_config(
+            tmp_path,
+            cache,
+            name,
+            {"steps": 1, "warmup_steps": 0, "decay_after_update": after},
+            sharded=sharded,
+            stage=stage,
+        )
         c["optimizer"]["params"].update(lr=lr, weight_decay=weight_decay)
         return run_distributed(schedule_worker, 1, c)[0]["after_first"]
 

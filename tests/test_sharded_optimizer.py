@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _covered(runs, numels):
     seen = [torch.zeros(n, dtype=torch.int) for n in numels]
     for r in runs:
-        seen[r.param][r.start:r.start + r.length] += 1
+        seen[r.param][r.start : r.start + r.length] += 1
     return seen
 
 
@@ -63,8 +63,9 @@ SPECS = {
     "EP=4 ZeRO-2": dict(ep=4, stage=2, micro=1, gas=1),
     "EP=2 ZeRO-1, accumulation 2, clipping": dict(ep=2, stage=1, micro=1, gas=2, clip=0.5),
     "EP=4 ZeRO-2, accumulation 2, clipping, small buckets": dict(ep=4, stage=2, micro=1, gas=2, clip=0.5, bucket=3000),
-    "EP=2 ZeRO-2, accumulation 2, overlapped reduction": dict(ep=2, stage=2, micro=1, gas=2, bucket=3000,
-                                                              sharded_options={"overlap_comm": True}),
+    "EP=2 ZeRO-2, accumulation 2, overlapped reduction": dict(
+        ep=2, stage=2, micro=1, gas=2, bucket=3000, sharded_options={"overlap_comm": True}
+    ),
     # the norm's partial sums over rows of 97 elements: rows and a tail shorter than a row
     "EP=2 ZeRO-1, clipping, the gradient norm in rows": dict(ep=2, stage=1, micro=1, gas=1, clip=0.5, squares_row=97),
 }
@@ -119,13 +120,21 @@ def test_checkpoint_resumes_on_other_layouts(tmp_path):
     accumulation), by 4 ranks at EP=4 in ZeRO-1 mode, and by 1 process: steps 6-10 give the losses of
     the run that never stopped (with an LR schedule that changes the rate every step)."""
     save = tmp_path / "ckpt"
-    full = run_distributed(W.train, WORLD, dict(ep=2, stage=2, sharded=True, micro=1, gas=1, steps=10, scheduler=True,
-                                                save_at=5, save_dir=str(save)))[0]["losses"]
+    full = run_distributed(
+        W.train,
+        WORLD,
+        dict(ep=2, stage=2, sharded=True, micro=1, gas=1, steps=10, scheduler=True, save_at=5, save_dir=str(save)),
+    )[0]["losses"]
     assert (save / "latest").read_text() == "global_step5"
     meta = json.loads((save / "global_step5" / "meta.json").read_text())
     assert (meta["world_size"], meta["ep_size"]) == (4, 2)
-    assert {"model_dense.pt", "model_experts_ep000.pt", "model_experts_ep001.pt", "optim_rank00003.pt",
-            "engine.pt"} <= set(meta["files"])
+    assert {
+        "model_dense.pt",
+        "model_experts_ep000.pt",
+        "model_experts_ep001.pt",
+        "optim_rank00003.pt",
+        "engine.pt",
+    } <= set(meta["files"])
     _assert_the_manifest_holds_every_element_once(meta)
     # benchmarks/checkpoint_index.py, which sizes the index at the seed's scale, lays the state out as
     # the optimizer does: for this layout (EP 2 on 4 ranks, buckets of 20,000) its runs are the manifest's
@@ -134,13 +143,18 @@ def test_checkpoint_resumes_on_other_layouts(tmp_path):
     found.loader.exec_module(bench)
     model = W.tiny_model()
     laid = bench.spaces(model, model.config, pp=1, ep=2, dp=4, shard=None, bucket_size=20000)
-    assert sorted(tuple(run) for owners in laid.values() for runs in owners.values() for run in runs) == \
-        sorted(tuple(run) for name, record in meta["files"].items() if name.startswith("optim_")
-               for run in record["holds"])
-    for world, spec in [(4, dict(ep=2, stage=2, gas=1)), (2, dict(ep=2, stage=2, gas=2)),
-                        (4, dict(ep=4, stage=1, gas=1)), (1, dict(ep=1, stage=2, gas=4))]:
-        resumed = run_distributed(W.train, world, dict(spec, sharded=True, micro=1, steps=10, scheduler=True,
-                                                       load=str(save)))
+    assert sorted(tuple(run) for owners in laid.values() for runs in owners.values() for run in runs) == sorted(
+        tuple(run) for name, record in meta["files"].items() if name.startswith("optim_") for run in record["holds"]
+    )
+    for world, spec in [
+        (4, dict(ep=2, stage=2, gas=1)),
+        (2, dict(ep=2, stage=2, gas=2)),
+        (4, dict(ep=4, stage=1, gas=1)),
+        (1, dict(ep=1, stage=2, gas=4)),
+    ]:
+        resumed = run_distributed(
+            W.train, world, dict(spec, sharded=True, micro=1, steps=10, scheduler=True, load=str(save))
+        )
         losses = resumed[0]["losses"]
         assert sorted(losses) == [6, 7, 8, 9, 10]
         assert _rel(losses, {k: full[k] for k in losses}) < 1e-6, (world, spec)
@@ -184,18 +198,35 @@ def test_a_rank_opens_the_optimizer_files_that_hold_its_elements_or_all_without_
         def own_runs(self):
             return [(0, 10, 20, 0), (1, 0, 5, 20)]
 
-    held = {"f0": [["w", 0, 10], ["b", 0, 2]], "f1": [["w", 10, 10]], "f2": [["w", 20, 20]], "f3": [["w", 40, 9]],
-            "f4": [], "f5": [["b", 5, 3]], "f6": [["w", 0, 10]], "f7": [["w", 30, 10]], "f8": [["w", 29, 1]]}
+    held = {
+        "f0": [["w", 0, 10], ["b", 0, 2]],
+        "f1": [["w", 10, 10]],
+        "f2": [["w", 20, 20]],
+        "f3": [["w", 40, 9]],
+        "f4": [],
+        "f5": [["b", 5, 3]],
+        "f6": [["w", 0, 10]],
+        "f7": [["w", 30, 10]],
+        "f8": [["w", 29, 1]],
+    }
     # f6 ends where this rank's run of w starts, f7 starts where it ends: neither holds any of it
     assert files_holding(held, [Space()]) == ["f0", "f1", "f2", "f8"]
     assert files_holding({**held, "f9": None}, [Space()]) == [*held, "f9"]  # a manifest from before the index
-    meta = {"world_size": 3, "files": {"optim_rank00000.pt": {"holds": [["x", 0, 4]]},
-                                       "optim_rank00001.pt": {"holds": []}, "optim_rank00002.pt": {"holds": []}}}
+    meta = {
+        "world_size": 3,
+        "files": {
+            "optim_rank00000.pt": {"holds": [["x", 0, 4]]},
+            "optim_rank00001.pt": {"holds": []},
+            "optim_rank00002.pt": {"holds": []},
+        },
+    }
     assert optimizer_files(meta, [Space()]) == ["optim_rank00000.pt"]  # none holds its elements: still a step
     meta["files"]["optim_rank00002.pt"] = {"holds": [["b", 3, 1]]}
     assert optimizer_files(meta, [Space()]) == ["optim_rank00002.pt"]
-    assert optimizer_files({"world_size": 2, "files": ["optim_rank00000.pt", "optim_rank00001.pt"]},
-                           [Space()]) == ["optim_rank00000.pt", "optim_rank00001.pt"]  # names-only manifest
+    assert optimizer_files({"world_size": 2, "files": ["optim_rank00000.pt", "optim_rank00001.pt"]}, [Space()]) == [
+        "optim_rank00000.pt",
+        "optim_rank00001.pt",
+    ]  # names-only manifest
 
 
 @pytest.mark.slow
@@ -261,7 +292,7 @@ def test_fp16_overflow_is_skipped_on_every_rank_and_the_scale_halves():
 def test_loss_scaler_window_and_hysteresis():
     from ds_optimus.optim.sharded import LossScaler
 
-    scaler = LossScaler(2.0 ** 8, dynamic=True, window=3, hysteresis=2)
+    scaler = LossScaler(2.0**8, dynamic=True, window=3, hysteresis=2)
     for overflow, expected in [(False, 256), (True, 256), (True, 128), (False, 128), (False, 128), (False, 256)]:
         scaler.update(overflow)
         assert scaler.cur_scale == expected
@@ -287,9 +318,11 @@ def test_bad_settings_are_one_line_errors():
     assert stage3 == "optimus.sharded_optimizer needs zero_optimization.stage 1 or 2, got 3"
     assert sgd == "the sharded optimizer runs Adam or AdamW; the config's optimizer is SGD"
     assert bucket.startswith("optimus.sharded_optimizer.bucket_size must be a positive integer")
-    assert unused == ("optimus.sharded_optimizer.shard_group_size is set but optimus.sharded_optimizer.enabled is "
-                      "false: DeepSpeed's ZeRO optimizer would run without it; enable the sharded optimizer or drop "
-                      "the setting")
+    assert unused == (
+        "optimus.sharded_optimizer.shard_group_size is set but optimus.sharded_optimizer.enabled is "
+        "false: DeepSpeed's ZeRO optimizer would run without it; enable the sharded optimizer or drop "
+        "the setting"
+    )
     assert unused_overlap.startswith("optimus.sharded_optimizer.overlap_param_gather is set but")
 
 
@@ -339,14 +372,19 @@ def _hybrid_cases(tmp_path) -> dict[str, dict]:
         "full from group 2": case(None, True, load=hybrid),
         "group 3": case(3, expect_error=True),
         # every EP exchange: full sharding against shard groups of 2 with the overlapped gather
-        **{f"{label} {kind}": case(*args, steps=5, **layout) for label, layout in EXCHANGES.items()
-           for kind, args in (("full", ()), ("group 2 overlapped", (2, True)))},
+        **{
+            f"{label} {kind}": case(*args, steps=5, **layout)
+            for label, layout in EXCHANGES.items()
+            for kind, args in (("full", ()), ("group 2 overlapped", (2, True)))
+        },
     }
 
 
-EXCHANGES = {"deduplicated in 2 chunks": {"exchange": {"dedup": True, "chunks": 2}},
-             "allgather": {"exchange": {"dispatch": "allgather"}},
-             "hierarchical EP 4": {"ep": 4, "exchange": {"node_size": 2, "dedup": True}}}
+EXCHANGES = {
+    "deduplicated in 2 chunks": {"exchange": {"dedup": True, "chunks": 2}},
+    "allgather": {"exchange": {"dispatch": "allgather"}},
+    "hierarchical EP 4": {"ep": 4, "exchange": {"node_size": 2, "dedup": True}},
+}
 
 
 @pytest.mark.slow
@@ -383,8 +421,12 @@ def test_hybrid_sharding_and_the_overlapped_gather_train_as_full_sharding(tmp_pa
     model = W.tiny_model()
     expert = sum(p.numel() for n, p in model.named_parameters() if "experts" in n)
     dense = sum(p.numel() for p in model.parameters()) - expert
-    for name, dense_shard, expert_shard in [("full", 4, 2), ("group 2", 2, 2), ("group 4 overlapped", 4, 2),
-                                            ("group 1 overlapped", 1, 1)]:
+    for name, dense_shard, expert_shard in [
+        ("full", 4, 2),
+        ("group 2", 2, 2),
+        ("group 4 overlapped", 4, 2),
+        ("group 1 overlapped", 1, 1),
+    ]:
         per_rank = {r[name]["state_bytes"]["optimizer_state"] for r in runs}
         assert per_rank == {12 * (dense // dense_shard + expert // 2 // expert_shard)}, (name, per_rank)
     # a NaN on one rank skips the step everywhere, and the skipped step gathers nothing new
@@ -393,21 +435,28 @@ def test_hybrid_sharding_and_the_overlapped_gather_train_as_full_sharding(tmp_pa
     assert close("group 2 overlapped, NaN at step 4", "full, NaN at step 4")
     assert _rel(losses("bf16 group 2 overlapped"), losses("bf16 full")) < 2e-2
     # resume across shard group sizes: steps 6-10 as the runs that never stopped
-    for name, source in [("group 2 from full", "full"), ("group 1 from group 2", "group 2 overlapped"),
-                         ("full from group 2", "group 2 overlapped")]:
+    for name, source in [
+        ("group 2 from full", "full"),
+        ("group 1 from group 2", "group 2 overlapped"),
+        ("full from group 2", "group 2 overlapped"),
+    ]:
         assert sorted(losses(name)) == [6, 7, 8, 9, 10]
         assert _rel(losses(name), {k: losses(source)[k] for k in losses(name)}) < 2e-6, name
     # only a shard's first replica saves it: the manifest's index still covers every element once, and
     # no resume opens every optimizer file. In shard groups of 2, ranks 2 and 3 replicate the dense
     # state of 0 and 1 and save none of it; a rank with all its state (S = 1) opens the files of the
     # dense shards (0, 1) and of its own EP rank's expert shards (0, 2 or 1, 3).
-    _assert_the_manifest_holds_every_element_once(json.loads((tmp_path / "hybrid" / "global_step5" / "meta.json")
-                                                             .read_text()))
-    opened = {name: [sorted(f for f in r[name]["opened"] if f.startswith("optim_")) for r in runs]
-              for name in ("group 2 from full", "group 1 from group 2", "full from group 2")}
+    _assert_the_manifest_holds_every_element_once(
+        json.loads((tmp_path / "hybrid" / "global_step5" / "meta.json").read_text())
+    )
+    opened = {
+        name: [sorted(f for f in r[name]["opened"] if f.startswith("optim_")) for r in runs]
+        for name in ("group 2 from full", "group 1 from group 2", "full from group 2")
+    }
     assert opened["group 1 from group 2"] == [[f"optim_rank{q:05d}.pt" for q in (0, 1, 2 + r % 2)] for r in range(4)]
     assert all(len(files) < 4 for per_rank in opened.values() for files in per_rank), opened
     for label in EXCHANGES:
         assert close(f"{label} group 2 overlapped", f"{label} full"), label
-    assert first["group 3"]["error"] == ("LayoutError: shard group size 3 does not divide the 4 ranks of the "
-                                         "data-parallel group (dense)")
+    assert first["group 3"]["error"] == (
+        "LayoutError: shard group size 3 does not divide the 4 ranks of the data-parallel group (dense)"
+    )

@@ -36,10 +36,16 @@ def test_count_parameters_matches_meta_model_exactly(name):
 
 @pytest.mark.parametrize(
     "overrides",
-    [dict(moe_layer_freq=2), dict(num_experts=0), dict(tie_word_embeddings=True, qk_norm=False),
-     dict(attention_bias=True, router_bias_update_rate=0.001), dict(intermediate_size=None),
-     dict(norm_type="layer_norm"), dict(norm_type="layer_norm", norm_elementwise_affine=False),
-     dict(norm_elementwise_affine=False, moe_layer_freq=2)],
+    [
+        dict(moe_layer_freq=2),
+        dict(num_experts=0),
+        dict(tie_word_embeddings=True, qk_norm=False),
+        dict(attention_bias=True, router_bias_update_rate=0.001),
+        dict(intermediate_size=None),
+        dict(norm_type="layer_norm"),
+        dict(norm_type="layer_norm", norm_elementwise_affine=False),
+        dict(norm_elementwise_affine=False, moe_layer_freq=2),
+    ],
 )
 def test_count_parameters_matches_meta_model_for_variants(overrides):
     config = MulaConfig.from_preset("mula-tiny-moe", **overrides)
@@ -75,7 +81,12 @@ def test_presets_have_the_seed_s_fields(name):
     c = MulaConfig.from_preset(name)
     layers, hidden, heads, experts, ffn = SEED_SHAPES[name]
     assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.num_experts) == (
-        layers, hidden, heads, heads, experts)
+        layers,
+        hidden,
+        heads,
+        heads,
+        experts,
+    )
     assert c.head_dim == 128 and c.vocab_size == 50304 and not c.tie_word_embeddings
     assert c.rope_parameters["rope_theta"] == 10000
     if experts:  # OLMoE's recipe: QK-norm, RMSNorm, softmax top-8 without renormalisation, every layer MoE

@@ -12,8 +12,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # where each part of the installed package lives in the repository (setup.py's package_dir)
-SOURCES = {"ds_optimus": ROOT / "ds_optimus", "ds_optimus.ops": ROOT / "ops",
-           "ds_optimus.hf_models": ROOT / "hf_models"}
+SOURCES = {
+    "ds_optimus": ROOT / "ds_optimus",
+    "ds_optimus.ops": ROOT / "ops",
+    "ds_optimus.hf_models": ROOT / "hf_models",
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -36,9 +39,12 @@ def _imports(name: str, path: Path) -> set[str]:
     handed) and are left out. `from . import mod` imports the submodule, not its package again."""
     is_package = path.name == "__init__.py"
     tree = ast.parse(path.read_text())
-    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                   and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING"
-                   for n in ast.walk(node)}
+    typing_only = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING"
+        for n in ast.walk(node)
+    }
     found = set()
     for node in ast.walk(tree):
         if id(node) in typing_only:
@@ -48,7 +54,7 @@ def _imports(name: str, path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = name.split(".")
-                base = base[:len(base) - node.level + (1 if is_package else 0)]
+                base = base[: len(base) - node.level + (1 if is_package else 0)]
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
@@ -87,7 +93,7 @@ def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(edges.get(node, ())):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state and (found := visit(nxt)):
                 return found
         stack.pop()
@@ -123,34 +129,47 @@ def test_no_import_cycle_between_subpackages():
 ON_TOP: set[str] = set()
 
 # Leaves every layer may use: they import nothing of ds_optimus themselves (checked below).
-SHARED_LEAVES = {"ds_optimus.command_line", "ds_optimus._lazy", "ds_optimus.progress", "ds_optimus.launch.environment",
-                 "ds_optimus.launch.hosts", "ds_optimus.run_log"}
+SHARED_LEAVES = {
+    "ds_optimus.command_line",
+    "ds_optimus._lazy",
+    "ds_optimus.progress",
+    "ds_optimus.launch.environment",
+    "ds_optimus.launch.hosts",
+    "ds_optimus.run_log",
+}
 
 
-@pytest.mark.parametrize("lower, higher", [
-    ("ds_optimus.hf_models", "ds_optimus"),  # the model file loads as remote code without ds_optimus
-    ("ds_optimus.parallel", "ds_optimus.optim"),
-    ("ds_optimus.moe", "ds_optimus.parallel"),
-    ("ds_optimus.optim", "ds_optimus.reliability"),
-    ("ds_optimus.optim", "ds_optimus.config"),
-    ("ds_optimus.reliability", "ds_optimus.config"),
-    ("ds_optimus.config", "ds_optimus.train"),
-    ("ds_optimus.plan", "ds_optimus.train"),  # the trainer's --check uses the planner, not the other way round
-    ("ds_optimus.checkpoint.files", "ds_optimus"),
-    ("ds_optimus.checkpoint.rng", "ds_optimus"),
-    ("ds_optimus.schema", "ds_optimus"),
-    ("ds_optimus.report", "ds_optimus"),  # a reader of metrics files, usable without the training code
-    ("ds_optimus.command_line", "ds_optimus"),
-    ("ds_optimus._lazy", "ds_optimus"),
-    ("ds_optimus.progress", "ds_optimus"),
-    ("ds_optimus.launch.environment", "ds_optimus"),  # read by every command line before anything else
-    ("ds_optimus.launch.hosts", "ds_optimus"),
-    ("ds_optimus.run_log", "ds_optimus"),
-])
+@pytest.mark.parametrize(
+    "lower, higher",
+    [
+        ("ds_optimus.hf_models", "ds_optimus"),  # the model file loads as remote code without ds_optimus
+        ("ds_optimus.parallel", "ds_optimus.optim"),
+        ("ds_optimus.moe", "ds_optimus.parallel"),
+        ("ds_optimus.optim", "ds_optimus.reliability"),
+        ("ds_optimus.optim", "ds_optimus.config"),
+        ("ds_optimus.reliability", "ds_optimus.config"),
+        ("ds_optimus.config", "ds_optimus.train"),
+        ("ds_optimus.plan", "ds_optimus.train"),  # the trainer's --check uses the planner, not the other way round
+        ("ds_optimus.checkpoint.files", "ds_optimus"),
+        ("ds_optimus.checkpoint.rng", "ds_optimus"),
+        ("ds_optimus.schema", "ds_optimus"),
+        ("ds_optimus.report", "ds_optimus"),  # a reader of metrics files, usable without the training code
+        ("ds_optimus.command_line", "ds_optimus"),
+        ("ds_optimus._lazy", "ds_optimus"),
+        ("ds_optimus.progress", "ds_optimus"),
+        ("ds_optimus.launch.environment", "ds_optimus"),  # read by every command line before anything else
+        ("ds_optimus.launch.hosts", "ds_optimus"),
+        ("ds_optimus.run_log", "ds_optimus"),
+    ],
+)
 def test_layers_point_one_way(lower, higher):
-    offenders = sorted(f"{m} imports {t}" for m, targets in GRAPH.items() if m.startswith(lower) and m not in ON_TOP
-                       for t in targets if (t == higher or t.startswith(higher + ".")) and not t.startswith(lower)
-                       and t not in SHARED_LEAVES)
+    offenders = sorted(
+        f"{m} imports {t}"
+        for m, targets in GRAPH.items()
+        if m.startswith(lower) and m not in ON_TOP
+        for t in targets
+        if (t == higher or t.startswith(higher + ".")) and not t.startswith(lower) and t not in SHARED_LEAVES
+    )
     assert not offenders, offenders
 
 
@@ -171,7 +190,9 @@ def test_modeling_file_imports_only_torch_and_transformers_at_module_level():
 # long (a cap on modules made files be packed to fit it, which cost more clarity than it bought; split a
 # module where it holds two ideas instead); a function is the unit read at once. Command lines and the
 # planner's step model are the longest (an argument parser, or one formula per term, read top to bottom).
-FUNCTION_LINES = 100
+# Counted in `ruff format`'s lines, which spread a call over a line per argument: the package grew by a
+# fifth under it (17,068 -> 20,548 code lines), and the cap of 100 lines before it with it.
+FUNCTION_LINES = 120
 
 
 def test_no_function_is_longer_than_one_reader_takes_in():
@@ -201,6 +222,11 @@ def test_ds_optimus_calls_the_current_names_of_the_single_tensor_collectives():
     every call): ds_optimus calls them through `parallel.collectives` alone."""
     root = Path(__file__).resolve().parents[1] / "ds_optimus"
     old = re.compile(r"dist\.(all_gather_into_tensor|reduce_scatter_tensor|_all_gather_base|_reduce_scatter_base)\(")
-    calls = [f"{path.relative_to(root)}:{n}" for path in root.rglob("*.py") if path.name != "collectives.py"
-             for n, line in enumerate(path.read_text().splitlines(), 1) if old.search(line)]
+    calls = [
+        f"{path.relative_to(root)}:{n}"
+        for path in root.rglob("*.py")
+        if path.name != "collectives.py"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if old.search(line)
+    ]
     assert not calls, calls

@@ -35,8 +35,9 @@ def run(command, **kwargs):
 
 def test_backoff_doubles_up_to_its_cap_until_the_restarts_are_used_up(tmp_path):
     record = tmp_path / "attempts"
-    status, said, waits = run(exits(1, record), max_restarts=4, backoff=10, max_backoff=30,
-                              progress=tmp_path / "progress.json")
+    status, said, waits = run(
+        exits(1, record), max_restarts=4, backoff=10, max_backoff=30, progress=tmp_path / "progress.json"
+    )
     assert status == EXIT_GAVE_UP
     assert waits == [10, 20, 30, 30]
     assert record.read_text().split() == ["0", "1", "2", "3", "4"]  # each attempt knows its number
@@ -59,12 +60,16 @@ def test_two_failures_at_the_same_step_give_up_and_progress_restarts(tmp_path):
     assert status == EXIT_GAVE_UP and waits == [1]
     assert said[-1] == "supervise: two failures in a row after step 4 without progress; giving up"
     # a run that moves on between failures is restarted each time
-    code = (f"import json, sys; p = {str(progress)!r}; s = json.load(open(p))['step']; "
-            "json.dump({'step': s + 1}, open(p, 'w')); sys.exit(0 if s == 6 else 1)")
+    code = (
+        f"import json, sys; p = {str(progress)!r}; s = json.load(open(p))['step']; "
+        "json.dump({'step': s + 1}, open(p, 'w')); sys.exit(0 if s == 6 else 1)"
+    )
     status, said, waits = run([sys.executable, "-c", code], max_restarts=5, backoff=1, progress=progress)
     assert status == 0 and waits == [1, 2]
-    assert [line for line in said if "failed" in line] == ["supervise: attempt 0 failed with status 1 after step 5",
-                                                           "supervise: attempt 1 failed with status 1 after step 6"]
+    assert [line for line in said if "failed" in line] == [
+        "supervise: attempt 0 failed with status 1 after step 5",
+        "supervise: attempt 1 failed with status 1 after step 6",
+    ]
 
 
 def test_success_and_preemption_end_it_at_once(tmp_path):
@@ -82,8 +87,9 @@ def test_a_signal_during_the_backoff_starts_no_further_attempt(tmp_path):
         os.kill(os.getpid(), signal.SIGTERM)
 
     previous = signal.getsignal(signal.SIGTERM)
-    status = supervise(exits(1, record), max_restarts=3, backoff=5, progress=tmp_path / "p.json", log=said.append,
-                       sleep=sleep)
+    status = supervise(
+        exits(1, record), max_restarts=3, backoff=5, progress=tmp_path / "p.json", log=said.append, sleep=sleep
+    )
     assert status == 128 + signal.SIGTERM and record.read_text().split() == ["0"]
     assert said[-1] == f"supervise: signal {signal.SIGTERM} before attempt 1; not starting it"
     assert signal.getsignal(signal.SIGTERM) is previous  # its handlers are taken down again
@@ -94,22 +100,39 @@ def test_sigterm_reaches_the_run_whose_exit_status_is_the_supervisors(tmp_path, 
     """The supervisor as its own process, as a job script starts it; SIGTERM once the run is up (it says so
     by a file): the run gets the signal, exits with its own status, and is not restarted."""
     ready, got = tmp_path / "ready", tmp_path / "got"
-    child = ("import pathlib, signal, sys, time\n"
-             f"def stop(signum, frame):\n    pathlib.Path({str(got)!r}).write_text(str(signum))\n"
-             f"    sys.exit({status})\n"
-             f"signal.signal(signal.SIGTERM, stop)\npathlib.Path({str(ready)!r}).touch()\n"
-             "while True:\n    time.sleep(1)\n")
-    proc = subprocess.Popen([sys.executable, "-m", "ds_optimus.reliability.supervise", "--backoff", "0",
-                             "--progress", str(tmp_path / "p.json"), "--", sys.executable, "-c", child],
-                            stderr=subprocess.PIPE, text=True)
+    child = (
+        "import pathlib, signal, sys, time\n"
+        f"def stop(signum, frame):\n    pathlib.Path({str(got)!r}).write_text(str(signum))\n"
+        f"    sys.exit({status})\n"
+        f"signal.signal(signal.SIGTERM, stop)\npathlib.Path({str(ready)!r}).touch()\n"
+        "while True:\n    time.sleep(1)\n"
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ds_optimus.reliability.supervise",
+            "--backoff",
+            "0",
+            "--progress",
+            str(tmp_path / "p.json"),
+            "--",
+            sys.executable,
+            "-c",
+            child,
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     while not ready.exists():  # bounded by the test's own time-out only: no clock in the check
         assert proc.poll() is None, proc.stderr.read()
         time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == status and got.read_text() == str(int(signal.SIGTERM))
-    assert err.strip().splitlines()[-1] == f"supervise: the run exited with status {status} after a signal; " \
-                                           "not restarting"
+    assert (
+        err.strip().splitlines()[-1] == f"supervise: the run exited with status {status} after a signal; not restarting"
+    )
 
 
 def test_a_launch_refused_before_its_first_step_is_not_relaunched(tmp_path):
@@ -119,21 +142,30 @@ def test_a_launch_refused_before_its_first_step_is_not_relaunched(tmp_path):
     progress = tmp_path / "progress.json"
     asked = []
     reason = "optimus.expert_parallel.size 3 does not divide the data-parallel size 4"
-    status, said, waits = run(exits(2), max_restarts=3, backoff=30, progress=progress,
-                              refused=lambda nodes: asked.append(nodes) or reason)
+    status, said, waits = run(
+        exits(2), max_restarts=3, backoff=30, progress=progress, refused=lambda nodes: asked.append(nodes) or reason
+    )
     assert (status, waits, asked) == (2, [], [None])
-    assert said[-1] == (f"supervise: the trainer refuses this launch ({reason}); not restarting: every relaunch "
-                        "would stop on it")
+    assert said[-1] == (
+        f"supervise: the trainer refuses this launch ({reason}); not restarting: every relaunch would stop on it"
+    )
     log = (tmp_path / "log.txt").read_text()
     assert "supervise: attempt 0 failed with status 2 before its first step" in log and reason in log
     status, said, waits = run(exits(1), max_restarts=2, backoff=0, progress=progress, refused=lambda nodes: None)
     assert status == EXIT_GAVE_UP and waits == [0, 0]  # --check passes: a failure of another kind
     progress.write_text(json.dumps({"step": 4}))
-    code = (f"import json, sys; p = {str(progress)!r}; s = json.load(open(p))['step']; "
-            "json.dump({'step': s + 1}, open(p, 'w')); sys.exit(0 if s == 5 else 1)")
+    code = (
+        f"import json, sys; p = {str(progress)!r}; s = json.load(open(p))['step']; "
+        "json.dump({'step': s + 1}, open(p, 'w')); sys.exit(0 if s == 5 else 1)"
+    )
     asked.clear()
-    status, said, waits = run([sys.executable, "-c", code], max_restarts=2, backoff=0, progress=progress,
-                              refused=lambda nodes: asked.append(nodes) or reason)
+    status, said, waits = run(
+        [sys.executable, "-c", code],
+        max_restarts=2,
+        backoff=0,
+        progress=progress,
+        refused=lambda nodes: asked.append(nodes) or reason,
+    )
     assert status == 0 and asked == []  # it made progress: no config error, not asked
 
 
@@ -152,35 +184,55 @@ def test_ranks_that_ended_without_a_word_are_named_and_their_node_left_out(tmp_p
         heartbeat.close()
     code = f"import os, sys; sys.exit(0 if os.environ[{ATTEMPT_VAR!r}] == '1' else 1)"
     allocation = Allocation(["n1", "n2", "n3"], spares=1)
-    status, said, waits = run([sys.executable, "-c", code, "{hosts}"], max_restarts=2, backoff=0,
-                              progress=tmp_path / "progress.json", allocation=allocation)
+    status, said, waits = run(
+        [sys.executable, "-c", code, "{hosts}"],
+        max_restarts=2,
+        backoff=0,
+        progress=tmp_path / "progress.json",
+        allocation=allocation,
+    )
     assert status == 0
     assert [(f["step"], f["kind"], f["ranks"], f["hosts"], f["attempt"]) for f in read_faults(tmp_path)] == [
-        (3, "lost", [1], ["n2"], 0)]
-    assert (f"supervise: attempt 0: rank 1 (host n2) ended without a word at step 3 (killed outright, out of memory, "
-            f"or the node lost); recorded in {tmp_path}/faults.jsonl") in said
+        (3, "lost", [1], ["n2"], 0)
+    ]
+    assert (
+        f"supervise: attempt 0: rank 1 (host n2) ended without a word at step 3 (killed outright, out of memory, "
+        f"or the node lost); recorded in {tmp_path}/faults.jsonl"
+    ) in said
     assert "supervise: leaving out n2 (out: n2); running on 2 nodes, spares n3 in" in said
-    assert [(tmp_path / "hosts" / f"attempt-{i}.txt").read_text().split() for i in (0, 1)] == [["n1", "n2"],
-                                                                                            ["n1", "n3"]]
+    assert [(tmp_path / "hosts" / f"attempt-{i}.txt").read_text().split() for i in (0, 1)] == [
+        ["n1", "n2"],
+        ["n1", "n3"],
+    ]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--"], "no command to run (put it after --)"),
-    (["--max-restarts", "-1", "--", "true"], "--max-restarts and --backoff must be >= 0"),
-    (["--backoff", "-5", "--", "true"], "--max-restarts and --backoff must be >= 0"),
-    (["--", "mpiexec", "--hostfile", "{hostfile}", "true"], "{hostfile} needs --hosts (the allocation's nodes)"),
-    (["--probe", "true", "--", "true"], "--probe needs --hosts (the allocation's nodes)"),
-    (["--hosts", "pbs", "--", "true"], "--hosts pbs: PBS_NODEFILE is not set (not inside a job?)"),
-    (["--hosts", "slurm", "--", "true"], "--hosts slurm: SLURM_JOB_NODELIST is not set (not inside a job?)"),
-    (["--hosts", "HOSTS", "--ranks-per-node", "0", "--", "true"], "--ranks-per-node and --strikes must be >= 1"),
-    (["--hosts", "HOSTS", "--spares", "2", "--", "true"],
-     "--hosts HOSTS: 2 spare nodes leaves none of the allocation's 2 to run on"),
-    (["--hosts", "no-such-file", "--", "true"], "--hosts no-such-file: cannot read the host file 'no-such-file'"),
-    (["--hosts", "HOSTS", "--", "mpiexec", "-n", "{ranks}", "true"],
-     "{ranks} needs --ranks-per-node ({ranks} = nodes x ranks per node)"),
-    (["--hosts", "HOSTS", "--", "mpiexec", "--hostfile", "{hostsfile}", "true"],
-     "{hostsfile} in the command is not a placeholder (the supervisor fills {hostfile}, {hosts}, {nodes}, {ranks})"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--"], "no command to run (put it after --)"),
+        (["--max-restarts", "-1", "--", "true"], "--max-restarts and --backoff must be >= 0"),
+        (["--backoff", "-5", "--", "true"], "--max-restarts and --backoff must be >= 0"),
+        (["--", "mpiexec", "--hostfile", "{hostfile}", "true"], "{hostfile} needs --hosts (the allocation's nodes)"),
+        (["--probe", "true", "--", "true"], "--probe needs --hosts (the allocation's nodes)"),
+        (["--hosts", "pbs", "--", "true"], "--hosts pbs: PBS_NODEFILE is not set (not inside a job?)"),
+        (["--hosts", "slurm", "--", "true"], "--hosts slurm: SLURM_JOB_NODELIST is not set (not inside a job?)"),
+        (["--hosts", "HOSTS", "--ranks-per-node", "0", "--", "true"], "--ranks-per-node and --strikes must be >= 1"),
+        (
+            ["--hosts", "HOSTS", "--spares", "2", "--", "true"],
+            "--hosts HOSTS: 2 spare nodes leaves none of the allocation's 2 to run on",
+        ),
+        (["--hosts", "no-such-file", "--", "true"], "--hosts no-such-file: cannot read the host file 'no-such-file'"),
+        (
+            ["--hosts", "HOSTS", "--", "mpiexec", "-n", "{ranks}", "true"],
+            "{ranks} needs --ranks-per-node ({ranks} = nodes x ranks per node)",
+        ),
+        (
+            ["--hosts", "HOSTS", "--", "mpiexec", "--hostfile", "{hostsfile}", "true"],
+            "{hostsfile} in the command is not a placeholder "
+            "(the supervisor fills {hostfile}, {hosts}, {nodes}, {ranks})",
+        ),
+    ],
+)
 def test_argument_errors_are_one_line_and_run_nothing(tmp_path, monkeypatch, capsys, argv, message):
     (tmp_path / "HOSTS").write_text("n1\nn2\n")
     monkeypatch.chdir(tmp_path)

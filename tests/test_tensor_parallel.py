@@ -48,14 +48,25 @@ def split_worker(rank: int, world: int, preset: str, overrides: dict) -> dict:
             total += reference[name].numel()
         assert param.grad.shape == grad.shape, name
         worst[name] = (param.grad - grad).abs().max().item() / max(grad.abs().max().item(), 1e-30)
-    return {"loss": got.loss.item(), "expected": expected.loss.item(), "logits": got.logits.shape[-1],
-            "worst": worst, "held": held, "total": total, "splits": sorted(splits)}
+    return {
+        "loss": got.loss.item(),
+        "expected": expected.loss.item(),
+        "logits": got.logits.shape[-1],
+        "worst": worst,
+        "held": held,
+        "total": total,
+        "splits": sorted(splits),
+    }
 
 
-@pytest.mark.parametrize("preset, overrides", [
-    ("mula-tiny-dense", {}),
-    ("mula-tiny-moe", {"attention_bias": True}),
-], ids=["dense-tied", "moe-untied-bias"])
+@pytest.mark.parametrize(
+    "preset, overrides",
+    [
+        ("mula-tiny-dense", {}),
+        ("mula-tiny-moe", {"attention_bias": True}),
+    ],
+    ids=["dense-tied", "moe-untied-bias"],
+)
 def test_two_tensor_parallel_ranks_compute_the_whole_models_loss_and_gradients(preset, overrides):
     """float32: the split sums a matmul's products in two halves, so the loss agrees to a few float32
     roundings (rel 1e-5) and each gradient to 1e-4 of its largest element."""
@@ -153,12 +164,19 @@ def test_the_docs_example_runs_as_written(tmp_path):
 
     script = tmp_path / "tp_example.py"
     script.write_text(doc_block("## The split on its own", "python"))
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     said = sorted(re.findall(r"rank (\d): loss ([\d.]+), embedding rows held (\d+)", done.stdout))
-    shown = re.search(r"prints `rank 0: loss ([\d.]+), embedding rows held (\d+)` and the same for rank 1",
-                      (ROOT / "docs" / "parallelism.md").read_text())
+    shown = re.search(
+        r"prints `rank 0: loss ([\d.]+), embedding rows held (\d+)` and the same for rank 1",
+        (ROOT / "docs" / "parallelism.md").read_text(),
+    )
     assert shown and [(rank, rows) for rank, _, rows in said] == [("0", shown.group(2)), ("1", shown.group(2))]
     # the page rounds to 1e-4; another CPU's float32 sums may move the fifth decimal
     assert all(abs(float(loss) - float(shown.group(1))) <= 2e-4 for _, loss, _ in said), said
@@ -191,7 +209,6 @@ def test_the_parts_join_into_the_whole_models_folder(tmp_path):
 
     expected = build_model(_config("mula-tiny-moe"), seed=5).state_dict()
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in expected.items())
-
 
 
 class _FakeSpace:
@@ -264,9 +281,14 @@ def test_every_rank_gets_its_groups_with_tensor_parallelism_innermost(monkeypatc
 
     world = 16
     for rank in range(world):
-        fake = SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True,
-                               get_world_size=lambda group=None: world, get_rank=lambda group=None, r=rank: r,
-                               new_group=lambda ranks: tuple(ranks), group=SimpleNamespace(WORLD="world"))
+        fake = SimpleNamespace(
+            is_available=lambda: True,
+            is_initialized=lambda: True,
+            get_world_size=lambda group=None: world,
+            get_rank=lambda group=None, r=rank: r,
+            new_group=lambda ranks: tuple(ranks),
+            group=SimpleNamespace(WORLD="world"),
+        )
         monkeypatch.setattr(G, "dist", fake)
         G.destroy_expert_parallel_groups()
         G.init_tensor_parallel_groups(2)
@@ -274,10 +296,15 @@ def test_every_rank_gets_its_groups_with_tensor_parallelism_innermost(monkeypatc
         t, d = rank % 2, rank // 2
         position = list(range(t, world, 2))
         assert got.tensor.ranks == [rank - t, rank - t + 1] and got.dp_ranks == position
-        assert got.ep_ranks == position[d // 4 * 4:d // 4 * 4 + 4] and got.edp_ranks == position[d % 4::4]
-        assert got.intra_node_group == tuple(position[d // 2 * 2:d // 2 * 2 + 2])
-        assert got.inter_node_group == tuple(got.ep_ranks[d % 2::2])
-        assert got.edp_tp_group == tuple(sorted(position[d % 4::4] + [r + 1 - 2 * t for r in position[d % 4::4]]))
-        assert G.layout_position(rank, world, 1, 2, 4) == {"stage": 0, "tp_rank": t, "dp_rank": d, "dp_size": 8,
-                                                           "ep_rank": d % 4}
+        assert got.ep_ranks == position[d // 4 * 4 : d // 4 * 4 + 4] and got.edp_ranks == position[d % 4 :: 4]
+        assert got.intra_node_group == tuple(position[d // 2 * 2 : d // 2 * 2 + 2])
+        assert got.inter_node_group == tuple(got.ep_ranks[d % 2 :: 2])
+        assert got.edp_tp_group == tuple(sorted(position[d % 4 :: 4] + [r + 1 - 2 * t for r in position[d % 4 :: 4]]))
+        assert G.layout_position(rank, world, 1, 2, 4) == {
+            "stage": 0,
+            "tp_rank": t,
+            "dp_rank": d,
+            "dp_size": 8,
+            "ep_rank": d % 4,
+        }
     G.destroy_expert_parallel_groups()

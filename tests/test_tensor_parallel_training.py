@@ -50,31 +50,64 @@ def _reference(tmp: Path, cache: Path, **sections) -> dict:
 @pytest.fixture(scope="module")
 def references(tmp_path_factory, cache):
     """The one-process runs (the MoE preset, the dense one) every tensor-parallel run must reproduce."""
-    return {"moe": _reference(tmp_path_factory.mktemp("one-moe"), cache),
-            "dense": _reference(tmp_path_factory.mktemp("one-dense"), cache, model=DENSE),
-            "untied": _reference(tmp_path_factory.mktemp("one-untied"), cache, model=UNTIED),
-            "quiet": _reference(tmp_path_factory.mktemp("one-quiet"), cache, model=QUIET)}
+    return {
+        "moe": _reference(tmp_path_factory.mktemp("one-moe"), cache),
+        "dense": _reference(tmp_path_factory.mktemp("one-dense"), cache, model=DENSE),
+        "untied": _reference(tmp_path_factory.mktemp("one-untied"), cache, model=UNTIED),
+        "quiet": _reference(tmp_path_factory.mktemp("one-quiet"), cache, model=QUIET),
+    }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model, world, micro, layout", [
-    ("dense", 2, 2, {}),
-    ("untied", 4, 2, {"pipeline_parallel": {"size": 2}}),
-    ("moe", 2, 2, {"train": {"activation_checkpointing": ["attention", "norms"]}}),
-    ("moe", 4, 2, {"pipeline_parallel": {"size": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2}}),
-    ("moe", 4, 1, {"expert_parallel": {"size": 2}}),
-    ("moe", 4, 1, {"sharded_optimizer": {"enabled": True, "shard_group_size": 1}}),
-    ("untied", 2, 2, {"tensor_parallel": SP}),
-    ("untied", 4, 2, {"tensor_parallel": SP, "pipeline_parallel": {"size": 2},
-                      "train": {"activation_checkpointing": ["attention", "norms"]}}),
-    ("untied", 4, 1, {"tensor_parallel": SP}),
-    ("quiet", 2, 2, {"tensor_parallel": SP}),
-    ("quiet", 4, 1, {"tensor_parallel": SP, "expert_parallel": {"size": 2}}),
-    ("quiet", 4, 2, {"tensor_parallel": SP, "pipeline_parallel": {"size": 2, "schedule": "zbv", "virtual_stages": 2},
-                     "train": {"activation_checkpointing": True}}),
-], ids=["dense-tp2", "dense-tp2-pp2", "moe-tp2-recompute", "moe-tp2-pp2-interleaved", "moe-tp2-ep2", "moe-tp2-dp2",
-        "dense-tp2-sp", "dense-tp2-sp-pp2-recompute", "dense-tp2-sp-dp2", "moe-tp2-sp", "moe-tp2-sp-ep2",
-        "moe-tp2-sp-pp2-zbv-recompute"])
+@pytest.mark.parametrize(
+    "model, world, micro, layout",
+    [
+        ("dense", 2, 2, {}),
+        ("untied", 4, 2, {"pipeline_parallel": {"size": 2}}),
+        ("moe", 2, 2, {"train": {"activation_checkpointing": ["attention", "norms"]}}),
+        ("moe", 4, 2, {"pipeline_parallel": {"size": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2}}),
+        ("moe", 4, 1, {"expert_parallel": {"size": 2}}),
+        ("moe", 4, 1, {"sharded_optimizer": {"enabled": True, "shard_group_size": 1}}),
+        ("untied", 2, 2, {"tensor_parallel": SP}),
+        (
+            "untied",
+            4,
+            2,
+            {
+                "tensor_parallel": SP,
+                "pipeline_parallel": {"size": 2},
+                "train": {"activation_checkpointing": ["attention", "norms"]},
+            },
+        ),
+        ("untied", 4, 1, {"tensor_parallel": SP}),
+        ("quiet", 2, 2, {"tensor_parallel": SP}),
+        ("quiet", 4, 1, {"tensor_parallel": SP, "expert_parallel": {"size": 2}}),
+        (
+            "quiet",
+            4,
+            2,
+            {
+                "tensor_parallel": SP,
+                "pipeline_parallel": {"size": 2, "schedule": "zbv", "virtual_stages": 2},
+                "train": {"activation_checkpointing": True},
+            },
+        ),
+    ],
+    ids=[
+        "dense-tp2",
+        "dense-tp2-pp2",
+        "moe-tp2-recompute",
+        "moe-tp2-pp2-interleaved",
+        "moe-tp2-ep2",
+        "moe-tp2-dp2",
+        "dense-tp2-sp",
+        "dense-tp2-sp-pp2-recompute",
+        "dense-tp2-sp-dp2",
+        "moe-tp2-sp",
+        "moe-tp2-sp-ep2",
+        "moe-tp2-sp-pp2-zbv-recompute",
+    ],
+)
 def test_two_tensor_parallel_ranks_train_as_one_process(tmp_path, cache, references, model, world, micro, layout):
     """Sequence parallelism: the norms, the residual stream and the MoE blocks cut along the sequence, the
     norms', routers' and experts' gradients summed over every TP position's ranks that hold them, the
@@ -83,8 +116,11 @@ def test_two_tensor_parallel_ranks_train_as_one_process(tmp_path, cache, referen
     to a few float32 roundings (rel 1e-5), the gradient norm (split parts counted on every TP rank,
     replicated weights once) to 1e-6, and the weights as `assert_same_run` allows (Adam turns the
     rounding of a near-zero gradient into up to one learning-rate step)."""
-    sections = {"tensor_parallel": {"size": 2}, **layout,
-                "sharded_optimizer": {"enabled": True, **layout.get("sharded_optimizer", {})}}
+    sections = {
+        "tensor_parallel": {"size": 2},
+        **layout,
+        "sharded_optimizer": {"enabled": True, **layout.get("sharded_optimizer", {})},
+    }
     if model != "moe":
         sections["model"] = {"dense": DENSE, "untied": UNTIED, "quiet": QUIET}[model]
     config = run_config(tmp_path, cache, "tp", micro=micro, **sections)
@@ -110,19 +146,28 @@ def test_a_tensor_parallel_checkpoint_resumes_at_other_tensor_pipeline_and_exper
     step 7, whose checkpoint then resumes at TP 2 again, from whole tensors): the losses go on as the
     uninterrupted run's (router losses off and four key/value heads, so that TP 4
     divides them and how a step's sequences are grouped into micro-batches does not matter)."""
-    model = {"preset": "mula-tiny-moe",
-             "overrides": {"router_aux_loss_coef": 0.0, "router_z_loss_coef": 0.0, "num_key_value_heads": 4}}
-    saved = {"tensor_parallel": {"size": 2}, "expert_parallel": {"size": 2}, "model": model,
-             "sharded_optimizer": {"enabled": True}}
+    model = {
+        "preset": "mula-tiny-moe",
+        "overrides": {"router_aux_loss_coef": 0.0, "router_z_loss_coef": 0.0, "num_key_value_heads": 4},
+    }
+    saved = {
+        "tensor_parallel": {"size": 2},
+        "expert_parallel": {"size": 2},
+        "model": model,
+        "sharded_optimizer": {"enabled": True},
+    }
     whole = run_config(tmp_path, cache, "whole", micro=1, **saved)
     expected = run_distributed(pretrain_worker, 4, whole)[0]["losses"]
-    first = run_config(tmp_path, cache, "first", micro=1, checkpoint={"interval": 5}, train={"stop_after_steps": 5},
-                       **saved)
+    first = run_config(
+        tmp_path, cache, "first", micro=1, checkpoint={"interval": 5}, train={"stop_after_steps": 5}, **saved
+    )
     assert sorted(run_distributed(pretrain_worker, 4, first)[0]["losses"]) == [1, 2, 3, 4, 5]
-    runs = (("tp4", "first", 4, {"tensor_parallel": {"size": 4}}, 2, "4 ranks (TP 4)", None),
-            ("pp2", "first", 2, {"pipeline_parallel": {"size": 2}}, 2, "2 ranks (PP 2)", None),
-            ("ep2", "first", 2, {"expert_parallel": {"size": 2}}, 1, "2 ranks (EP 2)", 2),  # to step 7, then
-            ("tp2", "ep2", 2, {"tensor_parallel": {"size": 2}}, 2, "2 ranks (TP 2)", None))  # from TP 1 to TP 2
+    runs = (
+        ("tp4", "first", 4, {"tensor_parallel": {"size": 4}}, 2, "4 ranks (TP 4)", None),
+        ("pp2", "first", 2, {"pipeline_parallel": {"size": 2}}, 2, "2 ranks (PP 2)", None),
+        ("ep2", "first", 2, {"expert_parallel": {"size": 2}}, 1, "2 ranks (EP 2)", 2),  # to step 7, then
+        ("tp2", "ep2", 2, {"tensor_parallel": {"size": 2}}, 2, "2 ranks (TP 2)", None),
+    )  # from TP 1 to TP 2
     for name, source, world, layout, micro, note, stop in runs:
         config = json.loads(json.dumps(first))
         config["optimus"]["train"].update(stop_after_steps=stop, output_dir=str(tmp_path / name))
@@ -150,13 +195,19 @@ def test_what_tensor_parallelism_cannot_run_is_one_line_from_rank_zero(tmp_path,
     base = run_config(tmp_path, cache, "bad", micro=2, sharded_optimizer={"enabled": True})
     cases = [
         (["optimus.tensor_parallel.size=4"], "optimus.tensor_parallel.size 4 does not divide the 2 ranks"),
-        (["optimus.tensor_parallel.size=2", "optimus.model.overrides.num_key_value_heads=1"],
-         "tensor parallel size 2 does not divide the key/value heads (1)"),
-        (["optimus.tensor_parallel.size=2", "optimus.sharded_optimizer.enabled=false"],
-         "optimus.tensor_parallel needs optimus.sharded_optimizer.enabled true"),
+        (
+            ["optimus.tensor_parallel.size=2", "optimus.model.overrides.num_key_value_heads=1"],
+            "tensor parallel size 2 does not divide the key/value heads (1)",
+        ),
+        (
+            ["optimus.tensor_parallel.size=2", "optimus.sharded_optimizer.enabled=false"],
+            "optimus.tensor_parallel needs optimus.sharded_optimizer.enabled true",
+        ),
         (["optimus.tensor_parallel.size=0"], "optimus.tensor_parallel.size must be a positive integer, got 0"),
-        (["optimus.tensor_parallel.sequence_parallel=true"], "optimus.tensor_parallel.sequence_parallel needs "
-                                                             "optimus.tensor_parallel.size above 1"),
+        (
+            ["optimus.tensor_parallel.sequence_parallel=true"],
+            "optimus.tensor_parallel.sequence_parallel needs optimus.tensor_parallel.size above 1",
+        ),
     ]
     first, second = run_distributed(cli_errors_worker, 2, [(base, o) for o, _ in cases], str(tmp_path))
     assert [status for status, _ in first] == [2] * len(cases) and [err for _, err in second] == [""] * len(cases)
@@ -198,12 +249,23 @@ def test_the_guards_skip_and_roll_back_a_tensor_parallel_run(tmp_path, cache, mo
     """A non-finite loss on one rank of a TP group is skipped on both (the TP collectives carry it into the
     other's gradients; the norm is the world's); two in a row roll the run back to its last checkpoint,
     whose parts both ranks load, and the run ends with finite losses."""
-    faults = [{"kind": "nan_loss", "step": 3, "rank": 1},
-              {"kind": "nan_loss", "step": 5, "rank": 0}, {"kind": "nan_loss", "step": 6, "rank": 1}]
+    faults = [
+        {"kind": "nan_loss", "step": 3, "rank": 1},
+        {"kind": "nan_loss", "step": 5, "rank": 0},
+        {"kind": "nan_loss", "step": 6, "rank": 1},
+    ]
     monkeypatch.setenv("DS_OPTIMUS_FAULTS", json.dumps(faults))
-    config = run_config(tmp_path, cache, "guarded", micro=2, tensor_parallel={"size": 2},
-                        sharded_optimizer={"enabled": True}, guards={"rollback_after": 2},
-                        checkpoint={"interval": 2, "keep_last": 2}, train={"steps": 8, "eval_interval": 0})
+    config = run_config(
+        tmp_path,
+        cache,
+        "guarded",
+        micro=2,
+        tensor_parallel={"size": 2},
+        sharded_optimizer={"enabled": True},
+        guards={"rollback_after": 2},
+        checkpoint={"interval": 2, "keep_last": 2},
+        train={"steps": 8, "eval_interval": 0},
+    )
     summaries = run_distributed(pretrain_worker, 2, config)
     assert summaries[0]["rollbacks"] == summaries[1]["rollbacks"] == 1
     losses = summaries[0]["losses"]

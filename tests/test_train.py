@@ -39,12 +39,14 @@ def _losses(summary: dict) -> list[float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,ep,zero", [(1, 1, 0), (2, 2, 1), (2, 1, 2)],
-                         ids=["1proc", "2proc-ep2-zero1", "2proc-zero2"])
+@pytest.mark.parametrize(
+    "world,ep,zero", [(1, 1, 0), (2, 2, 1), (2, 1, 2)], ids=["1proc", "2proc-ep2-zero1", "2proc-zero2"]
+)
 def test_stopped_and_resumed_run_has_the_same_losses_bitwise(tmp_path, cache, world, ep, zero):
     # stage 0 takes DeepSpeed's own optimizer (and the per-rank checkpoint format); 1 and 2 the sharded one
-    whole = tiny_config(tmp_path / "whole", cache, expert_parallel={"size": ep},
-                        sharded_optimizer={"enabled": zero > 0})
+    whole = tiny_config(
+        tmp_path / "whole", cache, expert_parallel={"size": ep}, sharded_optimizer={"enabled": zero > 0}
+    )
     whole["zero_optimization"] = {"stage": zero}
     straight = run_distributed(pretrain_worker, world, whole)[0]
 
@@ -89,13 +91,17 @@ def test_run_with_the_sharded_optimizer_resumes_on_another_layout(tmp_path, cach
     # a resume says when the global batch changed since the checkpoint, and only then
     log = (tmp_path / "parts" / "run" / "log.txt").read_text()
     assert "global batch changed" not in log
-    assert ("the checkpoint was saved by 2 ranks (EP 2); resumed by 1 rank, its state resharded; the random "
-            "generators start from the run's seed (dropout and sampling draw other numbers than before)") in log
+    assert (
+        "the checkpoint was saved by 2 ranks (EP 2); resumed by 1 rank, its state resharded; the random "
+        "generators start from the run's seed (dropout and sampling draw other numbers than before)"
+    ) in log
     assert run_distributed(pretrain_worker, 1, halved)[0]["start_step"] == 4
     tokens = 2 * whole["optimus"]["data"]["seq_len"] * whole["train_micro_batch_size_per_gpu"]  # 2 ranks, gas 1
     log = (tmp_path / "halved" / "run" / "log.txt").read_text()
-    assert (f"the global batch changed since the checkpoint: {tokens:,} -> {tokens // 2:,} tokens a step; the LR "
-            "schedule and train.steps count steps, so each remaining step takes 0.5x the tokens") in log
+    assert (
+        f"the global batch changed since the checkpoint: {tokens:,} -> {tokens // 2:,} tokens a step; the LR "
+        "schedule and train.steps count steps, so each remaining step takes 0.5x the tokens"
+    ) in log
     # the guards' statistics describe the old batch's noise: they start afresh rather than judge the new one
     assert f"the numerical guards' statistics start afresh: they were measured at {tokens:,} tokens a step" in log
     logged = [json.loads(line) for line in (tmp_path / "halved" / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -121,8 +127,11 @@ def test_a_resume_says_what_changed_since_the_checkpoint_only():
     from types import SimpleNamespace
 
     def trainer(tokens, steps, scheduler=None):
-        return SimpleNamespace(tokens_per_step=tokens, opt=SimpleNamespace(train=SimpleNamespace(steps=steps)),
-                               ds_config={"scheduler": scheduler} if scheduler else {})
+        return SimpleNamespace(
+            tokens_per_step=tokens,
+            opt=SimpleNamespace(train=SimpleNamespace(steps=steps)),
+            ds_config={"scheduler": scheduler} if scheduler else {},
+        )
 
     same = {"tokens_per_step": 4096, "steps": 200}
     assert resume_changes({}, trainer(4096, 200)) == resume_changes(same, trainer(4096, 200)) == []  # older: nothing
@@ -130,9 +139,11 @@ def test_a_resume_says_what_changed_since_the_checkpoint_only():
         "the global batch changed since the checkpoint: 4,096 -> 8,192 tokens a step; the LR schedule and "
         "train.steps count steps, so each remaining step takes 2x the tokens",
         "train.steps changed since the checkpoint: 200 -> 220; the LR schedule stretches to the new length from "
-        "here on"]
-    assert resume_changes(same, trainer(4096, 150))[0].endswith("200 -> 150; the LR schedule shrinks to the new "
-                                                               "length from here on")
+        "here on",
+    ]
+    assert resume_changes(same, trainer(4096, 150))[0].endswith(
+        "200 -> 150; the LR schedule shrinks to the new length from here on"
+    )
     # a schedule whose length the config sets itself does not follow train.steps: nothing to say of it
     fixed = {"type": "WarmupCosineLR", "params": {"total_num_steps": 1000}}
     assert resume_changes(same, trainer(4096, 220, fixed)) == []
@@ -142,9 +153,14 @@ def test_a_resume_says_what_changed_since_the_checkpoint_only():
 
 @pytest.mark.slow
 def test_checkpoints_metrics_wandb_and_export(tmp_path, cache):
-    config = tiny_config(tmp_path, cache, train={"steps": 8, "peak_tflops": 0.05, "sample_tokens": 8},
-                         checkpoint={"interval": 2, "keep_last": 2}, wandb={"mode": "offline"},
-                         expert_parallel={"size": 2})
+    config = tiny_config(
+        tmp_path,
+        cache,
+        train={"steps": 8, "peak_tflops": 0.05, "sample_tokens": 8},
+        checkpoint={"interval": 2, "keep_last": 2},
+        wandb={"mode": "offline"},
+        expert_parallel={"size": 2},
+    )
     summary = run_distributed(pretrain_worker, 2, config)[0]
     run = Path(config["optimus"]["train"]["output_dir"])
 
@@ -157,14 +173,31 @@ def test_checkpoints_metrics_wandb_and_export(tmp_path, cache):
         data = (run / "checkpoints" / "step_00000008" / name).read_bytes()  # the ranges an optimizer file holds
         assert record.pop("bytes") == len(data) and record.pop("crc32") == f"{zlib.crc32(data):08x}"
         assert set(record) == ({"holds"} if name.startswith("optim_") else set()), name
-    assert {"model_dense.pt", "model_experts_ep000.pt", "model_experts_ep001.pt", "optim_rank00000.pt",
-            "optim_rank00001.pt", "client_rank00001.pt", "engine.pt"} <= set(meta["files"])
+    assert {
+        "model_dense.pt",
+        "model_experts_ep000.pt",
+        "model_experts_ep001.pt",
+        "optim_rank00000.pt",
+        "optim_rank00001.pt",
+        "client_rank00001.pt",
+        "engine.pt",
+    } <= set(meta["files"])
 
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == list(range(1, 9))
-    for key in ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm", "lr", "tokens_per_s", "mfu",
-                "expert_imbalance_max", "expert_imbalance/layer_3"):
+    for key in (
+        "loss",
+        "lm_loss",
+        "aux_loss",
+        "z_loss",
+        "grad_norm",
+        "lr",
+        "tokens_per_s",
+        "mfu",
+        "expert_imbalance_max",
+        "expert_imbalance/layer_3",
+    ):
         assert all(key in r for r in steps), key
     assert all(r["expert_imbalance_max"] >= 1.0 and 0 < r["mfu"] < 1 for r in steps)
     assert steps[0]["lr"] == pytest.approx(3e-3 / 2)  # warm-up: the first step is not at lr 0
@@ -196,8 +229,9 @@ def test_checkpoints_metrics_wandb_and_export(tmp_path, cache):
 def test_a_throughput_run_writes_no_checkpoint_no_export_and_a_profile_of_the_steps_asked_for(tmp_path, cache):
     """checkpoint.enabled false and train.export false: nothing but the metrics, the summary and the
     profiler's table of steps 5-6 (train.profile_steps) in the output folder."""
-    config = tiny_config(tmp_path, cache, checkpoint={"enabled": False}, train={"export": False, "steps": 6,
-                                                                              "profile_steps": [5, 6]})
+    config = tiny_config(
+        tmp_path, cache, checkpoint={"enabled": False}, train={"export": False, "steps": 6, "profile_steps": [5, 6]}
+    )
     summary = run_distributed(pretrain_worker, 1, config)[0]
     run = tmp_path / "run"
     assert summary["finished"] and "hf_dir" not in summary and len(summary["losses"]) == 6
@@ -212,29 +246,44 @@ def test_bad_input_fails_with_one_line(tmp_path, cache):
     good = tiny_config(tmp_path, cache)
     cases = [
         (good, ["optimus.train.stepz=3"], "optimus.train: unknown key 'stepz'"),
-        (good, [f"optimus.data.sources=[\"{tmp_path}/nope.jsonl\"]"], "does not exist"),
+        (good, [f'optimus.data.sources=["{tmp_path}/nope.jsonl"]'], "does not exist"),
         (good, ["train_batch_size=7"], "train_batch_size 7 is not train_micro_batch_size_per_gpu 4"),
         (good, ["optimus.expert_parallel.size=3"], "expert parallel size 3 does not divide the world size 1"),
-        (good, ["optimus.model.overrides={\"vocab_size\": 1000}"], "the tokenizer has 4096 tokens"),
-        (good, ["optimus.model.preset=\"mula-3b\""], "optimus.model.preset 'mula-3b' is not one of"),
-        (good, [f"optimus.data.tokenizer=\"{tmp_path}/no-tokenizer\""],
-         f"optimus.data.tokenizer: tokenizer folder '{tmp_path}/no-tokenizer' does not exist"),
-        (good, ["gradient_clippng=1.0"],  # DeepSpeed itself would train on without clipping
-         "unknown DeepSpeed config key 'gradient_clippng' (did you mean 'gradient_clipping'?)"),
-        (good, ["zero_optimization.stagee=1"], "unknown DeepSpeed config key 'zero_optimization.stagee' (did you mean "
-                                               "'stage'?)"),
+        (good, ['optimus.model.overrides={"vocab_size": 1000}'], "the tokenizer has 4096 tokens"),
+        (good, ['optimus.model.preset="mula-3b"'], "optimus.model.preset 'mula-3b' is not one of"),
+        (
+            good,
+            [f'optimus.data.tokenizer="{tmp_path}/no-tokenizer"'],
+            f"optimus.data.tokenizer: tokenizer folder '{tmp_path}/no-tokenizer' does not exist",
+        ),
+        (
+            good,
+            ["gradient_clippng=1.0"],  # DeepSpeed itself would train on without clipping
+            "unknown DeepSpeed config key 'gradient_clippng' (did you mean 'gradient_clipping'?)",
+        ),
+        (
+            good,
+            ["zero_optimization.stagee=1"],
+            "unknown DeepSpeed config key 'zero_optimization.stagee' (did you mean 'stage'?)",
+        ),
         (good, ["zero_optimization.stage=3"], "zero_optimization.stage 3 is not supported"),
-        (good, [f"optimus.train.output_dir=\"{tmp_path}/old\"", "optimus.checkpoint.resume=false"],
-         "checkpoint.resume is false but"),
-        (good, [f"optimus.train.output_dir=\"{tmp_path}/old\""], "was saved without the sharded optimizer; set"),
+        (
+            good,
+            [f'optimus.train.output_dir="{tmp_path}/old"', "optimus.checkpoint.resume=false"],
+            "checkpoint.resume is false but",
+        ),
+        (good, [f'optimus.train.output_dir="{tmp_path}/old"'], "was saved without the sharded optimizer; set"),
         ({k: v for k, v in good.items() if k != "optimizer"}, [], "needs an optimizer section"),
         (good, ["optimizer.params.lr=0"], "optimizer.params.lr must be a positive number, got 0"),
         (good, ["optimizer.params.betas=[0.9, 1.0]"], "optimizer.params.betas must be two numbers in [0, 1)"),
-        (good, ["optimus.model.overrides={\"num_experts\": 0, \"router_bias_update_rate\": 0.01}"],
-         "router_bias_update_rate 0.01 needs MoE layers"),
+        (
+            good,
+            ['optimus.model.overrides={"num_experts": 0, "router_bias_update_rate": 0.01}'],
+            "router_bias_update_rate 0.01 needs MoE layers",
+        ),
         (good, ["optimus.train.profile_steps=[3, 2]"], "optimus.train.profile_steps must be null or [first, last]"),
         (good, ["optimus.train.profile_steps=4"], "optimus.train.profile_steps must be null or [first, last]"),
-        (good, ["optimus.checkpoint.enabled=\"no\""], "optimus.checkpoint.enabled must be"),
+        (good, ['optimus.checkpoint.enabled="no"'], "optimus.checkpoint.enabled must be"),
         (good, ["optimus.train.export=1"], "optimus.train.export must be"),
     ]
     old_checkpoint = tmp_path / "old" / "checkpoints" / "step_00000004"
@@ -242,8 +291,9 @@ def test_bad_input_fails_with_one_line(tmp_path, cache):
     from ds_optimus.checkpoint.files import atomic_save
 
     record = atomic_save({"step": 4}, old_checkpoint / "rank00000.pt")  # an intact per-rank checkpoint
-    (old_checkpoint / "meta.json").write_text(json.dumps({"files": {"rank00000.pt": record}, "step": 4,
-                                                          "world_size": 1, "ep_size": 1}))
+    (old_checkpoint / "meta.json").write_text(
+        json.dumps({"files": {"rank00000.pt": record}, "step": 4, "world_size": 1, "ep_size": 1})
+    )
     results = run_distributed(cli_errors_worker, 1, [(c, o) for c, o, _ in cases], str(tmp_path))[0]
     for (_, overrides, message), (status, stderr) in zip(cases, results, strict=True):
         assert status == 2, (overrides, stderr)
@@ -262,15 +312,25 @@ def test_a_data_error_on_rank_zero_stops_every_rank_and_every_error_is_said_once
     other = tiny_config(tmp_path / "other", cache, train={"steps": 2}, checkpoint={"interval": 2})
     run_distributed(pretrain_worker, 2, other)  # a checkpoint of the MoE model, which a dense model meets next
     dense = ["optimus.model.preset=mula-tiny-dense", "optimus.expert_parallel.size=1"]
-    cases = [(config, [f"optimus.data.sources=[\"{tmp_path}/gone/\"]"]), (config, ["optimus.expert_parallel.size=3"]),
-             (other, dense)]
+    cases = [
+        (config, [f'optimus.data.sources=["{tmp_path}/gone/"]']),
+        (config, ["optimus.expert_parallel.size=3"]),
+        (other, dense),
+    ]
     first, second = run_distributed(cli_errors_worker, 2, cases, str(tmp_path))
     assert [status for status, _ in first] == [status for status, _ in second] == [2, 2, 2]
     assert "does not exist" in first[0][1] and [err for _, err in second] == ["", "", ""]
-    assert first[1][1].splitlines()[-1] == ("ds_optimus.train: error: expert parallel size 3 does not divide the "
-                                            "world size 2")
-    assert first[2][1].splitlines()[-1].endswith("it is a checkpoint of another model: start in another "
-                                                 "optimus.train.output_dir, or set optimus.checkpoint.resume=false")
+    assert first[1][1].splitlines()[-1] == (
+        "ds_optimus.train: error: expert parallel size 3 does not divide the world size 2"
+    )
+    assert (
+        first[2][1]
+        .splitlines()[-1]
+        .endswith(
+            "it is a checkpoint of another model: start in another "
+            "optimus.train.output_dir, or set optimus.checkpoint.resume=false"
+        )
+    )
 
 
 @pytest.mark.slow
@@ -280,8 +340,9 @@ def test_a_run_whose_checkpoints_are_gone_is_refused_not_started_over(tmp_path, 
     metrics are left as they were. A run that crashed before its first checkpoint starts over."""
     import shutil
 
-    config = tiny_config(tmp_path, cache, train={"steps": 4, "eval_interval": 0, "export": False},
-                         checkpoint={"interval": 2})
+    config = tiny_config(
+        tmp_path, cache, train={"steps": 4, "eval_interval": 0, "export": False}, checkpoint={"interval": 2}
+    )
     run_distributed(pretrain_worker, 1, config)
     run = tmp_path / "run"
     assert json.loads((run / "progress.json").read_text())["checkpoint"] == str(run / "checkpoints" / "step_00000004")
@@ -290,14 +351,16 @@ def test_a_run_whose_checkpoints_are_gone_is_refused_not_started_over(tmp_path, 
     misspelt = json.loads(json.dumps(config))
     misspelt["optimus"]["checkpoint"]["dir"] = str(tmp_path / "chekpoints")
     (tmp_path / "check").mkdir()
-    results = run_distributed(cli_errors_worker, 1, [(config, []), (misspelt, []), (config, ["--check"])],
-                              str(tmp_path / "check"))[0]
+    results = run_distributed(
+        cli_errors_worker, 1, [(config, []), (misspelt, []), (config, ["--check"])], str(tmp_path / "check")
+    )[0]
     for (status, stderr), folder in zip(results, ["run/checkpoints", "chekpoints", "run/checkpoints"], strict=True):
         assert status == 2 and stderr.strip().splitlines()[-1] == (
             f"ds_optimus.train: error: {run} holds a run trained to step 4, its last checkpoint {run}/checkpoints/"
             f"step_00000004, but {tmp_path}/{folder} has no complete checkpoint to resume from; refusing to start "
             "over (its metrics would be rewritten): point optimus.checkpoint.dir at its checkpoints, give another "
-            "optimus.train.output_dir, or remove the folder to start over"), stderr
+            "optimus.train.output_dir, or remove the folder to start over"
+        ), stderr
     assert (run / "metrics.jsonl").read_text() == metrics
     # killed before its first checkpoint: nothing to resume, nothing lost by starting over
     (run / "progress.json").write_text(json.dumps({"step": 1, "time": 0.0, "checkpoint": None}))
@@ -308,16 +371,34 @@ def test_a_run_whose_checkpoints_are_gone_is_refused_not_started_over(tmp_path, 
 def test_deepspeed_launcher_runs_the_tiny_moe_job(tmp_path, cache):
     """The README's main job, shortened: the real `deepspeed` launcher, 2 processes, EP=2; quiet: what
     it prints is its own (DeepSpeed's launcher aside), not the libraries' INFO lines, bars and tables."""
-    config = tiny_config(tmp_path, cache, expert_parallel={"size": 2}, wandb={"mode": "offline"},
-                         train={"sample_tokens": 8})
+    config = tiny_config(
+        tmp_path, cache, expert_parallel={"size": 2}, wandb={"mode": "offline"}, train={"sample_tokens": 8}
+    )
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     launcher = deepspeed_launcher()
     env = {**os.environ, "PYTHONPATH": child_pythonpath(), "WANDB_MODE": "offline"}
     port = free_port()
-    proc = subprocess.run([str(launcher), "--num_gpus", "2", "--master_port", str(port), "--module", "ds_optimus.train",
-                           "--config", str(path), "--set", "optimus.train.steps=6"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            str(launcher),
+            "--num_gpus",
+            "2",
+            "--master_port",
+            str(port),
+            "--module",
+            "ds_optimus.train",
+            "--config",
+            str(path),
+            "--set",
+            "optimus.train.steps=6",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # DeepSpeed's CPU backend creates a 69 MB shared-memory workspace per rank; none may outlive the run
     assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
@@ -328,8 +409,9 @@ def test_deepspeed_launcher_runs_the_tiny_moe_job(tmp_path, cache):
     assert proc.stdout.count("trained steps 1-6") == 1  # printed by rank 0 only
     assert "deepspeed_shm_comm" not in proc.stdout + proc.stderr  # an inference op: not built, not loaded
     lines = (proc.stdout + proc.stderr).splitlines()
-    launcher_lines = [line for line in lines if "[launch.py:" in line or "[runner.py:" in line
-                      or "[real_accelerator.py:" in line]  # the launcher's process: DeepSpeed's own
+    launcher_lines = [
+        line for line in lines if "[launch.py:" in line or "[runner.py:" in line or "[real_accelerator.py:" in line
+    ]  # the launcher's process: DeepSpeed's own
     ours = [line for line in lines if line not in launcher_lines]
     assert len([line for line in launcher_lines if "real_accelerator" in line]) == 2  # runner and launch, not ranks
     assert not [line for line in ours if "wandb:" in line or "Loading weights" in line or "] [INFO] [" in line], ours
@@ -347,10 +429,13 @@ def test_shipped_configs_are_valid_for_the_world_size_they_assume(path):
     config = json.loads(path.read_text())
     opt = OptimusConfig.from_ds_config(config)
     check_optimizer_section(config)
-    world = config["train_batch_size"] // (config["train_micro_batch_size_per_gpu"]
-                                           * config["gradient_accumulation_steps"])
-    assert resolve_batch_sizes(dict(config), world) == (config["train_micro_batch_size_per_gpu"],
-                                                       config["gradient_accumulation_steps"])
+    world = config["train_batch_size"] // (
+        config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"]
+    )
+    assert resolve_batch_sizes(dict(config), world) == (
+        config["train_micro_batch_size_per_gpu"],
+        config["gradient_accumulation_steps"],
+    )
     model = MulaConfig.from_preset(opt.model.preset)
     if model.num_experts:
         check_layout(world, opt.expert_parallel.size, model.num_experts, opt.expert_parallel.node_size)
@@ -361,17 +446,37 @@ def test_shipped_configs_are_valid_for_the_world_size_they_assume(path):
 def test_hf_trainer_example_with_expert_parallelism_through_the_launcher(tmp_path, cache):
     """The example's plain Trainer with EP=2 from the config on 2 processes: the loss falls and the
     saved folder holds every expert."""
-    config = tiny_config(tmp_path, cache, expert_parallel={"size": 2}, train={"steps": 12, "warmup_steps": 2},
-                         checkpoint={"interval": 6, "keep_last": 2}, sharded_optimizer={"enabled": True})
+    config = tiny_config(
+        tmp_path,
+        cache,
+        expert_parallel={"size": 2},
+        train={"steps": 12, "warmup_steps": 2},
+        checkpoint={"interval": 6, "keep_last": 2},
+        sharded_optimizer={"enabled": True},
+    )
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     launcher = deepspeed_launcher()
     env = {**os.environ, "PYTHONPATH": child_pythonpath()}
     # a free port: the launcher's default 29500 may be another run's beside (DeepSpeed's own tests take it)
-    proc = subprocess.run([str(launcher), "--num_gpus", "2", "--master_port", str(free_port()), "--module",
-                           "ds_optimus.train.hf_example",
-                           "--config", str(path)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [
+            str(launcher),
+            "--num_gpus",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "--module",
+            "ds_optimus.train.hf_example",
+            "--config",
+            str(path),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = Path(config["optimus"]["train"]["output_dir"])
     summary = json.loads((run / "trainer_summary.json").read_text())
@@ -403,13 +508,15 @@ def test_model_from_an_hf_folder_with_and_without_weights(tmp_path):
     MulaConfig.from_preset("mula-tiny-moe", num_hidden_layers=1).save_pretrained(tmp_path / "config-only")
 
     def build(path, **overrides):
-        opt = OptimusConfig.from_ds_config({"optimus": {"model": {"preset": None, "path": str(path),
-                                                                  "overrides": overrides}}})
+        opt = OptimusConfig.from_ds_config(
+            {"optimus": {"model": {"preset": None, "path": str(path), "overrides": overrides}}}
+        )
         return opt.model.build(tokenizer)
 
     loaded = build(tmp_path / "weights")
-    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), trained.state_dict().values(),
-                                                 strict=True))
+    assert all(
+        torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), trained.state_dict().values(), strict=True)
+    )
     fresh = build(tmp_path / "config-only", num_experts=4)
     assert fresh.config.num_hidden_layers == 1 and fresh.config.num_experts == 4
     from ds_optimus.config import ConfigError
@@ -432,9 +539,20 @@ def test_an_olmoe_folder_is_converted_on_the_fly_and_incomplete_weights_are_refu
         return opt.model.build()
 
     torch.manual_seed(0)
-    olmoe = OlmoeForCausalLM(OlmoeConfig(vocab_size=96, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, num_experts=4,
-                                         num_experts_per_tok=2, pad_token_id=0, eos_token_id=1)).eval()
+    olmoe = OlmoeForCausalLM(
+        OlmoeConfig(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=24,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            pad_token_id=0,
+            eos_token_id=1,
+        )
+    ).eval()
     olmoe.to(torch.bfloat16).save_pretrained(tmp_path / "olmoe", save_original_format=True)  # as on the Hub
     olmoe.float()
     model = build(tmp_path / "olmoe")  # before: every weight but the experts loaded, the experts random
@@ -452,9 +570,12 @@ def test_an_olmoe_folder_is_converted_on_the_fly_and_incomplete_weights_are_refu
     for name in [n for n in tensors if "layers.1.mlp.experts" in n]:
         del tensors[name]
     save_file(tensors, mula / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ConfigError, match=r"^optimus.model.path '.*mula' has no weights for model.layers.1.mlp.experts."
-                                          r"down_proj, model.layers.1.mlp.experts.gate_up_proj: they would train from "
-                                          r"random values"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^optimus.model.path '.*mula' has no weights for model.layers.1.mlp.experts."
+        r"down_proj, model.layers.1.mlp.experts.gate_up_proj: they would train from "
+        r"random values",
+    ):
         build(mula)
 
     (tmp_path / "llama").mkdir()
@@ -486,9 +607,11 @@ def test_op_builds_are_said_before_they_start_kept_per_environment_and_skipped_w
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     builder = get_accelerator().create_op_builder("FusedAdamBuilder")
     assert builder.jit_load() == "op" and calls == [("fused_adam", False)]
-    assert said[0] == (f"ds_optimus: compiling DeepSpeed's fused_adam op (DeepSpeed's Adam on this device; "
-                       f"optimizer.params.torch_adam: true uses PyTorch's, unbuilt): a few minutes, once per "
-                       f"environment, kept in {tmp_path}")
+    assert said[0] == (
+        f"ds_optimus: compiling DeepSpeed's fused_adam op (DeepSpeed's Adam on this device; "
+        f"optimizer.params.torch_adam: true uses PyTorch's, unbuilt): a few minutes, once per "
+        f"environment, kept in {tmp_path}"
+    )
     assert said[1].startswith("ds_optimus: DeepSpeed's fused_adam op is ready (")
     (tmp_path / "fused_adam").mkdir()
     (tmp_path / "fused_adam" / "fused_adam.so").write_bytes(b"")
@@ -503,31 +626,48 @@ def test_a_busy_rendezvous_port_is_one_line(tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         port = busy.getsockname()[1]
-        env = {**os.environ, "PYTHONPATH": child_pythonpath(), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-               "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        proc = subprocess.run([sys.executable, "-m", "ds_optimus.train", "--config",
-                               str(ROOT / "ds_configs" / "mula-tiny-moe-cpu.json")],
-                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        env = {
+            **os.environ,
+            "PYTHONPATH": child_pythonpath(),
+            "RANK": "0",
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        proc = subprocess.run(
+            [sys.executable, "-m", "ds_optimus.train", "--config", str(ROOT / "ds_configs" / "mula-tiny-moe-cpu.json")],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == (
         f"ds_optimus.train: error: port {port} on 127.0.0.1 is in use (another job on this machine?): set "
-        "MASTER_PORT to a free port (the deepspeed launcher: --master_port N)")
+        "MASTER_PORT to a free port (the deepspeed launcher: --master_port N)"
+    )
 
 
 def test_overrides_parse_json_values_and_reject_bad_assignments():
     from ds_optimus.config import ConfigError, apply_overrides
 
-    config = apply_overrides({"optimus": {"train": {"steps": 1}}},
-                             ["optimus.train.steps=20", "optimus.data.sources=[\"a.txt\"]", "optimus.wandb.name=run 7",
-                              "bf16.enabled=true"])
+    config = apply_overrides(
+        {"optimus": {"train": {"steps": 1}}},
+        ["optimus.train.steps=20", 'optimus.data.sources=["a.txt"]', "optimus.wandb.name=run 7", "bf16.enabled=true"],
+    )
     assert config["optimus"]["train"]["steps"] == 20 and config["optimus"]["data"]["sources"] == ["a.txt"]
     assert config["optimus"]["wandb"]["name"] == "run 7" and config["bf16"] == {"enabled": True}
     for bad in ["steps", "=3", "optimus..steps=1", "optimus.train.steps.x=1"]:
         with pytest.raises(ConfigError):
             apply_overrides({"optimus": {"train": {"steps": 1}}}, [bad])
     listed = {"optimus": {"data": {"sources": [{"path": "a", "weight": 1}, "embedded"]}}}
-    assert apply_overrides(listed, ["optimus.data.sources.0.weight=3"])["optimus"]["data"]["sources"][0] == \
-        {"path": "a", "weight": 3}  # a list's item by its index
+    assert apply_overrides(listed, ["optimus.data.sources.0.weight=3"])["optimus"]["data"]["sources"][0] == {
+        "path": "a",
+        "weight": 3,
+    }  # a list's item by its index
     with pytest.raises(ConfigError, match=r"optimus.data.sources is a list of 2; give an index from 0 to 1, not '2'"):
         apply_overrides(listed, ["optimus.data.sources.2.weight=1"])
 
@@ -558,10 +698,12 @@ def test_batch_sizes_are_completed_the_way_deepspeed_does():
     assert resolve_batch_sizes(config, 2) == (8, 4) and config["gradient_accumulation_steps"] == 4
     assert resolve_batch_sizes({"train_batch_size": 64, "gradient_accumulation_steps": 2}, 4) == (8, 2)
     assert resolve_batch_sizes({"train_micro_batch_size_per_gpu": 3}, 5) == (3, 1)
-    bad = [({"train_batch_size": 60, "train_micro_batch_size_per_gpu": 8}, 2, "does not divide"),
-           ({"train_batch_size": 7, "gradient_accumulation_steps": 2}, 2, "does not divide"),
-           ({"gradient_accumulation_steps": 2}, 2, "needs train_micro_batch_size_per_gpu"),
-           ({"train_micro_batch_size_per_gpu": 0}, 1, "positive integer")]
+    bad = [
+        ({"train_batch_size": 60, "train_micro_batch_size_per_gpu": 8}, 2, "does not divide"),
+        ({"train_batch_size": 7, "gradient_accumulation_steps": 2}, 2, "does not divide"),
+        ({"gradient_accumulation_steps": 2}, 2, "needs train_micro_batch_size_per_gpu"),
+        ({"train_micro_batch_size_per_gpu": 0}, 1, "positive integer"),
+    ]
     for config, world, message in bad:
         with pytest.raises(ConfigError, match=message):
             resolve_batch_sizes(config, world)

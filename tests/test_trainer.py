@@ -43,9 +43,14 @@ def test_train_step_fits_on_a_screen_and_knows_nothing_of_faults():
 def test_a_step_makes_at_most_two_host_syncs(tmp_path, cache, accumulation):
     """One read of the step's all-reduced numbers (losses, the guards' loss, the preemption flag,
     expert loads on log steps) and the sharded optimizer's gradient norm; none per micro-batch."""
-    config = tiny_config(tmp_path, cache, train={"steps": 5, "eval_interval": 0, "log_interval": 1},
-                         checkpoint={"interval": 0}, sharded_optimizer={"enabled": True},
-                         model={"preset": "mula-tiny-moe", "overrides": {"router_bias_update_rate": 0.001}})
+    config = tiny_config(
+        tmp_path,
+        cache,
+        train={"steps": 5, "eval_interval": 0, "log_interval": 1},
+        checkpoint={"interval": 0},
+        sharded_optimizer={"enabled": True},
+        model={"preset": "mula-tiny-moe", "overrides": {"router_bias_update_rate": 0.001}},
+    )
     config["train_micro_batch_size_per_gpu"] = 2
     config["gradient_accumulation_steps"] = accumulation
     config["zero_optimization"] = {"stage": 1}
@@ -61,11 +66,18 @@ def test_router_bias_balances_experts_without_the_auxiliary_loss(tmp_path, cache
     """Two processes, no load-balancing loss: without balancing the tiny model's routers collapse
     onto a few experts; with the router bias updated after every step (by the entry point, nothing
     else) the experts end up far less imbalanced, per metrics.jsonl."""
+
     def late_imbalance(name: str, rate: float) -> float:
-        config = tiny_config(tmp_path / name, cache, train={"steps": 150, "eval_interval": 0, "warmup_steps": 2},
-                             checkpoint={"interval": 0},
-                             model={"preset": "mula-tiny-moe",
-                                    "overrides": {"router_aux_loss_coef": 0.0, "router_bias_update_rate": rate}})
+        config = tiny_config(
+            tmp_path / name,
+            cache,
+            train={"steps": 150, "eval_interval": 0, "warmup_steps": 2},
+            checkpoint={"interval": 0},
+            model={
+                "preset": "mula-tiny-moe",
+                "overrides": {"router_aux_loss_coef": 0.0, "router_bias_update_rate": rate},
+            },
+        )
         steps = [r for r in run_distributed(metrics_worker, 2, config)[0] if "loss" in r]
         assert len(steps) == 150
         layers = [k for k in steps[0] if k.startswith("expert_imbalance/layer_")]
@@ -90,9 +102,15 @@ def test_compiled_layers_train_like_eager(tmp_path, cache, world):
     rounding (x (1 +- 2**-24)) drifts from eager by D; compiled may drift by at most 10 D (a few
     roundings per operation, and their amplification alike), and at step 1 (before any update) by
     at most 1e-5 (a forward pass of a few hundred float32 additions per output: ~1e-6)."""
+
     def run(name: str, compile_: bool, perturb: bool = False) -> tuple[list[float], int]:
-        config = tiny_config(tmp_path / name, cache, train={"steps": 12, "eval_interval": 0, "compile": compile_},
-                             checkpoint={"interval": 0}, expert_parallel={"size": world})
+        config = tiny_config(
+            tmp_path / name,
+            cache,
+            train={"steps": 12, "eval_interval": 0, "compile": compile_},
+            checkpoint={"interval": 0},
+            expert_parallel={"size": world},
+        )
         return run_distributed(compiled_losses_worker, world, config, perturb)[0]
 
     def drift(a: list[float], b: list[float]) -> float:
@@ -121,16 +139,19 @@ def test_a_model_path_alone_wins_over_the_default_preset(tmp_path):
         OptimusConfig.from_ds_config({"optimus": {"model": {"path": str(tmp_path / "nowhere")}}}).model.build()
 
 
-@pytest.mark.parametrize("params, message", [
-    ({"lr": 0}, r"^optimizer\.params\.lr must be a positive number, got 0$"),
-    ({"lr": -3e-4}, r"^optimizer\.params\.lr must be a positive number"),
-    ({"lr": "fast"}, r"^optimizer\.params\.lr must be a positive number"),
-    ({"lr": 1e-3, "betas": [0.9, 1.0]}, r"^optimizer\.params\.betas must be two numbers in \[0, 1\)"),
-    ({"lr": 1e-3, "betas": [-0.1, 0.95]}, r"^optimizer\.params\.betas must be two numbers in \[0, 1\)"),
-    ({"lr": 1e-3, "betas": [0.9]}, r"^optimizer\.params\.betas must be two numbers in \[0, 1\)"),
-    ({"lr": 1e-3, "eps": 0}, r"^optimizer\.params\.eps must be a positive number"),
-    ({"lr": 1e-3, "weight_decay": -0.1}, r"^optimizer\.params\.weight_decay must be a number >= 0"),
-])
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({"lr": 0}, r"^optimizer\.params\.lr must be a positive number, got 0$"),
+        ({"lr": -3e-4}, r"^optimizer\.params\.lr must be a positive number"),
+        ({"lr": "fast"}, r"^optimizer\.params\.lr must be a positive number"),
+        ({"lr": 1e-3, "betas": [0.9, 1.0]}, r"^optimizer\.params\.betas must be two numbers in \[0, 1\)"),
+        ({"lr": 1e-3, "betas": [-0.1, 0.95]}, r"^optimizer\.params\.betas must be two numbers in \[0, 1\)"),
+        ({"lr": 1e-3, "betas": [0.9]}, r"^optimizer\.params\.betas must be two numbers in \[0, 1\)"),
+        ({"lr": 1e-3, "eps": 0}, r"^optimizer\.params\.eps must be a positive number"),
+        ({"lr": 1e-3, "weight_decay": -0.1}, r"^optimizer\.params\.weight_decay must be a number >= 0"),
+    ],
+)
 def test_optimizer_hyperparameters_that_would_train_silently_wrong_are_refused(params, message):
     from ds_optimus.config import ConfigError, check_optimizer_section
 
@@ -141,8 +162,9 @@ def test_optimizer_hyperparameters_that_would_train_silently_wrong_are_refused(p
 
 @pytest.mark.slow
 def test_metrics_reach_the_log_once_per_log_interval(tmp_path, cache):
-    config = tiny_config(tmp_path, cache, train={"steps": 7, "eval_interval": 0, "log_interval": 3},
-                         checkpoint={"interval": 0})
+    config = tiny_config(
+        tmp_path, cache, train={"steps": 7, "eval_interval": 0, "log_interval": 3}, checkpoint={"interval": 0}
+    )
     records = [r for r in run_distributed(metrics_worker, 1, config)[0] if "loss" in r]
     assert [r["step"] for r in records] == [3, 6, 7]  # and the last step
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -165,9 +187,18 @@ def test_mula_trainer_moves_the_router_bias_once_per_optimizer_step(tmp_path):
     update = model.update_router_bias
     model.update_router_bias = lambda *a, **k: (calls.append(1), update(*a, **k))  # counting, test only
     tokens = np.random.default_rng(0).integers(2, 4096, 64 * 33).astype(np.uint16)
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4,
-                             gradient_accumulation_steps=2, learning_rate=1e-3, report_to=[], save_strategy="no",
-                             use_cpu=True, disable_tqdm=True, logging_steps=1)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=3,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-3,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        logging_steps=1,
+    )
     trainer = MulaTrainer(model=model, args=args, train_dataset=PackedSequences(tokens, 32))
     assert sum(isinstance(c, RouterBiasUpdate) for c in trainer.callback_handler.callbacks) == 1
     trainer.train()
@@ -179,8 +210,14 @@ def test_mula_trainer_moves_the_router_bias_once_per_optimizer_step(tmp_path):
 
 @pytest.mark.slow
 def test_guards_off_a_finished_run_launched_again_and_an_error_on_record(tmp_path, cache):
-    config = tiny_config(tmp_path, cache, train={"steps": 4, "eval_interval": 0}, checkpoint={"interval": 2},
-                         guards={"enabled": False}, sharded_optimizer={"enabled": True})
+    config = tiny_config(
+        tmp_path,
+        cache,
+        train={"steps": 4, "eval_interval": 0},
+        checkpoint={"interval": 2},
+        guards={"enabled": False},
+        sharded_optimizer={"enabled": True},
+    )
     config["zero_optimization"] = {"stage": 1}
     first = run_distributed(pretrain_worker, 1, config)[0]  # the guards off under the sharded optimizer
     assert sorted(first["losses"]) == [1, 2, 3, 4] and first["finished"]
@@ -195,18 +232,22 @@ def test_guards_off_a_finished_run_launched_again_and_an_error_on_record(tmp_pat
     # launched again with fewer steps: the same, said before anything is built (no data, no schedule note)
     fewer = {**config, "optimus": {**config["optimus"], "train": {**config["optimus"]["train"], "steps": 3}}}
     assert run_distributed(pretrain_worker, 1, fewer)[0]["start_step"] == 4
-    added = (run / "log.txt").read_text()[len(log):]
-    said = [line[len("2026-01-01 00:00:00 "):] for line in added.strip().splitlines()]  # after the time stamp
-    assert said == ["the run was already trained to step 4: nothing to do (raise optimus.train.steps past it to train "
-                    f"further: the LR schedule then stretches to the new length; or remove {run} to start over)"], added
+    added = (run / "log.txt").read_text()[len(log) :]
+    said = [line[len("2026-01-01 00:00:00 ") :] for line in added.strip().splitlines()]  # after the time stamp
+    assert said == [
+        "the run was already trained to step 4: nothing to do (raise optimus.train.steps past it to train "
+        f"further: the LR schedule then stretches to the new length; or remove {run} to start over)"
+    ], added
 
     refused = {**config, "optimus": {**config["optimus"], "checkpoint": {"interval": 2, "resume": False}}}
     with pytest.raises(Exception, match="checkpoint.resume is false"):
         run_distributed(pretrain_worker, 1, refused)
     last = (run / "log.txt").read_text().splitlines()[-1]
-    assert last.endswith("the run stopped on an error: ConfigError: checkpoint.resume is false but "
-                         f"{run / 'checkpoints'} holds checkpoints of an earlier run; remove them or point "
-                         "checkpoint.dir elsewhere")
+    assert last.endswith(
+        "the run stopped on an error: ConfigError: checkpoint.resume is false but "
+        f"{run / 'checkpoints'} holds checkpoints of an earlier run; remove them or point "
+        "checkpoint.dir elsewhere"
+    )
 
 
 class _StubTrainer:
@@ -255,8 +296,11 @@ def test_lasting_spikes_before_the_first_checkpoint_become_the_new_level():
         guard.observe_loss(value)
         assert guard.decide(1.0).skip
     assert not guard.spikes_only
-    with pytest.raises(CheckpointError, match=r"3 bad steps in a row \(loss is nan\) and no checkpoint to roll back "
-                                              r"to \(the first checkpoint is due at step 100\)$"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"3 bad steps in a row \(loss is nan\) and no checkpoint to roll back "
+        r"to \(the first checkpoint is due at step 100\)$",
+    ):
         callback.post_step(12)
 
 
@@ -308,13 +352,16 @@ def test_rollbacks_to_one_checkpoint_stop_at_max_rollbacks():
     bad_row([25.0, 24.0])
     callback.post_step(6)
     assert trainer.rewound is None and trainer.summary["rollbacks"] == 2 and not guard.wants_rollback
-    assert trainer.messages[-1].startswith("step 6: 2 spikes in a row (gradient norm 24 is") and \
-        trainer.messages[-1].endswith("after 2 rollbacks to step_00000004; taking them as the new level (the guards' "
-                                      "statistics start afresh)")
+    assert trainer.messages[-1].startswith("step 6: 2 spikes in a row (gradient norm 24 is") and trainer.messages[
+        -1
+    ].endswith("after 2 rollbacks to step_00000004; taking them as the new level (the guards' statistics start afresh)")
     bad_row([1.0, 1.0], nan=True)
-    with pytest.raises(CheckpointError, match=r"^step 8: 2 bad steps in a row \(loss is nan\) after 2 rollbacks to "
-                                              r"step_00000004: the run does not get past them; look at the learning "
-                                              r"rate and the data$"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"^step 8: 2 bad steps in a row \(loss is nan\) after 2 rollbacks to "
+        r"step_00000004: the run does not get past them; look at the learning "
+        r"rate and the data$",
+    ):
         callback.post_step(8)
 
 
@@ -335,14 +382,16 @@ def test_a_resume_with_another_global_batch_starts_the_guards_statistics_afresh(
         resumed.trainer.tokens_per_step = tokens
         resumed.load_state_dict(state)
         assert list(resumed.guard.norms) == kept and resumed.guard.skipped == 2
-        assert resumed.note == (None if kept else "the numerical guards' statistics start afresh: they were "
-                                                  "measured at 256 tokens a step")
+        assert resumed.note == (
+            None if kept else "the numerical guards' statistics start afresh: they were measured at 256 tokens a step"
+        )
 
 
 @pytest.mark.slow
 def test_a_users_callback_state_resumes_exactly_and_a_stop_at_the_last_step_still_exports(tmp_path, cache):
-    config = tiny_config(tmp_path, cache, train={"steps": 6, "eval_interval": 0, "stop_after_steps": 4},
-                         checkpoint={"interval": 0})
+    config = tiny_config(
+        tmp_path, cache, train={"steps": 6, "eval_interval": 0, "stop_after_steps": 4}, checkpoint={"interval": 0}
+    )
     first, seen = run_distributed(counting_worker, 1, config, None)[0]
     assert (first["start_step"], seen, first["finished"]) == (0, 4, False)
     config["optimus"]["train"]["stop_after_steps"] = None
@@ -409,7 +458,7 @@ def test_the_watchdog_writes_each_line_whole_and_marked_with_its_rank():
     read_end, write_end = os.pipe()
     with os.fdopen(write_end, "w") as log:
         watchdogs = [Watchdog(rank, log=log) for rank in (0, 1)]
-        stacks = "".join(f"  File \"f.py\", line {i}, in frame_{i}\n" for i in range(200)) + "x" * 9000
+        stacks = "".join(f'  File "f.py", line {i}, in frame_{i}\n' for i in range(200)) + "x" * 9000
         writers = [threading.Thread(target=w._write, args=(stacks,)) for w in watchdogs]
         for thread in writers:
             thread.start()

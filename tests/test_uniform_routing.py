@@ -108,8 +108,11 @@ def uniform_model(seed: int = 0, **optimus) -> MulaForCausalLM:
 def routed(model: MulaForCausalLM, ids: torch.Tensor):
     """The model's output on `ids` and the experts [T, k] each MoE layer chose."""
     experts = []
-    hooks = [m.register_forward_hook(lambda module, args, out: experts.append(out[2]))
-             for m in model.modules() if isinstance(m, MulaTopKRouter)]
+    hooks = [
+        m.register_forward_hook(lambda module, args, out: experts.append(out[2]))
+        for m in model.modules()
+        if isinstance(m, MulaTopKRouter)
+    ]
     try:
         return model(ids), experts
     finally:
@@ -207,18 +210,24 @@ def test_a_saved_model_routes_normally(tmp_path):
 
 
 def _run_config(**optimus) -> dict:
-    config = {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-              "optimus": {"moe": {"force_uniform_routing": True}}}
+    config = {
+        "train_batch_size": 8,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "optimus": {"moe": {"force_uniform_routing": True}},
+    }
     for section, values in optimus.items():
         config["optimus"].setdefault(section, {}).update(values)
     return config
 
 
-@pytest.mark.parametrize("optimus, named", [
-    ({}, ["optimus.train.export false", "optimus.checkpoint.enabled false"]),
-    ({"train": {"export": False}}, ["optimus.checkpoint.enabled false"]),
-    ({"checkpoint": {"enabled": False}}, ["optimus.train.export false"]),
-])
+@pytest.mark.parametrize(
+    "optimus, named",
+    [
+        ({}, ["optimus.train.export false", "optimus.checkpoint.enabled false"]),
+        ({"train": {"export": False}}, ["optimus.checkpoint.enabled false"]),
+        ({"checkpoint": {"enabled": False}}, ["optimus.train.export false"]),
+    ],
+)
 def test_a_run_that_keeps_a_model_is_refused_in_one_line_naming_the_keys(optimus, named):
     with pytest.raises(ConfigError) as err:
         check_run_config(_run_config(**optimus))
@@ -237,15 +246,20 @@ def test_a_run_that_keeps_nothing_takes_it_and_a_bad_value_is_one_line():
 
 # -- expert parallelism --------------------------------------------------------------------------------
 
+
 def _ep_uniform_worker(rank: int, world: int, batch: int, seq: int) -> dict:
     model = uniform_model(expert_parallel={"size": world})
     ids = torch.randint(2, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(3))
     per_rank = batch // world
-    out, indices = routed(model, ids[rank * per_rank:(rank + 1) * per_rank])
+    out, indices = routed(model, ids[rank * per_rank : (rank + 1) * per_rank])
     out.logits.sum().backward()
     router = model.model.layers[0].mlp.gate
-    return {"index": [i.tolist() for i in indices], "logits": out.logits.detach(),
-            "rank": router.uniform_routing_rank, "router_grad": router.weight.grad.clone()}
+    return {
+        "index": [i.tolist() for i in indices],
+        "logits": out.logits.detach(),
+        "rank": router.uniform_routing_rank,
+        "router_grad": router.weight.grad.clone(),
+    }
 
 
 @pytest.mark.slow
@@ -272,11 +286,15 @@ def test_two_ep_ranks_spread_the_group_batch_evenly_and_match_one_process():
 def test_a_benchmark_run_loads_every_expert_equally_in_every_step(tmp_path, world, seq_len):
     """Through ds_optimus.train: one sequence per micro-batch, two micro-batches per step. At EP 2 each
     rank's 30 tokens x top-2 = 60 slots do not divide by the 8 experts, the group's 120 do."""
-    config = tiny_config(tmp_path, tmp_path / "cache", moe={"force_uniform_routing": True},
-                         expert_parallel={"size": world}, data={"seq_len": seq_len},
-                         train={"steps": 3, "export": False, "eval_interval": 0, "eval_batches": 1,
-                                "warmup_steps": 0},
-                         checkpoint={"enabled": False})
+    config = tiny_config(
+        tmp_path,
+        tmp_path / "cache",
+        moe={"force_uniform_routing": True},
+        expert_parallel={"size": world},
+        data={"seq_len": seq_len},
+        train={"steps": 3, "export": False, "eval_interval": 0, "eval_batches": 1, "warmup_steps": 0},
+        checkpoint={"enabled": False},
+    )
     config.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=2)
     records = [r for r in run_distributed(metrics_worker, world, config)[0] if "loss" in r]
     preset = MulaConfig.from_preset("mula-tiny-moe")

@@ -35,8 +35,16 @@ def tiny_config(tmp_path: Path, cache: Path, **optimus) -> dict:
         model={"preset": "mula-tiny-moe"},
         expert_parallel={"size": 1},
         data={"sources": ["embedded"], "seq_len": 32, "val_fraction": 0.05, "cache_dir": str(cache)},
-        train={"steps": 8, "seed": 0, "output_dir": str(tmp_path / "run"), "eval_interval": 4, "eval_batches": 2,
-               "warmup_steps": 2, "sample_tokens": 0, "plots": False},  # plots: by the tests that check them
+        train={
+            "steps": 8,
+            "seed": 0,
+            "output_dir": str(tmp_path / "run"),
+            "eval_interval": 4,
+            "eval_batches": 2,
+            "warmup_steps": 2,
+            "sample_tokens": 0,
+            "plots": False,
+        },  # plots: by the tests that check them
         checkpoint={"interval": 4, "keep_last": 2},
         wandb={"mode": "disabled"},
     )
@@ -63,9 +71,11 @@ def left_alive_worker(rank: int, world: int, config: dict) -> dict:
     pretrain(config)
     gc.collect()
     objects = gc.get_objects()
-    return {"engines": sum(issubclass(type(o), DeepSpeedEngine) for o in objects),
-            "optimizers": sum(issubclass(type(o), ShardedOptimizer) for o in objects),
-            "watchdogs": [t.name for t in threading.enumerate() if t.name == "ds_optimus-watchdog"]}
+    return {
+        "engines": sum(issubclass(type(o), DeepSpeedEngine) for o in objects),
+        "optimizers": sum(issubclass(type(o), ShardedOptimizer) for o in objects),
+        "watchdogs": [t.name for t in threading.enumerate() if t.name == "ds_optimus-watchdog"],
+    }
 
 
 def cli_errors_worker(rank: int, world: int, configs: list[tuple[dict, list[str]]], tmp: str) -> list:
@@ -84,7 +94,6 @@ def cli_errors_worker(rank: int, world: int, configs: list[tuple[dict, list[str]
             status = main(["--config", path, *args])
         results.append((status, err.getvalue()))
     return results
-
 
 
 class _SyncMode(TorchDispatchMode):
@@ -155,8 +164,11 @@ def communication_worker(rank: int, world: int, config: dict) -> dict:
     trainer = Trainer(config)
     summary = trainer.train()
     optimizer = trainer.engine.optimizer
-    return {"losses": summary["losses"], "comm_bytes": dict(optimizer.comm_bytes),
-            "bucket_dtypes": sorted({str(optimizer.bucket_dtype(s)) for s in optimizer.spaces})}
+    return {
+        "losses": summary["losses"],
+        "comm_bytes": dict(optimizer.comm_bytes),
+        "bucket_dtypes": sorted({str(optimizer.bucket_dtype(s)) for s in optimizer.spaces}),
+    }
 
 
 def drain_worker(rank: int, world: int, config: dict) -> dict:
@@ -172,6 +184,7 @@ def drain_worker(rank: int, world: int, config: dict) -> dict:
             optimizer = trainer.engine.optimizer
             launched.append((optimizer._next, len(optimizer._order)))
             return original()
+
         return finalize
 
     optimizer = trainer.engine.optimizer
@@ -184,8 +197,7 @@ def drain_worker(rank: int, world: int, config: dict) -> dict:
     for _, chunk in trainer.runner.chunks:
         chunk.register_forward_pre_hook(count_held)
     summary = trainer.train()
-    return {**summary, "launched": launched, "held_at_forward": max(held),
-            "buckets": len(optimizer._order)}
+    return {**summary, "launched": launched, "held_at_forward": max(held), "buckets": len(optimizer._order)}
 
 
 class RoundingPerturbation(Callback):

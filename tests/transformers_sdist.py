@@ -41,8 +41,20 @@ def cache_root() -> Path:
 
 def _download(version: str, folder: Path) -> Path:
     """The sdist archive of `version`, fetched by pip (which honours the index configured for it)."""
-    command = [sys.executable, "-m", "pip", "download", f"transformers=={version}", "--no-deps",
-               "--no-binary", ":all:", "--disable-pip-version-check", "-q", "-d", str(folder)]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        f"transformers=={version}",
+        "--no-deps",
+        "--no-binary",
+        ":all:",
+        "--disable-pip-version-check",
+        "-q",
+        "-d",
+        str(folder),
+    ]
     try:
         subprocess.run(command, check=True, capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired:
@@ -95,6 +107,7 @@ def tests_dir() -> Path:
 
 
 # -- stand-ins for what the sdist does not ship ---------------------------------------------------------
+
 
 class _NoExportTests:
     """Stands in for the export mixin (tests/exporters/test_export.py, not in the sdist): no export tests."""
@@ -198,8 +211,9 @@ def load() -> types.ModuleType:
         stand_in = types.ModuleType("parameterized")
         stand_in.parameterized = _Expand
         sys.modules["parameterized"] = stand_in
-    spec = importlib.util.spec_from_file_location(PACKAGE, folder / "__init__.py",
-                                                  submodule_search_locations=[str(folder)])
+    spec = importlib.util.spec_from_file_location(
+        PACKAGE, folder / "__init__.py", submodule_search_locations=[str(folder)]
+    )
     package = importlib.util.module_from_spec(spec)
     sys.modules[PACKAGE] = package
     spec.loader.exec_module(package)

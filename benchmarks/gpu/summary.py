@@ -52,10 +52,14 @@ def kernels(out: Path) -> dict:
         if "ours_triton" not in times:
             continue
         triton = times["ours_triton"]
-        figures[tokens] = {"fraction_of_dense": triton["fraction_of_dense"],
-                           "vs_grouped_mm": times["ours_grouped_mm"]["median_s"] / triton["median_s"]
-                           if "ours_grouped_mm" in times else None,
-                           "dense_tflops": times["dense"]["tflops"], "triton_tflops": triton["tflops"]}
+        figures[tokens] = {
+            "fraction_of_dense": triton["fraction_of_dense"],
+            "vs_grouped_mm": times["ours_grouped_mm"]["median_s"] / triton["median_s"]
+            if "ours_grouped_mm" in times
+            else None,
+            "dense_tflops": times["dense"]["tflops"],
+            "triton_tflops": triton["tflops"],
+        }
     return figures
 
 
@@ -67,17 +71,33 @@ def plan_check(e2e: dict) -> dict | None:
     from ds_optimus.plan import Layout, ModelShape, evaluate, get_cluster
 
     shape = e2e["shape"]
-    overrides = {k: v for k, v in shape.items() if k not in ("preset", "seq_len", "micro_batch", "dtype",
-                                                            "zero_stage", "processes")}
+    overrides = {
+        k: v
+        for k, v in shape.items()
+        if k not in ("preset", "seq_len", "micro_batch", "dtype", "zero_stage", "processes")
+    }
     model = ModelShape.from_preset(shape["preset"], **overrides)
-    layout = Layout(world=1, ep=1, zero=1, sharded=True, micro=shape["micro_batch"], accumulation=1,
-                    seq_len=shape["seq_len"], dtype="bf16" if shape["dtype"] == "bf16" else "fp32")
+    layout = Layout(
+        world=1,
+        ep=1,
+        zero=1,
+        sharded=True,
+        micro=shape["micro_batch"],
+        accumulation=1,
+        seq_len=shape["seq_len"],
+        dtype="bf16" if shape["dtype"] == "bf16" else "fp32",
+    )
     plan = evaluate(model, layout, get_cluster("h100"))
     measured_peak = ours.get("peak_bytes")
-    return {"layout": layout.describe(), "predicted_step_s": plan.time.step, "measured_step_s": ours["step_seconds"],
-            "step_ratio": ours["step_seconds"] / plan.time.step, "predicted_peak_bytes": plan.memory.peak,
-            "measured_peak_bytes": measured_peak,
-            "peak_ratio": measured_peak / plan.memory.peak if measured_peak else None}
+    return {
+        "layout": layout.describe(),
+        "predicted_step_s": plan.time.step,
+        "measured_step_s": ours["step_seconds"],
+        "step_ratio": ours["step_seconds"] / plan.time.step,
+        "predicted_peak_bytes": plan.memory.peak,
+        "measured_peak_bytes": measured_peak,
+        "peak_ratio": measured_peak / plan.memory.peak if measured_peak else None,
+    }
 
 
 def _fmt(value, kind: str) -> str:
@@ -115,12 +135,24 @@ def summarize(out: Path) -> tuple[list[tuple[str, str, str, bool]], str, dict]:
         rows.append(("correctness (pytest -m gpu)", "not run", "all pass", False))
     else:
         ok = tests["failures"] == tests["errors"] == 0 and tests["passed"] > 0
-        rows.append(("correctness (pytest -m gpu)", f"{tests['passed']} passed, {tests['failures'] + tests['errors']} "
-                     f"failed, {tests['skipped']} skipped", "all pass", ok))
+        rows.append(
+            (
+                "correctness (pytest -m gpu)",
+                f"{tests['passed']} passed, {tests['failures'] + tests['errors']} failed, {tests['skipped']} skipped",
+                "all pass",
+                ok,
+            )
+        )
     for key, (label, kind) in labels.items():
         value, target = figures[key], TARGETS[key]
-        rows.append((label, _fmt(value, kind), (f">= {target:.0%}" if kind == "%" else f">= {target}x"),
-                     value is not None and value >= target))
+        rows.append(
+            (
+                label,
+                _fmt(value, kind),
+                (f">= {target:.0%}" if kind == "%" else f">= {target}x"),
+                value is not None and value >= target,
+            )
+        )
     check = plan_check(e2e) if e2e else None
     if check:
         rows.append(("planner: measured / predicted step time", f"{check['step_ratio']:.2f}", "report", True))
@@ -130,13 +162,22 @@ def summarize(out: Path) -> tuple[list[tuple[str, str, str, bool]], str, dict]:
     def part(value, kind):
         return "-" if value is None else (f"{value * 100:.0f} %" if kind == "%" else f"{value:.2f}x")
 
-    line = (f"gpu battery: kernels {part(figures['kernels_fraction_of_dense_16k'], '%')} of dense "
-            f"({part(figures['kernels_vs_grouped_mm_16k'], 'x')} grouped_mm), "
-            f"e2e {part(figures['e2e_vs_hf_trainer'], 'x')} Trainer+OLMoE, MFU {part(figures['e2e_mfu'], '%')}")
-    everything = {"correctness": tests, "kernels": k, "figures": figures, "targets": TARGETS,
-                  "met": {key: figures[key] is not None and figures[key] >= TARGETS[key] for key in TARGETS},
-                  "plan_check": check, "line": line,
-                  "e2e_not_run": (e2e or {}).get("not_run"), "gpu": k.get("gpu")}
+    line = (
+        f"gpu battery: kernels {part(figures['kernels_fraction_of_dense_16k'], '%')} of dense "
+        f"({part(figures['kernels_vs_grouped_mm_16k'], 'x')} grouped_mm), "
+        f"e2e {part(figures['e2e_vs_hf_trainer'], 'x')} Trainer+OLMoE, MFU {part(figures['e2e_mfu'], '%')}"
+    )
+    everything = {
+        "correctness": tests,
+        "kernels": k,
+        "figures": figures,
+        "targets": TARGETS,
+        "met": {key: figures[key] is not None and figures[key] >= TARGETS[key] for key in TARGETS},
+        "plan_check": check,
+        "line": line,
+        "e2e_not_run": (e2e or {}).get("not_run"),
+        "gpu": k.get("gpu"),
+    }
     return rows, line, everything
 
 

@@ -45,19 +45,35 @@ PROFILED = 2  # with --profile: the last steps of ours' first round, recorded by
 
 def ds_config(work: Path, name: str, model: dict, args, *, before: bool) -> dict:
     config = {
-        "train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-        "steps_per_print": 10**9, "zero_optimization": {"stage": 1},
-        "optimizer": {"type": "AdamW", "params": {"lr": 4e-4, "betas": [0.9, 0.95], "eps": 1e-8,
-                                                  "weight_decay": 0.1, "torch_adam": True}},
+        "train_micro_batch_size_per_gpu": args.micro,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": 1},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 4e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "torch_adam": True},
+        },
         "optimus": {
             "model": model,
             "moe": {"experts_backend": "reference" if before else "auto"},
             "sharded_optimizer": {"enabled": not before},
-            "data": {"sources": ["embedded"], "seq_len": args.seq_len, "val_fraction": 0.02,
-                     "cache_dir": str(work / "cache")},
-            "train": {"steps": args.steps, "output_dir": str(work / name), "eval_interval": 0, "eval_batches": 1,
-                      "sample_tokens": 0, "warmup_steps": 2, "measure_memory_steps": 0 if before else 3,
-                      "export": False},  # neither the export nor a checkpoint: a throughput measurement
+            "data": {
+                "sources": ["embedded"],
+                "seq_len": args.seq_len,
+                "val_fraction": 0.02,
+                "cache_dir": str(work / "cache"),
+            },
+            "train": {
+                "steps": args.steps,
+                "output_dir": str(work / name),
+                "eval_interval": 0,
+                "eval_batches": 1,
+                "sample_tokens": 0,
+                "warmup_steps": 2,
+                "measure_memory_steps": 0 if before else 3,
+                "export": False,
+            },  # neither the export nor a checkpoint: a throughput measurement
             "checkpoint": {"enabled": False, "resume": False},
             "wandb": {"mode": "disabled"},
         },
@@ -83,12 +99,16 @@ def run_ours(work: Path, name: str, model: dict, args, before: bool, profile: bo
     if profiled:  # the profiler's table beside the results; its steps are slower, so left out of the timing
         records = [r for r in records if r.get("step", 0) < profiled[0]]
         table = (work / name / "profile.txt").read_text()
-        Path(os.environ.get("BENCH_RESULTS", ROOT / "benchmarks" / "results"), f"train_e2e_profile_{name}.txt") \
-            .write_text(table)
+        Path(
+            os.environ.get("BENCH_RESULTS", ROOT / "benchmarks" / "results"), f"train_e2e_profile_{name}.txt"
+        ).write_text(table)
     summary = json.loads((work / name / "summary.json").read_text())
     peaks = [m["peak_bytes"] for m in summary.get("memory") or []]
-    return {"step_seconds": [r["step_seconds"] for r in records if "step_seconds" in r],
-            "losses": [r["loss"] for r in records if "loss" in r], "peak_bytes": max(peaks) if peaks else None}
+    return {
+        "step_seconds": [r["step_seconds"] for r in records if "step_seconds" in r],
+        "losses": [r["loss"] for r in records if "loss" in r],
+        "peak_bytes": max(peaks) if peaks else None,
+    }
 
 
 def run_trainer(work: Path, model: dict, args, impl: str) -> dict:
@@ -102,12 +122,32 @@ def run_trainer(work: Path, model: dict, args, impl: str) -> dict:
     olmoe = mula_to_olmoe_config(MulaConfig.from_preset(model["preset"], **model["overrides"]))
     data = next(p for p in (work / "cache").iterdir() if (p / "meta.json").exists())
     out = work / f"hf_{impl}.json"
-    launch([str(ROOT / "benchmarks" / "_trainer_baseline.py"), "--config", str(path), "--model",
-            json.dumps(olmoe.to_diff_dict()), "--data", str(data), "--seq-len", str(args.seq_len),
-            "--steps", str(args.steps), "--out", str(out), "--experts-implementation", impl], work)
+    launch(
+        [
+            str(ROOT / "benchmarks" / "_trainer_baseline.py"),
+            "--config",
+            str(path),
+            "--model",
+            json.dumps(olmoe.to_diff_dict()),
+            "--data",
+            str(data),
+            "--seq-len",
+            str(args.seq_len),
+            "--steps",
+            str(args.steps),
+            "--out",
+            str(out),
+            "--experts-implementation",
+            impl,
+        ],
+        work,
+    )
     result = json.loads(out.read_text())
-    return {"step_seconds": result["step_seconds"], "losses": result["losses"],
-            "experts_implementation": result.get("experts_implementation")}
+    return {
+        "step_seconds": result["step_seconds"],
+        "losses": result["losses"],
+        "experts_implementation": result.get("experts_implementation"),
+    }
 
 
 def sonicmoe_available() -> bool:
@@ -142,9 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="rounds of every contestant")
     parser.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak (default: by GPU name)")
     parser.add_argument("--only", default=None, help="comma-separated contestants (default: all)")
-    parser.add_argument("--profile", action="store_true",
-                        help=f"record ours' last {PROFILED} steps of the first round with torch.profiler (left out of "
-                             "its timing): the top kernels in train_e2e_profile_ours.txt beside the JSON")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help=f"record ours' last {PROFILED} steps of the first round with torch.profiler (left out of "
+        "its timing): the top kernels in train_e2e_profile_ours.txt beside the JSON",
+    )
     parser.add_argument("--dry-run", action="store_true", help="the tiny preset on the CPU, 3 steps, float32")
     args = parser.parse_args(argv)
     for key in ("layers", "seq_len", "micro", "steps", "repeats"):
@@ -195,17 +238,35 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     profile = args.profile and name == "ours" and r == 0  # the first round: kept if cut off
                     result = run_ours(work, name, model, args, before=name == "before", profile=profile)
-                step = statistics.median(result["step_seconds"][args.warmup:])  # profiled steps left out
+                step = statistics.median(result["step_seconds"][args.warmup :])  # profiled steps left out
                 rounds[name].append(tokens_per_step / step)
                 details[name] = {k: v for k, v in result.items() if k != "step_seconds"}
                 print(f"round {r + 1}: {name:<20}{tokens_per_step / step:>10.0f} tokens/s", flush=True)
-            report(args, model, rounds, details, skipped, flops_per_token, tokens_per_step, peak,
-                   final=r == args.repeats - 1)
+            report(
+                args,
+                model,
+                rounds,
+                details,
+                skipped,
+                flops_per_token,
+                tokens_per_step,
+                peak,
+                final=r == args.repeats - 1,
+            )
     return 0
 
 
-def report(args, model: dict, rounds: dict, details: dict, skipped: dict, flops_per_token: float,
-           tokens_per_step: int, peak: float | None, final: bool) -> None:
+def report(
+    args,
+    model: dict,
+    rounds: dict,
+    details: dict,
+    skipped: dict,
+    flops_per_token: float,
+    tokens_per_step: int,
+    peak: float | None,
+    final: bool,
+) -> None:
     """The figures of the rounds so far into train_e2e.json (written after every round, so that a run
     cut off keeps what it finished); the table too once the last round is in."""
     results = {}
@@ -213,12 +274,17 @@ def report(args, model: dict, rounds: dict, details: dict, skipped: dict, flops_
         if not values:
             continue
         tps = statistics.median(values)
-        results[name] = {"tokens_per_s": tps, "tokens_per_s_rounds": values, **details[name],
-                         "step_seconds": tokens_per_step / tps,
-                         "mfu": tps * flops_per_token / (peak * 1e12) if peak else None}
+        results[name] = {
+            "tokens_per_s": tps,
+            "tokens_per_s_rounds": values,
+            **details[name],
+            "step_seconds": tokens_per_step / tps,
+            "mfu": tps * flops_per_token / (peak * 1e12) if peak else None,
+        }
     for v in results.values():
-        v["vs_hf_trainer"] = v["tokens_per_s"] / results["hf_trainer"]["tokens_per_s"] if "hf_trainer" in results \
-            else None
+        v["vs_hf_trainer"] = (
+            v["tokens_per_s"] / results["hf_trainer"]["tokens_per_s"] if "hf_trainer" in results else None
+        )
         v["vs_before"] = v["tokens_per_s"] / results["before"]["tokens_per_s"] if "before" in results else None
     if final:
         print(f"\n{'contestant':<20}{'tokens/s':>10}{'MFU':>7}{'vs Trainer+OLMoE':>18}{'vs before':>11}")
@@ -226,11 +292,25 @@ def report(args, model: dict, rounds: dict, details: dict, skipped: dict, flops_
             mfu = f"{v['mfu']:.1%}" if v["mfu"] is not None else "-"
             vs = [f"{x:.2f}x" if x is not None else "-" for x in (v["vs_hf_trainer"], v["vs_before"])]
             print(f"{name:<20}{v['tokens_per_s']:>10.0f}{mfu:>7}{vs[0]:>18}{vs[1]:>11}")
-    payload = {"shape": {"preset": model["preset"], **model["overrides"], "seq_len": args.seq_len,
-                         "micro_batch": args.micro, "dtype": args.dtype, "zero_stage": 1, "processes": 1},
-               "flops_per_token": flops_per_token, "peak_tflops": peak, "steps": args.steps, "warmup": args.warmup,
-               "repeats": args.repeats, "rounds_done": max(map(len, rounds.values()), default=0),
-               "results": results, "not_run": skipped}
+    payload = {
+        "shape": {
+            "preset": model["preset"],
+            **model["overrides"],
+            "seq_len": args.seq_len,
+            "micro_batch": args.micro,
+            "dtype": args.dtype,
+            "zero_stage": 1,
+            "processes": 1,
+        },
+        "flops_per_token": flops_per_token,
+        "peak_tflops": peak,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "rounds_done": max(map(len, rounds.values()), default=0),
+        "results": results,
+        "not_run": skipped,
+    }
     path = write_result("train_e2e_dry_run" if args.dry_run else "train_e2e", payload)
     if final:
         print(f"wrote {path}")

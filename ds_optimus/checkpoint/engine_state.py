@@ -20,7 +20,6 @@ def engine_state_types() -> list[Any]:
     return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
-
 _ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
 
 
@@ -35,9 +34,11 @@ def _takes_rank_list(optimizer) -> bool:
 
 def engine_state(engine) -> dict:
     """This rank's share of the engine's training state: optimizer partition, scheduler, counters."""
-    state = {"optimizer": engine.optimizer.state_dict() if engine.optimizer is not None else None,
-             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-             "counters": {name: getattr(engine, name) for name in _ENGINE_COUNTERS}}
+    state = {
+        "optimizer": engine.optimizer.state_dict() if engine.optimizer is not None else None,
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "counters": {name: getattr(engine, name) for name in _ENGINE_COUNTERS},
+    }
     return state
 
 

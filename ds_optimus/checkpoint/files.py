@@ -38,6 +38,7 @@ class CheckpointError(RuntimeError):
 
 # -- files ----------------------------------------------------------------------------------------
 
+
 class _HashingWriter:
     """A file wrapper that counts and hashes what `torch.save` writes through it."""
 
@@ -157,8 +158,10 @@ def load(path: Path, allow: Iterable[Any] = (), mmap: bool = False) -> Any:
     except (pickle.UnpicklingError, OSError, RuntimeError, EOFError, ValueError) as err:
         unsafe = [] if isinstance(err, OSError) else _unsafe_globals(path, allowed, str(err))
         if unsafe:
-            raise CheckpointError(f"{path} holds objects that are not plain tensors or containers "
-                                  f"({', '.join(unsafe)}); refusing to unpickle it") from None
+            raise CheckpointError(
+                f"{path} holds objects that are not plain tensors or containers "
+                f"({', '.join(unsafe)}); refusing to unpickle it"
+            ) from None
         raise CheckpointError(f"{path} cannot be read ({_describe(err)})") from None
 
 
@@ -186,6 +189,7 @@ def _describe(err: BaseException) -> str:
 
 
 # -- checkpoint folders ---------------------------------------------------------------------------
+
 
 def verify(path: Path, rank: int = 0, world: int = 1, required: tuple[str, ...] = (), only=None) -> str | None:
     """What is wrong with checkpoint folder `path` against its manifest (the size and CRC-32 of every file,
@@ -296,9 +300,18 @@ class CheckpointWriter:
         barrier()
         return tmp
 
-    def write(self, root: Path, name: str, files: dict[str, Any], meta: dict[str, Any] | None, *,
-              background: bool = False, save_latest: bool = True, keep: Callable[[Path], None] | None = None,
-              about: dict[str, dict[str, Any]] | None = None) -> None:
+    def write(
+        self,
+        root: Path,
+        name: str,
+        files: dict[str, Any],
+        meta: dict[str, Any] | None,
+        *,
+        background: bool = False,
+        save_latest: bool = True,
+        keep: Callable[[Path], None] | None = None,
+        about: dict[str, dict[str, Any]] | None = None,
+    ) -> None:
         """Write this rank's `files` ({file name: object}) of checkpoint `name` (collective; call
         `prepare` first). `meta` (rank 0) goes into the manifest, and so do `about`'s JSON facts of this
         rank's files ({file name: {key: value}}), beside each file's size and CRC-32; `keep(root)` runs
@@ -307,8 +320,9 @@ class CheckpointWriter:
         files = {k: (v, (about or {}).get(k, {})) for k, v in files.items()}
         args = (root, name, tmp, files, meta, save_latest, keep)
         if background:
-            self._thread = threading.Thread(target=self._background, args=args, name="ds_optimus-checkpoint",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._background, args=args, name="ds_optimus-checkpoint", daemon=True
+            )
             self._thread.start()
             return
         began = time.perf_counter()
@@ -321,16 +335,18 @@ class CheckpointWriter:
         errors = [e for e, _ in gathered if e]
         if not errors and self.rank == 0:
             try:
-                self._finish(root, name, tmp, {k: v for _, r in gathered for k, v in r.items()}, meta or {},
-                             save_latest, keep)
+                self._finish(
+                    root, name, tmp, {k: v for _, r in gathered for k, v in r.items()}, meta or {}, save_latest, keep
+                )
             except Exception as err:
                 errors.append(f"rank 0: {_describe(err)}")
         errors = [e for e in gather(self.world, errors[0] if errors else None) if e]
         if errors:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(f"saving checkpoint {name} failed ({errors[0]}); the previous checkpoints are "
-                                  "untouched")
+            raise CheckpointError(
+                f"saving checkpoint {name} failed ({errors[0]}); the previous checkpoints are untouched"
+            )
         self.last_seconds = time.perf_counter() - began
 
     def wait(self) -> None:
@@ -344,8 +360,9 @@ class CheckpointWriter:
         error, self._error = self._error, None
         errors = [e for e in gather(self.world, error) if e]
         if errors:
-            raise CheckpointError(f"an asynchronous checkpoint save failed ({errors[0]}); the previous "
-                                  "checkpoints are untouched")
+            raise CheckpointError(
+                f"an asynchronous checkpoint save failed ({errors[0]}); the previous checkpoints are untouched"
+            )
 
     def _write_files(self, folder: Path, files: dict[str, Any], step: int | None) -> dict[str, Any]:
         records = {}

@@ -104,20 +104,27 @@ def consolidated_state(path: str | Path) -> dict[str, torch.Tensor]:
     files = sorted(meta.get("files", ()))
     if not engine_format:
         state = load(path / "model.pt", mmap=True)
-        shards = [load(path / f"experts_ep{q:03d}.pt", mmap=True) for q in range(meta["ep_size"])
-                  if (path / f"experts_ep{q:03d}.pt").exists()]
+        shards = [
+            load(path / f"experts_ep{q:03d}.pt", mmap=True)
+            for q in range(meta["ep_size"])
+            if (path / f"experts_ep{q:03d}.pt").exists()
+        ]
     else:  # one file per pipeline stage, or its parts
         state, _ = read_weights(path, [f for f in files if f.startswith("model_dense")])
-        shards = [shard for q in range(meta["ep_size"]) if (shard := read_weights(
-            path, [f for f in files if f.startswith(f"model_experts_ep{q:03d}")])[0])]
+        shards = [
+            shard
+            for q in range(meta["ep_size"])
+            if (shard := read_weights(path, [f for f in files if f.startswith(f"model_experts_ep{q:03d}")])[0])
+        ]
         parts: dict[str, list] = {}
         for group in grouped(files, "model_tensor").values():  # each TP rank's parts of the split weights
             weights, saved = read_weights(path, group)
             for name, tensor in weights.items():
                 full, dim, start, stop = saved["splits"][name]
                 parts.setdefault(name, []).append((Split(tuple(full), dim, start, stop), tensor))
-        state.update({name: join_parts(pieces, 0, pieces[0][0].full[pieces[0][0].dim])
-                      for name, pieces in parts.items()})
+        state.update(
+            {name: join_parts(pieces, 0, pieces[0][0].full[pieces[0][0].dim]) for name, pieces in parts.items()}
+        )
     for name in shards[0] if shards else ():
         state[name] = torch.cat([shard[name] for shard in shards])
     return state
@@ -135,7 +142,7 @@ def cold_name(step: int, tokens: int) -> str:
 
 
 def _step(folder: Path) -> int:
-    return int(folder.name[len(STEP_PREFIX):])
+    return int(folder.name[len(STEP_PREFIX) :])
 
 
 def _sharded(engine) -> bool:
@@ -156,17 +163,20 @@ def trained_without_checkpoint(output_dir: str | Path, directory: str | Path) ->
         return None
     if not last or any((p / "meta.json").exists() for p in CheckpointManager(directory).step_folders()):
         return None
-    return (f"{output_dir} holds a run trained to step {step}, its last checkpoint {last}, but {directory} has no "
-            "complete checkpoint to resume from; refusing to start over (its metrics would be rewritten): point "
-            "optimus.checkpoint.dir at its checkpoints, give another optimus.train.output_dir, or remove the folder "
-            "to start over")
+    return (
+        f"{output_dir} holds a run trained to step {step}, its last checkpoint {last}, but {directory} has no "
+        "complete checkpoint to resume from; refusing to start over (its metrics would be rewritten): point "
+        "optimus.checkpoint.dir at its checkpoints, give another optimus.train.output_dir, or remove the folder "
+        "to start over"
+    )
 
 
 class CheckpointManager:
     """Save and find checkpoints of `engine` (whose module may be expert-parallel) in `directory`."""
 
-    def __init__(self, directory: str | Path, keep_last: int = 2, groups=None,
-                 min_part_bytes: int | None = None) -> None:
+    def __init__(
+        self, directory: str | Path, keep_last: int = 2, groups=None, min_part_bytes: int | None = None
+    ) -> None:
         self.directory = Path(directory)
         self.keep_last = keep_last
         self.min_part_bytes = min_part_bytes  # staggered model files (`model_files`); None: each by one rank
@@ -185,8 +195,11 @@ class CheckpointManager:
         """Every `step_N` folder here, complete or not, oldest first."""
         if not self.directory.is_dir():
             return []
-        found = [p for p in self.directory.iterdir()
-                 if p.is_dir() and p.name.startswith(STEP_PREFIX) and p.name[len(STEP_PREFIX):].isdigit()]
+        found = [
+            p
+            for p in self.directory.iterdir()
+            if p.is_dir() and p.name.startswith(STEP_PREFIX) and p.name[len(STEP_PREFIX) :].isdigit()
+        ]
         return sorted(found, key=_step)
 
     def complete(self) -> list[Path]:
@@ -238,14 +251,18 @@ class CheckpointManager:
         if named in reported or (best is not None and self.directory / named == best):
             if best is not None and self.directory / named == best and self._rewound_to(self.complete()[::-1]):
                 newer = [p.name for p in self.complete() if _step(p) > _step(best)]
-                notes.append(f"latest names {named}, set after {', '.join(newer)} (rewound by hand?): resuming from "
-                             f"{named} as it says; the newer checkpoints are overwritten as the run gets there again")
+                notes.append(
+                    f"latest names {named}, set after {', '.join(newer)} (rewound by hand?): resuming from "
+                    f"{named} as it says; the newer checkpoints are overwritten as the run gets there again"
+                )
             return notes
         then = f"using {best.name}" if best else "no complete checkpoint is left"
         folder = self.directory / named
         if folder in candidates:
-            notes.append(f"latest names {named}, but {best.name} is newer and complete (latest was behind: a "
-                         f"save interrupted before latest was updated); using {best.name}")
+            notes.append(
+                f"latest names {named}, but {best.name} is newer and complete (latest was behind: a "
+                f"save interrupted before latest was updated); using {best.name}"
+            )
             return notes
         if folder.is_dir() and not (folder / "meta.json").exists():
             why = "has no manifest meta.json (an interrupted save?)"
@@ -280,8 +297,10 @@ class CheckpointManager:
         if not candidates and traces:
             # Checkpoints were here and none is usable: starting afresh would silently lose the run
             # (a restart after the refusal below would otherwise do just that).
-            raise CollectiveCheckpointError(f"no intact checkpoint is left in {self.directory} "
-                                              f"({'; '.join(traces)}); move the folder away to start over")
+            raise CollectiveCheckpointError(
+                f"no intact checkpoint is left in {self.directory} "
+                f"({'; '.join(traces)}); move the folder away to start over"
+            )
         problems = []
         for path in candidates:
             problem = verify(path, self.rank, self.world_size, required=MANIFEST_KEYS)
@@ -295,8 +314,10 @@ class CheckpointManager:
                 shutil.rmtree(path.with_name(path.name + ".corrupt"), ignore_errors=True)
                 os.replace(path, path.with_name(path.name + ".corrupt"))
         if candidates:
-            raise CollectiveCheckpointError(f"none of the {len(candidates)} checkpoints in {self.directory} is "
-                                              f"intact ({'; '.join(problems)}); move them away to start over")
+            raise CollectiveCheckpointError(
+                f"none of the {len(candidates)} checkpoints in {self.directory} is "
+                f"intact ({'; '.join(problems)}); move them away to start over"
+            )
         return None
 
     # -- saving -----------------------------------------------------------------------------------
@@ -308,8 +329,14 @@ class CheckpointManager:
             return set()
         return {name for name, p in model.named_parameters() if is_expert_param(p)}
 
-    def save(self, step: int, engine, extra: dict[str, Any] | None = None, background: bool = False,
-             manifest: dict[str, Any] | None = None) -> Path:
+    def save(
+        self,
+        step: int,
+        engine,
+        extra: dict[str, Any] | None = None,
+        background: bool = False,
+        manifest: dict[str, Any] | None = None,
+    ) -> Path:
         """Write checkpoint `step` (collective: every rank calls it) and prune old ones. With
         `background`, the state is copied and written by a thread while training goes on (one save
         in flight: this waits for the previous one first). `manifest`: small JSON facts kept in the
@@ -321,8 +348,9 @@ class CheckpointManager:
         if _sharded(engine):
             from . import optimizer_state as checkpointing
 
-            files, meta, about = checkpointing.checkpoint_files(engine, self.groups, client, copy=background,
-                                                                min_part_bytes=self.min_part_bytes)
+            files, meta, about = checkpointing.checkpoint_files(
+                engine, self.groups, client, copy=background, min_part_bytes=self.min_part_bytes
+            )
             meta["tag"] = name
         else:
             (files, meta), about = self._per_rank_files(engine, client, copy=background), None
@@ -379,7 +407,7 @@ class CheckpointManager:
         return files, {"world_size": self.world_size, "ep_size": self.ep_size}
 
     def _prune(self, root: Path) -> None:
-        for old in self.complete()[:-self.keep_last]:
+        for old in self.complete()[: -self.keep_last]:
             if old not in set(self.keep_for_now):
                 shutil.rmtree(old, ignore_errors=True)
 
@@ -397,8 +425,10 @@ class CheckpointManager:
             raise CheckpointError(f"{path} is not a complete checkpoint ({err})") from None
         engine_format = meta.get("format", "").startswith("ds_optimus.checkpoint/")
         if engine_format != _sharded(engine):
-            raise CheckpointError(f"{path} was saved {'with' if engine_format else 'without'} the sharded optimizer; "
-                                  f"set optimus.sharded_optimizer.enabled to {str(engine_format).lower()} to resume it")
+            raise CheckpointError(
+                f"{path} was saved {'with' if engine_format else 'without'} the sharded optimizer; "
+                f"set optimus.sharded_optimizer.enabled to {str(engine_format).lower()} to resume it"
+            )
         if engine_format:
             from . import optimizer_state as checkpointing
 
@@ -407,19 +437,34 @@ class CheckpointManager:
                 set_rng_state(client["rng"])
             pipeline = checkpointing.pipeline_of(engine, self.groups)
             tensor = getattr(self.groups, "tensor", None)
-            now = (self.world_size, self.ep_size, self.world_size // len(pipeline.stage_ranks) if pipeline else 1,
-                   tensor.size if tensor is not None else 1)
+            now = (
+                self.world_size,
+                self.ep_size,
+                self.world_size // len(pipeline.stage_ranks) if pipeline else 1,
+                tensor.size if tensor is not None else 1,
+            )
             saved = saved_layout(meta)
-            self.layout_note = None if saved == now else (
-                f"the checkpoint was saved by {describe_layout(*saved)}; resumed by {describe_layout(*now)}, "
-                "its state resharded" + ("" if saved[0] == now[0] else "; the random generators start from the "
-                                          "run's seed (dropout and sampling draw other numbers than before)"))
+            self.layout_note = (
+                None
+                if saved == now
+                else (
+                    f"the checkpoint was saved by {describe_layout(*saved)}; resumed by {describe_layout(*now)}, "
+                    "its state resharded"
+                    + (
+                        ""
+                        if saved[0] == now[0]
+                        else "; the random generators start from the "
+                        "run's seed (dropout and sampling draw other numbers than before)"
+                    )
+                )
+            )
             return _step(path), client["extra"]
         if (meta["world_size"], meta["ep_size"]) != (self.world_size, self.ep_size):
             raise CheckpointError(
                 f"{path} was saved by {describe_layout(*saved_layout(meta))}; this run has "
                 f"{describe_layout(self.world_size, self.ep_size, 1)} (resuming on another layout needs the sharded "
-                "optimizer: optimus.sharded_optimizer.enabled)")
+                "optimizer: optimus.sharded_optimizer.enabled)"
+            )
         from .engine_state import engine_state_types
 
         # This rank's own file first: one that is refused leaves the model untouched.
@@ -461,14 +506,22 @@ class CheckpointConfig(Section):
 
     def check(self, where: str) -> None:
         for key in ("interval", "keep_every"):
-            need(non_negative_int(getattr(self, key)),
-                 f"{where}.{key} must be an integer >= 0, got {getattr(self, key)!r}")
+            need(
+                non_negative_int(getattr(self, key)),
+                f"{where}.{key} must be an integer >= 0, got {getattr(self, key)!r}",
+            )
         need(positive_int(self.keep_last), f"{where}.keep_last must be a positive integer, got {self.keep_last!r}")
-        need(positive_int(self.min_part_mib),
-             f"{where}.min_part_mib must be a positive integer, got {self.min_part_mib!r}")
+        need(
+            positive_int(self.min_part_mib),
+            f"{where}.min_part_mib must be a positive integer, got {self.min_part_mib!r}",
+        )
         check_flags(self, where, "enabled", "resume", "async_save", "stagger_writes")
 
     def build(self, output_dir: str | Path, groups=None) -> CheckpointManager:
         """The run's checkpoint manager (`dir`, or `<output_dir>/checkpoints`); collective-free."""
-        return CheckpointManager(self.dir or Path(output_dir) / "checkpoints", self.keep_last, groups,
-                                 self.min_part_mib * 2**20 if self.stagger_writes else None)
+        return CheckpointManager(
+            self.dir or Path(output_dir) / "checkpoints",
+            self.keep_last,
+            groups,
+            self.min_part_mib * 2**20 if self.stagger_writes else None,
+        )

@@ -82,9 +82,12 @@ def cut(weights: dict[str, torch.Tensor], parts: int) -> list[tuple[dict[str, to
         while first < rows:
             j = min(parts - 1, done * parts // max(1, total))
             end_of_part = -(-(j + 1) * total // parts)  # this part's last byte, rounded up
-            count = rows - first if j == parts - 1 else \
-                max(1, min(rows - first, -(-(end_of_part - done) // max(1, row_bytes))))
-            out[j][0][name] = tensor if count == rows else tensor[first:first + count]
+            count = (
+                rows - first
+                if j == parts - 1
+                else max(1, min(rows - first, -(-(end_of_part - done) // max(1, row_bytes))))
+            )
+            out[j][0][name] = tensor if count == rows else tensor[first : first + count]
             if count != rows:
                 out[j][1][name] = [first, count, rows]
             first += count
@@ -92,8 +95,14 @@ def cut(weights: dict[str, torch.Tensor], parts: int) -> list[tuple[dict[str, to
     return out
 
 
-def this_ranks_parts(name: str, weights: dict[str, torch.Tensor], extra: dict[str, Any] | None, replicas: list[int],
-                     rank: int, min_part_bytes: int | None) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+def this_ranks_parts(
+    name: str,
+    weights: dict[str, torch.Tensor],
+    extra: dict[str, Any] | None,
+    replicas: list[int],
+    rank: int,
+    min_part_bytes: int | None,
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """The files of model file `name` (without ".pt") that `rank` writes, one of `replicas` holding it:
     the whole file from the first replica (`min_part_bytes` None: no staggering), or this rank's parts;
     and what the manifest says of each part (the weights it holds, so that a reader opens only the parts
@@ -112,8 +121,15 @@ def this_ranks_parts(name: str, weights: dict[str, torch.Tensor], extra: dict[st
     offset = first_writer(name, len(replicas))
     mine = [j for j in range(parts) if writer_of(j, parts, len(replicas), offset) == index]
     pieces = cut(weights, parts) if mine else []
-    files = {f"{name}_part{j:04d}.pt": {**(extra or {}), "part": [j, parts], "rows": pieces[j][1],
-                                        "weights": {k: compact(v) for k, v in pieces[j][0].items()}} for j in mine}
+    files = {
+        f"{name}_part{j:04d}.pt": {
+            **(extra or {}),
+            "part": [j, parts],
+            "rows": pieces[j][1],
+            "weights": {k: compact(v) for k, v in pieces[j][0].items()},
+        }
+        for j in mine
+    }
     return files, {file: {"names": sorted(obj["weights"])} for file, obj in files.items()}
 
 
@@ -136,8 +152,9 @@ def files_with(records: dict[str, Any], files: list[str], wanted: Callable[[str]
     return keep
 
 
-def read_weights(path: Path, files: list[str], wanted: Callable[[str], bool] | None = None,
-                 records: dict[str, Any] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def read_weights(
+    path: Path, files: list[str], wanted: Callable[[str], bool] | None = None, records: dict[str, Any] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The weights of model files `files` of checkpoint folder `path` (whole files and parts, in any order)
     with every part's rows joined into whole tensors, and the first file's other keys; memory-mapped, so
     a whole file's tensors are read only where used. `wanted` (a name filter) and the manifest's `records`:
@@ -165,7 +182,8 @@ def read_weights(path: Path, files: list[str], wanted: Callable[[str], bool] | N
     for name, found in pieces.items():
         found.sort(key=lambda piece: piece[0])
         if sum(len(t) for _, t in found) != totals[name] or any(
-                a + len(t) != b for (a, t), (b, _) in zip(found, found[1:], strict=False)):
+            a + len(t) != b for (a, t), (b, _) in zip(found, found[1:], strict=False)
+        ):
             raise CheckpointError(f"{path}: the parts of {name} do not cover its {totals[name]} rows (a part missing?)")
         weights[name] = torch.cat([t for _, t in found])
     return weights, extra
@@ -174,8 +192,9 @@ def read_weights(path: Path, files: list[str], wanted: Callable[[str], bool] | N
 def _check_parts(path: Path, base: str, parts: int, files: list[str]) -> None:
     missing = [j for j in range(parts) if f"{base}_part{j:04d}.pt" not in files]
     if missing:
-        raise CheckpointError(f"{path}: {base} is written in {parts} parts but part {missing[0]} is not among the "
-                              "files read")
+        raise CheckpointError(
+            f"{path}: {base} is written in {parts} parts but part {missing[0]} is not among the files read"
+        )
 
 
 def grouped(files: list[str], prefix: str) -> dict[str, list[str]]:

@@ -46,16 +46,19 @@ ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
 
 
 # What a checkpoint of another model in the run's folder asks the user to do (every rank raises it alike).
-_OTHER_MODEL = ("it is a checkpoint of another model: start in another optimus.train.output_dir, or set "
-                "optimus.checkpoint.resume=false")
+_OTHER_MODEL = (
+    "it is a checkpoint of another model: start in another optimus.train.output_dir, or set "
+    "optimus.checkpoint.resume=false"
+)
 
 
 class CheckpointLoadError(CheckpointError):
     """A checkpoint folder this engine cannot load; the message says why in one line."""
 
 
-def model_files(engine, groups, exclude_frozen_parameters: bool = False,
-                min_part_bytes: int | None = None) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+def model_files(
+    engine, groups, exclude_frozen_parameters: bool = False, min_part_bytes: int | None = None
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """This rank's model files of a checkpoint of `engine` (experts sharded over `groups`, or None): a
     stage's dense weights, a TP position's split weights, an EP rank's experts, each written whole by its
     first replica or, with `min_part_bytes`, in parts by many (`model_files` module); and what the manifest
@@ -80,21 +83,42 @@ def model_files(engine, groups, exclude_frozen_parameters: bool = False,
     stage_ranks = list(pipeline.stage_ranks) if pipeline is not None else list(range(world))
     add(this_ranks_parts(f"model_dense{part}", dense, None, stage_ranks, rank, min_part_bytes))
     if splits:  # each TP position's part, by that position's data-parallel ranks
-        add(this_ranks_parts(
-            f"model_tensor{part}_tp{tensor.rank:03d}", {k: v for k, v in state.items() if k in splits},
-            {"tp_size": tensor.size, "tp_rank": tensor.rank,
-             "splits": {k: [list(v.full), v.dim, v.start, v.stop] for k, v in splits.items() if k in state}},
-            list(groups.dp_ranks), rank, min_part_bytes))
+        add(
+            this_ranks_parts(
+                f"model_tensor{part}_tp{tensor.rank:03d}",
+                {k: v for k, v in state.items() if k in splits},
+                {
+                    "tp_size": tensor.size,
+                    "tp_rank": tensor.rank,
+                    "splits": {k: [list(v.full), v.dim, v.start, v.stop] for k, v in splits.items() if k in state},
+                },
+                list(groups.dp_ranks),
+                rank,
+                min_part_bytes,
+            )
+        )
     if experts and groups is not None and (tensor is None or tensor.rank == 0):  # by the EP rank's replicas
-        add(this_ranks_parts(
-            f"model_experts_ep{groups.ep_rank:03d}{part}", {k: v for k, v in state.items() if k in experts},
-            {"ep_size": groups.ep_size, "ep_rank": groups.ep_rank}, list(groups.edp_ranks), rank, min_part_bytes))
+        add(
+            this_ranks_parts(
+                f"model_experts_ep{groups.ep_rank:03d}{part}",
+                {k: v for k, v in state.items() if k in experts},
+                {"ep_size": groups.ep_size, "ep_rank": groups.ep_rank},
+                list(groups.edp_ranks),
+                rank,
+                min_part_bytes,
+            )
+        )
     return files, about
 
 
-def checkpoint_files(engine, groups, client_state=None, exclude_frozen_parameters: bool = False,
-                     copy: bool = False, min_part_bytes: int | None = None
-                     ) -> tuple[dict[str, Any], dict[str, Any], dict[str, dict[str, Any]]]:
+def checkpoint_files(
+    engine,
+    groups,
+    client_state=None,
+    exclude_frozen_parameters: bool = False,
+    copy: bool = False,
+    min_part_bytes: int | None = None,
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, dict[str, Any]]]:
     """This rank's files of a checkpoint of `engine`, whose experts are sharded over `groups`
     (`ExpertParallelGroups`, or None), as {file name: object}, the manifest fields, and what the manifest
     says of this rank's files (`CheckpointWriter.write`'s `about`); collective-free. `copy` snapshots
@@ -106,8 +130,11 @@ def checkpoint_files(engine, groups, client_state=None, exclude_frozen_parameter
     files[f"client_rank{rank:05d}.pt"] = client_state or {}
     if rank == 0:
         scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
-        files["engine.pt"] = {"lr_scheduler": scheduler, "counters": {k: getattr(engine, k) for k in ENGINE_COUNTERS},
-                              "param_groups": optim["param_groups"]}  # what the scheduler's lists follow
+        files["engine.pt"] = {
+            "lr_scheduler": scheduler,
+            "counters": {k: getattr(engine, k) for k in ENGINE_COUNTERS},
+            "param_groups": optim["param_groups"],
+        }  # what the scheduler's lists follow
     files = copy_to_cpu(files, copy)
     meta = {**layout_meta(engine, groups), "zero_stage": engine.optimizer.stage}
     return files, meta, {**about, f"optim_rank{rank:05d}.pt": {"holds": held_ranges(optim)}}
@@ -116,14 +143,18 @@ def checkpoint_files(engine, groups, client_state=None, exclude_frozen_parameter
 def layout_meta(engine, groups) -> dict[str, Any]:
     """The manifest's format and layout fields of a checkpoint of `engine`."""
     pipeline, tensor = pipeline_of(engine, groups), getattr(groups, "tensor", None)
-    return {"format": "ds_optimus.checkpoint/1", "world_size": dist.get_world_size(),
-            "ep_size": groups.ep_size if groups is not None else 1,
-            "pp_size": dist.get_world_size() // len(pipeline.stage_ranks) if pipeline is not None else 1,
-            "tp_size": tensor.size if tensor is not None else 1}
+    return {
+        "format": "ds_optimus.checkpoint/1",
+        "world_size": dist.get_world_size(),
+        "ep_size": groups.ep_size if groups is not None else 1,
+        "pp_size": dist.get_world_size() // len(pipeline.stage_ranks) if pipeline is not None else 1,
+        "tp_size": tensor.size if tensor is not None else 1,
+    }
 
 
-def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True,
-                    exclude_frozen_parameters: bool = False) -> bool:
+def save_checkpoint(
+    engine, save_dir, tag=None, client_state=None, save_latest: bool = True, exclude_frozen_parameters: bool = False
+) -> bool:
     """Write a checkpoint of `engine` (collective: every rank calls it)."""
     if not save_dir:
         raise ValueError(f"save_dir must be a non-empty path, got {save_dir!r}")
@@ -136,14 +167,23 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     root = Path(save_dir)
     writer = CheckpointWriter(rank, world)
     writer.prepare(root, tag)
-    files, meta, about = checkpoint_files(engine, expert_groups_of(engine.module), client_state,
-                                          exclude_frozen_parameters)
+    files, meta, about = checkpoint_files(
+        engine, expert_groups_of(engine.module), client_state, exclude_frozen_parameters
+    )
     writer.write(root, tag, files, {**meta, "tag": tag}, save_latest=save_latest, about=about)
     return True
 
 
-def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
-                    load_lr_scheduler_states: bool = True, load_module_only: bool = False, custom_load_fn=None):
+def load_checkpoint(
+    engine,
+    load_dir,
+    tag=None,
+    load_module_strict: bool = True,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+    custom_load_fn=None,
+):
     """Load a checkpoint written by `save_checkpoint` on any layout; returns (path, client_state),
     or (None, None) when `load_dir` has no `latest` and no tag is given (as DeepSpeed does)."""
     if custom_load_fn is not None:
@@ -155,14 +195,29 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
             return None, None
         tag = latest.read_text().strip()
     path = root / str(tag)
-    client = load_folder(engine, path, expert_groups_of(engine.module), load_module_strict=load_module_strict,
-                         load_optimizer_states=load_optimizer_states,
-                         load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+    client = load_folder(
+        engine,
+        path,
+        expert_groups_of(engine.module),
+        load_module_strict=load_module_strict,
+        load_optimizer_states=load_optimizer_states,
+        load_lr_scheduler_states=load_lr_scheduler_states,
+        load_module_only=load_module_only,
+    )
     return str(path), client
 
 
-def load_folder(engine, path: Path, groups, *, load_module_strict: bool = True, load_optimizer_states: bool = True,
-                load_lr_scheduler_states: bool = True, load_module_only: bool = False, meta: dict | None = None) -> Any:
+def load_folder(
+    engine,
+    path: Path,
+    groups,
+    *,
+    load_module_strict: bool = True,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+    meta: dict | None = None,
+) -> Any:
     """Load checkpoint folder `path` (its manifest `meta`, when already read) into `engine`, whose
     experts are sharded over `groups` (`ExpertParallelGroups`, or None); returns the client state.
     Raises CheckpointLoadError or, for a file that is unreadable or holds more than tensors and
@@ -171,16 +226,23 @@ def load_folder(engine, path: Path, groups, *, load_module_strict: bool = True, 
     optim = load_optimizer_states and not load_module_only
     try:
         meta = meta or _manifest(path)
-        client, saved, shards = _read_and_load_weights(engine, path, groups, meta, load_module_strict, optim,
-                                                       not load_module_only)
+        client, saved, shards = _read_and_load_weights(
+            engine, path, groups, meta, load_module_strict, optim, not load_module_only
+        )
         if optim:  # this rank's state from the files (a one-line error for an element none holds)
             load_spaces(optimizer.spaces, shards)
     except CheckpointError as err:
         error = err
     except Exception as err:  # a file that loads but is not what it should be: no rank may go on alone
         text = str(err).strip().splitlines()
-        error = CheckpointLoadError(f"{path}: " + (str(err) if isinstance(err, ShardedOptimizerError) else
-                                                   f"{type(err).__name__}: {text[0] if text else ''}"))
+        error = CheckpointLoadError(
+            f"{path}: "
+            + (
+                str(err)
+                if isinstance(err, ShardedOptimizerError)
+                else f"{type(err).__name__}: {text[0] if text else ''}"
+            )
+        )
     _agree(error)  # before the optimizer's collectives: no rank goes on while another stopped
     if optim:
         optimizer.load_shards(shards, filled=True)
@@ -189,7 +251,8 @@ def load_folder(engine, path: Path, groups, *, load_module_strict: bool = True, 
     if saved is not None:
         if load_lr_scheduler_states and saved["lr_scheduler"] is not None and engine.lr_scheduler is not None:
             engine.lr_scheduler.load_state_dict(  # its per-group lists follow rank 0's param groups
-                _fit_scheduler_state(saved["lr_scheduler"], saved["param_groups"], optimizer.param_groups))
+                _fit_scheduler_state(saved["lr_scheduler"], saved["param_groups"], optimizer.param_groups)
+            )
         for key, value in saved["counters"].items():
             setattr(engine, key, value)
         engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
@@ -257,8 +320,11 @@ def _expert_weights(engine, path: Path, meta: dict, dense: dict[str, torch.Tenso
     ranks that hold some of this rank's experts are opened."""
     params = dict(engine.module.named_parameters())
     if groups is not None and groups.ep_size > 1:
-        wanted = {n: (groups.ep_rank * p.shape[0], (groups.ep_rank + 1) * p.shape[0], p.shape[0] * groups.ep_size)
-                  for n, p in params.items() if is_expert_param(p)}
+        wanted = {
+            n: (groups.ep_rank * p.shape[0], (groups.ep_rank + 1) * p.shape[0], p.shape[0] * groups.ep_size)
+            for n, p in params.items()
+            if is_expert_param(p)
+        }
     else:  # every expert here; those the checkpoint keeps in its EP shards
         shards = any(f.startswith("model_experts_") for f in meta["files"])
         wanted = {n: (0, p.shape[0], p.shape[0]) for n, p in params.items() if n not in dense and shards}
@@ -271,14 +337,18 @@ def _expert_weights(engine, path: Path, meta: dict, dense: dict[str, torch.Tenso
         pieces, saved_per = [], -(-experts // meta["ep_size"])
         for q in range(lo // saved_per, min(meta["ep_size"], -(-hi // saved_per))):
             if q not in files:  # EP rank q's file, or one per pipeline stage (or their parts)
-                files[q] = read_weights(path, [f for f in meta["files"] if f.startswith(f"model_experts_ep{q:03d}")],
-                                        wanted.__contains__, meta["files"])[0]
+                files[q] = read_weights(
+                    path,
+                    [f for f in meta["files"] if f.startswith(f"model_experts_ep{q:03d}")],
+                    wanted.__contains__,
+                    meta["files"],
+                )[0]
             if name not in files[q]:
                 raise CheckpointLoadError(f"{path} has no weight {name}: {_OTHER_MODEL}")
             per = files[q][name].shape[0]
             a, b = max(lo, q * per), min(hi, (q + 1) * per)
             if a < b:
-                pieces.append(files[q][name][a - q * per:b - q * per])
+                pieces.append(files[q][name][a - q * per : b - q * per])
         if sum(len(piece) for piece in pieces) != hi - lo:  # saved for another number of experts
             raise CheckpointLoadError(f"{path} holds {name} for another number of experts: {_OTHER_MODEL}")
         out[name] = torch.cat(pieces).clone()

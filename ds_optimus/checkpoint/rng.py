@@ -53,5 +53,10 @@ def numpy_array_types() -> list[Any]:
     before `rng_state` kept tensors): numpy's array constructor, under its numpy 1 and 2 names."""
     core = getattr(np, "_core", None) or np.core  # numpy 2 warns on `np.core`: asked only for numpy 1
     rebuild = core.multiarray._reconstruct
-    return [np.ndarray, np.dtype, type(np.dtype(np.uint32)),
-            (rebuild, "numpy._core.multiarray._reconstruct"), (rebuild, "numpy.core.multiarray._reconstruct")]
+    return [
+        np.ndarray,
+        np.dtype,
+        type(np.dtype(np.uint32)),
+        (rebuild, "numpy._core.multiarray._reconstruct"),
+        (rebuild, "numpy.core.multiarray._reconstruct"),
+    ]

@@ -74,8 +74,11 @@ def file_documents(path: Path, text_field: str) -> Iterator[str]:
                 except json.JSONDecodeError as err:
                     raise DataError(f"{path}:{lineno}: not a JSON record ({err.msg} at column {err.colno})") from None
                 if not isinstance(record, dict) or text_field not in record:
-                    fields = f" (its fields: {', '.join(record)[:200]}; set the source's \"text_field\")" \
-                        if isinstance(record, dict) else ""
+                    fields = (
+                        f' (its fields: {", ".join(record)[:200]}; set the source\'s "text_field")'
+                        if isinstance(record, dict)
+                        else ""
+                    )
                     raise DataError(f"{path}:{lineno}: record has no {text_field!r} field{fields}")
                 yield from _text(record[text_field], f"{path}:{lineno}")
     except decode_errors() as err:
@@ -117,12 +120,16 @@ def load_saved(source: Source):
         raise DataError(f"dataset folder {source.target!r}: {err}") from None
     if isinstance(loaded, datasets.DatasetDict):
         if source.split not in loaded:
-            raise DataError(f"dataset folder {source.target!r} has no split {source.split!r} "
-                            f"(splits: {', '.join(loaded)}; set the source's \"split\")")
+            raise DataError(
+                f"dataset folder {source.target!r} has no split {source.split!r} "
+                f'(splits: {", ".join(loaded)}; set the source\'s "split")'
+            )
         loaded = loaded[source.split]
     if source.text_field not in loaded.column_names:
-        raise DataError(f"dataset folder {source.target!r}: no {source.text_field!r} column "
-                        f"(columns: {', '.join(loaded.column_names)}; set the source's \"text_field\")")
+        raise DataError(
+            f"dataset folder {source.target!r}: no {source.text_field!r} column "
+            f'(columns: {", ".join(loaded.column_names)}; set the source\'s "text_field")'
+        )
     return loaded
 
 
@@ -131,7 +138,7 @@ def saved_documents(source: Source, rows: tuple[int, int] | None) -> Iterator[st
     dataset = load_saved(source).select_columns([source.text_field])
     lo, hi = rows if rows is not None else (0, len(dataset))
     for start in range(lo, hi, 1024):
-        for text in dataset[start:min(start + 1024, hi)][source.text_field]:
+        for text in dataset[start : min(start + 1024, hi)][source.text_field]:
             yield from _text(text, f"dataset folder {source.target!r}")
 
 
@@ -139,14 +146,16 @@ def _hf_documents(source: Source) -> Iterator[str]:
     import datasets
 
     try:
-        stream = datasets.load_dataset(source.target, source.config_name, split=source.split,
-                                       data_files=source.data_files, streaming=True)
+        stream = datasets.load_dataset(
+            source.target, source.config_name, split=source.split, data_files=source.data_files, streaming=True
+        )
     except FileNotFoundError as err:
         raise DataError(f"dataset {source.target!r} not found: {err}") from None
     except ValueError as err:
         raise DataError(f"dataset {source.target!r}: {err}") from None
     for record in stream:
         if source.text_field not in record:
-            raise DataError(f"dataset {source.target!r}: records have no {source.text_field!r} field "
-                            f"(fields: {', '.join(record)})")
+            raise DataError(
+                f"dataset {source.target!r}: records have no {source.text_field!r} field (fields: {', '.join(record)})"
+            )
         yield from _text(record[source.text_field], f"dataset {source.target!r}")

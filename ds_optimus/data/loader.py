@@ -44,8 +44,18 @@ class TokenBatches:
     `PreparedData` (its sources mixed by their weights, or by their sizes without weights), a
     `TokenStream` or a flat token array."""
 
-    def __init__(self, data, seq_len: int, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
-                 seed: int = 0, shuffle: bool = True, split: str = "train", vocab_size: int | None = None) -> None:
+    def __init__(
+        self,
+        data,
+        seq_len: int,
+        micro_batch_size: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        split: str = "train",
+        vocab_size: int | None = None,
+    ) -> None:
         if seq_len < 2 or micro_batch_size < 1:
             raise DataError(f"seq_len must be >= 2 and micro_batch_size >= 1, got {seq_len} and {micro_batch_size}")
         if not 0 <= dp_rank < dp_size:
@@ -64,14 +74,18 @@ class TokenBatches:
         self.num_sequences = int(self.sizes.sum())
         total = sum(s.total for s in self.streams)
         if self.num_sequences < micro_batch_size * dp_size:
-            raise DataError(f"the {split} split has {total:,} tokens: {self.num_sequences} sequences of "
-                            f"{seq_len}, fewer than one global micro-batch ({micro_batch_size} x {dp_size} ranks)")
+            raise DataError(
+                f"the {split} split has {total:,} tokens: {self.num_sequences} sequences of "
+                f"{seq_len}, fewer than one global micro-batch ({micro_batch_size} x {dp_size} ranks)"
+            )
         given = [w for _, _, w, _ in parts]
         if all(w is not None for w in given):
             for name, size in zip(self.names, self.sizes, strict=True):
                 if size == 0:
-                    raise DataError(f"source {name!r} has fewer than {seq_len} {split} tokens: not one sequence "
-                                    "to draw (give it more data, or leave it out)")
+                    raise DataError(
+                        f"source {name!r} has fewer than {seq_len} {split} tokens: not one sequence "
+                        "to draw (give it more data, or leave it out)"
+                    )
             weights = np.array(given, dtype=np.float64)
         else:  # in proportion to the sizes: one uniform order over all the sources' sequences
             weights = self.sizes.astype(np.float64)
@@ -80,9 +94,11 @@ class TokenBatches:
             for name, stream in zip(self.names, self.streams, strict=True):
                 head = stream.head(1 << 16)
                 if head.size and head.max() >= vocab_size:
-                    raise DataError(f"source {name!r} holds token id {int(head.max())} in its first {head.size:,} "
-                                    f"tokens, outside the model's vocabulary of {vocab_size} (tokenized with another "
-                                    "tokenizer?)")
+                    raise DataError(
+                        f"source {name!r} holds token id {int(head.max())} in its first {head.size:,} "
+                        f"tokens, outside the model's vocabulary of {vocab_size} (tokenized with another "
+                        "tokenizer?)"
+                    )
         self._thresholds = mixture_thresholds(self.weights)
         self._mix_key = stable_key(seed, "mixture", split)
         self.position = 0  # global samples consumed
@@ -100,14 +116,18 @@ class TokenBatches:
 
     def source_epochs(self) -> dict[str, float]:
         """Epochs of each source so far (sequences given over the source's sequences)."""
-        return {name: float(n) / max(int(size), 1) for name, n, size in zip(self.names, self.drawn, self.sizes,
-                                                                           strict=True)}
+        return {
+            name: float(n) / max(int(size), 1) for name, n, size in zip(self.names, self.drawn, self.sizes, strict=True)
+        }
 
     def _draws(self, count: int) -> tuple[np.ndarray, np.ndarray]:
         """Source and per-source draw index of the next `count` global positions."""
         positions = np.arange(self.position, self.position + count, dtype=np.int64)
-        sources = (mixture_sources(positions, self._thresholds, self._mix_key) if len(self.streams) > 1
-                   else np.zeros(count, dtype=np.int64))
+        sources = (
+            mixture_sources(positions, self._thresholds, self._mix_key)
+            if len(self.streams) > 1
+            else np.zeros(count, dtype=np.int64)
+        )
         draws = np.empty(count, dtype=np.int64)
         for s in np.unique(sources):
             mask = sources == s
@@ -119,12 +139,15 @@ class TokenBatches:
         for row, (s, k) in enumerate(zip(sources.tolist(), draws.tolist(), strict=True)):
             size = int(self.sizes[s])
             epoch, offset = divmod(k, size)
-            index = int(permute([offset], size, stable_key(self.seed, self.names[s], epoch))[0]) if self.shuffle \
-                else offset
+            index = (
+                int(permute([offset], size, stable_key(self.seed, self.names[s], epoch))[0]) if self.shuffle else offset
+            )
             rows[row] = self.streams[s].read(index * self.seq_len, self.seq_len)
             if self.vocab_size is not None and rows[row].max() >= self.vocab_size:
-                raise DataError(f"source {self.names[s]!r} holds token id {int(rows[row].max())}, outside the model's "
-                                f"vocabulary of {self.vocab_size} (tokenized with another tokenizer?)")
+                raise DataError(
+                    f"source {self.names[s]!r} holds token id {int(rows[row].max())}, outside the model's "
+                    f"vocabulary of {self.vocab_size} (tokenized with another tokenizer?)"
+                )
         return rows
 
     def sample(self, index: int) -> torch.Tensor:
@@ -154,8 +177,10 @@ class TokenBatches:
     def _note_epochs(self) -> None:
         started = np.where(self.drawn > 0, (self.drawn - 1) // np.maximum(self.sizes, 1), 0)
         for s in np.flatnonzero(started > self._epochs_said):
-            self.events.append(f"data: source {self.names[s]!r} ran through its {int(self.sizes[s]):,} sequences; "
-                               f"epoch {int(started[s]) + 1} of it goes on in a new order")
+            self.events.append(
+                f"data: source {self.names[s]!r} ran through its {int(self.sizes[s]):,} sequences; "
+                f"epoch {int(started[s]) + 1} of it goes on in a new order"
+            )
         self._epochs_said = np.maximum(self._epochs_said, started)
 
     def take_events(self) -> list[str]:
@@ -167,27 +192,43 @@ class TokenBatches:
             yield self.next_batch()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"tokens_consumed": self.tokens_consumed, "seq_len": self.seq_len, "seed": self.seed,
-                "global_micro_batch": self.micro_batch_size * self.dp_size,
-                "sources": {name: {"drawn": int(n), "identity": identity, "share": float(w), "weight": weight,
-                                   "sequences": int(size)}
-                            for name, n, identity, w, weight, size in zip(self.names, self.drawn, self.identities,
-                                                                          self.weights, self.given_weights, self.sizes,
-                                                                          strict=True)}}
+        return {
+            "tokens_consumed": self.tokens_consumed,
+            "seq_len": self.seq_len,
+            "seed": self.seed,
+            "global_micro_batch": self.micro_batch_size * self.dp_size,
+            "sources": {
+                name: {
+                    "drawn": int(n),
+                    "identity": identity,
+                    "share": float(w),
+                    "weight": weight,
+                    "sequences": int(size),
+                }
+                for name, n, identity, w, weight, size in zip(
+                    self.names, self.drawn, self.identities, self.weights, self.given_weights, self.sizes, strict=True
+                )
+            },
+        }
 
     def load_state_dict(self, state: dict[str, Any], allow_change: bool = False) -> list[str]:
         """Continue from `state`; returns what changed in the data since it was saved (a change is
         a one-line `DataError` unless `allow_change`: then sources kept by name keep their place)."""
         if state["seq_len"] != self.seq_len or state["seed"] != self.seed:
-            raise DataError(f"the loader state was saved with seq_len {state['seq_len']} and seed {state['seed']}, "
-                            f"this run uses {self.seq_len} and {self.seed}")
+            raise DataError(
+                f"the loader state was saved with seq_len {state['seq_len']} and seed {state['seed']}, "
+                f"this run uses {self.seq_len} and {self.seed}"
+            )
         if state["tokens_consumed"] % self.seq_len:
             raise DataError(f"tokens_consumed {state['tokens_consumed']} is not a multiple of seq_len {self.seq_len}")
         self.position = state["tokens_consumed"] // self.seq_len
         saved = state.get("sources")
         if saved is None:  # a checkpoint from before per-source records: one stream, all of it drawn in order
-            saved = {self.names[0]: {"drawn": self.position, "identity": self.identities[0], "share": 1.0}} \
-                if len(self.names) == 1 else {}
+            saved = (
+                {self.names[0]: {"drawn": self.position, "identity": self.identities[0], "share": 1.0}}
+                if len(self.names) == 1
+                else {}
+            )
         changes = data_changes(saved, self.names, self.identities, self.weights, self.given_weights)
         if changes and not allow_change:
             raise DataError(changed_data_message(changes))
@@ -196,8 +237,9 @@ class TokenBatches:
         return changes
 
 
-def eval_batches(data, seq_len: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-                 max_batches: int) -> list[torch.Tensor]:
+def eval_batches(
+    data, seq_len: int, micro_batch_size: int, dp_rank: int, dp_size: int, max_batches: int
+) -> list[torch.Tensor]:
     """This rank's share of the first held-out sequences, in order: the same every evaluation."""
     loader = TokenBatches(data, seq_len, micro_batch_size, dp_rank, dp_size, shuffle=False, split="val")
     count = min(max_batches, loader.num_sequences // (micro_batch_size * dp_size))

@@ -73,7 +73,7 @@ def mixture_thresholds(weights: Sequence[float]) -> np.ndarray:
     if w.ndim != 1 or len(w) == 0 or (w < 0).any() or w.sum() <= 0:
         raise ValueError(f"mixture weights must be non-negative with a positive sum, got {list(weights)}")
     cumulative = np.cumsum(w / w.sum())
-    cumulative[np.flatnonzero(w)[-1]:] = 1.0  # sources of weight 0 at the end get no sliver of rounding
+    cumulative[np.flatnonzero(w)[-1] :] = 1.0  # sources of weight 0 at the end get no sliver of rounding
     return np.array([min(int(c * 2.0**64), 2**64 - 1) for c in cumulative[:-1]], dtype=np.uint64)
 
 
@@ -98,12 +98,15 @@ def changed_data_message(changes: list[str], since: str = "the checkpoint") -> s
     if shares:
         more = f" (and {len(shares) - 1} more share{'s' if len(shares) > 2 else ''})" if len(shares) > 1 else ""
         parts.append(f"{'so ' if done else ''}{shares[0]}{more}")
-    return (f"the data changed since {since}: {'; '.join(parts)}; set optimus.data.allow_change to true to continue "
-            "on the new data")
+    return (
+        f"the data changed since {since}: {'; '.join(parts)}; set optimus.data.allow_change to true to continue "
+        "on the new data"
+    )
 
 
-def data_changes(saved: dict, names: list[str], identities: list[str], shares,
-                 weights: list[float | None] | None = None) -> list[str]:
+def data_changes(
+    saved: dict, names: list[str], identities: list[str], shares, weights: list[float | None] | None = None
+) -> list[str]:
     """What differs between a checkpoint's sources (`state_dict()["sources"]`) and these: first what
     the user changed (sources renamed: the same data under another name, added, dropped, reweighted:
     old -> new weight, or holding other data), then the shares of the draws that changed (a share of
@@ -120,12 +123,16 @@ def data_changes(saved: dict, names: list[str], identities: list[str], shares,
         if new is not None:
             renamed[new] = old
     done = [f"source {renamed[name]!r} was renamed {name!r}" for name in added if name in renamed]
-    done += [f"source {name!r} was added" + (f" (weight {current[name][2]:g})" if current[name][2] is not None else "")
-             for name in added if name not in renamed]
+    done += [
+        f"source {name!r} was added" + (f" (weight {current[name][2]:g})" if current[name][2] is not None else "")
+        for name in added
+        if name not in renamed
+    ]
     done += [f"source {name!r} was dropped" for name in dropped if name not in renamed.values()]
     before = {name: saved[renamed.get(name, name)] for name in current if renamed.get(name, name) in saved}
-    reweighted = _reweighted({name: (record["weight"], current[name][2]) for name, record in before.items()
-                              if "weight" in record})
+    reweighted = _reweighted(
+        {name: (record["weight"], current[name][2]) for name, record in before.items() if "weight" in record}
+    )
     done += [f"source {name!r} was reweighted: {_weight(old)} -> {_weight(new)}" for name, (old, new) in reweighted]
     other, moved = [], []
     for name, record in before.items():

@@ -35,10 +35,20 @@ if TYPE_CHECKING:  # the command's --help imports none of them
 NAME = "ds_optimus.data.prepare"
 
 
-def prepare_data(sources: list[Source], tokenizer, cache_dir: str | Path, val_fraction: float = 0.01, *,
-                 workers: int = 1, rank: int = 0, world: int = 1, progress: bool = True,
-                 threads: int | None = None, poll_seconds: float = 1.0,
-                 plan: list[SourcePlan] | None = None) -> PreparedData:
+def prepare_data(
+    sources: list[Source],
+    tokenizer,
+    cache_dir: str | Path,
+    val_fraction: float = 0.01,
+    *,
+    workers: int = 1,
+    rank: int = 0,
+    world: int = 1,
+    progress: bool = True,
+    threads: int | None = None,
+    poll_seconds: float = 1.0,
+    plan: list[SourcePlan] | None = None,
+) -> PreparedData:
     """Tokenize what is not prepared yet (this process's share of it), wait for the rest, and open
     every source. Every process of a launch calls it alike, with its `rank` of `world` (and the
     `plan_sources` of rank 0, where there is a process group to send it)."""
@@ -49,8 +59,18 @@ def prepare_data(sources: list[Source], tokenizer, cache_dir: str | Path, val_fr
     plan = plan if plan is not None else plan_sources(sources, tokenizer, cache_dir, val_fraction)
     pending = [(p.source, p.folder, p.units) for p in plan if p.units is not None]
     if pending:
-        run_units(pending, tokenizer, val_fraction, Path(cache_dir), workers=workers, rank=rank, world=world,
-                  progress=progress, threads=threads, poll_seconds=poll_seconds)
+        run_units(
+            pending,
+            tokenizer,
+            val_fraction,
+            Path(cache_dir),
+            workers=workers,
+            rank=rank,
+            world=world,
+            progress=progress,
+            threads=threads,
+            poll_seconds=poll_seconds,
+        )
     return open_prepared(plan, tokenizer.eos_token_id, cache_dir)
 
 
@@ -64,14 +84,29 @@ def launch_world() -> tuple[int, int]:
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(NAME, launched=True, description="Tokenize a config's data sources into token shards.")
     parser.add_argument("--config", required=True, help="DeepSpeed JSON config with an optimus.data section")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key, dotted (repeatable)")
-    parser.add_argument("--workers", type=int, default=None, metavar="N",
-                        help="tokenizing processes on this machine per launched process (default: "
-                             "optimus.data.workers)")
-    parser.add_argument("--threads", type=int, default=None, metavar="T",
-                        help="threads of each worker's tokenizer (default: the cores over the workers; 1 with "
-                             "several workers per core)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, dotted (repeatable)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokenizing processes on this machine per launched process (default: optimus.data.workers)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="T",
+        help="threads of each worker's tokenizer (default: the cores over the workers; 1 with "
+        "several workers per core)",
+    )
     parser.add_argument("--local_rank", type=int, default=None, help=argparse_suppress())  # from the launcher
     args = parser.parse_args(argv)
     for flag in ("workers", "threads"):
@@ -97,10 +132,21 @@ def main(argv: list[str] | None = None) -> int:
         sources = parse_sources(data.sources)
         plan = plan_sources(sources, tokenizer, data.cache_dir, data.val_fraction)
         if rank == 0 and not any(p.units is not None for p in plan):
-            print(f"nothing to tokenize: every source is prepared in {data.cache_dir} or read in place",
-                  file=sys.stderr)
-        prepared = prepare_data(sources, tokenizer, data.cache_dir, data.val_fraction, workers=workers, rank=rank,
-                                world=world, progress=rank == 0, threads=threads, plan=plan)
+            print(
+                f"nothing to tokenize: every source is prepared in {data.cache_dir} or read in place", file=sys.stderr
+            )
+        prepared = prepare_data(
+            sources,
+            tokenizer,
+            data.cache_dir,
+            data.val_fraction,
+            workers=workers,
+            rank=rank,
+            world=world,
+            progress=rank == 0,
+            threads=threads,
+            plan=plan,
+        )
     except KeyboardInterrupt:
         if rank == 0:
             print(f"{NAME}: interrupted; the same command goes on from the files already done", file=sys.stderr)
@@ -112,11 +158,15 @@ def main(argv: list[str] | None = None) -> int:
         for source in prepared.sources:
             where = source.folder or source.source.target
             docs = f"{source.documents:,} documents, " if source.documents is not None else ""
-            print(f"{source.name}: {docs}{source.train.total:,} train + "
-                  f"{source.val.total if source.val is not None else 0:,} held-out tokens in {where}")
+            print(
+                f"{source.name}: {docs}{source.train.total:,} train + "
+                f"{source.val.total if source.val is not None else 0:,} held-out tokens in {where}"
+            )
         count = len(prepared.sources)
-        print(f"ready: {prepared.train_tokens:,} train tokens in {count} source{'s' if count > 1 else ''} "
-              f"({seconds:.1f} s, {world} process{'es' if world > 1 else ''} x {workers} workers)")
+        print(
+            f"ready: {prepared.train_tokens:,} train tokens in {count} source{'s' if count > 1 else ''} "
+            f"({seconds:.1f} s, {world} process{'es' if world > 1 else ''} x {workers} workers)"
+        )
     return 0
 
 

@@ -75,7 +75,7 @@ class TokenStream:
             first = int(self.ends[i - 1]) if i else 0
             lo = start + done - first
             take = min(count - done, int(self.ends[i]) - first - lo)
-            out[done:done + take] = self.array(i)[lo:lo + take]
+            out[done : done + take] = self.array(i)[lo : lo + take]
             done += take
             i += 1
         return out
@@ -99,8 +99,13 @@ def folder_stream(folder: str | Path, split: str = "train", meta: dict | None = 
     folder = Path(folder)
     meta = meta if meta is not None else json.loads((folder / "meta.json").read_text())
     dtype = np.dtype(meta["dtype"]).str
-    return TokenStream([TokenFile(str(shard_file(folder, i, split)), count, dtype)
-                        for i, count in enumerate(meta[f"{split}_units"]) if count])
+    return TokenStream(
+        [
+            TokenFile(str(shard_file(folder, i, split)), count, dtype)
+            for i, count in enumerate(meta[f"{split}_units"])
+            if count
+        ]
+    )
 
 
 @dataclass
@@ -168,5 +173,11 @@ def _open(plan: SourcePlan) -> PreparedSource:
     if meta["documents"] == 0:
         raise DataError(f"source {plan.source.label!r} holds no documents ({plan.source})")
     val = folder_stream(plan.folder, "val", meta)
-    return PreparedSource(plan.source, meta["key"], folder_stream(plan.folder, "train", meta),
-                          val if val.total else None, meta["documents"], plan.folder)
+    return PreparedSource(
+        plan.source,
+        meta["key"],
+        folder_stream(plan.folder, "train", meta),
+        val if val.total else None,
+        meta["documents"],
+        plan.folder,
+    )

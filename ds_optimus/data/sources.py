@@ -76,8 +76,10 @@ class DataConfig(Section):
         except DataError as err:
             raise ConfigError(f"{where}.sources: {err}") from None
         need(positive_int(self.seq_len) and self.seq_len >= 8, f"{where}.seq_len must be an integer >= 8")
-        need(number(self.val_fraction) and 0 <= self.val_fraction < 0.5,
-             f"{where}.val_fraction must be in [0, 0.5), got {self.val_fraction!r}")
+        need(
+            number(self.val_fraction) and 0 <= self.val_fraction < 0.5,
+            f"{where}.val_fraction must be in [0, 0.5), got {self.val_fraction!r}",
+        )
         need(positive_int(self.workers), f"{where}.workers must be a positive integer, got {self.workers!r}")
         need(isinstance(self.allow_change, bool), f"{where}.allow_change must be true or false")
 
@@ -139,8 +141,9 @@ def parse_source(spec: str | dict[str, Any]) -> Source:
     if max_docs is not None and (not isinstance(max_docs, int) or max_docs < 1):
         raise DataError(f"{where}: max_documents must be a positive integer, got {max_docs!r}")
     weight = options.get("weight")
-    if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float))
-                               or not math.isfinite(weight) or weight <= 0):
+    if weight is not None and (
+        isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0
+    ):
         raise DataError(f"{where}: weight must be a number > 0, got {weight!r}")
     name = options.get("name")
     if name is not None and (not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name)):
@@ -163,21 +166,33 @@ def parse_sources(specs: list) -> list[Source]:
     seen: dict[str, int] = {}
     read: dict[tuple, int] = {}
     for i, source in enumerate(sources):
-        same = (source.kind, os.path.normpath(os.path.expanduser(source.target)) if source.target else "",
-                source.text_field, source.split, source.config_name, str(source.data_files))
+        same = (
+            source.kind,
+            os.path.normpath(os.path.expanduser(source.target)) if source.target else "",
+            source.text_field,
+            source.split,
+            source.config_name,
+            str(source.data_files),
+        )
         if same in read:
-            raise DataError(f"sources {read[same]} and {i} read the same data ({source}): list it once, with the "
-                            "\"weight\" it should have")
+            raise DataError(
+                f"sources {read[same]} and {i} read the same data ({source}): list it once, with the "
+                '"weight" it should have'
+            )
         read[same] = i
         if source.label in seen:
-            raise DataError(f"sources {seen[source.label]} and {i} are both named {source.label!r}: give one a "
-                            "\"name\" (to weight a source up, give it a \"weight\" rather than listing it twice)")
+            raise DataError(
+                f"sources {seen[source.label]} and {i} are both named {source.label!r}: give one a "
+                '"name" (to weight a source up, give it a "weight" rather than listing it twice)'
+            )
         seen[source.label] = i
     weighted = [s.weight is not None for s in sources]
     if any(weighted) and not all(weighted):
         missing = sources[weighted.index(False)].label
-        raise DataError(f"source {missing!r} has no \"weight\" while others have one: give every source a weight, "
-                        "or none (then sources are drawn in proportion to their sizes)")
+        raise DataError(
+            f'source {missing!r} has no "weight" while others have one: give every source a weight, '
+            "or none (then sources are drawn in proportion to their sizes)"
+        )
     return sources
 
 
@@ -189,7 +204,17 @@ def source_name(source: Source) -> str:
     base = parts[-1] if parts else source.kind
     if source.kind != "hf":
         while "." in base.strip(".") and base.rsplit(".", 1)[-1].lower() in (
-                "gz", "zst", "jsonl", "json", "txt", "md", "text", "parquet", "npy", "bin"):
+            "gz",
+            "zst",
+            "jsonl",
+            "json",
+            "txt",
+            "md",
+            "text",
+            "parquet",
+            "npy",
+            "bin",
+        ):
             base = base.rsplit(".", 1)[0]
     return re.sub(r"[^A-Za-z0-9_.-]", "_", base) or source.kind
 
@@ -200,13 +225,14 @@ def check_token_dtype(dtype) -> None:
     except TypeError:
         ok = False
     if not ok:
-        raise DataError(f"dtype {dtype!r} is not an integer type (use e.g. \"uint16\", \"uint32\", \"int32\")")
+        raise DataError(f'dtype {dtype!r} is not an integer type (use e.g. "uint16", "uint32", "int32")')
 
 
 def resolve_files(source: Source) -> list[Path]:
     """The files a "files" source names, sorted; a one-line `DataError` if there are none."""
-    return matching_files(source.target, supported_file, "data",
-                          ".txt, .md, .jsonl, .json (each also .gz or .zst) or .parquet")
+    return matching_files(
+        source.target, supported_file, "data", ".txt, .md, .jsonl, .json (each also .gz or .zst) or .parquet"
+    )
 
 
 def resolve_token_files(target: str) -> list[Path]:
@@ -227,8 +253,7 @@ def matching_files(target: str, supported, what: str, kinds: str) -> list[Path]:
     else:
         raise DataError(f"{what} path {target!r} does not exist")
     if not files:
-        raise DataError(f"{what} path {target!r} {'holds' if os.path.isdir(expanded) else 'matches'} no {kinds} "
-                        "files")
+        raise DataError(f"{what} path {target!r} {'holds' if os.path.isdir(expanded) else 'matches'} no {kinds} files")
     for path in files:
         if not supported(path):
             raise DataError(f"{what} file {str(path)!r} has an unsupported type (use {kinds})")
@@ -280,8 +305,10 @@ class DistinctFiles:
             if owner[0] != index:
                 other, first, spelled = owner
                 as_ = "" if str(spelled) == str(path) else f" (as {path})"
-                raise DataError(f"sources {other} ({first.label!r}) and {index} ({source.label!r}) both read "
-                                f"{spelled}{as_}: list each file in one source")
+                raise DataError(
+                    f"sources {other} ({first.label!r}) and {index} ({source.label!r}) both read "
+                    f"{spelled}{as_}: list each file in one source"
+                )
 
 
 def _file_identity(path: Path) -> tuple:
@@ -289,4 +316,3 @@ def _file_identity(path: Path) -> tuple:
     if stat.st_ino:
         return ("inode", stat.st_dev, stat.st_ino)
     return ("path", os.path.realpath(path))
-

@@ -41,7 +41,7 @@ def token_file(path: Path, dtype: str | None = None) -> TokenFile:
             raise DataError(f"{path}: holds {array.dtype}, but the source says dtype {dtype!r}")
         return TokenFile(str(path), len(array), array.dtype.str, int(getattr(array, "offset", 0)))
     if dtype is None:
-        raise DataError(f"{path}: raw .bin token files need the source's \"dtype\" (e.g. \"uint16\" or \"uint32\")")
+        raise DataError(f'{path}: raw .bin token files need the source\'s "dtype" (e.g. "uint16" or "uint32")')
     itemsize = np.dtype(dtype).itemsize
     size = path.stat().st_size
     if size % itemsize:

@@ -72,8 +72,19 @@ def _marker(folder: Path, index: int) -> Path:
     return folder / f"unit-{index:06d}.json"
 
 
-def run_units(pending: list[tuple[Source, Path, list[Unit]]], tokenizer, val_fraction: float, cache_dir: Path, *,
-              workers: int, rank: int, world: int, progress: bool, threads: int | None, poll_seconds: float) -> None:
+def run_units(
+    pending: list[tuple[Source, Path, list[Unit]]],
+    tokenizer,
+    val_fraction: float,
+    cache_dir: Path,
+    *,
+    workers: int,
+    rank: int,
+    world: int,
+    progress: bool,
+    threads: int | None,
+    poll_seconds: float,
+) -> None:
     """Tokenize this process's share of the pending sources' units and wait until every source is
     done: rank 0 watches the markers and writes each source's `meta.json`, the others wait for it.
     Errors go to `<cache_dir>/<source folder>.error.rank<R>`, a small folder to watch (at 12,288
@@ -88,9 +99,11 @@ def run_units(pending: list[tuple[Source, Path, list[Unit]]], tokenizer, val_fra
             (cache_dir / name).unlink(missing_ok=True)
     backend = tokenizer.backend_tokenizer.to_str()
     dtype = token_dtype(len(tokenizer)).name
-    mine = [(source, folder, i, unit, backend, tokenizer.eos_token_id, dtype, val_fraction, rank)
-            for (source, folder, i, unit), r in zip(jobs, owner, strict=True)
-            if r == rank and not _marker(folder, i).exists()]
+    mine = [
+        (source, folder, i, unit, backend, tokenizer.eos_token_id, dtype, val_fraction, rank)
+        for (source, folder, i, unit), r in zip(jobs, owner, strict=True)
+        if r == rank and not _marker(folder, i).exists()
+    ]
     _remove_leftovers(jobs, owner, rank)
     bar = None
     if progress:
@@ -98,8 +111,11 @@ def run_units(pending: list[tuple[Source, Path, list[Unit]]], tokenizer, val_fra
 
         done = _markers_done(pending)
         if done:
-            print(f"tokenizing: going on from an earlier preparation ({done} of {len(jobs)} files done)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"tokenizing: going on from an earlier preparation ({done} of {len(jobs)} files done)",
+                file=sys.stderr,
+                flush=True,
+            )
         bar = make_bar(total=len(jobs), initial=done, desc="tokenizing", unit="file")
     try:
         _work(mine, workers, threads, lambda: _tick(bar, pending, cache_dir, count=bar is not None))
@@ -110,8 +126,13 @@ def run_units(pending: list[tuple[Source, Path, list[Unit]]], tokenizer, val_fra
             for name in _error_files(pending, cache_dir):  # those of earlier, failed launches
                 (cache_dir / name).unlink(missing_ok=True)
         else:  # rank 0 writes the meta files when every marker is there
-            _wait(lambda: not _tick(None, pending, cache_dir, count=False) and all(
-                (folder / "meta.json").exists() for _, folder, _ in pending), poll_seconds * min(30, 1 + world // 256))
+            _wait(
+                lambda: (
+                    not _tick(None, pending, cache_dir, count=False)
+                    and all((folder / "meta.json").exists() for _, folder, _ in pending)
+                ),
+                poll_seconds * min(30, 1 + world // 256),
+            )
     except DataError as err:
         if not getattr(err, "every_rank", False):  # this process's own: the others must hear of it
             _say_error(pending, cache_dir, rank, str(err))
@@ -145,8 +166,10 @@ def _error_files(pending, cache_dir: Path, since: float | None = None) -> list[s
 
 def _markers_done(pending) -> int:
     """Units with their marker, one listing per shard folder."""
-    return sum(sum(1 for name in os.listdir(folder) if name.startswith("unit-") and name.endswith(".json"))
-               for _, folder, _ in pending)
+    return sum(
+        sum(1 for name in os.listdir(folder) if name.startswith("unit-") and name.endswith(".json"))
+        for _, folder, _ in pending
+    )
 
 
 def _tick(bar, pending, cache_dir: Path, count: bool = True) -> int:
@@ -212,9 +235,12 @@ def _remove_leftovers(jobs, owner: list[int], rank: int) -> None:
                 except FileNotFoundError:
                     pass
     if live:
-        print(f"tokenizing: {live} files of this cache are being written right now, by another preparation "
-              "(or one killed minutes ago); both go on, and the files both do are done twice", file=sys.stderr,
-              flush=True)
+        print(
+            f"tokenizing: {live} files of this cache are being written right now, by another preparation "
+            "(or one killed minutes ago); both go on, and the files both do are done twice",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _work(mine, workers: int, threads: int | None, tick) -> None:
@@ -280,8 +306,14 @@ def tokenize_unit(job) -> dict:
     finally:
         for path in tmp.values():
             path.unlink(missing_ok=True)
-    record = {"unit": unit.label, "rank": rank, "documents": documents, "train_tokens": counts["train"],
-              "val_tokens": counts["val"], "seconds": round(time.time() - started, 3)}
+    record = {
+        "unit": unit.label,
+        "rank": rank,
+        "documents": documents,
+        "train_tokens": counts["train"],
+        "val_tokens": counts["val"],
+        "seconds": round(time.time() - started, 3),
+    }
     _write_atomic(_marker(folder, index), json.dumps(record))
     return record
 
@@ -315,10 +347,17 @@ def _say_error(pending, cache_dir: Path, rank: int, message: str) -> None:
 
 def _write_meta(source: Source, folder: Path, units: list[Unit], dtype: str) -> None:
     records = [json.loads(_marker(folder, i).read_text()) for i in range(len(units))]
-    meta = {"format": FORMAT_VERSION, "key": folder.name.rsplit("-", 1)[-1], "source": str(source),
-            "name": source.label, "dtype": dtype, "documents": sum(r["documents"] for r in records),
-            "train_tokens": sum(r["train_tokens"] for r in records),
-            "val_tokens": sum(r["val_tokens"] for r in records),
-            "train_units": [r["train_tokens"] for r in records], "val_units": [r["val_tokens"] for r in records],
-            "seconds": round(sum(r["seconds"] for r in records), 2)}
+    meta = {
+        "format": FORMAT_VERSION,
+        "key": folder.name.rsplit("-", 1)[-1],
+        "source": str(source),
+        "name": source.label,
+        "dtype": dtype,
+        "documents": sum(r["documents"] for r in records),
+        "train_tokens": sum(r["train_tokens"] for r in records),
+        "val_tokens": sum(r["val_tokens"] for r in records),
+        "train_units": [r["train_tokens"] for r in records],
+        "val_units": [r["val_tokens"] for r in records],
+        "seconds": round(sum(r["seconds"] for r in records), 2),
+    }
     _write_atomic(folder / "meta.json", json.dumps(meta, indent=1))

@@ -24,8 +24,12 @@ def train_default_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD, EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[PAD, EOS],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(embedded_documents(), trainer)
     return tokenizer
 
@@ -44,8 +48,9 @@ def load_tokenizer(name_or_path: str | None = None, local_files_only: bool = Fal
     if local.exists() and not local.is_dir():
         raise ValueError(f"tokenizer {name_or_path!r} is a file; give the folder that holds it")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(local if local.exists() else name_or_path,
-                                                  local_files_only=local_files_only)
+        tokenizer = AutoTokenizer.from_pretrained(
+            local if local.exists() else name_or_path, local_files_only=local_files_only
+        )
     except (OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         where = "" if local.exists() else " (no such folder here; tried it as a Hub name)"
@@ -57,8 +62,13 @@ def load_tokenizer(name_or_path: str | None = None, local_files_only: bool = Fal
 
 def looks_like_a_path(name: str) -> bool:
     """Whether `name` can only mean a local path, not a Hub repository id (`name` or `org/name`)."""
-    return (name.startswith(("/", ".", "~")) or "\\" in name or name.endswith("/") or name.count("/") > 1
-            or Path(name).suffix in (".json", ".model"))
+    return (
+        name.startswith(("/", ".", "~"))
+        or "\\" in name
+        or name.endswith("/")
+        or name.count("/") > 1
+        or Path(name).suffix in (".json", ".model")
+    )
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

@@ -46,8 +46,14 @@ def source_units(source: Source, files: list[Path] | None = None) -> list[Unit]:
     (`files`: the source's files, already listed by `resolve_files`.)"""
     if source.kind in ("files", "hf") and is_saved_dataset(source.target) and source.max_documents is None:
         rows = len(load_saved(source))
-        return [Unit(f"rows {lo}-{min(lo + DISK_ROWS_PER_UNIT, rows)}", min(DISK_ROWS_PER_UNIT, rows - lo),
-                     (lo, min(lo + DISK_ROWS_PER_UNIT, rows))) for lo in range(0, max(rows, 1), DISK_ROWS_PER_UNIT)]
+        return [
+            Unit(
+                f"rows {lo}-{min(lo + DISK_ROWS_PER_UNIT, rows)}",
+                min(DISK_ROWS_PER_UNIT, rows - lo),
+                (lo, min(lo + DISK_ROWS_PER_UNIT, rows)),
+            )
+            for lo in range(0, max(rows, 1), DISK_ROWS_PER_UNIT)
+        ]
     if source.kind == "files" and source.max_documents is None:
         return [Unit(str(p), p.stat().st_size, p) for p in (resolve_files(source) if files is None else files)]
     return [Unit(str(source), 0, None)]
@@ -66,23 +72,26 @@ def unit_documents(source: Source, unit: Unit) -> Iterator[str]:
 def describe(source: Source, files: list[Path] | None = None) -> dict[str, Any]:
     """What identifies the content of a source, for cache fingerprints: never its bytes (names,
     sizes and modification times of its files; `files`: those already listed)."""
-    info: dict[str, Any] = {"kind": source.kind, "text_field": source.text_field,
-                            "max_documents": source.max_documents}
+    info: dict[str, Any] = {"kind": source.kind, "text_field": source.text_field, "max_documents": source.max_documents}
     if source.kind == "embedded":
         digest = hashlib.sha256("\x00".join(embedded_documents()).encode()).hexdigest()
         info.update(python=sys.version.split()[0], sha256=digest)
     elif source.kind == "tokens":
         files = resolve_token_files(source.target) if files is None else files
-        info.update(dtype=source.dtype, files=_stats(files),
-                    val=_stats(resolve_token_files(source.val)) if source.val else None)
+        info.update(
+            dtype=source.dtype, files=_stats(files), val=_stats(resolve_token_files(source.val)) if source.val else None
+        )
     elif source.kind == "files" and not is_saved_dataset(source.target):
         info["files"] = _stats(resolve_files(source) if files is None else files)
     else:
         info.update(target=source.target, name=source.config_name, split=source.split, data_files=source.data_files)
         if os.path.exists(os.path.expanduser(source.target)):  # a local dataset folder: its files identify it
             root = Path(os.path.expanduser(source.target))
-            info["files"] = [(str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns)
-                             for p in sorted(root.rglob("*")) if p.is_file()]
+            info["files"] = [
+                (str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns)
+                for p in sorted(root.rglob("*"))
+                if p.is_file()
+            ]
     return info
 
 
@@ -93,8 +102,12 @@ def _stats(files: list[Path]) -> list[tuple[str, int, int]]:
 
 def source_key(source: Source, tokenizer, val_fraction: float, files: list[Path] | None = None) -> str:
     """A hash of the source's content identity, the tokenizer and the packing settings."""
-    payload = {"format": FORMAT_VERSION, "source": describe(source, files), "val_fraction": val_fraction,
-               "tokenizer": tokenizer_fingerprint(tokenizer) if tokenizer is not None else None}
+    payload = {
+        "format": FORMAT_VERSION,
+        "source": describe(source, files),
+        "val_fraction": val_fraction,
+        "tokenizer": tokenizer_fingerprint(tokenizer) if tokenizer is not None else None,
+    }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -133,8 +146,14 @@ def plan_sources(sources: list[Source], tokenizer, cache_dir: str | Path, val_fr
             distinct.add(i, source, files)
             try:
                 identity = hashlib.sha256(json.dumps(describe(source, files), default=str).encode()).hexdigest()
-                plans.append(SourcePlan(source, identity, train_files=token_files(source.target, source.dtype, files),
-                                        val_files=token_files(source.val, source.dtype) if source.val else None))
+                plans.append(
+                    SourcePlan(
+                        source,
+                        identity,
+                        train_files=token_files(source.target, source.dtype, files),
+                        val_files=token_files(source.val, source.dtype) if source.val else None,
+                    )
+                )
             except DataError as err:
                 raise DataError(f"source {source.label!r}: {err}") from None
             continue

@@ -7,7 +7,15 @@ checkpoint of a training run. Names are imported on first use (`--help` needs no
 from .._lazy import lazy_exports
 
 __all__ = ["DownstreamConfig", "EvalConfig", "EvaluationError", "evaluate", "export_checkpoint", "resolve", "score"]
-__getattr__, __dir__ = lazy_exports(__name__, {
-    "DownstreamConfig": ".downstream_config", "EvalConfig": ".downstream_config", "EvaluationError": ".harness",
-    "score": ".harness",
-    "evaluate": ".run", "export_checkpoint": ".run", "resolve": ".run"})
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "DownstreamConfig": ".downstream_config",
+        "EvalConfig": ".downstream_config",
+        "EvaluationError": ".harness",
+        "score": ".harness",
+        "evaluate": ".run",
+        "export_checkpoint": ".run",
+        "resolve": ".run",
+    },
+)

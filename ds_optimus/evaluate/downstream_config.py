@@ -21,10 +21,14 @@ class DownstreamConfig(Section):
     batch_size: int = 8  # the evaluation's batch size
 
     def check(self, where: str) -> None:
-        need(isinstance(self.tasks, list) and all(isinstance(t, str) and t for t in self.tasks),
-             f"{where}.tasks must be a list of task names, got {self.tasks!r}")
-        need(isinstance(self.include, list) and all(isinstance(p, str) for p in self.include),
-             f"{where}.include must be a list of folders, got {self.include!r}")
+        need(
+            isinstance(self.tasks, list) and all(isinstance(t, str) and t for t in self.tasks),
+            f"{where}.tasks must be a list of task names, got {self.tasks!r}",
+        )
+        need(
+            isinstance(self.include, list) and all(isinstance(p, str) for p in self.include),
+            f"{where}.include must be a list of folders, got {self.include!r}",
+        )
         need(self.limit is None or positive_int(self.limit), f"{where}.limit must be null or a positive integer")
         need(non_negative_int(self.num_fewshot), f"{where}.num_fewshot must be an integer >= 0")
         need(positive_int(self.batch_size), f"{where}.batch_size must be a positive integer")

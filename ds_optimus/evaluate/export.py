@@ -17,8 +17,10 @@ NAME = "ds_optimus.evaluate.export"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = ArgumentParser(NAME, description="Write a run's checkpoint (full or cold) as a Hugging Face folder "
-                                              "that AutoModelForCausalLM loads.")
+    parser = ArgumentParser(
+        NAME,
+        description="Write a run's checkpoint (full or cold) as a Hugging Face folder that AutoModelForCausalLM loads.",
+    )
     parser.add_argument("checkpoint", help="a checkpoint folder (with its meta.json)")
     parser.add_argument("out", help="the Hugging Face folder to write")
     args = parser.parse_args(argv)

@@ -28,8 +28,10 @@ def require_lm_eval():
         import lm_eval
         from lm_eval.models.huggingface import HFLM  # noqa: F401  (its imports fail where lm-eval is partial)
     except ImportError as err:
-        raise EvaluationError(f"downstream evaluation needs lm-evaluation-harness ({err}): pip install -e \".[eval]\" "
-                              f"(or pip install '{LM_EVAL_REQUIREMENT}')") from None
+        raise EvaluationError(
+            f'downstream evaluation needs lm-evaluation-harness ({err}): pip install -e ".[eval]" '
+            f"(or pip install '{LM_EVAL_REQUIREMENT}')"
+        ) from None
     return lm_eval
 
 
@@ -71,16 +73,32 @@ def load_tasks(tasks: list[str], include: list[str] = (), work_dir: str | Path =
         known = [*manager.all_tasks, *sorted(BUILTIN - set(manager.all_tasks)), "mula-suite"]
         close = difflib.get_close_matches(unknown[0], known, n=3, cutoff=0.75)
         hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
-        where = f"nor in the YAML files of {', '.join(include)}" if include else \
-            "give YAML tasks of your own with --include"
-        raise EvaluationError(f"unknown task {unknown[0]!r} ({hint}lm-eval {lm_eval.__version__} knows "
-                              f"{len(manager.all_tasks):,} tasks; {where})")
+        where = (
+            f"nor in the YAML files of {', '.join(include)}"
+            if include
+            else "give YAML tasks of your own with --include"
+        )
+        raise EvaluationError(
+            f"unknown task {unknown[0]!r} ({hint}lm-eval {lm_eval.__version__} knows "
+            f"{len(manager.all_tasks):,} tasks; {where})"
+        )
     return names, manager
 
 
-def score(folder: str | Path, tasks: list[str], *, include: list[str] = (), limit: int | None = None,
-          num_fewshot: int = 0, batch_size: int = 8, device: str = "cpu", dtype: str = "float32",
-          work_dir: str | Path | None = None, verbose: bool = False, loaded=None) -> dict[str, Any]:
+def score(
+    folder: str | Path,
+    tasks: list[str],
+    *,
+    include: list[str] = (),
+    limit: int | None = None,
+    num_fewshot: int = 0,
+    batch_size: int = 8,
+    device: str = "cpu",
+    dtype: str = "float32",
+    work_dir: str | Path | None = None,
+    verbose: bool = False,
+    loaded=None,
+) -> dict[str, Any]:
     """Score the Hugging Face model in `folder` on `tasks` (`loaded`: what `load_tasks` returned for
     them, else it is called here); returns {"tasks": {task: {metric: value, "samples": n}}, "seconds",
     "lm_eval"}."""
@@ -94,20 +112,30 @@ def score(folder: str | Path, tasks: list[str], *, include: list[str] = (), limi
         began = time.perf_counter()
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(device).eval()
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size,
-                  max_length=getattr(model.config, "max_position_embeddings", None))
+        lm = HFLM(
+            pretrained=model,
+            tokenizer=tokenizer,
+            batch_size=batch_size,
+            max_length=getattr(model.config, "max_position_embeddings", None),
+        )
     except EvaluationError:
         raise
     except Exception as err:
         text = str(err).strip()
         raise EvaluationError(f"{type(err).__name__}: {text.splitlines()[0] if text else ''}") from None
     try:
-        results = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager, num_fewshot=num_fewshot,
-                                          limit=limit, log_samples=False, bootstrap_iters=1000)
+        results = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=names,
+            task_manager=manager,
+            num_fewshot=num_fewshot,
+            limit=limit,
+            log_samples=False,
+            bootstrap_iters=1000,
+        )
     except Exception as err:  # datasets not cached offline, a task's own failure: said in one line
         text = str(err).strip()
-        raise EvaluationError(f"lm-eval failed: {type(err).__name__}: {text.splitlines()[0] if text else ''}") \
-            from None
+        raise EvaluationError(f"lm-eval failed: {type(err).__name__}: {text.splitlines()[0] if text else ''}") from None
     scores = {}
     for task, metrics in {**results.get("results", {}), **results.get("groups", {})}.items():
         entry = {}

@@ -51,8 +51,9 @@ def resolve(target: str | Path, step: int | None = None, every: bool = False) ->
     if (target / "config.json").exists():  # a Hugging Face folder; <run>/hf is the run's last step
         run = target.parent if (target.parent / "metrics.jsonl").exists() else None
         return [(target, run or target, _last_step(run) if run else None)]
-    raise EvaluationError(f"{target} is neither a Hugging Face folder (config.json), a run (checkpoints/) nor a "
-                          "checkpoint (meta.json)")
+    raise EvaluationError(
+        f"{target} is neither a Hugging Face folder (config.json), a run (checkpoints/) nor a checkpoint (meta.json)"
+    )
 
 
 def _last_step(run: Path) -> int | None:
@@ -91,8 +92,10 @@ def export_checkpoint(checkpoint: Path, out: Path) -> Path:
     if problem:
         raise EvaluationError(f"checkpoint {checkpoint} is damaged: {problem}")
     if not (checkpoint / MODEL_FILE).exists():
-        raise EvaluationError(f"checkpoint {checkpoint} has no {MODEL_FILE} (written before checkpoints kept the "
-                              "model's config): score the run's exported hf/ folder instead")
+        raise EvaluationError(
+            f"checkpoint {checkpoint} has no {MODEL_FILE} (written before checkpoints kept the "
+            "model's config): score the run's exported hf/ folder instead"
+        )
     record = load(checkpoint / MODEL_FILE)
     config = MulaConfig.from_dict(record["config"])
     with torch.device("meta"):
@@ -105,12 +108,16 @@ def export_checkpoint(checkpoint: Path, out: Path) -> Path:
         model.save_pretrained(out)
     if "tokenizer" in record:
         special = record["tokenizer"]["special_tokens"]
-        tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(record["tokenizer"]["json"]),
-                                            model_max_length=config.max_position_embeddings, **special)
+        tokenizer = PreTrainedTokenizerFast(
+            tokenizer_object=Tokenizer.from_str(record["tokenizer"]["json"]),
+            model_max_length=config.max_position_embeddings,
+            **special,
+        )
         tokenizer.save_pretrained(out)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=pad).save_pretrained(out)
+        GenerationConfig(
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=pad
+        ).save_pretrained(out)
     return out
 
 
@@ -120,8 +127,16 @@ def results_path(run: Path, step: int | None) -> Path:
     return run / "eval" / (f"step_{step:08d}.json" if step is not None else "results.json")
 
 
-def evaluate(model: Path, run: Path, step: int | None, tasks: list[str], *, out: Path | None = None,
-             keep_export: bool = False, **options: Any) -> tuple[Path, dict[str, Any]]:
+def evaluate(
+    model: Path,
+    run: Path,
+    step: int | None,
+    tasks: list[str],
+    *,
+    out: Path | None = None,
+    keep_export: bool = False,
+    **options: Any,
+) -> tuple[Path, dict[str, Any]]:
     """Score one model (an HF folder, or a checkpoint exported on the fly) and write the scores;
     returns (the results file, its content). `loaded` (from `load_tasks`, given when several models
     are scored) saves loading the tasks again."""
@@ -146,8 +161,7 @@ def evaluate(model: Path, run: Path, step: int | None, tasks: list[str], *, out:
     path = out or results_path(run, step)
     # the step's scores on other tasks (scored at training time, say) stay; a task scored again is replaced
     earlier = read_results(path).get("tasks", {})
-    record = {"step": step, "model": str(model), "time": time.time(), **scored,
-              "tasks": {**earlier, **scored["tasks"]}}
+    record = {"step": step, "model": str(model), "time": time.time(), **scored, "tasks": {**earlier, **scored["tasks"]}}
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(record, indent=2))
     return path, {**record, "tasks": scored["tasks"]}

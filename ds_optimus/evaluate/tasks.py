@@ -56,8 +56,11 @@ def write_pydoc_cloze(folder: Path, items: int = 200, seed: int = 0) -> Path:
 
     sentences = []
     for document in embedded_documents():  # up to 4 sentences of each topic of the manual
-        found = [s.split() for s in re.split(r"(?<=\.)\s+", " ".join(document.split()))
-                 if 10 <= len(s.split()) <= 30 and s[0].isupper() and s.endswith(".")]
+        found = [
+            s.split()
+            for s in re.split(r"(?<=\.)\s+", " ".join(document.split()))
+            if 10 <= len(s.split()) <= 30 and s[0].isupper() and s.endswith(".")
+        ]
         sentences += [words for words in found[:: max(1, len(found) // 4)][:4] if words not in sentences]
     rng = random.Random(seed)
     rng.shuffle(sentences)
@@ -69,8 +72,9 @@ def write_pydoc_cloze(folder: Path, items: int = 200, seed: int = 0) -> Path:
         others = rng.sample(sorted({e for e in endings if e != endings[i]}), 3)
         choices = [endings[i], *others]
         rng.shuffle(choices)
-        lines.append(json.dumps({"context": " ".join(words[:k]), "choices": choices,
-                                 "label": choices.index(endings[i])}))
+        lines.append(
+            json.dumps({"context": " ".join(words[:k]), "choices": choices, "label": choices.index(endings[i])})
+        )
     folder.mkdir(parents=True, exist_ok=True)
     data = folder / "pydoc_cloze.jsonl"
     data.write_text("\n".join(lines) + "\n")

@@ -26,8 +26,7 @@ def skip_optimus_section() -> None:
         top = self.deepspeed_config if config is None else config
         section = top.pop("optimus", None) if prefix == "" and isinstance(top, dict) else None
         try:
-            return original(self, prefix=prefix, mismatches=mismatches, config=config, must_match=must_match,
-                            **kwargs)
+            return original(self, prefix=prefix, mismatches=mismatches, config=config, must_match=must_match, **kwargs)
         finally:
             if section is not None:
                 top["optimus"] = section

@@ -108,12 +108,16 @@ class OwnedBaton(FileBaton):
             if owner is not None and (ended or now - changed > self.stale_after_s):
                 why = "ended" if ended else f"stopped refreshing {self.lock_file_path}.owner {now - changed:.0f} s ago"
                 if self._take_over(stamp):
-                    raise StaleBuildLock(f"the build lock {self.lock_file_path} was left by {_describe(owner)}, "
-                                         f"which {why} mid-build: removed, the build starts again")
+                    raise StaleBuildLock(
+                        f"the build lock {self.lock_file_path} was left by {_describe(owner)}, "
+                        f"which {why} mid-build: removed, the build starts again"
+                    )
             if not noticed and now - start > self.notice_after_s:
                 holder = _describe(owner) if owner else "a build outside ds_optimus (no owner recorded)"
-                self.say(f"ds_optimus: waiting {now - start:.0f} s on the build lock {self.lock_file_path}, held "
-                         f"by {holder}; if no build runs there, delete that file")
+                self.say(
+                    f"ds_optimus: waiting {now - start:.0f} s on the build lock {self.lock_file_path}, held "
+                    f"by {holder}; if no build runs there, delete that file"
+                )
                 noticed = True
             time.sleep(max(self.wait_seconds, POLL_S))
 

@@ -73,15 +73,15 @@ def check_config_keys(ds_config: dict) -> None:
         raise ConfigError(_validation_message(err, ds_config, DeepSpeedConfigModel, difflib)) from None
     except Exception as err:  # DeepSpeed's own checks: a traceback from deep inside initialize otherwise
         text = str(err).strip()
-        raise ConfigError(f"DeepSpeed refuses the config: {text.splitlines()[0] if text else type(err).__name__}") \
-            from None
+        raise ConfigError(
+            f"DeepSpeed refuses the config: {text.splitlines()[0] if text else type(err).__name__}"
+        ) from None
     known = seen | set(batch_keys) | set(_KEYS_READ_ELSEWHERE)
     for key in ds_config:
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"unknown DeepSpeed config key {key!r}{hint}: DeepSpeed {_version()} would "
-                              "ignore it")
+            raise ConfigError(f"unknown DeepSpeed config key {key!r}{hint}: DeepSpeed {_version()} would ignore it")
 
 
 def _without_auto(section):

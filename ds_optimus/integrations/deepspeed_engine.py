@@ -145,12 +145,15 @@ def build_sharded_optimizer(engine, basic_optimizer, settings) -> ShardedOptimiz
     if stage not in (1, 2):
         raise ConfigError(f"optimus.sharded_optimizer needs zero_optimization.stage 1 or 2, got {stage}")
     if engine.zero_offload_optimizer() is not None and engine.zero_use_cpu_optimizer():
-        raise ConfigError("optimus.sharded_optimizer does not offload optimizer state; remove "
-                          "zero_optimization.offload_optimizer or disable the sharded optimizer")
+        raise ConfigError(
+            "optimus.sharded_optimizer does not offload optimizer state; remove "
+            "zero_optimization.offload_optimizer or disable the sharded optimizer"
+        )
     group, ours = engine.seq_data_parallel_group, isinstance(engine.mpu, EngineParallelism)  # ds_optimus' layout
     if not ours and (engine.mpu is not None or dist.get_world_size(group=group) != dist.get_world_size()):
-        raise ConfigError("optimus.sharded_optimizer supports data, expert and ds_optimus' pipeline and tensor "
-                          "parallelism only")
+        raise ConfigError(
+            "optimus.sharded_optimizer supports data, expert and ds_optimus' pipeline and tensor parallelism only"
+        )
     tensor = engine.mpu.tensor if ours else None
     if settings.reduce_dtype is not None:
         reduce_dtype = _DTYPES[settings.reduce_dtype]
@@ -162,20 +165,34 @@ def build_sharded_optimizer(engine, basic_optimizer, settings) -> ShardedOptimiz
     if engine.fp16_enabled():
         if engine.dynamic_loss_scale():
             args = engine.dynamic_loss_scale_args()
-            scaler = sharded.LossScaler(args["init_scale"], dynamic=True, window=args["scale_window"],
-                                        hysteresis=args["delayed_shift"], min_scale=args["min_scale"])
+            scaler = sharded.LossScaler(
+                args["init_scale"],
+                dynamic=True,
+                window=args["scale_window"],
+                hysteresis=args["delayed_shift"],
+                min_scale=args["min_scale"],
+            )
         else:
             scaler = sharded.LossScaler(engine.loss_scale())
     keys = ("bucket_size", "overlap_comm", "shard_group_size", "overlap_param_gather")
     options = {k: getattr(settings, k) for k in keys}
-    return ShardedOptimizer(basic_optimizer, param_names=dict(engine.param_names), stage=stage,
-                            expert_groups=expert_layouts(engine.module), dense_group=group, module=engine.module,
-                            clip_grad=engine.gradient_clipping(), reduce_dtype=reduce_dtype, loss_scaler=scaler,
-                            norm_group=dist.group.WORLD if ours else None,  # stages, or TP ranks: the world
-                            accumulation_steps=engine.gradient_accumulation_steps(),
-                            tensor_splits=split_parameters(engine.module) if tensor is not None else None,
-                            tensor_rank=tensor.rank if tensor is not None else 0,
-                            replicated_group=engine.mpu.replicated_group if ours else None, **options)
+    return ShardedOptimizer(
+        basic_optimizer,
+        param_names=dict(engine.param_names),
+        stage=stage,
+        expert_groups=expert_layouts(engine.module),
+        dense_group=group,
+        module=engine.module,
+        clip_grad=engine.gradient_clipping(),
+        reduce_dtype=reduce_dtype,
+        loss_scaler=scaler,
+        norm_group=dist.group.WORLD if ours else None,  # stages, or TP ranks: the world
+        accumulation_steps=engine.gradient_accumulation_steps(),
+        tensor_splits=split_parameters(engine.module) if tensor is not None else None,
+        tensor_rank=tensor.rank if tensor is not None else 0,
+        replicated_group=engine.mpu.replicated_group if ours else None,
+        **options,
+    )
 
 
 def _configure_zero_optimizer(self, optimizer):
@@ -201,18 +218,24 @@ def _configure_expert_parallel(self, model, collect_sources=None):
     section = engine_section(self)
     size, layouts = section.expert_parallel.size, expert_layouts(model)
     if layouts and "expert_parallel" in given and layouts[0].ep_size != size:
-        raise ConfigError(f"the model is already expert-parallel at size {layouts[0].ep_size}, but "
-                          f"optimus.expert_parallel.size is {size}")
+        raise ConfigError(
+            f"the model is already expert-parallel at size {layouts[0].ep_size}, but "
+            f"optimus.expert_parallel.size is {size}"
+        )
     if layouts or size == 1:  # applied before (e.g. by ds_optimus.train): the experts backend only
         setup_moe(model, EngineSection(moe=section.moe))
         return replaced
     if replaced:
-        raise ConfigError("optimus.expert_parallel and DeepSpeed's expert_parallel (AutoEP) both shard the "
-                          "experts: enable one of them")
+        raise ConfigError(
+            "optimus.expert_parallel and DeepSpeed's expert_parallel (AutoEP) both shard the "
+            "experts: enable one of them"
+        )
     experts = experts_modules(model)
     if not experts:
-        raise ConfigError(f"optimus.expert_parallel.size is {size}, but {type(model).__name__} has no experts "
-                          "to shard (expert parallelism needs stacked gate_up_proj/down_proj experts, as Mula's)")
+        raise ConfigError(
+            f"optimus.expert_parallel.size is {size}, but {type(model).__name__} has no experts "
+            "to shard (expert parallelism needs stacked gate_up_proj/down_proj experts, as Mula's)"
+        )
     before = [(m, {name: getattr(m, name) for name in EXPERT_WEIGHTS}) for m in experts]
     try:
         setup_moe(model, section)
@@ -269,8 +292,9 @@ def _configure_distributed_model(self, model):
         return _ORIGINAL["configure"](self, model)
     settings = sharded_optimizer_settings(self)
     if settings is not None and int(self.zero_optimization_stage()) not in (1, 2):
-        raise ConfigError("optimus.sharded_optimizer needs zero_optimization.stage 1 or 2, "
-                          f"got {int(self.zero_optimization_stage())}")
+        raise ConfigError(
+            f"optimus.sharded_optimizer needs zero_optimization.stage 1 or 2, got {int(self.zero_optimization_stage())}"
+        )
     # Before DeepSpeed reads its group registry (here) and builds its optimizer (after): the layouts
     # the model's experts declare, so its ZeRO finds the EDP group under each parameter's group_name.
     for groups in expert_layouts(model):
@@ -318,10 +342,16 @@ def install_engine_hook() -> None:
     DeepSpeed's own checkpoints of expert-parallel models (idempotent). Each replacement keeps
     DeepSpeed's method as `__wrapped__`."""
     check_version()
-    replacements = {"expert_parallel": _configure_expert_parallel, "optimizer": _configure_optimizer,
-                    "model_step": _take_model_step, "configure": _configure_distributed_model,
-                    "zero": _configure_zero_optimizer, "bf16": _configure_bf16_optimizer,
-                    "save": _checkpoint_method("save"), "load": _checkpoint_method("load")}
+    replacements = {
+        "expert_parallel": _configure_expert_parallel,
+        "optimizer": _configure_optimizer,
+        "model_step": _take_model_step,
+        "configure": _configure_distributed_model,
+        "zero": _configure_zero_optimizer,
+        "bf16": _configure_bf16_optimizer,
+        "save": _checkpoint_method("save"),
+        "load": _checkpoint_method("load"),
+    }
     for key, replacement in replacements.items():
         original = _ORIGINAL[key]
         replacement.__wrapped__ = original

@@ -34,13 +34,19 @@ from .deepspeed_version import check_version
 # workspace per rank.
 UNNEEDED_OPS = ("deepspeed_shm_comm",)
 _ADAM = "DeepSpeed's Adam on this device; optimizer.params.torch_adam: true uses PyTorch's, unbuilt"
-_WHY = {"fused_adam": _ADAM, "cpu_adam": _ADAM,
-        "moe_routing": "the MoE layer's routing, gather and combine on the CPU; DS_BUILD_MOE_ROUTING=1 at install "
-                       "prebuilds it"}
+_WHY = {
+    "fused_adam": _ADAM,
+    "cpu_adam": _ADAM,
+    "moe_routing": "the MoE layer's routing, gather and combine on the CPU; DS_BUILD_MOE_ROUTING=1 at install "
+    "prebuilds it",
+}
 OWN_OPS = ("moe_routing",)  # built by DeepSpeed's op builder, but ds_optimus' own
 # The accelerator classes whose op lookup learns ds_optimus' builders (ROCm runs CUDA_Accelerator).
-ACCELERATORS = ("cpu_accelerator:CPU_Accelerator", "cuda_accelerator:CUDA_Accelerator",
-                "xpu_accelerator:XPU_Accelerator")
+ACCELERATORS = (
+    "cpu_accelerator:CPU_Accelerator",
+    "cuda_accelerator:CUDA_Accelerator",
+    "xpu_accelerator:XPU_Accelerator",
+)
 
 
 def extensions_dir() -> Path:
@@ -74,8 +80,10 @@ def prepare_op_builds(say=None) -> None:
         first = rank == "0" and not any((root / self.name).glob(f"{self.name}*.so"))
         whose, takes = ("ds_optimus'", "under a minute") if self.name in OWN_OPS else ("DeepSpeed's", "a few minutes")
         if first:
-            say(f"ds_optimus: compiling {whose} {self.name} op ({_WHY.get(self.name, 'this config needs it')}): "
-                f"{takes}, once per environment, kept in {root}")
+            say(
+                f"ds_optimus: compiling {whose} {self.name} op ({_WHY.get(self.name, 'this config needs it')}): "
+                f"{takes}, once per environment, kept in {root}"
+            )
         began = time.perf_counter()
         verbose = os.environ.get("DS_OPTIMUS_VERBOSE", "") not in ("", "0", "false")
         for attempt in range(3):  # a lock left by a builder that died is removed, and the build starts again
@@ -106,8 +114,10 @@ def release_shm_workspace() -> None:
 
     if not dist.is_initialized() or get_accelerator().device_name() != "cpu":
         return
-    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-            f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}")
+    name = (
+        f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+        f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}"
+    )
     dist.barrier()
     try:
         os.unlink(name)
@@ -172,5 +182,7 @@ prepare_op_builds()
 try:
     register_ops()
 except Exception as error:  # never at the cost of the engine hooks that follow this module's import
-    print(f"ds_optimus: the moe_routing op is not registered with DeepSpeed ({type(error).__name__}: {error})",
-          file=sys.stderr)
+    print(
+        f"ds_optimus: the moe_routing op is not registered with DeepSpeed ({type(error).__name__}: {error})",
+        file=sys.stderr,
+    )

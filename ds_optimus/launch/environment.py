@@ -51,22 +51,64 @@ class Launcher:
 
 
 LAUNCHERS = (
-    Launcher("torch", "the deepspeed launcher or torchrun", ("RANK",), ("WORLD_SIZE",), ("LOCAL_RANK",),
-             ("LOCAL_WORLD_SIZE",), ("TORCHELASTIC_RUN_ID",), mpi=False),
-    Launcher("openmpi", "Open MPI", ("OMPI_COMM_WORLD_RANK",), ("OMPI_COMM_WORLD_SIZE",),
-             ("OMPI_COMM_WORLD_LOCAL_RANK",), ("OMPI_COMM_WORLD_LOCAL_SIZE",),
-             ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid")),
-    Launcher("pals", "Cray PALS", ("PALS_RANKID",), ("PALS_SIZE", "PMI_SIZE"), ("PALS_LOCAL_RANKID",),
-             ("PALS_LOCAL_SIZE", "PMI_LOCAL_SIZE"), ("PALS_APID", "PBS_JOBID")),
-    Launcher("mpich", "MPICH or Intel MPI", ("PMI_RANK",), ("PMI_SIZE",), ("MPI_LOCALRANKID", "PMI_LOCAL_RANK"),
-             ("MPI_LOCALNRANKS", "PMI_LOCAL_SIZE"), ("PBS_JOBID", "SLURM_JOB_ID")),
+    Launcher(
+        "torch",
+        "the deepspeed launcher or torchrun",
+        ("RANK",),
+        ("WORLD_SIZE",),
+        ("LOCAL_RANK",),
+        ("LOCAL_WORLD_SIZE",),
+        ("TORCHELASTIC_RUN_ID",),
+        mpi=False,
+    ),
+    Launcher(
+        "openmpi",
+        "Open MPI",
+        ("OMPI_COMM_WORLD_RANK",),
+        ("OMPI_COMM_WORLD_SIZE",),
+        ("OMPI_COMM_WORLD_LOCAL_RANK",),
+        ("OMPI_COMM_WORLD_LOCAL_SIZE",),
+        ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid"),
+    ),
+    Launcher(
+        "pals",
+        "Cray PALS",
+        ("PALS_RANKID",),
+        ("PALS_SIZE", "PMI_SIZE"),
+        ("PALS_LOCAL_RANKID",),
+        ("PALS_LOCAL_SIZE", "PMI_LOCAL_SIZE"),
+        ("PALS_APID", "PBS_JOBID"),
+    ),
+    Launcher(
+        "mpich",
+        "MPICH or Intel MPI",
+        ("PMI_RANK",),
+        ("PMI_SIZE",),
+        ("MPI_LOCALRANKID", "PMI_LOCAL_RANK"),
+        ("MPI_LOCALNRANKS", "PMI_LOCAL_SIZE"),
+        ("PBS_JOBID", "SLURM_JOB_ID"),
+    ),
     # srun before PMIx: `srun --mpi=pmix` sets PMIX_RANK but no size variable. The step's size first; a
     # launch wrapper (Lightning's and others') forwards the job's task count
-    Launcher("slurm", "srun", ("SLURM_PROCID",), ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"),
-             ("SLURM_LOCALID",), (),
-             ("SLURM_JOB_ID", "SLURM_STEP_ID"), mpi=False),
-    Launcher("pmix", "a PMIx launcher", ("PMIX_RANK",), ("PMIX_SIZE", "PMI_SIZE"), ("PMIX_LOCAL_RANK",),
-             ("PMIX_LOCAL_SIZE",), ("PMIX_NAMESPACE",)),
+    Launcher(
+        "slurm",
+        "srun",
+        ("SLURM_PROCID",),
+        ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"),
+        ("SLURM_LOCALID",),
+        (),
+        ("SLURM_JOB_ID", "SLURM_STEP_ID"),
+        mpi=False,
+    ),
+    Launcher(
+        "pmix",
+        "a PMIx launcher",
+        ("PMIX_RANK",),
+        ("PMIX_SIZE", "PMI_SIZE"),
+        ("PMIX_LOCAL_RANK",),
+        ("PMIX_LOCAL_SIZE",),
+        ("PMIX_NAMESPACE",),
+    ),
 )
 TORCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 HOSTFILE_VARIABLE = "DS_OPTIMUS_HOSTFILE"
@@ -135,15 +177,17 @@ def detect(env: Mapping[str, str] | None = None) -> World:
     rank = _integer(env, launcher.rank, seen)
     size = _integer(env, launcher.size, seen)
     if size is None:
-        raise LaunchError(f"{seen[0]} is set ({launcher.what}) but no world size is: none of "
-                          f"{', '.join(launcher.size)}")
+        raise LaunchError(
+            f"{seen[0]} is set ({launcher.what}) but no world size is: none of {', '.join(launcher.size)}"
+        )
     if size < 1 or rank >= size:
         raise LaunchError(f"rank {rank} is not inside a world of {size} ({', '.join(seen)})")
     local_rank = _integer(env, launcher.local_rank, seen)
     local_size = _integer(env, launcher.local_size, seen) if launcher.local_size else _slurm_local_size(env, seen)
     if local_rank is not None and local_size is not None and not local_rank < local_size <= size:
-        raise LaunchError(f"local rank {local_rank} of {local_size} on this host does not fit a world of {size} "
-                          f"({', '.join(seen)})")
+        raise LaunchError(
+            f"local rank {local_rank} of {local_size} on this host does not fit a world of {size} ({', '.join(seen)})"
+        )
     _check_agreement(env, launcher, present, rank, size, seen)
     job = _value(env, launcher.job)
     if launcher.name == "slurm" and job is not None:
@@ -163,8 +207,10 @@ def _check_agreement(env, chosen: Launcher, present: list[Launcher], rank: int, 
         other_rank = _integer(env, other.rank, other_seen)
         other_size = _integer(env, other.size, other_seen)
         if other_rank != rank or (other_size is not None and other_size != size):
-            raise LaunchError(f"the launchers' variables disagree: {', '.join(seen[:2])} ({chosen.what}) but "
-                              f"{', '.join(other_seen)} ({other.what})")
+            raise LaunchError(
+                f"the launchers' variables disagree: {', '.join(seen[:2])} ({chosen.what}) but "
+                f"{', '.join(other_seen)} ({other.what})"
+            )
 
 
 def job_hosts(env: Mapping[str, str] | None = None) -> tuple[list[str], str] | None:
@@ -208,16 +254,23 @@ def rendezvous(world: World, env: Mapping[str, str] | None = None) -> tuple[str,
     else:
         found = job_hosts(env)
         if found is None:
-            where = ("how many ranks run here is not said" if world.local_size is None
-                     else f"{world.local_size} of {world.size} ranks on this host")
-            raise LaunchError(f"cannot find rank 0's host ({where}; no MASTER_ADDR, SLURM_JOB_NODELIST, "
-                              f"PBS_NODEFILE or {HOSTFILE_VARIABLE}; seen: {', '.join(world.seen)}): "
-                              "set MASTER_ADDR to rank 0's host")
+            where = (
+                "how many ranks run here is not said"
+                if world.local_size is None
+                else f"{world.local_size} of {world.size} ranks on this host"
+            )
+            raise LaunchError(
+                f"cannot find rank 0's host ({where}; no MASTER_ADDR, SLURM_JOB_NODELIST, "
+                f"PBS_NODEFILE or {HOSTFILE_VARIABLE}; seen: {', '.join(world.seen)}): "
+                "set MASTER_ADDR to rank 0's host"
+            )
         hosts, source = found
         address, how = hosts[0], f"the first host of {source.split('=')[0]}"
         if world.rank == 0 and short_host(address) != short_host(this_host(env)):
-            raise LaunchError(f"rank 0 runs on {this_host(env)} but {how} is {address} (ranks not placed "
-                              "in host order?): set MASTER_ADDR to rank 0's host")
+            raise LaunchError(
+                f"rank 0 runs on {this_host(env)} but {how} is {address} (ranks not placed "
+                "in host order?): set MASTER_ADDR to rank 0's host"
+            )
     if env.get("MASTER_PORT"):
         port_text, port_how = env["MASTER_PORT"], "MASTER_PORT"
         if not port_text.isdigit() or not 0 < int(port_text) < 65536:
@@ -269,8 +322,10 @@ def _check_resolves(address: str, how: str, env: Mapping[str, str]) -> None:
     try:
         socket.getaddrinfo(address, None)
     except OSError as err:
-        raise LaunchError(f"rank 0's host {address} ({how}) does not resolve on {this_host(env)} "
-                          f"({err.strerror or err}): a host file of this job's nodes, or MASTER_ADDR") from None
+        raise LaunchError(
+            f"rank 0's host {address} ({how}) does not resolve on {this_host(env)} "
+            f"({err.strerror or err}): a host file of this job's nodes, or MASTER_ADDR"
+        ) from None
 
 
 def open_files_for(world_size: int) -> None:
@@ -284,8 +339,10 @@ def open_files_for(world_size: int) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < needed:
         if hard != resource.RLIM_INFINITY and hard < needed:
-            raise LaunchError(f"rank 0 needs {needed} open files for {world_size} ranks' connections but its hard "
-                              f"limit is {hard}: raise it (ulimit -Hn) in the job script")
+            raise LaunchError(
+                f"rank 0 needs {needed} open files for {world_size} ranks' connections but its hard "
+                f"limit is {hard}: raise it (ulimit -Hn) in the job script"
+            )
         resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
 
 
@@ -300,7 +357,7 @@ def core_share(cores: list[int], local_rank: int, local_size: int) -> list[int]:
     if base == 0:
         return [cores[local_rank % len(cores)]]
     start = local_rank * base + min(local_rank, extra)
-    return cores[start:start + base + (local_rank < extra)]
+    return cores[start : start + base + (local_rank < extra)]
 
 
 def bind_cpus(local_rank: int, local_size: int, env: Mapping[str, str] | None = None) -> list[int] | None:

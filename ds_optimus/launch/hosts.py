@@ -44,7 +44,7 @@ def _expand_one(name: str, whole: str) -> list[str]:
         if "[" in name or "]" in name:
             raise HostListError(f"unbalanced brackets in the node list {whole!r}")
         return [name]
-    head, tail = name[: match.start()], name[match.end():]
+    head, tail = name[: match.start()], name[match.end() :]
     out = []
     for item in match.group(1).split(","):
         bounds = item.strip().split("-")

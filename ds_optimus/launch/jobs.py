@@ -29,8 +29,10 @@ class NodeShape:
 # Aurora: 2 x 52-core Xeon Max 9470 per node (ALCF's system overview), 12 GPU tiles.
 # Frontier: 64-core EPYC 7A53, 8 cores of which (one per L3 region) the low-noise mode keeps for
 # the system: 7 usable cores per GCD (OLCF's user guide), 8 GCDs.
-NODE_SHAPES = {"aurora": NodeShape(sockets=2, cores_per_socket=52), "frontier": NodeShape(sockets=1,
-                                                                                        cores_per_socket=64)}
+NODE_SHAPES = {
+    "aurora": NodeShape(sockets=2, cores_per_socket=52),
+    "frontier": NodeShape(sockets=1, cores_per_socket=64),
+}
 
 # oneCCL and libfabric settings of the Mula runs on Aurora (Optimus' setenv_aurora_essential.sh), each
 # with the failure it avoids there.
@@ -40,7 +42,7 @@ AURORA_ENVIRONMENT = (
     ("CCL_ATL_TRANSPORT", "mpi", "oneCCL over MPI ('pmrt_kvs_get' errors otherwise)"),
     ("CCL_ZE_CACHE_OPEN_IPC_HANDLES_THRESHOLD", "32768", "'mem handle cache limit is reached' otherwise"),
     ("CCL_ZE_CACHE_GET_IPC_HANDLES_THRESHOLD", "32768", ""),
-    ("CCL_SYCL_SCALEOUT_HOST_BUF_SIZE", str(2 * 1024 ** 3), "room for the largest gradient bucket across nodes"),
+    ("CCL_SYCL_SCALEOUT_HOST_BUF_SIZE", str(2 * 1024**3), "room for the largest gradient bucket across nodes"),
     ("CCL_CHECK_INPLACE_ALIASING", "0", "no in-place check on all-gathers"),
     ("ForceExtendedUSMBufferSize", "256", "segmentation faults otherwise"),
     ("FI_LOG_LEVEL", "warn", ""),
@@ -50,8 +52,11 @@ FRONTIER_ENVIRONMENT = (
     ("NCCL_SOCKET_IFNAME", "hsn0", "RCCL's bootstrap over the Slingshot interface"),
     ("NCCL_NET_GDR_LEVEL", "3", "GPU-direct RDMA between nodes"),
     ("FI_CXI_ATS", "0", "the CXI provider's address translation off, as OLCF advises for RCCL"),
-    ("MIOPEN_USER_DB_PATH", "/tmp/miopen-${USER:-$(id -un)}",
-     "MIOpen's database per node, not on the shared file system"),
+    (
+        "MIOPEN_USER_DB_PATH",
+        "/tmp/miopen-${USER:-$(id -un)}",
+        "MIOpen's database per node, not on the shared file system",
+    ),
 )
 NVIDIA_ENVIRONMENT = (
     ("NCCL_ASYNC_ERROR_HANDLING", "1", "a failed collective ends the rank (the supervisor relaunches)"),
@@ -78,8 +83,9 @@ class JobSpec:
         if self.scheduler not in ("pbs", "slurm"):
             raise JobError(f"--job must be pbs or slurm, got {self.scheduler!r}")
         if self.nodes < 1 or self.ranks_per_node < 1:
-            raise JobError(f"a job needs at least one node and one rank a node, got {self.nodes} x "
-                           f"{self.ranks_per_node}")
+            raise JobError(
+                f"a job needs at least one node and one rank a node, got {self.nodes} x {self.ranks_per_node}"
+            )
         if self.spares < 0:
             raise JobError(f"--spares must be >= 0, got {self.spares}")
         parts = self.walltime.split(":")
@@ -131,8 +137,9 @@ def write_job(spec: JobSpec, path: str | Path) -> Path:
 
 
 def _environment(cluster: str, extra: tuple = ()) -> list[str]:
-    table = {"aurora": AURORA_ENVIRONMENT, "frontier": FRONTIER_ENVIRONMENT}.get(cluster, NVIDIA_ENVIRONMENT
-                                                                                  if cluster.startswith("h") else ())
+    table = {"aurora": AURORA_ENVIRONMENT, "frontier": FRONTIER_ENVIRONMENT}.get(
+        cluster, NVIDIA_ENVIRONMENT if cluster.startswith("h") else ()
+    )
     lines = []
     for key, value, why in (*table, *extra):
         lines.append(f'export {key}="{value}"' + (f"  # {why}" if why else ""))
@@ -140,27 +147,30 @@ def _environment(cluster: str, extra: tuple = ()) -> list[str]:
 
 
 def _header_comment(spec: JobSpec) -> list[str]:
-    return [f"# {spec.nodes} node{'s' if spec.nodes != 1 else ''} x {spec.ranks_per_node} ranks"
-            + (f", {spec.spares} spare node{'s' if spec.spares != 1 else ''}" if spec.spares else "")
-            + f" on {spec.cluster}; written by: {spec.made_by or 'ds_optimus.launch.jobs'}",
-            f"# outputs, checkpoints and faults.jsonl: {spec.output_dir} (relative paths start at the folder the job",
-            "# is submitted from: keep them on the shared file system)"]
+    return [
+        f"# {spec.nodes} node{'s' if spec.nodes != 1 else ''} x {spec.ranks_per_node} ranks"
+        + (f", {spec.spares} spare node{'s' if spec.spares != 1 else ''}" if spec.spares else "")
+        + f" on {spec.cluster}; written by: {spec.made_by or 'ds_optimus.launch.jobs'}",
+        f"# outputs, checkpoints and faults.jsonl: {spec.output_dir} (relative paths start at the folder the job",
+        "# is submitted from: keep them on the shared file system)",
+    ]
 
 
 def _setup_lines() -> list[str]:
     # the job runs in the environment it is submitted from (qsub -V, sbatch's default); a script
     # named by SETUP (module loads, a venv's activate) is sourced first where a site needs more
-    return ['if [ -n "${SETUP:-}" ]; then source "$SETUP"; fi  # SETUP=env.sh qsub/sbatch ...: module loads, '
-            'a venv']
+    return ['if [ -n "${SETUP:-}" ]; then source "$SETUP"; fi  # SETUP=env.sh qsub/sbatch ...: module loads, a venv']
 
 
 def _supervise(spec: JobSpec, hosts: str, probe: str, launch: str) -> list[str]:
-    return ['PYTHON="${PYTHON:-python}"',
-            f"exec \"$PYTHON\" -m ds_optimus.reliability.supervise --hosts {hosts} --ranks-per-node "
-            f"{spec.ranks_per_node} --spares {spec.spares} \\",
-            f'    --probe "{probe}" -- \\',
-            f"    {launch} \\",
-            f'    "$PYTHON" -m ds_optimus.train --config {shlex.quote(spec.config)}']
+    return [
+        'PYTHON="${PYTHON:-python}"',
+        f'exec "$PYTHON" -m ds_optimus.reliability.supervise --hosts {hosts} --ranks-per-node '
+        f"{spec.ranks_per_node} --spares {spec.spares} \\",
+        f'    --probe "{probe}" -- \\',
+        f"    {launch} \\",
+        f'    "$PYTHON" -m ds_optimus.train --config {shlex.quote(spec.config)}',
+    ]
 
 
 def _devices(spec: JobSpec) -> str:
@@ -168,10 +178,15 @@ def _devices(spec: JobSpec) -> str:
 
 
 def _pbs(spec: JobSpec) -> str:
-    lines = ["#!/bin/bash", f"#PBS -N {spec.name}", f"#PBS -l select={spec.nodes + spec.spares}",
-             "#PBS -l place=scatter",  # a chunk a node: the ranks per node are mpiexec's --ppn
-             f"#PBS -l walltime={spec.walltime}", "#PBS -j oe",
-             "#PBS -V"]  # the submitting shell's environment (its venv, modules) travels with the job
+    lines = [
+        "#!/bin/bash",
+        f"#PBS -N {spec.name}",
+        f"#PBS -l select={spec.nodes + spec.spares}",
+        "#PBS -l place=scatter",  # a chunk a node: the ranks per node are mpiexec's --ppn
+        f"#PBS -l walltime={spec.walltime}",
+        "#PBS -j oe",
+        "#PBS -V",
+    ]  # the submitting shell's environment (its venv, modules) travels with the job
     if spec.cluster == "aurora":
         lines.append("#PBS -l filesystems=flare:home")
     if spec.account:
@@ -190,8 +205,9 @@ def _pbs(spec: JobSpec) -> str:
     lines.append(f'CPU_BIND="${{CPU_BIND-{bind}}}"  # CPU_BIND= runs the ranks unbound')
     lines.append('MPIEXEC="${MPIEXEC:-mpiexec}"')
     lines += _environment(spec.cluster, extra)
-    probe = (f"$MPIEXEC -n {{nodes}} --ppn 1 --hostfile {{hostfile}} $PYTHON -m ds_optimus.reliability.probe"
-             f"{_devices(spec)}")
+    probe = (
+        f"$MPIEXEC -n {{nodes}} --ppn 1 --hostfile {{hostfile}} $PYTHON -m ds_optimus.reliability.probe{_devices(spec)}"
+    )
     launch = f'"$MPIEXEC" -n {{ranks}} --ppn {spec.ranks_per_node} --hostfile {{hostfile}} $CPU_BIND'
     lines += _supervise(spec, "pbs", probe, launch)
     return "\n".join(lines) + "\n"
@@ -199,10 +215,15 @@ def _pbs(spec: JobSpec) -> str:
 
 def _slurm(spec: JobSpec) -> str:
     cores = {"frontier": 7}.get(spec.cluster)
-    lines = ["#!/bin/bash", f"#SBATCH --job-name={spec.name}", f"#SBATCH --nodes={spec.nodes + spec.spares}",
-             f"#SBATCH --ntasks-per-node={spec.ranks_per_node}", f"#SBATCH --time={spec.walltime}",
-             "#SBATCH --output=slurm-%j.out",  # in the folder the job is submitted from, which exists
-             "#SBATCH --no-kill"]  # a failed node leaves the allocation standing: the supervisor goes on without it
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={spec.name}",
+        f"#SBATCH --nodes={spec.nodes + spec.spares}",
+        f"#SBATCH --ntasks-per-node={spec.ranks_per_node}",
+        f"#SBATCH --time={spec.walltime}",
+        "#SBATCH --output=slurm-%j.out",  # in the folder the job is submitted from, which exists
+        "#SBATCH --no-kill",
+    ]  # a failed node leaves the allocation standing: the supervisor goes on without it
     if spec.cluster != "local":
         lines.append(f"#SBATCH --gpus-per-node={spec.ranks_per_node}")
     if cores:
@@ -212,8 +233,13 @@ def _slurm(spec: JobSpec) -> str:
     if spec.queue:
         lines.append(f"#SBATCH --partition={spec.queue}")
     lines += _header_comment(spec)
-    lines += ["set -euo pipefail", 'cd "${SLURM_SUBMIT_DIR:-.}"', *_setup_lines(),
-              f"mkdir -p {shlex.quote(spec.output_dir)}", 'SRUN="${SRUN:-srun}"']
+    lines += [
+        "set -euo pipefail",
+        'cd "${SLURM_SUBMIT_DIR:-.}"',
+        *_setup_lines(),
+        f"mkdir -p {shlex.quote(spec.output_dir)}",
+        'SRUN="${SRUN:-srun}"',
+    ]
     extra, bind = (), f" --cpus-per-task {cores} --cpu-bind=cores" if cores else ""
     if spec.cluster in NODE_SHAPES and not cores:
         listed, workers = cpu_bind_list(NODE_SHAPES[spec.cluster], spec.ranks_per_node)
@@ -224,9 +250,13 @@ def _slurm(spec: JobSpec) -> str:
             extra = (("CCL_WORKER_COUNT", "1", ""), ("CCL_WORKER_AFFINITY", workers, ""))
     lines += _environment(spec.cluster, extra)
     # srun's task count given each time: inside the batch job it would take the allocation's (spares too)
-    probe = (f"$SRUN --nodes {{nodes}} --ntasks {{nodes}} --ntasks-per-node 1 --nodelist {{hosts}} "
-             f"$PYTHON -m ds_optimus.reliability.probe{_devices(spec)}")
-    launch = (f'"$SRUN" --nodes {{nodes}} --ntasks {{ranks}} --ntasks-per-node {spec.ranks_per_node} '
-              f"--nodelist {{hosts}}{bind} --kill-on-bad-exit=1")
+    probe = (
+        f"$SRUN --nodes {{nodes}} --ntasks {{nodes}} --ntasks-per-node 1 --nodelist {{hosts}} "
+        f"$PYTHON -m ds_optimus.reliability.probe{_devices(spec)}"
+    )
+    launch = (
+        f'"$SRUN" --nodes {{nodes}} --ntasks {{ranks}} --ntasks-per-node {spec.ranks_per_node} '
+        f"--nodelist {{hosts}}{bind} --kill-on-bad-exit=1"
+    )
     lines += _supervise(spec, "slurm", probe, launch)
     return "\n".join(lines) + "\n"

@@ -21,12 +21,19 @@ from .hosts import HostListError, read_hostfile
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser("ds_optimus.launch.simulate", description=__doc__.split("\n\n")[0],
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        "ds_optimus.launch.simulate",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--hostfile", required=True, help="the simulated nodes, a name a line (any host-file format)")
     p.add_argument("--ppn", type=int, default=1, help="ranks a node (default 1)")
-    p.add_argument("--kill-after", type=float, default=30.0,
-                   help="seconds from the SIGTERM to the SIGKILL of ranks still running after a failure (default 30)")
+    p.add_argument(
+        "--kill-after",
+        type=float,
+        default=30.0,
+        help="seconds from the SIGTERM to the SIGKILL of ranks still running after a failure (default 30)",
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command each rank runs")
     return p
 
@@ -54,9 +61,16 @@ def run(hosts: list[str], ppn: int, command: list[str], kill_after: float = 30.0
         port = str(s.getsockname()[1])
     procs = []
     for rank in range(world):
-        env = {**os.environ, "PMI_RANK": str(rank), "PMI_SIZE": str(world), "MPI_LOCALRANKID": str(rank % ppn),
-               "MPI_LOCALNRANKS": str(ppn), "DS_OPTIMUS_HOST": hosts[rank // ppn],
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        env = {
+            **os.environ,
+            "PMI_RANK": str(rank),
+            "PMI_SIZE": str(world),
+            "MPI_LOCALRANKID": str(rank % ppn),
+            "MPI_LOCALNRANKS": str(ppn),
+            "DS_OPTIMUS_HOST": hosts[rank // ppn],
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+        }
         procs.append(subprocess.Popen(command, env=env))
     forward = lambda signum, _frame: [p.send_signal(signum) for p in procs if p.poll() is None]  # noqa: E731
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -53,9 +53,15 @@ _BACKENDS: dict[str, Backend] = {}
 ENV_VAR = "DS_OPTIMUS_EXPERTS_BACKEND"
 
 
-def register_backend(name: str, fn: ExpertsFn, supports: Callable[[torch.device, torch.dtype], bool],
-                     priority: int = 0, *, automatic: Callable[[torch.device], bool] | None = None,
-                     fused: FusedFn | None = None) -> None:
+def register_backend(
+    name: str,
+    fn: ExpertsFn,
+    supports: Callable[[torch.device, torch.dtype], bool],
+    priority: int = 0,
+    *,
+    automatic: Callable[[torch.device], bool] | None = None,
+    fused: FusedFn | None = None,
+) -> None:
     """Make `fn(x, gate_up, down, counts, act)` available as experts backend `name`; `automatic`
     says on which devices the "auto" choice may pick it, `fused` is its optional fused form."""
     _BACKENDS[name] = Backend(name, fn, supports, priority, automatic or (lambda device: True), fused)
@@ -93,14 +99,21 @@ def select_backend(device: torch.device | str, dtype: torch.dtype, requested: st
     return next(name for name in available_backends(device, dtype) if _BACKENDS[name].automatic(device))
 
 
-def grouped_swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor,
-                   act: str = "silu", backend: str | None = None) -> torch.Tensor:
+def grouped_swiglu(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    counts: torch.Tensor,
+    act: str = "silu",
+    backend: str | None = None,
+) -> torch.Tensor:
     """SwiGLU experts on expert-sorted rows `x [S, H]` (`counts [E]` rows per expert); returns [S, H]."""
     name = select_backend(x.device, x.dtype, backend)
     return _BACKENDS[name].fn(x, gate_up, down, counts, act)
 
 
 # -- activation ---------------------------------------------------------------------------------
+
 
 def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     from transformers.activations import ACT2FN
@@ -237,8 +250,9 @@ def _glu(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
     return _activation(act)(gate) * up  # an activation may return its input: never write in place
 
 
-def _glu_backward(gate: torch.Tensor, up: torch.Tensor, grad_h: torch.Tensor,
-                  act: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _glu_backward(
+    gate: torch.Tensor, up: torch.Tensor, grad_h: torch.Tensor, act: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(d gate, d up, h) for h = act(gate) * up; d gate is written over `grad_h`."""
     if act == "silu":
         s = F.silu(gate)
@@ -365,8 +379,14 @@ register_backend("reference", _reference_backend, lambda device, dtype: True, pr
 register_backend("looped", _looped_backend, lambda device, dtype: dtype.is_floating_point, priority=10)
 register_backend("grouped_mm", _grouped_mm_backend, _grouped_mm_supported, priority=20)
 # On the CPU the kernels only run in Triton's interpreter (for tests): never picked automatically.
-register_backend("triton", _triton_backend, _triton_supported, priority=30,
-                 automatic=lambda device: device.type != "cpu", fused=_triton_fused)
+register_backend(
+    "triton",
+    _triton_backend,
+    _triton_supported,
+    priority=30,
+    automatic=lambda device: device.type != "cpu",
+    fused=_triton_fused,
+)
 
 
 @dataclass(frozen=True)
@@ -383,6 +403,8 @@ class MoEConfig(Section):
 
     def check(self, where: str) -> None:
         known = ["auto", *registered_backends()]
-        need(self.experts_backend in known,
-             f"{where}.experts_backend must be one of {', '.join(known)}, got {self.experts_backend!r}")
+        need(
+            self.experts_backend in known,
+            f"{where}.experts_backend must be one of {', '.join(known)}, got {self.experts_backend!r}",
+        )
         check_flags(self, where, "force_uniform_routing")

@@ -61,12 +61,19 @@ def moe_experts_forward(
     destination rank with the deduplicated dispatcher, else once per routed slot, sorted by expert.
     """
     config = self.config
-    layout = {"has_gate": True, "is_concatenated": True, "is_transposed": False, "has_bias": False,
-              "has_post_expert_norm": False}
+    layout = {
+        "has_gate": True,
+        "is_concatenated": True,
+        "is_transposed": False,
+        "has_bias": False,
+        "has_post_expert_norm": False,
+    }
     wrong = [k for k, v in layout.items() if getattr(self, k, v) != v]
     if wrong:
-        raise ValueError(f"the ds_optimus experts implementation does not support {type(self).__name__} "
-                         f"({', '.join(f'{k}={getattr(self, k)}' for k in wrong)})")
+        raise ValueError(
+            f"the ds_optimus experts implementation does not support {type(self).__name__} "
+            f"({', '.join(f'{k}={getattr(self, k)}' for k in wrong)})"
+        )
     act = getattr(config, "hidden_act", "silu")
     if not isinstance(self, MulaExperts):
         declare_expert_attributes(self)  # e.g. OLMoE's experts, never seen by ds_optimus.parallel
@@ -125,19 +132,39 @@ class MoELayer(nn.Module):
     token counts.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
-                 scoring_func: str = "softmax", norm_topk_prob: bool = False, hidden_act: str = "silu",
-                 capacity_factor: float | None = None, initializer_range: float = 0.02,
-                 experts_backend: str | None = None, force_uniform_routing: bool = False) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        scoring_func: str = "softmax",
+        norm_topk_prob: bool = False,
+        hidden_act: str = "silu",
+        capacity_factor: float | None = None,
+        initializer_range: float = 0.02,
+        experts_backend: str | None = None,
+        force_uniform_routing: bool = False,
+    ) -> None:
         super().__init__()
         from ..hf_models.mula import MulaConfig
         from ..hf_models.mula.modeling_mula import MulaSparseMoeBlock
 
         config = MulaConfig(
-            vocab_size=1, pad_token_id=None, eos_token_id=None, hidden_size=hidden_size,
-            num_hidden_layers=1, num_attention_heads=1, head_dim=2, hidden_act=hidden_act,
-            num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=intermediate_size,
-            router_scoring_func=scoring_func, norm_topk_prob=norm_topk_prob,
+            vocab_size=1,
+            pad_token_id=None,
+            eos_token_id=None,
+            hidden_size=hidden_size,
+            num_hidden_layers=1,
+            num_attention_heads=1,
+            head_dim=2,
+            hidden_act=hidden_act,
+            num_experts=num_experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=intermediate_size,
+            router_scoring_func=scoring_func,
+            norm_topk_prob=norm_topk_prob,
             moe_capacity_factor=capacity_factor,
         )
         config._experts_implementation = IMPLEMENTATION_NAME
@@ -164,5 +191,10 @@ class MoELayer(nn.Module):
         aux_loss, z_loss, counts = router_losses(
             (router_logits,), (top_k_index,), self.config.num_experts, self.config.router_scoring_func
         )
-        return out, {"router_logits": router_logits, "top_k_index": top_k_index, "aux_loss": aux_loss,
-                     "z_loss": z_loss, "tokens_per_expert": counts[0]}
+        return out, {
+            "router_logits": router_logits,
+            "top_k_index": top_k_index,
+            "aux_loss": aux_loss,
+            "z_loss": z_loss,
+            "tokens_per_expert": counts[0],
+        }

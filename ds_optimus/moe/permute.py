@@ -103,12 +103,18 @@ class _PermuteTokens(torch.autograd.Function):
 
 class _UnpermuteCombine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y_sorted: torch.Tensor, weights: torch.Tensor, inverse_by_slot: torch.Tensor,
-                order: torch.Tensor, token_of_sorted: torch.Tensor):
+    def forward(
+        ctx,
+        y_sorted: torch.Tensor,
+        weights: torch.Tensor,
+        inverse_by_slot: torch.Tensor,
+        order: torch.Tensor,
+        token_of_sorted: torch.Tensor,
+    ):
         out = _accumulator(y_sorted, weights.shape[0])
         w = weights.to(y_sorted.dtype)
         for j, positions in enumerate(inverse_by_slot):  # out[t] += w[t, j] * y[slot (t, j)]
-            out.addcmul_(y_sorted.index_select(0, positions), w[:, j:j + 1])
+            out.addcmul_(y_sorted.index_select(0, positions), w[:, j : j + 1])
         ctx.save_for_backward(y_sorted, weights, order, token_of_sorted)
         return out.to(y_sorted.dtype)
 

@@ -35,22 +35,43 @@ def adam_segments(spaces: list[Space], group_of: dict[int, int]) -> dict[int, li
     return {g: [tuple(s) for s in segs] for g, segs in segments.items()}
 
 
-def fused_adam(segments: dict[int, list[tuple[Space, int, int]]], param_groups: list[dict], step: torch.Tensor,
-               decoupled: bool, divisor: torch.Tensor, decay_after: bool = False) -> None:
+def fused_adam(
+    segments: dict[int, list[tuple[Space, int, int]]],
+    param_groups: list[dict],
+    step: torch.Tensor,
+    decoupled: bool,
+    divisor: torch.Tensor,
+    decay_after: bool = False,
+) -> None:
     """One Adam/AdamW step of every segment's master weights and moments, the gradients divided by
     `divisor` (unscaling, averaging and clipping in one number); `step` already counts this step.
     `decay_after`: the decoupled weight decay shrinks the updated weights (`decay_after`'s module)."""
     for g, segs in segments.items():
         group = param_groups[g]
-        views = {key: [getattr(s, key)[pos:pos + n] for s, pos, n in segs]
-                 for key in ("master", "grad", "exp_avg", "exp_avg_sq")}
+        views = {
+            key: [getattr(s, key)[pos : pos + n] for s, pos, n in segs]
+            for key in ("master", "grad", "exp_avg", "exp_avg_sq")
+        }
         beta1, beta2 = group.get("betas", (0.9, 0.999))
         update = torch._fused_adamw_ if decoupled and not decay_after else torch._fused_adam_
         weight_decay, lr = group.get("weight_decay", 0.0), float(group["lr"])
-        update(views["master"], views["grad"], views["exp_avg"], views["exp_avg_sq"], [],
-               [step] * len(segs), lr=lr, beta1=beta1, beta2=beta2,
-               weight_decay=0.0 if decay_after else weight_decay, eps=group.get("eps", 1e-8), amsgrad=False,
-               maximize=False, grad_scale=divisor, found_inf=None)
+        update(
+            views["master"],
+            views["grad"],
+            views["exp_avg"],
+            views["exp_avg_sq"],
+            [],
+            [step] * len(segs),
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=0.0 if decay_after else weight_decay,
+            eps=group.get("eps", 1e-8),
+            amsgrad=False,
+            maximize=False,
+            grad_scale=divisor,
+            found_inf=None,
+        )
         if decay_after:
             decay_updated(views["master"], lr, weight_decay)
 

@@ -43,8 +43,10 @@ def apply_decay_after_update(engine) -> None:
     try:
         adam_kind(inner)
     except ShardedOptimizerError:
-        raise ConfigError(f"optimus.train.decay_after_update applies to Adam and AdamW; the engine's optimizer is "
-                          f"{type(inner).__name__}") from None
+        raise ConfigError(
+            f"optimus.train.decay_after_update applies to Adam and AdamW; the engine's optimizer is "
+            f"{type(inner).__name__}"
+        ) from None
     if getattr(inner, "decays_after_update", False):
         return
     step = inner.step

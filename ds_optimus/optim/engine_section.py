@@ -33,24 +33,45 @@ class ShardedOptimizerConfig(Section):
 
     def check(self, where: str) -> None:
         check_flags(self, where, "enabled")
-        need(positive_int(self.bucket_size),
-             f"{where}.bucket_size must be a positive integer, got {self.bucket_size!r}")
-        need(self.reduce_dtype in (None, "fp32", "bf16", "fp16"),
-             f"{where}.reduce_dtype must be fp32, bf16, fp16 or null, got {self.reduce_dtype!r}")
-        need(self.overlap_comm is None or isinstance(self.overlap_comm, bool),
-             f"{where}.overlap_comm must be true, false or null, got {self.overlap_comm!r}")
+        need(
+            positive_int(self.bucket_size), f"{where}.bucket_size must be a positive integer, got {self.bucket_size!r}"
+        )
+        need(
+            self.reduce_dtype in (None, "fp32", "bf16", "fp16"),
+            f"{where}.reduce_dtype must be fp32, bf16, fp16 or null, got {self.reduce_dtype!r}",
+        )
+        need(
+            self.overlap_comm is None or isinstance(self.overlap_comm, bool),
+            f"{where}.overlap_comm must be true, false or null, got {self.overlap_comm!r}",
+        )
         check_flags(self, where, "overlap_param_gather")
-        need(self.shard_group_size is None or positive_int(self.shard_group_size),
-             f"{where}.shard_group_size must be a positive integer or null, got {self.shard_group_size!r}")
+        need(
+            self.shard_group_size is None or positive_int(self.shard_group_size),
+            f"{where}.shard_group_size must be a positive integer or null, got {self.shard_group_size!r}",
+        )
         unused = [k for k in ("shard_group_size", "overlap_param_gather") if getattr(self, k) not in (None, False)]
-        need(self.enabled or not unused, f"{where}.{(unused or [''])[0]} is set but {where}.enabled is false: "
-             "DeepSpeed's ZeRO optimizer would run without it; enable the sharded optimizer or drop the setting")
+        need(
+            self.enabled or not unused,
+            f"{where}.{(unused or [''])[0]} is set but {where}.enabled is false: "
+            "DeepSpeed's ZeRO optimizer would run without it; enable the sharded optimizer or drop the setting",
+        )
 
 
 # What `python -m ds_optimus.train` reads and `deepspeed.initialize` cannot apply: such a key in a config
 # that reaches the engine another way (the Hugging Face Trainer, accelerate, a script) is refused.
-ENTRY_POINT_KEYS = ("model", "data", "train", "checkpoint", "wandb", "guards", "watchdog", "eval", "pipeline_parallel",
-                  "tensor_parallel", "profile")
+ENTRY_POINT_KEYS = (
+    "model",
+    "data",
+    "train",
+    "checkpoint",
+    "wandb",
+    "guards",
+    "watchdog",
+    "eval",
+    "pipeline_parallel",
+    "tensor_parallel",
+    "profile",
+)
 
 
 @dataclass(frozen=True)
@@ -70,10 +91,12 @@ class EngineSection(Section):
         reads is a one-line ConfigError."""
         need(isinstance(section, dict), f"optimus must be a JSON object, got {type(section).__name__}")
         for key in section:
-            need(key not in ENTRY_POINT_KEYS,
-                 f"optimus.{key} is read by `python -m ds_optimus.train` only; deepspeed.initialize (the "
-                 f"Hugging Face Trainer, accelerate) applies optimus.{', optimus.'.join(f.name for f in fields(cls))}: "
-                 "remove the others (ds_optimus.train.hf_trainer.trainer_ds_config does)")
+            need(
+                key not in ENTRY_POINT_KEYS,
+                f"optimus.{key} is read by `python -m ds_optimus.train` only; deepspeed.initialize (the "
+                f"Hugging Face Trainer, accelerate) applies optimus.{', optimus.'.join(f.name for f in fields(cls))}: "
+                "remove the others (ds_optimus.train.hf_trainer.trainer_ds_config does)",
+            )
         return cls.parse(section, "optimus")
 
 

@@ -66,8 +66,9 @@ class ParamGather:
                 units.append((m, own))
         for m, ids in units:
             # first among the module's pre-hooks: any other one sees the new weights
-            self._hooks.append(m.register_forward_pre_hook(functools.partial(_before_forward, self, tuple(ids)),
-                                                           prepend=True))
+            self._hooks.append(
+                m.register_forward_pre_hook(functools.partial(_before_forward, self, tuple(ids)), prepend=True)
+            )
         self._hooks.append(module.register_state_dict_pre_hook(lambda *args, **kwargs: self.wait_all()))
         self._hooks.append(module.register_load_state_dict_pre_hook(lambda *args, **kwargs: self.wait_all()))
 
@@ -80,8 +81,8 @@ class ParamGather:
         in_flight = []
         for space, bucket in self.order:
             buf = self.pool.get(bucket.size, space.dtype, space.device)
-            own = buf[space.rank * bucket.shard:(space.rank + 1) * bucket.shard]
-            own.copy_(space.master[bucket.shard_offset:bucket.shard_offset + bucket.shard])
+            own = buf[space.rank * bucket.shard : (space.rank + 1) * bucket.shard]
+            own.copy_(space.master[bucket.shard_offset : bucket.shard_offset + bucket.shard])
             work = collective("all_gather")(buf, own, group=space.group, async_op=True)
             if space.device.type == "cpu":
                 self.works.append(work)
@@ -144,6 +145,6 @@ def _scatter(space: Space, bucket: Bucket, buf: torch.Tensor, work, pool: Buffer
     for i, copies in bucket.copies.items():
         flat = space.params[i].data.view(-1)
         for start, offset, length in copies:
-            flat[start:start + length].copy_(buf[offset:offset + length])
+            flat[start : start + length].copy_(buf[offset : offset + length])
         torch.autograd.graph.increment_version(space.params[i])
     pool.put(buf)

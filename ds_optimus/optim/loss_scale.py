@@ -11,8 +11,9 @@ class LossScaler:
     """Static or dynamic loss scaling for fp16 (the scale halves on overflow and doubles after
     `window` clean steps; `hysteresis` overflows are tolerated before a decrease)."""
 
-    def __init__(self, scale: float = 1.0, dynamic: bool = False, window: int = 1000, hysteresis: int = 2,
-                 min_scale: float = 1.0) -> None:
+    def __init__(
+        self, scale: float = 1.0, dynamic: bool = False, window: int = 1000, hysteresis: int = 2, min_scale: float = 1.0
+    ) -> None:
         self.cur_scale, self.dynamic, self.window = float(scale), dynamic, window
         self.hysteresis, self.min_scale = hysteresis, min_scale
         self.good_steps, self.bad_left = 0, hysteresis

@@ -36,10 +36,10 @@ def token_count(value, key: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ConfigError(f"{key} must be a token count such as 100000000000 or \"100B\", got {value!r}")
+        raise ConfigError(f'{key} must be a token count such as 100000000000 or "100B", got {value!r}')
     match = _COUNT.match(value) if isinstance(value, str) else None
     if isinstance(value, str) and match is None:
-        raise ConfigError(f"{key} must be a token count such as 100000000000, \"100B\" or \"4T\", got {value!r}")
+        raise ConfigError(f'{key} must be a token count such as 100000000000, "100B" or "4T", got {value!r}')
     try:  # decimal arithmetic: "4.1T" is 4,100,000,000,000, not 4099999999999.9995
         count = Decimal(match.group(1)) * _SUFFIX[match.group(2).upper()] if match else Decimal(str(value))
     except InvalidOperation:
@@ -64,8 +64,9 @@ def warmup_start(schedule: str, warmup_start_lr, min_lr_ratio: float, lr: float)
     return float(warmup_start_lr) / lr
 
 
-def lr_factor(schedule: str, steps: int, warmup_steps: int, min_lr_ratio: float,
-              start: float | None = None) -> Callable[[int], float]:
+def lr_factor(
+    schedule: str, steps: int, warmup_steps: int, min_lr_ratio: float, start: float | None = None
+) -> Callable[[int], float]:
     """The factor of the optimizer's lr for optimizer step k (0-based; `LambdaLR`'s argument), for a
     run of `steps` steps in all; `start` from `warmup_start`."""
     if schedule not in SCHEDULES:

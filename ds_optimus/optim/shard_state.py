@@ -32,8 +32,10 @@ def shard_state(spaces: list[Space]) -> list[dict[str, Any]]:
         if space.replica_rank > 0 or not getattr(space, "counted", True):
             saved.append({"key": space.key, "pieces": [], **{key: torch.zeros(0) for key in MOMENTS}})
             continue
-        pieces = [(space.names[i], start, seg, pos) if count == 1 else (space.names[i], start, seg, pos, count, stride)
-                  for i, start, seg, pos, count, stride in space.pieces()]
+        pieces = [
+            (space.names[i], start, seg, pos) if count == 1 else (space.names[i], start, seg, pos, count, stride)
+            for i, start, seg, pos, count, stride in space.pieces()
+        ]
         saved.append({"key": space.key, "pieces": pieces, **{key: getattr(space, key).cpu() for key in MOMENTS}})
     return saved
 
@@ -51,8 +53,11 @@ def files_holding(held: dict[str, list | None], spaces: list[Space]) -> list[str
     if any(runs is None for runs in held.values()):
         return list(held)
     wanted = _wanted(spaces)
-    return [file for file, runs in held.items()
-            if any(_overlap(_shape(run[1:]), mine) for run in runs for mine, _, _ in wanted.get(run[0], ()))]
+    return [
+        file
+        for file, runs in held.items()
+        if any(_overlap(_shape(run[1:]), mine) for run in runs for mine, _, _ in wanted.get(run[0], ()))
+    ]
 
 
 Piece = tuple[int, int, int, int]  # first element in the full parameter, segment length, segments, stride
@@ -104,8 +109,11 @@ def _overlap(a: Piece, b: Piece) -> int:
     width = _width(a, b)
     if width is None:
         return min(a[0] + a[1], b[0] + b[1]) - max(a[0], b[0])
-    return sum(max(0, min(ar + an, br + bn) - max(ar, br)) * max(0, min(ac + am, bc + bm) - max(ac, bc))
-               for ar, an, ac, am, _ in _boxes(a, width) for br, bn, bc, bm, _ in _boxes(b, width))
+    return sum(
+        max(0, min(ar + an, br + bn) - max(ar, br)) * max(0, min(ac + am, bc + bm) - max(ac, bc))
+        for ar, an, ac, am, _ in _boxes(a, width)
+        for br, bn, bc, bm, _ in _boxes(b, width)
+    )
 
 
 def _copy(saved: dict[str, Any], spos: int, a: Piece, space: Space, pos: int, b: Piece) -> int:
@@ -117,7 +125,9 @@ def _copy(saved: dict[str, Any], spos: int, a: Piece, space: Space, pos: int, b:
         if lo >= hi:
             return 0
         for key in MOMENTS:
-            getattr(space, key)[pos + lo - b[0]:pos + hi - b[0]].copy_(saved[key][spos + lo - a[0]:spos + hi - a[0]])
+            getattr(space, key)[pos + lo - b[0] : pos + hi - b[0]].copy_(
+                saved[key][spos + lo - a[0] : spos + hi - a[0]]
+            )
         return hi - lo
     copied = 0
     for ar, an, ac, am, ap in _boxes(a, width):
@@ -126,9 +136,9 @@ def _copy(saved: dict[str, Any], spos: int, a: Piece, space: Space, pos: int, b:
             if r0 >= r1 or c0 >= c1:
                 continue
             for key in MOMENTS:
-                src = saved[key][spos + ap:spos + ap + an * am].view(an, am)[r0 - ar:r1 - ar, c0 - ac:c1 - ac]
-                dst = getattr(space, key)[pos + bp:pos + bp + bn * bm].view(bn, bm)
-                dst[r0 - br:r1 - br, c0 - bc:c1 - bc].copy_(src)
+                src = saved[key][spos + ap : spos + ap + an * am].view(an, am)[r0 - ar : r1 - ar, c0 - ac : c1 - ac]
+                dst = getattr(space, key)[pos + bp : pos + bp + bn * bm].view(bn, bm)
+                dst[r0 - br : r1 - br, c0 - bc : c1 - bc].copy_(src)
             copied += (r1 - r0) * (c1 - c0)
     return copied
 
@@ -150,8 +160,9 @@ def load_spaces(spaces: list[Space], sources: Iterable[dict[str, Any]]) -> None:
     missing = [n for n, runs in wanted.items() if covered[n] != sum(p[1] * p[2] for p, _, _ in runs)]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ShardedOptimizerError(f"the checkpoint has no optimizer state for {missing[0]}{more}; was the model "
-                                    "changed?")
+        raise ShardedOptimizerError(
+            f"the checkpoint has no optimizer state for {missing[0]}{more}; was the model changed?"
+        )
 
 
 def restore_hyperparameters(param_groups: list[dict[str, Any]], saved_groups: list[dict[str, Any]]) -> None:

@@ -63,6 +63,7 @@ def sum_of_squares(flat: torch.Tensor, dtype: torch.dtype = torch.float64) -> to
     tail = flat[whole:]
     return total + torch.dot(tail, tail).to(dtype)
 
+
 class ShardedOptimizer:
     """ZeRO-1 (`stage=1`) or ZeRO-2 (`stage=2`) over the param groups of `init_optimizer` (torch or
     DeepSpeed Adam/AdamW), with expert parameters sharded over the EDP group of their layout in
@@ -70,14 +71,28 @@ class ShardedOptimizer:
     ranks per shard group (None: the whole group); `module`: the model, whose forward pass waits for its
     own parameters when `overlap_param_gather`."""
 
-    def __init__(self, init_optimizer, *, param_names: dict[torch.nn.Parameter, str], stage: int,
-                 expert_groups: Iterable[ExpertParallelGroups] = (), dense_group=None, clip_grad: float = 0.0,
-                 bucket_size: int = 50_000_000, reduce_dtype: torch.dtype | None = None,
-                 overlap_comm: bool | None = None, loss_scaler: LossScaler | None = None, norm_group=None,
-                 shard_group_size: int | None = None, module: torch.nn.Module | None = None,
-                 overlap_param_gather: bool = False, accumulation_steps: int = 1,
-                 tensor_splits: dict[str, Any] | None = None, tensor_rank: int = 0,
-                 replicated_group=None) -> None:
+    def __init__(
+        self,
+        init_optimizer,
+        *,
+        param_names: dict[torch.nn.Parameter, str],
+        stage: int,
+        expert_groups: Iterable[ExpertParallelGroups] = (),
+        dense_group=None,
+        clip_grad: float = 0.0,
+        bucket_size: int = 50_000_000,
+        reduce_dtype: torch.dtype | None = None,
+        overlap_comm: bool | None = None,
+        loss_scaler: LossScaler | None = None,
+        norm_group=None,
+        shard_group_size: int | None = None,
+        module: torch.nn.Module | None = None,
+        overlap_param_gather: bool = False,
+        accumulation_steps: int = 1,
+        tensor_splits: dict[str, Any] | None = None,
+        tensor_rank: int = 0,
+        replicated_group=None,
+    ) -> None:
         if stage not in (1, 2):
             raise ShardedOptimizerError(f"the sharded optimizer runs ZeRO stage 1 or 2, not {stage}")
         self.optimizer = init_optimizer
@@ -135,8 +150,11 @@ class ShardedOptimizer:
         self._in_flight: list[tuple[Space, Bucket]] = []
         self._num_params = sum(len(s.params) for s in self.spaces)
         self._segments = adam_segments(self.spaces, self._group_of)
-        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, space, i))
-                       for space in self.spaces for i, p in enumerate(space.params)]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, space, i))
+            for space in self.spaces
+            for i, p in enumerate(space.params)
+        ]
         self._slot = {id(p): (space, i) for space in self.spaces for i, p in enumerate(space.params)}
         self._last: set[int] = set()  # ids of the parameters whose coming gradient is their last of the step
         # the next forward pass takes the buckets in the opposite order: earliest-defined parameter first
@@ -166,9 +184,14 @@ class ShardedOptimizer:
         # under sequence parallelism the experts' gradients are parts too: reduced over their EDP groups of
         # every TP position
         sequence = self.replicated_group is not None
-        kinds = {"dense": self.replicated_group or self.dense_group, "tensor": self.dense_group,
-                 **{name: g.edp_tp_group if sequence and g.edp_tp_group is not None else g.edp_group
-                    for name, g in self.expert_groups.items()}}
+        kinds = {
+            "dense": self.replicated_group or self.dense_group,
+            "tensor": self.dense_group,
+            **{
+                name: g.edp_tp_group if sequence and g.edp_tp_group is not None else g.edp_group
+                for name, g in self.expert_groups.items()
+            },
+        }
         hybrid = hybrid_shard_groups(kinds, self.shard_group_size)  # a LayoutError (one line) for a bad size
         spaces = []
         for (kind, dtype), params in members.items():
@@ -184,14 +207,27 @@ class ShardedOptimizer:
             else:
                 ep = self.expert_groups.get(kind)
                 if ep is None:
-                    raise ShardedOptimizerError(f"expert parameters of layout {kind!r} but no such layout in "
-                                                "expert_groups; pass the groups apply_expert_parallel returned")
+                    raise ShardedOptimizerError(
+                        f"expert parameters of layout {kind!r} but no such layout in "
+                        "expert_groups; pass the groups apply_expert_parallel returned"
+                    )
                 chunked = True
                 offsets = [ep.ep_rank * p.numel() for p in params]  # the local experts' place in the full weight
             rdtype = reduce_dtype or dtype
             shard, replicas = hybrid[kind]
-            spaces.append(Space(f"{kind}:{str(dtype).removeprefix('torch.')}", params, names, list(offsets), shard,
-                                chunked, bucket_size, rdtype, replicas))
+            spaces.append(
+                Space(
+                    f"{kind}:{str(dtype).removeprefix('torch.')}",
+                    params,
+                    names,
+                    list(offsets),
+                    shard,
+                    chunked,
+                    bucket_size,
+                    rdtype,
+                    replicas,
+                )
+            )
             spaces[-1].columns = list(columns)
             # in the gradient norm: every split part, and a replicated parameter on the TP group's first rank
             spaces[-1].counted = kind == "tensor" or self.tensor_rank == 0 or sequence
@@ -201,12 +237,14 @@ class ShardedOptimizer:
         """Where this rank's part of split parameter `name` lies in the full one: its first element, and
         (its columns, the full one's) where it holds columns (split along dim 1) rather than rows."""
         split = self.tensor_splits[name]
-        inner = math.prod(split.full[split.dim + 1:])
+        inner = math.prod(split.full[split.dim + 1 :])
         if split.dim == 0:
             return split.start * inner, None
         if split.dim != len(split.full) - 1:
-            raise ShardedOptimizerError(f"{name}: a split along dimension {split.dim} of {len(split.full)} is not "
-                                        "supported (rows or the last dimension only)")
+            raise ShardedOptimizerError(
+                f"{name}: a split along dimension {split.dim} of {len(split.full)} is not "
+                "supported (rows or the last dimension only)"
+            )
         return split.start, (split.stop - split.start, split.full[-1])
 
     # -- gradients ----------------------------------------------------------------------------------
@@ -229,7 +267,7 @@ class ShardedOptimizer:
         else:
             buf = self._pool.get(bucket.size, self.bucket_dtype(space), space.device)
         for offset, length in bucket.padding:
-            buf[offset:offset + length].zero_()
+            buf[offset : offset + length].zero_()
         return buf
 
     @torch.no_grad()
@@ -241,19 +279,21 @@ class ShardedOptimizer:
         if self.gather.waits_for(param):
             raise ShardedOptimizerError(
                 f"{space.names[i]} was used before its updated value arrived: something uses it outside the "
-                "forward pass of the module that owns it; set optimus.sharded_optimizer.overlap_param_gather false")
+                "forward pass of the module that owns it; set optimus.sharded_optimizer.overlap_param_gather false"
+            )
         bucket = space.bucket_of[i]
         if bucket.launched:
             raise ShardedOptimizerError(
                 f"{space.names[i]} got a second gradient in one backward pass after its bucket was reduced "
                 "(a parameter used in two reentrant activation-checkpointed regions?); use non-reentrant "
-                "checkpointing (gradient_checkpointing_kwargs={'use_reentrant': False})")
+                "checkpointing (gradient_checkpointing_kwargs={'use_reentrant': False})"
+            )
         if bucket.grad is None:
             bucket.grad = self._bucket_buffer(space, bucket)
         flat = grad.reshape(-1)
         first = i not in bucket.written
         for start, offset, length in bucket.copies[i]:
-            dst, src = bucket.grad[offset:offset + length], flat[start:start + length]
+            dst, src = bucket.grad[offset : offset + length], flat[start : start + length]
             dst.copy_(src) if first else dst.add_(src)
         bucket.written.add(i)
         bucket.arrived.add(i)
@@ -292,8 +332,8 @@ class ShardedOptimizer:
         for i in bucket.params:  # parameters without a gradient contribute zeros
             if i not in bucket.written:
                 for _, offset, length in bucket.copies[i]:
-                    bucket.grad[offset:offset + length].zero_()
-        view = space.grad[bucket.shard_offset:bucket.shard_offset + bucket.shard]
+                    bucket.grad[offset : offset + length].zero_()
+        view = space.grad[bucket.shard_offset : bucket.shard_offset + bucket.shard]
         # the reduced shard: in the wire dtype from a reduce-scatter; in fp32 where the ranks' parts are
         # added here (the pairwise exchange, or one rank)
         local_sum = space.group_size == 1 or space.pairwise
@@ -309,11 +349,9 @@ class ShardedOptimizer:
             bucket.received = bucket.grad
         elif space.pairwise:
             bucket.received = self._pool.get(bucket.size, space.reduce_dtype, space.device)
-            bucket.work = dist.all_to_all_single(bucket.received, wire, group=space.group,
-                                                 async_op=self.overlap_comm)
+            bucket.work = dist.all_to_all_single(bucket.received, wire, group=space.group, async_op=self.overlap_comm)
         else:
-            bucket.work = collective("reduce_scatter")(bucket.out, wire, group=space.group,
-                                                       async_op=self.overlap_comm)
+            bucket.work = collective("reduce_scatter")(bucket.out, wire, group=space.group, async_op=self.overlap_comm)
         if space.group_size > 1:
             self.comm_bytes["reduce_scatter"] += wire.numel() * wire.element_size()
         bucket.pending = bucket.launched = True
@@ -335,7 +373,7 @@ class ShardedOptimizer:
             if bucket.received is not bucket.grad:
                 self._pool.put(bucket.received)
         if not bucket.direct:
-            view = space.grad[bucket.shard_offset:bucket.shard_offset + bucket.shard]
+            view = space.grad[bucket.shard_offset : bucket.shard_offset + bucket.shard]
             if self._reduced_this_step == 0:
                 view.copy_(bucket.out)
             else:
@@ -469,7 +507,7 @@ class ShardedOptimizer:
         works = []
         for space, bucket in self._order:
             if space.replicas is not None:  # fp16 sums of several micro-steps could overflow: fp32 then
-                view = space.grad[bucket.shard_offset:bucket.shard_offset + bucket.shard]
+                view = space.grad[bucket.shard_offset : bucket.shard_offset + bucket.shard]
                 wire = view if space.reduce_dtype in (torch.float32, torch.float16) else view.to(space.reduce_dtype)
                 self.comm_bytes["replica_all_reduce"] += wire.numel() * wire.element_size()
                 works.append((view, wire, dist.all_reduce(wire, group=space.replicas, async_op=True)))
@@ -494,16 +532,24 @@ class ShardedOptimizer:
         buckets = 0
         if self.stage == 1 or self.defer_reduction:
             buckets = sum(b.size * self.bucket_dtype(s).itemsize for s in self.spaces for b in s.buckets)
-        return {"optimizer_state": state, "gradient_shard": grad_shard, "gradient_buckets": buckets,
-                "communication_buffers": self._pool.allocated}
+        return {
+            "optimizer_state": state,
+            "gradient_shard": grad_shard,
+            "gradient_buckets": buckets,
+            "communication_buffers": self._pool.allocated,
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the optimizer state, with each run named by its parameter and its
         element range in the full (unsharded) parameter, so any layout can load it (`shard_state.py`)."""
-        return {"format": STATE_FORMAT, "step": int(self._step.item()), "skipped_steps": self.skipped_steps,
-                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None,
-                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
-                "spaces": shard_state(self.spaces)}
+        return {
+            "format": STATE_FORMAT,
+            "step": int(self._step.item()),
+            "skipped_steps": self.skipped_steps,
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None,
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+            "spaces": shard_state(self.spaces),
+        }
 
     def load_state_dict(self, state_dict, load_optimizer_states: bool = True, **kwargs) -> None:
         """Load this rank's `state_dict()` (same layout, without hybrid sharding: there a shard's later
@@ -546,4 +592,3 @@ class ShardedOptimizer:
         """What `DeepSpeedEngine.destroy()` calls: the hooks removed, so that the parameters' autograd
         nodes (which the garbage collector cannot see through) no longer keep the optimizer alive."""
         self.remove_hooks()
-

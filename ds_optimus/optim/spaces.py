@@ -83,8 +83,18 @@ class Bucket:
 class Space:
     """Parameters reduced over one process group: the dense ones, or one EP layout's experts."""
 
-    def __init__(self, key: str, params: list[torch.nn.Parameter], names: list[str], offsets: list[int],
-                 group, chunked: bool, bucket_size: int, reduce_dtype: torch.dtype, replicas=None) -> None:
+    def __init__(
+        self,
+        key: str,
+        params: list[torch.nn.Parameter],
+        names: list[str],
+        offsets: list[int],
+        group,
+        chunked: bool,
+        bucket_size: int,
+        reduce_dtype: torch.dtype,
+        replicas=None,
+    ) -> None:
         self.key = key
         self.params, self.names = params, names
         self.offsets = offsets  # where each (local) parameter starts in the full parameter, flattened
@@ -152,6 +162,4 @@ class Space:
     def refresh_master(self) -> None:
         """Set this rank's fp32 master shard from the parameters."""
         for i, start, length, pos in self.own_runs():
-            self.master[pos:pos + length].copy_(self.params[i].detach().reshape(-1)[start:start + length])
-
-
+            self.master[pos : pos + length].copy_(self.params[i].detach().reshape(-1)[start : start + length])

@@ -29,13 +29,17 @@ def delayed_clipping(ds_config: dict[str, Any], warmup_steps: int) -> tuple[floa
     scheduler = ds_config.get("scheduler")
     if not scheduler:
         if not warmup_steps:
-            raise ConfigError("optimus.train.clip_after_warmup needs a warm-up, but optimus.train.warmup_steps is 0 "
-                              "(clipping would start at the first step)")
+            raise ConfigError(
+                "optimus.train.clip_after_warmup needs a warm-up, but optimus.train.warmup_steps is 0 "
+                "(clipping would start at the first step)"
+            )
         return float(clip), warmup_steps
     if scheduler.get("type") not in WARMUP_SCHEDULERS:
-        raise ConfigError(f"optimus.train.clip_after_warmup needs a warm-up, but scheduler {scheduler.get('type')!r} "
-                          f"has none (use one of {', '.join(WARMUP_SCHEDULERS)}, or no scheduler section and "
-                          "optimus.train.warmup_steps)")
+        raise ConfigError(
+            f"optimus.train.clip_after_warmup needs a warm-up, but scheduler {scheduler.get('type')!r} "
+            f"has none (use one of {', '.join(WARMUP_SCHEDULERS)}, or no scheduler section and "
+            "optimus.train.warmup_steps)"
+        )
     steps = scheduler.get("params", {}).get("warmup_num_steps", DEEPSPEED_DEFAULT_WARMUP)
     if not steps:
         raise ConfigError("optimus.train.clip_after_warmup needs a warm-up, but the scheduler's warmup_num_steps is 0")

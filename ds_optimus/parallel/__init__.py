@@ -27,11 +27,34 @@ __all__ = [
     "moe_param_groups",
     "setup_moe",
 ]
-__getattr__, __dir__ = lazy_exports(__name__, {
-    "build_model": ".build",
-    **dict.fromkeys(("ExpertParallelDispatcher", "all_to_all", "all_to_all_autograd"), ".dispatch"),
-    **dict.fromkeys(("apply_expert_parallel", "expert_groups_of", "expert_layouts", "expert_parallel_modules",
-                     "export_pretrained", "full_state_dict", "is_expert_param", "moe_param_groups", "setup_moe"),
-                    ".expert_parallel"),
-    **dict.fromkeys(("ExpertParallelGroups", "LayoutError", "check_layout", "destroy_expert_parallel_groups",
-                     "init_expert_parallel_groups"), ".groups")})
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "build_model": ".build",
+        **dict.fromkeys(("ExpertParallelDispatcher", "all_to_all", "all_to_all_autograd"), ".dispatch"),
+        **dict.fromkeys(
+            (
+                "apply_expert_parallel",
+                "expert_groups_of",
+                "expert_layouts",
+                "expert_parallel_modules",
+                "export_pretrained",
+                "full_state_dict",
+                "is_expert_param",
+                "moe_param_groups",
+                "setup_moe",
+            ),
+            ".expert_parallel",
+        ),
+        **dict.fromkeys(
+            (
+                "ExpertParallelGroups",
+                "LayoutError",
+                "check_layout",
+                "destroy_expert_parallel_groups",
+                "init_expert_parallel_groups",
+            ),
+            ".groups",
+        ),
+    },
+)

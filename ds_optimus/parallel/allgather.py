@@ -122,13 +122,21 @@ class AllGatherDispatcher:
 
     def __init__(self, groups: ExpertParallelGroups, num_local_experts: int) -> None:
         if groups.hierarchical:
-            raise ValueError("the all-gather exchange runs inside one node: it has no hierarchical form "
-                             f"(node_size {groups.node_size} of EP size {groups.ep_size})")
+            raise ValueError(
+                "the all-gather exchange runs inside one node: it has no hierarchical form "
+                f"(node_size {groups.node_size} of EP size {groups.ep_size})"
+            )
         self.groups, self.num_local_experts = groups, num_local_experts
 
     @torch.compiler.disable  # sizes are read on the host: a traced exchange would recompile per batch
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                 experts: Callable[..., torch.Tensor], params: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        experts: Callable[..., torch.Tensor],
+        params: tuple[torch.Tensor, ...],
+    ) -> torch.Tensor:
         """Experts on `x [T, H]` for expert ids `ids [T, k]` (in the EP group; -1: a dropped slot)
         with routing `weights [T, k]`: sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) -> [T, H].
         `experts(rows, counts, *params)` runs this rank's experts with the weights `params`."""
@@ -164,13 +172,20 @@ class AllGatherDispatcher:
         slots = torch.zeros(tokens, ep + 1, dtype=torch.long, device=ids.device)
         slots = slots.scatter_add_(1, rank_of, torch.ones_like(rank_of))[:, :ep]  # [T, ranks]
         per_expert = torch.zeros(ep * el + 1, dtype=torch.long, device=ids.device).scatter_add_(
-            0, torch.where(ids >= 0, ids, ep * el).reshape(-1), torch.ones_like(ids).reshape(-1))[:-1]
-        mine = torch.cat([torch.full((1,), tokens, dtype=torch.long, device=ids.device),
-                          _at_least(slots, depth).t().reshape(-1), per_expert])
+            0, torch.where(ids >= 0, ids, ep * el).reshape(-1), torch.ones_like(ids).reshape(-1)
+        )[:-1]
+        mine = torch.cat(
+            [
+                torch.full((1,), tokens, dtype=torch.long, device=ids.device),
+                _at_least(slots, depth).t().reshape(-1),
+                per_expert,
+            ]
+        )
         every = all_gather_rows(mine, g.ep_group, ep).view(ep, -1)  # [source, 1 + ep * depth + ep * el]
-        at_least = every[:, 1:1 + ep * depth].view(ep, ep, depth)[:, me].sum(0)
-        counts = every[:, 1 + ep * depth:].view(ep, ep, el)[:, me].sum(0)  # rows per local expert
+        at_least = every[:, 1 : 1 + ep * depth].view(ep, ep, depth)[:, me].sum(0)
+        counts = every[:, 1 + ep * depth :].view(ep, ep, el)[:, me].sum(0)  # rows per local expert
         sizes = torch.cat([every[:, 0], at_least, counts.sum().view(1)]).tolist()  # the one host synchronisation
-        plan = _Plan(send=[], recv=[], at_least=[], dest_at_least=sizes[ep:ep + depth], dest_total=sizes[-1],
-                     counts=counts)
+        plan = _Plan(
+            send=[], recv=[], at_least=[], dest_at_least=sizes[ep : ep + depth], dest_total=sizes[-1], counts=counts
+        )
         return plan, max(sizes[:ep])

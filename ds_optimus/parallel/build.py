@@ -35,10 +35,17 @@ class WeightsError(ValueError):
     """A folder's weights do not fit the model: one line naming the first tensor."""
 
 
-def build_model(config, *, ep_size: int = 1, ep_rank: int = 0, seed: int = 0,
-                folder: str | Path | None = None, kind: str = "mula",
-                stage: tuple[list[int], bool, bool] | None = None,
-                tensor_parallel: tuple[object, int, int] | None = None) -> MulaForCausalLM:
+def build_model(
+    config,
+    *,
+    ep_size: int = 1,
+    ep_rank: int = 0,
+    seed: int = 0,
+    folder: str | Path | None = None,
+    kind: str = "mula",
+    stage: tuple[list[int], bool, bool] | None = None,
+    tensor_parallel: tuple[object, int, int] | None = None,
+) -> MulaForCausalLM:
     """`MulaForCausalLM(config)` holding experts [ep_rank*E/ep_size, (ep_rank+1)*E/ep_size) of every MoE
     layer, in fp32: random initial values independent of the layout (seeded by `seed`, parameter name
     and expert), or the weights of `folder` (`kind` "mula" or "olmoe"), of which only those rows are read.
@@ -89,8 +96,10 @@ def initialise(model: MulaForCausalLM, seed: int) -> None:
         if isinstance(module, MulaExperts):
             for weight in EXPERT_WEIGHTS:
                 tensor = getattr(module, weight)
-                draws += [(tensor[j], seed_of(seed, f"{name}.{weight}[{module.expert_offset + j}]"))
-                          for j in range(tensor.shape[0])]
+                draws += [
+                    (tensor[j], seed_of(seed, f"{name}.{weight}[{module.expert_offset + j}]"))
+                    for j in range(tensor.shape[0])
+                ]
             continue
         own = list(module.parameters(recurse=False))
         if all(id(p) in done for p in own) and not any(True for _ in module.buffers(recurse=False)):
@@ -180,8 +189,10 @@ class _Folder:
 
 
 def _weight_files(folder: Path) -> list[Path]:
-    for single, index in (("model.safetensors", "model.safetensors.index.json"),
-                          ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+    for single, index in (
+        ("model.safetensors", "model.safetensors.index.json"),
+        ("pytorch_model.bin", "pytorch_model.bin.index.json"),
+    ):
         if (folder / single).is_file():
             return [folder / single]
         if (folder / index).is_file():
@@ -261,8 +272,16 @@ def _part_of(part: nn.Module, leaf: str, source: _Folder, name: str, wrong: list
     return source.read(name, cols=slice(part.start, part.stop))
 
 
-def _expert_rows(source: _Folder, owner: str, leaf: str, num_experts: int, rows: slice, kind: str,
-                 missing: list[str], wrong: list[str]) -> torch.Tensor | None:
+def _expert_rows(
+    source: _Folder,
+    owner: str,
+    leaf: str,
+    num_experts: int,
+    rows: slice,
+    kind: str,
+    missing: list[str],
+    wrong: list[str],
+) -> torch.Tensor | None:
     """Rows `rows` of a stacked expert tensor: read as a slice, or (an OLMoE folder) stacked from the
     per-expert tensors of those experts only."""
     name = f"{owner}.{leaf}"
@@ -284,4 +303,3 @@ def _expert_rows(source: _Folder, owner: str, leaf: str, num_experts: int, rows:
             return None
         out.append(torch.cat([source.read(k) for k in keys]))
     return torch.stack(out)
-

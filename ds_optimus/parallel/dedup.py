@@ -35,8 +35,10 @@ class _Pending:
     def __init__(self, tensors: list[torch.Tensor], send: list[int], recv: list[int], group) -> None:
         self.inputs = [t.contiguous() for t in tensors]  # kept alive until the exchange is done
         self.outputs = [t.new_empty(sum(recv), *t.shape[1:]) for t in self.inputs]
-        self.works = [dist.all_to_all_single(wire(o, group), wire(i, group), recv, send, group=group, async_op=True)
-                      for o, i in zip(self.outputs, self.inputs, strict=True)]
+        self.works = [
+            dist.all_to_all_single(wire(o, group), wire(i, group), recv, send, group=group, async_op=True)
+            for o, i in zip(self.outputs, self.inputs, strict=True)
+        ]
 
     def wait(self) -> list[torch.Tensor]:
         for work in self.works:
@@ -128,9 +130,9 @@ def _sum_members(src: torch.Tensor, m: _Members, weight: torch.Tensor | None) ->
     for positions in m.nth:
         part = src.index_select(0, positions)
         if weight is None:
-            acc[:len(positions)] += part
+            acc[: len(positions)] += part
         else:
-            acc[:len(positions)].addcmul_(part, weight.index_select(0, positions).to(dtype).unsqueeze(1))
+            acc[: len(positions)].addcmul_(part, weight.index_select(0, positions).to(dtype).unsqueeze(1))
     return acc.index_select(0, m.inverse).to(src.dtype)
 
 
@@ -164,8 +166,9 @@ class _Collect(torch.autograd.Function):
         if kernels_on(grad.device):  # the gathered rows, weighted, and the weights' gradient in one pass
             src, weight = saved or (grad.new_empty(0, grad.shape[1]), None)
             need = bool(saved) and ctx.needs_input_grad[1]
-            rows, grad_w = torch.ops.ds_optimus.combine_rows_backward(grad.contiguous(), src.contiguous(),
-                                                                      ctx.m.row_of, weight, need)
+            rows, grad_w = torch.ops.ds_optimus.combine_rows_backward(
+                grad.contiguous(), src.contiguous(), ctx.m.row_of, weight, need
+            )
             return rows, (grad_w.to(weight.dtype) if need else None), None
         rows = grad.contiguous().index_select(0, ctx.m.row_of)
         if not saved:
@@ -213,7 +216,7 @@ class _Plan:
 def _split_list(values: list[int], sizes: list[int]) -> list[list[int]]:
     out, start = [], 0
     for n in sizes:
-        out.append(values[start:start + n])
+        out.append(values[start : start + n])
         start += n
     return out
 
@@ -238,7 +241,8 @@ def plan_chunks(dispatcher: DedupDispatcher, chunk_ids: list[torch.Tensor]) -> l
         slots = torch.zeros(ids.shape[0], ep + 1, dtype=torch.long, device=ids.device)
         slots = slots.scatter_add_(1, rank, torch.ones_like(rank))[:, :-1]  # [T, ranks]: integer adds, exact
         per_expert = torch.zeros(ep * el + 1, dtype=torch.long, device=ids.device).scatter_add_(
-            0, torch.where(ids >= 0, ids, ep * el).reshape(-1), torch.ones_like(ids).reshape(-1))[:-1]
+            0, torch.where(ids >= 0, ids, ep * el).reshape(-1), torch.ones_like(ids).reshape(-1)
+        )[:-1]
         per_rank = torch.cat([_at_least(slots, depth_e), per_expert.view(ep, el).t()]).t()  # [ranks, V]
         reached = (slots > 0).view(ids.shape[0], hops[0].dests, ep // hops[0].dests)  # [T, dests, ranks in each]
         local.append(torch.cat([reached.any(2).sum(0), _at_least(reached.any(2).sum(1), src_depth)]))
@@ -258,16 +262,25 @@ def plan_chunks(dispatcher: DedupDispatcher, chunk_ids: list[torch.Tensor]) -> l
         final = all_to_all(to_ranks.reshape(-1), splits, splits, hops[1].group).view(n, chunks, final_width)
         synced.append(final.reshape(-1))
     values = torch.cat(synced).tolist()  # the one host synchronisation
-    parts = _split_list(values, [hops[0].dests + src_depth] * chunks + [width] * (chunks * hops[0].dests)
-                    + ([final_width] * (chunks * n) if len(hops) == 2 else []))
-    mine, first = parts[:chunks], parts[chunks:chunks * (1 + hops[0].dests)]
-    second = parts[chunks * (1 + hops[0].dests):]
+    parts = _split_list(
+        values,
+        [hops[0].dests + src_depth] * chunks
+        + [width] * (chunks * hops[0].dests)
+        + ([final_width] * (chunks * n) if len(hops) == 2 else []),
+    )
+    mine, first = parts[:chunks], parts[chunks : chunks * (1 + hops[0].dests)]
+    second = parts[chunks * (1 + hops[0].dests) :]
     plans = []
     for c in range(chunks):
         by_source = [first[s * chunks + c] for s in range(hops[0].dests)]
-        plan = _Plan(send=[mine[c][:hops[0].dests]], recv=[[v[0] for v in by_source]],
-                     at_least=[mine[c][hops[0].dests:]], dest_at_least=[], dest_total=0,
-                     counts=final[:, c, depth_e:].sum(0))
+        plan = _Plan(
+            send=[mine[c][: hops[0].dests]],
+            recv=[[v[0] for v in by_source]],
+            at_least=[mine[c][hops[0].dests :]],
+            dest_at_least=[],
+            dest_total=0,
+            counts=final[:, c, depth_e:].sum(0),
+        )
         at_dest = by_source
         if len(hops) == 2:
             plan.at_least.append([sum(v[j] for v in by_source) for j in range(inner_depth)])
@@ -280,8 +293,7 @@ def plan_chunks(dispatcher: DedupDispatcher, chunk_ids: list[torch.Tensor]) -> l
     return plans
 
 
-def depart(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, plan: _Plan, level: int, hop: _Hop,
-           spread=None):
+def depart(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, plan: _Plan, level: int, hop: _Hop, spread=None):
     """The rows, weights and local expert ids that leave for the hop's destinations: each row once
     per destination its slots reach, with the ids (-1 elsewhere) and weights of the slots there.
     Returns (members, where the slots land [S, k], rows, weights, ids)."""
@@ -303,7 +315,8 @@ def at_experts(ids: torch.Tensor, plan: _Plan, num_local_experts: int) -> tuple[
     _, mask = _slot_members(ids, 1, el)
     m = _members(mask, plan.dest_total, plan.dest_at_least)
     slot = torch.zeros(ids.shape[0], el + 1, dtype=torch.long, device=ids.device).scatter_(
-        1, torch.where(ids >= 0, ids, el), torch.arange(k, device=ids.device).expand_as(ids).contiguous())
+        1, torch.where(ids >= 0, ids, el), torch.arange(k, device=ids.device).expand_as(ids).contiguous()
+    )
     return m, m.row_of * k + slot[:, :el].reshape(-1).index_select(0, m.row_of * el + m.column_of)
 
 
@@ -323,9 +336,14 @@ class DedupDispatcher:
             self.hops = [_Hop(g.ep_group, g.ep_size, el)]
 
     @torch.compiler.disable  # split sizes are read on the host: a traced exchange would recompile per routing
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                 experts: Callable[..., torch.Tensor],
-                 params: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        experts: Callable[..., torch.Tensor],
+        params: tuple[torch.Tensor, ...],
+    ) -> torch.Tensor:
         """Experts on `x [T, H]` for expert ids `ids [T, k]` (in the EP group; -1: a dropped slot)
         with routing `weights [T, k]`: sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) -> [T, H].
         `experts(rows, counts, *params)` runs this rank's experts with the weights `params`."""

@@ -25,8 +25,9 @@ def wire(x: torch.Tensor, group) -> torch.Tensor:
     """`x` as the all-to-all can send it: the exchange is bitwise, so types a backend lacks travel as
     bytes (NCCL has no int16; gloo neither, nor bfloat16/float16 — CPU tensors go through gloo also
     under a mixed backend such as "cpu:gloo,cuda:nccl")."""
-    if x.dtype == torch.int16 or (x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu"
-                                  and "gloo" in str(dist.get_backend(group))):
+    if x.dtype == torch.int16 or (
+        x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu" and "gloo" in str(dist.get_backend(group))
+    ):
         return x.view(torch.uint8)
     return x
 
@@ -81,8 +82,12 @@ class ExpertParallelDispatcher:
     # Never traced by torch.compile: the split sizes are read on the host every call, so a compiled
     # exchange would guard on them and recompile for every new routing.
     @torch.compiler.disable
-    def __call__(self, x_sorted: torch.Tensor, counts: torch.Tensor,
-                 experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def __call__(
+        self,
+        x_sorted: torch.Tensor,
+        counts: torch.Tensor,
+        experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
         g, el = self.groups, self.num_local_experts
         send = counts.reshape(g.ep_size, el)  # [destination rank, its local expert]
         if g.hierarchical:
@@ -111,17 +116,17 @@ class ExpertParallelDispatcher:
         c2_in = c1.transpose(0, 1).contiguous()  # [b, l, e]
         c2 = all_to_all(c2_in.reshape(-1), [n * el] * nodes, [n * el] * nodes, g.inter_node_group).view(nodes * n, el)
         sizes = torch.cat([send.reshape(-1), c1.sum(-1).reshape(-1), c2.reshape(-1)]).tolist()  # one host sync
-        send_l = [sizes[r * el:(r + 1) * el] for r in range(g.ep_size)]
-        sizes = sizes[g.ep_size * el:]
-        c1_l = [sizes[m * nodes:(m + 1) * nodes] for m in range(n)]
-        sizes = sizes[n * nodes:]
-        recv_l = [sizes[r * el:(r + 1) * el] for r in range(g.ep_size)]
+        send_l = [sizes[r * el : (r + 1) * el] for r in range(g.ep_size)]
+        sizes = sizes[g.ep_size * el :]
+        c1_l = [sizes[m * nodes : (m + 1) * nodes] for m in range(n)]
+        sizes = sizes[n * nodes :]
+        recv_l = [sizes[r * el : (r + 1) * el] for r in range(g.ep_size)]
 
         s = [[sum(send_l[b * n + m]) for m in range(n)] for b in range(nodes)]  # rows to (b, m)
         in1 = [sum(s[b][m] for b in range(nodes)) for m in range(n)]
         out1 = [sum(row) for row in c1_l]  # from each local rank of this node
         in2 = [sum(row[b] for row in c1_l) for b in range(nodes)]
-        out2 = [sum(sum(row) for row in recv_l[a * n:(a + 1) * n]) for a in range(nodes)]
+        out2 = [sum(sum(row) for row in recv_l[a * n : (a + 1) * n]) for a in range(nodes)]
 
         rows = transpose_chunks(x_sorted, s)  # (b, m) -> (m, b)
         rows = all_to_all_autograd(rows, out1, in1, g.intra_node_group)

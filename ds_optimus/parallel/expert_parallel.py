@@ -49,30 +49,47 @@ class ExpertParallelConfig(Section):
 
     def check(self, where: str) -> None:
         need(positive_int(self.size), f"{where}.size must be a positive integer, got {self.size!r}")
-        need(self.node_size is None or positive_int(self.node_size),
-             f"{where}.node_size must be null or a positive integer, got {self.node_size!r}")
-        need(self.node_size is None or self.size % self.node_size == 0,
-             f"{where}.node_size {self.node_size} does not divide {where}.size {self.size}")
-        need(self.dedup in (True, False, "auto"), f"{where}.dedup must be true, false or \"auto\", got {self.dedup!r}")
+        need(
+            self.node_size is None or positive_int(self.node_size),
+            f"{where}.node_size must be null or a positive integer, got {self.node_size!r}",
+        )
+        need(
+            self.node_size is None or self.size % self.node_size == 0,
+            f"{where}.node_size {self.node_size} does not divide {where}.size {self.size}",
+        )
+        need(self.dedup in (True, False, "auto"), f'{where}.dedup must be true, false or "auto", got {self.dedup!r}')
         need(positive_int(self.chunks), f"{where}.chunks must be a positive integer, got {self.chunks!r}")
-        need(self.chunks == 1 or self.dedup is not False,
-             f"{where}.chunks {self.chunks} overlaps the deduplicated exchange, which {where}.dedup false turns off")
-        need(self.dispatch in DISPATCHES,
-             f"{where}.dispatch must be \"alltoall\" or \"allgather\", got {self.dispatch!r}")
+        need(
+            self.chunks == 1 or self.dedup is not False,
+            f"{where}.chunks {self.chunks} overlaps the deduplicated exchange, which {where}.dedup false turns off",
+        )
+        need(self.dispatch in DISPATCHES, f'{where}.dispatch must be "alltoall" or "allgather", got {self.dispatch!r}')
         if self.dispatch == "allgather":
             hierarchical = self.node_size is not None and 1 < self.node_size < self.size
-            wrong = [f"{where}.{key} {value}" for key, value, bad in (
-                ("dedup", "true", self.dedup is True), ("chunks", self.chunks, self.chunks > 1),
-                ("node_size", self.node_size, hierarchical)) if bad]
-            need(not wrong, f"{where}.dispatch \"allgather\" is a flat exchange in one chunk without dedup; "
-                            f"it does not take {' and '.join(wrong)}")
+            wrong = [
+                f"{where}.{key} {value}"
+                for key, value, bad in (
+                    ("dedup", "true", self.dedup is True),
+                    ("chunks", self.chunks, self.chunks > 1),
+                    ("node_size", self.node_size, hierarchical),
+                )
+                if bad
+            ]
+            need(
+                not wrong,
+                f'{where}.dispatch "allgather" is a flat exchange in one chunk without dedup; '
+                f"it does not take {' and '.join(wrong)}",
+            )
 
 
 def experts_modules(model: nn.Module) -> list[nn.Module]:
     """The modules holding stacked experts, their expert-parallel attributes declared (another
     Transformers experts class than MulaExperts gets them here, at their defaults)."""
-    return [declare_expert_attributes(m) for m in model.modules()
-            if all(isinstance(getattr(m, w, None), nn.Parameter) for w in EXPERT_WEIGHTS) and hasattr(m, "num_experts")]
+    return [
+        declare_expert_attributes(m)
+        for m in model.modules()
+        if all(isinstance(getattr(m, w, None), nn.Parameter) for w in EXPERT_WEIGHTS) and hasattr(m, "num_experts")
+    ]
 
 
 def is_expert_param(param: torch.Tensor) -> bool:
@@ -80,9 +97,15 @@ def is_expert_param(param: torch.Tensor) -> bool:
     return getattr(param, "allreduce", True) is False
 
 
-def apply_expert_parallel(model: nn.Module, ep_size: int | ExpertParallelGroups, node_size: int | None = None,
-                          *, dedup: bool | str = "auto", chunks: int = 1,
-                          dispatch: str = "alltoall") -> ExpertParallelGroups:
+def apply_expert_parallel(
+    model: nn.Module,
+    ep_size: int | ExpertParallelGroups,
+    node_size: int | None = None,
+    *,
+    dedup: bool | str = "auto",
+    chunks: int = 1,
+    dispatch: str = "alltoall",
+) -> ExpertParallelGroups:
     """Keep this rank's slice of every MoE layer's stacked experts and route tokens to their owners.
 
     `ep_size` ranks share each layer's experts (rank i of an EP group keeps experts
@@ -96,8 +119,11 @@ def apply_expert_parallel(model: nn.Module, ep_size: int | ExpertParallelGroups,
     expert-data-parallel group. Every rank must start from the same weights. Collective; returns the
     process groups.
     """
-    hierarchical = ep_size.hierarchical if isinstance(ep_size, ExpertParallelGroups) else (
-        isinstance(node_size, int) and isinstance(ep_size, int) and 1 < node_size < ep_size)
+    hierarchical = (
+        ep_size.hierarchical
+        if isinstance(ep_size, ExpertParallelGroups)
+        else (isinstance(node_size, int) and isinstance(ep_size, int) and 1 < node_size < ep_size)
+    )
     _check_exchange(dedup, chunks, dispatch, hierarchical)  # before anything changes
     experts = experts_modules(model)
     if not experts:
@@ -112,15 +138,17 @@ def apply_expert_parallel(model: nn.Module, ep_size: int | ExpertParallelGroups,
         start = groups.ep_rank * local
         built_sliced = module.num_local_experts != module.num_experts  # by ds_optimus.parallel.build_model
         if built_sliced and (module.num_local_experts, module.expert_offset) != (local, start):
-            raise ValueError(f"apply_expert_parallel: the model was built holding experts {module.expert_offset}.."
-                             f"{module.expert_offset + module.num_local_experts - 1}, but EP rank {groups.ep_rank} of "
-                             f"{groups.ep_size} holds {start}..{start + local - 1}")
+            raise ValueError(
+                f"apply_expert_parallel: the model was built holding experts {module.expert_offset}.."
+                f"{module.expert_offset + module.num_local_experts - 1}, but EP rank {groups.ep_rank} of "
+                f"{groups.ep_size} holds {start}..{start + local - 1}"
+            )
         for name in EXPERT_WEIGHTS:
             full = getattr(module, name)
             if built_sliced:  # already this rank's rows: kept as they are
                 shard = full
             else:
-                shard = nn.Parameter(full.detach()[start:start + local].clone(), requires_grad=full.requires_grad)
+                shard = nn.Parameter(full.detach()[start : start + local].clone(), requires_grad=full.requires_grad)
             shard.allreduce = False  # deepspeed.moe.utils.is_moe_param
             shard.group_name = groups.name  # DeepSpeed's name for the EDP group of this EP size
             setattr(module, name, shard)
@@ -139,19 +167,30 @@ def _check_exchange(dedup, chunks, dispatch="alltoall", hierarchical=False) -> N
     if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
         raise ValueError(f"apply_expert_parallel: chunks must be a positive integer, got {chunks!r}")
     if chunks > 1 and dedup is False:
-        raise ValueError(f"apply_expert_parallel: chunks {chunks} overlaps the deduplicated exchange, "
-                         "which dedup=False turns off")
+        raise ValueError(
+            f"apply_expert_parallel: chunks {chunks} overlaps the deduplicated exchange, which dedup=False turns off"
+        )
     if dispatch not in DISPATCHES:
         raise ValueError(f'apply_expert_parallel: dispatch must be "alltoall" or "allgather", got {dispatch!r}')
-    wrong = [what for what, bad in (("dedup=True", dedup is True), (f"chunks={chunks}", chunks > 1),
-                                    ("a hierarchical node_size", hierarchical)) if bad]
+    wrong = [
+        what
+        for what, bad in (
+            ("dedup=True", dedup is True),
+            (f"chunks={chunks}", chunks > 1),
+            ("a hierarchical node_size", hierarchical),
+        )
+        if bad
+    ]
     if dispatch == "allgather" and wrong:
-        raise ValueError('apply_expert_parallel: dispatch="allgather" is a flat exchange in one chunk without '
-                         f"dedup; it does not take {' and '.join(wrong)}")
+        raise ValueError(
+            'apply_expert_parallel: dispatch="allgather" is a flat exchange in one chunk without '
+            f"dedup; it does not take {' and '.join(wrong)}"
+        )
 
 
-def _dispatcher(module: nn.Module, groups: ExpertParallelGroups, dedup: bool | str, chunks: int,
-                dispatch: str = "alltoall"):
+def _dispatcher(
+    module: nn.Module, groups: ExpertParallelGroups, dedup: bool | str, chunks: int, dispatch: str = "alltoall"
+):
     if dispatch == "allgather":  # "auto" dedup means none here
         return AllGatherDispatcher(groups, module.num_local_experts)
     if dedup == "auto":
@@ -160,8 +199,13 @@ def _dispatcher(module: nn.Module, groups: ExpertParallelGroups, dedup: bool | s
         top_k = getattr(getattr(module, "config", None), "num_experts_per_tok", None)
         size = module.down_proj.element_size()
         destinations = groups.ep_size // groups.node_size if groups.hierarchical else groups.ep_size
-        dedup = chunks > 1 or top_k is None or dedup_sends_fewer_bytes(
-            module.num_experts, top_k, destinations, row_bytes=module.down_proj.shape[1] * size, weight_bytes=size)
+        dedup = (
+            chunks > 1
+            or top_k is None
+            or dedup_sends_fewer_bytes(
+                module.num_experts, top_k, destinations, row_bytes=module.down_proj.shape[1] * size, weight_bytes=size
+            )
+        )
     if dedup:
         return dedup_dispatcher(groups, module.num_local_experts, chunks)
     return ExpertParallelDispatcher(groups, module.num_local_experts)
@@ -210,8 +254,12 @@ def gather_experts(model: nn.Module, groups: ExpertParallelGroups, dst: int) -> 
     for name in [n for n, p in model.named_parameters() if is_expert_param(p)]:  # same order on every rank
         local = state[name].contiguous()
         parts = [torch.empty_like(local) for _ in range(groups.ep_size)] if rank == dst else None
-        dist.gather(wire(local, groups.ep_group), [wire(p, groups.ep_group) for p in parts] if parts else None,
-                    dst=dst, group=groups.ep_group)
+        dist.gather(
+            wire(local, groups.ep_group),
+            [wire(p, groups.ep_group) for p in parts] if parts else None,
+            dst=dst,
+            group=groups.ep_group,
+        )
         if parts is not None:
             state[name] = torch.cat(parts).cpu()
             del parts
@@ -227,9 +275,16 @@ def readable_as_umask(paths) -> None:
         os.chmod(path, 0o666 & ~umask)
 
 
-def export_pretrained(model: nn.Module, folder: str | os.PathLike, groups: ExpertParallelGroups | None = None,
-                      tokenizer=None, *, model_card: str | None = None, generation_config=None,
-                      state_dict: dict[str, torch.Tensor] | None = None) -> None:
+def export_pretrained(
+    model: nn.Module,
+    folder: str | os.PathLike,
+    groups: ExpertParallelGroups | None = None,
+    tokenizer=None,
+    *,
+    model_card: str | None = None,
+    generation_config=None,
+    state_dict: dict[str, torch.Tensor] | None = None,
+) -> None:
     """Write `model` (with every expert) and `tokenizer`, if given, as a Hugging Face folder;
     `model_card` (markdown) becomes its README.md, `generation_config` (a `GenerationConfig`)
     replaces the one derived from the model's config.
@@ -281,8 +336,10 @@ def setup_moe(model: nn.Module, config) -> ExpertParallelGroups | None:
     every MoE layer, and expert parallelism when `expert_parallel.size > 1`. Returns the EP groups, or
     None without expert parallelism."""
     if not (hasattr(config, "moe") and hasattr(config, "expert_parallel")):
-        raise TypeError(f"setup_moe takes a parsed optimus section, not {type(config).__name__}: "
-                        "setup_moe(model, ds_optimus.config.OptimusConfig.from_ds_config(ds_config))")
+        raise TypeError(
+            f"setup_moe takes a parsed optimus section, not {type(config).__name__}: "
+            "setup_moe(model, ds_optimus.config.OptimusConfig.from_ds_config(ds_config))"
+        )
     backend = None if config.moe.experts_backend == "auto" else config.moe.experts_backend
     for module in experts_modules(model):
         module.experts_backend = backend
@@ -290,8 +347,9 @@ def setup_moe(model: nn.Module, config) -> ExpertParallelGroups | None:
     ep = config.expert_parallel
     groups = None
     if ep.size > 1:
-        groups = apply_expert_parallel(model, ep.size, node_size=ep.node_size, dedup=ep.dedup, chunks=ep.chunks,
-                                       dispatch=ep.dispatch)
+        groups = apply_expert_parallel(
+            model, ep.size, node_size=ep.node_size, dedup=ep.dedup, chunks=ep.chunks, dispatch=ep.dispatch
+        )
     set_uniform_routing(model, getattr(config.moe, "force_uniform_routing", False))
     return groups
 
@@ -301,8 +359,10 @@ def set_uniform_routing(model: nn.Module, enabled: bool) -> None:
     router of `model`, each at its rank's place in the expert-parallel layout the model has now."""
     routers = [m for m in model.modules() if hasattr(m, "force_uniform_routing")]  # Mula's routers declare it
     if enabled and experts_modules(model) and not routers:
-        raise ValueError("optimus.moe.force_uniform_routing needs Mula's router (MulaTopKRouter); "
-                         f"{type(model).__name__} routes with another")
+        raise ValueError(
+            "optimus.moe.force_uniform_routing needs Mula's router (MulaTopKRouter); "
+            f"{type(model).__name__} routes with another"
+        )
     groups = expert_groups_of(model)  # an earlier setup_moe's too: a later one with no EP section keeps it
     for router in routers:
         router.force_uniform_routing = enabled
@@ -320,8 +380,9 @@ def _use_ds_optimus_experts(model: nn.Module) -> None:
         config._experts_implementation = IMPLEMENTATION_NAME
 
 
-def moe_param_groups(model: nn.Module, weight_decay: float = 0.0, *, decay_all: bool = False,
-                     **options: Any) -> list[dict[str, Any]]:
+def moe_param_groups(
+    model: nn.Module, weight_decay: float = 0.0, *, decay_all: bool = False, **options: Any
+) -> list[dict[str, Any]]:
     """Optimizer param groups as DeepSpeed's MoE support expects them.
 
     Dense parameters go to "dense" (weight decay) and "dense_no_decay" (norms, biases and other 1-D

@@ -68,15 +68,19 @@ class ExpertParallelGroups:
         return self.node_size is not None and 1 < self.node_size < self.ep_size
 
 
-def check_layout(world_size: int, ep_size: int, num_experts: int | None = None,
-                 node_size: int | None = None, stages: int = 1) -> None:
+def check_layout(
+    world_size: int, ep_size: int, num_experts: int | None = None, node_size: int | None = None, stages: int = 1
+) -> None:
     """Raise `LayoutError` (one line naming the problem) unless the sizes fit together (`world_size`:
     the ranks of one pipeline stage, with `stages` > 1)."""
     if not isinstance(ep_size, int) or ep_size < 1:
         raise LayoutError(f"expert parallel size must be a positive integer, got {ep_size!r}")
     if world_size % ep_size:
-        where = f"the {world_size} ranks of each of the {stages} pipeline stages" if stages > 1 else \
-            f"the world size {world_size}"
+        where = (
+            f"the {world_size} ranks of each of the {stages} pipeline stages"
+            if stages > 1
+            else f"the world size {world_size}"
+        )
         raise LayoutError(f"expert parallel size {ep_size} does not divide {where}")
     if num_experts is not None and num_experts % ep_size:
         raise LayoutError(f"expert parallel size {ep_size} does not divide the number of experts {num_experts}")
@@ -128,8 +132,13 @@ def layout_position(rank: int, world: int, pipeline: int = 1, tensor: int = 1, e
     and EP rank; arithmetic only (no groups made)."""
     per_stage = world // pipeline
     dp = (rank % per_stage) // tensor
-    return {"stage": rank // per_stage, "tp_rank": rank % tensor, "dp_rank": dp, "dp_size": per_stage // tensor,
-            "ep_rank": dp % expert}
+    return {
+        "stage": rank // per_stage,
+        "tp_rank": rank % tensor,
+        "dp_rank": dp,
+        "dp_size": per_stage // tensor,
+        "ep_rank": dp % expert,
+    }
 
 
 @dataclass
@@ -183,8 +192,9 @@ def init_pipeline_groups(size: int) -> PipelineGroups:
 _CACHE: dict[tuple[int, int | None, int, int], ExpertParallelGroups] = {}
 
 
-def init_expert_parallel_groups(ep_size: int, node_size: int | None = None, pipeline_size: int | None = None,
-                                tensor_size: int | None = None) -> ExpertParallelGroups:
+def init_expert_parallel_groups(
+    ep_size: int, node_size: int | None = None, pipeline_size: int | None = None, tensor_size: int | None = None
+) -> ExpertParallelGroups:
     """Create (once per layout) the EP/EDP groups of `ep_size` and return this rank's view. With
     `pipeline_size` stages (None: those of the pipeline layout made already, else one), the groups are
     made inside each stage's ranks and the data-parallel group is the stage's (`init_pipeline_groups`);
@@ -208,8 +218,10 @@ def init_expert_parallel_groups(ep_size: int, node_size: int | None = None, pipe
         return _CACHE[key]
     per_stage = world // pipeline_size
     if per_stage % tensor_size:
-        raise LayoutError(f"tensor parallel size {tensor_size} does not divide the {per_stage} ranks of each of the "
-                          f"{pipeline_size} pipeline stages")
+        raise LayoutError(
+            f"tensor parallel size {tensor_size} does not divide the {per_stage} ranks of each of the "
+            f"{pipeline_size} pipeline stages"
+        )
     check_layout(per_stage // tensor_size, ep_size, node_size=node_size, stages=pipeline_size)
 
     mine: dict[str, tuple[list[int], object]] = {}
@@ -220,37 +232,51 @@ def init_expert_parallel_groups(ep_size: int, node_size: int | None = None, pipe
             mine[kind] = (ranks, group)
 
     # the data-parallel ranks of each stage and TP position; with one TP rank, the stage's ranks
-    runs = [list(range(base + t, base + per_stage, tensor_size))
-            for base in range(0, world, per_stage) for t in range(tensor_size)]
+    runs = [
+        list(range(base + t, base + per_stage, tensor_size))
+        for base in range(0, world, per_stage)
+        for t in range(tensor_size)
+    ]
     for ranks in runs:
         if tensor_size > 1:
             new_group("dp", ranks)
         elif rank in ranks:
             mine["dp"] = (ranks, pipeline.stage_group)
         for start in range(0, len(ranks), ep_size):
-            new_group("ep", ranks[start:start + ep_size])
+            new_group("ep", ranks[start : start + ep_size])
         for i in range(ep_size):
             new_group("edp", ranks[i::ep_size])
         if node_size is not None and 1 < node_size < ep_size:
             for start in range(0, len(ranks), node_size):
-                new_group("intra", ranks[start:start + node_size])
+                new_group("intra", ranks[start : start + node_size])
             for ep_start in range(0, len(ranks), ep_size):
                 for local in range(node_size):
-                    new_group("inter", ranks[ep_start + local:ep_start + ep_size:node_size])
+                    new_group("inter", ranks[ep_start + local : ep_start + ep_size : node_size])
     if tensor_size > 1:  # the same experts at every TP position of a stage
         for first in range(0, len(runs), tensor_size):
             for i in range(ep_size):
-                new_group("edp_tp", sorted(r for run in runs[first:first + tensor_size] for r in run[i::ep_size]))
+                new_group("edp_tp", sorted(r for run in runs[first : first + tensor_size] for r in run[i::ep_size]))
 
     ep_ranks, ep_group = mine["ep"]
     edp_ranks, edp_group = mine["edp"]
     dp_ranks, dp_group = mine["dp"]
     groups = ExpertParallelGroups(
-        world_size=len(dp_ranks), rank=rank, ep_size=ep_size, ep_rank=ep_ranks.index(rank), ep_ranks=ep_ranks,
-        ep_group=ep_group, edp_ranks=edp_ranks, edp_group=edp_group, dp_group=dp_group,
-        node_size=node_size, intra_node_group=mine.get("intra", (None, None))[1],
-        inter_node_group=mine.get("inter", (None, None))[1], pipeline=pipeline if pipeline_size > 1 else None,
-        tensor=tensor if tensor_size > 1 else None, dp_ranks=dp_ranks, edp_tp_group=mine.get("edp_tp", (None, None))[1],
+        world_size=len(dp_ranks),
+        rank=rank,
+        ep_size=ep_size,
+        ep_rank=ep_ranks.index(rank),
+        ep_ranks=ep_ranks,
+        ep_group=ep_group,
+        edp_ranks=edp_ranks,
+        edp_group=edp_group,
+        dp_group=dp_group,
+        node_size=node_size,
+        intra_node_group=mine.get("intra", (None, None))[1],
+        inter_node_group=mine.get("inter", (None, None))[1],
+        pipeline=pipeline if pipeline_size > 1 else None,
+        tensor=tensor if tensor_size > 1 else None,
+        dp_ranks=dp_ranks,
+        edp_tp_group=mine.get("edp_tp", (None, None))[1],
     )
     _CACHE[key] = groups
     return groups
@@ -296,17 +322,22 @@ def hybrid_shard_groups(groups: dict[str, object], size: int | None) -> dict[str
             members.setdefault((kind, first), [None] * count)[index] = r
     for (kind, _), ranks in sorted(members.items()):  # checked on every rank alike, even one without the kind
         if len(ranks) > size and len(ranks) % size:
-            raise LayoutError(f"shard group size {size} does not divide the {len(ranks)} ranks of the "
-                              f"{'data' if kind == 'dense' else 'expert-data'}-parallel group ({kind})")
+            raise LayoutError(
+                f"shard group size {size} does not divide the {len(ranks)} ranks of the "
+                f"{'data' if kind == 'dense' else 'expert-data'}-parallel group ({kind})"
+            )
     key = (size, tuple(tuple(p) for p in places))
     if key in _SHARD_GROUPS:
-        return {kind: (shard if shard is not None else groups[kind], replica)
-                for kind, (shard, replica) in _SHARD_GROUPS[key].items() if kind in groups}
+        return {
+            kind: (shard if shard is not None else groups[kind], replica)
+            for kind, (shard, replica) in _SHARD_GROUPS[key].items()
+            if kind in groups
+        }
     made: dict[str, list] = {kind: [None, None] for kind in groups}  # None: the group itself
     for (kind, _), ranks in sorted(members.items()):
         if len(ranks) <= size:
             continue  # one shard group: the group itself
-        runs = [ranks[i:i + size] for i in range(0, len(ranks), size)]
+        runs = [ranks[i : i + size] for i in range(0, len(ranks), size)]
         for run in runs:
             group = dist.new_group(run)  # collective over the world: every rank makes every group
             if rank in run and kind in made:

@@ -66,9 +66,11 @@ class _Overlapped(torch.autograd.Function):
         (token,) = ctx.saved_tensors
         run = getattr(token, "run", None)
         if run is None:
-            raise RuntimeError("the overlapped expert-parallel exchange lost its forward state: a saved-tensor "
-                               "hook copied it (e.g. offloading to pinned memory) or the graph is run backward "
-                               "twice; use optimus.expert_parallel.chunks 1 there")
+            raise RuntimeError(
+                "the overlapped expert-parallel exchange lost its forward state: a saved-tensor "
+                "hook copied it (e.g. offloading to pinned memory) or the graph is run backward "
+                "twice; use optimus.expert_parallel.chunks 1 there"
+            )
         token.run = None
         grad_x, grad_w, grad_params = run.backward(grad, ctx.needs_input_grad[3], ctx.needs_input_grad[4])
         return None, None, None, grad_x, grad_w, *grad_params
@@ -95,8 +97,9 @@ class _Run:
         self.k, self.weight_dtype = ids.shape[1], weights.dtype
         # the same number of chunks on every rank (some may be empty): they exchange chunk by chunk
         self.bounds = [len(t) for t in torch.arange(x.shape[0]).tensor_split(dispatcher.chunks)]
-        parts = zip(x.detach().split(self.bounds), weights.detach().split(self.bounds), ids.split(self.bounds),
-                    strict=True)
+        parts = zip(
+            x.detach().split(self.bounds), weights.detach().split(self.bounds), ids.split(self.bounds), strict=True
+        )
         self.chunks = [_Chunk(*part) for part in parts]
         self.plans = plan_chunks(dispatcher, [c.ids for c in self.chunks])
 
@@ -179,8 +182,9 @@ class _Run:
                 m, here = c.hops[level]
                 grad_x, grad_w = _sum_members(g_rows, m, None), _sum_members(g_w * here, m, None)
                 if level:
-                    c.pending = _Pending([grad_x, grad_w], plan.recv[level - 1], plan.send[level - 1],
-                                         hops[level - 1].group)
+                    c.pending = _Pending(
+                        [grad_x, grad_w], plan.recv[level - 1], plan.send[level - 1], hops[level - 1].group
+                    )
                 else:
                     grads_x.append(grad_x)
                     grads_w.append(grad_w)
@@ -191,6 +195,7 @@ class _Run:
 
 def _grad(output: torch.Tensor, inputs: tuple[torch.Tensor, ...], grad: torch.Tensor) -> list[torch.Tensor]:
     """Gradients of `inputs` through `output`'s recorded graph (zeros where it does not reach)."""
-    found = torch.autograd.grad(output, inputs, grad, allow_unused=True) if output.requires_grad \
-        else (None,) * len(inputs)
+    found = (
+        torch.autograd.grad(output, inputs, grad, allow_unused=True) if output.requires_grad else (None,) * len(inputs)
+    )
     return [torch.zeros_like(i) if g is None else g for g, i in zip(found, inputs, strict=True)]

@@ -82,19 +82,27 @@ class StageChunk(nn.Module):
         else:
             hidden = x
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None, position_ids=None,
-                                  **{CACHE_NAME: None})
+        mask = create_causal_mask(
+            config=self.config, inputs_embeds=hidden, attention_mask=None, position_ids=None, **{CACHE_NAME: None}
+        )
         position_embeddings = self.rotary_emb(hidden, position_ids)
         rows = []
         for layer in self.layers:
-            hidden, _, logits, index = layer(hidden, attention_mask=mask, position_ids=position_ids, use_cache=False,
-                                             position_embeddings=position_embeddings, **{CACHE_NAME: None})
+            hidden, _, logits, index = layer(
+                hidden,
+                attention_mask=mask,
+                position_ids=position_ids,
+                use_cache=False,
+                position_embeddings=position_embeddings,
+                **{CACHE_NAME: None},
+            )
             if index is None:
                 continue
             if layer.training and layer.mlp.gate.uses_bias:  # the model's mode (eval() does not reach a chunk)
                 layer.mlp.gate.record_load(index)
-            mean_prob, z, count, tokens = router_layer_stats(logits, index, self.config.num_experts,
-                                                             self.config.router_scoring_func)
+            mean_prob, z, count, tokens = router_layer_stats(
+                logits, index, self.config.num_experts, self.config.router_scoring_func
+            )
             rows.append(torch.cat([count, tokens, mean_prob, z.reshape(1)]))
         if rows:  # contiguous rows: this chunk's MoE layers are consecutive
             a, b = self.rows[0], self.rows[-1] + 1
@@ -118,18 +126,26 @@ class PipelineLoss:
         config = self.model.config
         logits, stats = output if isinstance(output, tuple) else (output, None)
         lm_loss = self.model.loss_function(logits, target, config.vocab_size)
-        loss, record = lm_loss, {"lm_loss": lm_loss.detach(), "aux_loss": None, "z_loss": None,
-                                 "tokens_per_expert": None}
+        loss, record = (
+            lm_loss,
+            {"lm_loss": lm_loss.detach(), "aux_loss": None, "z_loss": None, "tokens_per_expert": None},
+        )
         if stats is not None:
             experts = config.num_experts
             counts = [row[:experts].detach() for row in stats]
-            tokens = [row[experts:experts + 1].detach() for row in stats]
-            mean_probs = [row[experts + 1:2 * experts + 1] for row in stats]
+            tokens = [row[experts : experts + 1].detach() for row in stats]
+            mean_probs = [row[experts + 1 : 2 * experts + 1] for row in stats]
             zloss = [row[2 * experts + 1] for row in stats]
             group = self.group if getattr(config, "router_aux_loss_scope", "micro_batch") == "global_batch" else None
             aux, z, tokens_per_expert = combine_router_stats(
-                mean_probs, zloss, counts, tokens, config.num_experts_per_tok, group if self.model.training else None,
-                getattr(config, "router_aux_loss_type", "mula"))
+                mean_probs,
+                zloss,
+                counts,
+                tokens,
+                config.num_experts_per_tok,
+                group if self.model.training else None,
+                getattr(config, "router_aux_loss_type", "mula"),
+            )
             record.update(aux_loss=aux.detach(), z_loss=z.detach(), tokens_per_expert=tokens_per_expert)
             if self.model.training:
                 router = (config.router_aux_loss_coef * aux + config.router_z_loss_coef * z) * self.router_share
@@ -155,8 +171,9 @@ def _reducing_stage(pipelining) -> type:
                 optimizer.last_gradients(self.submod.parameters())
             if self.each_micro_batch:
                 optimizer.backward_prologue()
-            super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
-                                       last_backward=last_backward)
+            super().backward_one_chunk(
+                bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward
+            )
             if self.each_micro_batch:
                 optimizer.backward_epilogue()
 
@@ -176,8 +193,17 @@ def each_micro_batch_reduction(optimizer, config: PipelineParallelConfig) -> boo
     return optimizer is not None and optimizer.stage == 2 and config.schedule in SINGLE_STAGE_SCHEDULES
 
 
-def build_schedule(chunks: list[tuple[int, StageChunk]], config: PipelineParallelConfig, pipeline: PipelineGroups,
-                   micro_batches: int, loss: PipelineLoss, device, micro: int, seq_len: int, optimizer=None) -> Any:
+def build_schedule(
+    chunks: list[tuple[int, StageChunk]],
+    config: PipelineParallelConfig,
+    pipeline: PipelineGroups,
+    micro_batches: int,
+    loss: PipelineLoss,
+    device,
+    micro: int,
+    seq_len: int,
+    optimizer=None,
+) -> Any:
     """PyTorch's schedule `config.schedule` over this rank's chunks (global chunk index, module), for
     micro-batches of `micro` sequences of `seq_len` tokens. Every stage states the shapes it takes and
     gives, so the schedule never runs a forward or backward pass on placeholder tensors to find them
@@ -187,10 +213,18 @@ def build_schedule(chunks: list[tuple[int, StageChunk]], config: PipelineParalle
 
     device = torch.device(device)
     stage_class = _reducing_stage(pipelining)
-    stages = [stage_class(module, index, config.chunks, device, group=pipeline.group,
-                          input_args=_example(module, index == 0, False, micro, seq_len, device),
-                          output_args=_example(module, False, index == config.chunks - 1, micro, seq_len, device))
-              for index, module in chunks]
+    stages = [
+        stage_class(
+            module,
+            index,
+            config.chunks,
+            device,
+            group=pipeline.group,
+            input_args=_example(module, index == 0, False, micro, seq_len, device),
+            output_args=_example(module, False, index == config.chunks - 1, micro, seq_len, device),
+        )
+        for index, module in chunks
+    ]
     # ZeRO-2 keeps no full-size gradients: with one chunk per rank each backward pass is one micro-batch's,
     # reduced into the shards as it goes (as without stages); with several chunks a bucket can hold
     # parameters of two chunks, whose backward passes interleave, so the step's gradients add up in fp32
@@ -226,8 +260,13 @@ def run_schedule(schedule, batch: torch.Tensor, first: bool, last: bool) -> None
 
 
 @torch.no_grad()
-def forward_only(chunks: list[tuple[int, StageChunk]], pipeline: PipelineGroups, config: PipelineParallelConfig,
-                 batch: torch.Tensor, loss: PipelineLoss) -> torch.Tensor | None:
+def forward_only(
+    chunks: list[tuple[int, StageChunk]],
+    pipeline: PipelineGroups,
+    config: PipelineParallelConfig,
+    batch: torch.Tensor,
+    loss: PipelineLoss,
+) -> torch.Tensor | None:
     """The LM loss of `batch` through every chunk in order, without a schedule (evaluation): the rank
     with the last chunk returns it, the others None. Collective over the pipeline."""
     mine = dict(chunks)
@@ -263,8 +302,9 @@ def _receive(module: StageChunk, batch: torch.Tensor, source: int) -> tuple[torc
     return hidden, stats
 
 
-def write_stage_weights(folder, state: dict[str, torch.Tensor] | None, pipeline: PipelineGroups,
-                        max_shard_bytes: int = 5 * 2**30) -> None:
+def write_stage_weights(
+    folder, state: dict[str, torch.Tensor] | None, pipeline: PipelineGroups, max_shard_bytes: int = 5 * 2**30
+) -> None:
     """Write a pipelined model's weights into Hugging Face folder `folder` without joining them anywhere:
     the first rank of each stage writes its stage's part (`state`, every expert; the other ranks' is
     not read) as safetensors shards
@@ -285,8 +325,11 @@ def write_stage_weights(folder, state: dict[str, torch.Tensor] | None, pipeline:
             size += nbytes
     plans: list[Any] = [None] * pipeline.size
     if writer:  # the stages' first ranks are exactly the pipeline of global rank 0: only they take part
-        mine = (pipeline.stage, [list(shard) for shard in shards],
-                sum(t.numel() * t.element_size() for t in state.values()))
+        mine = (
+            pipeline.stage,
+            [list(shard) for shard in shards],
+            sum(t.numel() * t.element_size() for t in state.values()),
+        )
         dist.all_gather_object(plans, mine, group=pipeline.group)
     plans = sorted(plans) if writer else []  # one per stage, in stage order
     total = sum(len(names) for _, names, _ in plans)
@@ -299,11 +342,16 @@ def write_stage_weights(folder, state: dict[str, torch.Tensor] | None, pipeline:
             if writer and stage == pipeline.stage:
                 files.append(file)
     for file, shard in zip(files, shards, strict=True):
-        save_file({k: v.detach().contiguous().cpu() for k, v in shard.items()}, str(Path(folder) / file),
-                  metadata={"format": "pt"})
+        save_file(
+            {k: v.detach().contiguous().cpu() for k, v in shard.items()},
+            str(Path(folder) / file),
+            metadata={"format": "pt"},
+        )
     readable_as_umask([Path(folder) / file for file in files])
     if dist.get_rank() == 0:  # rank 0 is stage 0's writer
-        index = {"metadata": {"total_size": sum(size for _, _, size in plans)},
-                 "weight_map": dict(sorted(weight_map.items()))}
+        index = {
+            "metadata": {"total_size": sum(size for _, _, size in plans)},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
         (Path(folder) / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     dist.barrier()  # the folder is complete when any rank returns

@@ -19,8 +19,12 @@ from ..schema import ConfigError, Section, need, positive_int
 SINGLE_STAGE_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 # The V-shaped schedules: two chunks per rank, placed down and back (`chunk_stage`)
 V_SCHEDULES = {"zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
-MULTI_STAGE_SCHEDULES = {"interleaved_1f1b": "ScheduleInterleaved1F1B", "looped_bfs": "ScheduleLoopedBFS",
-                         "interleaved_zb": "ScheduleInterleavedZeroBubble", **V_SCHEDULES}
+MULTI_STAGE_SCHEDULES = {
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "looped_bfs": "ScheduleLoopedBFS",
+    "interleaved_zb": "ScheduleInterleavedZeroBubble",
+    **V_SCHEDULES,
+}
 # the schedules that run the weight-gradient pass apart from the input-gradient pass (filling the bubble)
 ZERO_BUBBLE_SCHEDULES = ("interleaved_zb", *V_SCHEDULES)
 # the schedules that cut the micro-batches into rounds of at least `size` (and so need equal rounds)
@@ -45,27 +49,42 @@ class PipelineParallelConfig(Section):
 
     def check(self, where: str) -> None:
         need(positive_int(self.size), f"{where}.size must be a positive integer, got {self.size!r}")
-        need(self.schedule in SCHEDULES,
-             f"{where}.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-        need(positive_int(self.virtual_stages),
-             f"{where}.virtual_stages must be a positive integer, got {self.virtual_stages!r}")
-        need(self.size > 1 or (self.virtual_stages == 1 and self.layers is None),
-             f"{where}.virtual_stages and {where}.layers need pipeline stages ({where}.size > 1)")
-        need(self.size == 1 or self.virtual_stages > 1 or self.schedule in SINGLE_STAGE_SCHEDULES,
-             f"{where}.schedule {self.schedule} runs several chunks of layers per rank: set {where}.virtual_stages "
-             "to 2 or more, or use 1f1b")
-        need(self.virtual_stages == 1 or self.schedule in MULTI_STAGE_SCHEDULES,
-             f"{where}.virtual_stages {self.virtual_stages} needs a schedule with several stages per rank "
-             f"({', '.join(MULTI_STAGE_SCHEDULES)}); {self.schedule} runs one")
-        need(self.schedule not in V_SCHEDULES or self.virtual_stages == 2,
-             f"{where}.schedule {self.schedule} runs exactly two chunks of layers per rank (down the pipeline and "
-             f"back); set {where}.virtual_stages to 2, got {self.virtual_stages}")
+        need(
+            self.schedule in SCHEDULES, f"{where}.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}"
+        )
+        need(
+            positive_int(self.virtual_stages),
+            f"{where}.virtual_stages must be a positive integer, got {self.virtual_stages!r}",
+        )
+        need(
+            self.size > 1 or (self.virtual_stages == 1 and self.layers is None),
+            f"{where}.virtual_stages and {where}.layers need pipeline stages ({where}.size > 1)",
+        )
+        need(
+            self.size == 1 or self.virtual_stages > 1 or self.schedule in SINGLE_STAGE_SCHEDULES,
+            f"{where}.schedule {self.schedule} runs several chunks of layers per rank: set {where}.virtual_stages "
+            "to 2 or more, or use 1f1b",
+        )
+        need(
+            self.virtual_stages == 1 or self.schedule in MULTI_STAGE_SCHEDULES,
+            f"{where}.virtual_stages {self.virtual_stages} needs a schedule with several stages per rank "
+            f"({', '.join(MULTI_STAGE_SCHEDULES)}); {self.schedule} runs one",
+        )
+        need(
+            self.schedule not in V_SCHEDULES or self.virtual_stages == 2,
+            f"{where}.schedule {self.schedule} runs exactly two chunks of layers per rank (down the pipeline and "
+            f"back); set {where}.virtual_stages to 2, got {self.virtual_stages}",
+        )
         if self.layers is not None:
-            need(isinstance(self.layers, list) and all(positive_int(n) for n in self.layers),
-                 f"{where}.layers must be a list of positive integers (decoder layers per chunk), got {self.layers!r}")
-            need(len(self.layers) == self.chunks,
-                 f"{where}.layers has {len(self.layers)} entries; size {self.size} x virtual_stages "
-                 f"{self.virtual_stages} needs {self.chunks}")
+            need(
+                isinstance(self.layers, list) and all(positive_int(n) for n in self.layers),
+                f"{where}.layers must be a list of positive integers (decoder layers per chunk), got {self.layers!r}",
+            )
+            need(
+                len(self.layers) == self.chunks,
+                f"{where}.layers has {len(self.layers)} entries; size {self.size} x virtual_stages "
+                f"{self.virtual_stages} needs {self.chunks}",
+            )
 
     def stage_of(self, chunk: int) -> int:
         """The stage rank that runs chunk `chunk` under this schedule (`chunk_stage`)."""
@@ -82,16 +101,19 @@ class PipelineParallelConfig(Section):
         total = config.num_hidden_layers
         if self.layers is not None:
             if sum(self.layers) != total:
-                raise ValueError(f"optimus.pipeline_parallel.layers adds up to {sum(self.layers)} layers; the model "
-                                 f"has {total}")
+                raise ValueError(
+                    f"optimus.pipeline_parallel.layers adds up to {sum(self.layers)} layers; the model has {total}"
+                )
             bounds = [0]
             for n in self.layers:
                 bounds.append(bounds[-1] + n)
             return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
         if total < self.chunks:
-            raise ValueError(f"optimus.pipeline_parallel: {self.chunks} chunks of layers (size {self.size} x "
-                             f"virtual_stages {self.virtual_stages}) need at least as many decoder layers; the model "
-                             f"has {total}")
+            raise ValueError(
+                f"optimus.pipeline_parallel: {self.chunks} chunks of layers (size {self.size} x "
+                f"virtual_stages {self.virtual_stages}) need at least as many decoder layers; the model "
+                f"has {total}"
+            )
         return split_layers(*layer_costs(config, seq_len), self.chunks)
 
 
@@ -163,29 +185,41 @@ def check_pipeline(opt, ds_config: dict, model_config, accumulation: int) -> lis
     layers of every chunk."""
     pp = opt.pipeline_parallel
     if not opt.sharded_optimizer.enabled:
-        raise ConfigError("optimus.pipeline_parallel needs optimus.sharded_optimizer.enabled true (the pipeline "
-                          "schedule runs the backward passes; the sharded optimizer reduces their gradients)")
+        raise ConfigError(
+            "optimus.pipeline_parallel needs optimus.sharded_optimizer.enabled true (the pipeline "
+            "schedule runs the backward passes; the sharded optimizer reduces their gradients)"
+        )
     if model_config.tie_word_embeddings:
-        raise ConfigError("optimus.pipeline_parallel: the model ties its embedding and head, which sit in the first "
-                          "and the last chunk of layers; set tie_word_embeddings false (optimus.model.overrides)")
+        raise ConfigError(
+            "optimus.pipeline_parallel: the model ties its embedding and head, which sit in the first "
+            "and the last chunk of layers; set tie_word_embeddings false (optimus.model.overrides)"
+        )
     if opt.train.compile:
         raise ConfigError("optimus.pipeline_parallel does not run compiled layers yet; set optimus.train.compile false")
     if ds_config.get("fp16", {}).get("enabled"):
-        raise ConfigError("optimus.pipeline_parallel runs in bf16 or fp32: the pipeline schedule's backward passes "
-                          "do not scale the loss as fp16 needs; use bf16")
+        raise ConfigError(
+            "optimus.pipeline_parallel runs in bf16 or fp32: the pipeline schedule's backward passes "
+            "do not scale the loss as fp16 needs; use bf16"
+        )
     if pp.schedule == "1f1b" and accumulation < pp.size:
-        raise ConfigError(f"optimus.pipeline_parallel: 1f1b needs at least as many micro-batches "
-                          f"(gradient_accumulation_steps, {accumulation}) as stages ({pp.size}); raise it, or use "
-                          "schedule \"gpipe\"")
+        raise ConfigError(
+            f"optimus.pipeline_parallel: 1f1b needs at least as many micro-batches "
+            f"(gradient_accumulation_steps, {accumulation}) as stages ({pp.size}); raise it, or use "
+            'schedule "gpipe"'
+        )
     if pp.schedule == "dualpipev" and accumulation < pp.chunks:
-        raise ConfigError(f"optimus.pipeline_parallel: dualpipev needs at least as many micro-batches "
-                          f"(gradient_accumulation_steps, {accumulation}) as chunks of layers (2 x {pp.size} = "
-                          f"{pp.chunks}); raise it, or use schedule \"zbv\"")
+        raise ConfigError(
+            f"optimus.pipeline_parallel: dualpipev needs at least as many micro-batches "
+            f"(gradient_accumulation_steps, {accumulation}) as chunks of layers (2 x {pp.size} = "
+            f'{pp.chunks}); raise it, or use schedule "zbv"'
+        )
     rounds = max(1, accumulation // pp.size)
     if pp.schedule in ROUND_SCHEDULES and accumulation % rounds:
-        raise ConfigError(f"optimus.pipeline_parallel: {pp.schedule} splits the micro-batches into rounds of at "
-                          f"least {pp.size}; gradient_accumulation_steps {accumulation} does not split into {rounds} "
-                          f"equal rounds (use a multiple of {pp.size}, or fewer than {2 * pp.size})")
+        raise ConfigError(
+            f"optimus.pipeline_parallel: {pp.schedule} splits the micro-batches into rounds of at "
+            f"least {pp.size}; gradient_accumulation_steps {accumulation} does not split into {rounds} "
+            f"equal rounds (use a multiple of {pp.size}, or fewer than {2 * pp.size})"
+        )
     try:
         return pp.split(model_config, opt.data.seq_len)
     except ValueError as err:

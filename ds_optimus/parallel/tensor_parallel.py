@@ -51,10 +51,14 @@ class TensorParallelConfig(Section):
 
     def check(self, where: str) -> None:
         need(positive_int(self.size), f"{where}.size must be a positive integer, got {self.size!r}")
-        need(isinstance(self.sequence_parallel, bool),
-             f"{where}.sequence_parallel must be true or false, got {self.sequence_parallel!r}")
-        need(not self.sequence_parallel or self.size > 1,
-             f"{where}.sequence_parallel needs {where}.size above 1 (it cuts the sequence over the TP group)")
+        need(
+            isinstance(self.sequence_parallel, bool),
+            f"{where}.sequence_parallel must be true or false, got {self.sequence_parallel!r}",
+        )
+        need(
+            not self.sequence_parallel or self.size > 1,
+            f"{where}.sequence_parallel needs {where}.size above 1 (it cuts the sequence over the TP group)",
+        )
 
 
 class TensorParallelError(LayoutError):
@@ -130,8 +134,10 @@ def _seq_chunk(x: torch.Tensor, group) -> torch.Tensor:
     """This rank's chunk of the sequence (dim 1)."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if x.shape[1] % size:
-        raise TensorParallelError(f"sequence parallelism: the sequence ({x.shape[1]}) does not divide over the "
-                                  f"{size} ranks of the tensor-parallel group")
+        raise TensorParallelError(
+            f"sequence parallelism: the sequence ({x.shape[1]}) does not divide over the "
+            f"{size} ranks of the tensor-parallel group"
+        )
     step = x.shape[1] // size
     return x.narrow(1, rank * step, step).contiguous()
 
@@ -200,7 +206,7 @@ class _Part(nn.Module):
     def take(self, whole: nn.Module) -> None:
         self.weight.copy_(whole.weight.narrow(self.dim, self.start, self.stop - self.start))
         if self.bias is not None:
-            self.bias.copy_(whole.bias[self.start:self.stop] if self.bias_split else whole.bias)
+            self.bias.copy_(whole.bias[self.start : self.stop] if self.bias_split else whole.bias)
 
 
 class ColumnParallelLinear(_Part):
@@ -255,7 +261,7 @@ class SplitRMSNorm(_Part):
     @torch.no_grad()
     def take(self, whole: nn.Module) -> None:
         if self.weight is not None:
-            self.weight.copy_(whole.weight[self.start:self.stop])
+            self.weight.copy_(whole.weight[self.start : self.stop])
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         input_dtype = hidden_states.dtype
@@ -322,8 +328,9 @@ def vocab_parallel_loss(group, start: int):
     causal-LM loss (labels shifted by one, -100 ignored, the mean over the counted tokens or the sum
     over `num_items_in_batch`), computed without gathering the logits."""
 
-    def loss_function(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
-                      **kwargs):
+    def loss_function(
+        logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs
+    ):
         if shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         target = shift_labels.reshape(-1).to(logits.device)
@@ -350,8 +357,9 @@ def _span(size: int, parts: int, rank: int, what: str) -> tuple[int, int]:
     return rank * step, (rank + 1) * step
 
 
-def apply_tensor_parallel(model: MulaForCausalLM, group, size: int | None = None,
-                          rank: int | None = None) -> dict[str, Split]:
+def apply_tensor_parallel(
+    model: MulaForCausalLM, group, size: int | None = None, rank: int | None = None
+) -> dict[str, Split]:
     """Split `model` (a `MulaForCausalLM`, materialised or on the meta device) over the ranks of `group`
     in place (`size` and `rank` where `group` is not made yet); returns the
     split parameters by name with their full shapes and this rank's slice. A TensorParallelError (one
@@ -366,8 +374,9 @@ def apply_tensor_parallel(model: MulaForCausalLM, group, size: int | None = None
     for module in list(model.modules()):
         if isinstance(module, MulaAttention):
             if config.num_key_value_heads % size:
-                raise TensorParallelError(f"tensor parallel size {size} does not divide the key/value heads "
-                                          f"({config.num_key_value_heads})")
+                raise TensorParallelError(
+                    f"tensor parallel size {size} does not divide the key/value heads ({config.num_key_value_heads})"
+                )
             head = module.head_dim
             q = _span(module.num_heads * head, size, rank, "the query width")
             kv = _span(module.num_kv_heads * head, size, rank, "the key/value width")
@@ -465,8 +474,11 @@ def join_parts(parts: list[tuple[Split, torch.Tensor]], start: int, stop: int) -
     """Elements [start, stop) along the split dimension, cut from saved `parts` (each with its Split) of
     one tensor; a TensorParallelError where they do not cover it."""
     dim = parts[0][0].dim
-    pieces = [tensor.narrow(dim, max(a.start, start) - a.start, min(a.stop, stop) - max(a.start, start))
-              for a, tensor in sorted(parts, key=lambda part: part[0].start) if a.start < stop and start < a.stop]
+    pieces = [
+        tensor.narrow(dim, max(a.start, start) - a.start, min(a.stop, stop) - max(a.start, start))
+        for a, tensor in sorted(parts, key=lambda part: part[0].start)
+        if a.start < stop and start < a.stop
+    ]
     if sum(piece.shape[dim] for piece in pieces) != stop - start:
         raise TensorParallelError(f"the saved parts do not cover [{start}, {stop}) along dimension {dim}")
     return pieces[0].clone() if len(pieces) == 1 else torch.cat(pieces, dim)
@@ -503,6 +515,7 @@ def whole_tensors(state: dict[str, torch.Tensor] | nn.Module, splits: dict[str, 
             joined[key] = None  # no longer held here
         if rank == dst:
             yield name, whole
+
 
 def join_for_writer(state: dict[str, torch.Tensor], splits: dict[str, Split], group, dst: int = 0):
     """`state` with every split tensor whole (on the host, one gathered at a time) on group rank `dst`,

@@ -40,8 +40,9 @@ def metadata_bytes(top_k: int, weight_bytes: int) -> int:
     return top_k * (2 + weight_bytes)
 
 
-def dedup_sends_fewer_bytes(num_experts: int, top_k: int, destinations: int, row_bytes: int,
-                            weight_bytes: int = 4) -> bool:
+def dedup_sends_fewer_bytes(
+    num_experts: int, top_k: int, destinations: int, row_bytes: int, weight_bytes: int = 4
+) -> bool:
     """Whether the deduplicated exchange is expected to send fewer bytes than the per-slot one to
     `destinations` equal groups of experts (ranks; nodes for the hierarchical exchange's inter-node hop)."""
     dedup = expected_groups_hit(num_experts, top_k, destinations) * (row_bytes + metadata_bytes(top_k, weight_bytes))
@@ -121,8 +122,13 @@ class ExchangeTraffic(contextlib.AbstractContextManager):
         import torch.distributed as dist
 
         me = dist.get_rank() // node_size if node_size else None
-        return sum(n for size, rows_to in self.records if size == row_bytes for peer, n in rows_to.items()
-                   if node_size is None or peer // node_size != me)
+        return sum(
+            n
+            for size, rows_to in self.records
+            if size == row_bytes
+            for peer, n in rows_to.items()
+            if node_size is None or peer // node_size != me
+        )
 
     def inter_node(self, node_size: int) -> int:
         """Bytes sent to ranks of other nodes, nodes being consecutive runs of `node_size` ranks."""

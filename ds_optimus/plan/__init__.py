@@ -15,6 +15,25 @@ from .scaling import ScalingPoint, efficiency, scaling
 from .search import Plan, evaluate, search
 from .timing import TimeEstimate, estimate_time
 
-__all__ = ["BUILTIN", "Cluster", "ClusterError", "Layout", "LayoutError", "MemoryEstimate", "ModelShape", "Plan",
-           "ScalingPoint", "TimeEstimate", "efficiency", "estimate_memory", "estimate_time", "evaluate",
-           "get_cluster", "layout_config", "layout_from_config", "local_cluster", "scaling", "search"]
+__all__ = [
+    "BUILTIN",
+    "Cluster",
+    "ClusterError",
+    "Layout",
+    "LayoutError",
+    "MemoryEstimate",
+    "ModelShape",
+    "Plan",
+    "ScalingPoint",
+    "TimeEstimate",
+    "efficiency",
+    "estimate_memory",
+    "estimate_time",
+    "evaluate",
+    "get_cluster",
+    "layout_config",
+    "layout_from_config",
+    "local_cluster",
+    "scaling",
+    "search",
+]

@@ -96,11 +96,24 @@ class Cluster:
             elif f.name == "devices_per_node":
                 if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                     raise ClusterError(f"cluster devices_per_node must be a positive integer, got {value!r}")
-            elif not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (
-                    value == 0 and f.name not in ("memory_reserve_gib", "overhead_per_layer_s", "step_jitter",
-                                                  "overlap_contention",
-                                                  "overhead_per_micro_batch_s",
-                                                  "intra_node_latency_us", "inter_node_latency_us")):
+            elif (
+                not isinstance(value, (int, float))
+                or isinstance(value, bool)
+                or value < 0
+                or (
+                    value == 0
+                    and f.name
+                    not in (
+                        "memory_reserve_gib",
+                        "overhead_per_layer_s",
+                        "step_jitter",
+                        "overlap_contention",
+                        "overhead_per_micro_batch_s",
+                        "intra_node_latency_us",
+                        "inter_node_latency_us",
+                    )
+                )
+            ):
                 raise ClusterError(f"cluster {f.name} must be a positive number, got {value!r}")
         if not 0 <= self.overlap_contention <= 1:
             raise ClusterError(f"cluster overlap_contention must be in [0, 1], got {self.overlap_contention!r}")
@@ -166,8 +179,9 @@ class Cluster:
             try:
                 data = json.loads(path.read_text())
             except FileNotFoundError:
-                raise ClusterError(f"no cluster named {str(data)!r} and no such file; built in: "
-                                   f"{', '.join(BUILTIN)}") from None
+                raise ClusterError(
+                    f"no cluster named {str(data)!r} and no such file; built in: {', '.join(BUILTIN)}"
+                ) from None
             except json.JSONDecodeError as err:
                 raise ClusterError(f"{path}: not valid JSON ({err})") from None
             if not isinstance(data, dict):
@@ -176,8 +190,19 @@ class Cluster:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ClusterError(f"unknown cluster key {unknown[0]!r}; known keys: {', '.join(sorted(known))}")
-        missing = [k for k in ("name", "device", "devices_per_node", "memory_gib", "peak_tflops",
-                               "intra_node_gbps", "inter_node_gbps") if k not in data]
+        missing = [
+            k
+            for k in (
+                "name",
+                "device",
+                "devices_per_node",
+                "memory_gib",
+                "peak_tflops",
+                "intra_node_gbps",
+                "inter_node_gbps",
+            )
+            if k not in data
+        ]
         if missing:
             raise ClusterError(f"cluster description lacks {missing[0]!r}")
         cluster = cls(**data)
@@ -209,18 +234,33 @@ BUILTIN: dict[str, Cluster] = {
     # public measurement to take them from: the dense compute efficiency 0.35, collectives at 0.6 of
     # the links' bandwidth, a 3 % step-time jitter.
     "aurora": Cluster(
-        name="aurora", device="Intel Max 1550 tile", devices_per_node=12, memory_gib=64 * 1e9 / 2**30,
-        peak_tflops=419.0, intra_node_gbps=50.0, inter_node_gbps=200.0 / 12, intra_node_latency_us=8.0,
-        inter_node_latency_us=15.0, nodes=10624, compute_efficiency=0.35, comm_efficiency=0.6,
-        memory_reserve_gib=6.0, overhead_per_layer_s=4e-4, group_nodes=64, global_bandwidth_fraction=0.645,
-        global_links_per_group_pair=2, nics_per_node=8,
+        name="aurora",
+        device="Intel Max 1550 tile",
+        devices_per_node=12,
+        memory_gib=64 * 1e9 / 2**30,
+        peak_tflops=419.0,
+        intra_node_gbps=50.0,
+        inter_node_gbps=200.0 / 12,
+        intra_node_latency_us=8.0,
+        inter_node_latency_us=15.0,
+        nodes=10624,
+        compute_efficiency=0.35,
+        comm_efficiency=0.6,
+        memory_reserve_gib=6.0,
+        overhead_per_layer_s=4e-4,
+        group_nodes=64,
+        global_bandwidth_fraction=0.645,
+        global_links_per_group_pair=2,
+        nics_per_node=8,
         # the experts: not measured there. Derived: the ratio of the expert kernels' rate to the dense
         # matmuls' measured in one run on a Hopper GPU ("h100" below: 0.33 / 0.68 = 0.49,
         # benchmarks/results/moe_kernels_NVIDIA_H200.json) applied to the assumed dense 0.35: 0.17. The
         # assumption named: the kernels lose as much against a dense matmul on a Max 1550 tile (Triton
         # on XPU) as on the Hopper GPU.
-        step_jitter=0.03, expert_efficiency=0.17,
-        notes="ALCF Aurora: 6 x Intel Max 1550 (12 tiles) per node, 8 x Slingshot-11 200 Gb/s NICs"),
+        step_jitter=0.03,
+        expert_efficiency=0.17,
+        notes="ALCF Aurora: 6 x Intel Max 1550 (12 tiles) per node, 8 x Slingshot-11 200 Gb/s NICs",
+    ),
     # Frontier (OLCF): 4 AMD MI250X per node, each two GCDs, 8 GCD ranks per node with 64 GB HBM2e
     # each (OLCF Frontier user guide). MI250X peak dense bf16 383 TFLOPS, 191.5 per GCD (AMD data
     # sheet). Infinity Fabric between GCDs: 200 GB/s inside an MI250X, 50-100 GB/s between packages
@@ -228,23 +268,47 @@ BUILTIN: dict[str, Cluster] = {
     # 200 Gb/s = 100 GB/s per node, 12.5 GB/s per GCD. 9,408 nodes; a dragonfly of 74 groups of
     # 128 nodes (OLCF), global links taken at half the injection bandwidth (assumed), 3 % jitter.
     "frontier": Cluster(
-        name="frontier", device="AMD MI250X GCD", devices_per_node=8, memory_gib=64 * 1e9 / 2**30,
-        peak_tflops=191.5, intra_node_gbps=50.0, inter_node_gbps=100.0 / 8, intra_node_latency_us=8.0,
-        inter_node_latency_us=15.0, nodes=9408, compute_efficiency=0.35, comm_efficiency=0.6,
-        memory_reserve_gib=6.0, overhead_per_layer_s=4e-4, group_nodes=128, global_bandwidth_fraction=0.5,
+        name="frontier",
+        device="AMD MI250X GCD",
+        devices_per_node=8,
+        memory_gib=64 * 1e9 / 2**30,
+        peak_tflops=191.5,
+        intra_node_gbps=50.0,
+        inter_node_gbps=100.0 / 8,
+        intra_node_latency_us=8.0,
+        inter_node_latency_us=15.0,
+        nodes=9408,
+        compute_efficiency=0.35,
+        comm_efficiency=0.6,
+        memory_reserve_gib=6.0,
+        overhead_per_layer_s=4e-4,
+        group_nodes=128,
+        global_bandwidth_fraction=0.5,
         # the experts: not measured there; derived as for Aurora (the measured Hopper ratio 0.49 x the
         # assumed dense 0.35: 0.17)
-        step_jitter=0.03, expert_efficiency=0.17,
-        notes="OLCF Frontier: 4 x MI250X (8 GCDs) per node, 4 x Slingshot-11 200 Gb/s NICs"),
+        step_jitter=0.03,
+        expert_efficiency=0.17,
+        notes="OLCF Frontier: 4 x MI250X (8 GCDs) per node, 4 x Slingshot-11 200 Gb/s NICs",
+    ),
     # A DGX H100-style cluster: 8 H100 SXM5 80 GB per node, 989 TFLOPS dense bf16 each (NVIDIA H100
     # data sheet); NVLink 4 through NVSwitch, 900 GB/s bidirectional = 450 GB/s per direction; one
     # 400 Gb/s ConnectX-7 InfiniBand NIC per GPU = 50 GB/s. 128 nodes as the default size, on a
     # non-blocking fat tree (no taper), 2 % jitter.
     "h100": Cluster(
-        name="h100", device="NVIDIA H100 SXM5 80GB", devices_per_node=8, memory_gib=80 * 1e9 / 2**30,
-        peak_tflops=989.0, intra_node_gbps=450.0, inter_node_gbps=50.0, intra_node_latency_us=5.0,
-        inter_node_latency_us=10.0, nodes=128, comm_efficiency=0.75,
-        memory_reserve_gib=5.0, overhead_per_layer_s=2e-4, step_jitter=0.02,
+        name="h100",
+        device="NVIDIA H100 SXM5 80GB",
+        devices_per_node=8,
+        memory_gib=80 * 1e9 / 2**30,
+        peak_tflops=989.0,
+        intra_node_gbps=450.0,
+        inter_node_gbps=50.0,
+        intra_node_latency_us=5.0,
+        inter_node_latency_us=10.0,
+        nodes=128,
+        comm_efficiency=0.75,
+        memory_reserve_gib=5.0,
+        overhead_per_layer_s=2e-4,
+        step_jitter=0.02,
         # Both rates measured in one run of benchmarks/moe_kernels.py on an NVIDIA H200 (the H100 SXM's
         # 989 TFLOPS dense bf16 peak and the same SMs, with more and faster memory; benchmarks/results/
         # moe_kernels_NVIDIA_H200.json, 2026-11-28), OLMoE-shaped layer, forward and backward, 8,192 and
@@ -253,8 +317,10 @@ BUILTIN: dict[str, Cluster] = {
         # TFLOP/s (0.29 and 0.36, 0.33 between them). The optimizer's update is not in the step model: on
         # one GPU training 3.6B parameters the fused AdamW alone was 21 % of the step (benchmarks/results/
         # train_e2e_profile_ours_NVIDIA_H200.txt), the planner's step 1.9x too short there.
-        compute_efficiency=0.68, expert_efficiency=0.33,
-        notes="DGX H100: 8 x H100 SXM5 per node, NVLink 4 / NVSwitch, 8 x ConnectX-7 400 Gb/s"),
+        compute_efficiency=0.68,
+        expert_efficiency=0.33,
+        notes="DGX H100: 8 x H100 SXM5 per node, NVLink 4 / NVSwitch, 8 x ConnectX-7 400 Gb/s",
+    ),
 }
 
 
@@ -303,13 +369,26 @@ def local_cluster(efficiency: float = 0.5) -> Cluster:
     except ImportError:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return Cluster(
-        name="local", device=f"CPU ({cores} cores)", devices_per_node=cores, memory_gib=memory,
+        name="local",
+        device=f"CPU ({cores} cores)",
+        devices_per_node=cores,
+        memory_gib=memory,
         # gloo over loopback: a collective costs about 1.5 ms before any byte moves (calibrated below)
-        peak_tflops=tflops, intra_node_gbps=2.0, inter_node_gbps=1.0, intra_node_latency_us=1500.0,
-        inter_node_latency_us=100.0, nodes=1, compute_efficiency=efficiency, comm_efficiency=1.0,
+        peak_tflops=tflops,
+        intra_node_gbps=2.0,
+        inter_node_gbps=1.0,
+        intra_node_latency_us=1500.0,
+        inter_node_latency_us=100.0,
+        nodes=1,
+        compute_efficiency=efficiency,
+        comm_efficiency=1.0,
         # gloo on loopback, the engine's per-micro-batch work, and the experts (routing, sorting,
         # grouped GEMMs) on the CPU: calibrated once on a 2-core machine against mula-tiny-dense and
         # mula-tiny-moe runs (benchmarks/plan_validation.py), then used for every other layout
-        memory_reserve_gib=1.0, overhead_per_micro_batch_s=1e-2, overhead_per_layer_s=5e-4,
-        expert_efficiency=EXPERT_EFFICIENCY_CPU, shared_compute=True,
-        notes=f"this machine, float32 matmul {tflops * 1e3:.0f} GFLOPS on {cores} cores (measured)")
+        memory_reserve_gib=1.0,
+        overhead_per_micro_batch_s=1e-2,
+        overhead_per_layer_s=5e-4,
+        expert_efficiency=EXPERT_EFFICIENCY_CPU,
+        shared_compute=True,
+        notes=f"this machine, float32 matmul {tflops * 1e3:.0f} GFLOPS on {cores} cores (measured)",
+    )

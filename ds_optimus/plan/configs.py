@@ -19,8 +19,11 @@ def template_path(preset: str, cluster: str | None = None) -> Path | None:
     """The shipped config a plan of `preset` starts from: the cluster's own (`ds_configs/<preset>-<cluster>.json`,
     e.g. the Mula runs on Aurora: their sequence length and global batch), else the preset's, else the
     tiny CPU one; None where none is shipped."""
-    names = ([f"{preset}-{cluster}.json"] if cluster else []) + [f"{preset}.json", f"{preset}-cpu.json",
-                                                                  "mula-tiny-moe-cpu.json"]
+    names = ([f"{preset}-{cluster}.json"] if cluster else []) + [
+        f"{preset}.json",
+        f"{preset}-cpu.json",
+        "mula-tiny-moe-cpu.json",
+    ]
     return next((CONFIG_DIR / n for n in names if (CONFIG_DIR / n).exists()), None)
 
 
@@ -29,12 +32,15 @@ def template_for(preset: str, cluster: str | None = None) -> dict[str, Any]:
     path = template_path(preset, cluster)
     if path is not None:
         return json.loads(path.read_text())
-    return {"optimizer": {"type": "AdamW", "params": {"lr": 4e-4, "betas": [0.9, 0.95], "eps": 1e-8,
-                                                       "weight_decay": 0.1}}, "optimus": {}}
+    return {
+        "optimizer": {"type": "AdamW", "params": {"lr": 4e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
+        "optimus": {},
+    }
 
 
-def layout_config(layout: Layout, preset: str, cluster: Cluster | None = None,
-                  base: dict[str, Any] | None = None) -> dict[str, Any]:
+def layout_config(
+    layout: Layout, preset: str, cluster: Cluster | None = None, base: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The DeepSpeed config that runs `preset` under `layout` (from `base`, or the preset's shipped
     config, keeping its optimizer, data and schedule)."""
     config = copy.deepcopy(base if base is not None else template_for(preset))
@@ -60,15 +66,26 @@ def layout_config(layout: Layout, preset: str, cluster: Cluster | None = None,
     # node_size selects the hierarchical exchange: whole nodes, or gcd(ep, devices per node) sub-nodes
     # where the groups are not aligned to nodes (the planner's `hierarchy_node_size`)
     # (an EP group's ranks on a node: devices per node over the TP size, as an EP group is one TP position's)
-    node_size = hierarchy_node_size(layout.ep, cluster.devices_per_node // layout.tp) \
-        if layout.hierarchical and cluster is not None else None
-    optimus["expert_parallel"] = {"size": layout.ep, "node_size": node_size, "dedup": layout.dedup,
-                                  "chunks": layout.chunks}
+    node_size = (
+        hierarchy_node_size(layout.ep, cluster.devices_per_node // layout.tp)
+        if layout.hierarchical and cluster is not None
+        else None
+    )
+    optimus["expert_parallel"] = {
+        "size": layout.ep,
+        "node_size": node_size,
+        "dedup": layout.dedup,
+        "chunks": layout.chunks,
+    }
     if layout.dispatch != "alltoall":  # the default is left out
         optimus["expert_parallel"]["dispatch"] = layout.dispatch
     if layout.pp > 1:  # the runtime's balanced split of the layers (`layers` null)
-        optimus["pipeline_parallel"] = {"size": layout.pp, "schedule": layout.schedule,
-                                        "virtual_stages": layout.virtual_stages, "layers": None}
+        optimus["pipeline_parallel"] = {
+            "size": layout.pp,
+            "schedule": layout.schedule,
+            "virtual_stages": layout.virtual_stages,
+            "layers": None,
+        }
     else:
         optimus.pop("pipeline_parallel", None)
     if layout.tp > 1:
@@ -98,13 +115,19 @@ def layout_config(layout: Layout, preset: str, cluster: Cluster | None = None,
     return config
 
 
-def layout_of(opt: Any, ds_config: dict[str, Any], world: int, micro: int, accumulation: int,
-              model: ModelShape | None = None) -> Layout:
+def layout_of(
+    opt: Any, ds_config: dict[str, Any], world: int, micro: int, accumulation: int, model: ModelShape | None = None
+) -> Layout:
     """The layout a parsed training config (`opt`, the `OptimusConfig` of `ds_config`) runs at `world`
     ranks with its resolved micro-batch and accumulation: the inverse of `layout_config`. `dedup`
     "auto" is decided as the runtime decides it, by the bytes (`model` needed; else per slot)."""
-    dtype = "bf16" if ds_config.get("bf16", {}).get("enabled") else "fp16" if ds_config.get("fp16", {}).get(
-        "enabled") else "fp32"
+    dtype = (
+        "bf16"
+        if ds_config.get("bf16", {}).get("enabled")
+        else "fp16"
+        if ds_config.get("fp16", {}).get("enabled")
+        else "fp32"
+    )
     ep, pp, sharded = opt.expert_parallel, opt.pipeline_parallel, opt.sharded_optimizer
     dispatch = getattr(ep, "dispatch", "alltoall")
     hierarchical = bool(ep.node_size and ep.node_size < ep.size) and dispatch == "alltoall"
@@ -113,17 +136,39 @@ def layout_of(opt: Any, ds_config: dict[str, Any], world: int, micro: int, accum
         dedup = False
     elif dedup == "auto":
         destinations = ep.size // ep.node_size if hierarchical else ep.size
-        dedup = ep.chunks > 1 or bool(model is not None and model.experts and ep.size > 1 and dedup_sends_fewer_bytes(
-            model.experts, model.top_k, destinations, model.hidden * DTYPE_BYTES[dtype], DTYPE_BYTES[dtype]))
+        dedup = ep.chunks > 1 or bool(
+            model is not None
+            and model.experts
+            and ep.size > 1
+            and dedup_sends_fewer_bytes(
+                model.experts, model.top_k, destinations, model.hidden * DTYPE_BYTES[dtype], DTYPE_BYTES[dtype]
+            )
+        )
     zero = ds_config.get("zero_optimization", {})
-    return Layout(world=world, ep=ep.size, pp=pp.size, zero=zero.get("stage", 0), sharded=sharded.enabled,
-                  micro=micro, accumulation=accumulation, checkpointing=opt.train.recompute, hierarchical=hierarchical,
-                  dedup=bool(dedup), chunks=ep.chunks, seq_len=opt.data.seq_len, dtype=dtype,
-                  reduce_dtype=sharded.reduce_dtype, bucket_size=sharded.bucket_size, schedule=pp.schedule,
-                  virtual_stages=pp.virtual_stages, dispatch=dispatch,
-                  shard_group=sharded.shard_group_size if sharded.enabled else None,
-                  gather_overlap=bool(sharded.enabled and sharded.overlap_param_gather),
-                  tp=opt.tensor_parallel.size, sp=opt.tensor_parallel.sequence_parallel)
+    return Layout(
+        world=world,
+        ep=ep.size,
+        pp=pp.size,
+        zero=zero.get("stage", 0),
+        sharded=sharded.enabled,
+        micro=micro,
+        accumulation=accumulation,
+        checkpointing=opt.train.recompute,
+        hierarchical=hierarchical,
+        dedup=bool(dedup),
+        chunks=ep.chunks,
+        seq_len=opt.data.seq_len,
+        dtype=dtype,
+        reduce_dtype=sharded.reduce_dtype,
+        bucket_size=sharded.bucket_size,
+        schedule=pp.schedule,
+        virtual_stages=pp.virtual_stages,
+        dispatch=dispatch,
+        shard_group=sharded.shard_group_size if sharded.enabled else None,
+        gather_overlap=bool(sharded.enabled and sharded.overlap_param_gather),
+        tp=opt.tensor_parallel.size,
+        sp=opt.tensor_parallel.sequence_parallel,
+    )
 
 
 def layout_from_config(ds_config: dict[str, Any], world: int | None = None) -> tuple[ModelShape, Layout]:
@@ -139,12 +184,16 @@ def layout_from_config(ds_config: dict[str, Any], world: int | None = None) -> t
         keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
         total, micro, accumulation = (config.get(k) for k in keys)
         if not all(isinstance(v, int) and v > 0 for v in (total, micro, accumulation)):
-            raise LayoutError("the config does not record its world size (train_batch_size, micro-batch and "
-                              "accumulation): give --devices")
+            raise LayoutError(
+                "the config does not record its world size (train_batch_size, micro-batch and "
+                "accumulation): give --devices"
+            )
         world = total // (micro * accumulation) * stages * tensor
     if world % (stages * tensor):
-        raise LayoutError(f"optimus.pipeline_parallel.size {stages} x optimus.tensor_parallel.size {tensor} does not "
-                          f"divide the {world} ranks")
+        raise LayoutError(
+            f"optimus.pipeline_parallel.size {stages} x optimus.tensor_parallel.size {tensor} does not "
+            f"divide the {world} ranks"
+        )
     micro, accumulation = resolve_batch_sizes(config, world // stages // tensor, stages, tensor)
     return model, layout_of(opt, config, world, micro, accumulation, model)
 

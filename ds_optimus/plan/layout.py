@@ -17,8 +17,14 @@ RECOMPUTE_PARTS = ("moe", "attention", "norms")
 DISPATCHES = ("alltoall", "allgather")
 # Short labels of the pipeline schedules in `Layout.describe`: none for 1F1B, and none for the interleaved
 # 1F1B with virtual stages (`pp8v2`)
-SCHEDULE_LABELS = {"gpipe": ":gpipe", "interleaved_1f1b": ":interleaved", "looped_bfs": ":bfs", "interleaved_zb": ":zb",
-                   "zbv": ":zbv", "dualpipev": ":dualpipev"}
+SCHEDULE_LABELS = {
+    "gpipe": ":gpipe",
+    "interleaved_1f1b": ":interleaved",
+    "looped_bfs": ":bfs",
+    "interleaved_zb": ":zb",
+    "zbv": ":zbv",
+    "dualpipev": ":dualpipev",
+}
 
 
 class LayoutError(ValueError):
@@ -108,16 +114,27 @@ class Layout:
 
     def check(self, experts: int = 0, layers: int | None = None) -> None:
         """A one-line LayoutError when the layout is impossible for a model."""
-        for key in ("world", "ep", "pp", "tp", "micro", "accumulation", "seq_len", "bucket_size", "chunks",
-                    "virtual_stages"):
+        for key in (
+            "world",
+            "ep",
+            "pp",
+            "tp",
+            "micro",
+            "accumulation",
+            "seq_len",
+            "bucket_size",
+            "chunks",
+            "virtual_stages",
+        ):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"{key} must be a positive integer, got {value!r}")
         if self.world % self.pp:
             raise LayoutError(f"pipeline size {self.pp} does not divide world size {self.world}")
         if (self.world // self.pp) % self.tp:
-            raise LayoutError(f"tensor-parallel size {self.tp} does not divide the {self.world // self.pp} ranks "
-                              "of a stage")
+            raise LayoutError(
+                f"tensor-parallel size {self.tp} does not divide the {self.world // self.pp} ranks of a stage"
+            )
         if self.tp > 1 and not self.sharded:
             raise LayoutError("tensor parallelism runs with the EP-aware sharded optimizer")
         if self.sp and self.tp == 1:
@@ -136,10 +153,13 @@ class Layout:
         if self.sharded and self.zero == 0:
             raise LayoutError("the sharded optimizer is ZeRO stage 1 or 2")
         ckpt = self.checkpointing
-        if not isinstance(ckpt, bool) and (not ckpt or any(p not in RECOMPUTE_PARTS for p in ckpt)
-                                           or len(set(ckpt)) != len(ckpt)):
-            raise LayoutError(f"checkpointing must be true, false or a list of distinct parts of "
-                              f"{', '.join(RECOMPUTE_PARTS)}, got {ckpt!r}")
+        if not isinstance(ckpt, bool) and (
+            not ckpt or any(p not in RECOMPUTE_PARTS for p in ckpt) or len(set(ckpt)) != len(ckpt)
+        ):
+            raise LayoutError(
+                f"checkpointing must be true, false or a list of distinct parts of "
+                f"{', '.join(RECOMPUTE_PARTS)}, got {ckpt!r}"
+            )
         for key in ("hierarchical", "dedup"):
             if not isinstance(getattr(self, key), bool):
                 raise LayoutError(f"{key} must be true or false, got {getattr(self, key)!r}")
@@ -158,8 +178,10 @@ class Layout:
         if self.dispatch not in DISPATCHES:
             raise LayoutError(f"dispatch must be one of {', '.join(DISPATCHES)}, got {self.dispatch!r}")
         if self.dispatch == "allgather" and (self.dedup or self.chunks > 1 or self.hierarchical):
-            raise LayoutError("the allgather dispatch is a flat exchange in one chunk without dedup; it does not take "
-                              "hierarchical, dedup or chunks")
+            raise LayoutError(
+                "the allgather dispatch is a flat exchange in one chunk without dedup; it does not take "
+                "hierarchical, dedup or chunks"
+            )
 
     def _check_pipeline(self, layers: int | None) -> None:
         """The pipeline's constraints, as `ds_optimus.train` and PyTorch's schedules state them."""
@@ -168,27 +190,37 @@ class Layout:
         if self.schedule not in SCHEDULES:
             raise LayoutError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.virtual_stages > 1 and self.schedule not in MULTI_STAGE_SCHEDULES:
-            raise LayoutError(f"virtual_stages {self.virtual_stages} needs a schedule with several stages per rank "
-                              f"({', '.join(MULTI_STAGE_SCHEDULES)}); {self.schedule} runs one")
+            raise LayoutError(
+                f"virtual_stages {self.virtual_stages} needs a schedule with several stages per rank "
+                f"({', '.join(MULTI_STAGE_SCHEDULES)}); {self.schedule} runs one"
+            )
         if self.schedule in V_SCHEDULES and self.virtual_stages != 2:
-            raise LayoutError(f"{self.schedule} runs exactly two chunks of layers per rank; virtual_stages "
-                              f"{self.virtual_stages}")
+            raise LayoutError(
+                f"{self.schedule} runs exactly two chunks of layers per rank; virtual_stages {self.virtual_stages}"
+            )
         if self.schedule == "dualpipev" and self.accumulation < 2 * self.pp:
-            raise LayoutError(f"dualpipev needs at least as many micro-batches as chunks of layers: accumulation "
-                              f"{self.accumulation} < {2 * self.pp}")
+            raise LayoutError(
+                f"dualpipev needs at least as many micro-batches as chunks of layers: accumulation "
+                f"{self.accumulation} < {2 * self.pp}"
+            )
         if layers is not None and self.pp * self.virtual_stages > layers:
-            raise LayoutError(f"{self.pp} x {self.virtual_stages} chunks of layers need at least as many layers; the "
-                              f"model has {layers}")
+            raise LayoutError(
+                f"{self.pp} x {self.virtual_stages} chunks of layers need at least as many layers; the "
+                f"model has {layers}"
+            )
         if not self.sharded:
-            raise LayoutError("pipeline parallelism runs with the EP-aware sharded optimizer (it reduces the "
-                              "gradients in the schedule's drain)")
+            raise LayoutError(
+                "pipeline parallelism runs with the EP-aware sharded optimizer (it reduces the "
+                "gradients in the schedule's drain)"
+            )
         m = self.accumulation
         if self.schedule == "1f1b" and m < self.pp:
             raise LayoutError(f"1f1b needs at least as many micro-batches as stages: accumulation {m} < {self.pp}")
         rounds = max(1, m // self.pp)
         if self.schedule in ROUND_SCHEDULES and m % rounds:
-            raise LayoutError(f"{self.schedule} runs rounds of {self.pp} micro-batches; accumulation {m} must divide "
-                              "into them")
+            raise LayoutError(
+                f"{self.schedule} runs rounds of {self.pp} micro-batches; accumulation {m} must divide into them"
+            )
 
     def describe(self) -> str:
         """A short label: `dp48 ep8 pp4 zero1+opt mb2x4 ckpt` (`ckpt:moe+attn+norms`: those parts
@@ -202,9 +234,12 @@ class Layout:
             virtual = f"v{self.virtual_stages}" if self.virtual_stages > 1 else ""
             plain = self.schedule == "1f1b" or (self.schedule == "interleaved_1f1b" and virtual)
             parts.append(f"pp{self.pp}{virtual}{'' if plain else SCHEDULE_LABELS.get(self.schedule, self.schedule)}")
-        parts.append(f"zero{self.zero}" + ("+opt" if self.sharded else "")
-                     + (f"/sg{self.shard_group}" if self.sharded and self.shard_group else "")
-                     + ("/pgo" if self.sharded and self.gather_overlap else ""))
+        parts.append(
+            f"zero{self.zero}"
+            + ("+opt" if self.sharded else "")
+            + (f"/sg{self.shard_group}" if self.sharded and self.shard_group else "")
+            + ("/pgo" if self.sharded and self.gather_overlap else "")
+        )
         parts.append(f"mb{self.micro}x{self.accumulation}")
         if self.checkpointing is True:
             parts.append("ckpt")

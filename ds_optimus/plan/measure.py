@@ -28,9 +28,13 @@ class Measurement:
     tokens_per_s: float
 
     def as_dict(self) -> dict[str, Any]:
-        return {"layout": self.layout.to_json(), "peak_bytes": self.peak_bytes,
-                "initialized_bytes": self.initialized_bytes, "step_seconds": self.step_seconds,
-                "tokens_per_s": self.tokens_per_s}
+        return {
+            "layout": self.layout.to_json(),
+            "peak_bytes": self.peak_bytes,
+            "initialized_bytes": self.initialized_bytes,
+            "step_seconds": self.step_seconds,
+            "tokens_per_s": self.tokens_per_s,
+        }
 
 
 class MeasureError(RuntimeError):
@@ -43,9 +47,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure_layout(layout: Layout, preset: str, *, steps: int = 6, memory_steps: int = 2,
-                   workdir: str | Path | None = None, base: dict[str, Any] | None = None,
-                   timeout_s: float = 900, overrides: dict[str, Any] | None = None) -> Measurement:
+def measure_layout(
+    layout: Layout,
+    preset: str,
+    *,
+    steps: int = 6,
+    memory_steps: int = 2,
+    workdir: str | Path | None = None,
+    base: dict[str, Any] | None = None,
+    timeout_s: float = 900,
+    overrides: dict[str, Any] | None = None,
+) -> Measurement:
     """Train `preset` under `layout` for `steps` steps on this machine's CPU with `layout.world`
     processes; memory comes from the first `memory_steps` steps (profiled), time from the rest."""
     if steps <= memory_steps:
@@ -54,12 +66,24 @@ def measure_layout(layout: Layout, preset: str, *, steps: int = 6, memory_steps:
     work = Path(tempfile.mkdtemp(prefix="ds_optimus_measure_") if own else workdir)
     work.mkdir(parents=True, exist_ok=True)
     try:
-        config = measuring_config(layout, preset, work, steps=steps, memory_steps=memory_steps, base=base,
-                                  overrides=overrides)
+        config = measuring_config(
+            layout, preset, work, steps=steps, memory_steps=memory_steps, base=base, overrides=overrides
+        )
         path = work / "config.json"
         path.write_text(json.dumps(config, indent=2))
-        command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(layout.world),
-                   "--master_port", str(free_port()), "--module", "ds_optimus.train", "--config", str(path)]
+        command = [
+            sys.executable,
+            "-m",
+            "deepspeed.launcher.runner",
+            "--num_gpus",
+            str(layout.world),
+            "--master_port",
+            str(free_port()),
+            "--module",
+            "ds_optimus.train",
+            "--config",
+            str(path),
+        ]
         env = dict(os.environ)
         env.pop("OMP_NUM_THREADS", None)  # ds_optimus.train shares the cores out itself
         done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -73,15 +97,30 @@ def measure_layout(layout: Layout, preset: str, *, steps: int = 6, memory_steps:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def measuring_config(layout: Layout, preset: str, work: Path, *, steps: int, memory_steps: int,
-                     base: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+def measuring_config(
+    layout: Layout,
+    preset: str,
+    work: Path,
+    *,
+    steps: int,
+    memory_steps: int,
+    base: dict[str, Any] | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The training config that measures `layout` in folder `work`: `steps` steps of `preset`, the
     first `memory_steps` profiled for memory, no evaluation, sample, warm-up, checkpoint or wandb."""
     config = layout_config(layout, preset, base=base)
     optimus = config["optimus"]
     optimus["model"] = {"preset": preset, **({"overrides": overrides} if overrides else {})}
-    optimus["train"].update(steps=steps, eval_interval=0, eval_batches=1, sample_tokens=0, warmup_steps=0,
-                            output_dir=str(work / "run"), measure_memory_steps=memory_steps)
+    optimus["train"].update(
+        steps=steps,
+        eval_interval=0,
+        eval_batches=1,
+        sample_tokens=0,
+        warmup_steps=0,
+        output_dir=str(work / "run"),
+        measure_memory_steps=memory_steps,
+    )
     optimus["checkpoint"] = {"interval": 0, "keep_last": 1, "dir": str(work / "checkpoints"), "resume": False}
     optimus["wandb"] = {"mode": "disabled"}
     # Not `moe.force_uniform_routing`: it would take the routing noise out of the expert compute, but it
@@ -99,6 +138,10 @@ def measurement(layout: Layout, summary: dict[str, Any], memory_steps: int) -> M
     memory = summary["memory"]
     timed = [s for step, s in summary["step_seconds"].items() if int(step) > memory_steps]
     seconds = statistics.median(timed)
-    return Measurement(layout=layout, peak_bytes=[m["peak_bytes"] for m in memory],
-                       initialized_bytes=[m["marks"].get("initialized", 0) for m in memory],
-                       step_seconds=seconds, tokens_per_s=layout.tokens_per_step / seconds)
+    return Measurement(
+        layout=layout,
+        peak_bytes=[m["peak_bytes"] for m in memory],
+        initialized_bytes=[m["marks"].get("initialized", 0) for m in memory],
+        step_seconds=seconds,
+        tokens_per_s=layout.tokens_per_step / seconds,
+    )

@@ -52,8 +52,19 @@ class MemoryEstimate:
         return max(self.start_of_backward, self.later)
 
     def as_dict(self) -> dict[str, float | str]:
-        keys = ("weights", "gradients", "gradients_at_peak", "optimizer_state", "buffers", "activations",
-                "transient", "all_to_all", "static", "peak", "moment")
+        keys = (
+            "weights",
+            "gradients",
+            "gradients_at_peak",
+            "optimizer_state",
+            "buffers",
+            "activations",
+            "transient",
+            "all_to_all",
+            "static",
+            "peak",
+            "moment",
+        )
         out = {key: getattr(self, key) for key in keys}
         if self.stage_peaks:
             out.update(stage=self.stage, stage_peaks=list(self.stage_peaks))
@@ -86,8 +97,20 @@ def _layer_dense(model: ModelShape) -> tuple[float, float, float]:
 
 def _parts(model: ModelShape, layout: Layout, imbalance: float) -> tuple[_Part, ...]:
     """The whole model (no pipeline), or each pipeline stage's part, first to last."""
-    return _parts_of(model, layout.pp, layout.schedule, layout.virtual_stages, layout.accumulation, layout.ep,
-                     layout.checkpointing, layout.param_bytes, layout.seq_len, imbalance, layout.tp, layout.sp_size)
+    return _parts_of(
+        model,
+        layout.pp,
+        layout.schedule,
+        layout.virtual_stages,
+        layout.accumulation,
+        layout.ep,
+        layout.checkpointing,
+        layout.param_bytes,
+        layout.seq_len,
+        imbalance,
+        layout.tp,
+        layout.sp_size,
+    )
 
 
 def _split(dense: float, layers: int, moe_layers: int, last: bool, model: ModelShape, tp: int) -> float:
@@ -98,16 +121,37 @@ def _split(dense: float, layers: int, moe_layers: int, last: bool, model: ModelS
 
 
 @lru_cache(maxsize=4096)  # the search asks again for every optimizer, exchange and micro-batch split
-def _parts_of(model: ModelShape, pp: int, schedule: str, virtual: int, accumulation: int, ep: int,
-              checkpointing: bool | tuple[str, ...], a: int, seq_len: int, imbalance: float, tp: int = 1,
-              sp: int = 1) -> tuple[_Part, ...]:
+def _parts_of(
+    model: ModelShape,
+    pp: int,
+    schedule: str,
+    virtual: int,
+    accumulation: int,
+    ep: int,
+    checkpointing: bool | tuple[str, ...],
+    a: int,
+    seq_len: int,
+    imbalance: float,
+    tp: int = 1,
+    sp: int = 1,
+) -> tuple[_Part, ...]:
     recompute = model.recompute_bytes_per_token(a, imbalance, checkpointing, tp, sp)
     if pp == 1:
         head = model.head_bytes(a, tp, sp)
         dense = _split(float(model.dense_params), model.layers, model.moe_layers, True, model, tp)
-        return (_Part(dense=dense, expert=model.expert_params / ep,
-                      saved=model.saved_bytes_per_token(a, checkpointing, imbalance, tp, sp), head=head, in_flight=1.0,
-                      loss=True, first=True, moe=model.moe_layers > 0, recompute=recompute),)
+        return (
+            _Part(
+                dense=dense,
+                expert=model.expert_params / ep,
+                saved=model.saved_bytes_per_token(a, checkpointing, imbalance, tp, sp),
+                head=head,
+                in_flight=1.0,
+                loss=True,
+                first=True,
+                moe=model.moe_layers > 0,
+                recompute=recompute,
+            ),
+        )
     attention, router, ffn = _layer_dense(model)
     moe_layer = model.layer_saved_bytes_per_token(a, True, checkpointing, imbalance, tp, sp)
     dense_layer = model.layer_saved_bytes_per_token(a, False, checkpointing, 1.0, tp, sp)
@@ -118,10 +162,19 @@ def _parts_of(model: ModelShape, pp: int, schedule: str, virtual: int, accumulat
         dense += model.vocab * model.hidden * (st.first + st.last) + (model.hidden if st.last else 0)
         dense = _split(dense, st.layers, st.moe_layers, st.last, model, tp)
         head = model.head_bytes(a, tp, sp) if st.last else 0.0
-        parts.append(_Part(dense=dense, expert=st.moe_layers * model.expert_params_per_layer / ep,
-                           saved=st.moe_layers * moe_layer + dense_layers * dense_layer + head, head=head,
-                           loss=st.last, first=st.first, moe=st.moe_layers > 0, recompute=recompute,
-                           in_flight=in_flight(schedule, pp, accumulation, virtual, st.index)))
+        parts.append(
+            _Part(
+                dense=dense,
+                expert=st.moe_layers * model.expert_params_per_layer / ep,
+                saved=st.moe_layers * moe_layer + dense_layers * dense_layer + head,
+                head=head,
+                loss=st.last,
+                first=st.first,
+                moe=st.moe_layers > 0,
+                recompute=recompute,
+                in_flight=in_flight(schedule, pp, accumulation, virtual, st.index),
+            )
+        )
     return tuple(parts)
 
 
@@ -146,8 +199,9 @@ def estimate_memory(model: ModelShape, layout: Layout, expert_imbalance: float =
     return _worst(stage_memory(model, layout, expert_imbalance))
 
 
-def memory_within(model: ModelShape, layout: Layout, limit: float,
-                  expert_imbalance: float = 1.0) -> MemoryEstimate | None:
+def memory_within(
+    model: ModelShape, layout: Layout, limit: float, expert_imbalance: float = 1.0
+) -> MemoryEstimate | None:
     """`estimate_memory` where every stage's peak is at most `limit` bytes; None once one is above it."""
     # the search drops those, and most of its 220B layouts do not fit: their later stages go uncounted
     estimates = []
@@ -170,8 +224,10 @@ def _worst(estimates: list[MemoryEstimate]) -> MemoryEstimate:
 
 def stage_memory(model: ModelShape, layout: Layout, expert_imbalance: float = 1.0) -> list[MemoryEstimate]:
     """Every pipeline stage's estimate, first to last (one, the whole model's, without a pipeline)."""
-    return [_estimate(model, layout, part, expert_imbalance, i) for i, part in enumerate(
-        _parts(model, layout, expert_imbalance))]
+    return [
+        _estimate(model, layout, part, expert_imbalance, i)
+        for i, part in enumerate(_parts(model, layout, expert_imbalance))
+    ]
 
 
 def _estimate(model: ModelShape, layout: Layout, part: _Part, expert_imbalance: float, stage: int) -> MemoryEstimate:
@@ -184,12 +240,22 @@ def _estimate(model: ModelShape, layout: Layout, part: _Part, expert_imbalance: 
     shard = dense / layout.shard_size(layout.dp) + expert / layout.shard_size(layout.edp * layout.sp_size)
     shard = shard if layout.zero > 0 else n_local
     largest = max(_buckets(dense, layout.bucket_size), _buckets(expert, layout.bucket_size))
-    second = min(_buckets(dense, layout.bucket_size), _buckets(expert, layout.bucket_size)) if expert else (
-        _buckets(max(dense - layout.bucket_size, 0), layout.bucket_size))
+    second = (
+        min(_buckets(dense, layout.bucket_size), _buckets(expert, layout.bucket_size))
+        if expert
+        else (_buckets(max(dense - layout.bucket_size, 0), layout.bucket_size))
+    )
     two_buckets = largest + second
     # one parameter's .grad before a hook takes it: the embedding or head where the rank holds them
-    grad_transient = p * (model.largest_dense_param if part.first or part.loss else model.hidden * max(
-        model.q_width, model.intermediate if model.moe_layers < model.layers else 0)) / layout.tp
+    grad_transient = (
+        p
+        * (
+            model.largest_dense_param
+            if part.first or part.loss
+            else model.hidden * max(model.q_width, model.intermediate if model.moe_layers < model.layers else 0)
+        )
+        / layout.tp
+    )
 
     tokens = layout.tokens_per_micro
     head = part.head
@@ -260,8 +326,7 @@ def _estimate(model: ModelShape, layout: Layout, part: _Part, expert_imbalance: 
                 # the staging buffers still allocated besides the .grad (tests/test_plan.py, dp2-ep1-zero1-mb4x2)
                 gradients_at_peak += staging
             vocab = tokens * model.vocab if part.loss else 0.0
-            first = (weights + optimizer_state + staging + activations - 4 * vocab + (p + 4) * vocab
-                     + grad_transient)
+            first = weights + optimizer_state + staging + activations - 4 * vocab + (p + 4) * vocab + grad_transient
             # ZeRO-1 keeps every .grad until the reduction at the end of the backward pass
             end = weights + optimizer_state + gradients + grad_transient
             later, moment_later = max((first, "first gradient"), (end, "end of backward"))
@@ -270,9 +335,19 @@ def _estimate(model: ModelShape, layout: Layout, part: _Part, expert_imbalance: 
     inside_moe = weights + gradients_at_peak + optimizer_state + buffers + activations - tokens * head + all_to_all
     if inside_moe > max(later, weights + gradients_at_peak + optimizer_state + buffers + activations + transient):
         later, moment = inside_moe, "all-to-all of the last MoE layer"
-    return MemoryEstimate(weights=weights, gradients=gradients, gradients_at_peak=gradients_at_peak,
-                          optimizer_state=optimizer_state, buffers=buffers, activations=activations,
-                          transient=transient, all_to_all=all_to_all, later=later, moment=moment, stage=stage)
+    return MemoryEstimate(
+        weights=weights,
+        gradients=gradients,
+        gradients_at_peak=gradients_at_peak,
+        optimizer_state=optimizer_state,
+        buffers=buffers,
+        activations=activations,
+        transient=transient,
+        all_to_all=all_to_all,
+        later=later,
+        moment=moment,
+        stage=stage,
+    )
 
 
 def gib(value: float) -> float:

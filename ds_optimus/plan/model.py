@@ -45,13 +45,24 @@ class ModelShape:
         total, active = count_parameters(config)
         moe_layers = sum(1 for i in range(config.num_hidden_layers) if config.is_moe_layer(i))
         return cls(
-            name=name or getattr(config, "name_or_path", "") or "mula", vocab=config.vocab_size,
-            hidden=config.hidden_size, layers=config.num_hidden_layers, heads=config.num_attention_heads,
-            kv_heads=config.num_key_value_heads, head_dim=config.head_dim, intermediate=config.intermediate_size,
-            experts=config.num_experts if moe_layers else 0, top_k=config.num_experts_per_tok if moe_layers else 0,
-            expert_intermediate=config.moe_intermediate_size, moe_layers=moe_layers, qk_norm=bool(config.qk_norm),
-            tied=bool(config.tie_word_embeddings), total_params=total, active_params=active,
-            moe_layer_freq=int(getattr(config, "moe_layer_freq", 1) or 1))
+            name=name or getattr(config, "name_or_path", "") or "mula",
+            vocab=config.vocab_size,
+            hidden=config.hidden_size,
+            layers=config.num_hidden_layers,
+            heads=config.num_attention_heads,
+            kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            intermediate=config.intermediate_size,
+            experts=config.num_experts if moe_layers else 0,
+            top_k=config.num_experts_per_tok if moe_layers else 0,
+            expert_intermediate=config.moe_intermediate_size,
+            moe_layers=moe_layers,
+            qk_norm=bool(config.qk_norm),
+            tied=bool(config.tie_word_embeddings),
+            total_params=total,
+            active_params=active,
+            moe_layer_freq=int(getattr(config, "moe_layer_freq", 1) or 1),
+        )
 
     @classmethod
     def from_preset(cls, preset: str, **overrides: Any) -> ModelShape:
@@ -142,8 +153,15 @@ class ModelShape:
             return x / sp if norm else kept_by_norm + block_input
         return kept_by_norm + block_input + inner
 
-    def layer_saved_bytes_per_token(self, a: int, moe: bool, recompute: bool | tuple[str, ...] = False,
-                                    imbalance: float = 1.0, tp: int = 1, sp: int = 1) -> float:
+    def layer_saved_bytes_per_token(
+        self,
+        a: int,
+        moe: bool,
+        recompute: bool | tuple[str, ...] = False,
+        imbalance: float = 1.0,
+        tp: int = 1,
+        sp: int = 1,
+    ) -> float:
         """Bytes one token's decoder layer saves for the backward pass under activation recomputation
         `recompute`: False (none), True (the whole layer: its input only) or the parts recomputed,
         any of "moe" (the FFN after the post-attention norm), "attention", "norms"; on one of `tp`
@@ -154,8 +172,9 @@ class ModelShape:
         norm = "norms" in parts
         # under sequence parallelism an MoE block routes this rank's tokens: 1/sp of its rows
         ffn = self._ffn_inner(a, moe, imbalance, tp) / (sp if moe else 1)
-        return (self._side(a, self._attention_inner(a, tp), "attention" in parts, norm, sp)
-                + self._side(a, ffn, "moe" in parts, norm, sp, gathered=not moe))
+        return self._side(a, self._attention_inner(a, tp), "attention" in parts, norm, sp) + self._side(
+            a, ffn, "moe" in parts, norm, sp, gathered=not moe
+        )
 
     def layer_bytes(self, a: int, moe: bool, imbalance: float = 1.0) -> float:
         """Bytes one token's decoder layer saves without recomputation."""
@@ -167,14 +186,17 @@ class ModelShape:
         aux = self.moe_layers * 4 * (2 * self.experts + 2)
         return self._norm(self.hidden, a) / sp + a * self.hidden + 4 * self.vocab / tp + 8 + aux + 8  # + input ids
 
-    def saved_bytes_per_token(self, a: int, checkpointing: bool | tuple[str, ...] = False,
-                              imbalance: float = 1.0, tp: int = 1, sp: int = 1) -> float:
+    def saved_bytes_per_token(
+        self, a: int, checkpointing: bool | tuple[str, ...] = False, imbalance: float = 1.0, tp: int = 1, sp: int = 1
+    ) -> float:
         """Activation bytes per token held from the end of the forward pass into the backward pass,
         under activation recomputation `checkpointing` (see `layer_saved_bytes_per_token`)."""
         moe_layers = self.moe_layers
-        return (moe_layers * self.layer_saved_bytes_per_token(a, True, checkpointing, imbalance, tp, sp)
-                + (self.layers - moe_layers) * self.layer_saved_bytes_per_token(a, False, checkpointing, 1.0, tp, sp)
-                + self.head_bytes(a, tp, sp))
+        return (
+            moe_layers * self.layer_saved_bytes_per_token(a, True, checkpointing, imbalance, tp, sp)
+            + (self.layers - moe_layers) * self.layer_saved_bytes_per_token(a, False, checkpointing, 1.0, tp, sp)
+            + self.head_bytes(a, tp, sp)
+        )
 
     def loss_transient_bytes_per_token(self, a: int, tp: int = 1) -> float:
         """Extra bytes at the start of the backward pass, the usual peak: the logits the output still
@@ -182,8 +204,9 @@ class ModelShape:
         slice under tensor parallelism)."""
         return self.vocab * (a + 8) / tp
 
-    def recompute_bytes_per_token(self, a: int, imbalance: float = 1.0,
-                                  checkpointing: bool | tuple[str, ...] = True, tp: int = 1, sp: int = 1) -> float:
+    def recompute_bytes_per_token(
+        self, a: int, imbalance: float = 1.0, checkpointing: bool | tuple[str, ...] = True, tp: int = 1, sp: int = 1
+    ) -> float:
         """With activation recomputation, the most one recomputed region rebuilds at once during the
         backward pass: a whole layer, or the larger of its recomputed attention and FFN sides."""
         moe = self.moe_layers > 0
@@ -193,8 +216,10 @@ class ModelShape:
             return self.layer_saved_bytes_per_token(a, moe, False, imbalance, tp, sp)
         norm = "norms" in checkpointing
         sides = [(self._attention_inner(a, tp), "attention"), (self._ffn_inner(a, moe, imbalance, tp), "moe")]
-        return max(self._side(a, inner, False, False, sp) - self._side(a, inner, part in checkpointing, norm, sp)
-                   for inner, part in sides)
+        return max(
+            self._side(a, inner, False, False, sp) - self._side(a, inner, part in checkpointing, norm, sp)
+            for inner, part in sides
+        )
 
     # -- recomputation's cost -----------------------------------------------------------------------
 

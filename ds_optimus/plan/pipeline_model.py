@@ -41,10 +41,18 @@ def _config(model: ModelShape) -> SimpleNamespace:
     from ..hf_models.mula.configuration_mula import MulaConfig
 
     config = SimpleNamespace(
-        hidden_size=model.hidden, num_attention_heads=model.heads, num_key_value_heads=model.kv_heads,
-        head_dim=model.head_dim, num_hidden_layers=model.layers, num_experts=model.experts,
-        num_experts_per_tok=model.top_k, moe_intermediate_size=model.expert_intermediate,
-        intermediate_size=model.intermediate, vocab_size=model.vocab, moe_layer_freq=model.moe_layer_freq)
+        hidden_size=model.hidden,
+        num_attention_heads=model.heads,
+        num_key_value_heads=model.kv_heads,
+        head_dim=model.head_dim,
+        num_hidden_layers=model.layers,
+        num_experts=model.experts,
+        num_experts_per_tok=model.top_k,
+        moe_intermediate_size=model.expert_intermediate,
+        intermediate_size=model.intermediate,
+        vocab_size=model.vocab,
+        moe_layer_freq=model.moe_layer_freq,
+    )
     config.is_moe_layer = partial(MulaConfig.is_moe_layer, config)
     return config
 
@@ -61,9 +69,16 @@ def stages(model: ModelShape, seq_len: int, pp: int, virtual: int = 1, v_shape: 
     for s in range(pp):
         chunks = [c for c in range(len(split)) if chunk_stage(c, pp, v_shape) == s]
         ids = [i for c in chunks for i in split[c]]
-        out.append(Stage(index=s, layers=len(ids), moe_layers=sum(1 for i in ids if config.is_moe_layer(i)),
-                         first=0 in chunks, last=len(split) - 1 in chunks,
-                         layer_share=sum(costs[i] for i in ids) / total))
+        out.append(
+            Stage(
+                index=s,
+                layers=len(ids),
+                moe_layers=sum(1 for i in ids if config.is_moe_layer(i)),
+                first=0 in chunks,
+                last=len(split) - 1 in chunks,
+                layer_share=sum(costs[i] for i in ids) / total,
+            )
+        )
     return tuple(out)
 
 
@@ -111,8 +126,10 @@ def replay(schedule: str, pp: int, micro_batches: int, virtual: int = 1) -> tupl
     (`timing.p2p_seconds` counts them). GPipe and the several-chunk schedules only: PyTorch's op list for
     its single-stage 1F1B is not the order its runtime runs."""
     if schedule == "1f1b":
-        raise ValueError("replay: PyTorch's op list for 1f1b is not what its runtime runs; its figures are the "
-                         "textbook's (idle_slots, in_flight)")
+        raise ValueError(
+            "replay: PyTorch's op list for 1f1b is not what its runtime runs; its figures are the "
+            "textbook's (idle_slots, in_flight)"
+        )
     import warnings
 
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
@@ -120,10 +137,22 @@ def replay(schedule: str, pp: int, micro_batches: int, virtual: int = 1) -> tupl
     v = virtual if schedule in MULTI_STAGE_SCHEDULES else 1
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ops = get_schedule_ops(SCHEDULES[schedule].removeprefix("Schedule"), pp, micro_batches,
-                               v if schedule in MULTI_STAGE_SCHEDULES else None)
-    lists = [[sub for op in rank if op is not None for sub in (op.sub_actions or (op,))
-              if sub.computation_type.value in "FIWB"] for rank in ops]
+        ops = get_schedule_ops(
+            SCHEDULES[schedule].removeprefix("Schedule"),
+            pp,
+            micro_batches,
+            v if schedule in MULTI_STAGE_SCHEDULES else None,
+        )
+    lists = [
+        [
+            sub
+            for op in rank
+            if op is not None
+            for sub in (op.sub_actions or (op,))
+            if sub.computation_type.value in "FIWB"
+        ]
+        for rank in ops
+    ]
     last, cost = pp * v - 1, {"F": 1.0, "I": 1.0, "W": 1.0, "B": 2.0}
     done: dict[tuple[str, int, int], float] = {}
     free, at, held = [0.0] * pp, [0] * pp, []
@@ -133,12 +162,17 @@ def replay(schedule: str, pp: int, micro_batches: int, virtual: int = 1) -> tupl
             while at[r] < len(lists[r]):
                 op = lists[r][at[r]]
                 kind, chunk, mb = op.computation_type.value, op.stage_index, op.microbatch_index
-                needs = {"F": [("F", chunk - 1)] if chunk else [], "W": [("I", chunk)],
-                         "I": [("F", chunk)] + ([("IB", chunk + 1)] if chunk < last else [])}.get(kind)
+                needs = {
+                    "F": [("F", chunk - 1)] if chunk else [],
+                    "W": [("I", chunk)],
+                    "I": [("F", chunk)] + ([("IB", chunk + 1)] if chunk < last else []),
+                }.get(kind)
                 if needs is None:  # a full backward waits as the input-gradient pass does
                     needs = [("F", chunk)] + ([("IB", chunk + 1)] if chunk < last else [])
-                ready = [done.get((k, c, mb)) if k != "IB" else done.get(("I", c, mb), done.get(("B", c, mb)))
-                         for k, c in needs]
+                ready = [
+                    done.get((k, c, mb)) if k != "IB" else done.get(("I", c, mb), done.get(("B", c, mb)))
+                    for k, c in needs
+                ]
                 if None in ready:
                     break
                 done[(kind, chunk, mb)] = free[r] = max([free[r], *ready]) + cost[kind] / v

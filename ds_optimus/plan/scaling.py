@@ -31,12 +31,15 @@ class ScalingPoint:
         return self.plan.tokens_per_s if self.plan else 0.0
 
 
-def _banded(model: ModelShape, cluster: Cluster, devices: int, plan: Plan | None, tried: int,
-            expert_imbalance: float) -> ScalingPoint:
+def _banded(
+    model: ModelShape, cluster: Cluster, devices: int, plan: Plan | None, tried: int, expert_imbalance: float
+) -> ScalingPoint:
     if plan is None:
         return ScalingPoint(devices, None, tried)
-    ends = tuple(evaluate(model, plan.layout, replace(cluster, routing=routing), expert_imbalance).tokens_per_s
-                 for routing in ("minimal", "adaptive"))
+    ends = tuple(
+        evaluate(model, plan.layout, replace(cluster, routing=routing), expert_imbalance).tokens_per_s
+        for routing in ("minimal", "adaptive")
+    )
     return ScalingPoint(devices, plan, tried, ends)
 
 
@@ -52,8 +55,18 @@ def device_counts(first: int, last: int) -> list[int]:
     return counts
 
 
-def scaling(model: ModelShape, cluster: Cluster, counts: list[int], seqs_per_device: float, seq_len: int, *,
-            weak: bool = True, global_batch: int | None = None, progress=None, **kwargs: Any) -> list[ScalingPoint]:
+def scaling(
+    model: ModelShape,
+    cluster: Cluster,
+    counts: list[int],
+    seqs_per_device: float,
+    seq_len: int,
+    *,
+    weak: bool = True,
+    global_batch: int | None = None,
+    progress=None,
+    **kwargs: Any,
+) -> list[ScalingPoint]:
     """The best plan at each device count. Weak scaling keeps `seqs_per_device` sequences per device
     per step (the global batch grows with the run); strong scaling keeps `global_batch`."""
     points = []
@@ -62,15 +75,17 @@ def scaling(model: ModelShape, cluster: Cluster, counts: list[int], seqs_per_dev
         if batch is None or batch < 1:
             raise ScalingError("strong scaling needs a global batch")
         plans, tried = search(model, cluster, devices, batch, seq_len, **kwargs)
-        points.append(_banded(model, cluster, devices, plans[0] if plans else None, tried,
-                              kwargs.get("expert_imbalance", 1.0)))
+        points.append(
+            _banded(model, cluster, devices, plans[0] if plans else None, tried, kwargs.get("expert_imbalance", 1.0))
+        )
         if progress is not None:
             progress(points[-1])
     return points
 
 
-def scale_layout(model: ModelShape, cluster: Cluster, layout: Layout, counts: list[int],
-                 expert_imbalance: float = 1.0) -> list[ScalingPoint]:
+def scale_layout(
+    model: ModelShape, cluster: Cluster, layout: Layout, counts: list[int], expert_imbalance: float = 1.0
+) -> list[ScalingPoint]:
     """One layout's shape at each device count (weak scaling: its EP, pipeline, exchange, optimizer,
     recomputation and sequences per data-parallel rank kept, the data-parallel size grown); a count
     it cannot run at has no plan. A plan is kept where it does not fit in memory (`Plan.fits`)."""
@@ -88,6 +103,7 @@ def scale_layout(model: ModelShape, cluster: Cluster, layout: Layout, counts: li
 def efficiency(points: list[ScalingPoint], end: int | None = None) -> list[float]:
     """Tokens/s per device at each count over that at the first count; `end` 0 or 1: at that end of
     the band (minimal routing, adaptive routing), each against the first count at the same end."""
+
     def rate(p: ScalingPoint) -> float:
         if p.plan is None:
             return 0.0
@@ -101,8 +117,20 @@ def format_scaling(points: list[ScalingPoint], label: str = "best layout") -> st
     """The table: the middle of the band in every column, and the band's ends (minimal routing to
     adaptive routing's best) for the tokens/s per device, the MFU and the efficiency."""
     effs, lows, highs = efficiency(points), efficiency(points, 0), efficiency(points, 1)
-    header = ("devices", label, "tokens/s", "per device", "band", "MFU", "band", "a2a %", "grad %", "bubble %",
-              "efficiency", "band")
+    header = (
+        "devices",
+        label,
+        "tokens/s",
+        "per device",
+        "band",
+        "MFU",
+        "band",
+        "a2a %",
+        "grad %",
+        "bubble %",
+        "efficiency",
+        "band",
+    )
     rows = []
     for point, eff, low, high in zip(points, effs, lows, highs, strict=True):
         if point.plan is None:
@@ -111,17 +139,33 @@ def format_scaling(points: list[ScalingPoint], label: str = "best layout") -> st
         t = point.plan.time
         fits = "" if point.plan.fits else " (does not fit)"
         band = point.band or (point.tokens_per_s, point.tokens_per_s)
-        rows.append((str(point.devices), point.plan.layout.describe() + fits, f"{point.tokens_per_s:,.0f}",
-                     f"{point.tokens_per_s / point.devices:,.0f}",
-                     f"{band[0] / point.devices:,.0f}-{band[1] / point.devices:,.0f}", f"{point.plan.mfu:.1%}",
-                     "-".join(f"{point.plan.mfu * b / point.tokens_per_s:.1%}" for b in band),
-                     f"{t.all_to_all / t.step:.0%}", f"{(t.grad_reduce + t.param_gather) / t.step:.0%}",
-                     f"{(t.bubble + t.p2p) / t.step:.0%}", f"{eff:.1%}", f"{low:.0%}-{high:.0%}"))
+        rows.append(
+            (
+                str(point.devices),
+                point.plan.layout.describe() + fits,
+                f"{point.tokens_per_s:,.0f}",
+                f"{point.tokens_per_s / point.devices:,.0f}",
+                f"{band[0] / point.devices:,.0f}-{band[1] / point.devices:,.0f}",
+                f"{point.plan.mfu:.1%}",
+                "-".join(f"{point.plan.mfu * b / point.tokens_per_s:.1%}" for b in band),
+                f"{t.all_to_all / t.step:.0%}",
+                f"{(t.grad_reduce + t.param_gather) / t.step:.0%}",
+                f"{(t.bubble + t.p2p) / t.step:.0%}",
+                f"{eff:.1%}",
+                f"{low:.0%}-{high:.0%}",
+            )
+        )
     return text_table(header, rows)
 
 
-def plot_scaling(points: list[ScalingPoint], path: str | Path, title: str, reference: float | None = None,
-                 others: tuple[tuple[str, list[ScalingPoint]], ...] = (), label: str = "predicted") -> Path:
+def plot_scaling(
+    points: list[ScalingPoint],
+    path: str | Path,
+    title: str,
+    reference: float | None = None,
+    others: tuple[tuple[str, list[ScalingPoint]], ...] = (),
+    label: str = "predicted",
+) -> Path:
     """Tokens/s against devices (log-log, with the ideal line from the first point) and the
     scaling efficiency, to a PNG. `reference`: an efficiency to mark at the last count; `others`:
     more (label, points) series, such as one fixed layout's."""
@@ -144,8 +188,14 @@ def plot_scaling(points: list[ScalingPoint], path: str | Path, title: str, refer
     ax.loglog(devices, ideal, "--", color="grey", label="linear from the first point")
     ax.loglog(devices, tps, "o-", color="C0", label=label)
     if all(p.band for p in pts):
-        ax.fill_between(devices, [p.band[0] for p in pts], [p.band[1] for p in pts], color="C0", alpha=0.15,
-                        label="minimal to adaptive routing between groups")
+        ax.fill_between(
+            devices,
+            [p.band[0] for p in pts],
+            [p.band[1] for p in pts],
+            color="C0",
+            alpha=0.15,
+            label="minimal to adaptive routing between groups",
+        )
     series = [(name, [p for p in pts_ if p.plan is not None], pts_) for name, pts_ in others]
     for i, (name, kept, _) in enumerate(series, 2):
         ax.loglog([p.devices for p in kept], [p.tokens_per_s for p in kept], "s-", color=f"C{i}", label=name)
@@ -164,8 +214,14 @@ def plot_scaling(points: list[ScalingPoint], path: str | Path, title: str, refer
         ax2.semilogx([p.devices for p in kept], [100 * e for e in kept_effs], "s-", color=f"C{i}", label=name)
         _band(ax2, all_points, f"C{i}")
     if reference is not None:
-        ax2.plot([devices[-1]], [100 * reference], "s", color="C3", markersize=9,
-                 label=f"reference measurement ({reference:.0%})")
+        ax2.plot(
+            [devices[-1]],
+            [100 * reference],
+            "s",
+            color="C3",
+            markersize=9,
+            label=f"reference measurement ({reference:.0%})",
+        )
     ax2.set_xticks(devices)
     ax2.set_xticklabels([str(d) for d in devices], rotation=45)
     ax2.minorticks_off()
@@ -186,8 +242,16 @@ def plot_scaling(points: list[ScalingPoint], path: str | Path, title: str, refer
 
 def _band(ax, points: list[ScalingPoint], color: str) -> None:
     """Shade the efficiency between the band's ends (minimal routing, adaptive routing's best)."""
-    kept = [(p, lo, hi) for p, lo, hi in zip(points, efficiency(points, 0), efficiency(points, 1), strict=True)
-            if p.plan is not None and p.band]
+    kept = [
+        (p, lo, hi)
+        for p, lo, hi in zip(points, efficiency(points, 0), efficiency(points, 1), strict=True)
+        if p.plan is not None and p.band
+    ]
     if kept:
-        ax.fill_between([p.devices for p, _, _ in kept], [100 * lo for _, lo, _ in kept],
-                        [100 * hi for _, _, hi in kept], color=color, alpha=0.15)
+        ax.fill_between(
+            [p.devices for p, _, _ in kept],
+            [100 * lo for _, lo, _ in kept],
+            [100 * hi for _, _, hi in kept],
+            color=color,
+            alpha=0.15,
+        )

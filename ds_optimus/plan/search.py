@@ -30,8 +30,15 @@ VIRTUAL_STAGES = (2, 4)
 # activation recomputation: none; the norms (almost free); the attention with them; the MoE block
 # (the largest activations; its forward at the expert kernels' rate and its exchange run again), also
 # with the norms; MoE, attention and norms (each layer's input and middle residual kept); whole layers
-RECOMPUTE_CHOICES = (False, ("norms",), ("attention", "norms"), ("moe",), ("moe", "norms"),
-                     ("moe", "attention", "norms"), True)
+RECOMPUTE_CHOICES = (
+    False,
+    ("norms",),
+    ("attention", "norms"),
+    ("moe",),
+    ("moe", "norms"),
+    ("moe", "attention", "norms"),
+    True,
+)
 
 
 @dataclass(frozen=True)
@@ -57,16 +64,27 @@ class Plan:
         return self.memory.peak <= self.cluster.usable_bytes
 
     def as_dict(self) -> dict[str, Any]:
-        return {"layout": self.layout.to_json(), "describe": self.layout.describe(),
-                "memory_bytes": self.memory.as_dict(), "time_s": self.time.as_dict(),
-                "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "fits": self.fits}
+        return {
+            "layout": self.layout.to_json(),
+            "describe": self.layout.describe(),
+            "memory_bytes": self.memory.as_dict(),
+            "time_s": self.time.as_dict(),
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "fits": self.fits,
+        }
 
 
 def evaluate(model: ModelShape, layout: Layout, cluster: Cluster, expert_imbalance: float = 1.0) -> Plan:
     """The memory and time predictions of one layout."""
     layout.check(model.experts, model.layers)
-    return Plan(layout=layout, memory=estimate_memory(model, layout, expert_imbalance),
-                time=estimate_time(model, layout, cluster, expert_imbalance), cluster=cluster, model=model)
+    return Plan(
+        layout=layout,
+        memory=estimate_memory(model, layout, expert_imbalance),
+        time=estimate_time(model, layout, cluster, expert_imbalance),
+        cluster=cluster,
+        model=model,
+    )
 
 
 def _divisors(n: int) -> list[int]:
@@ -88,19 +106,36 @@ def schedules(pp: int, micro_batches: int, layers: int, virtual_stages=VIRTUAL_S
     m = micro_batches
     out = [("1f1b", 1) if m >= pp else ("gpipe", 1)]
     rounds = max(1, m // pp)
-    out += [(name, v) for name in ("interleaved_1f1b", "interleaved_zb") for v in virtual_stages
-            if layers % (pp * v) == 0 and m % rounds == 0]
+    out += [
+        (name, v)
+        for name in ("interleaved_1f1b", "interleaved_zb")
+        for v in virtual_stages
+        if layers % (pp * v) == 0 and m % rounds == 0
+    ]
     if layers % (2 * pp) == 0:
         out.append(("zbv", 2))
     return out
 
 
-def candidate_layouts(model: ModelShape, cluster: Cluster, devices: int, global_batch: int, seq_len: int, *,
-                      dtype: str = "bf16", pipeline: bool = True, optimizers=OPTIMIZERS,
-                      checkpointing: tuple = RECOMPUTE_CHOICES, max_ep: int | None = None,
-                      reduce_dtype: str | None = None, bucket_size: int = 50_000_000,
-                      exchanges=EXCHANGES, dispatches=DISPATCHES, virtual_stages=VIRTUAL_STAGES,
-                      tensor: tuple[int, ...] | None = None) -> list[Layout]:
+def candidate_layouts(
+    model: ModelShape,
+    cluster: Cluster,
+    devices: int,
+    global_batch: int,
+    seq_len: int,
+    *,
+    dtype: str = "bf16",
+    pipeline: bool = True,
+    optimizers=OPTIMIZERS,
+    checkpointing: tuple = RECOMPUTE_CHOICES,
+    max_ep: int | None = None,
+    reduce_dtype: str | None = None,
+    bucket_size: int = 50_000_000,
+    exchanges=EXCHANGES,
+    dispatches=DISPATCHES,
+    virtual_stages=VIRTUAL_STAGES,
+    tensor: tuple[int, ...] | None = None,
+) -> list[Layout]:
     """Every layout of `devices` ranks that trains `global_batch` sequences per step; `exchanges`:
     the (dedup, chunks) pairs of the all-to-all to try where there is an EP exchange, `dispatches` the
     exchanges (the allgather one where the EP group is inside a node); `pipeline`: also pipeline
@@ -110,17 +145,23 @@ def candidate_layouts(model: ModelShape, cluster: Cluster, devices: int, global_
     attention, embedding and head; each with and without sequence parallelism)."""
     overlap = not cluster.shared_compute  # gloo: no overlap
     layouts = []
-    sizes = [p for p in _divisors(devices) if p <= 16 and model.layers % p == 0] if pipeline and not model.tied \
-        else [1]
-    splits = [(p, t, s) for p in sizes for t in tensor_sizes(model, cluster, devices // p, tensor)
-              for s in ((False, True) if t > 1 and seq_len % t == 0 else (False,))]
+    sizes = [p for p in _divisors(devices) if p <= 16 and model.layers % p == 0] if pipeline and not model.tied else [1]
+    splits = [
+        (p, t, s)
+        for p in sizes
+        for t in tensor_sizes(model, cluster, devices // p, tensor)
+        for s in ((False, True) if t > 1 and seq_len % t == 0 else (False,))
+    ]
     for pp, tp, sp in splits:
         dp = devices // pp // tp
         if global_batch % dp:
             continue
         per_rank = global_batch // dp
-        eps = [e for e in _divisors(dp) if model.experts % e == 0 and (max_ep is None or e <= max_ep)] \
-            if model.experts else [1]
+        eps = (
+            [e for e in _divisors(dp) if model.experts % e == 0 and (max_ep is None or e <= max_ep)]
+            if model.experts
+            else [1]
+        )
         # stages and tensor parallelism need the sharded optimizer
         opts = optimizers if pp == 1 and tp == 1 else [o for o in optimizers if o[1]]
         for ep in eps:
@@ -129,23 +170,46 @@ def candidate_layouts(model: ModelShape, cluster: Cluster, devices: int, global_
             # the allgather dispatch inside a node
             hierarchies = (False, True) if hierarchy_node_size(ep, cluster.devices_per_node // tp) else (False,)
             tried = [(d, c) for d, c in exchanges if ep > 1 and (overlap or c == 1)] or [(False, 1)]
-            modes = [(h, d, c, "alltoall") for h in hierarchies for d, c in tried] \
-                if "alltoall" in dispatches or ep == 1 else []
+            modes = (
+                [(h, d, c, "alltoall") for h in hierarchies for d, c in tried]
+                if "alltoall" in dispatches or ep == 1
+                else []
+            )
             if ep > 1 and "allgather" in dispatches and (cluster.devices_per_node // tp) % ep == 0:
                 modes.append((False, False, 1, "allgather"))
             for zero, sharded in opts:
                 for micro in _divisors(per_rank):
                     for (schedule, virtual), ckpt, (hier, dedup, chunks, dispatch) in itertools.product(
-                            schedules(pp, per_rank // micro, model.layers, virtual_stages), checkpointing, modes):
+                        schedules(pp, per_rank // micro, model.layers, virtual_stages), checkpointing, modes
+                    ):
                         # the gradients travel in the weights' dtype unless told (buckets that add
                         # micro-batches up hold fp32 sums, cast at the collective)
                         reduce = reduce_dtype
-                        layouts.append(Layout(
-                            world=devices, ep=ep, pp=pp, zero=zero, sharded=sharded, micro=micro,
-                            accumulation=per_rank // micro, checkpointing=ckpt, hierarchical=hier, dedup=dedup,
-                            chunks=chunks, seq_len=seq_len, dtype=dtype, reduce_dtype=reduce,
-                            bucket_size=bucket_size, overlap_comm=overlap, schedule=schedule,
-                            virtual_stages=virtual, dispatch=dispatch, tp=tp, sp=sp))
+                        layouts.append(
+                            Layout(
+                                world=devices,
+                                ep=ep,
+                                pp=pp,
+                                zero=zero,
+                                sharded=sharded,
+                                micro=micro,
+                                accumulation=per_rank // micro,
+                                checkpointing=ckpt,
+                                hierarchical=hier,
+                                dedup=dedup,
+                                chunks=chunks,
+                                seq_len=seq_len,
+                                dtype=dtype,
+                                reduce_dtype=reduce,
+                                bucket_size=bucket_size,
+                                overlap_comm=overlap,
+                                schedule=schedule,
+                                virtual_stages=virtual,
+                                dispatch=dispatch,
+                                tp=tp,
+                                sp=sp,
+                            )
+                        )
     return layouts
 
 
@@ -155,8 +219,11 @@ def tensor_sizes(model: ModelShape, cluster: Cluster, ranks: int, tried: tuple[i
     FFN and the vocabulary."""
     tried = tried if tried is not None else ((1, 2, 4, 8) if not model.experts else (1,))
     widths = (model.kv_heads, model.heads, model.intermediate, model.vocab)
-    return [t for t in tried if t == 1 or (cluster.devices_per_node % t == 0 and ranks % t == 0
-                                           and all(w % t == 0 for w in widths))]
+    return [
+        t
+        for t in tried
+        if t == 1 or (cluster.devices_per_node % t == 0 and ranks % t == 0 and all(w % t == 0 for w in widths))
+    ]
 
 
 def shard_groups(dp: int, edp: int, devices_per_node: int) -> list[int | None]:
@@ -169,8 +236,16 @@ def shard_groups(dp: int, edp: int, devices_per_node: int) -> list[int | None]:
     return tried
 
 
-def search(model: ModelShape, cluster: Cluster, devices: int, global_batch: int, seq_len: int, *,
-           expert_imbalance: float = 1.0, **kwargs: Any) -> tuple[list[Plan], int]:
+def search(
+    model: ModelShape,
+    cluster: Cluster,
+    devices: int,
+    global_batch: int,
+    seq_len: int,
+    *,
+    expert_imbalance: float = 1.0,
+    **kwargs: Any,
+) -> tuple[list[Plan], int]:
     """(the layouts that fit, best first; how many were tried)."""
     layouts = candidate_layouts(model, cluster, devices, global_batch, seq_len, **kwargs)
     fitting = _fitting(model, layouts, cluster, expert_imbalance)
@@ -179,18 +254,30 @@ def search(model: ModelShape, cluster: Cluster, devices: int, global_batch: int,
     # fit that did not); the gather overlaps only where communication overlaps compute
     fastest_first = sorted(fitting, key=lambda plan: plan.time.step)[:HYBRID_TRIED]
     gathers = (False, True) if not cluster.shared_compute else (False,)
-    hybrid = [plan.layout.with_(shard_group=size, gather_overlap=gather) for plan in fastest_first
-              if plan.layout.sharded for size in shard_groups(plan.layout.dp, plan.layout.edp, cluster.devices_per_node)
-              for gather in gathers if size is not None or gather]
+    hybrid = [
+        plan.layout.with_(shard_group=size, gather_overlap=gather)
+        for plan in fastest_first
+        if plan.layout.sharded
+        for size in shard_groups(plan.layout.dp, plan.layout.edp, cluster.devices_per_node)
+        for gather in gathers
+        if size is not None or gather
+    ]
     fitting += _fitting(model, hybrid, cluster, expert_imbalance)
     # fastest first, in bands of 2 % (finer than the model can tell apart); within a band the EP-aware
     # sharded optimizer first (its checkpoints reshard, the step guards act through it), then fewer
     # pipeline stages and chunks (fewer collectives to go wrong), then the faster, then the smaller;
     # ties keep the candidates' order
     fastest = min((plan.time.step for plan in fitting), default=1.0)
-    fitting.sort(key=lambda plan: (math.floor((plan.time.step / fastest - 1) / TIE_BAND + 1e-9),
-                                   not plan.layout.sharded, plan.layout.pp, plan.layout.chunks, plan.time.step,
-                                   plan.memory.peak))
+    fitting.sort(
+        key=lambda plan: (
+            math.floor((plan.time.step / fastest - 1) / TIE_BAND + 1e-9),
+            not plan.layout.sharded,
+            plan.layout.pp,
+            plan.layout.chunks,
+            plan.time.step,
+            plan.memory.peak,
+        )
+    )
     return fitting, len(layouts) + len(hybrid)
 
 
@@ -208,8 +295,15 @@ def _fitting(model: ModelShape, layouts: list[Layout], cluster: Cluster, expert_
         else:
             estimate = memory[key] = memory_within(model, layout, cluster.usable_bytes, expert_imbalance)
         if estimate is not None:
-            plans.append(Plan(layout=layout, memory=estimate, cluster=cluster, model=model,
-                              time=estimate_time(model, layout, cluster, expert_imbalance)))
+            plans.append(
+                Plan(
+                    layout=layout,
+                    memory=estimate,
+                    cluster=cluster,
+                    model=model,
+                    time=estimate_time(model, layout, cluster, expert_imbalance),
+                )
+            )
     return plans
 
 
@@ -217,8 +311,17 @@ def _fitting(model: ModelShape, layouts: list[Layout], cluster: Cluster, expert_
 _memory_key = operator.attrgetter(*(f.name for f in fields(Layout) if f.name not in ("dedup", "chunks")))
 
 
-def smallest_peak(model: ModelShape, cluster: Cluster, devices: int, global_batch: int, seq_len: int, *,
-                  expert_imbalance: float = 1.0, stop_below: float = 0.0, **kwargs: Any) -> tuple[Layout, float] | None:
+def smallest_peak(
+    model: ModelShape,
+    cluster: Cluster,
+    devices: int,
+    global_batch: int,
+    seq_len: int,
+    *,
+    expert_imbalance: float = 1.0,
+    stop_below: float = 0.0,
+    **kwargs: Any,
+) -> tuple[Layout, float] | None:
     """(the layout with the smallest predicted peak per device, fitting or not; that peak in bytes), from
     the memory model alone; the first found under `stop_below` bytes ends the search. None without any."""
     best = None
@@ -242,9 +345,11 @@ def ranking_note(plans: list[Plan], top: int = 10) -> str | None:
         return None
     gain = plans[0].time.step / plans[fastest].time.step - 1
     where = f"row {fastest + 1}" if fastest < top else f"{plans[fastest].layout.describe()} (not shown)"
-    return (f"note: row 1 is not the fastest: {where} is predicted {gain:.1%} faster; layouts within "
-            f"{TIE_BAND:.0%} of each other are ranked by the sharded optimizer first, then fewer pipeline stages and "
-            "chunks, then speed")
+    return (
+        f"note: row 1 is not the fastest: {where} is predicted {gain:.1%} faster; layouts within "
+        f"{TIE_BAND:.0%} of each other are ranked by the sharded optimizer first, then fewer pipeline stages and "
+        "chunks, then speed"
+    )
 
 
 def format_table(plans: list[Plan], top: int = 10) -> str:
@@ -257,9 +362,19 @@ def format_table(plans: list[Plan], top: int = 10) -> str:
         m, t = plan.memory, plan.time
         states = m.weights + m.gradients_at_peak + m.optimizer_state + m.buffers
         comm = t.communication / t.step
-        rows.append((str(i), plan.layout.describe(), f"{m.peak / scale:.1f}", f"{states / scale:.1f}",
-                     f"{(m.activations + m.transient) / scale:.1f}", f"{t.step:.3g}", f"{plan.tokens_per_s:,.0f}",
-                     f"{plan.mfu:.1%}", f"{comm:.0%}"))
+        rows.append(
+            (
+                str(i),
+                plan.layout.describe(),
+                f"{m.peak / scale:.1f}",
+                f"{states / scale:.1f}",
+                f"{(m.activations + m.transient) / scale:.1f}",
+                f"{t.step:.3g}",
+                f"{plan.tokens_per_s:,.0f}",
+                f"{plan.mfu:.1%}",
+                f"{comm:.0%}",
+            )
+        )
     return text_table(header, rows)
 
 

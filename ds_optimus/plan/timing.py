@@ -55,8 +55,16 @@ class TimeEstimate:
 
     @property
     def step(self) -> float:
-        return (self.compute + self.all_to_all + self.grad_reduce + self.param_gather + self.bubble + self.overhead
-                + self.p2p + self.tensor)
+        return (
+            self.compute
+            + self.all_to_all
+            + self.grad_reduce
+            + self.param_gather
+            + self.bubble
+            + self.overhead
+            + self.p2p
+            + self.tensor
+        )
 
     @property
     def communication(self) -> float:
@@ -65,11 +73,21 @@ class TimeEstimate:
         return self.all_to_all + self.grad_reduce + self.param_gather + self.p2p + self.tensor
 
     def as_dict(self) -> dict[str, float]:
-        return {"compute": self.compute, "all_to_all": self.all_to_all, "grad_reduce": self.grad_reduce,
-                "param_gather": self.param_gather, "bubble": self.bubble, "p2p": self.p2p,
-                "overhead": self.overhead, "step": self.step, "experts": self.experts,
-                "all_to_all_hidden": self.all_to_all_hidden, "reduce_across": self.reduce_across,
-                "gather_hidden": self.gather_hidden, "tensor": self.tensor}
+        return {
+            "compute": self.compute,
+            "all_to_all": self.all_to_all,
+            "grad_reduce": self.grad_reduce,
+            "param_gather": self.param_gather,
+            "bubble": self.bubble,
+            "p2p": self.p2p,
+            "overhead": self.overhead,
+            "step": self.step,
+            "experts": self.experts,
+            "all_to_all_hidden": self.all_to_all_hidden,
+            "reduce_across": self.reduce_across,
+            "gather_hidden": self.gather_hidden,
+            "tensor": self.tensor,
+        }
 
 
 def _link(cluster: Cluster, nodes: int, pattern: str = "ring") -> tuple[float, float]:
@@ -145,8 +163,7 @@ def exchange_steps(x: Exchange, ep: int, devices_per_node: int, hierarchical: bo
     return [(between * (1 - off), between * off), (inside, 0.0)]
 
 
-def all_to_all_time(nbytes: float | Exchange, ep: int, cluster: Cluster, hierarchical: bool,
-                    chunks: int = 1) -> float:
+def all_to_all_time(nbytes: float | Exchange, ep: int, cluster: Cluster, hierarchical: bool, chunks: int = 1) -> float:
     """One exchange in which each rank sends `nbytes` per slot (or an `Exchange`) over its EP group,
     cut into `chunks` pieces that each pay the collective's latency."""
     x = nbytes if isinstance(nbytes, Exchange) else Exchange(tokens=float(nbytes), row_bytes=1.0)
@@ -174,8 +191,9 @@ def overlapped(a: float, b: float, chunks: int) -> float:
     return max(a, b) + min(a, b) / chunks - b
 
 
-def exchange_seconds(model: ModelShape, layout: Layout, cluster: Cluster, expert_imbalance: float,
-                     passes: tuple[int, ...], overlap: bool) -> tuple[float, float, float]:
+def exchange_seconds(
+    model: ModelShape, layout: Layout, cluster: Cluster, expert_imbalance: float, passes: tuple[int, ...], overlap: bool
+) -> tuple[float, float, float]:
     """Seconds of one MoE layer's EP exchange for one micro-batch over every pass (forward, backward,
     recomputation): (exposed, hidden under the experts, the token counts' exchange)."""
     tokens, p, ep = layout.tokens_per_micro / layout.sp_size, layout.param_bytes, layout.ep  # SP: its tokens
@@ -194,9 +212,14 @@ def exchange_seconds(model: ModelShape, layout: Layout, cluster: Cluster, expert
     # per pass a dispatch and a combine of the routed rows of the rank's tokens (the busiest rank's:
     # `expert_imbalance` times the mean). Deduplicated rows carry their slots' ids and weights;
     # counted on every exchange (at most 48 bytes a row for top-8: under 1 % of a 4096-wide bf16 row)
-    rows = Exchange(tokens=tokens * expert_imbalance, row_bytes=model.hidden * p, experts=model.experts,
-                    top_k=model.top_k, dedup=layout.dedup,
-                    meta_bytes=metadata_bytes(model.top_k, ROUTING_WEIGHT_BYTES) if layout.dedup else 0.0)
+    rows = Exchange(
+        tokens=tokens * expert_imbalance,
+        row_bytes=model.hidden * p,
+        experts=model.experts,
+        top_k=model.top_k,
+        dedup=layout.dedup,
+        meta_bytes=metadata_bytes(model.top_k, ROUTING_WEIGHT_BYTES) if layout.dedup else 0.0,
+    )
     link = 2 * all_to_all_time(rows, ep, cluster, layout.hierarchical, layout.chunks)
     # in chunks, the exchange of one runs while the experts compute another; only the layer's experts
     # hide it (not attention), and only where communication and compute do not share cores
@@ -222,36 +245,67 @@ def p2p_seconds(model: ModelShape, layout: Layout, cluster: Cluster) -> float:
     return 2 * send * slots
 
 
-def estimate_time(model: ModelShape, layout: Layout, cluster: Cluster, expert_imbalance: float = 1.0,
-                  overlap: bool | None = None) -> TimeEstimate:
+def estimate_time(
+    model: ModelShape, layout: Layout, cluster: Cluster, expert_imbalance: float = 1.0, overlap: bool | None = None
+) -> TimeEstimate:
     """Seconds per optimizer step of `model` under `layout` on `cluster`; with pipeline stages, the
     slowest stage's micro-batches, the schedule's bubble and the sends between stages."""
     if overlap is None:
         overlap = not cluster.shared_compute  # gloo on CPU: the sharded optimizer does not overlap
     # the step but its optimizer: the same for every optimizer, ZeRO stage and bucketing the search tries
     compute, a2a, bubble, overhead, tensor, micro_forward, experts, hidden, p2p = _steps_cached(
-        model, cluster, expert_imbalance, overlap, *_step_fields(layout))
+        model, cluster, expert_imbalance, overlap, *_step_fields(layout)
+    )
     exposed, gather, across, gather_hidden = optimizer_seconds(model, layout, cluster, compute, micro_forward, overlap)
-    return TimeEstimate(compute=compute, all_to_all=a2a, grad_reduce=exposed, param_gather=gather,
-                        bubble=bubble, overhead=overhead, experts=experts, all_to_all_hidden=hidden, p2p=p2p,
-                        reduce_across=across, gather_hidden=gather_hidden, tensor=tensor)
+    return TimeEstimate(
+        compute=compute,
+        all_to_all=a2a,
+        grad_reduce=exposed,
+        param_gather=gather,
+        bubble=bubble,
+        overhead=overhead,
+        experts=experts,
+        all_to_all_hidden=hidden,
+        p2p=p2p,
+        reduce_across=across,
+        gather_hidden=gather_hidden,
+        tensor=tensor,
+    )
 
 
 # The layout's fields that `step_seconds` reads (none of the optimizer's: ZeRO stage, sharding, buckets,
 # reduction dtype, shard groups, gather overlap); tests/test_plan.py holds it to that.
-STEP_FIELDS = ("world", "ep", "pp", "micro", "accumulation", "checkpointing", "hierarchical", "dedup", "chunks",
-               "seq_len", "dtype", "schedule", "virtual_stages", "dispatch", "tp", "sp")
+STEP_FIELDS = (
+    "world",
+    "ep",
+    "pp",
+    "micro",
+    "accumulation",
+    "checkpointing",
+    "hierarchical",
+    "dedup",
+    "chunks",
+    "seq_len",
+    "dtype",
+    "schedule",
+    "virtual_stages",
+    "dispatch",
+    "tp",
+    "sp",
+)
 _step_fields = operator.attrgetter(*STEP_FIELDS)
 
 
 @lru_cache(maxsize=65536)  # a search asks again for each of up to 5 optimizers and the hybrid variants
 def _steps_cached(model: ModelShape, cluster: Cluster, expert_imbalance: float, overlap: bool, *fields) -> tuple:
-    return step_seconds(model, Layout(**dict(zip(STEP_FIELDS, fields, strict=True))), cluster, expert_imbalance,
-                        overlap)
+    return step_seconds(
+        model, Layout(**dict(zip(STEP_FIELDS, fields, strict=True))), cluster, expert_imbalance, overlap
+    )
 
 
-def step_seconds(model: ModelShape, layout: Layout, cluster: Cluster, expert_imbalance: float,
-                 overlap: bool) -> tuple[float, ...]:
+def step_seconds(
+    model: ModelShape, layout: Layout, cluster: Cluster, expert_imbalance: float, overlap: bool
+) -> tuple[float, ...]:
     """A step's seconds but the optimizer's: (compute, exchange, bubble, fixed costs, tensor-parallel
     collectives, one micro-batch's forward on the slowest stage, experts, exchange hidden, stage sends)."""
     rate = _rate(layout, cluster)
@@ -280,19 +334,26 @@ def step_seconds(model: ModelShape, layout: Layout, cluster: Cluster, expert_imb
     # a layer's fixed costs: a third more for its recomputed forward, a ninth per part recomputed
     launches = 1 / 3 if layout.checkpointing is True else len(layout.checkpointing or ()) / 9
     # an EP group is consecutive among one TP position's ranks: a node holds devices_per_node / tp of it
-    ep_cluster = replace(cluster, devices_per_node=max(1, cluster.devices_per_node // layout.tp)) \
-        if layout.tp > 1 else cluster
-    exposed_layer, hidden_layer, counts_layer = exchange_seconds(model, layout, ep_cluster, expert_imbalance, passes,
-                                                                 overlap)
+    ep_cluster = (
+        replace(cluster, devices_per_node=max(1, cluster.devices_per_node // layout.tp)) if layout.tp > 1 else cluster
+    )
+    exposed_layer, hidden_layer, counts_layer = exchange_seconds(
+        model, layout, ep_cluster, expert_imbalance, passes, overlap
+    )
     # the slowest of the ranks sets the pace of every synchronising step
     straggle = cluster.step_jitter * math.sqrt(2 * math.log(layout.world)) if layout.world > 1 else 0.0
 
     # one micro-batch on each stage (the whole model without a pipeline): its share of the layers, its
     # MoE layers' experts and exchanges, the head on the last; the slowest stage sets the pace
     virtual = virtual_of(layout.schedule, layout.virtual_stages)
-    parts = [(1.0, model.layers, model.moe_layers, True, True)] if layout.pp == 1 else [
-        (st.layer_share, st.layers, st.moe_layers, st.first, st.last)
-        for st in stages(model, layout.seq_len, layout.pp, virtual, layout.schedule in V_SCHEDULES)]
+    parts = (
+        [(1.0, model.layers, model.moe_layers, True, True)]
+        if layout.pp == 1
+        else [
+            (st.layer_share, st.layers, st.moe_layers, st.first, st.last)
+            for st in stages(model, layout.seq_len, layout.pp, virtual, layout.schedule in V_SCHEDULES)
+        ]
+    )
     slowest = None
     for share, n_layers, n_moe, first, last in parts:
         compute = (layers * share + expert_layer * n_moe + (head if last else 0.0)) * (1 + straggle)
@@ -301,7 +362,8 @@ def step_seconds(model: ModelShape, layout: Layout, cluster: Cluster, expert_imb
         a2a = (exposed_layer + counts_layer + cluster.overlap_contention * hidden_layer) * n_moe
         # a micro-batch's fixed costs once per chunk of layers the stage runs it through
         overhead = cluster.overhead_per_micro_batch_s * virtual + cluster.overhead_per_layer_s * n_layers * (
-            1 + launches)
+            1 + launches
+        )
         if slowest is None or compute + a2a + overhead + tensor > sum(slowest[:3]) + slowest[4]:
             slowest = (compute, a2a, overhead, n_moe, tensor)
     compute, a2a, overhead, n_moe, tensor = slowest
@@ -311,14 +373,24 @@ def step_seconds(model: ModelShape, layout: Layout, cluster: Cluster, expert_imb
     # that where the zero-bubble schedule fills it with weight-gradient passes, the V-shaped schedules'
     # replayed (`pipeline_model.idle_slots` of the step's compute, exchanges and fixed costs)
     bubble = idle_slots(layout.schedule, layout.pp, micro_batches, layout.virtual_stages) * (
-        compute + a2a + overhead + tensor)
-    return (compute * micro_batches, a2a * micro_batches, bubble, overhead * micro_batches, tensor * micro_batches,
-            micro_forward, expert_layer * n_moe * micro_batches, hidden_layer * n_moe * micro_batches,
-            p2p_seconds(model, layout, cluster))
+        compute + a2a + overhead + tensor
+    )
+    return (
+        compute * micro_batches,
+        a2a * micro_batches,
+        bubble,
+        overhead * micro_batches,
+        tensor * micro_batches,
+        micro_forward,
+        expert_layer * n_moe * micro_batches,
+        hidden_layer * n_moe * micro_batches,
+        p2p_seconds(model, layout, cluster),
+    )
 
 
-def tensor_seconds(model: ModelShape, layout: Layout, cluster: Cluster, layers: int, moe_layers: int, first: bool,
-                   last: bool) -> float:
+def tensor_seconds(
+    model: ModelShape, layout: Layout, cluster: Cluster, layers: int, moe_layers: int, first: bool, last: bool
+) -> float:
     """One micro-batch's tensor-parallel collectives on a rank of a stage with `layers` decoder layers
     (`moe_layers` of them MoE), inside a node and not overlapped: an all-reduce of the micro-batch's
     hidden states (sequence parallelism: an all-gather and a reduce-scatter, the same bytes) where each
@@ -334,8 +406,9 @@ def tensor_seconds(model: ModelShape, layout: Layout, cluster: Cluster, layers: 
     return count * one
 
 
-def optimizer_seconds(model: ModelShape, layout: Layout, cluster: Cluster, compute: float, micro_forward: float,
-                      overlap: bool) -> tuple[float, float, float, float]:
+def optimizer_seconds(
+    model: ModelShape, layout: Layout, cluster: Cluster, compute: float, micro_forward: float, overlap: bool
+) -> tuple[float, float, float, float]:
     """A step's (gradient reduction exposed, parameter gather exposed, all-reduce across shard groups,
     gather hidden under the next forward), given the step's `compute` and one micro-batch's forward
     on the slowest stage (`micro_forward`)."""
@@ -349,8 +422,9 @@ def optimizer_seconds(model: ModelShape, layout: Layout, cluster: Cluster, compu
     across = gather_hidden = 0.0
     if layout.zero == 0:
         # all-reduce = reduce-scatter + all-gather, once per step after the last micro-batch
-        reduce = 2 * (ring_time(p * dense, layout.dp, cluster, dp_nodes)
-                      + ring_time(p * expert, layout.edp, cluster, edp_nodes))
+        reduce = 2 * (
+            ring_time(p * dense, layout.dp, cluster, dp_nodes) + ring_time(p * expert, layout.edp, cluster, edp_nodes)
+        )
         gather = 0.0
         exposed = reduce
     else:

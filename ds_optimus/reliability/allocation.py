@@ -31,14 +31,17 @@ class Allocation:
 
     def __init__(self, hosts: list[str], spares: int = 0) -> None:
         if spares < 0 or spares >= len(hosts):
-            raise AllocationError(f"{spares} spare node{'s' if spares != 1 else ''} leaves none of the allocation's "
-                                  f"{len(hosts)} to run on")
+            raise AllocationError(
+                f"{spares} spare node{'s' if spares != 1 else ''} leaves none of the allocation's "
+                f"{len(hosts)} to run on"
+            )
         self.hosts, self.spares = list(hosts), spares
         self.out: list[str] = []
         self.nodes = len(hosts) - spares  # the node count the run is meant to have
 
-    def choose(self, strikes: dict[str, int], strikes_to_leave_out: int,
-               fits: Callable[[int], str | None] | None = None) -> list[str]:
+    def choose(
+        self, strikes: dict[str, int], strikes_to_leave_out: int, fits: Callable[[int], str | None] | None = None
+    ) -> list[str]:
         """The hosts of the next attempt: the first `nodes` healthy ones in allocation order (spares
         after the others); fewer when not enough are healthy, as many as the layout allows."""
         for host in self.hosts:  # `strikes` by short name (fault_log.strikes)
@@ -56,8 +59,10 @@ class Allocation:
             if not _names_a_size(reason):  # a reason no smaller count changes (data, a key): stop asking
                 break
         left = f"{len(healthy)} healthy node{'s' if len(healthy) != 1 else ''} left"
-        raise AllocationError(f"{left} (left out: {', '.join(self.out)}) and the layout runs on none of "
-                              f"{len(healthy)} down to 1 ({reasons[0] if reasons else 'no node at all'}); stopping")
+        raise AllocationError(
+            f"{left} (left out: {', '.join(self.out)}) and the layout runs on none of "
+            f"{len(healthy)} down to 1 ({reasons[0] if reasons else 'no node at all'}); stopping"
+        )
 
 
 def _names_a_size(reason: str) -> bool:
@@ -69,8 +74,12 @@ def fill(command: list[str], hosts: list[str], ranks_per_node: int, hostfile: Pa
     """`command` with its placeholders filled for `hosts` (the host file written, one host a line)."""
     hostfile.parent.mkdir(parents=True, exist_ok=True)
     hostfile.write_text("".join(f"{host}\n" for host in hosts))
-    values = {"{hostfile}": str(hostfile), "{hosts}": ",".join(hosts), "{nodes}": str(len(hosts)),
-              "{ranks}": str(len(hosts) * ranks_per_node)}
+    values = {
+        "{hostfile}": str(hostfile),
+        "{hosts}": ",".join(hosts),
+        "{nodes}": str(len(hosts)),
+        "{ranks}": str(len(hosts) * ranks_per_node),
+    }
     out = []
     for arg in command:
         for key, value in values.items():

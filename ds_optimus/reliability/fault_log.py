@@ -25,14 +25,28 @@ FAULTS_FILE = "faults.jsonl"
 STRIKING = ("nonfinite", "hang", "probe", "lost")  # the kinds that count against a node
 
 
-def append_fault(output_dir: str | Path, step: int | None, kind: str, ranks: list[int], hosts: list[str],
-                 detail: str = "", attempt: int | None = None) -> dict:
+def append_fault(
+    output_dir: str | Path,
+    step: int | None,
+    kind: str,
+    ranks: list[int],
+    hosts: list[str],
+    detail: str = "",
+    attempt: int | None = None,
+) -> dict:
     """Append one record (a single `write` of one line, so concurrent appenders never interleave);
     `attempt` defaults to this process's (DS_OPTIMUS_ATTEMPT)."""
     if attempt is None:
         attempt = int(os.environ.get("DS_OPTIMUS_ATTEMPT", "0") or 0)
-    record = {"step": step, "kind": kind, "ranks": sorted(ranks), "hosts": sorted(set(hosts)), "attempt": attempt,
-              "time": round(time.time(), 3), "detail": detail}
+    record = {
+        "step": step,
+        "kind": kind,
+        "ranks": sorted(ranks),
+        "hosts": sorted(set(hosts)),
+        "attempt": attempt,
+        "time": round(time.time(), 3),
+        "detail": detail,
+    }
     path = Path(output_dir) / FAULTS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -81,13 +95,15 @@ def strikes(records: list[dict], since: float | None = None) -> dict[str, int]:
     return counts
 
 
-
 def describe(ranks: list[int], hosts: list[str], limit: int = 8) -> str:
     """`rank 3 (host n2)` / `ranks 3, 9 (hosts n2, n5)`, long lists cut with a count."""
+
     def cut(items: list) -> str:
         shown = ", ".join(map(str, items[:limit]))
         return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
     distinct = sorted(set(hosts))
-    return (f"rank{'s' if len(ranks) != 1 else ''} {cut(sorted(ranks))} "
-            f"(host{'s' if len(distinct) != 1 else ''} {cut(distinct)})")
+    return (
+        f"rank{'s' if len(ranks) != 1 else ''} {cut(sorted(ranks))} "
+        f"(host{'s' if len(distinct) != 1 else ''} {cut(distinct)})"
+    )

@@ -29,8 +29,14 @@ class StepGuard:
     finite, or (once `min_window` steps are in the window) lies more than `sigmas` standard
     deviations above the window's mean."""
 
-    def __init__(self, window: int = 100, min_window: int = 20, sigmas: float = 6.0, rollback_after: int = 3,
-                 skip_spikes: bool = True) -> None:
+    def __init__(
+        self,
+        window: int = 100,
+        min_window: int = 20,
+        sigmas: float = 6.0,
+        rollback_after: int = 3,
+        skip_spikes: bool = True,
+    ) -> None:
         self.losses: deque[float] = deque(maxlen=window)
         self.norms: deque[float] = deque(maxlen=window)
         self.min_window, self.sigmas, self.rollback_after = min_window, sigmas, rollback_after
@@ -60,11 +66,17 @@ class StepGuard:
         elif not math.isfinite(grad_norm):
             decision = GuardDecision(True, f"gradient norm is {grad_norm}")
         elif loss is not None and (z := self._spike(self.losses, loss)) is not None:
-            decision = GuardDecision(True, f"loss {loss:.4g} is {z:.1f} standard deviations above the last "
-                                           f"{len(self.losses)} steps", spike=True)
+            decision = GuardDecision(
+                True,
+                f"loss {loss:.4g} is {z:.1f} standard deviations above the last {len(self.losses)} steps",
+                spike=True,
+            )
         elif (z := self._spike(self.norms, grad_norm)) is not None:
-            decision = GuardDecision(True, f"gradient norm {grad_norm:.4g} is {z:.1f} standard deviations above "
-                                           f"the last {len(self.norms)} steps", spike=True)
+            decision = GuardDecision(
+                True,
+                f"gradient norm {grad_norm:.4g} is {z:.1f} standard deviations above the last {len(self.norms)} steps",
+                spike=True,
+            )
         else:
             decision = GuardDecision(False)
             if loss is not None:
@@ -121,13 +133,19 @@ class GuardsConfig(Section):
     def check(self, where: str) -> None:
         check_flags(self, where, "enabled", "skip_spikes")
         need(positive_int(self.window), f"{where}.window must be a positive integer, got {self.window!r}")
-        need(positive_int(self.min_window) and self.min_window <= self.window,
-             f"{where}.min_window must be a positive integer <= window, got {self.min_window!r}")
+        need(
+            positive_int(self.min_window) and self.min_window <= self.window,
+            f"{where}.min_window must be a positive integer <= window, got {self.min_window!r}",
+        )
         need(number(self.sigmas) and self.sigmas > 0, f"{where}.sigmas must be a positive number, got {self.sigmas!r}")
-        need(non_negative_int(self.rollback_after),
-             f"{where}.rollback_after must be an integer >= 0, got {self.rollback_after!r}")
-        need(non_negative_int(self.max_rollbacks),
-             f"{where}.max_rollbacks must be an integer >= 0, got {self.max_rollbacks!r}")
+        need(
+            non_negative_int(self.rollback_after),
+            f"{where}.rollback_after must be an integer >= 0, got {self.rollback_after!r}",
+        )
+        need(
+            non_negative_int(self.max_rollbacks),
+            f"{where}.max_rollbacks must be an integer >= 0, got {self.max_rollbacks!r}",
+        )
 
     def build(self) -> StepGuard | None:
         """The guard these settings describe, or None when they are off."""

@@ -82,8 +82,10 @@ class Heartbeat:
             pass
 
     def _write(self) -> None:
-        text = (f"{self.step} {int(self.fired)} {int(self.waiting)} {time.time():.3f} {self.host} {self.attempt} "
-                f"{self.word or '-'}")
+        text = (
+            f"{self.step} {int(self.fired)} {int(self.waiting)} {time.time():.3f} {self.host} {self.attempt} "
+            f"{self.word or '-'}"
+        )
         os.pwrite(self.fd, text.encode()[: RECORD - 1].ljust(RECORD - 1) + b"\n", 0)
 
     def close(self) -> None:
@@ -116,8 +118,16 @@ def read_beat(path: Path) -> Beat | None:
         fields = path.read_bytes()[:RECORD].decode(errors="replace").split()
         attempt = int(fields[5]) if len(fields) > 5 else None
         word = fields[6] if len(fields) > 6 and fields[6] in WORDS else ""
-        return Beat(int(path.name.split("-")[1]), int(fields[0]), fields[1] == "1", fields[2] == "1", fields[4],
-                    float(fields[3]), attempt, word)
+        return Beat(
+            int(path.name.split("-")[1]),
+            int(fields[0]),
+            fields[1] == "1",
+            fields[2] == "1",
+            fields[4],
+            float(fields[3]),
+            attempt,
+            word,
+        )
     except (OSError, ValueError, IndexError):
         return None
 
@@ -127,8 +137,11 @@ def silent_ranks(output_dir: str | Path, attempt: int) -> list[Beat]:
     fired), killed outright (SIGKILL, the out-of-memory killer) or with their node, while others of
     the attempt did say one. Empty when none said a word: a launcher that killed every rank at once
     leaves nothing to tell them apart by."""
-    beats = [beat for path in sorted((Path(output_dir) / FOLDER).glob("rank-*"))
-             if (beat := read_beat(path)) is not None and beat.attempt == attempt]
+    beats = [
+        beat
+        for path in sorted((Path(output_dir) / FOLDER).glob("rank-*"))
+        if (beat := read_beat(path)) is not None and beat.attempt == attempt
+    ]
     spoke = [beat for beat in beats if beat.word or beat.fired]
     return [beat for beat in beats if not (beat.word or beat.fired)] if spoke else []
 
@@ -181,8 +194,9 @@ def poll_seconds(world: int) -> float:
     return max(0.2, world / 5000)
 
 
-def name_the_missing(heartbeat: Heartbeat, world: int, grace_s: float, sleep=time.sleep,
-                     clock=time.monotonic) -> tuple[list[Beat | int], bool]:
+def name_the_missing(
+    heartbeat: Heartbeat, world: int, grace_s: float, sleep=time.sleep, clock=time.monotonic
+) -> tuple[list[Beat | int], bool]:
     """Called by a rank whose watchdog fired: say so (flushed to the file system), and, when this rank
     waits on the others, try to be the one that reports this step (the first to create the step's
     `reporter-<step>` file). The reporter reads the records until every rank has said its watchdog

@@ -22,8 +22,9 @@ def check_node(devices: int) -> str | None:
     """None when this node's devices and a matmul on one are sound, else what failed."""
     import torch
 
-    accelerator = "cuda" if torch.cuda.is_available() else "xpu" if hasattr(torch, "xpu") and torch.xpu.is_available() \
-        else "cpu"
+    accelerator = (
+        "cuda" if torch.cuda.is_available() else "xpu" if hasattr(torch, "xpu") and torch.xpu.is_available() else "cpu"
+    )
     count = {"cuda": torch.cuda.device_count, "xpu": lambda: torch.xpu.device_count(), "cpu": lambda: 0}[accelerator]()
     if count < devices:
         return f"{count} {accelerator} device{'s' if count != 1 else ''} visible, {devices} expected"
@@ -72,8 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     from ..command_line import ArgumentParser, fail
     from ..launch.environment import LaunchError, adopt, this_host
 
-    parser = ArgumentParser("ds_optimus.reliability.probe", launched=True,
-                            description="Check this node (devices, a matmul, a collective with its neighbours).")
+    parser = ArgumentParser(
+        "ds_optimus.reliability.probe",
+        launched=True,
+        description="Check this node (devices, a matmul, a collective with its neighbours).",
+    )
     parser.add_argument("--devices", type=int, default=0, help="accelerators each node must show (default 0)")
     args = parser.parse_args(argv)
     folder = Path(os.environ.get("DS_OPTIMUS_PROBE_DIR", "probe"))
@@ -101,10 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     # a node is failed by its own check, or by writing nothing (hung, dead); a collective that fails
     # everywhere for want of one rank names no node, so it is recorded, not held against this one
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{host}.json").write_text(json.dumps({"host": host, "ok": reason is None, "reason": reason,
-                                                     "collective": collective}))
-    print(f"probe {host}: {'ok' if reason is None else reason}"
-          + (f" (collective: {collective})" if collective else ""), file=sys.stderr, flush=True)
+    (folder / f"{host}.json").write_text(
+        json.dumps({"host": host, "ok": reason is None, "reason": reason, "collective": collective})
+    )
+    print(
+        f"probe {host}: {'ok' if reason is None else reason}" + (f" (collective: {collective})" if collective else ""),
+        file=sys.stderr,
+        flush=True,
+    )
     return 0 if reason is None else 1
 
 

@@ -84,8 +84,16 @@ def layout_check(command: list[str], ranks_per_node: int):
         if found is None:
             return None
         world = ["--world", str(nodes * ranks_per_node)] if nodes is not None else []
-        check = [sys.executable, "-m", "ds_optimus.train", "--config", found[0],
-                 *[a for o in found[1] for a in ("--set", o)], "--check", *world]
+        check = [
+            sys.executable,
+            "-m",
+            "ds_optimus.train",
+            "--config",
+            found[0],
+            *[a for o in found[1] for a in ("--set", o)],
+            "--check",
+            *world,
+        ]
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
         proc = subprocess.run(check, capture_output=True, text=True, env=env)
         lines = proc.stderr.strip().splitlines()
@@ -101,10 +109,21 @@ def _step(progress: Path | None) -> int | None:
         return None
 
 
-def supervise(command: list[str], max_restarts: int = 3, backoff: float = 30.0, max_backoff: float = 600.0,
-              progress: Path | None = None, log=print, allocation: Allocation | None = None,
-              ranks_per_node: int = 1, strikes_to_leave_out: int = 1, fits=None,
-              probe: list[str] | None = None, sleep=time.sleep, refused=None) -> int:
+def supervise(
+    command: list[str],
+    max_restarts: int = 3,
+    backoff: float = 30.0,
+    max_backoff: float = 600.0,
+    progress: Path | None = None,
+    log=print,
+    allocation: Allocation | None = None,
+    ranks_per_node: int = 1,
+    strikes_to_leave_out: int = 1,
+    fits=None,
+    probe: list[str] | None = None,
+    sleep=time.sleep,
+    refused=None,
+) -> int:
     """Run `command` until it succeeds or the rules above stop it; returns the exit status to use
     (`sleep` waits out each back-off). `refused(nodes)`: the trainer's `--check` refusal of the
     launch (None: it would start), asked after a launch that failed before its first step."""
@@ -142,8 +161,17 @@ def supervise(command: list[str], max_restarts: int = 3, backoff: float = 30.0, 
             run = command
             if allocation is not None and not stopping:
                 try:
-                    hosts = _choose_hosts(allocation, output_dir, strikes_to_leave_out, fits, say,
-                                          probe if attempt else None, ranks_per_node, attempt, started)
+                    hosts = _choose_hosts(
+                        allocation,
+                        output_dir,
+                        strikes_to_leave_out,
+                        fits,
+                        say,
+                        probe if attempt else None,
+                        ranks_per_node,
+                        attempt,
+                        started,
+                    )
                 except AllocationError as err:
                     say(f"supervise: {err}")
                     return EXIT_GAVE_UP
@@ -169,12 +197,16 @@ def supervise(command: list[str], max_restarts: int = 3, backoff: float = 30.0, 
             if refused is not None and step == before and not lost:
                 reason = refused(len(hosts) if allocation is not None else None)
                 if reason:
-                    say(f"supervise: the trainer refuses this launch ({reason}); not restarting: every relaunch "
-                        "would stop on it")
+                    say(
+                        f"supervise: the trainer refuses this launch ({reason}); not restarting: every relaunch "
+                        "would stop on it"
+                    )
                     return EXIT_REFUSED
             # a failure that named a node not yet left out changes the next attempt: not "no progress"
-            newly_out = allocation is not None and len(_struck(allocation, output_dir, strikes_to_leave_out,
-                                                                  started)) > left_out
+            newly_out = (
+                allocation is not None
+                and len(_struck(allocation, output_dir, strikes_to_leave_out, started)) > left_out
+            )
             if step is not None and step == failed_at and not newly_out:
                 say(f"supervise: two failures in a row after step {step} without progress; giving up")
                 return EXIT_GAVE_UP
@@ -189,16 +221,22 @@ def supervise(command: list[str], max_restarts: int = 3, backoff: float = 30.0, 
 def _name_the_silent(output_dir: Path, attempt: int, since: float, log) -> list[int]:
     """The ranks of the attempt that ended without a word in their heartbeats (and that no fault of
     the attempt names already, as a hang's report does), recorded as `lost`; their ranks."""
-    named = {rank for record in read_faults(output_dir) if record.get("attempt") == attempt
-             and record.get("time", 0) >= since for rank in record.get("ranks", [])}
+    named = {
+        rank
+        for record in read_faults(output_dir)
+        if record.get("attempt") == attempt and record.get("time", 0) >= since
+        for rank in record.get("ranks", [])
+    }
     silent = [beat for beat in silent_ranks(output_dir, attempt) if beat.rank not in named]
     if not silent:
         return []
     ranks, hosts, step = [b.rank for b in silent], [b.host for b in silent], max(b.step for b in silent)
     detail = "ended without a word: killed (SIGKILL, the out-of-memory killer) or its node lost"
     append_fault(output_dir, step, "lost", ranks, hosts, detail, attempt=attempt)
-    log(f"supervise: attempt {attempt}: {describe(ranks, hosts)} ended without a word at step {step} (killed "
-        f"outright, out of memory, or the node lost); recorded in {output_dir}/faults.jsonl")
+    log(
+        f"supervise: attempt {attempt}: {describe(ranks, hosts)} ended without a word at step {step} (killed "
+        f"outright, out of memory, or the node lost); recorded in {output_dir}/faults.jsonl"
+    )
     return ranks
 
 
@@ -207,8 +245,17 @@ def _struck(allocation: Allocation, output_dir: Path, strikes_to_leave_out: int,
     return [h for h in allocation.hosts if counts.get(short_host(h), 0) >= strikes_to_leave_out]
 
 
-def _choose_hosts(allocation: Allocation, output_dir: Path, strikes_to_leave_out: int, fits, log,
-                  probe: list[str] | None, ranks_per_node: int, attempt: int, since: float) -> list[str]:
+def _choose_hosts(
+    allocation: Allocation,
+    output_dir: Path,
+    strikes_to_leave_out: int,
+    fits,
+    log,
+    probe: list[str] | None,
+    ranks_per_node: int,
+    attempt: int,
+    since: float,
+) -> list[str]:
     """The attempt's hosts (a probe first, when given: the nodes it finds failing are struck too)."""
     before = list(allocation.out)
     hosts = allocation.choose(strikes(read_faults(output_dir), since), strikes_to_leave_out, fits)
@@ -223,16 +270,28 @@ def _choose_hosts(allocation: Allocation, output_dir: Path, strikes_to_leave_out
     new = [h for h in allocation.out if h not in before]
     if new or len(hosts) != allocation.nodes:
         spares = [h for h in hosts if allocation.hosts.index(h) >= len(allocation.hosts) - allocation.spares]
-        log(f"supervise: leaving out {', '.join(new) or 'none new'} (out: {', '.join(allocation.out)}); "
+        log(
+            f"supervise: leaving out {', '.join(new) or 'none new'} (out: {', '.join(allocation.out)}); "
             f"running on {len(hosts)} node{'s' if len(hosts) != 1 else ''}"
             + (f", spares {', '.join(spares)} in" if spares else "")
-            + (f" (fewer than the {allocation.nodes} planned: the data-parallel size shrinks)"
-               if len(hosts) < allocation.nodes else ""))
+            + (
+                f" (fewer than the {allocation.nodes} planned: the data-parallel size shrinks)"
+                if len(hosts) < allocation.nodes
+                else ""
+            )
+        )
     return hosts
 
 
-def run_probe(probe: list[str], hosts: list[str], ranks_per_node: int, output_dir: Path, attempt: int, log,
-              timeout_s: float = 300.0) -> list[str]:
+def run_probe(
+    probe: list[str],
+    hosts: list[str],
+    ranks_per_node: int,
+    output_dir: Path,
+    attempt: int,
+    log,
+    timeout_s: float = 300.0,
+) -> list[str]:
     """Run the probe command on `hosts` (its placeholders filled, `DS_OPTIMUS_PROBE_DIR` set); the
     hosts that wrote no passing result are returned."""
     folder = output_dir / "probe" / f"attempt-{attempt}"
@@ -253,35 +312,57 @@ def run_probe(probe: list[str], hosts: list[str], ranks_per_node: int, output_di
         if result.get("ok"):
             passed.add(short_host(str(result.get("host"))))
     failing = [host for host in hosts if short_host(host) not in passed]
-    log(f"supervise: probe of {len(hosts)} node{'s' if len(hosts) != 1 else ''}: "
-        + (f"{', '.join(failing)} failed" if failing else "all passed"))
+    log(
+        f"supervise: probe of {len(hosts)} node{'s' if len(hosts) != 1 else ''}: "
+        + (f"{', '.join(failing)} failed" if failing else "all passed")
+    )
     return failing
 
 
 def main(argv: list[str] | None = None) -> int:
     from ..command_line import ArgumentParser
 
-    parser = ArgumentParser("ds_optimus.reliability.supervise",
-                            description="Restart a failed training run from its last good checkpoint.",
-                            usage="%(prog)s [options] -- COMMAND ...")
+    parser = ArgumentParser(
+        "ds_optimus.reliability.supervise",
+        description="Restart a failed training run from its last good checkpoint.",
+        usage="%(prog)s [options] -- COMMAND ...",
+    )
     parser.add_argument("--max-restarts", type=int, default=3)
     parser.add_argument("--backoff", type=float, default=30.0, help="seconds before the first restart (doubles)")
     parser.add_argument("--max-backoff", type=float, default=600.0)
-    parser.add_argument("--progress", type=Path, default=None,
-                        help="the run's progress.json (default: found through the command's --config)")
-    parser.add_argument("--hosts", default=None, metavar="pbs|slurm|FILE",
-                        help="the allocation's nodes: PBS's node file, Slurm's node list, or a host file; failing "
-                             "nodes are then left out (the command's {hostfile} {hosts} {nodes} {ranks} are filled)")
-    parser.add_argument("--ranks-per-node", type=int, default=None,
-                        help="ranks a node runs ({ranks} = nodes x this; needed by {ranks}; default 1)")
-    parser.add_argument("--spares", type=int, default=0,
-                        help="the allocation's last N nodes, held back for failing ones")
-    parser.add_argument("--strikes", type=int, default=1,
-                        help="faults naming a node (faults.jsonl) before it is left out (default 1)")
-    parser.add_argument("--probe", default=None, metavar="COMMAND",
-                        help="a per-node probe run before each relaunch (placeholders as the command's), e.g. "
-                             "\"mpiexec -n {nodes} --ppn 1 --hostfile {hostfile} python -m "
-                             "ds_optimus.reliability.probe\"")
+    parser.add_argument(
+        "--progress",
+        type=Path,
+        default=None,
+        help="the run's progress.json (default: found through the command's --config)",
+    )
+    parser.add_argument(
+        "--hosts",
+        default=None,
+        metavar="pbs|slurm|FILE",
+        help="the allocation's nodes: PBS's node file, Slurm's node list, or a host file; failing "
+        "nodes are then left out (the command's {hostfile} {hosts} {nodes} {ranks} are filled)",
+    )
+    parser.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=None,
+        help="ranks a node runs ({ranks} = nodes x this; needed by {ranks}; default 1)",
+    )
+    parser.add_argument(
+        "--spares", type=int, default=0, help="the allocation's last N nodes, held back for failing ones"
+    )
+    parser.add_argument(
+        "--strikes", type=int, default=1, help="faults naming a node (faults.jsonl) before it is left out (default 1)"
+    )
+    parser.add_argument(
+        "--probe",
+        default=None,
+        metavar="COMMAND",
+        help="a per-node probe run before each relaunch (placeholders as the command's), e.g. "
+        '"mpiexec -n {nodes} --ppn 1 --hostfile {hostfile} python -m '
+        'ds_optimus.reliability.probe"',
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -302,8 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     placeholders = [p for p in PLACEHOLDERS if any(p in arg for arg in command)]
     unknown = sorted({word for arg in command for word in re.findall(r"\{[a-z_]+\}", arg)} - set(PLACEHOLDERS))
     if unknown:
-        parser.error(f"{unknown[0]} in the command is not a placeholder (the supervisor fills "
-                     f"{', '.join(PLACEHOLDERS)})")
+        parser.error(
+            f"{unknown[0]} in the command is not a placeholder (the supervisor fills {', '.join(PLACEHOLDERS)})"
+        )
     if "{ranks}" in placeholders and args.ranks_per_node is None:
         parser.error("{ranks} needs --ranks-per-node ({ranks} = nodes x ranks per node)")
     ranks_per_node = args.ranks_per_node if args.ranks_per_node is not None else 1
@@ -317,20 +399,36 @@ def main(argv: list[str] | None = None) -> int:
         from ..launch.hosts import HostListError, read_hostfile
 
         try:
-            env = {"pbs": {"DS_OPTIMUS_HOSTFILE": os.environ.get("PBS_NODEFILE", "")},
-                   "slurm": {"SLURM_JOB_NODELIST": os.environ.get("SLURM_JOB_NODELIST", "")}}.get(args.hosts)
+            env = {
+                "pbs": {"DS_OPTIMUS_HOSTFILE": os.environ.get("PBS_NODEFILE", "")},
+                "slurm": {"SLURM_JOB_NODELIST": os.environ.get("SLURM_JOB_NODELIST", "")},
+            }.get(args.hosts)
             found = job_hosts(env) if env is not None else (read_hostfile(args.hosts), args.hosts)
             if found is None:
-                parser.error(f"--hosts {args.hosts}: {'PBS_NODEFILE' if args.hosts == 'pbs' else 'SLURM_JOB_NODELIST'} "
-                             "is not set (not inside a job?)")
+                parser.error(
+                    f"--hosts {args.hosts}: {'PBS_NODEFILE' if args.hosts == 'pbs' else 'SLURM_JOB_NODELIST'} "
+                    "is not set (not inside a job?)"
+                )
             allocation = Allocation(found[0], args.spares)
         except (LaunchError, HostListError, AllocationError) as err:
             parser.error(f"--hosts {args.hosts}: {err}")
     check = layout_check(command, ranks_per_node)
     fits = check if allocation is not None else None
     probe = shlex.split(args.probe) if args.probe else None
-    return supervise(command, args.max_restarts, args.backoff, args.max_backoff, progress, log, allocation,
-                     ranks_per_node, args.strikes, fits, probe, refused=check)
+    return supervise(
+        command,
+        args.max_restarts,
+        args.backoff,
+        args.max_backoff,
+        progress,
+        log,
+        allocation,
+        ranks_per_node,
+        args.strikes,
+        fits,
+        probe,
+        refused=check,
+    )
 
 
 if __name__ == "__main__":

@@ -82,9 +82,11 @@ class Watchdog:
                     note = f"[ds_optimus watchdog] fault attribution failed: {type(err).__name__}: {err}"
                 if note:
                     notes.append(note)
-            self._write("".join(note + "\n" for note in notes)
-                        + f"[ds_optimus watchdog] rank {self.rank}: {self.describe()}; stacks of all threads follow, "
-                        f"then exit {EXIT_HUNG}\n" + thread_stacks())
+            self._write(
+                "".join(note + "\n" for note in notes)
+                + f"[ds_optimus watchdog] rank {self.rank}: {self.describe()}; stacks of all threads follow, "
+                f"then exit {EXIT_HUNG}\n" + thread_stacks()
+            )
             for hook in self.after_fire:
                 hook()
         finally:
@@ -119,7 +121,7 @@ def thread_stacks() -> str:
     parts = []
     for ident, frame in sys._current_frames().items():
         here = " (the watchdog, writing this)" if ident == current else ""
-        parts.append(f"Thread {ident:#x} \"{names.get(ident, '?')}\"{here}, most recent call last:\n")
+        parts.append(f'Thread {ident:#x} "{names.get(ident, "?")}"{here}, most recent call last:\n')
         parts.extend(traceback.format_stack(frame))
     return "".join(parts)
 
@@ -141,10 +143,14 @@ class WatchdogConfig(Section):
         for key in ("step_timeout_s", "first_step_timeout_s", "checkpoint_timeout_s", "heartbeat_grace_s"):
             value = getattr(self, key)
             need(number(value) and value >= 0, f"{where}.{key} must be a number >= 0, got {value!r}")
-        need(non_negative_int(self.straggler_interval),
-             f"{where}.straggler_interval must be an integer >= 0, got {self.straggler_interval!r}")
-        need(number(self.straggler_factor) and self.straggler_factor > 1,
-             f"{where}.straggler_factor must be a number > 1, got {self.straggler_factor!r}")
+        need(
+            non_negative_int(self.straggler_interval),
+            f"{where}.straggler_interval must be an integer >= 0, got {self.straggler_interval!r}",
+        )
+        need(
+            number(self.straggler_factor) and self.straggler_factor > 1,
+            f"{where}.straggler_factor must be a number > 1, got {self.straggler_factor!r}",
+        )
 
     def build(self, rank: int) -> Watchdog:
         """This rank's watchdog (its thread starts; nothing is armed until the first `beat`). The

@@ -50,8 +50,14 @@ def _smooth(values: list[float]) -> np.ndarray | None:
 
 def _line(ax, steps: list[int], values: list[float], label: str, color: str) -> None:
     smooth = _smooth(values)
-    ax.plot(steps, values, color=color, alpha=0.35 if smooth is not None else 1.0, linewidth=1.0,
-            label=label if smooth is None else f"{label} (each logged step)")
+    ax.plot(
+        steps,
+        values,
+        color=color,
+        alpha=0.35 if smooth is not None else 1.0,
+        linewidth=1.0,
+        label=label if smooth is None else f"{label} (each logged step)",
+    )
     if smooth is not None:
         ax.plot(steps, smooth, color=color, linewidth=1.8, label=f"{label} (running mean)")
 
@@ -59,8 +65,14 @@ def _line(ax, steps: list[int], values: list[float], label: str, color: str) -> 
 def _mark_rewinds(ax, run: RunMetrics) -> None:
     """Each stretch of steps the run went back over (a rollback) as a shaded span."""
     for i, (last, back_to) in enumerate(run.rewinds):
-        ax.axvspan(back_to, last, color=REWIND_COLOR, alpha=0.15, linewidth=0,
-                   label="rolled back and trained again" if i == 0 else None)
+        ax.axvspan(
+            back_to,
+            last,
+            color=REWIND_COLOR,
+            alpha=0.15,
+            linewidth=0,
+            label="rolled back and trained again" if i == 0 else None,
+        )
 
 
 def _mark_events(ax, run: RunMetrics) -> None:
@@ -90,8 +102,11 @@ def plot_loss(run: RunMetrics, folder: Path, dpi: int, written: list[Path]) -> N
     if eval_steps:
         ax.plot(eval_steps, held_out, "o-", color="C1", linewidth=1.8, markersize=5, label="held-out loss")
     _mark_events(ax, run)
-    ax.set(xlabel="step", ylabel="loss (nats/token)",
-           title="loss" + ("" if eval_steps else " (no held-out evaluation logged)"))
+    ax.set(
+        xlabel="step",
+        ylabel="loss (nats/token)",
+        title="loss" + ("" if eval_steps else " (no held-out evaluation logged)"),
+    )
     _legend(ax)
     _save(fig, folder, "loss.png", dpi, written)
 
@@ -128,8 +143,11 @@ def plot_throughput(run: RunMetrics, folder: Path, dpi: int, written: list[Path]
     mfu_steps, mfu = run.series("mfu")
     fig, axes = _figure(rows=2 if mfu_steps else 1, height=2.8 if mfu_steps else 3.6)
     _line(axes[0], steps, tps, "tokens/s", "C0")
-    axes[0].set(ylabel="tokens / s (all ranks)", ylim=(0, None),
-                title="throughput, mean over each log interval" + ("" if mfu_steps else " (no MFU: no peak_tflops)"))
+    axes[0].set(
+        ylabel="tokens / s (all ranks)",
+        ylim=(0, None),
+        title="throughput, mean over each log interval" + ("" if mfu_steps else " (no MFU: no peak_tflops)"),
+    )
     if mfu_steps:
         _line(axes[1], mfu_steps, [100 * m for m in mfu], "MFU", "C1")
         axes[1].set(ylabel="MFU (% of peak_tflops)", ylim=(0, None))
@@ -145,8 +163,14 @@ def source_intervals(run: RunMetrics) -> tuple[list[int], list[dict[str, float]]
     such step, or from 0 for a source that step did not count (added, or renamed, at a resume)."""
     steps, intervals, previous = [], [], {}
     for record in run.records:
-        counts = {key[len("tokens/"):]: float(value) for key, value in record.items() if key.startswith("tokens/")
-                  and isinstance(value, (int, float)) and not isinstance(value, bool) and np.isfinite(value)}
+        counts = {
+            key[len("tokens/") :]: float(value)
+            for key, value in record.items()
+            if key.startswith("tokens/")
+            and isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and np.isfinite(value)
+        }
         if not counts:
             continue
         steps.append(record["step"])
@@ -189,7 +213,7 @@ def resumed_changes(log: Path) -> dict[int, list[str]]:
                 settle(0)
             launched, notes = True, []
         elif launched and message.startswith(_CHANGED):
-            notes.append(message[len(_CHANGED):])
+            notes.append(message[len(_CHANGED) :])
         elif launched and (resumed := _RESUMED.match(message)):
             settle(int(resumed.group(1)))
             launched = False
@@ -213,13 +237,18 @@ def mixture_changes(run: RunMetrics, steps: list[int], intervals: list[dict[str,
     placed at the last step before the change, where the run resumed when checkpoints fall on logged
     steps)."""
     last = steps[-1] if steps else 0
-    marks = {step: _change_label(changes) for step, changes in resumed_changes(run.path.parent / "log.txt").items()
-             if step <= last}
+    marks = {
+        step: _change_label(changes)
+        for step, changes in resumed_changes(run.path.parent / "log.txt").items()
+        if step <= last
+    }
     for i in range(1, len(steps)):
         before, after, start, end = intervals[i - 1], intervals[i], steps[i - 1], steps[i]
         if set(before) != set(after) and not any(start <= step < end for step in marks):
-            marks[start] = ", ".join([f"+{name}" for name in sorted(set(after) - set(before))]
-                                     + [f"-{name}" for name in sorted(set(before) - set(after))])
+            marks[start] = ", ".join(
+                [f"+{name}" for name in sorted(set(after) - set(before))]
+                + [f"-{name}" for name in sorted(set(before) - set(after))]
+            )
     return sorted(marks.items())
 
 
@@ -239,19 +268,47 @@ def data_mixture_figure(run: RunMetrics):
         epochs = run.series(f"epochs/{name}")[1]
         axes[0].plot(tokens_at, tokens, color=color, label=f"{name} ({epochs[-1]:.2f} epochs)" if epochs else name)
         at = [(step, counts) for step, counts in zip(steps, intervals, strict=True) if name in counts]
-        shares = [100 * counts[name] / total if (total := sum(counts.values())) > 0 else float("nan")
-                  for _, counts in at]
-        axes[1].plot([step for step, _ in at], shares, color=color, marker="o", markersize=2.5, drawstyle="steps-pre",
-                     gid=f"share/{name}")  # a point at each interval's end, level across the interval
+        shares = [
+            100 * counts[name] / total if (total := sum(counts.values())) > 0 else float("nan") for _, counts in at
+        ]
+        axes[1].plot(
+            [step for step, _ in at],
+            shares,
+            color=color,
+            marker="o",
+            markersize=2.5,
+            drawstyle="steps-pre",
+            gid=f"share/{name}",
+        )  # a point at each interval's end, level across the interval
     for k, (step, label) in enumerate(changes):
         for ax in axes:
-            ax.axvline(step, color=MIX_COLOR, linestyle="--", linewidth=1, gid="mixture-change",
-                       label="mixture changed" if k == 0 and ax is axes[0] else None)
-        axes[0].annotate(label, (step, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -3),
-                         textcoords="offset points", rotation=90, va="top", ha="left", fontsize=7, color=MIX_COLOR)
+            ax.axvline(
+                step,
+                color=MIX_COLOR,
+                linestyle="--",
+                linewidth=1,
+                gid="mixture-change",
+                label="mixture changed" if k == 0 and ax is axes[0] else None,
+            )
+        axes[0].annotate(
+            label,
+            (step, 1.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(3, -3),
+            textcoords="offset points",
+            rotation=90,
+            va="top",
+            ha="left",
+            fontsize=7,
+            color=MIX_COLOR,
+        )
     axes[0].set(ylabel="tokens drawn", title="data mixture: tokens of each source so far")
-    axes[1].set(ylabel="share of the interval's\ntokens (%)", xlabel="step", ylim=(0, 100),
-                title="each source's share of the tokens drawn in each log interval")
+    axes[1].set(
+        ylabel="share of the interval's\ntokens (%)",
+        xlabel="step",
+        ylim=(0, 100),
+        title="each source's share of the tokens drawn in each log interval",
+    )
     _legend(axes[0], loc="upper left")
     return fig
 
@@ -278,10 +335,17 @@ def plot_skipped(run: RunMetrics, folder: Path, dpi: int, written: list[Path]) -
     if seen > kept:
         title += f" ({seen} including rolled-back steps)"
     if not seen and not kept:  # an empty frame would look like a plot that failed to draw
-        ax.text(0.5, 0.5, "no skipped steps: every update was applied", transform=ax.transAxes, ha="center",
-                va="center", fontsize=12, color="0.3")
-    ax.set(xlabel="step", ylabel="updates", ylim=(0, max(1, *total, *(c for _, c in run.skipped)) * 1.15),
-           title=title)
+        ax.text(
+            0.5,
+            0.5,
+            "no skipped steps: every update was applied",
+            transform=ax.transAxes,
+            ha="center",
+            va="center",
+            fontsize=12,
+            color="0.3",
+        )
+    ax.set(xlabel="step", ylabel="updates", ylim=(0, max(1, *total, *(c for _, c in run.skipped)) * 1.15), title=title)
     _legend(ax, loc="upper left")
     _save(fig, folder, "skipped_steps.png", dpi, written)
 
@@ -312,10 +376,18 @@ def plot_stragglers(run: RunMetrics, run_dir: Path, folder: Path, dpi: int, writ
             named.append(record)
     for record in named[-12:]:  # the latest, each with its hosts
         y = late[steps.index(record["step"])]
-        ax.annotate(", ".join(record.get("hosts", [])[:3]), (record["step"], y), fontsize=7, xytext=(3, 3),
-                    textcoords="offset points")
-    ax.set(xlabel="step", ylabel="seconds", title=f"stragglers: {len(named)} step(s) with ranks named late"
-           if named else "stragglers: none named")
+        ax.annotate(
+            ", ".join(record.get("hosts", [])[:3]),
+            (record["step"], y),
+            fontsize=7,
+            xytext=(3, 3),
+            textcoords="offset points",
+        )
+    ax.set(
+        xlabel="step",
+        ylabel="seconds",
+        title=f"stragglers: {len(named)} step(s) with ranks named late" if named else "stragglers: none named",
+    )
     _legend(ax, loc="upper left")
     _save(fig, folder, "stragglers.png", dpi, written)
 
@@ -347,26 +419,42 @@ def plot_profile(run: RunMetrics, folder: Path, dpi: int, written: list[Path]) -
     names = [p for p in PROFILE_PHASES if any(f"profile/{p}_s" in r for r in records)]
     if not records or not names:
         return
-    kinds = sorted({key[len(_COMM):-len("_s")] for r in records for key in r
-                    if key.startswith(_COMM) and key.endswith("_s")})
+    kinds = sorted(
+        {key[len(_COMM) : -len("_s")] for r in records for key in r if key.startswith(_COMM) and key.endswith("_s")}
+    )
     fig, axes = _figure(rows=2 if kinds else 1, height=3.2)
     steps = [r["step"] for r in records]
     series = [[1e3 * _value(r, f"profile/{name}_s") for r in records] for name in names]
     axes[0].stackplot(steps, *series, labels=names, colors=[f"C{i}" for i in range(len(names))], alpha=0.85)
     rows = [r for r in run.records if "profile/jitter_s" in r]
     if rows:  # a step's jitter is logged with a later step: drawn at the step it describes
-        axes[0].errorbar([int(_value(r, "profile/ranks_step")) for r in rows],
-                         [1e3 * _value(r, "profile/jitter_s") for r in rows],
-                         yerr=[1e3 * _value(r, "profile/jitter_std_s") for r in rows], color="black", marker="o",
-                         markersize=3, linewidth=1, capsize=2,
-                         label="jitter: wait at the step's reduction (mean, sd over ranks)")
+        axes[0].errorbar(
+            [int(_value(r, "profile/ranks_step")) for r in rows],
+            [1e3 * _value(r, "profile/jitter_s") for r in rows],
+            yerr=[1e3 * _value(r, "profile/jitter_std_s") for r in rows],
+            color="black",
+            marker="o",
+            markersize=3,
+            linewidth=1,
+            capsize=2,
+            label="jitter: wait at the step's reduction (mean, sd over ranks)",
+        )
     totals = list(map(sum, zip(*series, strict=True)))
     top = _scale_top(totals)
     if top < totals[0]:  # the first profiled step (compiles, first touches) would flatten the rest: off scale
-        axes[0].annotate(f"{totals[0] / 1e3:.3g} s (off scale)", (steps[0], 1.5 * top), xytext=(4, -12),
-                         textcoords="offset points", fontsize="small", color="dimgray")
-    axes[0].set(ylabel="ms per step", ylim=(0, 1.5 * top if top > 0 else None),  # room for the legend
-                title="where a step's time goes (rank 0's profiled steps)")
+        axes[0].annotate(
+            f"{totals[0] / 1e3:.3g} s (off scale)",
+            (steps[0], 1.5 * top),
+            xytext=(4, -12),
+            textcoords="offset points",
+            fontsize="small",
+            color="dimgray",
+        )
+    axes[0].set(
+        ylabel="ms per step",
+        ylim=(0, 1.5 * top if top > 0 else None),  # room for the legend
+        title="where a step's time goes (rank 0's profiled steps)",
+    )
     _legend(axes[0], loc="upper left", fontsize="small", ncol=2)
     for i, kind in enumerate(kinds):
         at, seconds = run.series(f"{_COMM}{kind}_s")
@@ -375,8 +463,11 @@ def plot_profile(run: RunMetrics, folder: Path, dpi: int, written: list[Path]) -
         axes[1].plot(at, [1e3 * s for s in seconds], marker=".", color=f"C{i % 10}", label=f"{kind}{per_step}")
     if kinds:
         top = max((line.get_ydata().max() for line in axes[1].get_lines()), default=0.0)
-        axes[1].set(ylabel="ms per step", ylim=(0, 1.5 * top if top > 0 else None),
-                    title="collectives by kind (issue to completion; asynchronous ones: issue only)")
+        axes[1].set(
+            ylabel="ms per step",
+            ylim=(0, 1.5 * top if top > 0 else None),
+            title="collectives by kind (issue to completion; asynchronous ones: issue only)",
+        )
         _legend(axes[1], loc="upper left", fontsize="small", ncol=2)
     axes[-1].set_xlabel("step")
     _save(fig, folder, "profile.png", dpi, written)
@@ -416,11 +507,15 @@ def plot_expert_load(loads: ExpertLoads, folder: Path, dpi: int, written: list[P
     mesh = ax.pcolormesh(edges, np.arange(layers * experts + 1), image, cmap="RdBu_r", norm=norm, shading="flat")
     for layer in range(1, layers):
         ax.axhline(layer * experts, color="black", linewidth=0.8)
-    ax.set_yticks([(layer + 0.5) * experts for layer in range(layers)],
-                  [f"MoE layer {layer}" for layer in range(layers)])
+    ax.set_yticks(
+        [(layer + 0.5) * experts for layer in range(layers)], [f"MoE layer {layer}" for layer in range(layers)]
+    )
     ax.set_ylim(layers * experts, 0)  # layer 0, expert 0 at the top
-    ax.set(xlabel="step", ylabel=f"expert (0-{experts - 1} in each layer)",
-           title=f"expert load: tokens per expert over the layer's mean ({layers} MoE layers x {experts} experts)")
+    ax.set(
+        xlabel="step",
+        ylabel=f"expert (0-{experts - 1} in each layer)",
+        title=f"expert load: tokens per expert over the layer's mean ({layers} MoE layers x {experts} experts)",
+    )
     fig.colorbar(mesh, ax=ax, label="tokens / mean (1 = balanced, 0 = unused)")
     _save(fig, folder, "expert_load.png", dpi, written)
 
@@ -435,11 +530,20 @@ def plot_imbalance(run: RunMetrics, folder: Path, dpi: int, written: list[Path])
         steps, values = run.series(key)
         smooth = _smooth(values)
         smoothed = smoothed or smooth is not None
-        ax.plot(steps, smooth if smooth is not None else values, linewidth=1.2, color=f"C{i % 10}",
-                label=f"MoE layer {key.rsplit('_', 1)[-1]}")
+        ax.plot(
+            steps,
+            smooth if smooth is not None else values,
+            linewidth=1.2,
+            color=f"C{i % 10}",
+            label=f"MoE layer {key.rsplit('_', 1)[-1]}",
+        )
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
-    ax.set(xlabel="step", ylabel="max / mean tokens per expert", ylim=(0, None),
-           title="expert-load imbalance per layer (1 = balanced)" + (" (running mean)" if smoothed else ""))
+    ax.set(
+        xlabel="step",
+        ylabel="max / mean tokens per expert",
+        ylim=(0, None),
+        title="expert-load imbalance per layer (1 = balanced)" + (" (running mean)" if smoothed else ""),
+    )
     _legend(ax, ncol=max(1, len(keys) // 8), fontsize="small")
     _save(fig, folder, "expert_imbalance.png", dpi, written)
 
@@ -454,8 +558,11 @@ def plot_downstream(run_dir: Path, folder: Path, dpi: int, written: list[Path]) 
     for task, points in scores.items():
         steps, values, errors = zip(*points, strict=True)
         ax.errorbar(steps, values, yerr=[e or 0.0 for e in errors], marker="o", capsize=3, label=task)
-    ax.set(xlabel="step", ylabel="accuracy (normalised where the task has it)",
-           title="downstream tasks (lm-evaluation-harness, per checkpoint)")
+    ax.set(
+        xlabel="step",
+        ylabel="accuracy (normalised where the task has it)",
+        title="downstream tasks (lm-evaluation-harness, per checkpoint)",
+    )
     _legend(ax, loc="best")
     _save(fig, folder, "downstream.png", dpi, written)
 
@@ -464,8 +571,9 @@ def _stderr(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def write_report(run_dir: str | Path, out: str | Path | None = None, *, dpi: int = 100,
-                 say: Callable[[str], None] = _stderr) -> list[Path]:
+def write_report(
+    run_dir: str | Path, out: str | Path | None = None, *, dpi: int = 100, say: Callable[[str], None] = _stderr
+) -> list[Path]:
     """Draw the PNGs of a run folder's `metrics.jsonl` into `out` (default `RUN_DIR/plots`) and return
     their paths; `say` gets one-line notes (a dense run has no expert heatmap, ...)."""
     run = load_metrics(run_dir)
@@ -482,8 +590,10 @@ def write_report(run_dir: str | Path, out: str | Path | None = None, *, dpi: int
     if loads is not None:
         plot_expert_load(loads, folder, dpi, written)
     elif run.has("expert_imbalance_max"):
-        say("no expert heatmap: this run's metrics.jsonl has no per-expert token counts (logged before they "
-            "were recorded)")
+        say(
+            "no expert heatmap: this run's metrics.jsonl has no per-expert token counts (logged before they "
+            "were recorded)"
+        )
     else:
         say("no expert heatmap: a dense model (no MoE layer)")
     plot_imbalance(run, folder, dpi, written)

@@ -57,8 +57,8 @@ class RunMetrics:
 
     def layer_keys(self, prefix: str) -> list[str]:
         """Keys `prefix0`, `prefix1`, ... (per-layer metrics), in layer order."""
-        found = {k for record in self.records for k in record if k.startswith(prefix) and k[len(prefix):].isdigit()}
-        return sorted(found, key=lambda k: int(k[len(prefix):]))
+        found = {k for record in self.records for k in record if k.startswith(prefix) and k[len(prefix) :].isdigit()}
+        return sorted(found, key=lambda k: int(k[len(prefix) :]))
 
     def expert_loads(self) -> ExpertLoads | None:
         """The `expert_tokens` of every logged step that has them, as one array; None for a dense

@@ -4,9 +4,28 @@ imported on first use, so the entry point's `--help` imports no PyTorch."""
 
 from .._lazy import lazy_exports
 
-__all__ = ["Callback", "Preempted", "Trainer", "default_callbacks", "export", "init_distributed", "pretrain",
-           "resolve_batch_sizes", "sample"]
-__getattr__, __dir__ = lazy_exports(__name__, {
-    "Callback": ".callbacks", "default_callbacks": ".callbacks", "export": ".components",
-    "init_distributed": ".components", "resolve_batch_sizes": ".components", "sample": ".components",
-    "Preempted": ".trainer", "Trainer": ".trainer", "pretrain": ".trainer"})
+__all__ = [
+    "Callback",
+    "Preempted",
+    "Trainer",
+    "default_callbacks",
+    "export",
+    "init_distributed",
+    "pretrain",
+    "resolve_batch_sizes",
+    "sample",
+]
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "Callback": ".callbacks",
+        "default_callbacks": ".callbacks",
+        "export": ".components",
+        "init_distributed": ".components",
+        "resolve_batch_sizes": ".components",
+        "sample": ".components",
+        "Preempted": ".trainer",
+        "Trainer": ".trainer",
+        "pretrain": ".trainer",
+    },
+)

@@ -19,8 +19,13 @@ from ..command_line import ArgumentParser, fail, launch_rank, said_by_every_rank
 NAME = "ds_optimus.train"
 
 # How the communication backends report a peer that died or closed its connections (gloo, NCCL, oneCCL).
-PEER_LOST = ("connection closed by peer", "connection reset by peer", "remote worker crashing",
-             "remote process exited", "communicator was aborted")
+PEER_LOST = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "remote worker crashing",
+    "remote process exited",
+    "communicator was aborted",
+)
 BACKENDS = ("gloo", "nccl", "ccl", "c10d", "processgroup")
 
 
@@ -31,7 +36,8 @@ def lost_a_peer(error: BaseException) -> bool:
 
     text = str(error).lower()
     from_backend = isinstance(error, getattr(dist, "DistBackendError", ())) or (
-        isinstance(error, RuntimeError) and any(name in text for name in BACKENDS))
+        isinstance(error, RuntimeError) and any(name in text for name in BACKENDS)
+    )
     return from_backend and any(marker in text for marker in PEER_LOST)
 
 
@@ -43,20 +49,40 @@ def _first_line(error: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(NAME, launched=True, description="Pretrain a Mula model with DeepSpeed.")
     parser.add_argument("--config", required=True, help="DeepSpeed JSON config with an optimus section")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key, dotted (repeatable)")
-    parser.add_argument("--check", action="store_true",
-                        help="check the config, layout, model (meta device), data and memory without training, "
-                             "print what would run and exit (0: it would start; 2: the error it would stop on)")
-    parser.add_argument("--world", type=int, default=None, metavar="N",
-                        help="with --check: the number of ranks it would run on (default: WORLD_SIZE, or the "
-                             "config's batch sizes)")
-    parser.add_argument("--cluster", default=None, metavar="NAME",
-                        help="with --check: a planner cluster (h100, aurora, frontier, local, or a JSON file) whose "
-                             "device memory the predicted peak must fit")
-    parser.add_argument("--verbose", action="store_true",
-                        help="let DeepSpeed, Transformers and wandb print what they print (default: their errors "
-                             "only; also DS_OPTIMUS_VERBOSE=1)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, dotted (repeatable)",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="check the config, layout, model (meta device), data and memory without training, "
+        "print what would run and exit (0: it would start; 2: the error it would stop on)",
+    )
+    parser.add_argument(
+        "--world",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --check: the number of ranks it would run on (default: WORLD_SIZE, or the config's batch sizes)",
+    )
+    parser.add_argument(
+        "--cluster",
+        default=None,
+        metavar="NAME",
+        help="with --check: a planner cluster (h100, aurora, frontier, local, or a JSON file) whose "
+        "device memory the predicted peak must fit",
+    )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="let DeepSpeed, Transformers and wandb print what they print (default: their errors "
+        "only; also DS_OPTIMUS_VERBOSE=1)",
+    )
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # from the launcher
     args = parser.parse_args(argv)
     if (args.world is not None or args.cluster is not None) and not args.check:
@@ -94,14 +120,26 @@ def main(argv: list[str] | None = None) -> int:
             raise
         # Another rank failed first (its own error is printed above) or was killed: this one only lost its
         # connection, in a collective or a pipeline stage's send; one line, not a second traceback.
-        print(f"{NAME}: rank {launch_rank()}: stopped, another rank failed first ({_first_line(err)})",
-              file=sys.stderr, flush=True)
+        print(
+            f"{NAME}: rank {launch_rank()}: stopped, another rank failed first ({_first_line(err)})",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     losses = list(summary["losses"].values())
     if losses and summary.get("rank", 0) == 0:
-        print(f"trained steps {summary['start_step'] + 1}-{summary['start_step'] + len(losses)}: "
-              f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; "
-              + (("finished, not exported (train.export is false)" if "hf_dir" not in summary
-                  else f"model saved to {summary['hf_dir']}") if summary["finished"] else "stopped early, resumable"),
-              flush=True)
+        print(
+            f"trained steps {summary['start_step'] + 1}-{summary['start_step'] + len(losses)}: "
+            f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; "
+            + (
+                (
+                    "finished, not exported (train.export is false)"
+                    if "hf_dir" not in summary
+                    else f"model saved to {summary['hf_dir']}"
+                )
+                if summary["finished"]
+                else "stopped early, resumable"
+            ),
+            flush=True,
+        )
     return 0

@@ -47,8 +47,14 @@ def init_distributed() -> str:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
     accelerator = get_accelerator()
     backend = accelerator.communication_backend_name()
     if accelerator.device_name() == "cpu" and backend == "ccl":
@@ -61,9 +67,11 @@ def init_distributed() -> str:
     except dist.DistNetworkError as err:  # rank 0 could not open the rendezvous port
         if "EADDRINUSE" not in str(err) and "address already in use" not in str(err).lower():
             raise
-        raise ConfigError(f"port {os.environ.get('MASTER_PORT')} on {os.environ.get('MASTER_ADDR')} is in use (another "
-                          "job on this machine?): set MASTER_PORT to a free port (the deepspeed launcher: "
-                          "--master_port N)") from None
+        raise ConfigError(
+            f"port {os.environ.get('MASTER_PORT')} on {os.environ.get('MASTER_ADDR')} is in use (another "
+            "job on this machine?): set MASTER_PORT to a free port (the deepspeed launcher: "
+            "--master_port N)"
+        ) from None
     if "LOCAL_RANK" not in os.environ or "LOCAL_WORLD_SIZE" not in os.environ:  # the launcher did not say
         local_rank, local_size = _local_place()
         os.environ.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(local_size))
@@ -86,8 +94,10 @@ def world_size_note(rank: int, size: int, env) -> str | None:
 
     if rank != 0 or not env.get(SIZE_FROM_VARIABLE) or env.get("SLURM_STEP_ID"):
         return None
-    return (f"launch: waiting for {size} ranks ({env[SIZE_FROM_VARIABLE]}, no srun step): inside a batch script, "
-            "start the ranks with srun")
+    return (
+        f"launch: waiting for {size} ranks ({env[SIZE_FROM_VARIABLE]}, no srun step): inside a batch script, "
+        "start the ranks with srun"
+    )
 
 
 def launch_summary() -> str:
@@ -95,19 +105,26 @@ def launch_summary() -> str:
     from ..launch.environment import LAUNCHER_VARIABLE, LAUNCHERS, SIZE_FROM_VARIABLE
 
     launcher = os.environ.get(LAUNCHER_VARIABLE, "none")
-    names = {"none": "no launcher", "openmpi": "Open MPI's mpiexec", "pals": "Cray PALS mpiexec",
-             "mpich": "MPICH/Intel MPI mpiexec"}  # else the launcher table's own words
+    names = {
+        "none": "no launcher",
+        "openmpi": "Open MPI's mpiexec",
+        "pals": "Cray PALS mpiexec",
+        "mpich": "MPICH/Intel MPI mpiexec",
+    }  # else the launcher table's own words
     started_by = names.get(launcher) or next((x.what for x in LAUNCHERS if x.name == launcher), launcher)
     how = os.environ.get("DS_OPTIMUS_RENDEZVOUS")
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     size_from = os.environ.get(SIZE_FROM_VARIABLE)
     size_from = f" (the size from {size_from}: no srun step variables)" if size_from else ""
     world = dist.get_world_size()
-    return (f"world: {world} rank{'s' if world != 1 else ''}{size_from}, "
-            f"{os.environ.get('LOCAL_WORLD_SIZE', '?')} on this host, started by {started_by}; rendezvous "
-            f"{os.environ.get('MASTER_ADDR')}:"
-            f"{os.environ.get('MASTER_PORT')}" + (f" ({how})" if how else "")
-            + (f"; rank {dist.get_rank()} on CPU cores {_ranges(cores)}" if cores else ""))
+    return (
+        f"world: {world} rank{'s' if world != 1 else ''}{size_from}, "
+        f"{os.environ.get('LOCAL_WORLD_SIZE', '?')} on this host, started by {started_by}; rendezvous "
+        f"{os.environ.get('MASTER_ADDR')}:"
+        f"{os.environ.get('MASTER_PORT')}"
+        + (f" ({how})" if how else "")
+        + (f"; rank {dist.get_rank()} on CPU cores {_ranges(cores)}" if cores else "")
+    )
 
 
 def _ranges(cores: list[int]) -> str:
@@ -189,8 +206,16 @@ def prepare_everywhere(data, tokenizer):
         from ..data.prepare import launch_world
 
         rank, world = launch_world()
-        return prepare_data(sources, tokenizer, data.cache_dir, data.val_fraction, workers=data.workers, rank=rank,
-                            world=world, progress=rank == 0)
+        return prepare_data(
+            sources,
+            tokenizer,
+            data.cache_dir,
+            data.val_fraction,
+            workers=data.workers,
+            rank=rank,
+            world=world,
+            progress=rank == 0,
+        )
     rank, world = dist.get_rank(), dist.get_world_size()
     if world > 1:
         check_shared_folder(Path(data.cache_dir), "optimus.data.cache_dir")
@@ -204,8 +229,17 @@ def prepare_everywhere(data, tokenizer):
         dist.broadcast_object_list(found, src=0)
     if found[0][0] == "error":
         raise said_by_every_rank(DataError(found[0][1]))
-    return prepare_data(sources, tokenizer, data.cache_dir, data.val_fraction, workers=data.workers, rank=rank,
-                        world=world, progress=rank == 0, plan=found[0][1])
+    return prepare_data(
+        sources,
+        tokenizer,
+        data.cache_dir,
+        data.val_fraction,
+        workers=data.workers,
+        rank=rank,
+        world=world,
+        progress=rank == 0,
+        plan=found[0][1],
+    )
 
 
 def describe_data(packed, loader) -> str:
@@ -216,8 +250,9 @@ def describe_data(packed, loader) -> str:
         docs += f"{' and' if docs else ' from'} {tokens_only} pre-tokenized source{'s' if tokens_only > 1 else ''}"
     line = f"data: {packed.train_tokens:,} train / {packed.val_tokens:,} held-out tokens{docs} ({packed.root})"
     if len(loader.names) > 1:
-        line += "; drawn " + ", ".join(f"{name} {share:.1%}" for name, share in zip(loader.names, loader.weights,
-                                                                                    strict=True))
+        line += "; drawn " + ", ".join(
+            f"{name} {share:.1%}" for name, share in zip(loader.names, loader.weights, strict=True)
+        )
     return line
 
 
@@ -244,9 +279,12 @@ def check_shared_folder(folder: Path, what: str) -> None:
     if dist.get_rank() == 0:
         probe.unlink(missing_ok=True)
     if blind:
-        raise said_by_every_rank(ValueError(
-            f"{what} {str(folder)!r} is not shared: rank 0's files there are not seen on {', '.join(blind[:4])}"
-            f"{' ...' if len(blind) > 4 else ''}; put it on a filesystem every node mounts"))
+        raise said_by_every_rank(
+            ValueError(
+                f"{what} {str(folder)!r} is not shared: rank 0's files there are not seen on {', '.join(blind[:4])}"
+                f"{' ...' if len(blind) > 4 else ''}; put it on a filesystem every node mounts"
+            )
+        )
 
 
 def enable_activation_checkpointing(model, parts: bool | Sequence[str] = True) -> None:
@@ -302,19 +340,33 @@ def export(model, tokenizer, folder: Path, groups, record=None) -> None:
     # each stage's first rank writes (rank 0 without stages); its EP group gathers the experts, its TP group
     # the split weights
     writer = groups.pipeline.stage_ranks[0] if groups.pipeline is not None else 0
-    state = model.state_dict() if groups.ep_size == 1 or writer not in groups.ep_ranks else \
-        gather_experts(model, groups, writer)
+    state = (
+        model.state_dict()
+        if groups.ep_size == 1 or writer not in groups.ep_ranks
+        else gather_experts(model, groups, writer)
+    )
     if tensor is not None:
-        state = join_for_writer(state, split_parameters(model), tensor.group, tensor.ranks.index(writer)) \
-            if writer in tensor.ranks else None
+        state = (
+            join_for_writer(state, split_parameters(model), tensor.group, tensor.ranks.index(writer))
+            if writer in tensor.ranks
+            else None
+        )
     if groups.pipeline is None:
-        export_pretrained(model, folder, groups, tokenizer=tokenizer, model_card=card, generation_config=generation,
-                          state_dict=state if dist.get_rank() == writer else {})
+        export_pretrained(
+            model,
+            folder,
+            groups,
+            tokenizer=tokenizer,
+            model_card=card,
+            generation_config=generation,
+            state_dict=state if dist.get_rank() == writer else {},
+        )
         return
     from ..parallel.pipeline import write_stage_weights
 
-    export_pretrained(model, folder, groups, tokenizer=tokenizer, model_card=card, generation_config=generation,
-                      state_dict={})
+    export_pretrained(
+        model, folder, groups, tokenizer=tokenizer, model_card=card, generation_config=generation, state_dict={}
+    )
     write_stage_weights(folder, state, groups.pipeline)
 
 
@@ -324,8 +376,7 @@ def generation_config(tokenizer):
     from transformers import GenerationConfig
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                            pad_token_id=pad)
+    return GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=pad)
 
 
 def sample(folder: Path, prompt: str, new_tokens: int, seed: int = 0) -> str:
@@ -340,8 +391,15 @@ def sample(folder: Path, prompt: str, new_tokens: int, seed: int = 0) -> str:
     generator_state = torch.get_rng_state()
     torch.manual_seed(seed)
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=True, top_k=40, temperature=0.8,
-                             repetition_penalty=1.3, pad_token_id=tokenizer.pad_token_id)
+        out = model.generate(
+            ids,
+            max_new_tokens=new_tokens,
+            do_sample=True,
+            top_k=40,
+            temperature=0.8,
+            repetition_penalty=1.3,
+            pad_token_id=tokenizer.pad_token_id,
+        )
     torch.set_rng_state(generator_state)
     return tokenizer.decode(out[0], skip_special_tokens=True)
 
@@ -352,7 +410,7 @@ def data_prompt(packed, tokenizer, tokens: int = 6) -> str:
     for split in ("val", "train"):
         ids = packed.tokens(split).head(tokens).tolist()
         if tokenizer.eos_token_id in ids:
-            ids = ids[:ids.index(tokenizer.eos_token_id)]
+            ids = ids[: ids.index(tokenizer.eos_token_id)]
         if ids:
             return tokenizer.decode(ids, skip_special_tokens=True)
     return tokenizer.eos_token
@@ -368,9 +426,19 @@ def dense_fingerprint(model) -> float:
 
 
 # What makes a model another one: its parameters' names and shapes follow from these.
-_SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
-               "num_attention_heads", "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok",
-               "tie_word_embeddings")
+_SHAPE_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "num_experts",
+    "num_experts_per_tok",
+    "tie_word_embeddings",
+)
 
 
 def _finished_with_this_model(opt, checkpoint: Path, summary: Path) -> bool:
@@ -430,12 +498,16 @@ def resume_changes(extra: dict[str, Any], trainer) -> list[str]:
     tokens, steps = trainer.tokens_per_step, trainer.opt.train.steps
     notes, saved, saved_steps = [], extra.get("tokens_per_step"), extra.get("steps")
     if saved is not None and saved != tokens:
-        notes.append(f"the global batch changed since the checkpoint: {saved:,} -> {tokens:,} tokens a step; "
-                     "the LR schedule and train.steps count steps, so each remaining step takes "
-                     f"{tokens / saved:.3g}x the tokens")
+        notes.append(
+            f"the global batch changed since the checkpoint: {saved:,} -> {tokens:,} tokens a step; "
+            "the LR schedule and train.steps count steps, so each remaining step takes "
+            f"{tokens / saved:.3g}x the tokens"
+        )
     scheduler = trainer.ds_config.get("scheduler")
     follows = not scheduler or scheduler.get("params", {}).get("total_num_steps") == steps
     if saved_steps is not None and saved_steps != steps and follows:
-        notes.append(f"train.steps changed since the checkpoint: {saved_steps:,} -> {steps:,}; the LR schedule "
-                     f"{'stretches' if steps > saved_steps else 'shrinks'} to the new length from here on")
+        notes.append(
+            f"train.steps changed since the checkpoint: {saved_steps:,} -> {steps:,}; the LR schedule "
+            f"{'stretches' if steps > saved_steps else 'shrinks'} to the new length from here on"
+        )
     return notes

@@ -34,8 +34,12 @@ def trainer_ds_config(ds_config: dict[str, Any]) -> dict[str, Any]:
     config = engine_ds_config(load_json_config(ds_config))
     for key in ("optimizer", "scheduler"):
         config.pop(key, None)
-    config.update(train_batch_size="auto", train_micro_batch_size_per_gpu="auto",
-                  gradient_accumulation_steps="auto", gradient_clipping="auto")
+    config.update(
+        train_batch_size="auto",
+        train_micro_batch_size_per_gpu="auto",
+        gradient_accumulation_steps="auto",
+        gradient_clipping="auto",
+    )
     if "bf16" in config:
         config["bf16"]["enabled"] = "auto"
     return config

@@ -64,8 +64,11 @@ class MemoryMeter:
         if self._profiler is not None:
             with without_profiler_chatter():
                 self._profiler.__exit__(None, None, None)
-            events = sorted((e.start_ns(), e.nbytes()) for e in self._profiler.profiler.kineto_results.events()
-                            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+            events = sorted(
+                (e.start_ns(), e.nbytes())
+                for e in self._profiler.profiler.kineto_results.events()
+                if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+            )
             held = peak = 0
             marks = dict.fromkeys(self._marks, 0)
             pending = sorted(self._marks.items(), key=lambda kv: kv[1])

@@ -36,8 +36,9 @@ FILE_ONLY = frozenset({"expert_tokens"})
 class MetricsSink:
     """Rank 0's outputs: a progress bar, `metrics.jsonl` and `log.txt` (always) and wandb (if enabled)."""
 
-    def __init__(self, output_dir: Path, total_steps: int, start_step: int, wandb_config, run_config: dict,
-                 enabled: bool) -> None:
+    def __init__(
+        self, output_dir: Path, total_steps: int, start_step: int, wandb_config, run_config: dict, enabled: bool
+    ) -> None:
         self.enabled = enabled
         self.path = output_dir / "metrics.jsonl"
         self.bar = None
@@ -46,8 +47,11 @@ class MetricsSink:
             return
         output_dir.mkdir(parents=True, exist_ok=True)
         if self.path.exists():  # resumed: keep the lines up to the checkpoint; a fresh start: none
-            kept = [line for line in self.path.read_text().splitlines()
-                    if start_step and line.strip() and json.loads(line).get("step", 0) <= start_step]
+            kept = [
+                line
+                for line in self.path.read_text().splitlines()
+                if start_step and line.strip() and json.loads(line).get("step", 0) <= start_step
+            ]
             self.path.write_text("".join(line + "\n" for line in kept))
         mode = wandb_config.mode or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
         if mode != "disabled":  # before the bar: what wandb prints at its start does not cut through it
@@ -57,9 +61,16 @@ class MetricsSink:
 
             # the run's own wandb run is quiet in a script too, as in the command line: no banner, no summary
             settings = None if verbose_requested() or os.environ.get("WANDB_SILENT") else wandb.Settings(silent=True)
-            self.wandb = wandb.init(project=wandb_config.project, name=wandb_config.name, entity=wandb_config.entity,
-                                    dir=str(output_dir), mode=mode, config=run_config, resume="allow",
-                                    settings=settings)
+            self.wandb = wandb.init(
+                project=wandb_config.project,
+                name=wandb_config.name,
+                entity=wandb_config.entity,
+                dir=str(output_dir),
+                mode=mode,
+                config=run_config,
+                resume="allow",
+                settings=settings,
+            )
         from ..progress import progress
 
         self.bar = progress(total=total_steps, initial=start_step, desc="training", unit="step")

@@ -85,6 +85,7 @@ DEEPSPEED_BOUND = ("all_gather_function", "reduce_scatter_function")
 
 # -- clocks ---------------------------------------------------------------------------------------------
 
+
 class HostClock:
     """Marks are `time.perf_counter()` readings (the CPU, where work is done when the call returns)."""
 
@@ -137,6 +138,7 @@ def clock_for(device: torch.device | str) -> HostClock | EventClock:
 
 
 # -- one profiled step ----------------------------------------------------------------------------------
+
 
 class _Phase:
     """A context that marks phase `name` of `timer`'s step."""
@@ -212,15 +214,22 @@ class StepTimer:
             entry["bytes"] += nbytes
             entry["calls"] += 1
             entry["ranks"] = max(entry["ranks"], ranks)
-        profile = StepProfile(phases, clock.seconds(first, self.spans[-1][2]),
-                              None if reduce_span is None else clock.seconds(first, reduce_span[0]),
-                              None if reduce_span is None else clock.seconds(*reduce_span), comm)
-        clock.recycle([m for _, start, end in self.spans for m in (start, end)]
-                      + [m for *_, timing in self.calls if isinstance(timing, tuple) for m in timing])
+        profile = StepProfile(
+            phases,
+            clock.seconds(first, self.spans[-1][2]),
+            None if reduce_span is None else clock.seconds(first, reduce_span[0]),
+            None if reduce_span is None else clock.seconds(*reduce_span),
+            comm,
+        )
+        clock.recycle(
+            [m for _, start, end in self.spans for m in (start, end)]
+            + [m for *_, timing in self.calls if isinstance(timing, tuple) for m in timing]
+        )
         return profile
 
 
 # -- collectives ----------------------------------------------------------------------------------------
+
 
 def _nbytes(value) -> int:
     """numel x element size of a tensor, or of the tensors of a (nested) list; 0 for anything else."""
@@ -374,6 +383,7 @@ def _unwrapped(function):
 
 # -- a log interval's worth ------------------------------------------------------------------------------
 
+
 class ProfileWindow:
     """The profiled steps since the last logged one: each number's mean over them (a group size: the
     largest), and the ranks' times of the steps their flags described (`add_ranks`), pooled."""
@@ -394,8 +404,9 @@ class ProfileWindow:
 
     def add(self, metrics: dict[str, float]) -> None:
         for key, value in metrics.items():
-            self.sums[key] = max(self.sums.get(key, 0), value) if key.endswith("_ranks") \
-                else self.sums.get(key, 0.0) + value
+            self.sums[key] = (
+                max(self.sums.get(key, 0), value) if key.endswith("_ranks") else self.sums.get(key, 0.0) + value
+            )
         self.steps += 1
 
     def add_ranks(self, summed: dict[str, float], step: int) -> None:
@@ -408,8 +419,11 @@ class ProfileWindow:
         """The window's record (then empty): means per profiled step, and over the ranks `profile/compute_s`,
         `profile/jitter_s` (a rank's time before, and its wait in, the step's reduction) with their
         standard deviations over the ranks, for step `profile/ranks_step`."""
-        record = {key: value if key.endswith("_ranks") else value / self.steps for key, value in self.sums.items()} \
-            if self.steps else {}
+        record = (
+            {key: value if key.endswith("_ranks") else value / self.steps for key, value in self.sums.items()}
+            if self.steps
+            else {}
+        )
         record = {key: _whole(value) if key.endswith(COUNTS) else value for key, value in record.items()}
         count = self.ranks["profile/ranks"]
         if count:

@@ -30,11 +30,15 @@ def data_parallel_size(opt, world: int) -> int:
         where = f"the {world // size} ranks of each pipeline stage" if size > 1 else f"the {world} ranks"
         raise ConfigError(f"optimus.tensor_parallel.size {tensor} does not divide {where}")
     if tensor > 1 and not opt.sharded_optimizer.enabled:
-        raise ConfigError("optimus.tensor_parallel needs optimus.sharded_optimizer.enabled true (it shards the "
-                          "optimizer over each TP rank's data-parallel ranks and counts split weights in the norm)")
+        raise ConfigError(
+            "optimus.tensor_parallel needs optimus.sharded_optimizer.enabled true (it shards the "
+            "optimizer over each TP rank's data-parallel ranks and counts split weights in the norm)"
+        )
     if opt.tensor_parallel.sequence_parallel and opt.data.seq_len % tensor:
-        raise ConfigError(f"optimus.data.seq_len {opt.data.seq_len} does not divide over the {tensor} ranks of a "
-                          "tensor-parallel group (optimus.tensor_parallel.sequence_parallel)")
+        raise ConfigError(
+            f"optimus.data.seq_len {opt.data.seq_len} does not divide over the {tensor} ranks of a "
+            "tensor-parallel group (optimus.tensor_parallel.sequence_parallel)"
+        )
     return world // size // tensor
 
 
@@ -50,8 +54,11 @@ class PipelineRunner:
         self.config, self.pipeline, self.accumulation, self.split = opt.pipeline_parallel, pipeline, accumulation, split
         self.micro, self.seq_len = micro, opt.data.seq_len
         self.total = len(split)
-        self.chunks = [(c, StageChunk(model, layers, c == 0, c == self.total - 1))
-                       for c, layers in enumerate(split) if self.config.stage_of(c) == pipeline.stage]
+        self.chunks = [
+            (c, StageChunk(model, layers, c == 0, c == self.total - 1))
+            for c, layers in enumerate(split)
+            if self.config.stage_of(c) == pipeline.stage
+        ]
         # the rank with the first chunk feeds the inputs, the one with the last scores them (both the first
         # stage under the V-shaped schedules)
         self.first, self.last = any(c == 0 for c, _ in self.chunks), any(c == self.total - 1 for c, _ in self.chunks)
@@ -64,8 +71,9 @@ class PipelineRunner:
         from ..parallel.groups import init_expert_parallel_groups
 
         ep = opt.expert_parallel
-        groups = init_expert_parallel_groups(ep.size, ep.node_size, opt.pipeline_parallel.size,
-                                             opt.tensor_parallel.size)
+        groups = init_expert_parallel_groups(
+            ep.size, ep.node_size, opt.pipeline_parallel.size, opt.tensor_parallel.size
+        )
         pipeline = groups.pipeline
         mine = [c for c in range(len(split)) if opt.pipeline_parallel.stage_of(c) == pipeline.stage]
         return groups, ([i for c in mine for i in split[c]], 0 in mine, len(split) - 1 in mine)
@@ -74,9 +82,11 @@ class PipelineRunner:
         """One line for the run's log: stages, schedule, micro-batches and the layers of each chunk."""
         config = self.config
         chunks = f" x {config.virtual_stages} chunks" if config.virtual_stages > 1 else ""
-        return (f"pipeline: {config.size} stages{chunks}, {config.schedule} over {self.accumulation} micro-batches; "
-                f"decoder layers per chunk {'/'.join(str(len(r)) for r in self.split)} (the first chunk also "
-                "embeds, the last has the head)")
+        return (
+            f"pipeline: {config.size} stages{chunks}, {config.schedule} over {self.accumulation} micro-batches; "
+            f"decoder layers per chunk {'/'.join(str(len(r)) for r in self.split)} (the first chunk also "
+            "embeds, the last has the head)"
+        )
 
     def attach(self, engine) -> None:
         """Build the schedule over the engine's module (after DeepSpeed has cast and placed it)."""
@@ -88,8 +98,17 @@ class PipelineRunner:
         # the step's gradients add up in fp32 buckets, reduced in the drain; ZeRO-2 over one chunk per rank
         # reduces each micro-batch's instead
         engine.optimizer.defer_reduction = not each_micro_batch_reduction(engine.optimizer, self.config)
-        self.schedule = build_schedule(self.chunks, self.config, self.pipeline, self.accumulation, self.loss,
-                                       engine.device, self.micro, self.seq_len, optimizer=engine.optimizer)
+        self.schedule = build_schedule(
+            self.chunks,
+            self.config,
+            self.pipeline,
+            self.accumulation,
+            self.loss,
+            engine.device,
+            self.micro,
+            self.seq_len,
+            optimizer=engine.optimizer,
+        )
 
     def step(self, batch: torch.Tensor, parts: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward passes of the step's micro-batches (`batch`: all of them, in order), their
@@ -109,8 +128,10 @@ class PipelineRunner:
             loads = torch.zeros(len(config.moe_layers), config.num_experts, device=parts.device)
         for record in self.loss.records:
             zero = torch.zeros((), dtype=parts.dtype, device=parts.device)
-            parts += torch.stack([zero if record[k] is None else record[k].to(parts.dtype) for k in LOSS_PARTS]) \
+            parts += (
+                torch.stack([zero if record[k] is None else record[k].to(parts.dtype) for k in LOSS_PARTS])
                 / self.accumulation
+            )
             if record["tokens_per_expert"] is not None:
                 loads += record["tokens_per_expert"].float()
         return loads

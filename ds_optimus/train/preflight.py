@@ -33,8 +33,10 @@ def resolve_world(ds_config: dict[str, Any], world: int | None, stages: int = 1,
     if all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (total, micro, accumulation)):
         if total % (micro * accumulation) == 0:
             times = [f"{stages} pipeline stages"] * (stages > 1) + [f"tensor parallel size {tensor}"] * (tensor > 1)
-            return (total // (micro * accumulation) * stages * tensor,
-                    " x ".join(["train_batch_size / (micro-batch x accumulation)", *times]))
+            return (
+                total // (micro * accumulation) * stages * tensor,
+                " x ".join(["train_batch_size / (micro-batch x accumulation)", *times]),
+            )
     return stages * tensor, "no --world given"
 
 
@@ -47,8 +49,10 @@ def _guessed(world: int, source: str):
     except ValueError as err:  # ConfigError and LayoutError
         if source in ("--world", "WORLD_SIZE"):
             raise
-        raise type(err)(f"{err} (the world size {world} is not given but taken from {source}: pass --world N, the "
-                        "ranks the launch will start, or correct the batch sizes)") from None
+        raise type(err)(
+            f"{err} (the world size {world} is not given but taken from {source}: pass --world N, the "
+            "ranks the launch will start, or correct the batch sizes)"
+        ) from None
 
 
 def check_run(ds_config: dict[str, Any], world: int | None = None, cluster: str | None = None) -> list[str]:
@@ -85,8 +89,10 @@ def check_run(ds_config: dict[str, Any], world: int | None = None, cluster: str 
         with _guessed(world, source):
             check_layout(dp, ep.size, model_config.num_experts, ep.node_size, stages=stages)
     elif ep.size > 1:
-        raise ConfigError("optimus.expert_parallel.size > 1 needs an MoE model (num_experts > 0); this one is "
-                              "dense: set optimus.expert_parallel.size=1")
+        raise ConfigError(
+            "optimus.expert_parallel.size > 1 needs an MoE model (num_experts > 0); this one is "
+            "dense: set optimus.expert_parallel.size=1"
+        )
     if stages > 1:  # the trainer's own checks, with its words
         check_pipeline(opt, config, model_config, accumulation)
     with torch.device("meta"):
@@ -103,8 +109,11 @@ def check_run(ds_config: dict[str, Any], world: int | None = None, cluster: str 
 
             apply_sequence_parallel(split, None)
     total, active = count_parameters(model_config)
-    experts = (f", {model_config.num_experts} experts top-{model_config.num_experts_per_tok}"
-               if model_config.num_experts else ", dense")
+    experts = (
+        f", {model_config.num_experts} experts top-{model_config.num_experts_per_tok}"
+        if model_config.num_experts
+        else ", dense"
+    )
     stage = config.get("zero_optimization", {}).get("stage", 0)
     optimizer = "the EP-aware sharded optimizer" if opt.sharded_optimizer.enabled else "DeepSpeed's optimizer"
     exchange = ""
@@ -112,16 +121,18 @@ def check_run(ds_config: dict[str, Any], world: int | None = None, cluster: str 
         if getattr(ep, "dispatch", "alltoall") == "allgather":
             exchange = f", expert parallel {ep.size} (allgather dispatch)"
         else:
-            hierarchy = f", hierarchical over nodes of {ep.node_size}" if ep.node_size and ep.node_size < ep.size \
-                else ""
+            hierarchy = (
+                f", hierarchical over nodes of {ep.node_size}" if ep.node_size and ep.node_size < ep.size else ""
+            )
             dedup = str(ep.dedup).lower() if isinstance(ep.dedup, bool) else f'"{ep.dedup}"'  # as the JSON has it
             exchange = f", expert parallel {ep.size} (dedup {dedup}, chunks {ep.chunks}{hierarchy})"
     pipeline = ""
     if stages > 1:
         pp = opt.pipeline_parallel
         virtual = f", {pp.virtual_stages} virtual stages" if pp.virtual_stages > 1 else ""
-        pipeline = (f", pipeline {stages} stages of {dp * tp} ranks ({pp.schedule}{virtual}, {accumulation} "
-                    "micro-batches)")
+        pipeline = (
+            f", pipeline {stages} stages of {dp * tp} ranks ({pp.schedule}{virtual}, {accumulation} micro-batches)"
+        )
     sequence = " with sequence parallelism" if opt.tensor_parallel.sequence_parallel else ""
     tensor = f", tensor parallel {tp}{sequence} (inside each group of {tp} consecutive ranks)" if tp > 1 else ""
     ranks = _count(world, "rank") if stages == 1 and tp == 1 else _count(dp, "data-parallel rank")
@@ -131,8 +142,7 @@ def check_run(ds_config: dict[str, Any], world: int | None = None, cluster: str 
         f"model     {opt.model.describe()}: {total / 1e6:,.2f}M parameters ({active / 1e6:,.2f}M active per token), "
         f"{model_config.num_hidden_layers} layers{experts}; built on the meta device",
         f"layout    {_count(world, 'rank')} ({source}): data parallel {dp}{tensor}{exchange}{pipeline}; "
-        f"ZeRO-{stage} with {optimizer}"
-        + _recompute_note(opt.train.recompute),
+        f"ZeRO-{stage} with {optimizer}" + _recompute_note(opt.train.recompute),
         f"batch     {_count(micro, 'sequence')} x {accumulation} accumulation x {ranks} = "
         f"{_count(micro * accumulation * dp, 'sequence')} of {opt.data.seq_len} tokens ({tokens:,} tokens) per step",
         *_data_lines(opt, tokenizer),
@@ -184,28 +194,36 @@ def _data_lines(opt, tokenizer) -> list[str]:
         if source.kind == "files" and not is_saved_dataset(source.target):
             files = resolve_files(source)  # a missing path is the error it would be at start
             distinct.add(i, source, files)
-            described.append(f"{source.label}: {source.target} ({_count(len(files), 'file')}, "
-                             f"{sum(p.stat().st_size for p in files):,} bytes{share})")
+            described.append(
+                f"{source.label}: {source.target} ({_count(len(files), 'file')}, "
+                f"{sum(p.stat().st_size for p in files):,} bytes{share})"
+            )
         elif source.kind == "tokens":  # the headers, and the first tokens against the vocabulary, as at start
             train = token_files(source.target, source.dtype)
             distinct.add(i, source, [Path(f.path) for f in train])
             files = train + (token_files(source.val, source.dtype) if source.val else [])
             first = TokenStream(files).head(1 << 16)
             if tokenizer is not None and first.size and first.max() >= len(tokenizer):
-                raise ConfigError(f"optimus.data.sources: source {source.label!r} holds token id {int(first.max())}, "
-                                  f"outside the tokenizer's {len(tokenizer)} tokens (tokenized with another one?)")
+                raise ConfigError(
+                    f"optimus.data.sources: source {source.label!r} holds token id {int(first.max())}, "
+                    f"outside the tokenizer's {len(tokenizer)} tokens (tokenized with another one?)"
+                )
             tokens = sum(f.length for f in files)
-            described.append(f"{source.label}: {source.target} ({_count(len(files), 'token file')}, {tokens:,} "
-                             f"tokens read in place{share})")
+            described.append(
+                f"{source.label}: {source.target} ({_count(len(files), 'token file')}, {tokens:,} "
+                f"tokens read in place{share})"
+            )
         elif source.kind in ("hf", "files"):
             where = "a local dataset folder" if os.path.exists(source.target) else "from the Hub, not checked here"
             described.append(f"{source.label}: {source.target} ({where}{share})")
         else:
             described.append(f"embedded (the Python reference manual{share})")
     if tokenizer is None:
-        return [f"data      {'; '.join(described)}; tokenizer {opt.data.tokenizer} (from the Hub, not in the local "
-                "cache: downloaded at the start; its size against the model's vocabulary not checked here)",
-                "tokens    tokenized at the start, unless a cache made with that tokenizer is found then"]
+        return [
+            f"data      {'; '.join(described)}; tokenizer {opt.data.tokenizer} (from the Hub, not in the local "
+            "cache: downloaded at the start; its size against the model's vocabulary not checked here)",
+            "tokens    tokenized at the start, unless a cache made with that tokenizer is found then",
+        ]
     name = opt.data.tokenizer or f"the shipped {len(tokenizer)}-token BPE"
     ready, todo = 0, []
     for source in sources:
@@ -221,8 +239,10 @@ def _data_lines(opt, tokenizer) -> list[str]:
     if in_place == len(sources):
         cache = "pre-tokenized sources only: nothing to tokenize"
     if todo:
-        cache += (f"; {', '.join(todo)} tokenized at the start (every rank its share), or before with python -m "
-                  "ds_optimus.data.prepare")
+        cache += (
+            f"; {', '.join(todo)} tokenized at the start (every rank its share), or before with python -m "
+            "ds_optimus.data.prepare"
+        )
     return [f"data      {'; '.join(described)}; tokenizer {name}", f"tokens    {cache}"]
 
 
@@ -240,23 +260,34 @@ def _memory_line(model_config, opt, config, world, micro, accumulation, cluster)
     except LayoutError as err:
         raise ConfigError(f"layout: {err}") from None
     memory = estimate_memory(shape, layout)
-    parts = {"weights": memory.weights, "optimizer state": memory.optimizer_state,
-             "gradients and buffers": memory.gradients_at_peak + memory.buffers, "activations": memory.activations}
+    parts = {
+        "weights": memory.weights,
+        "optimizer state": memory.optimizer_state,
+        "gradients and buffers": memory.gradients_at_peak + memory.buffers,
+        "activations": memory.activations,
+    }
     parts["the rest at the peak (loss gradients, a recomputed layer, the exchange)"] = memory.peak - sum(parts.values())
     where = f" (stage {memory.stage} of {layout.pp}, the largest)" if layout.pp > 1 else ""
-    line = (f"memory    predicted peak {gib(memory.peak):,.2f} GiB per rank{where} ("
-            + ", ".join(f"{name} {gib(value):,.2f}" for name, value in parts.items()) + "; the planner's estimate)")
+    line = (
+        f"memory    predicted peak {gib(memory.peak):,.2f} GiB per rank{where} ("
+        + ", ".join(f"{name} {gib(value):,.2f}" for name, value in parts.items())
+        + "; the planner's estimate)"
+    )
     if memory.stage_peaks:
         line += "; per stage " + ", ".join(f"{gib(peak):,.1f}" for peak in memory.stage_peaks) + " GiB"
     if cluster is not None:
         device = get_cluster(cluster)
         usable = device.usable_bytes if hasattr(device, "usable_bytes") else device.memory_bytes
         if memory.peak > usable:
-            raise ConfigError(f"predicted peak {gib(memory.peak):,.1f} GiB per rank does not fit the "
-                              f"{gib(usable):,.1f} GiB usable on {_a(device.device)} ({device.name}); see "
-                              "python -m ds_optimus.plan for layouts that fit")
-        line += (f"; fits the {gib(usable):,.1f} GiB usable on {_a(device.device)} ({device.memory_gib:.1f} GiB less "
-                 f"{device.memory_reserve_gib:g} reserved)")
+            raise ConfigError(
+                f"predicted peak {gib(memory.peak):,.1f} GiB per rank does not fit the "
+                f"{gib(usable):,.1f} GiB usable on {_a(device.device)} ({device.name}); see "
+                "python -m ds_optimus.plan for layouts that fit"
+            )
+        line += (
+            f"; fits the {gib(usable):,.1f} GiB usable on {_a(device.device)} ({device.memory_gib:.1f} GiB less "
+            f"{device.memory_reserve_gib:g} reserved)"
+        )
     return line
 
 
@@ -302,8 +333,9 @@ def _weight_bytes(ds_config: dict[str, Any]) -> int:
     return 2 if half else 4
 
 
-def _run_line(opt, tokenizer=None, world: int | None = None, tokens_per_step: int | None = None,
-              model_bytes: int | None = None) -> str:
+def _run_line(
+    opt, tokenizer=None, world: int | None = None, tokens_per_step: int | None = None, model_bytes: int | None = None
+) -> str:
     from ..checkpoint.manager import CheckpointManager, describe_layout, saved_layout, trained_without_checkpoint
     from .components import last_step
 
@@ -313,8 +345,11 @@ def _run_line(opt, tokenizer=None, world: int | None = None, tokens_per_step: in
     done = int(complete[-1].name.split("_")[-1]) if complete else 0
     stop = last_step(opt, tokens_per_step) if tokens_per_step else train.steps
     if complete and checkpoint.resume and done >= stop:
-        further = ("raise optimus.train.stop_after_tokens to train further" if stop < train.steps else
-                   "raise optimus.train.steps to train further; the LR schedule then stretches to the new length")
+        further = (
+            "raise optimus.train.stop_after_tokens to train further"
+            if stop < train.steps
+            else "raise optimus.train.steps to train further; the LR schedule then stretches to the new length"
+        )
         start = f"nothing to train: {complete[-1]} is step {done} of {stop} ({further})"
     elif complete and checkpoint.resume:
         _data_change(opt, tokenizer, complete[-1])
@@ -327,17 +362,25 @@ def _run_line(opt, tokenizer=None, world: int | None = None, tokens_per_step: in
         if saved and now and saved != now:
             start += f", saved by {describe_layout(*saved)}: its state resharded to {describe_layout(*now)}"
     elif complete:
-        raise ConfigError(f"checkpoint.resume is false but {manager.directory} holds checkpoints of an earlier run; "
-                          "remove them or point checkpoint.dir elsewhere")
+        raise ConfigError(
+            f"checkpoint.resume is false but {manager.directory} holds checkpoints of an earlier run; "
+            "remove them or point checkpoint.dir elsewhere"
+        )
     else:
-        refused = trained_without_checkpoint(train.output_dir, manager.directory) if (
-            checkpoint.resume and checkpoint.enabled) else None
+        refused = (
+            trained_without_checkpoint(train.output_dir, manager.directory)
+            if (checkpoint.resume and checkpoint.enabled)
+            else None
+        )
         if refused:
             raise ConfigError(refused)
         start = f"starts at step 0 (no checkpoint in {manager.directory})"
     every = f"every {checkpoint.interval} steps and " if checkpoint.interval else ""
-    saves = f"checkpoints {every}at the end (keep {checkpoint.keep_last})" if checkpoint.enabled else \
-        "no checkpoints (checkpoint.enabled is false)"
+    saves = (
+        f"checkpoints {every}at the end (keep {checkpoint.keep_last})"
+        if checkpoint.enabled
+        else "no checkpoints (checkpoint.enabled is false)"
+    )
     if checkpoint.enabled and checkpoint.keep_every:
         saves += f", the model alone every {checkpoint.keep_every} steps (kept"
         count = stop // checkpoint.keep_every

@@ -61,8 +61,9 @@ class Trainer:
     builds one). `callbacks` run after the guards and before evaluation, preemption and checkpoints
     (`default_callbacks`)."""
 
-    def __init__(self, ds_config: dict[str, Any] | str | Path, *, callbacks: list[Callback] = (),
-                 log_every_rank: bool = False) -> None:
+    def __init__(
+        self, ds_config: dict[str, Any] | str | Path, *, callbacks: list[Callback] = (), log_every_rank: bool = False
+    ) -> None:
         self.ds_config = load_json_config(ds_config)
         with every_rank_alike():  # the same config and code on every rank: the same error
             self.opt = opt = C.check_run_config(self.ds_config)
@@ -70,13 +71,14 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         with every_rank_alike():  # data parallelism: the ranks of one pipeline stage and TP position
             self.dp_world = data_parallel_size(opt, self.world)
-            self.micro_batch, self.accumulation = C.resolve_batch_sizes(self.ds_config, self.dp_world,
-                                                                        opt.pipeline_parallel.size,
-                                                                        opt.tensor_parallel.size)
+            self.micro_batch, self.accumulation = C.resolve_batch_sizes(
+                self.ds_config, self.dp_world, opt.pipeline_parallel.size, opt.tensor_parallel.size
+            )
         self.tp, self.sequence = opt.tensor_parallel.size, opt.tensor_parallel.sequence_parallel
         self.sequence_group = None  # under sequence parallelism: every TP position's data-parallel ranks
-        self.position = layout_position(self.rank, self.world, opt.pipeline_parallel.size, self.tp,
-                                        opt.expert_parallel.size)
+        self.position = layout_position(
+            self.rank, self.world, opt.pipeline_parallel.size, self.tp, opt.expert_parallel.size
+        )
         self.dp_rank, self.runner = self.position["dp_rank"], None
         self.tokens_per_step = self.micro_batch * self.accumulation * self.dp_world * opt.data.seq_len
         self.opt = opt = C.resolve_schedule(opt, self.tokens_per_step)  # train.tokens: the steps they take
@@ -111,8 +113,15 @@ class Trainer:
         if opt.train.stop_after_steps is not None:
             self.end_step = min(self.end_step, self.start_step + opt.train.stop_after_steps)
         self.summary: dict[str, Any] = {
-            "rank": self.rank, "start_step": self.start_step, "resumed_from": self.resumed_from, "losses": {},
-            "evals": {}, "step_seconds": {}, "finished": self.end_step == self.last_step, "rollbacks": 0}
+            "rank": self.rank,
+            "start_step": self.start_step,
+            "resumed_from": self.resumed_from,
+            "losses": {},
+            "evals": {},
+            "step_seconds": {},
+            "finished": self.end_step == self.last_step,
+            "rollbacks": 0,
+        }
         self.stop_reason: str | None = None  # set by a callback to end the run after this step
         self.metrics: dict[str, float] = {}  # the current step's numbers, reduced over ranks
         self.expert_loads: torch.Tensor | None = None  # token slots per MoE layer and expert since the last log
@@ -138,8 +147,10 @@ class Trainer:
             if num_experts:
                 check_layout(self.dp_world, ep.size, num_experts, ep.node_size, stages=opt.pipeline_parallel.size)
             elif ep.size > 1:
-                raise ConfigError("optimus.expert_parallel.size > 1 needs an MoE model (num_experts > 0); this one is "
-                              "dense: set optimus.expert_parallel.size=1")
+                raise ConfigError(
+                    "optimus.expert_parallel.size > 1 needs an MoE model (num_experts > 0); this one is "
+                    "dense: set optimus.expert_parallel.size=1"
+                )
         stage = split = tensor = None
         self.groups = None
         if self.tp > 1:  # TP groups first (innermost), then the others over each TP position's ranks
@@ -155,8 +166,14 @@ class Trainer:
             self.groups, stage = PipelineRunner.layout(opt, split)
         # Built on the meta device, holding only this rank's experts and its part of each split weight.
         with every_rank_alike():  # a width the TP size does not divide: one line
-            model = opt.model.build(self.tokenizer, ep_size=ep.size, ep_rank=self.position["ep_rank"],
-                                    seed=opt.train.seed, stage=stage, tensor_parallel=tensor)
+            model = opt.model.build(
+                self.tokenizer,
+                ep_size=ep.size,
+                ep_rank=self.position["ep_rank"],
+                seed=opt.train.seed,
+                stage=stage,
+                tensor_parallel=tensor,
+            )
         if opt.tensor_parallel.sequence_parallel:  # the residual stream cut along the sequence over the TP group
             from ..parallel.tensor_parallel import apply_sequence_parallel
 
@@ -180,11 +197,19 @@ class Trainer:
         self.packed = C.prepare_everywhere(data, self.tokenizer)  # every rank tokenizes its share, if need be
         # every stage of a pipeline reads the same batches: the first feeds them, the last scores them
         with every_rank_alike():
-            self.train_loader = TokenBatches(self.packed, data.seq_len, self.micro_batch, self.dp_rank, self.dp_world,
-                                             seed=seed, vocab_size=self.model.config.vocab_size)
+            self.train_loader = TokenBatches(
+                self.packed,
+                data.seq_len,
+                self.micro_batch,
+                self.dp_rank,
+                self.dp_world,
+                seed=seed,
+                vocab_size=self.model.config.vocab_size,
+            )
         try:
-            self.held_out = eval_batches(self.packed, data.seq_len, self.micro_batch, self.dp_rank,
-                                         self.dp_world, self.opt.train.eval_batches)
+            self.held_out = eval_batches(
+                self.packed, data.seq_len, self.micro_batch, self.dp_rank, self.dp_world, self.opt.train.eval_batches
+            )
         except DataError:
             self.held_out = []
 
@@ -211,9 +236,14 @@ class Trainer:
             mpu = EngineParallelism(self.groups, self.sequence)
             self.sequence_group = mpu.replicated_group
         self.engine, _, _, _ = deepspeed.initialize(
-            model=self.model, lr_scheduler=schedule, config=engine_ds_config(config), mpu=mpu,
-            model_parameters=moe_param_groups(self.model, weight_decay=weight_decay,
-                                              decay_all=opt.train.decay_all_params))
+            model=self.model,
+            lr_scheduler=schedule,
+            config=engine_ds_config(config),
+            mpu=mpu,
+            model_parameters=moe_param_groups(
+                self.model, weight_decay=weight_decay, decay_all=opt.train.decay_all_params
+            ),
+        )
         if opt.train.decay_after_update:  # the seed's order: the decay shrinks the updated weights
             from ..optim.decay_after import apply_decay_after_update
 
@@ -230,9 +260,12 @@ class Trainer:
         checkpoints = self.checkpoints
         notes: list[str] = [self.launch_line]
         if not self.opt.checkpoint.resume and checkpoints.has_checkpoints():
-            raise said_by_every_rank(ConfigError(  # has_checkpoints: rank 0's view, on every rank
-                f"checkpoint.resume is false but {checkpoints.directory} holds checkpoints of an earlier run; remove "
-                "them or point checkpoint.dir elsewhere"))
+            raise said_by_every_rank(
+                ConfigError(  # has_checkpoints: rank 0's view, on every rank
+                    f"checkpoint.resume is false but {checkpoints.directory} holds checkpoints of an earlier run; "
+                    "remove them or point checkpoint.dir elsewhere"
+                )
+            )
         latest = checkpoints.latest_good(report=notes.append) if self.opt.checkpoint.resume else None
         if latest is None and self.opt.checkpoint.resume and self.opt.checkpoint.enabled:
             refused = [trained_without_checkpoint(self.output_dir, checkpoints.directory) if self.rank == 0 else None]
@@ -245,23 +278,33 @@ class Trainer:
         if latest is not None:
             start, extra = checkpoints.load(latest, self.engine)
             with every_rank_alike():  # the same checkpoint and data on every rank
-                notes += [f"data changed since the checkpoint (optimus.data.allow_change): {change}" for change in
-                          self.train_loader.load_state_dict(extra["loader"], self.opt.data.allow_change)]
+                notes += [
+                    f"data changed since the checkpoint (optimus.data.allow_change): {change}"
+                    for change in self.train_loader.load_state_dict(extra["loader"], self.opt.data.allow_change)
+                ]
             notes += [checkpoints.layout_note, *C.resume_changes(extra, self)]
             for callback in (c for c in self.callbacks if c.state_key is not None):
                 callback.load_state_dict(extra.get(callback.state_key, {}))
             self.resumed_from = str(latest)
         # stop_after_tokens: from the tokens the data has given so far (the batch may have changed at a resume)
         self.last_step = C.last_step(self.opt, self.tokens_per_step, start, self.train_loader.tokens_consumed)
-        self.sink = MetricsSink(self.output_dir, self.last_step, start, self.opt.wandb, self.ds_config,
-                                enabled=self.rank == 0 or self.log_every_rank)
+        self.sink = MetricsSink(
+            self.output_dir,
+            self.last_step,
+            start,
+            self.opt.wandb,
+            self.ds_config,
+            enabled=self.rank == 0 or self.log_every_rank,
+        )
         if self.rank == 0:
             self.message(C.describe_data(self.packed, self.train_loader))
         if self.tp > 1:
             ep = self.opt.expert_parallel.size
-            notes.append(f"tensor parallel: groups of {self.tp} consecutive ranks split attention, the dense MLPs, the "
-                         f"embedding and the head; data parallel {self.dp_world} over each TP position's ranks"
-                         + (f", whose experts are split in expert-parallel groups of {ep}" if ep > 1 else ""))
+            notes.append(
+                f"tensor parallel: groups of {self.tp} consecutive ranks split attention, the dense MLPs, the "
+                f"embedding and the head; data parallel {self.dp_world} over each TP position's ranks"
+                + (f", whose experts are split in expert-parallel groups of {ep}" if ep > 1 else "")
+            )
         for note in [n for n in notes if n] + ([self.runner.describe()] if self.runner is not None else []):
             self.message(note)
         if self.resumed_from:
@@ -338,18 +381,18 @@ class Trainer:
             if self.world > 1:
                 dist.all_reduce(packed)
                 # with pipeline stages, the last chunk's ranks add them; every rank of a TP group has the same
-                packed[:len(LOSS_PARTS)] /= self.dp_world * self.tp
+                packed[: len(LOSS_PARTS)] /= self.dp_world * self.tp
             values = packed.tolist()  # the step's one host sync
         self.metrics = dict(zip(LOSS_PARTS, values, strict=False))
-        self.metrics.update(zip((name for name, _ in flags), values[len(LOSS_PARTS):], strict=False))
+        self.metrics.update(zip((name for name, _ in flags), values[len(LOSS_PARTS) :], strict=False))
         self.nonfinite_ranks = int(values[len(LOSS_PARTS) + len(flags)])
         self.step_loads = None
         if loads is not None:
-            flat = values[len(LOSS_PARTS) + len(flags) + 1:]
+            flat = values[len(LOSS_PARTS) + len(flags) + 1 :]
             experts = loads.shape[-1]
             if not self.sequence:  # each rank of a TP group routes the same tokens (with SP, its own)
                 flat = [count / self.tp for count in flat]
-            self.step_loads = [flat[i:i + experts] for i in range(0, len(flat), experts)]
+            self.step_loads = [flat[i : i + experts] for i in range(0, len(flat), experts)]
             self.expert_loads = None
 
     def _phase(self, name: str):
@@ -364,13 +407,21 @@ class Trainer:
         """Run from the resumed step to the last one (or until a callback stops the run), export
         the model at the end, and return the summary (on every rank)."""
         if self.finished_at is not None:
-            text = (f"the run was already trained to step {self.finished_at}: nothing to do ({self._further()}; or "
-                    f"remove {self.output_dir} to start over)")
+            text = (
+                f"the run was already trained to step {self.finished_at}: nothing to do ({self._further()}; or "
+                f"remove {self.output_dir} to start over)"
+            )
             self.message(text)
             if self.rank == 0:
                 append_log(self.output_dir, text)
-            return {"rank": self.rank, "start_step": self.finished_at, "resumed_from": None, "losses": {},
-                    "finished": True, "nothing_to_do": True}
+            return {
+                "rank": self.rank,
+                "start_step": self.finished_at,
+                "resumed_from": None,
+                "losses": {},
+                "finished": True,
+                "nothing_to_do": True,
+            }
         try:
             self._call("pre_train")
             self.engine.train()
@@ -391,14 +442,17 @@ class Trainer:
 
     def _finish(self) -> None:
         self.sink.end_progress()  # the export and the sample print below it, not through it
-        self.summary.update(skipped_steps=self.engine.skipped_steps,
-                            weights_fingerprint=C.dense_fingerprint(self.engine.module))
+        self.summary.update(
+            skipped_steps=self.engine.skipped_steps, weights_fingerprint=C.dense_fingerprint(self.engine.module)
+        )
         if self.step >= self.last_step:  # the last step is done, in this invocation or an earlier one
             self.stop_reason = None  # a stop asked for at the last step leaves nothing to come back for
             self.summary["finished"] = True
             if self.start_step >= self.last_step and self._summary_written():
-                self.message(f"the run was already trained to step {self.start_step}: nothing to do "
-                             f"({self._further()}; or remove {self.output_dir} to start over)")
+                self.message(
+                    f"the run was already trained to step {self.start_step}: nothing to do "
+                    f"({self._further()}; or remove {self.output_dir} to start over)"
+                )
             else:
                 self._export()
         elif self.stop_reason is not None:
@@ -406,8 +460,9 @@ class Trainer:
             if self.stop_reason != "preempted":  # a callback of the user's asked for it
                 self.message(f"stopped after step {self.step} ({self.stop_reason}); run again to resume")
         else:
-            self.message(f"stopped after step {self.end_step} of {self.last_step} (train.stop_after_steps); "
-                         "run again to resume")
+            self.message(
+                f"stopped after step {self.end_step} of {self.last_step} (train.stop_after_steps); run again to resume"
+            )
         self.sink.close()
         dist.barrier()
 
@@ -498,8 +553,11 @@ class Trainer:
 
     def checkpoint_state(self) -> dict[str, Any]:
         """What a checkpoint keeps besides the engine: the data loader's position, callbacks' state."""
-        state = {"loader": self.train_loader.state_dict(), "tokens_per_step": self.tokens_per_step,
-                 "steps": self.opt.train.steps}
+        state = {
+            "loader": self.train_loader.state_dict(),
+            "tokens_per_step": self.tokens_per_step,
+            "steps": self.opt.train.steps,
+        }
         return {**state, **{c.state_key: c.state_dict() for c in self.callbacks if c.state_key is not None}}
 
     def notify_checkpoint(self, step: int, path: Path) -> None:

@@ -14,10 +14,13 @@ __all__ = [
     "flops_per_token",
 ]
 _WHERE = {
-    "PRESETS": ".configuration_mula", "MulaConfig": ".configuration_mula",
-    **dict.fromkeys(("MulaCausalLMOutputWithPast", "MulaForCausalLM", "MulaModel", "MulaPreTrainedModel"),
-                    ".modeling_mula"),
-    "count_parameters": ".sizing", "flops_per_token": ".sizing",
+    "PRESETS": ".configuration_mula",
+    "MulaConfig": ".configuration_mula",
+    **dict.fromkeys(
+        ("MulaCausalLMOutputWithPast", "MulaForCausalLM", "MulaModel", "MulaPreTrainedModel"), ".modeling_mula"
+    ),
+    "count_parameters": ".sizing",
+    "flops_per_token": ".sizing",
 }
 
 

@@ -35,25 +35,53 @@ _OLMO_VOCAB = dict(vocab_size=50304, pad_token_id=1, eos_token_id=50279, bos_tok
 
 PRESETS: dict[str, dict[str, Any]] = {
     "mula-1b": dict(
-        **_OLMO_VOCAB, hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
-        intermediate_size=8192, num_experts=0, qk_norm=False, tie_word_embeddings=False,
-        norm_type="layer_norm", norm_elementwise_affine=False, max_position_embeddings=2048,
+        **_OLMO_VOCAB,
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        intermediate_size=8192,
+        num_experts=0,
+        qk_norm=False,
+        tie_word_embeddings=False,
+        norm_type="layer_norm",
+        norm_elementwise_affine=False,
+        max_position_embeddings=2048,
     ),
     "mula-7b-a1b": dict(
-        **_OLMO_VOCAB, hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
-        num_experts=64, num_experts_per_tok=8, moe_intermediate_size=1024,
+        **_OLMO_VOCAB,
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_experts=64,
+        num_experts_per_tok=8,
+        moe_intermediate_size=1024,
     ),
     "mula-20b-a2b": dict(
-        **_OLMO_VOCAB, hidden_size=2048, num_hidden_layers=32, num_attention_heads=16,
-        num_experts=96, num_experts_per_tok=8, moe_intermediate_size=1024,
+        **_OLMO_VOCAB,
+        hidden_size=2048,
+        num_hidden_layers=32,
+        num_attention_heads=16,
+        num_experts=96,
+        num_experts_per_tok=8,
+        moe_intermediate_size=1024,
     ),
     "mula-100b-a7b": dict(
-        **_OLMO_VOCAB, hidden_size=3072, num_hidden_layers=48, num_attention_heads=24,
-        num_experts=144, num_experts_per_tok=8, moe_intermediate_size=1536,
+        **_OLMO_VOCAB,
+        hidden_size=3072,
+        num_hidden_layers=48,
+        num_attention_heads=24,
+        num_experts=144,
+        num_experts_per_tok=8,
+        moe_intermediate_size=1536,
     ),
     "mula-220b-a10b": dict(
-        **_OLMO_VOCAB, hidden_size=3072, num_hidden_layers=64, num_attention_heads=24,
-        num_experts=240, num_experts_per_tok=8, moe_intermediate_size=1536,
+        **_OLMO_VOCAB,
+        hidden_size=3072,
+        num_hidden_layers=64,
+        num_attention_heads=24,
+        num_experts=240,
+        num_experts_per_tok=8,
+        moe_intermediate_size=1536,
     ),
     # The dense GPT-style models of the Frontier study (Dash et al., "Optimizing Distributed Training on
     # Frontier for Large Language Models", ISC 2024, arXiv 2312.12705): layers, width and heads as its
@@ -62,29 +90,72 @@ PRESETS: dict[str, dict[str, Any]] = {
     # the GELU MLP's parameters (8h/3, to a multiple of 64), no QK-norm, untied embeddings (pipeline
     # stages), the 50304-entry vocabulary. 22.36B, 175.18B and 1,009.4B parameters.
     "frontier-22b": dict(
-        **_OLMO_VOCAB, hidden_size=6144, num_hidden_layers=48, num_attention_heads=48, intermediate_size=16384,
-        num_experts=0, qk_norm=False, tie_word_embeddings=False, max_position_embeddings=4096,
+        **_OLMO_VOCAB,
+        hidden_size=6144,
+        num_hidden_layers=48,
+        num_attention_heads=48,
+        intermediate_size=16384,
+        num_experts=0,
+        qk_norm=False,
+        tie_word_embeddings=False,
+        max_position_embeddings=4096,
     ),
     "frontier-175b": dict(
-        **_OLMO_VOCAB, hidden_size=12288, num_hidden_layers=96, num_attention_heads=96, intermediate_size=32768,
-        num_experts=0, qk_norm=False, tie_word_embeddings=False, max_position_embeddings=4096,
+        **_OLMO_VOCAB,
+        hidden_size=12288,
+        num_hidden_layers=96,
+        num_attention_heads=96,
+        intermediate_size=32768,
+        num_experts=0,
+        qk_norm=False,
+        tie_word_embeddings=False,
+        max_position_embeddings=4096,
     ),
     "frontier-1t": dict(
-        **_OLMO_VOCAB, hidden_size=25600, num_hidden_layers=128, num_attention_heads=200, intermediate_size=68288,
-        num_experts=0, qk_norm=False, tie_word_embeddings=False, max_position_embeddings=4096,
+        **_OLMO_VOCAB,
+        hidden_size=25600,
+        num_hidden_layers=128,
+        num_attention_heads=200,
+        intermediate_size=68288,
+        num_experts=0,
+        qk_norm=False,
+        tie_word_embeddings=False,
+        max_position_embeddings=4096,
     ),
     # CPU-sized models for tests, examples and the tiny pretraining run.
     "mula-tiny-dense": dict(
-        vocab_size=4096, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=384, num_experts=0, tie_word_embeddings=True,
-        max_position_embeddings=1024, pad_token_id=0, eos_token_id=1,
+        vocab_size=4096,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=384,
+        num_experts=0,
+        tie_word_embeddings=True,
+        max_position_embeddings=1024,
+        pad_token_id=0,
+        eos_token_id=1,
     ),
     "mula-tiny-moe": dict(
-        vocab_size=4096, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=384, num_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=128, max_position_embeddings=1024, pad_token_id=0, eos_token_id=1,
+        vocab_size=4096,
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=384,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        max_position_embeddings=1024,
+        pad_token_id=0,
+        eos_token_id=1,
     ),
 }
+
+
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(f"invalid MulaConfig: {message}")
 
 
 class MulaConfig(PreTrainedConfig):
@@ -133,7 +204,13 @@ class MulaConfig(PreTrainedConfig):
     model_type: ClassVar[str] = "mula"
     # Outputs the Trainer leaves out of predictions, so compute_metrics sees the logits first.
     keys_to_ignore_at_inference: ClassVar[list[str]] = [
-        "cache", "past_key_values", "lm_loss", "aux_loss", "z_loss", "tokens_per_expert", "router_logits",
+        "cache",
+        "past_key_values",
+        "lm_loss",
+        "aux_loss",
+        "z_loss",
+        "tokens_per_expert",
+        "router_logits",
     ]
     attribute_map: ClassVar[dict[str, str]] = {"num_local_experts": "num_experts"}
     # How Transformers' own tensor and expert parallelism (`from_pretrained(distributed_config=...)`)
@@ -211,75 +288,121 @@ class MulaConfig(PreTrainedConfig):
     # -- validation --------------------------------------------------------------------------
     def check(self) -> None:
         """Raise `ValueError` with a one-line message naming the first invalid field."""
-
-        def need(ok: bool, message: str) -> None:
-            if not ok:
-                raise ValueError(f"invalid MulaConfig: {message}")
-
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "max_position_embeddings"):
+        need = _need
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             need(isinstance(value, int) and value > 0, f"{name} must be a positive integer, got {value!r}")
-        need(self.hidden_size % self.num_attention_heads == 0 or self.head_dim is not None,
-             f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
-             f"({self.num_attention_heads}); set head_dim explicitly")
-        need(isinstance(self.head_dim, int) and self.head_dim > 0 and self.head_dim % 2 == 0,
-             f"head_dim must be a positive even integer (RoPE rotates pairs), got {self.head_dim!r}")
-        need(self.num_attention_heads % self.num_key_value_heads == 0,
-             f"num_attention_heads ({self.num_attention_heads}) is not divisible by "
-             f"num_key_value_heads ({self.num_key_value_heads})")
-        need(isinstance(self.num_experts, int) and self.num_experts >= 0,
-             f"num_experts must be an integer >= 0, got {self.num_experts!r}")
+        need(
+            self.hidden_size % self.num_attention_heads == 0 or self.head_dim is not None,
+            f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
+            f"({self.num_attention_heads}); set head_dim explicitly",
+        )
+        need(
+            isinstance(self.head_dim, int) and self.head_dim > 0 and self.head_dim % 2 == 0,
+            f"head_dim must be a positive even integer (RoPE rotates pairs), got {self.head_dim!r}",
+        )
+        need(
+            self.num_attention_heads % self.num_key_value_heads == 0,
+            f"num_attention_heads ({self.num_attention_heads}) is not divisible by "
+            f"num_key_value_heads ({self.num_key_value_heads})",
+        )
+        need(
+            isinstance(self.num_experts, int) and self.num_experts >= 0,
+            f"num_experts must be an integer >= 0, got {self.num_experts!r}",
+        )
         rate = self.router_bias_update_rate
-        need(self.num_experts > 0 or not (_is_number(rate) and rate > 0),
-             f"router_bias_update_rate {rate!r} needs MoE layers, but num_experts is 0 (nothing has a router bias)")
+        need(
+            self.num_experts > 0 or not (_is_number(rate) and rate > 0),
+            f"router_bias_update_rate {rate!r} needs MoE layers, but num_experts is 0 (nothing has a router bias)",
+        )
         dense_layers = self.num_experts == 0 or not isinstance(self.moe_layer_freq, int) or self.moe_layer_freq > 1
         if dense_layers:
-            need(isinstance(self.intermediate_size, int) and self.intermediate_size > 0,
-                 f"intermediate_size must be a positive integer, got {self.intermediate_size!r}")
+            need(
+                isinstance(self.intermediate_size, int) and self.intermediate_size > 0,
+                f"intermediate_size must be a positive integer, got {self.intermediate_size!r}",
+            )
         if self.num_experts > 0:
-            need(isinstance(self.num_experts_per_tok, int) and self.num_experts_per_tok >= 1,
-                 f"num_experts_per_tok must be >= 1, got {self.num_experts_per_tok!r}")
-            need(self.num_experts_per_tok <= self.num_experts,
-                 f"num_experts_per_tok ({self.num_experts_per_tok}) is larger than num_experts "
-                 f"({self.num_experts})")
-            need(isinstance(self.moe_intermediate_size, int) and self.moe_intermediate_size > 0,
-                 f"moe_intermediate_size must be a positive integer, got {self.moe_intermediate_size!r}")
-            need(isinstance(self.moe_layer_freq, int) and 1 <= self.moe_layer_freq <= self.num_hidden_layers,
-                 f"moe_layer_freq must be an integer in [1, num_hidden_layers={self.num_hidden_layers}], "
-                 f"got {self.moe_layer_freq!r}")
-            need(self.router_scoring_func in ("softmax", "sigmoid"),
-                 f"router_scoring_func must be 'softmax' or 'sigmoid', got {self.router_scoring_func!r}")
-            for name in ("router_aux_loss_coef", "router_z_loss_coef", "router_bias_update_rate"):
-                value = getattr(self, name)
-                need(_is_number(value) and value >= 0, f"{name} must be a number >= 0, got {value!r}")
-            need(self.router_aux_loss_scope in ("micro_batch", "global_batch"),
-                 f"router_aux_loss_scope must be 'micro_batch' or 'global_batch', got {self.router_aux_loss_scope!r}")
-            need(self.router_aux_loss_type in ("mula", "transformers"),
-                 f"router_aux_loss_type must be 'mula' or 'transformers', got {self.router_aux_loss_type!r}")
-            factor = self.moe_capacity_factor
-            need(factor is None or (_is_number(factor) and factor > 0),
-                 f"moe_capacity_factor must be None (dropless) or a number > 0, got {self.moe_capacity_factor!r}")
-        need(self.hidden_act == "silu" or self.hidden_act in _known_activations(),
-             f"hidden_act {self.hidden_act!r} is not a known activation")
-        need(_is_number(self.rms_norm_eps) and self.rms_norm_eps > 0,
-             f"rms_norm_eps must be a number > 0, got {self.rms_norm_eps!r}")
-        need(self.norm_type in NORM_TYPES,
-             f"norm_type must be one of {', '.join(map(repr, NORM_TYPES))}, got {self.norm_type!r}")
-        need(isinstance(self.norm_elementwise_affine, bool),
-             f"norm_elementwise_affine must be true or false, got {self.norm_elementwise_affine!r}")
-        need(self.clip_qkv is None or (_is_number(self.clip_qkv) and self.clip_qkv > 0),
-             f"clip_qkv must be None or a number > 0, got {self.clip_qkv!r}")
+            self._check_experts()
+        need(
+            self.hidden_act == "silu" or self.hidden_act in _known_activations(),
+            f"hidden_act {self.hidden_act!r} is not a known activation",
+        )
+        need(
+            _is_number(self.rms_norm_eps) and self.rms_norm_eps > 0,
+            f"rms_norm_eps must be a number > 0, got {self.rms_norm_eps!r}",
+        )
+        need(
+            self.norm_type in NORM_TYPES,
+            f"norm_type must be one of {', '.join(map(repr, NORM_TYPES))}, got {self.norm_type!r}",
+        )
+        need(
+            isinstance(self.norm_elementwise_affine, bool),
+            f"norm_elementwise_affine must be true or false, got {self.norm_elementwise_affine!r}",
+        )
+        need(
+            self.clip_qkv is None or (_is_number(self.clip_qkv) and self.clip_qkv > 0),
+            f"clip_qkv must be None or a number > 0, got {self.clip_qkv!r}",
+        )
         for name in ("pad_token_id", "bos_token_id"):
             value = getattr(self, name)
-            need(value is None or (isinstance(value, int) and 0 <= value < self.vocab_size),
-                 f"{name} must be None or a token id below vocab_size ({self.vocab_size}), got {value!r}")
+            need(
+                value is None or (isinstance(value, int) and 0 <= value < self.vocab_size),
+                f"{name} must be None or a token id below vocab_size ({self.vocab_size}), got {value!r}",
+            )
         rope_type = (self.rope_parameters or {}).get("rope_type", "default")
         need(rope_type in _known_rope_types(), f"rope_parameters: unknown rope_type {rope_type!r}")
         try:
             self.validate_rope()
         except (KeyError, ValueError, TypeError) as err:
             need(False, f"rope_parameters: {str(err).strip(chr(34)).splitlines()[0]}")
+
+    def _check_experts(self) -> None:
+        """The MoE fields' part of `check`."""
+        need = _need
+        need(
+            isinstance(self.num_experts_per_tok, int) and self.num_experts_per_tok >= 1,
+            f"num_experts_per_tok must be >= 1, got {self.num_experts_per_tok!r}",
+        )
+        need(
+            self.num_experts_per_tok <= self.num_experts,
+            f"num_experts_per_tok ({self.num_experts_per_tok}) is larger than num_experts ({self.num_experts})",
+        )
+        need(
+            isinstance(self.moe_intermediate_size, int) and self.moe_intermediate_size > 0,
+            f"moe_intermediate_size must be a positive integer, got {self.moe_intermediate_size!r}",
+        )
+        need(
+            isinstance(self.moe_layer_freq, int) and 1 <= self.moe_layer_freq <= self.num_hidden_layers,
+            f"moe_layer_freq must be an integer in [1, num_hidden_layers={self.num_hidden_layers}], "
+            f"got {self.moe_layer_freq!r}",
+        )
+        need(
+            self.router_scoring_func in ("softmax", "sigmoid"),
+            f"router_scoring_func must be 'softmax' or 'sigmoid', got {self.router_scoring_func!r}",
+        )
+        for name in ("router_aux_loss_coef", "router_z_loss_coef", "router_bias_update_rate"):
+            value = getattr(self, name)
+            need(_is_number(value) and value >= 0, f"{name} must be a number >= 0, got {value!r}")
+        need(
+            self.router_aux_loss_scope in ("micro_batch", "global_batch"),
+            f"router_aux_loss_scope must be 'micro_batch' or 'global_batch', got {self.router_aux_loss_scope!r}",
+        )
+        need(
+            self.router_aux_loss_type in ("mula", "transformers"),
+            f"router_aux_loss_type must be 'mula' or 'transformers', got {self.router_aux_loss_type!r}",
+        )
+        factor = self.moe_capacity_factor
+        need(
+            factor is None or (_is_number(factor) and factor > 0),
+            f"moe_capacity_factor must be None (dropless) or a number > 0, got {self.moe_capacity_factor!r}",
+        )
 
     # -- derived -----------------------------------------------------------------------------
     def is_moe_layer(self, layer_idx: int) -> bool:

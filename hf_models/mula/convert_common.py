@@ -196,4 +196,3 @@ def run_conversion(prog: str, convert: Callable[[], Path], verbose: bool = False
         return None
     print(f"wrote {out}")
     return out
-

@@ -37,10 +37,23 @@ PROG = "ds_optimus.hf_models.mula.convert_olmo"
 # OLMo's LayerNorm has no weight, no bias and a fixed epsilon.
 OLMO_NORM = dict(norm_type="layer_norm", norm_elementwise_affine=False, rms_norm_eps=1e-5)
 _SHARED_KEYS = (
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "hidden_act", "max_position_embeddings", "initializer_range", "use_cache",
-    "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings", "attention_bias",
-    "attention_dropout", "clip_qkv",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "hidden_act",
+    "max_position_embeddings",
+    "initializer_range",
+    "use_cache",
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "tie_word_embeddings",
+    "attention_bias",
+    "attention_dropout",
+    "clip_qkv",
 )
 
 
@@ -99,10 +112,13 @@ def convert_olmo_to_mula(input_dir: str | Path, output_dir: str | Path) -> Path:
     check_output(output_dir)
     model_type = cfg.get("model_type")
     if model_type != "olmo":
-        hint = {"olmoe": "; convert it with ds_optimus.hf_models.mula.convert_olmoe",
-                "hf_olmo": "; convert the Transformers release (the -hf one, e.g. allenai/OLMo-1B-hf)"}
+        hint = {
+            "olmoe": "; convert it with ds_optimus.hf_models.mula.convert_olmoe",
+            "hf_olmo": "; convert the Transformers release (the -hf one, e.g. allenai/OLMo-1B-hf)",
+        }
         raise ConversionError(
-            f"{input_dir} is not an OLMo checkpoint (model_type={model_type!r}){hint.get(model_type, '')}")
+            f"{input_dir} is not an OLMo checkpoint (model_type={model_type!r}){hint.get(model_type, '')}"
+        )
     config = olmo_to_mula_config(cfg)
     model = load_into_meta_model(MulaForCausalLM, config, read_tensors(input_dir))
     save_folder(model, output_dir)
@@ -126,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog=f"python -m {PROG}",
         description="Convert a Transformers OLMo checkpoint folder to a Mula folder, or back with --to-olmo. "
-                    "Tied embeddings stay tied (the mula-1b preset is the same architecture untied).",
+        "Tied embeddings stay tied (the mula-1b preset is the same architecture untied).",
     )
     parser.add_argument("input", help="checkpoint folder to read")
     parser.add_argument("output", help="folder to write (must not exist or be empty)")
@@ -140,8 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     if out is None:
         return 2
     if not args.to_olmo and read_config(out).get("tie_word_embeddings"):
-        print("note: the OLMo checkpoint ties its embeddings, so the Mula model does too (tie_word_embeddings=true); "
-              "the mula-1b preset is this architecture untied, for training from scratch")
+        print(
+            "note: the OLMo checkpoint ties its embeddings, so the Mula model does too (tie_word_embeddings=true); "
+            "the mula-1b preset is this architecture untied, for training from scratch"
+        )
     return 0
 
 

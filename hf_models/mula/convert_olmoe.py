@@ -46,10 +46,26 @@ _PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_pro
 
 # -- configs ------------------------------------------------------------------------------------
 _SHARED_KEYS = (
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-    "hidden_act", "max_position_embeddings", "initializer_range", "rms_norm_eps", "use_cache",
-    "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings", "attention_bias",
-    "attention_dropout", "clip_qkv", "num_experts_per_tok", "num_experts", "router_aux_loss_coef",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "hidden_act",
+    "max_position_embeddings",
+    "initializer_range",
+    "rms_norm_eps",
+    "use_cache",
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "tie_word_embeddings",
+    "attention_bias",
+    "attention_dropout",
+    "clip_qkv",
+    "num_experts_per_tok",
+    "num_experts",
+    "router_aux_loss_coef",
     "norm_topk_prob",
 )
 
@@ -66,8 +82,13 @@ def olmoe_to_mula_config(cfg: dict) -> MulaConfig:
         raise ConversionError("OLMoE config.json has no intermediate_size")
     values["moe_intermediate_size"] = cfg["intermediate_size"]
     values["intermediate_size"] = cfg["intermediate_size"]  # unused: every OLMoE layer is MoE
-    values.update(qk_norm=True, moe_layer_freq=1, router_scoring_func="softmax",
-                  rope_parameters=rope_parameters(cfg), **checkpoint_dtype(cfg))
+    values.update(
+        qk_norm=True,
+        moe_layer_freq=1,
+        router_scoring_func="softmax",
+        rope_parameters=rope_parameters(cfg),
+        **checkpoint_dtype(cfg),
+    )
     return build_config(MulaConfig, values)
 
 
@@ -198,20 +219,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("input", help="checkpoint folder to read")
     parser.add_argument("output", help="folder to write (must not exist or be empty)")
     parser.add_argument("--to-olmoe", action="store_true", help="convert Mula -> OLMoE instead")
-    parser.add_argument("--layout", choices=("per-expert", "stacked"), default="per-expert",
-                        help="expert layout of OLMoE output (default: per-expert, readable by Transformers v4 and v5)")
+    parser.add_argument(
+        "--layout",
+        choices=("per-expert", "stacked"),
+        default="per-expert",
+        help="expert layout of OLMoE output (default: per-expert, readable by Transformers v4 and v5)",
+    )
     parser.add_argument("--verbose", action="store_true", help="keep Transformers' and DeepSpeed's own output")
     args = parser.parse_args(argv)
     if args.to_olmoe:
-        out = run_conversion(PROG, lambda: convert_mula_to_olmoe(args.input, args.output, args.layout),
-                             args.verbose)
+        out = run_conversion(PROG, lambda: convert_mula_to_olmoe(args.input, args.output, args.layout), args.verbose)
     else:
         out = run_conversion(PROG, lambda: convert_olmoe_to_mula(args.input, args.output), args.verbose)
     return 2 if out is None else 0
 
+
 __all__ = [
-    "ConversionError", "check_tensors", "convert_mula_to_olmoe", "convert_olmoe_to_mula", "load_into_meta_model",
-    "main", "mula_to_olmoe_config", "olmoe_to_mula_config", "read_config", "read_tensors", "stack_experts",
+    "ConversionError",
+    "check_tensors",
+    "convert_mula_to_olmoe",
+    "convert_olmoe_to_mula",
+    "load_into_meta_model",
+    "main",
+    "mula_to_olmoe_config",
+    "olmoe_to_mula_config",
+    "read_config",
+    "read_tensors",
+    "stack_experts",
     "unstack_experts",
 ]
 

@@ -70,22 +70,60 @@ _ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 # allenai/OLMoE-1B-7B-0924 as the seed's OlmoeParallelConfig defaults give it, with the seed's router
 # losses (Transformers' pooled load-balancing form, no z-loss).
 OLMOE_VALUES = dict(
-    vocab_size=50304, hidden_size=2048, moe_intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
-    num_key_value_heads=16, num_experts=64, num_experts_per_tok=8, rms_norm_eps=1e-5, rope_parameters=_ROPE,
-    max_position_embeddings=4096, pad_token_id=1, eos_token_id=50279, bos_token_id=None, norm_topk_prob=False,
-    router_aux_loss_coef=0.01, router_aux_loss_type="transformers", router_z_loss_coef=0.0, clip_qkv=None,
-    qk_norm=True, moe_layer_freq=1, router_scoring_func="softmax", tie_word_embeddings=False,
+    vocab_size=50304,
+    hidden_size=2048,
+    moe_intermediate_size=1024,
+    num_hidden_layers=16,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    num_experts=64,
+    num_experts_per_tok=8,
+    rms_norm_eps=1e-5,
+    rope_parameters=_ROPE,
+    max_position_embeddings=4096,
+    pad_token_id=1,
+    eos_token_id=50279,
+    bos_token_id=None,
+    norm_topk_prob=False,
+    router_aux_loss_coef=0.01,
+    router_aux_loss_type="transformers",
+    router_z_loss_coef=0.0,
+    clip_qkv=None,
+    qk_norm=True,
+    moe_layer_freq=1,
+    router_scoring_func="softmax",
+    tie_word_embeddings=False,
 )
 # allenai/OLMo-1B-hf as the seed's OLMo branch makes it: 4096 positions, untied, parameter-free LayerNorms.
 OLMO_VALUES = dict(
-    vocab_size=50304, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
-    num_key_value_heads=16, rope_parameters=_ROPE, max_position_embeddings=4096, pad_token_id=1,
-    eos_token_id=50279, bos_token_id=None, num_experts=0, qk_norm=False, norm_type="layer_norm",
-    norm_elementwise_affine=False, rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=False, clip_qkv=None,
+    vocab_size=50304,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    rope_parameters=_ROPE,
+    max_position_embeddings=4096,
+    pad_token_id=1,
+    eos_token_id=50279,
+    bos_token_id=None,
+    num_experts=0,
+    qk_norm=False,
+    norm_type="layer_norm",
+    norm_elementwise_affine=False,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    attention_bias=False,
+    clip_qkv=None,
 )
 # OLMoE tags: a scale of base fields (the new value is int(scale * base)); SM and S scale several at once.
-_OLMOE_SCALES = {"SA": ("num_attention_heads", "num_key_value_heads"), "SH": ("hidden_size",),
-                 "SE": ("num_experts",), "SC": ("num_experts_per_tok",), "SI": ("moe_intermediate_size",)}
+_OLMOE_SCALES = {
+    "SA": ("num_attention_heads", "num_key_value_heads"),
+    "SH": ("hidden_size",),
+    "SE": ("num_experts",),
+    "SC": ("num_experts_per_tok",),
+    "SI": ("moe_intermediate_size",),
+}
 _OLMOE_GROUPS = {"SM": ("SA", "SH"), "S": ("SA", "SH", "SE", "SI")}
 _OLMO_SCALED = ("num_attention_heads", "num_key_value_heads", "hidden_size", "intermediate_size")
 
@@ -117,8 +155,10 @@ def _olmoe_values(choice: str, tags: list[tuple[str, float | None]]) -> tuple[di
     keys = {key for key, _ in tags}
     for group, members in _OLMOE_GROUPS.items():
         if group in keys and keys & set(members):
-            raise ConversionError(f"model choice {choice!r}: {group} scales {', '.join(members)} together and "
-                                  f"cannot be given with {', '.join(sorted(keys & set(members)))}")
+            raise ConversionError(
+                f"model choice {choice!r}: {group} scales {', '.join(members)} together and "
+                f"cannot be given with {', '.join(sorted(keys & set(members)))}"
+            )
     scale, flags = dict.fromkeys(_OLMOE_SCALES, 1.0), set()
     for key, value in tags:
         if key in ("NAL", "SKIPQKNORM") and value is None:
@@ -129,8 +169,10 @@ def _olmoe_values(choice: str, tags: list[tuple[str, float | None]]) -> tuple[di
             for member in _OLMOE_GROUPS.get(key, (key,)):
                 scale[member] = _need_number(choice, key, value)
         else:
-            raise ConversionError(f"model choice {choice!r}: unknown OLMoE tag {key!r} (the seed's are L, SA, SH, "
-                                  "SE, SC, SI, SM, S, NAL and SKIPQKNORM)")
+            raise ConversionError(
+                f"model choice {choice!r}: unknown OLMoE tag {key!r} (the seed's are L, SA, SH, "
+                "SE, SC, SI, SM, S, NAL and SKIPQKNORM)"
+            )
     for key, fields in _OLMOE_SCALES.items():
         for name in fields:
             values[name] = int(scale[key] * OLMOE_VALUES[name])
@@ -155,8 +197,9 @@ def _olmo_values(choice: str, tags: list[tuple[str, float | None]]) -> dict:
         elif key == "RMS" and value is None:
             values.update(norm_type="rms_norm", norm_elementwise_affine=True)
         elif key != "TWE" or value is not None:
-            raise ConversionError(f"model choice {choice!r}: unknown OLMo tag {key!r} (the seed's are L, S, TWE "
-                                  "and RMS)")
+            raise ConversionError(
+                f"model choice {choice!r}: unknown OLMo tag {key!r} (the seed's are L, S, TWE and RMS)"
+            )
     for name in _OLMO_SCALED:
         values[name] = int(scale * OLMO_VALUES[name])
     return values
@@ -171,8 +214,10 @@ def config_from_model_choice(choice: str) -> tuple[MulaConfig, bool]:
     text = text.split("_")[0]  # a run folder's name goes on with its settings after a `_`
     name = base.replace("__", "/") if "/" in base or "__" in base else f"allenai/{base}"
     if name not in (OLMOE_BASE, OLMO_BASE):
-        raise ConversionError(f"model choice {choice!r}: the base {base!r} is not {OLMOE_BASE} or {OLMO_BASE}, "
-                              "the two whose numbers this importer knows; give --config or --preset")
+        raise ConversionError(
+            f"model choice {choice!r}: the base {base!r} is not {OLMOE_BASE} or {OLMO_BASE}, "
+            "the two whose numbers this importer knows; give --config or --preset"
+        )
     tags = _tags(choice, text)
     values, skip_qk_norm = _olmoe_values(choice, tags) if name == OLMOE_BASE else (_olmo_values(choice, tags), False)
     heads = values["num_attention_heads"]
@@ -189,8 +234,9 @@ def config_from_file(path: Path) -> MulaConfig:
 
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
-        raise ConversionError(f"--config {path}: no such file" + (" (the folder has no config.json)"
-                                                                  if path.is_dir() else ""))
+        raise ConversionError(
+            f"--config {path}: no such file" + (" (the folder has no config.json)" if path.is_dir() else "")
+        )
     try:
         cfg = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -232,22 +278,31 @@ def model_config(model_choice: str | None, config: str | Path | None, preset: st
 # -- the checkpoint folder ----------------------------------------------------------------------
 def not_a_checkpoint(folder: Path, names: list[str]) -> ConversionError:
     """The error for a folder without model files, saying what it seems to be instead."""
-    inner = [d for d in sorted(folder.iterdir()) if d.is_dir()
-             and any(SHARD.match(p.name) or p.name == SINGLE for p in d.iterdir())]
+    inner = [
+        d
+        for d in sorted(folder.iterdir())
+        if d.is_dir() and any(SHARD.match(p.name) or p.name == SINGLE for p in d.iterdir())
+    ]
     if inner:
         shown = ", ".join(d.name for d in inner[:4]) + (", ..." if len(inner) > 4 else "")
-        return ConversionError(f"{folder} holds no model files, but its folders are checkpoints of the seed: import "
-                               f"one of them ({shown})")
+        return ConversionError(
+            f"{folder} holds no model files, but its folders are checkpoints of the seed: import one of them ({shown})"
+        )
     if (folder / "checkpoints").is_dir():
-        return ConversionError(f"{folder} is a run folder of the seed: import one of its checkpoints, "
-                               f"{folder / 'checkpoints'}/<checkpoint1, checkpoint2, main or step...>")
+        return ConversionError(
+            f"{folder} is a run folder of the seed: import one of its checkpoints, "
+            f"{folder / 'checkpoints'}/<checkpoint1, checkpoint2, main or step...>"
+        )
     if "config.json" in names:
-        return ConversionError(f"{folder} is a Hugging Face folder (it has config.json), not a checkpoint of the seed: "
-                               "convert_olmoe and convert_olmo read OLMoE and OLMo folders, optimus.model.path all "
-                               "three")
+        return ConversionError(
+            f"{folder} is a Hugging Face folder (it has config.json), not a checkpoint of the seed: "
+            "convert_olmoe and convert_olmo read OLMoE and OLMo folders, optimus.model.path all "
+            "three"
+        )
     optimizer = " (only optimizer state)" if any(n.startswith("optimizer_checkpoint") for n in names) else ""
-    return ConversionError(f"{folder} is not a checkpoint of the seed: it has no {SINGLE} or "
-                           f"model_checkpoint_shard-N.pth{optimizer}")
+    return ConversionError(
+        f"{folder} is not a checkpoint of the seed: it has no {SINGLE} or model_checkpoint_shard-N.pth{optimizer}"
+    )
 
 
 def find_model_files(folder: Path, pp: int | None, ep: int | None) -> list[Path]:
@@ -263,8 +318,10 @@ def find_model_files(folder: Path, pp: int | None, ep: int | None) -> list[Path]
         raise not_a_checkpoint(folder, names)
     if SINGLE in names and shards:
         if pp is None and ep is None:
-            raise ConversionError(f"{folder} holds both {SINGLE} and {len(shards)} model_checkpoint_shard-N.pth files "
-                                  "(the seed never deletes old files): give --pp and --ep to choose")
+            raise ConversionError(
+                f"{folder} holds both {SINGLE} and {len(shards)} model_checkpoint_shard-N.pth files "
+                "(the seed never deletes old files): give --pp and --ep to choose"
+            )
         if (pp or 1) * (ep or 1) == 1:
             return [folder / SINGLE]
     if not shards:
@@ -272,8 +329,10 @@ def find_model_files(folder: Path, pp: int | None, ep: int | None) -> list[Path]
     missing = [k for k in range(max(shards)) if k not in shards]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ConversionError(f"{folder}: {shard_name(missing[0])} is missing{more}; the folder has shards up to "
-                              f"{shard_name(max(shards))}")
+        raise ConversionError(
+            f"{folder}: {shard_name(missing[0])} is missing{more}; the folder has shards up to "
+            f"{shard_name(max(shards))}"
+        )
     return [shards[k] for k in sorted(shards)]
 
 
@@ -298,8 +357,10 @@ def check_marker(folder: Path, step: int | None, force: bool) -> str | None:
     a save and writes it, holding the step, after every shard. Returns a note when forced past it."""
     marker = folder / MARKER
     if not marker.is_file():
-        problem = (f"{folder} has no `{MARKER}` marker: the seed may not have finished writing it (a save deletes "
-                   "the marker first and writes it last)")
+        problem = (
+            f"{folder} has no `{MARKER}` marker: the seed may not have finished writing it (a save deletes "
+            "the marker first and writes it last)"
+        )
     else:
         text = marker.read_text().strip()
         if step is None or text == str(step):
@@ -348,8 +409,9 @@ def _local_counts(state: dict[str, torch.Tensor]) -> tuple[int, int]:
     return len(layers), experts
 
 
-def infer_layout(files: list[Path], first: dict[str, torch.Tensor], config: MulaConfig, pp: int | None,
-                 ep: int | None, vpp: int) -> Layout:
+def infer_layout(
+    files: list[Path], first: dict[str, torch.Tensor], config: MulaConfig, pp: int | None, ep: int | None, vpp: int
+) -> Layout:
     """The layout from the file count and the first shard's layers and experts, checked against --pp/--ep."""
     n, total = len(files), config.num_hidden_layers
     local_layers, local_experts = _local_counts(first)
@@ -357,35 +419,48 @@ def infer_layout(files: list[Path], first: dict[str, torch.Tensor], config: Mula
         raise ConversionError(f"{files[0]} holds no decoder layers (model.layers.N...): not a model of the seed")
     if pp is None:
         if total % local_layers:
-            raise ConversionError(f"{files[0].name} holds {local_layers} decoder layers, which does not divide the "
-                                  f"config's {total}: the config does not match the checkpoint")
+            raise ConversionError(
+                f"{files[0].name} holds {local_layers} decoder layers, which does not divide the "
+                f"config's {total}: the config does not match the checkpoint"
+            )
         pp = total // local_layers
     if ep is None:
         ep = n // pp if n % pp == 0 else 0
     if pp * ep != n:
         folder = files[0].parent
         if ep == 0:
-            raise ConversionError(f"{folder} has {n} model files, which do not divide over {pp} pipeline stages "
-                                  f"({files[0].name} holds {local_layers} of the config's {total} layers): give --pp "
-                                  "and --ep")
-        detail = (f"{shard_name(n)} is missing" if n < pp * ep else
-                  "more files than that layout has (the seed never deletes the files of an earlier layout)")
+            raise ConversionError(
+                f"{folder} has {n} model files, which do not divide over {pp} pipeline stages "
+                f"({files[0].name} holds {local_layers} of the config's {total} layers): give --pp "
+                "and --ep"
+            )
+        detail = (
+            f"{shard_name(n)} is missing"
+            if n < pp * ep
+            else "more files than that layout has (the seed never deletes the files of an earlier layout)"
+        )
         raise ConversionError(f"{folder} has {n} model files, but pp {pp} x ep {ep} makes {pp * ep}: {detail}")
     if total % pp or (total // pp) % vpp:
         raise ConversionError(f"the config's {total} layers do not split into {pp} stages of {vpp} virtual chunks")
     if local_layers != total // pp:
-        raise ConversionError(f"{files[0].name} holds {local_layers} decoder layers, but the config's {total} over pp "
-                              f"{pp} make {total // pp} per stage: the config or --pp does not match the files")
+        raise ConversionError(
+            f"{files[0].name} holds {local_layers} decoder layers, but the config's {total} over pp "
+            f"{pp} make {total // pp} per stage: the config or --pp does not match the files"
+        )
     if config.num_experts and config.num_experts % ep:
-        raise ConversionError(f"the config's {config.num_experts} experts do not divide over {ep} expert-parallel "
-                              "ranks")
+        raise ConversionError(
+            f"the config's {config.num_experts} experts do not divide over {ep} expert-parallel ranks"
+        )
     experts = config.num_experts // ep
     if local_experts and not experts:
-        raise ConversionError(f"{files[0].name} holds {local_experts} experts per layer, but the config's model is "
-                              "dense (num_experts 0)")
+        raise ConversionError(
+            f"{files[0].name} holds {local_experts} experts per layer, but the config's model is dense (num_experts 0)"
+        )
     if local_experts and local_experts != experts:
-        raise ConversionError(f"{files[0].name} holds {local_experts} experts per layer, but {config.num_experts} "
-                              f"experts over ep {ep} make {experts}: the config or --ep does not match the files")
+        raise ConversionError(
+            f"{files[0].name} holds {local_experts} experts per layer, but {config.num_experts} "
+            f"experts over ep {ep} make {experts}: the config or --ep does not match the files"
+        )
     return Layout(tuple(files), pp, ep, vpp, total // pp, experts)
 
 
@@ -431,16 +506,20 @@ def _target(key: str, stage: int, rank: int, layout: Layout, file: str) -> tuple
         return ("plain", key)
     local, rest = int(match[1]), match[2]
     if local >= layout.layers:
-        raise ConversionError(f"{file} holds local layer {local}, but {layout.pp} stages of the config's layers have "
-                              f"{layout.layers} each: the config or --pp does not match the files")
+        raise ConversionError(
+            f"{file} holds local layer {local}, but {layout.pp} stages of the config's layers have "
+            f"{layout.layers} each: the config or --pp does not match the files"
+        )
     layer = layout.global_layer(stage, local)
     if layout.experts == 0 and (_EXPERT.match(rest) or _MERGED.match(rest)):
         raise ConversionError(f"unexpected tensor {key} in {file}: the config's model is dense")
     if expert := _EXPERT.match(rest):
         if int(expert[1]) >= layout.experts:
-            raise ConversionError(f"{file} holds local expert {expert[1]} of layer {local}, but the config's experts "
-                                  f"over ep {layout.ep} make {layout.experts} per file: the config or --ep does not "
-                                  "fit")
+            raise ConversionError(
+                f"{file} holds local expert {expert[1]} of layer {local}, but the config's experts "
+                f"over ep {layout.ep} make {layout.experts} per file: the config or --ep does not "
+                "fit"
+            )
         return ("expert", layer, expert[2], rank * layout.experts + int(expert[1]))
     if merged := _MERGED.match(rest):
         return ("merged", layer, merged[1], rank * layout.experts)
@@ -474,13 +553,16 @@ def _crc(tensor: torch.Tensor) -> int:
 def _add_expert(scan: Scan, where: tuple[int, str, int], source: Source, layout: Layout) -> None:
     if where in scan.experts:
         files = layout.files
-        raise ConversionError(f"expert {where[2]} of layer {where[0]} ({where[1]}) is in both "
-                              f"{files[scan.experts[where].shard].name} and {files[source.shard].name}")
+        raise ConversionError(
+            f"expert {where[2]} of layer {where[0]} ({where[1]}) is in both "
+            f"{files[scan.experts[where].shard].name} and {files[source.shard].name}"
+        )
     scan.experts[where] = source
 
 
-def scan_shard(index: int, state: dict[str, torch.Tensor], layout: Layout, expected: dict, skip_qk_norm: bool,
-               scan: Scan) -> None:
+def scan_shard(
+    index: int, state: dict[str, torch.Tensor], layout: Layout, expected: dict, skip_qk_norm: bool, scan: Scan
+) -> None:
     """Record where each of one shard's tensors goes, checking its name and shape against `expected`."""
     stage, rank = layout.rank(index)
     file = layout.files[index].name
@@ -496,8 +578,10 @@ def scan_shard(index: int, state: dict[str, torch.Tensor], layout: Layout, expec
             _check_shape(raw, file, tensor.shape, None if _STACKED.match(name) else expected.get(name))
             copies = scan.plain.setdefault(name, [])
             if copies and layout.rank(copies[0].shard)[0] != stage:
-                raise ConversionError(f"{name} is in {layout.files[copies[0].shard].name} and {file}, of different "
-                                      "pipeline stages: --pp, --ep or the config does not match the files")
+                raise ConversionError(
+                    f"{name} is in {layout.files[copies[0].shard].name} and {file}, of different "
+                    "pipeline stages: --pp, --ep or the config does not match the files"
+                )
             copies.append(Source(index, raw))
             if layout.ep > 1:  # replicas over the EP ranks: the seed's all-reduce keeps them equal
                 crc = _crc(tensor)
@@ -544,15 +628,24 @@ def check_complete(scan: Scan, expected: dict, layout: Layout, num_experts: int)
             for expert in range(num_experts):
                 if (layer, part, expert) not in scan.experts:
                     shard = owners[layer] * layout.ep + expert // layout.experts
-                    missing.append(f"model.layers.{layer}.mlp.experts.{expert}.{part} (local expert "
-                                   f"{expert % layout.experts} in {layout.files[shard].name})")
+                    missing.append(
+                        f"model.layers.{layer}.mlp.experts.{expert}.{part} (local expert "
+                        f"{expert % layout.experts} in {layout.files[shard].name})"
+                    )
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ConversionError(f"missing tensor {missing[0]}{more}")
 
 
-def scan_checkpoint(files: list[Path], config: MulaConfig, pp: int | None, ep: int | None, vpp: int,
-                    skip_qk_norm: bool, progress: Callable[[str], None]) -> tuple[Layout, Scan, dict]:
+def scan_checkpoint(
+    files: list[Path],
+    config: MulaConfig,
+    pp: int | None,
+    ep: int | None,
+    vpp: int,
+    skip_qk_norm: bool,
+    progress: Callable[[str], None],
+) -> tuple[Layout, Scan, dict]:
     """Pass 1: the layout, and where every tensor is, one memory-mapped file at a time (names, shapes, the
     replicas' checksums; no tensor kept); every shard from the same step, nothing missing."""
     expected = expected_shapes(config)
@@ -563,8 +656,10 @@ def scan_checkpoint(files: list[Path], config: MulaConfig, pp: int | None, ep: i
             layout = infer_layout(files, state, config, pp, ep, vpp)
         scan.steps.append(step)
         if step != scan.steps[0]:
-            raise ConversionError(f"{file.name} is from step {step}, {files[0].name} from step {scan.steps[0]}: the "
-                                  "folder mixes two saves (the seed overwrites its files in place)")
+            raise ConversionError(
+                f"{file.name} is from step {step}, {files[0].name} from step {scan.steps[0]}: the "
+                "folder mixes two saves (the seed overwrites its files in place)"
+            )
         scan_shard(index, state, layout, expected, skip_qk_norm, scan)
         del state
         progress(f"checked {file.name} ({index + 1}/{len(files)})")
@@ -636,12 +731,13 @@ def assemble(name: str, shape: tuple[int, ...], states: dict[int, dict], scan: S
     rows = shape[1] // len(parts)
     for expert in range(shape[0]):
         for i, part in enumerate(parts):
-            out[expert, i * rows:(i + 1) * rows].copy_(_fetch(states, scan.experts[(layer, part, expert)]))
+            out[expert, i * rows : (i + 1) * rows].copy_(_fetch(states, scan.experts[(layer, part, expert)]))
     return out
 
 
-def write_weights(output_dir: Path, layout: Layout, scan: Scan, expected: dict, dtype,
-                  progress: Callable[[str], None]) -> list[Path]:
+def write_weights(
+    output_dir: Path, layout: Layout, scan: Scan, expected: dict, dtype, progress: Callable[[str], None]
+) -> list[Path]:
     """Pass 2: each stage's files memory-mapped together, its tensors assembled in the model's order and
     handed to a FileWriter; host memory holds one output file and one tensor."""
     owners, writer = layer_owners(layout), FileWriter(output_dir)
@@ -669,8 +765,9 @@ def read_tokenizer(path: Path, config: MulaConfig):
     except Exception as err:  # Transformers raises several kinds for a folder it cannot read
         raise ConversionError(f"--tokenizer {path}: cannot load a tokenizer from it ({_first_line(err)})") from None
     if len(tokenizer) > config.vocab_size:
-        raise ConversionError(f"--tokenizer {path} has {len(tokenizer)} tokens, more than the model's vocab_size "
-                              f"{config.vocab_size}")
+        raise ConversionError(
+            f"--tokenizer {path} has {len(tokenizer)} tokens, more than the model's vocab_size {config.vocab_size}"
+        )
     return tokenizer
 
 
@@ -688,13 +785,22 @@ def output_dtype(dtype: str, found: set):
         return getattr(torch, DTYPES[dtype])
     if len(found) != 1:
         names = ", ".join(sorted(str(d).removeprefix("torch.") for d in found)) or "none"
-        raise ConversionError(f"the shards hold floating tensors of several dtypes ({names}): give --dtype bf16 or "
-                              "fp32")
+        raise ConversionError(
+            f"the shards hold floating tensors of several dtypes ({names}): give --dtype bf16 or fp32"
+        )
     return next(iter(found))
 
 
-def write_folder(output_dir: Path, config: MulaConfig, layout: Layout, scan: Scan, expected: dict, dtype,
-                 tokenizer, progress: Callable[[str], None]) -> None:
+def write_folder(
+    output_dir: Path,
+    config: MulaConfig,
+    layout: Layout,
+    scan: Scan,
+    expected: dict,
+    dtype,
+    tokenizer,
+    progress: Callable[[str], None],
+) -> None:
     """The Mula folder: config, model code and generation config through `save_pretrained` (no weights),
     the weights stage by stage, the tokenizer if given. On any failure what was written is removed."""
     import torch
@@ -718,11 +824,21 @@ def write_folder(output_dir: Path, config: MulaConfig, layout: Layout, scan: Sca
         raise
 
 
-def import_checkpoint(checkpoint_dir: str | Path, output_dir: str | Path, *, model_choice: str | None = None,
-                      config: str | Path | None = None, preset: str | None = None, pp: int | None = None,
-                      ep: int | None = None, vpp: int | None = 1, dtype: str = "keep",
-                      tokenizer: str | Path | None = None, force: bool = False,
-                      progress: Callable[[str], None] = print) -> Path:
+def import_checkpoint(
+    checkpoint_dir: str | Path,
+    output_dir: str | Path,
+    *,
+    model_choice: str | None = None,
+    config: str | Path | None = None,
+    preset: str | None = None,
+    pp: int | None = None,
+    ep: int | None = None,
+    vpp: int | None = 1,
+    dtype: str = "keep",
+    tokenizer: str | Path | None = None,
+    force: bool = False,
+    progress: Callable[[str], None] = print,
+) -> Path:
     """Write the Mula folder `output_dir` holding the seed's checkpoint `checkpoint_dir` (one of its
     `checkpoint1`, `checkpoint2`, `main` or `step...` folders), read as the model that exactly one of
     `model_choice`, `config` and `preset` describes. A ConversionError names any problem in one line,
@@ -741,16 +857,28 @@ def import_checkpoint(checkpoint_dir: str | Path, output_dir: str | Path, *, mod
     note = check_marker(checkpoint_dir, scan.steps[0], force)
     if scan.differing and not force:
         more = f" (and {len(scan.differing) - 1} more)" if len(scan.differing) > 1 else ""
-        raise ConversionError(f"the expert-parallel copies of {scan.differing[0]}{more} differ between the files of "
-                              "a stage (files of two runs?); pass --force to take each stage's first")
+        raise ConversionError(
+            f"the expert-parallel copies of {scan.differing[0]}{more} differ between the files of "
+            "a stage (files of two runs?); pass --force to take each stage's first"
+        )
     mula.dtype = torch_dtype = output_dtype(dtype, scan.dtypes)
-    for line in filter(None, [note, *(f"note: the expert-parallel copies of {name} differ; each stage's first "
-                                      "file's taken (--force)" for name in scan.differing[:3])]):
+    for line in filter(
+        None,
+        [
+            note,
+            *(
+                f"note: the expert-parallel copies of {name} differ; each stage's first file's taken (--force)"
+                for name in scan.differing[:3]
+            ),
+        ],
+    ):
         progress(line)
     vpp_text = f" x vpp {vpp}" if vpp > 1 else ""
     step = f"step {scan.steps[0]}" if scan.steps[0] is not None else "no step recorded"
-    progress(f"{checkpoint_dir}: {step}, {len(files)} file(s) as pp {layout.pp} x ep {layout.ep}{vpp_text}; "
-             f"writing {count_parameters(mula)[0]:,} parameters in {str(torch_dtype).removeprefix('torch.')}")
+    progress(
+        f"{checkpoint_dir}: {step}, {len(files)} file(s) as pp {layout.pp} x ep {layout.ep}{vpp_text}; "
+        f"writing {count_parameters(mula)[0]:,} parameters in {str(torch_dtype).removeprefix('torch.')}"
+    )
     write_folder(output_dir, mula, layout, scan, expected, torch_dtype, tokens, progress)
     if tokens is None:
         progress("note: no tokenizer written (--tokenizer): the seed trained with allenai/OLMoE-1B-7B-0924's")
@@ -770,34 +898,61 @@ def _positive(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     from ds_optimus.command_line import ArgumentParser
 
-    parser = ArgumentParser(PROG, description="Import a checkpoint folder of the seed (Optimus: model_checkpoint"
-                            "[_shard-N].pth files) as a Mula Hugging Face folder. The seed stores no config: give "
-                            "the model's shape with --model-choice, --config or --preset.")
+    parser = ArgumentParser(
+        PROG,
+        description="Import a checkpoint folder of the seed (Optimus: model_checkpoint"
+        "[_shard-N].pth files) as a Mula Hugging Face folder. The seed stores no config: give "
+        "the model's shape with --model-choice, --config or --preset.",
+    )
     parser.add_argument("checkpoint", help="the seed's checkpoint folder (checkpoint1, checkpoint2, main, step...)")
     parser.add_argument("output", help="folder to write (must not exist or be empty)")
     shape = parser.add_mutually_exclusive_group(required=True)
-    shape.add_argument("--model-choice", help="the run's --model_choice, e.g. "
-                       "allenai/OLMoE-1B-7B-0924--SA1.5-SH1.5-SE3.75-SI1.5-L64 or allenai/OLMo-1B-hf")
+    shape.add_argument(
+        "--model-choice",
+        help="the run's --model_choice, e.g. "
+        "allenai/OLMoE-1B-7B-0924--SA1.5-SH1.5-SE3.75-SI1.5-L64 or allenai/OLMo-1B-hf",
+    )
     shape.add_argument("--config", help="a config.json (or its folder) of a Mula, OLMoE or OLMo model")
     shape.add_argument("--preset", help="a Mula preset, e.g. mula-7b-a1b")
     parser.add_argument("--pp", type=_positive, help="pipeline stages (default: from the first shard's layers)")
     parser.add_argument("--ep", type=_positive, help="expert-parallel ranks (default: files / stages)")
-    parser.add_argument("--vpp", type=_positive, default=1,
-                        help="virtual stages per pipeline stage (interleaved layers); the files cannot tell "
-                        "(default 1)")
-    parser.add_argument("--dtype", choices=("bf16", "fp32", "keep"), default="keep",
-                        help="weights' dtype in the folder (default: keep the checkpoint's, bf16 for the seed's runs)")
+    parser.add_argument(
+        "--vpp",
+        type=_positive,
+        default=1,
+        help="virtual stages per pipeline stage (interleaved layers); the files cannot tell (default 1)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("bf16", "fp32", "keep"),
+        default="keep",
+        help="weights' dtype in the folder (default: keep the checkpoint's, bf16 for the seed's runs)",
+    )
     parser.add_argument("--tokenizer", help="a tokenizer folder to save with the model (nothing is downloaded)")
-    parser.add_argument("--force", action="store_true", help="import without the `completed` marker (or with one "
-                        "naming another step), and with expert-parallel copies that differ (the first taken)")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="import without the `completed` marker (or with one "
+        "naming another step), and with expert-parallel copies that differ (the first taken)",
+    )
     parser.add_argument("--verbose", action="store_true", help="keep Transformers' and DeepSpeed's own output")
     args = parser.parse_args(argv)
 
     def convert() -> Path:
-        return import_checkpoint(args.checkpoint, args.output, model_choice=args.model_choice, config=args.config,
-                                 preset=args.preset, pp=args.pp, ep=args.ep, vpp=args.vpp, dtype=args.dtype,
-                                 tokenizer=args.tokenizer, force=args.force,
-                                 progress=lambda line: print(line, flush=True))
+        return import_checkpoint(
+            args.checkpoint,
+            args.output,
+            model_choice=args.model_choice,
+            config=args.config,
+            preset=args.preset,
+            pp=args.pp,
+            ep=args.ep,
+            vpp=args.vpp,
+            dtype=args.dtype,
+            tokenizer=args.tokenizer,
+            force=args.force,
+            progress=lambda line: print(line, flush=True),
+        )
 
     return 2 if run_conversion(PROG, convert, args.verbose) is None else 0
 

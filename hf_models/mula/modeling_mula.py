@@ -216,7 +216,11 @@ class MulaAttention(nn.Module):
             self.config._attn_implementation, eager_attention_forward
         )
         out, weights = attention_interface(
-            self, q, k, v, attention_mask,
+            self,
+            q,
+            k,
+            v,
+            attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout,
             scaling=self.scaling,
             **kwargs,
@@ -476,12 +480,18 @@ class MulaDecoderLayer(GradientCheckpointingLayer):
         parts = self._recomputed_parts()
         if "attention" in parts and cache is not None:
             # As Transformers' whole-layer checkpointing does: the replay would write the cache twice.
-            logger.warning_once("Caching is incompatible with recomputing the attention in MulaDecoderLayer; "
-                                "setting `cache=None`, `use_cache=False`.")
+            logger.warning_once(
+                "Caching is incompatible with recomputing the attention in MulaDecoderLayer; "
+                "setting `cache=None`, `use_cache=False`."
+            )
             cache, use_cache = None, False
         residual = hidden_states
         attn_out, attn_weights = self._sub_block(
-            self.input_layernorm, self.self_attn, hidden_states, "attention" in parts, "norms" in parts,
+            self.input_layernorm,
+            self.self_attn,
+            hidden_states,
+            "attention" in parts,
+            "norms" in parts,
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -503,8 +513,9 @@ class MulaDecoderLayer(GradientCheckpointingLayer):
         return self._recompute
 
     @staticmethod
-    def _sub_block(norm: nn.Module, block: nn.Module, x: torch.Tensor, recompute_block: bool,
-                   recompute_norm: bool, **kwargs):
+    def _sub_block(
+        norm: nn.Module, block: nn.Module, x: torch.Tensor, recompute_block: bool, recompute_norm: bool, **kwargs
+    ):
         """`block(norm(x), **kwargs)`, the parts asked for under non-reentrant checkpointing.
 
         Side effects stay out of the recomputed code: the router's load count (`record_load`) and
@@ -584,7 +595,8 @@ class MulaPreTrainedModel(PreTrainedModel):
             if any(w is None or w.shape[0] != module.num_experts for w in weights):
                 raise ValueError(
                     f"save_pretrained: {name} holds {module.num_local_experts} of its {module.num_experts} experts "
-                    "(expert-parallel); export on every rank with ds_optimus.parallel.export_pretrained(model, folder)")
+                    "(expert-parallel); export on every rank with ds_optimus.parallel.export_pretrained(model, folder)"
+                )
         if getattr(self, "_auto_class", None) is not None:
             auto_map = dict(getattr(self.config, "auto_map", None) or {})
             auto_map.setdefault("AutoModel", "modeling_mula.MulaModel")
@@ -740,8 +752,10 @@ def router_losses(
     stays local, so the mean of the ranks' losses is the global-batch loss when the ranks have equal
     token counts.
     """
-    stats = [router_layer_stats(logits, index, num_experts, scoring_func, token_mask)
-             for logits, index in zip(router_logits, router_indices, strict=True)]
+    stats = [
+        router_layer_stats(logits, index, num_experts, scoring_func, token_mask)
+        for logits, index in zip(router_logits, router_indices, strict=True)
+    ]
     mean_probs, zloss, counts, tokens = (list(part) for part in zip(*stats, strict=True))
     return combine_router_stats(mean_probs, zloss, counts, tokens, router_indices[0].shape[-1], group, form)
 
@@ -771,8 +785,12 @@ def router_layer_stats(
         mask = token_mask.to(logits.device, torch.float32)
     real = mask.sum()
     denom = real.clamp_min(1.0)
-    return ((probs * mask[:, None]).sum(0) / denom, (lse_sq * mask).sum() / denom,
-            (one_hot_slots * mask[:, None]).sum(0).detach(), real.detach().reshape(1))
+    return (
+        (probs * mask[:, None]).sum(0) / denom,
+        (lse_sq * mask).sum() / denom,
+        (one_hot_slots * mask[:, None]).sum(0).detach(),
+        real.detach().reshape(1),
+    )
 
 
 def combine_router_stats(
@@ -802,8 +820,10 @@ def combine_router_stats(
         mean_prob = torch.stack([p.to(device) for p in mean_probs]).mean(0)
         balance = [num_experts * (pooled[:-1] / pooled[-1].clamp_min(1.0) * mean_prob).sum()]
     else:
-        balance = [num_experts * (load[:-1] / (load[-1].clamp_min(1.0) * top_k) * p).sum()
-                   for load, p in zip(loads, mean_probs, strict=True)]
+        balance = [
+            num_experts * (load[:-1] / (load[-1].clamp_min(1.0) * top_k) * p).sum()
+            for load, p in zip(loads, mean_probs, strict=True)
+        ]
     return (
         torch.stack([t.to(device) for t in balance]).mean(),
         torch.stack([t.to(device) for t in zloss]).mean(),
@@ -874,8 +894,12 @@ class MulaForCausalLM(MulaPreTrainedModel, GenerationMixin):
             if attention_mask is not None and attention_mask.numel() == outputs.router_logits[0].shape[0]:
                 token_mask = attention_mask.reshape(-1)  # padding-aware only when the mask covers these tokens
             aux_loss, z_loss, tokens_per_expert = router_losses(
-                outputs.router_logits, outputs.router_indices, config.num_experts,
-                config.router_scoring_func, token_mask, self._router_loss_group(),
+                outputs.router_logits,
+                outputs.router_indices,
+                config.num_experts,
+                config.router_scoring_func,
+                token_mask,
+                self._router_loss_group(),
                 getattr(config, "router_aux_loss_type", "mula"),
             )
             if loss is not None and self.training:
@@ -932,8 +956,12 @@ class MulaForCausalLM(MulaPreTrainedModel, GenerationMixin):
             return
         # A router that counted nothing yet (e.g. this rank ran no forward pass) adds an empty load,
         # so that every rank sends the same all-reduce.
-        loads = [r.load_since_update if r.load_since_update is not None
-                 else torch.zeros(r.num_experts, dtype=torch.float32, device=r.expert_bias.device) for r in routers]
+        loads = [
+            r.load_since_update
+            if r.load_since_update is not None
+            else torch.zeros(r.num_experts, dtype=torch.float32, device=r.expert_bias.device)
+            for r in routers
+        ]
         if group is not None:
             flat = torch.cat([load.to(loads[0].device) for load in loads])
             torch.distributed.all_reduce(flat, group=group)

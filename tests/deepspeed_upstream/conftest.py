@@ -32,9 +32,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 SUBSET = {
     "unit/runtime/test_ds_initialize.py": ("TestNoOptim", "TestClientOptimizer", "TestConfigOptimizer"),
-    "unit/runtime/zero/test_zero_grad_clip.py": ("TestZeroGradClip", ),
-    "unit/v1/half_precision/test_gradient_clipping_default.py": ("TestGradientClippingConfig",
-                                                                  "TestGradientClippingEndToEnd"),
+    "unit/runtime/zero/test_zero_grad_clip.py": ("TestZeroGradClip",),
+    "unit/v1/half_precision/test_gradient_clipping_default.py": (
+        "TestGradientClippingConfig",
+        "TestGradientClippingEndToEnd",
+    ),
     "unit/checkpoint/test_zero_optimizer.py": ("TestZeRONonDistributed", "TestSaveTensorClone"),
 }
 

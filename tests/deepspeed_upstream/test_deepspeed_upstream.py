@@ -28,11 +28,9 @@ def test_the_engine_is_hooked_by_ds_optimus():
 
 
 class TestAutoEPConfig:
-
     def test_configure_expert_parallel_uses_engine_mpu_sequence_parallel_size(self, monkeypatch):
 
         class SequenceParallelMPU:
-
             def get_model_parallel_world_size(self):
                 return 1
 
@@ -40,7 +38,6 @@ class TestAutoEPConfig:
                 return 2
 
         class EmptyAutoEP:
-
             def __init__(self, model, config):
                 pass
 
@@ -89,7 +86,6 @@ class TestAutoEPConfig:
     def test_configure_expert_parallel_rejects_bwc_tensor_model_parallel_mpu(self, monkeypatch):
 
         class TensorParallelMPU:
-
             def get_tensor_model_parallel_world_size(self):
                 return 2
 

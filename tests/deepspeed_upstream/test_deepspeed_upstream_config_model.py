@@ -21,22 +21,19 @@ from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 
 class SimpleConf(DeepSpeedConfigModel):
     param_1: int = 0
-    param_2_old: Optional[str] = Field(None,
-                                       json_schema_extra={
-                                           "deprecated": True,
-                                           "new_param": "param_2",
-                                           "new_param_fn": (lambda x: [x])
-                                       })
+    param_2_old: Optional[str] = Field(
+        None, json_schema_extra={"deprecated": True, "new_param": "param_2", "new_param_fn": (lambda x: [x])}
+    )
     param_2: Optional[List[str]] = None
     param_3: int = Field(0, alias="param_3_alias")
 
 
 def test_only_required_fields(tmpdir):
-    '''Ensure that config containing only the required fields is accepted. '''
-    cfg_json = tmpdir.mkdir('ds_config_unit_test').join('minimal.json')
+    """Ensure that config containing only the required fields is accepted."""
+    cfg_json = tmpdir.mkdir("ds_config_unit_test").join("minimal.json")
 
-    with open(cfg_json, 'w') as f:
-        required_fields = {'train_batch_size': 64}
+    with open(cfg_json, "w") as f:
+        required_fields = {"train_batch_size": 64}
         json.dump(required_fields, f)
 
     run_cfg = ds_config.DeepSpeedConfig(cfg_json)
@@ -47,15 +44,15 @@ def test_only_required_fields(tmpdir):
 
 
 def test_config_duplicate_key(tmpdir):
-    config_dict = '''
+    config_dict = """
     {
         "train_batch_size": 24,
         "train_batch_size": 24,
     }
-    '''
-    config_path = os.path.join(tmpdir, 'temp_config.json')
+    """
+    config_path = os.path.join(tmpdir, "temp_config.json")
 
-    with open(config_path, 'w') as jf:
+    with open(config_path, "w") as jf:
         jf.write("%s" % config_dict)
 
     with pytest.raises(ValueError):

@@ -8,7 +8,11 @@
 # (ds_optimus.integrations.deepspeed_config), run with ds_optimus imported (tests/conftest.py).
 # ruff: noqa
 
-from deepspeed.runtime.zero.config import DeepSpeedZeroConfig, DeepSpeedZeroOffloadParamConfig, DeepSpeedZeroOffloadOptimizerConfig
+from deepspeed.runtime.zero.config import (
+    DeepSpeedZeroConfig,
+    DeepSpeedZeroOffloadParamConfig,
+    DeepSpeedZeroOffloadOptimizerConfig,
+)
 
 
 def test_zero_config_deprecatedfields():

@@ -69,8 +69,15 @@ def default_callbacks(opt, extra: list[Callback] = ()) -> list[Callback]:
         callbacks.append(PhaseProfileCallback(opt.profile))
     if opt.train.clip_after_warmup:
         callbacks.append(ClipAfterWarmupCallback())
-    callbacks += [RouterBiasCallback(), MetricsCallback(), ProgressFileCallback(), GuardCallback(opt.guards),
-                  *extra, EvaluationCallback(), PreemptionCallback()]
+    callbacks += [
+        RouterBiasCallback(),
+        MetricsCallback(),
+        ProgressFileCallback(),
+        GuardCallback(opt.guards),
+        *extra,
+        EvaluationCallback(),
+        PreemptionCallback(),
+    ]
     if opt.checkpoint.enabled:
         callbacks.append(CheckpointCallback())
     return callbacks

@@ -36,8 +36,13 @@ class CheckpointCallback(Callback):
     def _save(self, step: int, background: bool) -> None:
         trainer = self.trainer
         trainer.begin_long_work(f"the checkpoint of step {step}")
-        path = trainer.checkpoints.save(step, trainer.engine, trainer.checkpoint_state(), background=background,
-                                        manifest={"data": trainer.train_loader.state_dict()})
+        path = trainer.checkpoints.save(
+            step,
+            trainer.engine,
+            trainer.checkpoint_state(),
+            background=background,
+            manifest={"data": trainer.train_loader.state_dict()},
+        )
         self.saved_step = step
         trainer.message(f"step {step}: checkpoint {path}" + (" (writing in the background)" if background else ""))
         trainer.notify_checkpoint(step, path)

@@ -57,8 +57,10 @@ class DownstreamCallback(Callback):
             if self.running is not None:
                 self.running[2].kill()
                 self.running[2].wait()
-            trainer.message(f"downstream evaluation of step(s) {', '.join(map(str, steps))} not done "
-                            f"(the run stopped); score them with: {self._command('--all')}")
+            trainer.message(
+                f"downstream evaluation of step(s) {', '.join(map(str, steps))} not done "
+                f"(the run stopped); score them with: {self._command('--all')}"
+            )
             return
         trainer.message(f"waiting for the downstream evaluation of step(s) {', '.join(map(str, steps))}")
         while self.due or self.running:
@@ -87,9 +89,21 @@ class DownstreamCallback(Callback):
 
     def _argv(self, *which: str) -> list[str]:
         config, trainer = self.config, self.trainer
-        argv = [sys.executable, "-m", "ds_optimus.evaluate", str(trainer.output_dir), *which,
-                "--tasks", ",".join(config.tasks), "--num-fewshot", str(config.num_fewshot),
-                "--batch-size", str(config.batch_size), "--device", str(trainer.device)]
+        argv = [
+            sys.executable,
+            "-m",
+            "ds_optimus.evaluate",
+            str(trainer.output_dir),
+            *which,
+            "--tasks",
+            ",".join(config.tasks),
+            "--num-fewshot",
+            str(config.num_fewshot),
+            "--batch-size",
+            str(config.batch_size),
+            "--device",
+            str(trainer.device),
+        ]
         for folder in config.include:
             argv += ["--include", str(folder)]
         return argv + (["--limit", str(config.limit)] if config.limit else [])
@@ -112,5 +126,6 @@ class DownstreamCallback(Callback):
             return
         trainer.message(f"step {step}: downstream {summary_line({'tasks': tasks})}")
         scores = {f"downstream/{t}": m.get("acc_norm", m.get("acc")) for t, m in tasks.items()}
-        trainer.sink.log_to_wandb(trainer.step, {"downstream/checkpoint_step": step,
-                                                 **{k: v for k, v in scores.items() if v is not None}})
+        trainer.sink.log_to_wandb(
+            trainer.step, {"downstream/checkpoint_step": step, **{k: v for k, v in scores.items() if v is not None}}
+        )

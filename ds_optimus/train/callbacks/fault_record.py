@@ -59,8 +59,10 @@ class FaultRecordCallback(Callback):
         hosts = [self.hosts[r] for r in ranks]
         if trainer.rank == 0:
             append_fault(trainer.output_dir, step, "nonfinite", ranks, hosts, "the rank's own loss was not finite")
-        trainer.message(f"step {step}: non-finite loss computed on {describe(ranks, hosts)}; recorded in "
-                        f"{trainer.output_dir}/faults.jsonl")
+        trainer.message(
+            f"step {step}: non-finite loss computed on {describe(ranks, hosts)}; recorded in "
+            f"{trainer.output_dir}/faults.jsonl"
+        )
 
     def _stragglers(self, step: int) -> None:
         """Each rank's arrival at the step's reduction, against the first rank's: the ranks wait
@@ -83,8 +85,9 @@ class FaultRecordCallback(Callback):
             detail = f"the last {late[worst]:.3g} s after the first, in a {step_seconds:.3g}-s step"
             if trainer.rank == 0:
                 append_fault(trainer.output_dir, step, "straggler", slow, hosts, detail)
-            trainer.message(f"step {step}: stragglers: {describe(slow, hosts)} came to the step's reduction late "
-                            f"({detail})")
+            trainer.message(
+                f"step {step}: stragglers: {describe(slow, hosts)} came to the step's reduction late ({detail})"
+            )
 
 
 def _gather(value: torch.Tensor, world: int) -> list[float]:

@@ -34,8 +34,9 @@ class FaultInjectionCallback(Callback):
     def __init__(self, faults: list[dict]) -> None:
         for fault in faults:
             if not isinstance(fault, dict) or fault.get("kind") not in KINDS or not isinstance(fault.get("step"), int):
-                raise ValueError(f"{ENV_VAR}: each fault needs a kind ({', '.join(KINDS)}) and an integer step, "
-                                 f"got {fault!r}")
+                raise ValueError(
+                    f"{ENV_VAR}: each fault needs a kind ({', '.join(KINDS)}) and an integer step, got {fault!r}"
+                )
         self.faults = list(faults)
         self.fired: set[int] = set()
         self.step_began = time.perf_counter()
@@ -51,8 +52,13 @@ class FaultInjectionCallback(Callback):
         """The fault of `kind` planned for `step` on this rank and attempt, if it has not struck yet."""
         rank, attempt = self.trainer.rank, int(os.environ.get(ATTEMPT_VAR, "0"))
         for i, fault in enumerate(self.faults):
-            if (i not in self.fired and fault["kind"] == kind and fault["step"] == step
-                    and fault.get("rank", 0) == rank and fault.get("attempt", 0) == attempt):
+            if (
+                i not in self.fired
+                and fault["kind"] == kind
+                and fault["step"] == step
+                and fault.get("rank", 0) == rank
+                and fault.get("attempt", 0) == attempt
+            ):
                 self.fired.add(i)
                 return fault
         return None

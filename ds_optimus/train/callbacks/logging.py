@@ -46,9 +46,14 @@ class MetricsCallback(Callback):
         grad_norm = trainer.engine.get_global_grad_norm()
         seconds = self.window_seconds / self.window_steps
         metrics = {key: trainer.metrics[key] for key in LOSS_PARTS}
-        metrics.update(lr=trainer.lr, grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-                       tokens_per_s=trainer.tokens_per_step / seconds, step_seconds=seconds,
-                       tokens=trainer.train_loader.tokens_consumed, skipped_steps=trainer.engine.skipped_steps)
+        metrics.update(
+            lr=trainer.lr,
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            tokens_per_s=trainer.tokens_per_step / seconds,
+            step_seconds=seconds,
+            tokens=trainer.train_loader.tokens_consumed,
+            skipped_steps=trainer.engine.skipped_steps,
+        )
         if "straggler_seconds" in trainer.metrics:  # the last rank's lateness to the reduction (FaultRecordCallback)
             metrics["straggler_seconds"] = trainer.metrics["straggler_seconds"]
         peak = trainer.opt.train.peak_tflops
@@ -74,8 +79,14 @@ class MetricsCallback(Callback):
     def close(self, error: BaseException | None) -> None:
         trainer = self.trainer
         trained = trainer.step > trainer.start_step  # a finished run launched again is left as it is
-        if (error is None and self.loop_ended and trained and trainer.rank == 0 and trainer.stop_reason != "preempted"
-                and trainer.opt.train.plots):
+        if (
+            error is None
+            and self.loop_ended
+            and trained
+            and trainer.rank == 0
+            and trainer.stop_reason != "preempted"
+            and trainer.opt.train.plots
+        ):
             self._write_plots()
 
     def _write_plots(self) -> None:

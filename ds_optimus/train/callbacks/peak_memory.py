@@ -33,8 +33,10 @@ class MemoryCallback(Callback):
         dist.all_gather_object(per_rank, self.meter.stop())
         trainer.summary["memory"] = per_rank
         peaks = [m["peak_bytes"] / 2**20 for m in per_rank]
-        trainer.message(f"memory: peak tensor memory per rank over steps {trainer.start_step + 1}-{step}: "
-                        f"max {max(peaks):.1f} MiB, min {min(peaks):.1f} MiB")
+        trainer.message(
+            f"memory: peak tensor memory per rank over steps {trainer.start_step + 1}-{step}: "
+            f"max {max(peaks):.1f} MiB, min {min(peaks):.1f} MiB"
+        )
 
     def close(self, error: BaseException | None) -> None:
         if self.meter is not None and self.meter.running:

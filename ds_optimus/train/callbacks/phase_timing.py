@@ -46,8 +46,13 @@ class PhaseProfileCallback(Callback):
         """The last profiled step's time before the reduction and wait in it, not sent yet, with its
         square (zeros and a count of 0 without one): the same names on every step and rank."""
         _, compute, wait = self.pending or (None, 0.0, 0.0)
-        flags = {"profile/ranks": 1.0 if self.pending else 0.0, "profile/compute": compute,
-                 "profile/compute_sq": compute * compute, "profile/wait": wait, "profile/wait_sq": wait * wait}
+        flags = {
+            "profile/ranks": 1.0 if self.pending else 0.0,
+            "profile/compute": compute,
+            "profile/compute_sq": compute * compute,
+            "profile/wait": wait,
+            "profile/wait_sq": wait * wait,
+        }
         self.sent, self.pending = self.pending, None
         return flags
 

@@ -47,14 +47,23 @@ class WatchdogCallback(Callback):
         known = getattr(self.trainer, "rank_hosts", None) or []  # every rank's host, gathered at the start
         hosts = [b.host if not isinstance(b, int) else known[b] if b < len(known) else "unknown" for b in behind]
         step = self.heartbeat.step
-        detail = "; ".join(f"rank {b}: no heartbeat" if isinstance(b, int) else f"rank {b.rank}: {_state(b, step)}"
-                           for b in behind[:16])
+        detail = "; ".join(
+            f"rank {b}: no heartbeat" if isinstance(b, int) else f"rank {b.rank}: {_state(b, step)}"
+            for b in behind[:16]
+        )
         append_fault(self.trainer.output_dir, step, "hang", ranks, hosts, detail)
-        note = (f"[ds_optimus watchdog] step {step}: {describe(ranks, hosts)} did not reach the collective the "
-                f"others wait in ({detail}); recorded in {self.trainer.output_dir}/faults.jsonl")
+        note = (
+            f"[ds_optimus watchdog] step {step}: {describe(ranks, hosts)} did not reach the collective the "
+            f"others wait in ({detail}); recorded in {self.trainer.output_dir}/faults.jsonl"
+        )
         # the run's record too (rank 0's stderr may be gone with the job): the naming and the stop
-        append_log(self.trainer.output_dir, note + "\nthe watchdog stopped the run: " + self.watchdog.describe()
-                   + f" (exit {EXIT_HUNG}; every rank's stacks on its stderr)")
+        append_log(
+            self.trainer.output_dir,
+            note
+            + "\nthe watchdog stopped the run: "
+            + self.watchdog.describe()
+            + f" (exit {EXIT_HUNG}; every rank's stacks on its stderr)",
+        )
         return note
 
     def on_exit(self, error: BaseException | None) -> None:
@@ -109,8 +118,10 @@ class PreemptionCallback(Callback):
 
     def on_checkpoint(self, step, path) -> None:
         if self.trainer.stop_reason == "preempted":
-            self.trainer.message(f"step {step}: {self.handler.received or 'a signal on another rank'}: checkpoint "
-                                 f"written, exiting with status {EXIT_PREEMPTED} (run again to resume)")
+            self.trainer.message(
+                f"step {step}: {self.handler.received or 'a signal on another rank'}: checkpoint "
+                f"written, exiting with status {EXIT_PREEMPTED} (run again to resume)"
+            )
 
     def close(self, error: BaseException | None) -> None:
         if self.handler is not None:
@@ -141,8 +152,10 @@ class GuardCallback(Callback):
         if self.guard is None:  # optimus.guards.enabled is false
             return
         if not isinstance(trainer.engine.optimizer, ShardedOptimizer):
-            trainer.message("numerical guards act through the sharded optimizer (optimus.sharded_optimizer.enabled); "
-                            "they are off for this run")
+            trainer.message(
+                "numerical guards act through the sharded optimizer (optimus.sharded_optimizer.enabled); "
+                "they are off for this run"
+            )
             self.guard = None
             return
         trainer.engine.optimizer.step_filter = self._decide
@@ -171,36 +184,45 @@ class GuardCallback(Callback):
         again = self.rollbacks.get(target.name, 0) if target is not None else 0
         if target is not None and 0 < self.max_rollbacks <= again:
             if not guard.spikes_only:
-                raise CheckpointError(f"step {step}: {guard.bad_in_a_row} bad steps in a row ({guard.last.reason}) "
-                                      f"after {again} rollbacks to {target.name}: the run does not get past them; "
-                                      "look at the learning rate and the data")
-            trainer.message(f"step {step}: {guard.bad_in_a_row} spikes in a row ({guard.last.reason}) after {again} "
-                            f"rollbacks to {target.name}; taking them as the new level (the guards' statistics start "
-                            "afresh)")
+                raise CheckpointError(
+                    f"step {step}: {guard.bad_in_a_row} bad steps in a row ({guard.last.reason}) "
+                    f"after {again} rollbacks to {target.name}: the run does not get past them; "
+                    "look at the learning rate and the data"
+                )
+            trainer.message(
+                f"step {step}: {guard.bad_in_a_row} spikes in a row ({guard.last.reason}) after {again} "
+                f"rollbacks to {target.name}; taking them as the new level (the guards' statistics start "
+                "afresh)"
+            )
             guard.accept_new_level()
             return
         if target is None and guard.spikes_only:
             # Finite spikes that last have become the run's level (a routing shift, a new data mix):
             # with nothing to roll back to, stopping would only lose the run.
-            trainer.message(f"step {step}: {guard.bad_in_a_row} spikes in a row ({guard.last.reason}) and no "
-                            "checkpoint to roll back to yet; taking them as the new level (the guards' statistics "
-                            "start afresh)")
+            trainer.message(
+                f"step {step}: {guard.bad_in_a_row} spikes in a row ({guard.last.reason}) and no "
+                "checkpoint to roll back to yet; taking them as the new level (the guards' statistics "
+                "start afresh)"
+            )
             guard.accept_new_level()
             return
         if target is None:
             interval = trainer.opt.checkpoint.interval
-            hint = (f"the first checkpoint is due at step {interval}" if interval
-                    else "set optimus.checkpoint.interval")
-            raise CheckpointError(f"step {step}: {guard.bad_in_a_row} bad steps in a row ({guard.last.reason}) and no "
-                                  f"checkpoint to roll back to ({hint})")
+            hint = f"the first checkpoint is due at step {interval}" if interval else "set optimus.checkpoint.interval"
+            raise CheckpointError(
+                f"step {step}: {guard.bad_in_a_row} bad steps in a row ({guard.last.reason}) and no "
+                f"checkpoint to roll back to ({hint})"
+            )
         position = trainer.train_loader.state_dict()
         resumed, extra = trainer.checkpoints.load(target, trainer.engine)
         trainer.train_loader.load_state_dict(position)
         for callback in trainer.callbacks:  # the others' state as it was then (the guard keeps its own)
             if callback.state_key is not None and callback is not self:
                 callback.load_state_dict(extra.get(callback.state_key, {}))
-        trainer.message(f"step {step}: {guard.bad_in_a_row} bad steps in a row ({guard.last.reason}); rolled back to "
-                        f"{target.name} and skipping the data read since")
+        trainer.message(
+            f"step {step}: {guard.bad_in_a_row} bad steps in a row ({guard.last.reason}); rolled back to "
+            f"{target.name} and skipping the data read since"
+        )
         guard.reset_after_rollback()
         self.rollbacks[target.name] = again + 1
         trainer.summary["rollbacks"] += 1
@@ -217,6 +239,5 @@ class GuardCallback(Callback):
         saved = state.get("tokens_per_step")
         if saved is not None and saved != self.trainer.tokens_per_step:  # another batch: another noise level
             state = {k: v for k, v in state.items() if k not in ("losses", "norms")}
-            self.note = (f"the numerical guards' statistics start afresh: they were measured at {saved:,} tokens a "
-                         "step")
+            self.note = f"the numerical guards' statistics start afresh: they were measured at {saved:,} tokens a step"
         self.guard.load_state_dict(state)
