@@ -278,6 +278,7 @@ def test_every_rank_gets_its_groups_with_tensor_parallelism_innermost(monkeypatc
     from types import SimpleNamespace
 
     from ds_optimus.parallel import groups as G
+    from ds_optimus.parallel.dims import ParallelDims, RankPosition
 
     world = 16
     for rank in range(world):
@@ -300,11 +301,6 @@ def test_every_rank_gets_its_groups_with_tensor_parallelism_innermost(monkeypatc
         assert got.intra_node_group == tuple(position[d // 2 * 2 : d // 2 * 2 + 2])
         assert got.inter_node_group == tuple(got.ep_ranks[d % 2 :: 2])
         assert got.edp_tp_group == tuple(sorted(position[d % 4 :: 4] + [r + 1 - 2 * t for r in position[d % 4 :: 4]]))
-        assert G.layout_position(rank, world, 1, 2, 4) == {
-            "stage": 0,
-            "tp_rank": t,
-            "dp_rank": d,
-            "dp_size": 8,
-            "ep_rank": d % 4,
-        }
+        dims = ParallelDims(world, tp=2, ep=4)
+        assert dims.position(rank) == RankPosition(stage=0, tp_rank=t, dp_rank=d, ep_rank=d % 4) and dims.dp == 8
     G.destroy_expert_parallel_groups()

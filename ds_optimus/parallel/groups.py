@@ -20,9 +20,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-
-class LayoutError(ValueError):
-    """An impossible parallel layout (sizes that do not divide)."""
+from .dims import LayoutError, check_layout  # noqa: F401  (the layout's checks, torch-free, for the planner too)
 
 
 @dataclass
@@ -68,29 +66,6 @@ class ExpertParallelGroups:
         return self.node_size is not None and 1 < self.node_size < self.ep_size
 
 
-def check_layout(
-    world_size: int, ep_size: int, num_experts: int | None = None, node_size: int | None = None, stages: int = 1
-) -> None:
-    """Raise `LayoutError` (one line naming the problem) unless the sizes fit together (`world_size`:
-    the ranks of one pipeline stage, with `stages` > 1)."""
-    if not isinstance(ep_size, int) or ep_size < 1:
-        raise LayoutError(f"expert parallel size must be a positive integer, got {ep_size!r}")
-    if world_size % ep_size:
-        where = (
-            f"the {world_size} ranks of each of the {stages} pipeline stages"
-            if stages > 1
-            else f"the world size {world_size}"
-        )
-        raise LayoutError(f"expert parallel size {ep_size} does not divide {where}")
-    if num_experts is not None and num_experts % ep_size:
-        raise LayoutError(f"expert parallel size {ep_size} does not divide the number of experts {num_experts}")
-    if node_size is not None:
-        if not isinstance(node_size, int) or node_size < 1:
-            raise LayoutError(f"node size must be a positive integer, got {node_size!r}")
-        if ep_size % node_size:
-            raise LayoutError(f"node size {node_size} does not divide the expert parallel size {ep_size}")
-
-
 @dataclass
 class TensorParallelGroups:
     """This rank's tensor-parallel group: `size` consecutive ranks (`ranks`), this rank `rank` of them."""
@@ -124,21 +99,6 @@ def init_tensor_parallel_groups(size: int) -> TensorParallelGroups:
                 mine = TensorParallelGroups(size, rank - start, ranks, group)
         _TENSOR[size] = mine
     return _TENSOR[size]
-
-
-def layout_position(rank: int, world: int, pipeline: int = 1, tensor: int = 1, expert: int = 1) -> dict[str, int]:
-    """Where global `rank` sits in the layout of `pipeline` stages, TP size `tensor` (innermost) and EP
-    size `expert`: its stage, TP rank, data-parallel rank (among the stage's ranks of its TP position)
-    and EP rank; arithmetic only (no groups made)."""
-    per_stage = world // pipeline
-    dp = (rank % per_stage) // tensor
-    return {
-        "stage": rank // per_stage,
-        "tp_rank": rank % tensor,
-        "dp_rank": dp,
-        "dp_size": per_stage // tensor,
-        "ep_rank": dp % expert,
-    }
 
 
 @dataclass

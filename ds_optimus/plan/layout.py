@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, replace
 from math import gcd
 from typing import Any
 
+from ..parallel.dims import ParallelDims
 from ..parallel.stages import MULTI_STAGE_SCHEDULES, ROUND_SCHEDULES, SCHEDULES, V_SCHEDULES
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -73,6 +74,11 @@ class Layout:
     def dp(self) -> int:
         """Data-parallel size (a pipeline stage's ranks at one TP position)."""
         return self.world // (self.pp * self.tp)
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The parallel sizes alone: the layout the trainer builds from the config this one writes."""
+        return ParallelDims(self.world, self.pp, self.tp, self.ep, self.sp)
 
     @property
     def sp_size(self) -> int:

@@ -17,29 +17,6 @@ from typing import Any
 import torch
 
 from ..parallel.stages import check_pipeline  # noqa: F401  (the trainer's: one-line errors, as --check's)
-from ..schema import ConfigError
-
-
-def data_parallel_size(opt, world: int) -> int:
-    """Ranks per pipeline stage and TP position (the data-parallel size); a one-line ConfigError where
-    the stages or the tensor-parallel groups do not fit."""
-    size, tensor = opt.pipeline_parallel.size, opt.tensor_parallel.size
-    if world % size:
-        raise ConfigError(f"optimus.pipeline_parallel.size {size} does not divide the {world} ranks")
-    if (world // size) % tensor:
-        where = f"the {world // size} ranks of each pipeline stage" if size > 1 else f"the {world} ranks"
-        raise ConfigError(f"optimus.tensor_parallel.size {tensor} does not divide {where}")
-    if tensor > 1 and not opt.sharded_optimizer.enabled:
-        raise ConfigError(
-            "optimus.tensor_parallel needs optimus.sharded_optimizer.enabled true (it shards the "
-            "optimizer over each TP rank's data-parallel ranks and counts split weights in the norm)"
-        )
-    if opt.tensor_parallel.sequence_parallel and opt.data.seq_len % tensor:
-        raise ConfigError(
-            f"optimus.data.seq_len {opt.data.seq_len} does not divide over the {tensor} ranks of a "
-            "tensor-parallel group (optimus.tensor_parallel.sequence_parallel)"
-        )
-    return world // size // tensor
 
 
 class PipelineRunner:

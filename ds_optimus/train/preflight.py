@@ -65,16 +65,16 @@ def check_run(ds_config: dict[str, Any], world: int | None = None, cluster: str 
     from ..data import load_tokenizer
     from ..data.tokenizer import looks_like_a_path
     from ..hf_models.mula import MulaForCausalLM, count_parameters
-    from ..parallel.groups import check_layout
+    from ..parallel.dims import ParallelDims
     from ..parallel.stages import check_pipeline
-    from .pipelined import data_parallel_size
 
     config = copy.deepcopy(ds_config)
     opt = check_run_config(config)
     stages, tp = opt.pipeline_parallel.size, opt.tensor_parallel.size
     world, source = resolve_world(config, world, stages, tp)
     with _guessed(world, source):
-        dp = data_parallel_size(opt, world)  # the ranks of a pipeline stage and TP position: data parallelism
+        dims = ParallelDims.from_config(opt, world)  # the trainer's layout, with its checks
+        dp = dims.dp  # the ranks of a pipeline stage and TP position: data parallelism
         micro, accumulation = resolve_batch_sizes(config, dp, stages, tp)
     name = opt.data.tokenizer
     try:  # a Hub tokenizer from the local cache only: a check never waits on the network
@@ -85,14 +85,9 @@ def check_run(ds_config: dict[str, Any], world: int | None = None, cluster: str 
         tokenizer = None  # a Hub name not cached here: the run downloads it
     model_config = opt.model.mula_config(tokenizer, opt.data.seq_len)
     ep = opt.expert_parallel
-    if model_config.num_experts:
-        with _guessed(world, source):
-            check_layout(dp, ep.size, model_config.num_experts, ep.node_size, stages=stages)
-    elif ep.size > 1:
-        raise ConfigError(
-            "optimus.expert_parallel.size > 1 needs an MoE model (num_experts > 0); this one is "
-            "dense: set optimus.expert_parallel.size=1"
-        )
+    # a dense model's EP size is wrong at any world size: that refusal says nothing of a guessed one
+    with _guessed(world, source) if model_config.num_experts else contextlib.nullcontext():
+        dims.check_experts(model_config.num_experts)
     if stages > 1:  # the trainer's own checks, with its words
         check_pipeline(opt, config, model_config, accumulation)
     with torch.device("meta"):

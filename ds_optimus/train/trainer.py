@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ..checkpoint.manager import trained_without_checkpoint
 from ..command_line import said_by_every_rank
 from ..config import load_json_config
-from ..parallel.groups import layout_position
+from ..parallel.dims import ParallelDims
 from ..parallel.tensor_parallel import sequence_router_share
 from ..reliability.heartbeat import waiting_for_peers
 from ..reliability.signals import EXIT_PREEMPTED
@@ -33,7 +33,7 @@ from ..schema import ConfigError
 from . import components as C
 from .callbacks import Callback, default_callbacks
 from .metrics import LOSS_PARTS, MetricsSink, append_log
-from .pipelined import PipelineRunner, check_pipeline, data_parallel_size, engine_batch_config
+from .pipelined import PipelineRunner, check_pipeline, engine_batch_config
 
 _NO_PHASE = contextlib.nullcontext()  # `Trainer._phase` of a step that is not profiled: nothing at all
 
@@ -69,17 +69,16 @@ class Trainer:
             self.opt = opt = C.check_run_config(self.ds_config)
         self.launch_line = C.init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        with every_rank_alike():  # data parallelism: the ranks of one pipeline stage and TP position
-            self.dp_world = data_parallel_size(opt, self.world)
+        with every_rank_alike():  # the layout, checked once: built from, and passed to, all that follows
+            self.dims = ParallelDims.from_config(opt, self.world)
+            self.dp_world = self.dims.dp  # data parallelism: the ranks of one pipeline stage and TP position
             self.micro_batch, self.accumulation = C.resolve_batch_sizes(
                 self.ds_config, self.dp_world, opt.pipeline_parallel.size, opt.tensor_parallel.size
             )
-        self.tp, self.sequence = opt.tensor_parallel.size, opt.tensor_parallel.sequence_parallel
+        self.tp, self.sequence = self.dims.tp, self.dims.sp
         self.sequence_group = None  # under sequence parallelism: every TP position's data-parallel ranks
-        self.position = layout_position(
-            self.rank, self.world, opt.pipeline_parallel.size, self.tp, opt.expert_parallel.size
-        )
-        self.dp_rank, self.runner = self.position["dp_rank"], None
+        self.position = self.dims.position(self.rank)
+        self.dp_rank, self.runner = self.position.dp_rank, None
         self.tokens_per_step = self.micro_batch * self.accumulation * self.dp_world * opt.data.seq_len
         self.opt = opt = C.resolve_schedule(opt, self.tokens_per_step)  # train.tokens: the steps they take
         self.last_step = C.last_step(opt, self.tokens_per_step)  # train.steps, or the step of stop_after_tokens
@@ -134,7 +133,6 @@ class Trainer:
     def _build_model(self) -> None:
         from ..data import load_tokenizer
         from ..parallel.expert_parallel import setup_moe
-        from ..parallel.groups import check_layout
 
         opt = self.opt
         try:
@@ -143,14 +141,7 @@ class Trainer:
             raise ConfigError(f"optimus.data.tokenizer: {err}") from None
         ep = opt.expert_parallel
         with every_rank_alike():
-            num_experts = opt.model.mula_config(self.tokenizer, opt.data.seq_len).num_experts
-            if num_experts:
-                check_layout(self.dp_world, ep.size, num_experts, ep.node_size, stages=opt.pipeline_parallel.size)
-            elif ep.size > 1:
-                raise ConfigError(
-                    "optimus.expert_parallel.size > 1 needs an MoE model (num_experts > 0); this one is "
-                    "dense: set optimus.expert_parallel.size=1"
-                )
+            self.dims.check_experts(opt.model.mula_config(self.tokenizer, opt.data.seq_len).num_experts)
         stage = split = tensor = None
         self.groups = None
         if self.tp > 1:  # TP groups first (innermost), then the others over each TP position's ranks
@@ -169,7 +160,7 @@ class Trainer:
             model = opt.model.build(
                 self.tokenizer,
                 ep_size=ep.size,
-                ep_rank=self.position["ep_rank"],
+                ep_rank=self.position.ep_rank,
                 seed=opt.train.seed,
                 stage=stage,
                 tensor_parallel=tensor,
