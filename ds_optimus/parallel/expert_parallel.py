@@ -330,11 +330,11 @@ def export_pretrained(
         dist.barrier()  # the folder is complete when any rank returns
 
 
-def setup_moe(model: nn.Module, config) -> ExpertParallelGroups | None:
+def setup_moe(model: nn.Module, config, groups: ExpertParallelGroups | None = None) -> ExpertParallelGroups | None:
     """Apply the MoE settings of a parsed `optimus` section (`ds_optimus.config.OptimusConfig`, or
     anything with its `moe` and `expert_parallel` sections): the experts backend and uniform routing of
-    every MoE layer, and expert parallelism when `expert_parallel.size > 1`. Returns the EP groups, or
-    None without expert parallelism."""
+    every MoE layer, and expert parallelism when `expert_parallel.size > 1` (over `groups`, the layout's
+    groups made already, else made here). Returns the EP groups, or None without expert parallelism."""
     if not (hasattr(config, "moe") and hasattr(config, "expert_parallel")):
         raise TypeError(
             f"setup_moe takes a parsed optimus section, not {type(config).__name__}: "
@@ -345,13 +345,14 @@ def setup_moe(model: nn.Module, config) -> ExpertParallelGroups | None:
         module.experts_backend = backend
     _use_ds_optimus_experts(model)
     ep = config.expert_parallel
-    groups = None
+    applied = None
     if ep.size > 1:
-        groups = apply_expert_parallel(
-            model, ep.size, node_size=ep.node_size, dedup=ep.dedup, chunks=ep.chunks, dispatch=ep.dispatch
+        layout = groups if groups is not None else ep.size
+        applied = apply_expert_parallel(
+            model, layout, node_size=ep.node_size, dedup=ep.dedup, chunks=ep.chunks, dispatch=ep.dispatch
         )
     set_uniform_routing(model, getattr(config.moe, "force_uniform_routing", False))
-    return groups
+    return applied
 
 
 def set_uniform_routing(model: nn.Module, enabled: bool) -> None:

@@ -101,6 +101,15 @@ def init_tensor_parallel_groups(size: int) -> TensorParallelGroups:
     return _TENSOR[size]
 
 
+def init_layout_groups(dims) -> ExpertParallelGroups | None:
+    """Every process group of layout `dims` (a `ParallelDims`): TP groups innermost, the pipeline's, and
+    the data/expert-parallel groups inside each stage and TP position; None where it has none of them
+    (plain data parallelism: DeepSpeed's world group). Collective."""
+    if dims.tp == dims.pp == dims.ep == 1:
+        return None
+    return init_expert_parallel_groups(dims.ep, dims.node_size, dims.pp, dims.tp)
+
+
 @dataclass
 class PipelineGroups:
     """This rank's view of the pipeline layout: `size` stages, stage s on global ranks [s*D, (s+1)*D)

@@ -42,18 +42,10 @@ class PipelineRunner:
         self.schedule = self.loss = None
 
     @staticmethod
-    def layout(opt, split: list[range]):
-        """The process groups (expert and data parallelism inside each stage) and (decoder layers, has the
-        embedding, has the head) of this rank's stage. Collective."""
-        from ..parallel.groups import init_expert_parallel_groups
-
-        ep = opt.expert_parallel
-        groups = init_expert_parallel_groups(
-            ep.size, ep.node_size, opt.pipeline_parallel.size, opt.tensor_parallel.size
-        )
-        pipeline = groups.pipeline
-        mine = [c for c in range(len(split)) if opt.pipeline_parallel.stage_of(c) == pipeline.stage]
-        return groups, ([i for c in mine for i in split[c]], 0 in mine, len(split) - 1 in mine)
+    def stage_part(opt, split: list[range], stage: int) -> tuple[list[int], bool, bool]:
+        """(decoder layers, has the embedding, has the head) of pipeline stage `stage`."""
+        mine = [c for c in range(len(split)) if opt.pipeline_parallel.stage_of(c) == stage]
+        return [i for c in mine for i in split[c]], 0 in mine, len(split) - 1 in mine
 
     def describe(self) -> str:
         """One line for the run's log: stages, schedule, micro-batches and the layers of each chunk."""

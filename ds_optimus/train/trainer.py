@@ -133,6 +133,7 @@ class Trainer:
     def _build_model(self) -> None:
         from ..data import load_tokenizer
         from ..parallel.expert_parallel import setup_moe
+        from ..parallel.groups import init_layout_groups
 
         opt = self.opt
         try:
@@ -142,19 +143,15 @@ class Trainer:
         ep = opt.expert_parallel
         with every_rank_alike():
             self.dims.check_experts(opt.model.mula_config(self.tokenizer, opt.data.seq_len).num_experts)
+        self.groups = init_layout_groups(self.dims)  # every process group of the layout, made here once
         stage = split = tensor = None
-        self.groups = None
-        if self.tp > 1:  # TP groups first (innermost), then the others over each TP position's ranks
-            from ..parallel.groups import init_expert_parallel_groups, init_tensor_parallel_groups
-
-            made = init_tensor_parallel_groups(self.tp)
+        if self.tp > 1:
+            made = self.groups.tensor
             tensor = (made.group, made.size, made.rank)
-            if opt.pipeline_parallel.size == 1:
-                self.groups = init_expert_parallel_groups(ep.size, ep.node_size, 1, self.tp)
-        if opt.pipeline_parallel.size > 1:  # this rank's stage only: its layers, embedding or head
+        if self.dims.pp > 1:  # this rank's stage only: its layers, embedding or head
             with every_rank_alike():
                 split = check_pipeline(opt, self.ds_config, opt.model.mula_config(self.tokenizer), self.accumulation)
-            self.groups, stage = PipelineRunner.layout(opt, split)
+            stage = PipelineRunner.stage_part(opt, split, self.groups.pipeline.stage)
         # Built on the meta device, holding only this rank's experts and its part of each split weight.
         with every_rank_alike():  # a width the TP size does not divide: one line
             model = opt.model.build(
@@ -172,8 +169,7 @@ class Trainer:
                 apply_sequence_parallel(model, tensor[0], split)
         if opt.train.activation_checkpointing:  # true: whole layers; a list: those parts of each
             C.enable_activation_checkpointing(model, opt.train.recompute)
-        groups = setup_moe(model, opt)  # inside the stages' (and TP positions') groups made above
-        self.groups = groups if self.groups is None else self.groups
+        self.groups = setup_moe(model, opt, groups=self.groups) or self.groups  # EP over the groups made above
         if split is not None:
             self.runner = PipelineRunner(opt, self.groups, model, split, self.micro_batch, self.accumulation)
         if opt.train.compile:
@@ -313,22 +309,32 @@ class Trainer:
         host, the one read the guards and preemption need, before the update. Metrics of a log step
         reach the host in that same read."""
         engine = self.engine
-        accumulation = self.accumulation
         began = time.perf_counter()
         skipped_before = engine.skipped_steps
         self.lr = engine.get_lr()[0]
         parts = torch.zeros(len(LOSS_PARTS), dtype=self.sum_dtype, device=self.device)
-        if self.runner is not None:  # every micro-batch through the pipeline schedule, then the update
-            with self._phase("data"):
-                batch = torch.cat([self.train_loader.next_batch() for _ in range(accumulation)]).to(self.device)
-            with self._phase("pipeline"):
-                loads = self.runner.step(batch, parts)
-            if loads is not None:
-                self.expert_loads = loads if self.expert_loads is None else self.expert_loads + loads
-            self._reduce_step(parts)
-            with self._phase("optimizer"):
-                engine.step()
-            accumulation = 0
+        if self.runner is not None:
+            self._pipeline_step(parts)
+        else:
+            self._micro_batch_steps(parts)
+        self.step_seconds = time.perf_counter() - began
+        self.update_skipped = engine.skipped_steps > skipped_before
+
+    def _pipeline_step(self, parts: torch.Tensor) -> None:
+        """The step's micro-batches through the pipeline schedule, then the update."""
+        with self._phase("data"):
+            batch = torch.cat([self.train_loader.next_batch() for _ in range(self.accumulation)]).to(self.device)
+        with self._phase("pipeline"):
+            loads = self.runner.step(batch, parts)
+        if loads is not None:
+            self.expert_loads = loads if self.expert_loads is None else self.expert_loads + loads
+        self._reduce_step(parts)
+        with self._phase("optimizer"):
+            self.engine.step()
+
+    def _micro_batch_steps(self, parts: torch.Tensor) -> None:
+        """Forward and backward of each micro-batch, the engine's step after each (the update after the last)."""
+        engine, accumulation = self.engine, self.accumulation
         for micro in range(accumulation):
             with self._phase("data"):
                 batch = self.train_loader.next_batch().to(self.device, non_blocking=True)
@@ -347,8 +353,6 @@ class Trainer:
                 self._reduce_step(parts)
             with self._phase("optimizer"):  # the update; before the last micro-batch, next to nothing
                 engine.step()
-        self.step_seconds = time.perf_counter() - began
-        self.update_skipped = engine.skipped_steps > skipped_before
 
     def _reduce_step(self, parts: torch.Tensor) -> None:
         """Sum the loss parts (then averaged), the callbacks' flags and, on log steps, the expert
