@@ -1,21 +1,7 @@
 """ds_optimus: pretraining Mixture-of-Experts language models on DeepSpeed.
 
-Importing the package is cheap (it imports neither PyTorch, Transformers nor DeepSpeed), and it
-hooks the three libraries it extends so that each is extended as soon as it is imported (at once
-where it already is):
-
-- Transformers: the Mula models are registered with its Auto classes and the dropless MoE layer
-  with its experts interface (as "ds_optimus", the Mula default);
-- DeepSpeed: its engine is hooked, so a config with an `optimus` section gets expert parallelism
-  and the EP-aware sharded optimizer from `deepspeed.initialize`, also under the Hugging Face Trainer;
-- accelerate: it leaves the `optimus` section of a DeepSpeed config alone (it would take the
-  section's `"auto"` values for its own placeholders and stop), and gathers every expert of an
-  expert-parallel model in `get_state_dict`.
-
-What each of these changes and why is in `ds_optimus.integrations` (`PATCHES`).
-
-So `python -m ds_optimus.train --help` starts in a fraction of a second, and the models, kernels
-and planner load on machines without DeepSpeed.
+Importing it is cheap (no PyTorch, Transformers or DeepSpeed import), so `--help` is fast; it hooks Transformers,
+DeepSpeed's engine and accelerate as each is imported (what and why: `ds_optimus.integrations.PATCHES`).
 """
 
 from __future__ import annotations
@@ -77,8 +63,7 @@ def _hook_accelerator() -> None:
 
 
 class _Then(importlib.abc.Loader):
-    """A module's own loader, then `after()` once the module has run (everything else asked of it,
-    such as `get_source` or resources, goes to the module's loader)."""
+    """A module's own loader, then `after()` once the module has run."""
 
     def __init__(self, loader, after) -> None:
         self.loader, self.after = loader, after
@@ -95,11 +80,8 @@ class _Then(importlib.abc.Loader):
 
 
 class _Hooks(importlib.abc.MetaPathFinder):
-    """Runs the hooks of a watched module right after its import completes (`WATCHED`), and a deferred
-    Transformers registration once no import of ours is still running. It finds the module through
-    the other finders and hands back a copy of their spec whose loader runs the hooks afterwards;
-    it imports nothing itself (`importlib.util.find_spec(name)`, with which Transformers and
-    accelerate probe for packages, asks here too), and leaves reloads alone."""
+    """Runs a `WATCHED` module's hooks right after its import, and a deferred Transformers registration once
+    no import of ours is running; leaves reloads alone."""
 
     WATCHED: dict[str, list] = {
         "transformers": [_register_with_transformers],
@@ -117,6 +99,7 @@ class _Hooks(importlib.abc.MetaPathFinder):
             return None
         if getattr(self.local, "busy", False):
             return None
+        # imports nothing itself: Transformers and accelerate probe for packages with find_spec, which asks here
         self.local.busy = True
         try:
             spec = importlib.util.find_spec(name)
@@ -144,7 +127,7 @@ def _hook(name: str) -> None:
 
 
 def after_import(name: str, hook) -> None:
-    """Call `hook()` once module `name` is imported: now if it is, else right after its import."""
+    """Call `hook()` once module `name` is imported (now if it is)."""
     if sys.modules.get(name) is not None:
         hook()
     else:

@@ -1,6 +1,4 @@
-"""Lazy exports for package `__init__` files: a name is imported from its submodule when first
-used, so that `python -m ds_optimus.X --help` and `import ds_optimus` pay for no PyTorch or
-Transformers import they do not need."""
+"""Lazy package exports, so that `--help` and `import ds_optimus` import no PyTorch they do not need."""
 
 from __future__ import annotations
 
@@ -11,8 +9,7 @@ from typing import Any
 
 
 def lazy_exports(package: str, names: dict[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """`(__getattr__, __dir__)` for package `package` that import each of `names` ({name: relative
-    submodule, e.g. ".trainer"}) on first access and keep it in the package's namespace."""
+    """`(__getattr__, __dir__)` for `package`, importing each of `names` from its relative submodule on first access."""
 
     def __getattr__(name: str) -> Any:
         module = names.get(name)

@@ -1,16 +1,10 @@
-"""What every command line of ds_optimus shares (a leaf: imports nothing of ds_optimus but the
-launch environment, itself a leaf, nor PyTorch): usage as `python -m NAME`, errors as one line
-`NAME: error: ...` with exit status 2, and, for the commands a launcher starts on many ranks, an
-error every rank raises alike printed once.
-
-Which errors every rank raises alike is known where they are raised: the checks of the config before
-anything rank-dependent (`said_by_every_rank`), and the errors the library makes collective (rank 0's
-data error broadcast, a checkpoint none of the ranks can use). Rank 0 prints those; any other error
-is printed by every rank that has it, with its rank, so that a rank failing alone (a file its node
-does not see) is never silent."""
+"""What every command shares: `python -m NAME` usage and one-line `NAME: error: ...` errors (exit status 2), printed
+once where all ranks raise them alike.
+"""
 
 from __future__ import annotations
 
+# A leaf: imports no PyTorch and nothing of ds_optimus but the launch environment (itself a leaf).
 import argparse
 import atexit
 import os
@@ -22,15 +16,13 @@ EXIT_ERROR = 2
 
 
 def said_by_every_rank(error: BaseException) -> BaseException:
-    """Mark `error` as one every rank raises alike (rank 0 alone prints it); returns it."""
+    """Mark `error` as raised alike by every rank; returns it."""
     error.every_rank = True
     return error
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with the usage line `python -m NAME ...` and usage errors as `NAME: error: ...`,
-    the form every error of the command takes; with `launched`, printed by rank 0 only (every rank
-    parses the same command line)."""
+    """argparse with usage `python -m NAME` and `NAME: error: ...` errors (from rank 0 alone with `launched`)."""
 
     def __init__(self, name: str, launched: bool = False, **kwargs) -> None:
         kwargs.setdefault("prog", f"python -m {name}")
@@ -45,8 +37,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def launch_rank() -> int:
-    """This process's global rank as its launcher set it (0 without a launcher, or where the
-    launcher's variables cannot be read: the error saying so is then printed)."""
+    """This process's launcher-set global rank (0 without a launcher, or if unreadable)."""
     from .launch.environment import LaunchError, detect
 
     try:
@@ -56,9 +47,8 @@ def launch_rank() -> int:
 
 
 def fail(name: str, error: BaseException | str, launched: bool = False) -> int:
-    """Print `error` as one line `NAME: error: ...` and return the exit status 2. With `launched`
-    (a command a launcher starts on many ranks), an error marked by `said_by_every_rank` is printed
-    by rank 0 alone and any other by each rank that raises it, naming its rank."""
+    """Print `error` as `NAME: error: ...` and return 2; with `launched`, rank 0 alone prints `said_by_every_rank`
+    errors, and any rank its other errors, naming its rank."""
     text = str(error).strip()
     line = text.splitlines()[0] if text else type(error).__name__
     rank = launch_rank() if launched else 0
@@ -70,8 +60,7 @@ def fail(name: str, error: BaseException | str, launched: bool = False) -> int:
 
 
 def deepspeed_launcher() -> str:
-    """The `deepspeed` launcher script: beside this Python (a venv), else the one on PATH (a
-    `pip install --target` puts it in that folder's bin/, which the caller adds to PATH)."""
+    """The `deepspeed` script beside this Python, else on PATH."""
     from pathlib import Path
 
     beside = Path(sys.executable).with_name("deepspeed")
@@ -82,8 +71,8 @@ def deepspeed_launcher() -> str:
 
 
 def exit_without_teardown(status: int | None) -> None:
-    """Exit 0 without the interpreter's teardown (atexit handlers run, output flushed); any other
-    status, or a non-daemon thread still running, exits normally."""
+    """Exit 0 skipping interpreter teardown (atexit and flushes still run); other statuses or live non-daemon threads
+    exit normally."""
     # The teardown costs each rank 1.5-2 s of a core (measured on a tiny run). A failed rank keeps it:
     # stopped by a peer's failure, it must not end before that peer, whose status the launcher reports.
     status = 0 if status is None else status

@@ -1,38 +1,8 @@
 """The "optimus" section of a DeepSpeed JSON config: what DeepSpeed does not know, parsed and
 validated once, up front. An unknown key or a bad value is a one-line `ConfigError` naming the key.
 
-    "optimus": {
-      "model": {"preset": "mula-tiny-moe", "path": null, "overrides": {}},  # a path wins over the preset
-      "expert_parallel": {"size": 4, "node_size": 2, "dispatch": "alltoall"},  # node_size: hierarchical; or "allgather"
-      "pipeline_parallel": {"size": 1, "schedule": "1f1b", "virtual_stages": 1, "layers": null},
-      "tensor_parallel": {"size": 1},                    # ranks splitting each layer (innermost, in a node)
-      "moe": {"experts_backend": "auto",                 # or "grouped_mm", "looped", "reference", ...
-              "force_uniform_routing": false},           # true: a benchmark mode (fixed, balanced experts)
-      "data": {"sources": ["embedded"], "tokenizer": null, "seq_len": 256, "val_fraction": 0.02,
-               "cache_dir": "data_cache"},
-      "train": {"steps": 100, "seed": 0, "output_dir": "runs/mula", "eval_interval": 50, "eval_batches": 8,
-                "log_interval": 1, "peak_tflops": null, "tokens": null, "lr_schedule": "cosine",
-                "warmup_steps": 0, "warmup_start_lr": null, "min_lr_ratio": 0.1,
-                "sample_prompt": null, "sample_tokens": 48, "activation_checkpointing": false,
-                "compile": false, "measure_memory_steps": 0, "profile_steps": null,
-                "clip_after_warmup": false, "decay_all_params": false, "decay_after_update": false,
-                "stop_after_steps": null, "stop_after_tokens": null, "export": true},
-      "checkpoint": {"interval": 0, "enabled": true, "keep_last": 2, "dir": null, "resume": true,
-                     "async_save": false, "keep_every": 0, "stagger_writes": true, "min_part_mib": 256},
-      "wandb": {"mode": null, "project": "ds_optimus", "name": null, "entity": null},
-      "sharded_optimizer": {"enabled": false, "bucket_size": 50000000, "reduce_dtype": null,
-                            "overlap_comm": null, "shard_group_size": null, "overlap_param_gather": false},
-      "guards": {"enabled": true, "window": 100, "min_window": 20, "sigmas": 6.0, "skip_spikes": true,
-                 "rollback_after": 3, "max_rollbacks": 3},
-      "watchdog": {"step_timeout_s": 900, "first_step_timeout_s": 3600, "checkpoint_timeout_s": 3600},
-      "profile": {"enabled": false, "interval": 1, "collectives": true},  # time each step's phases
-      "eval": {"downstream": {"tasks": [], "include": [], "limit": null, "num_fewshot": 0, "batch_size": 8}}
-    }
-
-Every section and key is optional; the defaults are above (`mode: null` means online when
-WANDB_API_KEY is set, offline otherwise). Each section is declared beside the component it
-configures (`ds_optimus.schema.Section`), which its `build()` makes where it has one; this module
-assembles them, and holds the sections of the training run itself (model, train, wandb, profile).
+Each section is declared beside the component it configures (`ds_optimus.schema.Section`); this module
+assembles them and holds the run's own (model, train, wandb, profile). Keys and defaults: docs/reference/config.md.
 """
 
 from __future__ import annotations
@@ -80,9 +50,7 @@ DEFAULT_PRESET = "mula-tiny-moe"
 
 @dataclass(frozen=True)
 class ModelConfig(Section):
-    """`optimus.model`: an HF folder (its config, and its weights if it has them) or a preset, with
-    MulaConfig fields over either. A path wins: the preset of a config (or the default) is then unused,
-    so `--set optimus.model.path=...` switches a shipped config to a folder."""
+    """`optimus.model`: an HF folder or a preset, with MulaConfig fields over either; a path wins over the preset."""
 
     preset: str | None = None  # a Mula preset (`ds_optimus.hf_models.mula.PRESETS`), used when no path is given
     # an HF folder of a Mula, OLMoE or OLMo model (its config; its weights too if it has them); wins over the preset
@@ -109,9 +77,8 @@ class ModelConfig(Section):
     def build(
         self, tokenizer=None, *, ep_size: int = 1, ep_rank: int = 0, seed: int = 0, stage=None, tensor_parallel=None
     ):
-        """The Mula model in fp32, built on the meta device and holding only experts
-        [ep_rank*E/ep_size, (ep_rank+1)*E/ep_size) of each MoE layer and, with `tensor_parallel`
-        (group, size, rank), its part of each split weight (`parallel.model_source.build`)."""
+        """The fp32 Mula model on the meta device, with only this EP rank's experts and (`tensor_parallel`:
+        group, size, rank) its part of each split weight."""
         from .parallel.model_source import build
 
         return build(
@@ -203,8 +170,7 @@ class TrainConfig(Section):
 
     @property
     def recompute(self) -> bool | tuple[str, ...]:
-        """`activation_checkpointing` as the planner's `Layout.checkpointing`: a bool, or the parts in
-        `recompute_parts`' order."""
+        """`activation_checkpointing` as `Layout.checkpointing`: a bool, or parts in `recompute_parts`' order."""
         value = self.activation_checkpointing
         return value if isinstance(value, bool) else tuple(p for p in self.recompute_parts if p in value)
 
@@ -293,12 +259,10 @@ class WandbConfig(Section):
         )
 
 
+# declared here, not beside the profiler: this module may not import the training code
 @dataclass(frozen=True)
 class ProfileConfig(Section):
-    """`optimus.profile`: the phase profiler (`ds_optimus.train.phase_profile`): each profiled step's
-    time per phase (data, forward, backward, the step's reduction, optimizer), its collectives by kind,
-    bytes and time, and each rank's wait at the step's reduction for the slowest, into metrics.jsonl.
-    Declared here, not beside the profiler: this module may not import the training code."""
+    """`optimus.profile`: the phase profiler (`ds_optimus.train.phase_profile`), into metrics.jsonl."""
 
     enabled: bool = False  # time the phases of every `interval`-th step (off: not a mark nor a wrapper)
     interval: int = 1  # profile every this many steps (1: every step; a log step reports its interval's mean)
@@ -336,9 +300,7 @@ class OptimusConfig(Section):
 
 
 def check_run_config(ds_config: dict[str, Any]):
-    """The parsed `optimus` section of a training config, after the checks that need no process
-    group: every key known (DeepSpeed's too), the ZeRO stage, the optimizer's hyper-parameters, uniform
-    routing only where nothing is kept."""
+    """The parsed `optimus` section, after the checks that need no process group."""
     from .integrations.deepspeed_config import check_config_keys
 
     opt = OptimusConfig.from_ds_config(ds_config)
@@ -369,9 +331,7 @@ def check_run_config(ds_config: dict[str, Any]):
 
 
 def check_schedule_keys(ds_config: dict[str, Any], opt) -> None:
-    """One-line errors for schedule keys that contradict each other or the DeepSpeed config: steps and
-    tokens both given, the schedule's own keys beside a "scheduler" section, the decay after the update
-    with an optimizer other than Adam/AdamW."""
+    """One-line errors for schedule keys that contradict each other or the DeepSpeed config."""
     given = ds_config.get("optimus", {}).get("train", {})
     if given.get("steps") is not None and given.get("tokens") is not None:
         raise ConfigError(
@@ -409,9 +369,8 @@ def resolve_schedule(opt, tokens_per_step: int):
 def resolve_batch_sizes(
     ds_config: dict[str, Any], world_size: int, stages: int = 1, tensor: int = 1
 ) -> tuple[int, int]:
-    """(micro-batch per rank, accumulation steps), made consistent with train_batch_size over
-    `world_size` data-parallel ranks (those of one of `stages` pipeline stages and one of `tensor` TP
-    positions); a one-line ConfigError when they cannot be."""
+    """(micro-batch per rank, accumulation steps) consistent with train_batch_size over `world_size`
+    data-parallel ranks, also set in `ds_config`; a one-line ConfigError when they cannot be."""
     cut = " / ".join(
         part
         for part in (
@@ -465,9 +424,8 @@ def resolve_batch_sizes(
 
 
 def check_optimizer_section(ds_config: dict[str, Any]) -> None:
-    """The DeepSpeed "optimizer" section's hyper-parameters that would otherwise train silently
-    wrong or fail deep inside the engine: a positive learning rate, betas in [0, 1), eps > 0 and a
-    weight decay >= 0, each a one-line ConfigError naming the key."""
+    """Check the "optimizer" section's lr > 0, betas in [0, 1), eps > 0 and weight decay >= 0 up front
+    (else they train silently wrong or fail deep in the engine)."""
     section = ds_config.get("optimizer")
     need(isinstance(section, dict), 'the config needs an optimizer section (e.g. {"type": "AdamW", "params": {...}})')
     params = section.get("params", {})

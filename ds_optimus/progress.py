@@ -1,6 +1,6 @@
-"""Progress of long work, readable where it lands (a leaf: imports nothing of ds_optimus): a tqdm bar
-on a terminal; in a file (a batch job's log, a launcher's pipe), where a bar's carriage returns pile
-up into one unreadable line, a plain line at most every `interval` seconds and one at the end."""
+"""Progress of long work: a tqdm bar on a terminal, else plain lines every `interval` seconds. A leaf: imports
+nothing of ds_optimus.
+"""
 
 from __future__ import annotations
 
@@ -17,8 +17,7 @@ def progress(
     file: TextIO | None = None,
     interval: float = 30.0,
 ):
-    """A bar with tqdm's `update`, `set_postfix`, `write`, `close` and `n`: tqdm on a terminal,
-    `LineProgress` elsewhere."""
+    """tqdm on a terminal, else `LineProgress` (tqdm's `update`, `set_postfix`, `write`, `close`, `n`)."""
     file = file or sys.stderr
     if getattr(file, "isatty", lambda: False)():
         from tqdm import tqdm
@@ -28,8 +27,7 @@ def progress(
 
 
 class LineProgress:
-    """tqdm's interface as whole lines: `desc: n/total unit (k=v, ...)` at most every `interval`
-    seconds and once at `close()` if anything happened since the last line."""
+    """tqdm's interface as lines `desc: n/total unit (k=v, ...)`, at most every `interval` seconds and at `close()`."""
 
     def __init__(self, total: int | None, initial: int, desc: str, unit: str, file: TextIO, interval: float) -> None:
         self.total, self.n, self.desc, self.unit, self.file, self.interval = total, initial, desc, unit, file, interval

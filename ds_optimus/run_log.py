@@ -1,5 +1,4 @@
-"""A run's `log.txt`: the record of what happened to it, one timestamped line an event, appended by the
-trainer's rank 0, the rank that names a hang, and the supervisor (a leaf: imports nothing of ds_optimus)."""
+"""A run's `log.txt`, appended by several processes (a leaf: imports nothing of ds_optimus)."""
 
 from __future__ import annotations
 
@@ -11,8 +10,7 @@ LOG_FILE = "log.txt"
 
 
 def append_log(folder: str | Path, text: str) -> None:
-    """Append `text`, timestamped, to `<folder>/log.txt`: one `write` (O_APPEND), so the lines of the
-    processes that share the file never interleave."""
+    """Append `text`, timestamped, to `<folder>/log.txt` in one O_APPEND `write` (lines never interleave)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     line = "".join(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {part}\n" for part in text.splitlines() or [""])

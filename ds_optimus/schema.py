@@ -1,11 +1,6 @@
-"""Typed configuration sections: frozen dataclasses parsed from JSON objects, with one-line errors.
+"""Typed config sections (frozen dataclasses parsed from JSON objects, one-line errors) and JSON helpers.
 
-Every component that takes settings from the `optimus` section of a DeepSpeed config declares them
-as a `Section` beside its own code (the guards' in `reliability/guards.py`, the sharded optimizer's
-in `optim/engine_section.py`, ...), with `check()` for its rules and, where it has one, `build()` for the
-component; `ds_optimus.config.OptimusConfig` assembles them into the whole section. The JSON helpers
-(`load_json_config`, `apply_overrides`) live here too. This module imports nothing of ds_optimus, so
-any layer may use it.
+Components declare their `optimus` settings as `Section`s beside their code. Imports nothing of ds_optimus.
 """
 
 from __future__ import annotations
@@ -17,21 +12,19 @@ from typing import Any
 
 
 class ConfigError(ValueError):
-    """A bad config value; the message names the key, in one line."""
+    """A bad config value; the one-line message names the key."""
 
 
 @dataclass(frozen=True)
 class Section:
-    """A config section: a frozen dataclass whose fields are its keys, with their defaults. A field
-    whose default factory is itself a `Section` is a nested section."""
+    """A frozen dataclass of a section's keys and defaults; `Section`-valued fields nest."""
 
     def check(self, where: str) -> None:
-        """Raise ConfigError (naming `where.key`) for a value this section cannot work with."""
+        """Raise ConfigError naming `where.key` for an unusable value."""
 
     @classmethod
     def parse(cls, values: Any, where: str):
-        """The section of JSON object `values` (found at `where`, e.g. "optimus.guards"): unknown
-        keys and bad values are one-line ConfigErrors."""
+        """Parse JSON object `values` found at `where` ("optimus.guards"); bad keys or values raise ConfigError."""
         need(isinstance(values, dict), f"{where} must be a JSON object, got {type(values).__name__}")
         known = {f.name: f for f in fields(cls)}
         unknown = sorted(set(values) - set(known))
@@ -73,7 +66,7 @@ def check_flags(section: Section, where: str, *names: str) -> None:
 
 
 def load_json_config(config: dict[str, Any] | str | Path) -> dict[str, Any]:
-    """A DeepSpeed config as a dict (a copy), from a dict or a JSON file's path."""
+    """A copy of a DeepSpeed config, from a dict or a JSON file's path."""
     if isinstance(config, dict):
         return json.loads(json.dumps(config))
     path = Path(config)
@@ -89,9 +82,7 @@ def load_json_config(config: dict[str, Any] | str | Path) -> dict[str, Any]:
 
 
 def apply_overrides(config: dict[str, Any], assignments: list[str]) -> dict[str, Any]:
-    """Set dotted keys from `KEY=VALUE` strings (`optimus.train.steps=20`; a list's item by its index,
-    `optimus.data.sources.1.weight=2`); a VALUE that parses as JSON is used as such (numbers,
-    true/false/null, lists, objects), anything else as a string."""
+    """Set dotted keys (list items by index) from `KEY=VALUE` strings; VALUE is JSON if it parses, else a string."""
     for assignment in assignments:
         key, sep, raw = assignment.partition("=")
         if not sep or not key or any(not part for part in key.split(".")):

@@ -1,10 +1,5 @@
-"""Quiet by default, verbose on request: what the command lines (`ds_optimus.train`, `hf_example`,
-`ds_optimus.evaluate`) ask of the libraries under them. A 10-step run used to print 65 lines:
-DeepSpeed's INFO and accelerator lines from every rank, wandb's banner and summary table,
-Transformers' loading and saving bars around the export. Quiet, they print warnings that matter
-(errors, at least) and nothing else; ds_optimus' own lines (the data, the progress bar, resumes,
-skipped steps, the sample, where the plots and the model went) stay. `--verbose` (or
-DS_OPTIMUS_VERBOSE=1, which reaches every rank through a launcher) leaves the libraries as they are."""
+"""Quiet by default, verbose on request: the command lines keep the libraries' warnings that matter and their own
+lines; `--verbose` or DS_OPTIMUS_VERBOSE=1 (which reaches every rank through a launcher) keeps all output."""
 
 from __future__ import annotations
 
@@ -33,9 +28,8 @@ def verbose_requested(flag: bool = False) -> bool:
 
 
 def quiet_libraries(verbose: bool = False) -> None:
-    """Unless `verbose`: environment defaults the libraries read when imported (a variable already set
-    wins), and DeepSpeed's logger at ERROR from its creation on (its accelerator warning comes while
-    `import deepspeed` runs). Call before those imports."""
+    """Unless `verbose`: quiet environment defaults (a variable already set wins) and DeepSpeed's logger at ERROR;
+    call before those libraries are imported."""
     if verbose_requested(verbose):
         os.environ["DS_OPTIMUS_VERBOSE"] = "1"  # for the processes the command starts
         return

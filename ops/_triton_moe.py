@@ -1,22 +1,10 @@
 """Triton kernels of the SwiGLU experts: grouped GEMMs over expert-sorted rows, with the token
-gather, the SwiGLU, the routing weights and the scatter to slot order fused in.
+gather, the SwiGLU, the routing weights and the scatter to slot order fused in. Portable Triton only
+(no CUDA intrinsics): it runs on NVIDIA, AMD and Intel GPUs, and on the CPU under `TRITON_INTERPRET=1`.
 
-Imported only when Triton is installed. Portable Triton only (`tl.dot`, masked loads and stores):
-no CUDA-specific intrinsics, so the same source runs on NVIDIA, AMD and Intel GPUs, and on the CPU
-under `TRITON_INTERPRET=1` (the CI's correctness tests).
-
-Notation. The rows are sorted by expert: expert e owns sorted positions `[starts[e], ends[e])`.
-Sorted position p reads input row `src[p]` (the token; identity without `src`) and writes output row
-`dst[p]` (its slot t*k + j; identity without `dst`), scaled by `weights[dst[p]]` when weights are
-given. Weights are `gate_up [E, 2I, H]` (gate rows first) and `down [E, H, I]`.
-
-Row-tile kernels (forward GEMMs, the input gradient, the gradient of the SwiGLU) map the second grid
-axis to (expert, tile of BLOCK_M of its rows) through a table built on the device, so nothing waits
-for the host: the grid has cdiv(S, BLOCK_M) + E row tiles, the most any routing can need, and the
-spare ones exit at once. Column tiles are the first (fastest) grid axis, so the programs running at
-once share their row tiles and their expert's weights in L2. Weight-gradient kernels (ragged K:
-the reduction runs over an expert's rows) take the expert on the last (slowest) axis, so the
-programs running at once read the same expert's rows, and write zeros for experts without rows.
+Expert e owns sorted positions `[starts[e], ends[e])`; position p reads input row `src[p]` and writes
+output row `dst[p]` (its slot t*k + j; each the identity when absent), scaled by `weights[dst[p]]`.
+Weights are `gate_up [E, 2I, H]` (gate rows first) and `down [E, H, I]`.
 """
 
 from __future__ import annotations
@@ -74,8 +62,8 @@ def _rows_times_weight(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """acc[m, n] = sum_k a_rows[m][k] * w_base[k * stride_wk + cols[n] * stride_wn], in float32, with
-    `a_rows` one pointer per row (so a gathered row costs nothing extra)."""
+    """acc[m, n] = sum_k a_rows[m][k] * w_base[k * stride_wk + cols[n] * stride_wn] in float32;
+    `a_rows`: one pointer per row."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -253,10 +241,8 @@ def _down_bwd_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """The gradient through the down projection and the SwiGLU, from the saved pre-activation:
-    a = g[gsrc[p]] @ down[e] (dL/dh before the routing weight), then d gate and d up into dgu,
-    w * h into hw (the other factor of the down weight's gradient), and this column block's part
-    of the routing-weight gradient sum(a * h) into gw[p, block]."""
+    """Backward through down and the SwiGLU from the saved pre-activation: a = g[gsrc[p]] @ down[e];
+    d gate and d up into dgu, w * h into hw, this column block's part of sum(a * h) into gw[p, block]."""
     e, rows, row_mask = _row_tile(tile_expert_ptr, starts_ptr, ends_ptr, first_tile_ptr, tl.program_id(1), BLOCK_M)
     if e < 0:
         return
@@ -332,8 +318,7 @@ def _weight_grad_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """out[e] = a[asrc[rows of e]].T @ b[bsrc[rows of e]]: a weight gradient, a GEMM whose
-    reduction runs over the expert's rows (ragged K). Zeros for an expert without rows."""
+    """out[e] = a[asrc[rows of e]].T @ b[bsrc[rows of e]] (ragged K); zeros for an expert without rows."""
     e = tl.program_id(2)
     start = tl.load(starts_ptr + e)
     end = tl.load(ends_ptr + e)
@@ -385,16 +370,15 @@ def _device_name(device: torch.device) -> str | None:
 
 
 def shared_memory_bytes(name: str, cfg: dict, element_size: int) -> int:
-    """The shared memory kernel `name` asks for with `cfg`: each pipeline stage holds one row tile
-    (BLOCK_M x BLOCK_K) and the weight tiles (BLOCK_K x BLOCK_N; gate and up: two) in the data's type."""
+    """The shared memory kernel `name` asks for with `cfg`: a row tile and the weight tiles per stage."""
     weight_tiles = 2 if name == "gate_up" else 1
     tile = cfg["BLOCK_M"] * cfg["BLOCK_K"] + weight_tiles * cfg["BLOCK_K"] * cfg["BLOCK_N"]
     return cfg.get("num_stages", 1) * tile * element_size
 
 
 def fit_shared_memory(name: str, cfg: dict, element_size: int, limit: int | None) -> dict:
-    """`cfg` with fewer stages, then narrower K and N tiles, until kernel `name` fits `limit` bytes of
-    shared memory. Tiles are tuned on 16-bit data; float32 doubles every tile."""
+    """`cfg` with fewer stages, then narrower K and N tiles, until kernel `name` fits `limit` bytes."""
+    # tiles are tuned on 16-bit data; float32 doubles every tile
     cfg = dict(cfg)
     while limit and shared_memory_bytes(name, cfg, element_size) > limit:
         if cfg.get("num_stages", 1) > 2:
@@ -417,8 +401,8 @@ def _shared_memory_limit(device: torch.device) -> int | None:
 
 
 def resolve_blocks(name: str, device: torch.device | str, blocks: dict | None = None, element_size: int = 2) -> dict:
-    """Tile sizes and launch options of kernel `name` on `device` for data of `element_size` bytes:
-    defaults, then this GPU's tuned entry (fitted to its shared memory), then `blocks[name]`."""
+    """Tile sizes and launch options of kernel `name` on `device`: defaults, then this GPU's tuned
+    entry (fitted to its shared memory), then `blocks[name]`."""
     global _tuned
     if _tuned is None:
         _tuned = json.loads(_TUNED_FILE.read_text()) if _TUNED_FILE.exists() else {}
@@ -459,7 +443,8 @@ class _Schedule:
         if block_m not in self._tiles:
             per_expert = (self.counts + block_m - 1) // block_m
             cum = torch.cumsum(per_expert, 0)
-            grid = triton.cdiv(self.num_rows, block_m) + self.num_experts  # an upper bound
+            # built on the device so nothing waits for the host: the most any routing needs; spares exit
+            grid = triton.cdiv(self.num_rows, block_m) + self.num_experts
             ids = torch.arange(grid, device=self.counts.device)
             expert = torch.searchsorted(cum, ids, right=True)
             expert = torch.where(expert < self.num_experts, expert, -1).to(torch.int32)
@@ -469,6 +454,7 @@ class _Schedule:
     def row_grid(self, cfg: dict, columns: int) -> tuple[tuple[int, int], tuple]:
         """(grid, row-tile table arguments) of a row-tile kernel over `columns` output columns."""
         expert, first, tiles = self.tiles(cfg["BLOCK_M"])
+        # columns on the fastest axis: programs running at once share row tiles and weights in L2
         return (triton.cdiv(columns, cfg["BLOCK_N"]), tiles), (expert, self.starts, self.ends, first)
 
 
@@ -562,6 +548,7 @@ def launch_down_bwd(
 def launch_weight_grad(a, asrc, b, bsrc, out, sched: _Schedule, cfg: dict, num: dict) -> None:
     """out[e] = a[asrc[rows of e]].T @ b[bsrc[rows of e]] for every expert (out [E, M, N] contiguous)."""
     m, n = out.shape[1], out.shape[2]
+    # the expert on the slowest axis: programs running at once read the same expert's rows
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), sched.num_experts)
     _weight_grad_kernel[grid](
         a,
@@ -650,10 +637,8 @@ def backward(
     dx_rows: int,
     blocks: dict | None = None,
 ):
-    """Gradients of `forward`. Sorted position p's output gradient is row grad_src[p] of `grad`
-    (identity without grad_src: `grad` is then in sorted order). Returns (dx [dx_rows, H] with sorted
-    position p's input gradient at row dst[p], d gate_up, d down, the routing-weight gradient per
-    sorted position or None)."""
+    """Gradients of `forward`, position p's output gradient at row grad_src[p] of `grad` (None: sorted):
+    (dx [dx_rows, H] at rows dst, d gate_up, d down, routing-weight gradient per position or None)."""
     num_sorted = gu.shape[0]
     inter, hidden = down.shape[-1], down.shape[1]
     grad = grad.contiguous()

@@ -1,18 +1,8 @@
 """Triton kernels of the MoE routing ops (`ds_optimus.ops.routing`): `route`, `gather`, `combine` and
 `combine_backward`, with the reference functions' names, signatures and results.
 
-Portable Triton only (masked loads and stores, `tl.sum`, `tl.cumsum`): no atomics and no CUDA-specific
-intrinsics, so the same source runs on NVIDIA, AMD and Intel GPUs and, under `TRITON_INTERPRET=1`, on
-the CPU. Nothing waits for the host: every grid comes from shapes.
-
-- `route` is a stable counting sort in two passes over blocks of slots. Pass 1 writes each block's
-  per-expert histogram (a one-hot of the block's ids against a tile of experts, summed over the slots).
-  The histogram is stored expert-major, `hist[E, num_blocks]`, so one flat exclusive prefix sum in torch
-  gives where each (expert, block) run starts in sorted order. Pass 2 rebuilds the one-hot, and an
-  exclusive `tl.cumsum` down the slots ranks each slot among its block's slots of the same expert.
-- `gather` and `combine` tile (rows, columns); `combine` adds its D terms in table order in float32.
-- `combine_backward` gives each program a block of rows and loops over the columns, so the weight's
-  gradient (a dot product over the whole row) is finished in the same program, without atomics.
+Portable Triton only (no atomics, no CUDA-specific intrinsics): NVIDIA, AMD and Intel GPUs, and the CPU under
+`TRITON_INTERPRET=1`. Nothing waits for the host: every grid comes from shapes.
 """
 
 from __future__ import annotations
@@ -125,6 +115,7 @@ def route(
     ids: Tensor, num_experts: int, *, block: int = ROUTE_BLOCK, expert_tile: int = ROUTE_EXPERT_TILE
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(order [S], inverse [S], counts [E]), all int64: the slots of `ids [T, k]` sorted by expert, stably."""
+    # A two-pass counting sort: per-block histograms, a prefix sum over them, then each slot's rank in its block.
     flat = ids.reshape(-1).contiguous()
     num_slots = flat.numel()
     num_blocks = triton.cdiv(num_slots, block)

@@ -1,20 +1,9 @@
-"""The SwiGLU experts as PyTorch custom ops (`torch.ops.ds_optimus.*`), with autograd and fake
-(meta) implementations, so they work under `torch.compile`.
+"""The SwiGLU experts as custom ops (`torch.ops.ds_optimus.*`) with autograd and fake implementations, for
+`torch.compile`: `moe_swiglu` (the whole dropless MoE feed-forward; deterministic, no atomics) and `swiglu_experts`
+(rows sorted by expert).
 
-Two entry points share one pair of ops:
-
-- `moe_swiglu(x, gate_up, down, counts, token_of_sorted, order, weights)`: the whole dropless MoE
-  feed-forward from the token rows `x [T, H]`: gather of each slot's token row, gate/up GEMM with
-  the SwiGLU, down GEMM scaled by the routing weight, and the combine (sum over each token's k
-  slots). The combine writes every slot's row once and sums the k rows of a token, so no atomics:
-  results are deterministic.
-- `swiglu_experts(x_sorted, gate_up, down, counts)`: the experts alone on rows already sorted by
-  expert (what an expert-parallel rank gets from the all-to-all).
-
-Every op runs the Triton kernels where they can run (CUDA, ROCm and XPU devices; the CPU under
-`TRITON_INTERPRET=1`) and the reference implementation beside it otherwise.
-`DS_OPTIMUS_KERNELS=reference` forces the reference everywhere; `DS_OPTIMUS_KERNELS=triton` makes
-a missing Triton an error instead of a fallback.
+Triton kernels run where they can, else the reference; `DS_OPTIMUS_KERNELS=reference` forces the reference,
+`DS_OPTIMUS_KERNELS=triton` makes a missing Triton an error.
 """
 
 from __future__ import annotations
@@ -32,7 +21,7 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def triton_available() -> bool:
-    """Whether Triton is installed (it is an optional dependency)."""
+    """Whether the optional Triton is installed."""
     try:
         return importlib.util.find_spec("triton") is not None
     except (ImportError, ValueError):
@@ -45,7 +34,7 @@ def interpreting() -> bool:
 
 
 def kernels_choice() -> str:
-    """The $DS_OPTIMUS_KERNELS setting: "auto" (default), "triton" or "reference"."""
+    """$DS_OPTIMUS_KERNELS: "auto" (default), "triton" or "reference"."""
     choice = os.environ.get(ENV_VAR, "auto") or "auto"
     if choice not in _CHOICES:
         raise ValueError(f"{ENV_VAR} must be one of {', '.join(_CHOICES)}, got {choice!r}")
@@ -53,8 +42,7 @@ def kernels_choice() -> str:
 
 
 def triton_runs_on(device: torch.device | str) -> bool:
-    """Whether the Triton kernels can run on `device`: a GPU (CUDA, ROCm, XPU) with Triton installed,
-    or the CPU when Triton's interpreter is on."""
+    """Whether Triton is installed and runs on `device` (a GPU, or the CPU when interpreting)."""
     device = torch.device(device)
     if not triton_available():
         return False
@@ -84,7 +72,7 @@ def _triton():
 
 
 def _reference_forward(x, gate_up, down, counts, src, dst, weights, top_k):
-    """Plain PyTorch, one matmul pair per expert: the oracle and the path without Triton."""
+    """Plain PyTorch per expert: the oracle and the path without Triton."""
     rows = x.index_select(0, src) if src is not None else x
     inter = down.shape[-1]
     gus, ys = [], []
@@ -103,8 +91,7 @@ def _reference_forward(x, gate_up, down, counts, src, dst, weights, top_k):
 
 
 def _reference_backward(grad, x, gate_up, down, counts, src, dst, weights, top_k):
-    """The gradients of `_reference_forward` written out per expert (autograd does not run inside an
-    op's implementation)."""
+    """`_reference_forward`'s gradients per expert (autograd does not run inside an op)."""
     rows = x.index_select(0, src) if src is not None else x
     grad_rows = grad.index_select(0, src) if dst is not None else grad  # each slot's output gradient
     w = weights.index_select(0, dst).unsqueeze(1) if weights is not None else None
@@ -158,7 +145,7 @@ def _fwd(
     weights: Tensor | None,
     top_k: int,
 ) -> tuple[Tensor, Tensor]:
-    """(out, gate/up pre-activation [S, 2I]); see the module docstring."""
+    """(out, gate/up pre-activation [S, 2I])."""
     if kernel_for(x.device) == "reference":
         return _reference_forward(x, gate_up, down, counts, src, dst, weights, top_k)
     num_sorted = src.numel() if src is not None else x.shape[0]
@@ -186,7 +173,7 @@ def _bwd(
     gu: Tensor,
     top_k: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(d x, d gate_up, d down, d weights (empty without weights)) from the gradient of `out`."""
+    """(dx, d gate_up, d down, d weights or empty)."""
     if kernel_for(x.device) == "reference":
         return _reference_backward(grad, x, gate_up, down, counts, src, dst, weights, top_k)
     fused = dst is not None
@@ -272,10 +259,8 @@ def swiglu_experts(x_sorted: Tensor, gate_up: Tensor, down: Tensor, counts: Tens
 def moe_swiglu(
     x: Tensor, gate_up: Tensor, down: Tensor, counts: Tensor, token_of_sorted: Tensor, order: Tensor, weights: Tensor
 ) -> Tensor:
-    """`out[t] = sum_j weights[t, j] * experts_{e(t, j)}(x[t])` for tokens `x [T, H]`.
-
-    `order [S]` lists the slots (t*k + j) sorted by expert, `token_of_sorted [S]` their tokens and
-    `counts [E]` how many each expert got (`ds_optimus.moe.plan_routing` gives all three)."""
+    """`out[t] = sum_j weights[t, j] * experts_{e(t, j)}(x[t])`; `order`, `token_of_sorted` and `counts` come from
+    `ds_optimus.moe.plan_routing`."""
     _check(x, gate_up, down, counts)
     tokens, top_k = weights.shape
     if tokens != x.shape[0] or order.shape != (tokens * top_k,) or token_of_sorted.shape != order.shape:

@@ -1,16 +1,6 @@
-"""DeepSpeed op builders of the routing kernels (`ops/routing.py`), as DeepSpeed builds its own ops.
-
-- `MoERoutingBuilder`: the compiled CPU op (`csrc/moe_routing.cpp`), a `CPUOpBuilder` with DeepSpeed's
-  CPU flags (-O3, -march=native, OpenMP) without -g, plus -ffp-contract=off and -fno-wrapv. `load()` imports
-  the op prebuilt at install (`DS_BUILD_MOE_ROUTING=1`, or `DS_BUILD_OPS=1`, see setup.py) and JIT-builds it otherwise,
-  once per environment (`ds_optimus.integrations.deepspeed_ops` keeps the build folder per
-  environment and says a build in one line).
-- `MoERoutingTritonBuilder`: the same op on accelerators, whose kernels are Triton's (compiled by
-  Triton at first call): nothing to prebuild, `load()` returns the kernels' module.
-
-`ds_optimus.integrations.deepspeed_ops.register_ops` makes `get_accelerator().create_op_builder(
-"MoERoutingBuilder")` return the one for the accelerator, and lists the op in `ds_report`. Imports
-DeepSpeed: loaded only when the op is (ops/routing.py), never at `import ds_optimus.ops`.
+"""DeepSpeed op builders of the routing kernels (`ops/routing.py`): the C++ CPU op (prebuilt at install with
+`DS_BUILD_MOE_ROUTING=1`, else JIT-built once per environment) and the Triton kernels on accelerators.
+Imports DeepSpeed: loaded only when the op is, never at `import ds_optimus.ops`.
 """
 
 from __future__ import annotations
@@ -31,7 +21,7 @@ PREBUILT = "ds_optimus.ops.moe_routing_op"  # the module setup.py builds
 
 
 def prebuilt_available() -> bool:
-    """Whether the CPU op was built at install (its module is on the path)."""
+    """Whether the CPU op was built at install."""
     try:
         return importlib.util.find_spec(PREBUILT) is not None
     except ImportError:  # ds_optimus.ops itself not importable as a package (setup.py's build)
@@ -39,7 +29,7 @@ def prebuilt_available() -> bool:
 
 
 class MoERoutingBuilder(CPUOpBuilder):
-    """The routing/gather/combine op on the CPU, compiled from C++."""
+    """The routing op on the CPU, compiled from C++."""
 
     BUILD_VAR = "DS_BUILD_MOE_ROUTING"
     NAME = NAME
@@ -61,7 +51,7 @@ class MoERoutingBuilder(CPUOpBuilder):
         return os.environ.get("CXX", "c++")
 
     def is_compatible(self, verbose: bool = False) -> bool:
-        """Whether it can be built here: a C++ compiler (DeepSpeed's own CPU ops do not check)."""
+        """Whether a C++ compiler is found (DeepSpeed's own CPU ops do not check)."""
         if shutil.which(self.compiler()) is None:
             if verbose:
                 self.warning(f"{self.NAME} needs a C++ compiler ({self.compiler()} is not found)")
@@ -76,8 +66,7 @@ class MoERoutingBuilder(CPUOpBuilder):
         return [*flags, "-std=c++17", "-ffp-contract=off", "-fno-wrapv"]
 
     def load(self, verbose: bool = False):
-        """The prebuilt module where it was built at install and loads with this PyTorch; else a JIT
-        build (kept per environment)."""
+        """The prebuilt module if it loads with this PyTorch, else a JIT build."""
         if self.name in OpBuilder._loaded_ops:
             return OpBuilder._loaded_ops[self.name]
         if prebuilt_available():
@@ -95,7 +84,7 @@ class MoERoutingBuilder(CPUOpBuilder):
 
 
 class MoERoutingTritonBuilder(OpBuilder):
-    """The routing/gather/combine op on accelerators: Triton kernels, compiled by Triton itself."""
+    """The routing op on accelerators: Triton kernels, compiled by Triton itself."""
 
     BUILD_VAR = "DS_BUILD_MOE_ROUTING"
     NAME = NAME

@@ -1,30 +1,5 @@
-"""The MoE layer's routing, gather and combine as PyTorch custom ops (`torch.ops.ds_optimus.*`), run by
-compiled kernels: a C++ build on the CPU (`ops/csrc/moe_routing.cpp`, built through DeepSpeed's op
-builder, `ops/op_builder.py`) and Triton on GPUs (`ops/_triton_routing.py`).
-
-A routing decision `ids [T, k]` has S = T*k slots (slot t*k + j: token t's j-th expert).
-
-- `route(ids, E)` -> `(order [S], inverse [S], counts [E])`: the slots sorted by expert, stably
-  (`order[p]` is the slot at sorted position p, `inverse[s]` the position of slot s), and how many
-  each expert got. A counting sort: per-block histograms and prefix sums, no atomics, no sort.
-- `gather_rows(x [N, H], row_of [S], table [N, D])`: row p is `x[row_of[p]]`. `table[r]` lists the
-  positions holding row r (-1: none), which gives the backward: the gradient of row r is the sum of
-  those positions' gradients, added in float32 in table order.
-- `combine_rows(src [S, H], weight [S] or None, table [N, D], row_of [S])`: row r is
-  `sum_j weight[table[r, j]] * src[table[r, j]]` over the entries that are not -1, added in float32
-  in table order and rounded once. Backward: `src`'s gradient is row p = `weight[p] * grad[row_of[p]]`,
-  and the weight's gradient `dot(src[p], grad[row_of[p]])` (float32) comes from the same pass.
-
-The expert-sorted path takes `row_of` = each sorted position's token and `table` = `inverse.view(T, k)`;
-the deduplicated and all-gather exchanges take their own member tables (`ds_optimus.parallel.dedup`).
-Results are deterministic: every sum visits its terms in a fixed order, so the kernels agree bitwise
-with the reference on the gathers and index maps, and to float32 rounding on the sums.
-
-Which implementation runs (`routing_kernel`): Triton on CUDA/ROCm/XPU devices; on the CPU the
-compiled op (built once per environment, or prebuilt at install with `DS_BUILD_MOE_ROUTING=1`), and
-Triton's interpreter only when `DS_OPTIMUS_KERNELS=triton` with `TRITON_INTERPRET=1` (tests). The
-plain PyTorch reference runs with `DS_OPTIMUS_KERNELS=reference`, or where no compiler can build the
-CPU op (said once).
+"""The MoE layer's routing, gather and combine as custom ops (`torch.ops.ds_optimus.*`), summing in a
+fixed order: compiled C++ on the CPU (`ops/csrc/moe_routing.cpp`), Triton on GPUs, or the reference below.
 """
 
 from __future__ import annotations
@@ -46,8 +21,7 @@ _cpu_failed: str | None = None
 
 
 def cpu_module():
-    """The compiled CPU op (`MoERoutingBuilder().load()`: prebuilt, or built once per environment),
-    or None where it cannot be built (why: `cpu_build_error()`)."""
+    """The compiled CPU op, prebuilt or built once per environment; None if it cannot be built."""
     global _cpu_module, _cpu_failed
     if _cpu_module is None and _cpu_failed is None:
         try:
@@ -71,7 +45,7 @@ def cpu_module():
 
 
 def cpu_build_error() -> str | None:
-    """Why the compiled CPU op could not be loaded, if it could not."""
+    """Why the compiled CPU op could not be loaded, or None."""
     return _cpu_failed
 
 
@@ -118,7 +92,7 @@ def _impl(device: torch.device, dtype: torch.dtype | None = None):
 
 
 def route(ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Reference of the `route` kernel (see the module docstring)."""
+    """Reference of `route_slots`."""
     flat = ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
     inverse = torch.empty_like(order)
@@ -142,8 +116,7 @@ def gather(x: Tensor, index: Tensor, weight: Tensor | None) -> Tensor:
 
 
 def combine(src: Tensor, table: Tensor, weight: Tensor | None) -> Tensor:
-    """Reference: row r = sum over j of `weight[table[r, j]] * src[table[r, j]]` (entries -1 skipped),
-    added in float32 in j order."""
+    """Reference: row r = sum_j `weight[table[r, j]] * src[table[r, j]]` (-1 skipped), in float32, j order."""
     acc = torch.zeros(table.shape[0], src.shape[1], dtype=_acc(src), device=src.device)
     for j in range(table.shape[1]):
         index = table[:, j]
@@ -274,7 +247,7 @@ _combine_rows.register_autograd(_combine_backward, setup_context=_combine_setup)
 
 
 def route_slots(ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
-    """`(order, inverse, counts)` of the slots of `ids [T, k]` (ids in [0, num_experts))."""
+    """`(order, inverse, counts [E])`: the slots t*k + j of `ids [T, k]` stably sorted by expert, and each count."""
     return torch.ops.ds_optimus.route(ids, num_experts)
 
 
@@ -284,6 +257,5 @@ def gather_rows(x: Tensor, row_of: Tensor, table: Tensor) -> Tensor:
 
 
 def combine_rows(src: Tensor, weight: Tensor | None, table: Tensor, row_of: Tensor) -> Tensor:
-    """Row r = sum_j `weight[table[r, j]] * src[table[r, j]]` ([N, H], float32 sums); `row_of [S]`
-    is the row each position of `src` goes to (for the backward)."""
+    """Row r = sum_j `weight[table[r, j]] * src[table[r, j]]` in float32; `row_of [S]` is for the backward."""
     return torch.ops.ds_optimus.combine_rows(src, weight, table, row_of)

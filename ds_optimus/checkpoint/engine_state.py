@@ -1,8 +1,5 @@
-"""The state of a DeepSpeed engine that ds_optimus' per-rank checkpoints keep (`manager.py`'s format
-without the sharded optimizer): this rank's optimizer partition (through the ZeRO-1/2 and BF16
-optimizers' list-of-ranks `load_state_dict`), the LR scheduler and the engine's step counters, and
-the DeepSpeed classes such a file may hold. Written against DeepSpeed 0.19 (the engine hook of
-`ds_optimus.integrations` checks the installed version before any engine exists)."""
+"""The DeepSpeed engine state of the per-rank checkpoints: optimizer partition, LR scheduler, step
+counters. Written against DeepSpeed 0.19."""
 
 from __future__ import annotations
 
@@ -10,9 +7,7 @@ from typing import Any
 
 
 def engine_state_types() -> list[Any]:
-    """The DeepSpeed classes in a per-rank engine state (`engine_state`: DeepSpeed
-    0.19's ZeRO-1/2 and BF16 optimizers keep their loss scaler, stage and fragment addresses as objects);
-    the only ones besides tensors and containers that loading such a file may build."""
+    """The DeepSpeed classes that loading an `engine_state` may build, besides tensors and containers."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address

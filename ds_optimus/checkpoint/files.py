@@ -1,15 +1,5 @@
-"""Checkpoint file I/O, the lowest layer under both checkpoint formats (it imports nothing of ds_optimus).
-
-- `atomic_save`: `torch.save` through a temporary name, fsync and rename, hashing (size, CRC-32) while
-  writing; `file_record` hashes a file on disk; `write_text_atomic` replaces a small text file.
-- `CheckpointWriter`: assembles a checkpoint folder `<root>/<name>.tmp/` from every rank's files, writes
-  its manifest `meta.json` (every file's size and CRC-32), renames it to `<root>/<name>` and points
-  `<root>/latest` at it; synchronously or in a background thread. `file_hooks` see every file written.
-- `verify`: a checkpoint folder against its manifest.
-- `load`: the one way this library reads its own checkpoint files: `torch.load(weights_only=True)`, so a
-  file holding anything but tensors and plain containers (a planted pickle that would run code) is
-  refused with a one-line `CheckpointError` instead of being executed.
-- `copy_to_cpu`: a snapshot of what a checkpoint holds (the random generators' state is `ds_optimus.rng_state`).
+"""Checkpoint file I/O under both checkpoint formats (it imports nothing of ds_optimus): atomic writes,
+`CheckpointWriter`, `verify`, and `load`, whose `weights_only=True` refuses a planted pickle.
 """
 
 from __future__ import annotations
@@ -33,7 +23,7 @@ LATEST = "latest"  # the file naming the newest checkpoint folder, replaced atom
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used by this run; the message says why, in one line."""
+    """A checkpoint this run cannot use; the one-line message says why."""
 
 
 # -- files ----------------------------------------------------------------------------------------
@@ -66,8 +56,7 @@ class _HashingWriter:
 
 
 def atomic_save(obj: Any, path: Path) -> dict[str, Any]:
-    """`torch.save` to a temporary name, fsync, then rename: `path` is complete or absent. Returns
-    its manifest record: size and CRC-32, computed while writing."""
+    """`torch.save` through a temporary name, fsync and rename; returns the manifest record (size, CRC-32)."""
     tmp = path.with_name(path.name + ".partial")
     writer = None
     try:
@@ -135,8 +124,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def copy_to_cpu(obj: Any, copy: bool = True) -> Any:
-    """`obj` with every tensor moved to the CPU (containers rebuilt). With `copy`, CPU tensors are
-    copied too: a snapshot that training can run on from while a background thread writes it."""
+    """`obj` with every tensor on the CPU; `copy` copies CPU tensors too (a snapshot for a background save)."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=copy)
     if isinstance(obj, dict):
@@ -149,8 +137,7 @@ def copy_to_cpu(obj: Any, copy: bool = True) -> Any:
 
 
 def load(path: Path, allow: Iterable[Any] = (), mmap: bool = False) -> Any:
-    """`torch.load` of one of this library's checkpoint files onto the CPU, unpickling only tensors,
-    plain containers and the types in `allow`; anything else is a one-line CheckpointError."""
+    """`torch.load` onto the CPU of only tensors, plain containers and `allow`'s types; else a CheckpointError."""
     allowed = list(allow)
     try:
         with torch.serialization.safe_globals(allowed):
@@ -192,8 +179,7 @@ def _describe(err: BaseException) -> str:
 
 
 def verify(path: Path, rank: int = 0, world: int = 1, required: tuple[str, ...] = (), only=None) -> str | None:
-    """What is wrong with checkpoint folder `path` against its manifest (the size and CRC-32 of every file,
-    or of those `only(name)` keeps; the integer keys `required`), in one line; None if intact. Collective."""
+    """One line on what is wrong with folder `path` against its manifest, None if intact (collective)."""
     files, problem = manifest_files(path, required)
     for name in sorted(n for n in files if only is None or only(n))[rank::world]:
         record, target = files[name], path / name
@@ -210,9 +196,7 @@ def verify(path: Path, rank: int = 0, world: int = 1, required: tuple[str, ...] 
 
 
 def manifest_files(path: Path, required: tuple[str, ...] = ()) -> tuple[dict[str, dict | None], str | None]:
-    """The files checkpoint folder `path`'s manifest lists ({name: {"bytes", "crc32"}}, or None per
-    name for manifests from before checksums) and what is wrong with the manifest, None if nothing
-    (it must also hold the integer keys `required`): a manifest damaged by hand counts as damage."""
+    """({name: {"bytes", "crc32"}, or None before checksums}, what is wrong with the manifest or None)."""
     try:
         meta = json.loads((path / "meta.json").read_text())
     except (OSError, ValueError) as err:
@@ -234,8 +218,7 @@ def manifest_files(path: Path, required: tuple[str, ...] = ()) -> tuple[dict[str
 
 
 def manifest_text(meta: dict[str, Any], records: dict[str, dict[str, Any]]) -> str:
-    """`meta.json`: `meta` indented, then "files", each file's record on one line (12,288 ranks'
-    optimizer files with the element ranges each holds stay a few MB, one line a file)."""
+    """`meta.json`'s text: `meta` indented, then one line per file record (12,288 ranks' stay a few MB)."""
     lines = [f"  {json.dumps(k)}: {json.dumps(v, separators=(', ', ': '))}" for k, v in sorted(records.items())]
     rest = {k: v for k, v in meta.items() if k != "files"}
     head = json.dumps(rest, indent=1)[:-2] + ",\n" if rest else "{\n"
@@ -243,9 +226,8 @@ def manifest_text(meta: dict[str, Any], records: dict[str, dict[str, Any]]) -> s
 
 
 def gather(world: int, value: Any) -> list[Any]:
-    """`value` of every rank (collective when `world` > 1 and torch.distributed is initialized). An
-    all-gather on the communicator's own rings: a gather to one rank would be, on NCCL, point-to-point
-    connections from every rank to it (12,288 at the Mula runs' scale)."""
+    """`value` of every rank (collective when `world` > 1 and torch.distributed is initialized)."""
+    # An all-gather: a gather to one rank would open NCCL connections from every rank to it (12,288 for Mula).
     if world == 1 or not dist.is_initialized():
         return [value]
     out = [None] * world
@@ -260,22 +242,12 @@ def barrier() -> None:
 
 
 class CheckpointWriter:
-    """Writes checkpoints: every rank its own files into `<root>/<name>.tmp/`, then rank 0 the
-    manifest (`meta.json`, with every file's size and CRC-32), the rename to `<root>/<name>`, the
-    `latest` pointer and the pruning of old checkpoints.
-
-    Synchronous saves agree on success through a collective, so a failure on one rank (a full disk)
-    is raised on every rank with the same message. Asynchronous saves run in a background thread
-    that uses no collectives: each rank leaves a `done_rankN.json` marker with its records, and rank
-    0's thread waits for all of them before it finishes the checkpoint. One save is in flight at a
-    time; `wait()` (collective) joins it and raises its error on every rank.
-
-    `file_hooks` are called after each of this rank's files is written (not the manifest), with the
-    file's path and the checkpoint's step (None if its meta has none); in the background thread for
-    background saves. A hook that raises fails the save."""
+    """Writes checkpoints: each rank its files into `<root>/<name>.tmp/`, then rank 0 the manifest, the
+    rename, `latest` and pruning. A failure on any rank is raised on every rank."""
 
     def __init__(self, rank: int, world: int, timeout_s: float = 3600.0) -> None:
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        # called with (path, step) after each of this rank's files, in the save's thread; one that raises fails it
         self.file_hooks: list[Callable[[Path, int | None], None]] = []
         self._thread: threading.Thread | None = None
         self._pruner: threading.Thread | None = None
@@ -312,10 +284,8 @@ class CheckpointWriter:
         keep: Callable[[Path], None] | None = None,
         about: dict[str, dict[str, Any]] | None = None,
     ) -> None:
-        """Write this rank's `files` ({file name: object}) of checkpoint `name` (collective; call
-        `prepare` first). `meta` (rank 0) goes into the manifest, and so do `about`'s JSON facts of this
-        rank's files ({file name: {key: value}}), beside each file's size and CRC-32; `keep(root)` runs
-        on rank 0 after the checkpoint is in place (pruning)."""
+        """Write this rank's `files` of checkpoint `name` (collective, after `prepare`); `meta` and `about` go
+        into the manifest, `keep(root)` runs on rank 0 once it is in place."""
         tmp = root / f"{name}.tmp"
         files = {k: (v, (about or {}).get(k, {})) for k, v in files.items()}
         args = (root, name, tmp, files, meta, save_latest, keep)
@@ -373,6 +343,7 @@ class CheckpointWriter:
         return records
 
     def _background(self, root, name, tmp, files, meta, save_latest, keep) -> None:
+        # No collectives here: each rank leaves a `done_rankN.json` marker that rank 0 waits for.
         began = time.perf_counter()
         try:
             records = self._write_files(tmp, files, (meta or {}).get("step"))

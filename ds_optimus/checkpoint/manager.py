@@ -1,27 +1,8 @@
-"""Checkpoints of a DeepSpeed training run that survive crashes, full disks and damaged files.
+"""Crash-safe checkpoints of a DeepSpeed run: saving, finding the newest intact one, loading.
 
-A checkpoint is a folder `step_00000100/` in the checkpoint directory (on a file system every rank
-sees). With the EP-aware sharded optimizer (`optimus.sharded_optimizer`, every shipped config) it
-holds the engine's own files (`optimizer_state.py`: weights and optimizer state named
-by parameter and element range, not by rank), with the RNG states and the caller's extra state (the
-data loader's position) as client state, and resumes on any world size and EP size. With
-DeepSpeed's own optimizers it holds per-rank files and resumes on the same layout:
-
-    model.pt              dense weights and buffers (written by rank 0)
-    experts_ep000.pt ...  each EP rank's expert shard (written by the first replica of that shard)
-    rank00000.pt ...      each rank's optimizer partition, LR scheduler, engine counters, RNG
-                          states and the caller's extra state
-
-Both kinds end with `meta.json`, the manifest: layout, step, and every file's size and CRC-32.
-Every file is written under a temporary name, fsynced and renamed; the folder is assembled as
-`step_N.tmp` and renamed by rank 0 once every rank's files are in; the `latest` file then names it
-(replaced atomically). A crash at any point leaves the previous checkpoints and at most a `.tmp`
-folder that the next save removes. On resume, `latest_good` checks the files against the manifest
-and falls back to the previous checkpoint when one is damaged (renamed `.corrupt`, reported), and
-reports a newer folder without a manifest and a `latest` that names no complete checkpoint.
-Saves can run in a background thread (`background=True`) while training goes on. Files are read
-with `files.load`: weights only, so a file cannot run code. The file I/O lives in
-`files.py` (re-exported here).
+A checkpoint is a folder `step_00000100/` with a manifest `meta.json`, assembled as `step_N.tmp`, renamed,
+then named by `latest`. With the sharded optimizer its files are layout-free (resumed on any world and EP
+size), otherwise per-rank (same layout only). The file I/O is `files.py`'s, re-exported here.
 """
 
 from __future__ import annotations
@@ -56,8 +37,7 @@ STEP_PREFIX = "step_"
 
 
 def saved_layout(meta: dict[str, Any]) -> tuple[int, int, int, int]:
-    """(ranks, EP size, pipeline stages, TP size) a checkpoint was saved by, from its manifest (older
-    manifests have no pipeline or TP size: none then, as ds_optimus ran them only with them recorded)."""
+    """(ranks, EP, PP, TP sizes) from a manifest; older ones lack PP and TP (1)."""
     return meta["world_size"], meta.get("ep_size", 1), meta.get("pp_size", 1), meta.get("tp_size", 1)
 
 
@@ -68,8 +48,7 @@ def describe_layout(world: int, ep: int, pp: int, tp: int = 1) -> str:
 
 
 class CollectiveCheckpointError(CheckpointError):
-    """A CheckpointError every rank raises alike (decided from every rank's or rank 0's view, or a
-    save's failure gathered from all ranks): the command lines print it once."""
+    """A CheckpointError raised alike on every rank, so the command lines print it once."""
 
     every_rank = True
 
@@ -81,8 +60,7 @@ MODEL_FILE = "model_config.pt"
 
 
 def model_record(config, tokenizer=None) -> dict[str, Any]:
-    """What `MODEL_FILE` holds: the model config as a dict, and the tokenizer as its JSON with its
-    special tokens (plain containers: the file loads with `weights_only`)."""
+    """`MODEL_FILE`'s contents: the config dict, and the tokenizer's JSON and special tokens."""
     record: dict[str, Any] = {"config": config.to_dict()}
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
@@ -92,9 +70,7 @@ def model_record(config, tokenizer=None) -> dict[str, Any]:
 
 
 def consolidated_state(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every weight of checkpoint folder `path` as one state dict of the whole model, on the CPU (the
-    expert shards of every EP rank joined in order, tensor-parallel parts joined, staggered parts
-    joined), from either format; read-only, no process group."""
+    """The whole model's state dict from checkpoint folder `path`, parts joined, on the CPU; no process group."""
     from ..parallel.tensor_parallel import Split, join_parts
     from .model_files import grouped, read_weights
 
@@ -134,7 +110,7 @@ COLD = "cold"  # the folder of the model-only checkpoints kept for good (`checkp
 
 
 def cold_name(step: int, tokens: int) -> str:
-    """'step1000-tokens6B', as the seed named its cold checkpoints (whole billions; M, K below a billion)."""
+    """'step1000-tokens6B' (tokens rounded to B; M or K below a billion)."""
     for unit, size in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
         if tokens >= size:
             return f"step{step}-tokens{round(tokens / size)}{unit}"
@@ -152,10 +128,7 @@ def _sharded(engine) -> bool:
 
 
 def trained_without_checkpoint(output_dir: str | Path, directory: str | Path) -> str | None:
-    """Why a fresh start must not happen in `output_dir`: its progress.json says the run trained to a
-    step and saved a checkpoint, while `directory` has no complete one to resume from (removed, or
-    `checkpoint.dir` misspelt): starting over would rewrite its metrics. None otherwise (no run
-    there, or one that crashed before its first checkpoint, whose steps a fresh start redoes)."""
+    """Why a fresh start in `output_dir` is refused (its run saved a checkpoint `directory` lacks), else None."""
     try:
         progress = json.loads((Path(output_dir) / "progress.json").read_text())
         step, last = int(progress["step"]), progress.get("checkpoint")
@@ -172,7 +145,7 @@ def trained_without_checkpoint(output_dir: str | Path, directory: str | Path) ->
 
 
 class CheckpointManager:
-    """Save and find checkpoints of `engine` (whose module may be expert-parallel) in `directory`."""
+    """Saves and finds an engine's checkpoints in `directory`."""
 
     def __init__(
         self, directory: str | Path, keep_last: int = 2, groups=None, min_part_bytes: int | None = None
@@ -207,24 +180,21 @@ class CheckpointManager:
         return [p for p in self.step_folders() if (p / "meta.json").exists()]
 
     def has_checkpoints(self) -> bool:
-        """Whether rank 0 sees a complete checkpoint here, on every rank (collective)."""
+        """Whether rank 0 sees a complete checkpoint here (collective)."""
         found = [bool(self.complete()) if self.rank == 0 else None]
         if dist.is_initialized() and self.world_size > 1:
             dist.broadcast_object_list(found, src=0)
         return bool(found[0])
 
     def candidates(self) -> list[Path]:
-        """Complete checkpoints to resume from, best first: newest first. `latest` is written after
-        the folder is renamed into place, so a crash between the two leaves it naming the previous
-        checkpoint while the newer one is complete (`passed_over` says so). A `latest` set back by
-        hand (written after the newer checkpoints were) is obeyed: it and the older ones, newest first."""
+        """Complete checkpoints, newest first; a `latest` rewound by hand keeps only it and older."""
+        # A crash between the rename and `latest` leaves `latest` behind a complete checkpoint: not obeyed.
         done = self.complete()[::-1]
         named = self._rewound_to(done)
         return [p for p in done if _step(p) <= _step(named)] if named is not None else done
 
     def _rewound_to(self, done: list[Path]) -> Path | None:
-        """The complete checkpoint `latest` names when it was set back on purpose: written after every
-        newer complete checkpoint's manifest (a crash leaves it older than them); None otherwise."""
+        """The checkpoint `latest` names if written after every newer manifest, else None."""
         try:
             named = self.directory / (self.directory / LATEST).read_text().strip()
             written = (self.directory / LATEST).stat().st_mtime
@@ -234,9 +204,7 @@ class CheckpointManager:
         return named if named in done and newer and written > max(newer) else None
 
     def passed_over(self, candidates: list[Path]) -> list[str]:
-        """One line for each thing that `candidates` (best first) silently passes over: a `step_N`
-        folder newer than the best one that has no manifest, a `latest` that names no complete
-        checkpoint, and a `latest` that names an older one than the best (it was behind)."""
+        """A note on each thing `candidates` passes over (newer folders without a manifest, a bad or stale `latest`)."""
         best = candidates[0] if candidates else None
         notes, reported = [], set()
         for folder in reversed(self.step_folders()):
@@ -276,12 +244,8 @@ class CheckpointManager:
         return notes
 
     def latest_good(self, report: Callable[[str], None] = print) -> Path | None:
-        """The newest checkpoint whose files match their manifest, the same on every rank (rank 0's
-        view of the directory; collective). A damaged one is renamed to `<name>.corrupt` (kept for
-        inspection, never loaded again) and the previous one tried. Rank 0 reports each damaged
-        checkpoint and what `passed_over` finds through `report`, one line each. None without
-        checkpoints; a CheckpointError when there are some, or were (set aside as damaged, named by
-        `latest`, left without a manifest), and none is intact."""
+        """The newest intact checkpoint by rank 0's view (collective), damaged ones renamed `<name>.corrupt`;
+        None without checkpoints, CheckpointError if none is intact."""
         notes: list[str] = []
         listed: list[Any] = [None]
         if self.rank == 0:
@@ -337,10 +301,7 @@ class CheckpointManager:
         background: bool = False,
         manifest: dict[str, Any] | None = None,
     ) -> Path:
-        """Write checkpoint `step` (collective: every rank calls it) and prune old ones. With
-        `background`, the state is copied and written by a thread while training goes on (one save
-        in flight: this waits for the previous one first). `manifest`: small JSON facts kept in the
-        checkpoint's `meta.json` too, readable without loading any state (`--check` reads the data's)."""
+        """Write checkpoint `step` and prune old ones (collective); `background`: in a thread, one save in flight."""
         self.wait()
         name = f"{STEP_PREFIX}{step:08d}"
         self.writer.prepare(self.directory, name)
@@ -365,9 +326,7 @@ class CheckpointManager:
         return self.directory / name
 
     def save_cold(self, step: int, engine, tokens: int) -> Path:
-        """Write the model-only checkpoint `cold/step{step}-tokens{T}` (collective): its weights in the
-        layout-free model files (staggered as the full checkpoints are), the model's config and tokenizer,
-        and a manifest; never pruned, never resumed from, exported on its own by `ds_optimus.evaluate`."""
+        """Write the model-only checkpoint `cold/step{step}-tokens{T}` (collective); never pruned or resumed."""
         from .optimizer_state import layout_meta, model_files
 
         root, name = self.directory / COLD, cold_name(step, tokens)
@@ -414,8 +373,7 @@ class CheckpointManager:
     # -- loading ----------------------------------------------------------------------------------
 
     def load(self, path: str | Path, engine) -> tuple[int, dict[str, Any]]:
-        """Restore model, optimizer, scheduler, counters and RNG from `path` on every rank; returns
-        (step, the extra state saved with it)."""
+        """Restore model, optimizer, scheduler, counters and RNG from `path`; returns (step, extra state)."""
         from .engine_state import load_engine_state
 
         path = Path(path)

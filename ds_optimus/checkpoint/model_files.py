@@ -1,21 +1,5 @@
-"""A checkpoint's model files written by many replicas at once (`optimus.checkpoint.stagger_writes`).
-
-Every weight file of a checkpoint (a pipeline stage's dense weights, a TP position's split weights, an
-EP rank's experts) is the same on all the ranks that replicate it: the stage's ranks, the TP position's
-data-parallel ranks, the EP rank's expert-data-parallel ranks. Written by the first of them, one rank
-per file writes it all (at 220B x 12,288 ranks: 4.4 GB by each of 96 ranks, while the other 12,192
-write only their optimizer shard). Staggered, the file is cut into byte-balanced parts, at most one
-per replica and none smaller than `min_part_bytes` (a part boundary may cut a tensor between rows),
-and part j is written by the replica j x R / n (plus an offset hashed from the file's name) of the R
-replicas: spread over their nodes, as the seed spread its shards over its data-parallel replicas, but
-every replica writing a share instead of one replica writing a whole shard.
-
-A part is `<name>_partJJJJ.pt` holding {"part": [j, n], "rows": {weight: [first row, rows, all rows]}
-(the weights it holds only some rows of), "weights": {...}} and the whole file's other keys; a file
-written in one part keeps its plain name and format. `read_weights` joins the parts back into whole
-tensors, and reads the unstaggered formats (a plain state dict, or one with "weights") alike. The
-manifest lists each part's weights, so a rank resuming reads only the parts of the weights it holds.
-"""
+"""Model files cut into `<name>_partJJJJ.pt` parts, each written by one of the file's replicas
+(`optimus.checkpoint.stagger_writes`); `read_weights` joins them back."""
 
 from __future__ import annotations
 
@@ -33,20 +17,17 @@ PART = re.compile(r"^(?P<base>.+)_part(?P<j>\d{4})\.pt$")
 
 
 def part_count(total_bytes: int, replicas: int, min_part_bytes: int) -> int:
-    """Parts of a file of `total_bytes` held by `replicas` ranks: one per replica, at most, and no part
-    under `min_part_bytes` (so a small file stays whole and a large one is not cut into slivers)."""
+    """Parts of a file: at most one per replica, none under `min_part_bytes`."""
     return max(1, min(replicas, total_bytes // max(1, min_part_bytes)))
 
 
 def writer_of(part: int, parts: int, replicas: int, offset: int = 0) -> int:
-    """The index among `replicas` ranks of the one writing `part` of `parts`: spread evenly over them,
-    starting at `offset` (each file its own, `first_writer`: a rank seldom writes parts of two files)."""
+    """Index among `replicas` of the rank writing `part`."""
     return (part * replicas // parts + offset) % replicas
 
 
 def first_writer(name: str, replicas: int) -> int:
-    """Where the writers of model file `name` start among its replicas: a hash of the name, the same on
-    every rank, so that the first parts of a stage's dense file and of its experts fall to other ranks."""
+    """Writers' start among the replicas of file `name`: a hash of the name."""
     return zlib.crc32(name.encode()) % replicas
 
 
@@ -55,19 +36,14 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 def compact(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` as `torch.save` should write it: itself when it owns its storage, else a copy of its own
-    elements on the CPU (a slice, or a parameter that is a view into an optimizer's flat buffer: saved
-    as is, the whole buffer would go into the file)."""
+    """`tensor`, or a CPU copy when it views a larger storage (which torch.save would write whole)."""
     if tensor.untyped_storage().nbytes() <= _nbytes(tensor):
         return tensor
     return tensor.detach().to("cpu", copy=True)
 
 
 def cut(weights: dict[str, torch.Tensor], parts: int) -> list[tuple[dict[str, torch.Tensor], dict[str, list]]]:
-    """`weights` as `parts` pieces of about equal bytes, in order: each (weights, rows) where `rows` names the
-    tensors it holds only rows [first, first + count) of, as [first, count, all rows]. A tensor is cut only
-    between rows (dimension 0); a 0-d, 1-row or empty tensor goes whole into the part its start falls in.
-    The pieces are views (`compact` copies what is written)."""
+    """`weights` as `parts` (weights, rows) views of about equal bytes; `rows`: name -> [first, count, all]."""
     total = sum(_nbytes(t) for t in weights.values())
     out: list[tuple[dict, dict]] = [({}, {}) for _ in range(parts)]
     done = 0  # bytes placed so far
@@ -103,11 +79,7 @@ def this_ranks_parts(
     rank: int,
     min_part_bytes: int | None,
 ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    """The files of model file `name` (without ".pt") that `rank` writes, one of `replicas` holding it:
-    the whole file from the first replica (`min_part_bytes` None: no staggering), or this rank's parts;
-    and what the manifest says of each part (the weights it holds, so that a reader opens only the parts
-    of the weights it wants). `extra`: the file's keys besides its weights (None: the file is the plain
-    state dict `weights`)."""
+    """The files of `name` that `rank` writes, and each part's manifest record; `extra`: other keys."""
     if rank not in replicas:
         return {}, {}
     total = sum(_nbytes(t) for t in weights.values())
@@ -134,14 +106,13 @@ def this_ranks_parts(
 
 
 def base_name(file: str) -> str:
-    """The model file a part belongs to (itself for a whole file), without ".pt"."""
+    """The model file a part belongs to, without ".pt"."""
     match = PART.match(file)
     return match.group("base") if match else file[:-3] if file.endswith(".pt") else file
 
 
 def files_with(records: dict[str, Any], files: list[str], wanted: Callable[[str], bool] | None) -> list[str]:
-    """Of `files`, those holding a weight `wanted` accepts, by the manifest's `records` of them (a part
-    lists its weights); a whole file, or one the manifest says nothing of, is always among them."""
+    """The `files` that may hold a weight `wanted` accepts, by the manifest's `records`."""
     if wanted is None:
         return files
     keep = []
@@ -155,11 +126,7 @@ def files_with(records: dict[str, Any], files: list[str], wanted: Callable[[str]
 def read_weights(
     path: Path, files: list[str], wanted: Callable[[str], bool] | None = None, records: dict[str, Any] | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The weights of model files `files` of checkpoint folder `path` (whole files and parts, in any order)
-    with every part's rows joined into whole tensors, and the first file's other keys; memory-mapped, so
-    a whole file's tensors are read only where used. `wanted` (a name filter) and the manifest's `records`:
-    only the parts holding wanted weights are opened and only those weights joined (a resuming rank reads
-    its stage's and EP rank's parts, not every part). A CheckpointError names a part left out."""
+    """The weights of `files` in `path`, parts joined, and the first file's other keys; `wanted` filters."""
     weights: dict[str, torch.Tensor] = {}
     pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
     totals: dict[str, int] = {}
@@ -198,7 +165,7 @@ def _check_parts(path: Path, base: str, parts: int, files: list[str]) -> None:
 
 
 def grouped(files: list[str], prefix: str) -> dict[str, list[str]]:
-    """The model files starting with `prefix`, by the file they are parts of (whole files alone)."""
+    """The files starting with `prefix`, grouped by model file."""
     out: dict[str, list[str]] = {}
     for file in sorted(f for f in files if f.startswith(prefix)):
         out.setdefault(base_name(file), []).append(file)

@@ -1,27 +1,8 @@
 """`engine.save_checkpoint` / `engine.load_checkpoint` for engines running the sharded optimizer.
 
-A checkpoint is the folder `<save_dir>/<tag>/` (tag `global_step<N>` by default, as DeepSpeed
-names it, so the Hugging Face Trainer finds it), and `<save_dir>/latest` names the newest tag:
-
-    model_dense.pt         dense weights and buffers (rank 0)
-    model_experts_ep003.pt the expert weights of EP rank 3, with their place in the full weights
-    model_tensor_tp001.pt  TP rank 1's part of every tensor-parallel split weight, with its place in
-                           the whole tensor (the first data-parallel rank of each TP position)
-    optim_rank00005.pt     rank 5's optimizer shard: each run named by parameter and element
-                           range of the full parameter (`ShardedOptimizer.state_dict`)
-    engine.pt              LR scheduler, step counters (rank 0)
-    client_rank00005.pt    rank 5's `client_state`
-    meta.json              layout and file list, written last; each optimizer file's entry lists the
-                           element ranges it holds, so a rank opens only the files its elements are in
-
-Every piece of state is keyed by parameter name and global element range, never by rank, so a
-checkpoint loads on any layout: another world size, EP size, ZeRO stage or bucket size. Files go
-through a temporary name and the folder is renamed in complete; `meta.json` is the manifest (each
-file's size and CRC-32); `latest` is replaced atomically (`files.CheckpointWriter`).
-Every file is read back through `files.load` (weights only: nothing in a file can run code).
-
-The engine's two entry points (`save_checkpoint`, `load_checkpoint`) look the model's expert-parallel
-groups up once; everything below them takes the groups as an argument.
+A checkpoint is `<save_dir>/<tag>/` (default tag `global_step<N>`; `latest` names the newest): model, optimizer,
+client and engine files, and the manifest `meta.json`, written last. State is keyed by parameter name and global
+element range, never by rank, so a checkpoint loads on any layout (world size, EP size, ZeRO stage, bucket size).
 """
 
 from __future__ import annotations
@@ -59,10 +40,8 @@ class CheckpointLoadError(CheckpointError):
 def model_files(
     engine, groups, exclude_frozen_parameters: bool = False, min_part_bytes: int | None = None
 ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    """This rank's model files of a checkpoint of `engine` (experts sharded over `groups`, or None): a
-    stage's dense weights, a TP position's split weights, an EP rank's experts, each written whole by its
-    first replica or, with `min_part_bytes`, in parts by many (`model_files` module); and what the manifest
-    says of them (each part's weights). Collective-free."""
+    """This rank's model files (dense, TP-split and expert weights, each by its first replica or, with
+    `min_part_bytes`, in parts by many) and their manifest entries. Collective-free."""
     rank, world = dist.get_rank(), dist.get_world_size()
     module = engine.module
     frozen = {n for n, p in module.named_parameters() if not p.requires_grad} if exclude_frozen_parameters else set()
@@ -119,11 +98,8 @@ def checkpoint_files(
     copy: bool = False,
     min_part_bytes: int | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, dict[str, Any]]]:
-    """This rank's files of a checkpoint of `engine`, whose experts are sharded over `groups`
-    (`ExpertParallelGroups`, or None), as {file name: object}, the manifest fields, and what the manifest
-    says of this rank's files (`CheckpointWriter.write`'s `about`); collective-free. `copy` snapshots
-    every tensor, for a save that runs while training goes on; `min_part_bytes`: the model files
-    staggered over their replicas (`model_files`)."""
+    """This rank's checkpoint files {name: object}, the manifest fields and its files' entries; collective-free.
+    `copy` snapshots every tensor, for a save while training goes on."""
     rank = dist.get_rank()
     files, about = model_files(engine, groups, exclude_frozen_parameters, min_part_bytes)
     optim = files[f"optim_rank{rank:05d}.pt"] = engine.optimizer.state_dict()
@@ -184,8 +160,7 @@ def load_checkpoint(
     load_module_only: bool = False,
     custom_load_fn=None,
 ):
-    """Load a checkpoint written by `save_checkpoint` on any layout; returns (path, client_state),
-    or (None, None) when `load_dir` has no `latest` and no tag is given (as DeepSpeed does)."""
+    """Load a `save_checkpoint` checkpoint; returns (path, client_state), or (None, None) without tag or `latest`."""
     if custom_load_fn is not None:
         raise NotImplementedError("custom_load_fn is not supported with the sharded optimizer")
     root = Path(load_dir)
@@ -218,10 +193,8 @@ def load_folder(
     load_module_only: bool = False,
     meta: dict | None = None,
 ) -> Any:
-    """Load checkpoint folder `path` (its manifest `meta`, when already read) into `engine`, whose
-    experts are sharded over `groups` (`ExpertParallelGroups`, or None); returns the client state.
-    Raises CheckpointLoadError or, for a file that is unreadable or holds more than tensors and
-    containers, CheckpointError: on every rank alike, although each rank reads only some files."""
+    """Load folder `path` (manifest `meta` if already read) into `engine`; returns the client state.
+    Errors (CheckpointLoadError, CheckpointError) are raised on every rank alike."""
     path, optimizer, error = Path(path), engine.optimizer, None
     optim = load_optimizer_states and not load_module_only
     try:
@@ -267,8 +240,7 @@ def _manifest(path: Path) -> dict:
 
 
 def _read_and_load_weights(engine, path: Path, groups, meta: dict, strict: bool, optim: bool, engine_state: bool):
-    """This rank's reads of the checkpoint and the model's weights loaded: (client state, engine state
-    or None, the optimizer files holding this rank's elements, mapped)."""
+    """Load the model's weights; returns (client state, engine state or None, this rank's optimizer files)."""
     rank, world, module = dist.get_rank(), dist.get_world_size(), engine.module
     # A rank's own client state when the world size is unchanged, rank 0's otherwise. The small files
     # are read first: one that is refused leaves the engine untouched.
@@ -306,18 +278,14 @@ def _agree(error: CheckpointError | None) -> None:
 
 
 def optimizer_files(meta: dict, spaces) -> list[str]:
-    """The optimizer files of the checkpoint with manifest `meta` that hold elements of this rank's
-    shard (`spaces`); at least one (the step and hyper-parameters are in each), every rank's where the
-    manifest does not say what each holds (checkpoints written before it did)."""
+    """Optimizer files holding elements of `spaces`: at least one, all where the manifest does not say."""
     names = [f"optim_rank{r:05d}.pt" for r in range(meta["world_size"])]
     records = meta["files"] if isinstance(meta["files"], dict) else {}
     return files_holding({n: (records.get(n) or {}).get("holds") for n in names}, spaces) or names[:1]
 
 
 def _expert_weights(engine, path: Path, meta: dict, dense: dict[str, torch.Tensor], groups) -> dict[str, torch.Tensor]:
-    """This rank's slice of every expert weight (sharded over `groups`, or None), cut from the saved
-    weights of any EP size (an EP-1 run keeps its experts among the dense weights). Only the saved EP
-    ranks that hold some of this rank's experts are opened."""
+    """This rank's slice of every expert weight, cut from saved weights of any EP size, opening only needed files."""
     params = dict(engine.module.named_parameters())
     if groups is not None and groups.ep_size > 1:
         wanted = {
@@ -356,8 +324,7 @@ def _expert_weights(engine, path: Path, meta: dict, dense: dict[str, torch.Tenso
 
 
 def _split_weights(module, path: Path, meta: dict, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """This rank's part of every tensor-parallel split weight (the whole tensor where this model does not
-    split it), cut from the saved whole tensors (`state`) or the saved parts of any TP size."""
+    """This rank's part of every TP-split weight, from saved whole tensors (`state`) or parts of any TP size."""
     splits = split_parameters(module)
     parts: dict[str, list] = {}
     own = module.state_dict()
@@ -389,15 +356,13 @@ def pipeline_of(engine, groups):
 
 
 def _whole_model_names(module) -> set[str]:
-    """The state-dict names of the whole model a pipeline stage is part of (built on the meta device)."""
+    """State-dict names of the whole model a pipeline stage belongs to (built on the meta device)."""
     with torch.device("meta"):
         return set(type(module)(module.config).state_dict())
 
 
 def _fit_scheduler_state(state, saved_groups: list[dict], groups: list[dict]):
-    """A torch LR scheduler's state keeps one value per param group (`base_lrs`, `_last_lr`); on a
-    layout with other groups (an EP run has an expert group, a run without EP none) each group
-    takes the value of the saved group of its name, or of the first."""
+    """Scheduler `state` with its per-group lists mapped to `groups` by name (else the first saved group)."""
     if not isinstance(state, dict) or len(saved_groups) == len(groups):
         return state
     names = [g.get("name") for g in saved_groups]

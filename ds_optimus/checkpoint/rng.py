@@ -1,9 +1,4 @@
-"""The state of every random generator a training step draws from, as a checkpoint keeps it (a leaf:
-it imports nothing of ds_optimus).
-
-- `rng_state` / `set_rng_state`: Python's, numpy's, torch's and the accelerator's generators on this rank.
-- `numpy_array_types`: what loading an RNG state written before numpy's keys were kept as tensors needs.
-"""
+"""Random generators' states as a checkpoint keeps them (a leaf: it imports nothing of ds_optimus)."""
 
 from __future__ import annotations
 
@@ -15,7 +10,7 @@ import torch
 
 
 def rng_state() -> dict[str, Any]:
-    """Every random generator a training step draws from, on this rank, as tensors and plain containers."""
+    """This rank's generators' states (Python, numpy, torch, accelerator) as tensors and plain containers."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     # numpy's key array is kept as a tensor: the file then loads without allow-listing numpy internals
     numpy_state = (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
@@ -27,7 +22,7 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what `rng_state` returned (also the numpy arrays of checkpoints written before it kept tensors)."""
+    """Restore what `rng_state` returned (also older checkpoints' numpy arrays)."""
     random.setstate(state["python"])
     kind, keys, *rest = state["numpy"]
     if isinstance(keys, torch.Tensor):
@@ -49,8 +44,7 @@ def _accelerator():
 
 
 def numpy_array_types() -> list[Any]:
-    """What a pickled numpy array needs beyond plain containers (RNG states of checkpoints written
-    before `rng_state` kept tensors): numpy's array constructor, under its numpy 1 and 2 names."""
+    """The numpy types older checkpoints' pickled RNG arrays need to load (under numpy 1 and 2 names)."""
     core = getattr(np, "_core", None) or np.core  # numpy 2 warns on `np.core`: asked only for numpy 1
     rebuild = core.multiarray._reconstruct
     return [

@@ -1,25 +1,7 @@
-"""Pretraining data: sources (the embedded corpus, local files plain or compressed, `datasets`
-folders and names, pre-tokenized token files), tokenizers, parallel and resumable tokenization
-into memory-mapped token shards, and a resumable data-parallel loader over a weighted mixture.
+"""Pretraining data: sources, tokenizers, token shards and a resumable data-parallel loader.
 
-Data flows one way, and each module imports only modules before it in this list (never a later
-one, also not inside a function; tests/test_data_imports.py checks it):
-
-    errors            DataError
-    sources           the `optimus.data` section (`DataConfig`), its sources, and the files each names
-    token_files       pre-tokenized token files: where each file's ids lie, from its header
-    compressed        readers of .gz and .zst text
-    documents         the text documents of a source
-    tokenizer         tokenizers: a Hugging Face one, or the shipped default
-    units             each source's identity, shard folder and work units (`plan_sources`)
-    tokenize_workers  the pending units tokenized into shards, by the processes of a launch
-    shards            every source opened from its shards (or its token files) as token streams
-    mixture           the weighted draw of sources, the order of each, changes since a checkpoint
-    loader            the resumable data-parallel loader (`TokenBatches`)
-    prepare           `prepare_data` (plan, tokenize, open) and its command line
-
-Names are imported on first use: a tokenizing worker process imports neither PyTorch nor
-Transformers."""
+Each module imports only earlier ones (`ORDER`, tests/test_data_imports.py); names load on first use, so a
+tokenizing worker imports neither PyTorch nor Transformers."""
 
 from .._lazy import lazy_exports
 

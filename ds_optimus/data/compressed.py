@@ -1,5 +1,4 @@
-"""Readers of compressed text files: gzip, and zstd of one frame or many, where a file that ends
-inside a frame (a cut download) is an error, as it is for gzip, rather than a half last line."""
+"""Readers of gzip and zstd (one or many frames) text files; a file cut inside a frame is an error, not a half line."""
 
 from __future__ import annotations
 
@@ -12,8 +11,7 @@ from .errors import DataError
 
 
 def open_text(path: Path):
-    """A text reader of `path`, decompressing .gz and .zst (a .zst file that ends inside a frame, a
-    cut download, is an error as a cut .gz is, not a last line of half a record)."""
+    """A text reader of `path`, decompressing .gz and .zst."""
     suffix = path.suffix.lower()
     if suffix == ".gz":
         return gzip.open(path, "rt", encoding="utf-8", errors="replace")
@@ -23,7 +21,7 @@ def open_text(path: Path):
 
 
 class _ZstdReader(io.RawIOBase):
-    """The decompressed bytes of a .zst file of one or more frames."""
+    """Decompressed bytes of a .zst file of one or more frames."""
 
     def __init__(self, path: Path) -> None:
         try:

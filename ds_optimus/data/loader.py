@@ -1,16 +1,8 @@
 """A resumable, data-parallel loader over a weighted mixture of token streams.
 
-Each source's stream is cut into sequences of `seq_len` tokens (across its files' boundaries).
-Global sample position p is drawn from source s(p), a low-discrepancy draw by the weights
-(`mixture.mixture_sources`); it is that source's k-th draw, and k gives the source's epoch
-k // N and, in it, the sequence `permute(k % N, N, key(seed, source, epoch))`: a keyed bijection,
-so an epoch of 2x10^9 sequences costs no memory and every epoch of every source has its own order.
-A source that runs out starts again in a new order, and says so once. A global micro-batch holds
-`micro_batch_size * dp_size` consecutive positions; rank r takes its block.
-
-The loader's state is the position and how many sequences each source has given (a few integers
-per source), with what identifies each source: a resumed run sees exactly the batches the
-uninterrupted one would have, and a run resumed on other data is told what changed.
+Position p draws a source by a low-discrepancy draw on the weights; its k-th draw is sequence
+`permute(k % N, N, key(seed, source, k // N))`, a keyed bijection (no memory, a new order each epoch). The state
+resumes exactly the uninterrupted run's batches.
 """
 
 from __future__ import annotations
@@ -40,9 +32,8 @@ def _parts(data, split: str) -> list[tuple[str, TokenStream, float | None, str]]
 
 
 class TokenBatches:
-    """Micro-batches `[micro_batch_size, seq_len]` (int64) for one data-parallel rank, from a
-    `PreparedData` (its sources mixed by their weights, or by their sizes without weights), a
-    `TokenStream` or a flat token array."""
+    """Int64 micro-batches `[micro_batch_size, seq_len]` for one data-parallel rank from a `PreparedData`,
+    `TokenStream` or token array."""
 
     def __init__(
         self,
@@ -111,11 +102,11 @@ class TokenBatches:
         return self.position * self.seq_len
 
     def source_tokens(self) -> dict[str, int]:
-        """Tokens each source has given so far (over all ranks)."""
+        """Tokens each source has given (over all ranks)."""
         return {name: int(n) * self.seq_len for name, n in zip(self.names, self.drawn, strict=True)}
 
     def source_epochs(self) -> dict[str, float]:
-        """Epochs of each source so far (sequences given over the source's sequences)."""
+        """Epochs of each source so far."""
         return {
             name: float(n) / max(int(size), 1) for name, n, size in zip(self.names, self.drawn, self.sizes, strict=True)
         }
@@ -151,10 +142,8 @@ class TokenBatches:
         return rows
 
     def sample(self, index: int) -> torch.Tensor:
-        """Sequence `index` of `num_sequences` by random access (the Hugging Face Trainer's datasets,
-        whose sampler shuffles the indices): the sources own consecutive ranges of the indices in
-        proportion to their weights, and a source's range runs through its sequences in order
-        (again from the start where its share exceeds its size)."""
+        """Sequence `index` by random access (the HF Trainer's sampler): sources own consecutive index ranges by
+        weight."""
         if not 0 <= index < self.num_sequences:
             raise IndexError(f"sequence {index} of {self.num_sequences}")
         ends = np.floor(np.cumsum(self.weights) * self.num_sequences).astype(np.int64)
@@ -212,8 +201,7 @@ class TokenBatches:
         }
 
     def load_state_dict(self, state: dict[str, Any], allow_change: bool = False) -> list[str]:
-        """Continue from `state`; returns what changed in the data since it was saved (a change is
-        a one-line `DataError` unless `allow_change`: then sources kept by name keep their place)."""
+        """Continue from `state`; returns the data's changes, a `DataError` unless `allow_change`."""
         if state["seq_len"] != self.seq_len or state["seed"] != self.seed:
             raise DataError(
                 f"the loader state was saved with seq_len {state['seq_len']} and seed {state['seed']}, "
@@ -240,7 +228,7 @@ class TokenBatches:
 def eval_batches(
     data, seq_len: int, micro_batch_size: int, dp_rank: int, dp_size: int, max_batches: int
 ) -> list[torch.Tensor]:
-    """This rank's share of the first held-out sequences, in order: the same every evaluation."""
+    """This rank's share of the first held-out sequences: the same every evaluation."""
     loader = TokenBatches(data, seq_len, micro_batch_size, dp_rank, dp_size, shuffle=False, split="val")
     count = min(max_batches, loader.num_sequences // (micro_batch_size * dp_size))
     return [loader.next_batch() for _ in range(count)]

@@ -1,20 +1,5 @@
-"""The weighted mixture of sources: orders and draws that cost nothing per sequence (a keyed
-bijection instead of a permutation array, and a low-discrepancy draw of sources instead of a
-sampled list), and what changed in a mixture since a checkpoint recorded it.
-
-`permute(offsets, n, key)` maps offsets in [0, n) to a pseudo-random permutation of [0, n) with a
-balanced Feistel network over the smallest even power of two >= n, walking the cycle until the
-value falls inside [0, n). Nothing is stored: the i-th sequence of an epoch of 2x10^9 sequences is
-a dozen integer operations away, on every rank alike.
-
-`mixture_sources(positions, weights, key)` gives the source of each global sample position from a
-Weyl sequence u_p = key + p * 2^64/phi (mod 2^64), cut at the cumulative weights. The shares of
-any window of n consecutive positions are within O(log n) samples of the weights, and no source
-falls into a short period with the data-parallel ranks (as a round robin would).
-
-`data_changes` compares a checkpoint's record of the sources (`TokenBatches.state_dict()["sources"]`)
-with the sources of now; `changed_data_message` is the one line a resumed run stops on.
-"""
+"""Stateless orders and draws for a weighted mixture of sources (a keyed Feistel permutation, a Weyl
+sequence), and what changed in a mixture since a checkpoint."""
 
 from __future__ import annotations
 
@@ -29,7 +14,7 @@ _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
 def stable_key(*parts) -> int:
-    """A 64-bit key from `parts` (their str), the same in every process and Python version."""
+    """A 64-bit key from `parts`, alike in every process and Python version."""
     digest = hashlib.blake2b("\x1f".join(map(str, parts)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
 
@@ -44,7 +29,7 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 
 def permute(offsets, n: int, key: int) -> np.ndarray:
-    """The images of `offsets` (ints in [0, n)) under the keyed permutation of [0, n), as int64."""
+    """`offsets` in [0, n) under the keyed permutation of [0, n), as int64."""
     x = np.asarray(offsets, dtype=np.int64)
     if n < 1:
         raise ValueError(f"cannot permute an empty range (n = {n})")
@@ -68,7 +53,7 @@ def permute(offsets, n: int, key: int) -> np.ndarray:
 
 
 def mixture_thresholds(weights: Sequence[float]) -> np.ndarray:
-    """The cut points in [0, 2^64) of the normalised cumulative weights (all but the last)."""
+    """Cut points in [0, 2^64) of the normalised cumulative weights, all but the last."""
     w = np.asarray(weights, dtype=np.float64)
     if w.ndim != 1 or len(w) == 0 or (w < 0).any() or w.sum() <= 0:
         raise ValueError(f"mixture weights must be non-negative with a positive sum, got {list(weights)}")
@@ -80,6 +65,7 @@ def mixture_thresholds(weights: Sequence[float]) -> np.ndarray:
 def mixture_sources(positions, thresholds: np.ndarray, key: int) -> np.ndarray:
     """The source index (int64) of each global sample position."""
     p = np.asarray(positions, dtype=np.uint64)
+    # Weyl sequence: n consecutive positions' shares are within O(log n) samples of the weights, no short period
     u = np.uint64(key) + p * GOLDEN
     return np.searchsorted(thresholds, u, side="right").astype(np.int64)
 
@@ -88,8 +74,7 @@ SHARE_CHANGE = "the share of source "  # how a derived change begins: the others
 
 
 def changed_data_message(changes: list[str], since: str = "the checkpoint") -> str:
-    """The one line a run resumed on changed data stops on: what the user changed first (sources
-    added, dropped, renamed, reweighted, or holding other data), then the shares that follow from it."""
+    """The line a run resumed on changed data stops on."""
     done = [c for c in changes if not c.startswith(SHARE_CHANGE)]
     shares = [c for c in changes if c.startswith(SHARE_CHANGE)]
     parts = []
@@ -107,12 +92,8 @@ def changed_data_message(changes: list[str], since: str = "the checkpoint") -> s
 def data_changes(
     saved: dict, names: list[str], identities: list[str], shares, weights: list[float | None] | None = None
 ) -> list[str]:
-    """What differs between a checkpoint's sources (`state_dict()["sources"]`) and these: first what
-    the user changed (sources renamed: the same data under another name, added, dropped, reweighted:
-    old -> new weight, or holding other data), then the shares of the draws that changed (a share of
-    None: not known, not compared). `weights`: each source's "weight" (None: drawn by size), compared
-    where the checkpoint recorded them; weights all scaled alike are the same mixture. The changes
-    are empty exactly when no source was added, dropped, or holds other data and no share moved."""
+    """How a checkpoint's sources (`state_dict()["sources"]`) differ from these: the user's changes, then
+    the shares that moved; empty if none was added, dropped or holds other data and no share moved."""
     weights = list(weights) if weights is not None else [None] * len(names)
     current = dict(zip(names, zip(identities, shares, weights, strict=True), strict=True))
     added = [name for name in names if name not in saved]
@@ -148,8 +129,7 @@ def data_changes(
 
 
 def _reweighted(pairs: dict[str, tuple[float | None, float | None]]) -> list[tuple[str, tuple]]:
-    """The sources whose weight changed, as (name, (old, new)): weights all multiplied by one factor
-    (the one most sources share, when more than one does) are not changed; by size is None."""
+    """(name, (old, new)) of the sources reweighted beyond the scale factor most of them share."""
     ratios = [new / old for old, new in pairs.values() if old is not None and new is not None]
     scale = 1.0
     counts = {r: sum(1 for q in ratios if abs(q - r) <= 1e-9 * r) for r in ratios}

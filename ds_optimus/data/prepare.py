@@ -1,19 +1,6 @@
-"""Prepare a config's data sources: in parallel, across nodes, resumably; as a function
-(`prepare_data`, which training calls at its start) and as a command, before training:
-
-    python -m ds_optimus.data.prepare --config ds_configs/NAME.json --workers 16
-    mpirun -n 64 python -m ds_optimus.data.prepare --config ds_configs/NAME.json --workers 12
-    deepspeed --num_nodes 8 --num_gpus 1 --module ds_optimus.data.prepare --config ds_configs/NAME.json
-
-Every process of a launch (its rank from RANK, OMPI_COMM_WORLD_RANK, PMI_RANK, PMIX_RANK,
-PALS_RANKID or SLURM_PROCID; the count from the matching size variable) tokenizes its share of
-the files with `--workers` local processes into `optimus.data.cache_dir`, which every process must
-see (a shared filesystem). A killed preparation started again goes on from the files it had not
-finished. Training with the same config then finds the shards and starts at once.
-
-The last step of the data pipeline's preparation, and the only one that calls the others: the
-sources (`sources.py`) planned into work units (`units.py`), the pending units tokenized
-(`tokenize_workers.py`), every source opened from its shards (`shards.py`).
+"""Prepare a config's data sources in parallel, across nodes, resumably: `prepare_data` (called as training
+starts) or `python -m ds_optimus.data.prepare --config CONFIG --workers N` under any launcher. Each process
+tokenizes its share into `optimus.data.cache_dir`, which all must see (a shared filesystem).
 """
 
 from __future__ import annotations
@@ -49,9 +36,8 @@ def prepare_data(
     poll_seconds: float = 1.0,
     plan: list[SourcePlan] | None = None,
 ) -> PreparedData:
-    """Tokenize what is not prepared yet (this process's share of it), wait for the rest, and open
-    every source. Every process of a launch calls it alike, with its `rank` of `world` (and the
-    `plan_sources` of rank 0, where there is a process group to send it)."""
+    """Tokenize this process's share of what is unprepared, wait for the rest, and open every source.
+    Every process calls it alike (`plan`: rank 0's `plan_sources`, where a process group can send it)."""
     from .shards import open_prepared
     from .tokenize_workers import run_units
     from .units import plan_sources
@@ -75,8 +61,7 @@ def prepare_data(
 
 
 def launch_world() -> tuple[int, int]:
-    """(rank, world) of this process as its launcher set them (any launcher `ds_optimus.launch`
-    knows); (0, 1) without one. Preparing forms no process group: the ranks meet on the files."""
+    """(rank, world) from this process's launcher, (0, 1) without one; ranks meet on the files, not a process group."""
     world = detect()
     return world.rank, world.size
 

@@ -1,13 +1,5 @@
-"""Stored token shards, opened for reading: every source as memory-mapped token streams, and the
-run's data as a whole (`PreparedData`).
-
-A `TokenStream` is the concatenation of one or more 1-D integer arrays (memory maps), cut into
-sequences of `seq_len` tokens across file boundaries. Opening one maps the files and reads their
-headers: nothing is copied, hashed or scanned, so a 4-trillion-token source opens in milliseconds
-with memory that does not grow with its size. Documents inside are separated by the end-of-text id.
-
-A text source's stream is its folder's shards as `tokenize_workers.py` wrote them (the counts from
-its `meta.json`); a token source's is its files, read in place.
+"""Stored token shards opened for reading: memory-mapped `TokenStream`s per source and the run's
+`PreparedData`; opening reads headers only.
 """
 
 from __future__ import annotations
@@ -30,14 +22,13 @@ MAX_MAPPED = 128  # token files one stream keeps mapped at once (a rank's open f
 
 
 class TokenStream:
-    """Token arrays, or token files mapped on first read, read as one stream. Built from `TokenFile`
-    records it opens nothing until a read needs a file: at 12,288 ranks and thousands of files, a
-    rank maps only the files its batches come from."""
+    """Token arrays, or `TokenFile`s mapped on first read, as one stream (documents end-of-text separated)."""
 
     def __init__(self, parts, names=()) -> None:
         parts = list(parts)
         names = list(names) or [p.path if isinstance(p, TokenFile) else "" for p in parts]
         kept = [(p, n) for p, n in zip(parts, names, strict=True) if (p.length if isinstance(p, TokenFile) else len(p))]
+        # Files are mapped only when read: at 12,288 ranks, each maps just the files its batches come from.
         self.files = [p if isinstance(p, TokenFile) else None for p, _ in kept]
         self.arrays = [None if isinstance(p, TokenFile) else p for p, _ in kept]
         self.names = [n for _, n in kept]
@@ -49,8 +40,7 @@ class TokenStream:
         return self.total
 
     def array(self, i: int) -> np.ndarray:
-        """The i-th file's ids, mapped now if not yet. At most `MAX_MAPPED` files stay mapped (each
-        map holds a file descriptor): the least recently read is let go first."""
+        """The i-th file's ids, mapped if need be; beyond `MAX_MAPPED` maps, the least recently read goes."""
         if self.files[i] is None:
             return self.arrays[i]
         if self.arrays[i] is None:
@@ -161,7 +151,7 @@ class PreparedData:
 
 
 def open_prepared(plan: list[SourcePlan], eos_id: int, cache_dir: str | Path) -> PreparedData:
-    """Every planned source opened: a text source's shards (prepared by now), a token source's files."""
+    """Every planned source opened (text sources' prepared shards, token sources' files)."""
     return PreparedData([_open(p) for p in plan], eos_id, Path(cache_dir))
 
 

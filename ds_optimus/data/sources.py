@@ -1,30 +1,8 @@
-"""The `optimus.data` section and its sources: what each source is, and the files it names.
+"""The `optimus.data` section, its sources (their forms: docs/data.md; "embedded" is the Python reference manual every
+CPython ships, `pydoc_data.topics`) and the files each names.
 
-A source is given in the config's `optimus.data.sources` list as a string or an object:
-
-    "embedded"                                  the Python reference manual every CPython ships
-                                                (`pydoc_data.topics`, ~465 KB, one document per topic)
-    "path/to/file.jsonl" | "dir/" | "*.json.zst" local files: .txt/.md (a file is a document),
-                                                .jsonl/.json (one record per line), each also
-                                                .gz- or .zst-compressed, .parquet; or a folder
-                                                written by `datasets`' `save_to_disk`
-    {"path": "...", "text_field": "content"}    the same, with options
-    {"hf": "allenai/OLMoE-mix-0924", "config": null, "split": "train", "data_files": null,
-     "text_field": "text", "max_documents": 100000}
-                                                a `datasets` name on the Hub or a local dataset
-                                                folder, streamed (nothing is downloaded up front)
-    {"tokens": "tok/*.npy", "dtype": null, "val": null}
-                                                pre-tokenized flat token files (.npy, or raw .bin
-                                                with a "dtype"), read in place; "val": held-out ones
-
-Every object also takes `"name"` (the source's name in logs and metrics; by default from its path)
-and `"weight"` (its share of the sampled sequences; give every source one, or none: then each
-source is drawn in proportion to its size).
-
-The first stage of the data pipeline (sources -> work units -> tokenizing workers -> stored shards
--> mixture and loader): it imports nothing of the later ones. `resolve_files` and
-`resolve_token_files` list the files a source names; `DistinctFiles` refuses a file that two sources
-read, however each spells it (a folder and a glob, a file and a glob, a symbolic or hard link).
+The data pipeline's first stage (sources -> work units -> tokenizing workers -> stored shards -> mixture and loader):
+it imports nothing of the later ones.
 """
 
 from __future__ import annotations
@@ -51,10 +29,7 @@ TOKEN_SUFFIXES = (".npy", ".bin")
 
 @dataclass(frozen=True)
 class DataConfig(Section):
-    """`optimus.data`: the corpora (with mixture weights), the tokenizer (null: the embedded
-    default), the sequence length, the held-out fraction, the token cache folder (on a filesystem
-    every rank sees), the tokenizing processes per rank, and whether a resumed run may continue on
-    changed data."""
+    """`optimus.data`: the corpora, tokenizer, sequence length, held-out share, token cache and tokenizing workers."""
 
     sources: list = field(default_factory=lambda: ["embedded"])  # the corpora, each with an optional weight and name
     tokenizer: str | None = None  # an HF tokenizer name or folder; null: the embedded default
@@ -113,7 +88,7 @@ _TOKEN_OPTIONS = _COMMON | {"dtype", "val"}
 
 
 def parse_source(spec: str | dict[str, Any]) -> Source:
-    """A `Source` from its config form (see the module docstring)."""
+    """A `Source` from its config form (docs/data.md)."""
     if isinstance(spec, str):
         return Source("embedded") if spec == "embedded" else Source("files", spec)
     if not isinstance(spec, dict):
@@ -159,9 +134,8 @@ def parse_source(spec: str | dict[str, Any]) -> Source:
 
 
 def parse_sources(specs: list) -> list[Source]:
-    """Every source of `optimus.data.sources`, with unique names and weights on all or none. (Two
-    sources that read the same files under other spellings are found when their files are listed:
-    `DistinctFiles`.)"""
+    """Every source of `optimus.data.sources`, with unique names and weights on all or none (the same files spelled
+    otherwise: `DistinctFiles`)."""
     sources = [parse_source(spec) for spec in specs]
     seen: dict[str, int] = {}
     read: dict[tuple, int] = {}
@@ -229,20 +203,19 @@ def check_token_dtype(dtype) -> None:
 
 
 def resolve_files(source: Source) -> list[Path]:
-    """The files a "files" source names, sorted; a one-line `DataError` if there are none."""
+    """The files a "files" source names, sorted; a `DataError` if there are none."""
     return matching_files(
         source.target, supported_file, "data", ".txt, .md, .jsonl, .json (each also .gz or .zst) or .parquet"
     )
 
 
 def resolve_token_files(target: str) -> list[Path]:
-    """The `.npy`/`.bin` files a path, folder or glob names, sorted; one-line errors."""
+    """The `.npy`/`.bin` files a path, folder or glob names, sorted."""
     return matching_files(target, lambda p: p.suffix in TOKEN_SUFFIXES, "token", ".npy or .bin")
 
 
 def matching_files(target: str, supported, what: str, kinds: str) -> list[Path]:
-    """The files a path, folder or glob names, sorted (a folder's: those `supported` accepts), with
-    one-line errors naming `what` files ("data", "token") and the `kinds` that are read."""
+    """The files a path, folder or glob names, sorted (a folder's: those `supported` accepts)."""
     expanded = os.path.expanduser(target)
     if os.path.isdir(expanded):
         files = [p for p in sorted(Path(expanded).rglob("*")) if p.is_file() and supported(p)]
@@ -281,23 +254,20 @@ def is_saved_dataset(target: str) -> bool:
 
 
 def reads_files(source: Source) -> bool:
-    """Whether the source trains on local files it names (data or token files; not the embedded
-    corpus, a `save_to_disk` folder or a dataset name)."""
+    """Whether the source trains on local data or token files it names (not a `save_to_disk` folder or dataset)."""
     return source.kind == "tokens" or (source.kind == "files" and not is_saved_dataset(source.target))
 
 
 class DistinctFiles:
-    """Refuses, in one line, a file that two sources train on under any spellings: a folder and a glob
-    of its files, a file and a glob that matches it, a symbolic or a hard link. A file is known by its
-    (st_dev, st_ino) (by its resolved path where the filesystem gives no inode numbers): one stat per
-    file, nothing read. Text sources that take other fields of the same files are not the same data."""
+    """Refuses a file that two sources train on under any spellings (a folder and a glob, links), known by its
+    (st_dev, st_ino) or, without inode numbers, its resolved path."""
 
     def __init__(self) -> None:
         self._owners: dict[tuple, tuple[int, Source, Path]] = {}
 
     def add(self, index: int, source: Source, files: list[Path]) -> None:
-        """Note the files source `index` trains on; a `DataError` naming both sources and a shared
-        file if an earlier source trains on one of them."""
+        """Note the files source `index` trains on; a `DataError` if an earlier source trains on one."""
+        # text sources that take other fields of the same files are not the same data
         family = ("tokens",) if source.kind == "tokens" else ("text", source.text_field)
         for path in files:
             key = (*family, *_file_identity(path))

@@ -1,6 +1,4 @@
-"""Pre-tokenized token files: where each file's ids lie, from its header (`.npy`: the dtype and
-length) or its size (raw `.bin`: the dtype must be given). Nothing is read but the headers, so the
-files of a 4-trillion-token source are listed in the time of a stat each."""
+"""Pre-tokenized token files (`.npy`, or raw `.bin` of a given dtype), located from headers alone."""
 
 from __future__ import annotations
 
@@ -15,7 +13,7 @@ from .sources import resolve_token_files
 
 @dataclass(frozen=True)
 class TokenFile:
-    """Where one token file's ids lie: its path, count, dtype and the byte offset of the first."""
+    """A token file's path, id count, dtype and first id's byte offset."""
 
     path: str
     length: int
@@ -27,7 +25,7 @@ class TokenFile:
 
 
 def token_file(path: Path, dtype: str | None = None) -> TokenFile:
-    """Where a token file's ids lie, from its header (`.npy`) or its size (`.bin`); one-line errors."""
+    """A token file, from its header (`.npy`) or its size (`.bin`)."""
     if path.suffix == ".npy":
         try:
             array = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -50,5 +48,5 @@ def token_file(path: Path, dtype: str | None = None) -> TokenFile:
 
 
 def token_files(target: str, dtype: str | None = None, files: list[Path] | None = None) -> list[TokenFile]:
-    """The token files `target` names (`files`: already listed by `resolve_token_files`), headers read."""
+    """The token files `target` names (`files`: those already listed)."""
     return [token_file(p, dtype) for p in (files if files is not None else resolve_token_files(target))]

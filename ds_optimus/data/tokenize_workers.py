@@ -1,20 +1,7 @@
-"""Tokenizing workers: the units of all pending sources dealt to the processes of a launch,
-tokenized by local worker processes into token shards with completion markers, and the wait for
-everyone's markers.
-
-Unit i of a source (`units.py` says what a unit is and which folder its shards go to) becomes
-`unit-i.train.bin` and `unit-i.val.bin` (uint16 when the vocabulary fits, else uint32; every
-document followed by the end-of-text id; a document goes to the held-out split by a hash of its
-unit and position, a `val_fraction` of them), written under temporary names and renamed, then its
-completion marker `unit-i.json`, written last. A killed preparation resumes at the first unit
-without a marker; a unit without one is never read. When every unit is done, rank 0 writes the
-folder's `meta.json` (the token counts of every unit), which `shards.py` opens.
-
-The units of all pending sources are dealt to the `world` processes of a launch (largest first,
-each to the least loaded; every process computes the same deal) and each process tokenizes its
-share with `workers` local processes. A process that finishes waits for the others' markers on the
-shared filesystem, not in a collective (tokenizing a corpus takes longer than any collective's
-time-out); an error is written beside the markers, so every process stops with the same line.
+"""Tokenizing workers: pending units dealt to a launch's processes and tokenized by local workers into shards, each
+unit's marker `unit-i.json` written last (a unit without one is never read; a killed preparation resumes there).
+Processes wait for the markers on the shared filesystem, not in a collective (tokenizing outlasts its time-out); an
+error file stops all alike.
 """
 
 from __future__ import annotations
@@ -43,8 +30,8 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def _is_val(unit: int, index: int, fraction: float) -> bool:
-    """Whether document `index` of unit `unit` is held out: a hash of the two below `fraction`, and
-    the second document of the first unit always (a source of one document keeps it for training)."""
+    """Whether document `index` of `unit` is held out: by a hash, and always document 1 of unit 0 (a one-document
+    source keeps it for training)."""
     if fraction == 0:
         return False
     mixed = ((unit * 0xD1B54A32D192ED03 + index) * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & (2**64 - 1)
@@ -57,8 +44,7 @@ def shard_file(folder: Path, index: int, split: str) -> Path:
 
 
 def deal(sizes: list[int], world: int) -> list[int]:
-    """The process each unit goes to: largest first, each to the least loaded (ties: lowest rank),
-    the same on every process."""
+    """The process each unit goes to: largest first, to the least loaded (ties: lowest rank)."""
     owner = [0] * len(sizes)
     loads = [(0, r) for r in range(world)]
     for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
@@ -85,10 +71,8 @@ def run_units(
     threads: int | None,
     poll_seconds: float,
 ) -> None:
-    """Tokenize this process's share of the pending sources' units and wait until every source is
-    done: rank 0 watches the markers and writes each source's `meta.json`, the others wait for it.
-    Errors go to `<cache_dir>/<source folder>.error.rank<R>`, a small folder to watch (at 12,288
-    ranks, nobody but rank 0 lists the shard folders, and the others look less often)."""
+    """Tokenize this process's share and wait for every source (rank 0 writes each `meta.json`); errors go to
+    `<cache_dir>/<folder>.error.rank<R>`."""
     jobs = [(source, folder, i, unit) for source, folder, units in pending for i, unit in enumerate(units)]
     owner = deal([unit.size for *_, unit in jobs], world)
     for _, folder, _ in pending:
@@ -214,10 +198,8 @@ def _dead_writer(name: str) -> bool:
 
 
 def _remove_leftovers(jobs, owner: list[int], rank: int) -> None:
-    """Half-written files of this process's units left by a killed preparation (one listing per
-    folder): those of a process of this host that is gone, and any not written to for minutes. A
-    live one is another preparation's on the same cache: it is left alone (both write the same
-    bytes, and the last rename wins)."""
+    """Delete this process's units' half-written files of dead or stale writers; live ones (another preparation's)
+    stay."""
     mine: dict[Path, set[str]] = {}
     for (_, folder, i, _), r in zip(jobs, owner, strict=True):
         if r == rank:
@@ -260,8 +242,7 @@ def _work(mine, workers: int, threads: int | None, tick) -> None:
 
 
 def _limit_threads(threads: int | None) -> None:
-    """A worker process's start: its Rust tokenizer held to `threads` threads (before its thread
-    pool starts); Ctrl-C left to the parent (which ends the pool); the worker ends with its parent."""
+    """A worker's start: tokenizer held to `threads` threads, Ctrl-C ignored, ended with its parent."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)

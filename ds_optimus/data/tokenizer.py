@@ -1,9 +1,5 @@
-"""Tokenizers: any Hugging Face tokenizer by name or folder, or the embedded default.
-
-The default is a byte-level BPE of 4096 tokens trained on the embedded corpus and shipped with the
-package (`default_tokenizer.json`, rebuilt by `python -m ds_optimus.data.tokenizer`), with
-`<pad>` = 0 and `<eos>` = 1, matching the tiny Mula presets. It needs no download.
-"""
+"""Tokenizers: any Hugging Face tokenizer by name or folder, or the shipped default byte-level BPE
+(`default_tokenizer.json`, rebuilt by `python -m ds_optimus.data.tokenizer`)."""
 
 from __future__ import annotations
 
@@ -16,7 +12,7 @@ PAD, EOS = "<pad>", "<eos>"
 
 
 def train_default_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE):
-    """Train the default byte-level BPE on the embedded corpus (a `tokenizers.Tokenizer`)."""
+    """Train the default byte-level BPE on the embedded corpus."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from .documents import embedded_documents
@@ -35,9 +31,7 @@ def train_default_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE):
 
 
 def load_tokenizer(name_or_path: str | None = None, local_files_only: bool = False):
-    """A `PreTrainedTokenizerFast`: the embedded default for None/"default", else
-    `AutoTokenizer.from_pretrained(name_or_path)` (a local folder, or a Hub name: from the local
-    cache only with `local_files_only`)."""
+    """The default tokenizer for None/"default", else `AutoTokenizer.from_pretrained(name_or_path)`."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     if name_or_path in (None, "default"):
@@ -61,7 +55,7 @@ def load_tokenizer(name_or_path: str | None = None, local_files_only: bool = Fal
 
 
 def looks_like_a_path(name: str) -> bool:
-    """Whether `name` can only mean a local path, not a Hub repository id (`name` or `org/name`)."""
+    """Whether `name` can only be a local path, not a Hub id."""
     return (
         name.startswith(("/", ".", "~"))
         or "\\" in name
@@ -72,7 +66,7 @@ def looks_like_a_path(name: str) -> bool:
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    """A hash of everything that decides how the tokenizer encodes text."""
+    """A hash of what decides how the tokenizer encodes text."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     state = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
     return hashlib.sha256(f"{state}|eos={tokenizer.eos_token_id}".encode()).hexdigest()

@@ -1,14 +1,5 @@
-"""The work of each source: what identifies its content, where its shards go, and the units its
-preparation is split into.
-
-A source's shard folder is `<cache_dir>/<name>-<key>/`, the key a hash of what identifies the
-source's content (`describe`: file names, sizes and times, never their bytes), the tokenizer, the
-held-out fraction and the shard format: a changed input never reuses a stale shard, and changing
-the mixture re-tokenizes nothing. A text source is split into work units (`source_units`: a file
-each, or row ranges of a `save_to_disk` folder) that the tokenizing workers share out; a token
-source needs no work, only its files' headers. `plan_sources` finds all of it on the filesystem
-once (every glob, stat and header read), and refuses a file that two sources train on.
-"""
+"""Each source's content identity, shard folder (keyed by a hash of it and the settings, so a changed
+input never reuses a stale shard) and preparation work units."""
 
 from __future__ import annotations
 
@@ -33,7 +24,7 @@ DISK_ROWS_PER_UNIT = 100_000  # rows of a save_to_disk folder per preparation wo
 
 @dataclass(frozen=True)
 class Unit:
-    """A piece of a source that one preparation worker tokenizes: a file, a row range, or all of it."""
+    """What one worker tokenizes: a file, a row range, or a whole source."""
 
     label: str
     size: int  # bytes or rows: what balances the work between workers
@@ -41,9 +32,7 @@ class Unit:
 
 
 def source_units(source: Source, files: list[Path] | None = None) -> list[Unit]:
-    """The source's work units, in order (their tokens, concatenated, are the source's stream). A
-    source with `max_documents`, the embedded corpus and a streamed dataset are one unit each.
-    (`files`: the source's files, already listed by `resolve_files`.)"""
+    """The source's work units in stream order (one with `max_documents`, embedded or streamed)."""
     if source.kind in ("files", "hf") and is_saved_dataset(source.target) and source.max_documents is None:
         rows = len(load_saved(source))
         return [
@@ -60,7 +49,7 @@ def source_units(source: Source, files: list[Path] | None = None) -> list[Unit]:
 
 
 def unit_documents(source: Source, unit: Unit) -> Iterator[str]:
-    """The documents of one unit of `source` (empty ones left out), in order."""
+    """The non-empty documents of one unit of `source`, in order."""
     if unit.part is None:
         yield from iter_documents(source)
     elif isinstance(unit.part, tuple):
@@ -70,8 +59,7 @@ def unit_documents(source: Source, unit: Unit) -> Iterator[str]:
 
 
 def describe(source: Source, files: list[Path] | None = None) -> dict[str, Any]:
-    """What identifies the content of a source, for cache fingerprints: never its bytes (names,
-    sizes and modification times of its files; `files`: those already listed)."""
+    """What identifies a source's content for cache keys, without reading its bytes."""
     info: dict[str, Any] = {"kind": source.kind, "text_field": source.text_field, "max_documents": source.max_documents}
     if source.kind == "embedded":
         digest = hashlib.sha256("\x00".join(embedded_documents()).encode()).hexdigest()
@@ -96,12 +84,12 @@ def describe(source: Source, files: list[Path] | None = None) -> dict[str, Any]:
 
 
 def _stats(files: list[Path]) -> list[tuple[str, int, int]]:
-    """What identifies files without reading them: resolved names, sizes and modification times."""
+    """Resolved names, sizes and modification times of `files`."""
     return [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
 
 
 def source_key(source: Source, tokenizer, val_fraction: float, files: list[Path] | None = None) -> str:
-    """A hash of the source's content identity, the tokenizer and the packing settings."""
+    """A hash of the source's identity, the tokenizer and the packing settings."""
     payload = {
         "format": FORMAT_VERSION,
         "source": describe(source, files),
@@ -117,7 +105,7 @@ def source_folder(source: Source, tokenizer, cache_dir: str | Path, val_fraction
 
 @dataclass
 class SourcePlan:
-    """What preparing and opening a source needs, found on the filesystem (by one rank, at scale)."""
+    """What preparing and opening a source needs, found on the filesystem."""
 
     source: Source
     identity: str
@@ -128,9 +116,8 @@ class SourcePlan:
 
 
 def plan_sources(sources: list[Source], tokenizer, cache_dir: str | Path, val_fraction: float) -> list[SourcePlan]:
-    """Each source's identity, folder and pending units, or token files: every stat, glob and header
-    read the data needs, done once (a training launch does it on rank 0 and sends it to the others).
-    A file that two sources train on, under any spellings, is a one-line `DataError`."""
+    """Each source's identity, folder and pending units, or token files, from one pass of filesystem
+    reads (rank 0's at launch); a file two sources train on is a `DataError`."""
     if not sources:
         raise DataError("optimus.data.sources is empty")
     if not 0.0 <= val_fraction < 0.5:

@@ -1,8 +1,5 @@
-"""Downstream evaluation with lm-evaluation-harness (`pip install -e ".[eval]"`), as Optimus (the Mula runs on Aurora)
-scored its checkpoints: `python -m ds_optimus.evaluate RUN_OR_FOLDER --tasks ...` scores a Hugging
-Face folder, a checkpoint (exported on the fly) or a run's checkpoints and writes
-`<run>/eval/step_N.json`, which the run's report plots; `optimus.eval.downstream` does it at every
-checkpoint of a training run. Names are imported on first use (`--help` needs no PyTorch)."""
+"""Downstream evaluation with lm-evaluation-harness, as Optimus scored its checkpoints (`python -m
+ds_optimus.evaluate`). Names load on first use (`--help` needs no PyTorch)."""
 
 from .._lazy import lazy_exports
 

@@ -1,5 +1,4 @@
-"""`optimus.eval.downstream`: downstream tasks scored at every checkpoint of a training run (through
-lm-evaluation-harness, `pip install -e ".[eval]"`), as Optimus (the Mula runs on Aurora) scored its checkpoints."""
+"""`optimus.eval.downstream`: tasks scored at every checkpoint through lm-evaluation-harness (the `eval` extra)."""
 
 from __future__ import annotations
 
@@ -10,9 +9,7 @@ from ..schema import Section, need, non_negative_int, positive_int
 
 @dataclass(frozen=True)
 class DownstreamConfig(Section):
-    """The tasks (lm-eval names, `mula-suite`, `pydoc_cloze`, or tasks of YAML files in `include`
-    folders), how many documents of each (`limit`, null: all), few-shot examples and batch size.
-    No tasks: off."""
+    """Downstream evaluation settings; no tasks: off."""
 
     tasks: list = field(default_factory=list)  # scored at every checkpoint; lm-eval names, `mula-suite`, `pydoc_cloze`
     include: list = field(default_factory=list)  # folders of YAML task files of your own
@@ -40,6 +37,6 @@ class DownstreamConfig(Section):
 
 @dataclass(frozen=True)
 class EvalConfig(Section):
-    """`optimus.eval`: evaluation beyond the held-out loss (which `optimus.train.eval_interval` sets)."""
+    """`optimus.eval`: evaluation beyond the held-out loss (`optimus.train.eval_interval`)."""
 
     downstream: DownstreamConfig = field(default_factory=DownstreamConfig)

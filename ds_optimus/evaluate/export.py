@@ -1,9 +1,5 @@
-"""Export one checkpoint as a Hugging Face folder: `python -m ds_optimus.evaluate.export CHECKPOINT OUT`.
-
-Any checkpoint folder of a run does: a full one (`checkpoints/step_N`) or a model-only "cold" one
-(`checkpoints/cold/stepN-tokensTB`, `optimus.checkpoint.keep_every`), on any layout it was written
-by (pipeline stages, expert and tensor parallelism, staggered parts). The files are checked against
-the manifest first, and only the model's are read; the optimizer state is not opened.
+"""Export a checkpoint (full or cold, any layout) as a Hugging Face folder:
+`python -m ds_optimus.evaluate.export CHECKPOINT OUT`. Only the model's files are read, after the manifest check.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""The one module that drives lm-evaluation-harness (an optional dependency: `pip install -e ".[eval]"`):
-a Hugging Face model folder scored on tasks, the scores as {task: {metric: value}}. lm-eval's own
-output (its logging, progress bars, and the `git`/`pip list` subprocesses behind its environment
-report) is kept quiet unless asked for."""
+"""The one module that drives lm-evaluation-harness (optional: `pip install -e ".[eval]"`): a Hugging Face
+model folder scored on tasks, lm-eval's own output kept quiet unless asked for."""
 
 from __future__ import annotations
 
@@ -45,9 +43,8 @@ def task_names(folders: list[str]) -> set[str]:
 
 
 def load_tasks(tasks: list[str], include: list[str] = (), work_dir: str | Path = ".", verbose: bool = False):
-    """lm-eval's task manager for `tasks` (see `tasks.expand`; `pydoc_cloze` is made in `work_dir`), with
-    (names, manager); a task it does not know is a one-line EvaluationError. Cheap next to an export:
-    called before one, a misspelled task stops the command before it writes the model."""
+    """(names, lm-eval's task manager) for `tasks` (`pydoc_cloze` made in `work_dir`); an unknown task is a
+    one-line EvaluationError. Cheap: called before an export, a misspelled task stops it early."""
     lm_eval = require_lm_eval()
     from lm_eval.tasks import TaskManager
 
@@ -99,9 +96,8 @@ def score(
     verbose: bool = False,
     loaded=None,
 ) -> dict[str, Any]:
-    """Score the Hugging Face model in `folder` on `tasks` (`loaded`: what `load_tasks` returned for
-    them, else it is called here); returns {"tasks": {task: {metric: value, "samples": n}}, "seconds",
-    "lm_eval"}."""
+    """Score the HF model in `folder` on `tasks` (`loaded`: what `load_tasks` returned); returns
+    {"tasks": {task: {metric: value, "samples": n}}, "seconds", "lm_eval"}."""
     lm_eval = require_lm_eval()
     import torch
     from lm_eval.models.huggingface import HFLM
@@ -149,8 +145,7 @@ def score(
 
 
 def _quiet(lm_eval) -> None:
-    """lm-eval's INFO logging and progress bars off, and its environment report (which runs `git`, `pip
-    list` and `nvidia-smi` in subprocesses and prints git's complaint outside a repository) skipped."""
+    """Turn off lm-eval's INFO logging, progress bars and environment report (`git`, `pip list`, `nvidia-smi`)."""
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
     import lm_eval.evaluator as evaluator
 

@@ -1,12 +1,9 @@
 """What `python -m ds_optimus.evaluate TARGET` scores and where the scores go.
 
-TARGET is a Hugging Face folder, a training run's folder (`optimus.train.output_dir`: its newest
-intact checkpoint, `--step N`, or `--all`), or one checkpoint folder. A checkpoint is exported on
-the fly (every checkpoint keeps the model's config and tokenizer beside its weights) into
-`<run>/eval/hf-step_N/`, scored, and the folder removed unless kept. The scores of step N go to
-`<run>/eval/step_N.json` (beside the run's `metrics.jsonl`; the run's report draws them), those of
-a folder outside a run to `<folder>/eval/results.json`. Nothing in the run is changed but `eval/`:
-damaged checkpoints are skipped and named, not set aside."""
+TARGET: a Hugging Face folder, a run's folder (its newest intact checkpoint, `--step N` or `--all`) or one
+checkpoint, exported on the fly into `<run>/eval/hf-step_N/` (removed unless kept). Step N's scores go to
+`<run>/eval/step_N.json`, a folder's outside a run to `<folder>/eval/results.json`. Nothing but `eval/` is
+changed: damaged checkpoints are skipped and named, not set aside."""
 
 from __future__ import annotations
 
@@ -28,8 +25,7 @@ def checkpoints_of(run: Path) -> list[Path]:
 
 
 def resolve(target: str | Path, step: int | None = None, every: bool = False) -> list[tuple[Path, Path, int | None]]:
-    """(what to score: an HF folder or a checkpoint folder, the run it belongs to or the folder
-    itself, the step or None) for each model TARGET names."""
+    """(HF or checkpoint folder to score, its run or the folder itself, step or None) per model TARGET names."""
     target = Path(target)
     if not target.exists():
         raise EvaluationError(f"{target} does not exist")
@@ -77,8 +73,7 @@ def _no_progress_bars():
 
 
 def export_checkpoint(checkpoint: Path, out: Path) -> Path:
-    """Write checkpoint folder `checkpoint` as a Hugging Face folder `out` (every expert; the config
-    and tokenizer the checkpoint keeps); checked against its manifest first."""
+    """Write `checkpoint` as a Hugging Face folder `out` (every expert), checked against its manifest first."""
     import torch
     from tokenizers import Tokenizer
     from transformers import GenerationConfig, PreTrainedTokenizerFast
@@ -122,8 +117,7 @@ def export_checkpoint(checkpoint: Path, out: Path) -> Path:
 
 
 def results_path(run: Path, step: int | None) -> Path:
-    """Where the scores of `step` of `run` go (`eval/step_N.json`; a folder outside a run:
-    `eval/results.json`)."""
+    """Where the scores of `step` of `run` go."""
     return run / "eval" / (f"step_{step:08d}.json" if step is not None else "results.json")
 
 
@@ -137,9 +131,7 @@ def evaluate(
     keep_export: bool = False,
     **options: Any,
 ) -> tuple[Path, dict[str, Any]]:
-    """Score one model (an HF folder, or a checkpoint exported on the fly) and write the scores;
-    returns (the results file, its content). `loaded` (from `load_tasks`, given when several models
-    are scored) saves loading the tasks again."""
+    """Score one model and write the scores; returns (results file, its content). `loaded`: from `load_tasks`."""
     from ..checkpoint.files import write_text_atomic
 
     export = None
@@ -168,7 +160,7 @@ def evaluate(
 
 
 def read_results(path: Path) -> dict[str, Any]:
-    """A results file's record, {} if there is none (or it cannot be read)."""
+    """A results file's record ({} if none or unreadable)."""
     try:
         record = json.loads(Path(path).read_text())
     except (OSError, ValueError):
@@ -177,7 +169,7 @@ def read_results(path: Path) -> dict[str, Any]:
 
 
 def scored_already(path: Path, tasks: list[str]) -> bool:
-    """Whether results file `path` holds scores of every one of `tasks` (`tasks.expand`ed)."""
+    """Whether results file `path` scores every one of `tasks` (expanded)."""
     from .tasks import expand
 
     return set(expand(tasks)) <= set(read_results(path).get("tasks", {}))

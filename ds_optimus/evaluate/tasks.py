@@ -1,7 +1,5 @@
-"""Which tasks to run: lm-eval's own names, Optimus' suite (`mula-suite`), YAML files of the user's,
-and `pydoc_cloze`, a small multiple-choice task made here from the embedded corpus, so that a run
-can be scored with nothing downloaded (a smoke test of the pipeline, not a benchmark: its sentences
-come from the corpus the tiny presets train on)."""
+"""Which tasks to run: lm-eval's names, Optimus' `mula-suite`, the user's YAML files, and `pydoc_cloze`, made from
+the embedded corpus so that a run is scored with nothing downloaded (a smoke test: the tiny presets train on it)."""
 
 from __future__ import annotations
 
@@ -48,10 +46,8 @@ def expand(tasks: list[str]) -> list[str]:
 
 
 def write_pydoc_cloze(folder: Path, items: int = 200, seed: int = 0) -> Path:
-    """Write the `pydoc_cloze` task (its YAML and JSONL, the data path absolute, as lm-eval resolves
-    it against the working directory) into `folder`; returns the folder. Each item is the first two
-    thirds of a sentence of the Python reference manual, to be completed by its own last third
-    among four (the other three are the endings of other sentences); deterministic in `seed`."""
+    """Write the `pydoc_cloze` task (YAML and JSONL) into `folder`, returned: each item completes the first two
+    thirds of a manual sentence with its own ending among four; deterministic in `seed`."""
     from ..data.documents import embedded_documents
 
     sentences = []
@@ -78,5 +74,6 @@ def write_pydoc_cloze(folder: Path, items: int = 200, seed: int = 0) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     data = folder / "pydoc_cloze.jsonl"
     data.write_text("\n".join(lines) + "\n")
+    # the data path absolute: lm-eval resolves it against the working directory
     (folder / "pydoc_cloze.yaml").write_text(_YAML.format(data=json.dumps(str(data.resolve()))))
     return folder

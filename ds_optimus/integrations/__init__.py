@@ -1,27 +1,10 @@
 """Every change ds_optimus makes to DeepSpeed, accelerate, Transformers and PyTorch, in one place.
 
-`import ds_optimus` installs them as each library is imported (`ds_optimus/__init__.py`'s import
-hook), so that a DeepSpeed config with an `optimus` section works under `deepspeed.initialize`, the
-Hugging Face Trainer and `accelerate launch` alike. Modules:
-
-- `deepspeed_engine`: DeepSpeed's engine (expert parallelism from the config, DeepSpeed's MoE
-  handling for ds_optimus' experts, the EP-aware sharded optimizer as its ZeRO optimizer, its
-  checkpoints), and the engine state of ds_optimus' per-rank checkpoints.
-- `deepspeed_ops`: where DeepSpeed's JIT-built ops are kept and which are built; the CPU backend's
-  shared-memory workspace; ds_optimus' own op registered with DeepSpeed's op builders and `ds_report`.
-- `build_lock`: PyTorch's lock on an op's build folder, taken over when its builder died.
-- `deepspeed_config`: the DeepSpeed part of a config checked against the keys the installed
-  DeepSpeed reads.
-- `deepspeed_version`: the DeepSpeed versions these were tested with.
-- `accelerate`: its DeepSpeed plugin leaves the `optimus` section alone; `get_state_dict` gathers
-  every expert of an expert-parallel model.
-- `transformers`: the Mula Auto classes and experts implementation (public registration APIs).
-
-`PATCHES` lists every upstream callable that is replaced, with why and the signature it had when
-the replacement was written; `tests/test_integrations.py` fails when an upstream signature differs,
-so an upgrade that changes what is patched is noticed before it misbehaves. A replaced DeepSpeed
-method runs DeepSpeed's own code unchanged for an engine whose config has no `optimus` section and
-whose model holds nothing of ds_optimus.
+`import ds_optimus` installs them as each library is imported, so that a config with an `optimus` section works under
+`deepspeed.initialize`, the Hugging Face Trainer and `accelerate launch` alike. `PATCHES` lists each replaced
+upstream callable with why and the signature it had; `tests/test_integrations.py` fails when one differs. A replaced
+DeepSpeed method runs DeepSpeed's own code for an engine whose config has no `optimus` section and whose model holds
+nothing of ds_optimus.
 """
 
 from __future__ import annotations

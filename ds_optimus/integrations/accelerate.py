@@ -1,13 +1,4 @@
-"""accelerate, patched for the `optimus` section and for expert-parallel models. Written against
-accelerate 1.x (the versions tested: see `ds_optimus.integrations.PATCHES`):
-
-- `DeepSpeedPlugin.deepspeed_config_process` fills every `"auto"` of a DeepSpeed config from the
-  Trainer's arguments and stops at one it has no value for (`optimus.moe.experts_backend not found
-  in kwargs`); the `optimus` section is this library's, so its walk skips it (`skip_optimus_section`).
-- `Accelerator.get_state_dict` of an expert-parallel model under DeepSpeed gathers every expert over
-  the EP group, instead of returning this rank's shard (`gather_experts_in_state_dict`); a model
-  without ds_optimus experts goes to accelerate's own method unchanged.
-"""
+"""accelerate 1.x, patched for the `optimus` section and expert-parallel models (`integrations.PATCHES`)."""
 
 from __future__ import annotations
 
@@ -15,8 +6,8 @@ import sys
 
 
 def skip_optimus_section() -> None:
-    """Make accelerate's DeepSpeed plugin leave the `optimus` section alone (idempotent; needs
-    `accelerate.utils.dataclasses` imported)."""
+    """Make accelerate's DeepSpeed plugin skip the `optimus` section, whose "auto" values it would stop at
+    (idempotent; needs `accelerate.utils.dataclasses` imported)."""
     plugin = getattr(sys.modules.get("accelerate.utils.dataclasses"), "DeepSpeedPlugin", None)
     original = getattr(plugin, "deepspeed_config_process", None)
     if original is None or getattr(original, "skips_optimus", False):
@@ -37,7 +28,8 @@ def skip_optimus_section() -> None:
 
 
 def gather_experts_in_state_dict() -> None:
-    """Hook `Accelerator.get_state_dict` (idempotent; needs `accelerate.accelerator` imported)."""
+    """Make `Accelerator.get_state_dict` gather every expert of an expert-parallel DeepSpeed model
+    (idempotent; needs `accelerate.accelerator` imported)."""
     accelerator_class = sys.modules["accelerate.accelerator"].Accelerator
     original = accelerator_class.get_state_dict
     if getattr(original, "gathers_experts", False):

@@ -1,12 +1,7 @@
 """PyTorch's lock on an op's build folder, safe against a builder that dies mid-build.
 
-`torch.utils.cpp_extension` creates `<build folder>/lock` for a build and removes it when done. A
-process killed while building (a job's time limit, an OOM kill, Ctrl-C, a lost node) leaves the file,
-and every later run in that environment waits on it forever, silently. `OwnedBaton` (PyTorch's
-`FileBaton`, replaced) writes its holder beside the lock (`lock.owner`: host, pid) and refreshes that
-file while it builds. A waiter takes the lock over when the holder is a process of this host that has
-ended, or when the holder's file has gone `STALE_AFTER_S` without a refresh (a holder on a lost node).
-A lock with no owner file (taken outside ds_optimus) is waited on, and named after `NOTICE_AFTER_S`.
+`OwnedBaton` records its holder in `lock.owner` (host, pid), refreshed while building; a waiter takes over a lock
+whose holder ended on this host or stopped refreshing (`STALE_AFTER_S`) instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -31,7 +26,7 @@ POLL_S = 1.0
 
 
 class StaleBuildLock(RuntimeError):
-    """A build lock left by a builder that ended; it has been removed, so the build can start again."""
+    """A build lock whose builder ended; removed, so the build can start again."""
 
 
 def _alive(pid: int) -> bool:
@@ -45,8 +40,7 @@ def _alive(pid: int) -> bool:
 
 
 def _owner(lock: str) -> tuple[dict | None, tuple | None]:
-    """(the holder's record, what identifies this version of its file: inode, modification time, text);
-    (None, None) without one. A refresh changes the time, a new holder the text."""
+    """The holder's record and its file's (inode, mtime, text), or (None, None)."""
     try:
         with open(lock + ".owner") as f:
             status, text = os.fstat(f.fileno()), f.read()
@@ -60,8 +54,7 @@ def _describe(owner: dict) -> str:
 
 
 class OwnedBaton(FileBaton):
-    """`FileBaton` whose holder is recorded beside the lock and refreshed while it holds it, so that a
-    lock whose holder ended is taken over instead of waited on forever."""
+    """`FileBaton` that records its holder beside the lock (see the module)."""
 
     __wrapped__ = FileBaton  # the class it replaces in torch.utils.cpp_extension (ds_optimus.integrations.PATCHES)
     stale_after_s = STALE_AFTER_S
@@ -95,7 +88,7 @@ class OwnedBaton(FileBaton):
         super().release()
 
     def wait(self) -> None:
-        """Until the lock is gone; raises `StaleBuildLock` (having removed the lock) when its holder ended."""
+        """Wait until the lock is gone; raises `StaleBuildLock` (lock removed) when its holder ended."""
         start = changed = time.monotonic()
         seen, noticed = None, False
         while os.path.exists(self.lock_file_path):
@@ -122,16 +115,13 @@ class OwnedBaton(FileBaton):
             time.sleep(max(self.wait_seconds, POLL_S))
 
     def _take_over(self, stamp: tuple | None) -> bool:
-        """Remove the lock and its owner file if the owner file is still the stale one seen (`stamp`):
-        waiters that found it stale together take turns under a file lock, so that only the first
-        removes it, and none removes the lock of a builder that took it since. False where another
-        waiter was first or file locks are unavailable (the waiting goes on)."""
+        """Remove the lock if its owner file is still the stale one seen (`stamp`); False otherwise."""
         try:
             guard = os.open(self.lock_file_path + ".take", os.O_CREAT | os.O_RDWR, 0o644)
         except OSError:
             return False
         try:
-            fcntl.flock(guard, fcntl.LOCK_EX)
+            fcntl.flock(guard, fcntl.LOCK_EX)  # only the first waiter removes it, never a newer builder's lock
             if _owner(self.lock_file_path)[1] != stamp or not os.path.exists(self.lock_file_path):
                 return False
             os.remove(self.lock_file_path + ".owner")
@@ -144,8 +134,7 @@ class OwnedBaton(FileBaton):
 
 
 def forget_build(name: str) -> None:
-    """Let the next `torch.utils.cpp_extension.load` of `name` in this process build it: the first call,
-    which found the stale lock, recorded its sources as built (they were not)."""
+    """Let this process's next `cpp_extension.load` of `name` build it (the stale-lock call recorded it built)."""
     import torch.utils.cpp_extension as cpp_extension
 
     cpp_extension.JIT_EXTENSION_VERSIONER.entries.pop(name, None)

@@ -1,8 +1,6 @@
-"""DeepSpeed's part of a config checked against the keys the installed DeepSpeed reads: a key it
-would skip without a word (top level: `gradient_clippng` trains without clipping) or refuse with a
-pydantic traceback (inside its validated sections) is a one-line ConfigError naming the closest
-known key. The keys are learned by letting DeepSpeed's own `DeepSpeedConfig` read the config
-through a dict that records every key asked for, so they follow the installed version."""
+"""DeepSpeed's part of a config checked against the keys the installed DeepSpeed reads, learned by letting its own
+`DeepSpeedConfig` read the config through a dict that records every key asked for.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +11,7 @@ _KEYS_READ_ELSEWHERE = ("optimus", "sequence_parallel_size", "data_parallel_size
 
 
 class _ReadRecorder(dict):
-    """A dict that records every key asked for (present or not), so the keys a reader knows can be
-    learned by letting it read."""
+    """A dict that records every key asked for, present or not."""
 
     def __init__(self, data, seen: set) -> None:
         super().__init__(data)
@@ -47,11 +44,9 @@ class _ReadRecorder(dict):
 
 
 def check_config_keys(ds_config: dict) -> None:
-    """Refuse, in one ConfigError naming the key and the closest one DeepSpeed knows, a key the
-    installed DeepSpeed would ignore (top level: DeepSpeed reads the keys it knows and skips the
-    rest, so `gradient_clippng` trains without clipping) or refuse with a traceback (inside its
-    validated sections, e.g. `zero_optimization.stagee`); and any other value `DeepSpeedConfig`
-    refuses. The keys are learned by letting the installed `DeepSpeedConfig` read the config."""
+    """One ConfigError naming the closest known key for a key the installed DeepSpeed would ignore (top level:
+    `gradient_clippng` trains without clipping) or refuse with a traceback (inside its validated sections); and for
+    any other value `DeepSpeedConfig` refuses."""
     import difflib
 
     import pydantic

@@ -1,29 +1,11 @@
-"""DeepSpeed's engine, patched so that a config's `optimus` section works however
-`deepspeed.initialize` is reached (`ds_optimus.train`, the Hugging Face Trainer through accelerate,
-`accelerate launch`, a script). Written against DeepSpeed 0.19.8 (`TESTED_VERSIONS`); every method
-replaced here is listed with its reason and upstream signature in `ds_optimus.integrations.PATCHES`,
-and `tests/test_integrations.py` fails when one of those signatures changes upstream.
+"""DeepSpeed's engine, patched so that a config's `optimus` section works however `deepspeed.initialize`
+is reached (`ds_optimus.train`, the HF Trainer through accelerate, a script). Written against DeepSpeed 0.19.8
+(`TESTED_VERSIONS`); each replaced method is listed with its reason in `ds_optimus.integrations.PATCHES`.
 
-An engine is left exactly as DeepSpeed built it (no patched code path runs beyond the check) unless
-its config has an `optimus` section or its model holds ds_optimus' expert-parallel experts or a
-Mula router bias. Otherwise:
-
-- The section's `moe`, `expert_parallel` and `sharded_optimizer` are applied by the engine to the
-  model it is given: the experts backend, expert parallelism where the model is not yet
-  expert-parallel (reported to DeepSpeed as a module replacement, so the parameter lists and the
-  client optimizer built before it are re-pointed at the shards), expert parameters split into
-  DeepSpeed's `moe` param groups, and the router-bias update after each optimizer step.
-- DeepSpeed enables its MoE gradient handling only for its own `deepspeed.moe.layer.MoE` modules:
-  the EP/EDP groups the model's experts declare (`expert_groups`, set by `apply_expert_parallel`)
-  are registered in DeepSpeed's group registry under its name ``ep_size_{P}`` (which ZeRO looks up
-  through a parameter's `group_name`) and the handling is enabled, so DeepSpeed's own ZeRO-1/2
-  reduce expert gradients over the EDP group.
-- With `optimus.sharded_optimizer.enabled`, the engine builds the EP-aware sharded optimizer
-  (`ds_optimus.optim.sharded`, pure PyTorch, adapted here as a DeepSpeed `ZeROOptimizer`) where it
-  would build its ZeRO stage 1/2 (or BF16) optimizer, and `save_checkpoint`/`load_checkpoint` write
-  and read ds_optimus' layout-independent checkpoints; DeepSpeed's own checkpoints of an
-  expert-parallel model are refused (they would hold one rank's experts for all).
-- `set_gradient_clipping` switches clipping in place (the engine's private config).
+An engine is left as DeepSpeed built it unless its config has an `optimus` section or its model holds
+ds_optimus' expert-parallel experts or a Mula router bias. Then it applies the section's `moe`, `expert_parallel`
+and `sharded_optimizer`, registers the experts' EP/EDP groups as DeepSpeed's ``ep_size_{P}`` MoE groups, and
+routes checkpoints to ds_optimus' (refusing DeepSpeed's own for an expert-parallel model).
 """
 
 from __future__ import annotations
@@ -60,11 +42,10 @@ def register_expert_groups(groups) -> None:
     ds_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[groups.name] = list(groups.edp_ranks)
 
 
+# the core's name kept: the engine's optimizer reports itself as "ShardedOptimizer"
 class ShardedOptimizer(sharded.ShardedOptimizer, ZeROOptimizer):
-    """The EP-aware sharded optimizer as DeepSpeed's engine drives it: a `ZeROOptimizer`, so the
-    engine runs its backward through it (`backward_prologue`/`epilogue`, PyTorch-style
-    `loss.backward()` through the backward-hook state manager) and every gradient hook reports to
-    that manager. It keeps the core's name: the engine's optimizer reports itself as "ShardedOptimizer"."""
+    """The sharded optimizer as a DeepSpeed `ZeROOptimizer`: the engine runs backward through it, and its
+    gradient hooks report to the backward-hook state manager."""
 
     def __init__(self, init_optimizer, **kwargs) -> None:
         ZeROOptimizer.__init__(self)  # the backward-hook state manager and the boundary flag
@@ -105,16 +86,14 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def optimus_given(engine) -> dict | None:
-    """The `optimus` section of the engine's config as written, or None without one (also for an
-    engine whose config is not DeepSpeed's, as in DeepSpeed's own unit tests)."""
+    """The `optimus` section of the engine's config as written, or None (also for a non-DeepSpeed config)."""
     params = getattr(getattr(engine, "_config", None), "_param_dict", None)
     section = params.get("optimus") if isinstance(params, dict) else None
     return section if isinstance(section, dict) else None
 
 
 def engine_section(engine) -> EngineSection:
-    """The engine's `optimus` section, parsed once (a bad key or value there is a one-line ConfigError);
-    the defaults without one."""
+    """The engine's `optimus` section, parsed once (the defaults without one)."""
     given = optimus_given(engine)
     if given is None:
         return EngineSection.of({})
@@ -133,14 +112,12 @@ def sharded_optimizer_settings(engine):
 
 
 def ours(engine, model) -> bool:
-    """Whether ds_optimus has anything to do with this engine: an `optimus` section in its config, or
-    a model holding ds_optimus' expert-parallel experts or a Mula router bias."""
+    """Whether ds_optimus handles this engine: an `optimus` section, expert-parallel experts or a router bias."""
     return optimus_given(engine) is not None or bool(expert_layouts(model)) or uses_router_bias(model)
 
 
 def build_sharded_optimizer(engine, basic_optimizer, settings) -> ShardedOptimizer:
-    """The engine's `ShardedOptimizer` over `basic_optimizer`'s param groups, sharding expert
-    parameters over the expert-parallel layouts the engine's model declares."""
+    """The engine's `ShardedOptimizer` over `basic_optimizer`'s param groups and the model's expert layouts."""
     stage = int(engine.zero_optimization_stage())
     if stage not in (1, 2):
         raise ConfigError(f"optimus.sharded_optimizer needs zero_optimization.stage 1 or 2, got {stage}")
@@ -251,10 +228,8 @@ def _configure_expert_parallel(self, model, collect_sources=None):
 
 
 def split_expert_param_groups(optimizer) -> None:
-    """Move expert parameters out of `optimizer`'s param groups into DeepSpeed's `moe` groups (one per
-    expert layout, keeping the group's settings), unless some group is already one: what an
-    optimizer built over `model.parameters()` (the Hugging Face Trainer's) needs for expert
-    parallelism. In place; the optimizer must not have stepped yet."""
+    """Move expert parameters into DeepSpeed's `moe` param groups (one per layout), in place, before any step;
+    a no-op if a `moe` group exists."""
     if any(group.get("moe") for group in optimizer.param_groups):
         return
     kept, added = [], []
@@ -336,11 +311,7 @@ def _checkpoint_method(name):
 
 
 def install_engine_hook() -> None:
-    """Make DeepSpeed's engine apply the config's `optimus` section to its model, treat ds_optimus
-    expert-parallel experts as MoE layers (registering the groups they declare), build the sharded
-    optimizer when the config enables it, route its checkpoints to ds_optimus, and refuse
-    DeepSpeed's own checkpoints of expert-parallel models (idempotent). Each replacement keeps
-    DeepSpeed's method as `__wrapped__`."""
+    """Patch DeepSpeed's engine (idempotent); each replacement keeps DeepSpeed's method as `__wrapped__`."""
     check_version()
     replacements = {
         "expert_parallel": _configure_expert_parallel,
@@ -359,7 +330,7 @@ def install_engine_hook() -> None:
 
 
 def set_gradient_clipping(engine, value: float) -> None:
-    """Clip the global gradient norm at `value` (0: not at all) from the engine's next step on."""
+    """Clip the global gradient norm at `value` (0: off) from the engine's next step on."""
     engine._config.gradient_clipping = float(value)  # what engine.gradient_clipping() returns
     optimizer = getattr(engine, "optimizer", None)
     if hasattr(optimizer, "clip_grad"):  # ZeRO-1/2, BF16, FP16 and the sharded optimizer

@@ -1,17 +1,6 @@
-"""DeepSpeed's compiled ops and its CPU communication backend, as ds_optimus runs them. Written
-against DeepSpeed 0.19.8 (listed in `ds_optimus.integrations.PATCHES`):
-
-- `prepare_op_builds`: DeepSpeed's JIT-built ops are kept per Python environment (two environments
-  would otherwise rebuild each other's ops in turn in PyTorch's one shared folder), the ones training
-  never calls are not built, a build is said in one line before its minutes start
-  (`OpBuilder.jit_load` wrapped), and a build folder's lock left by a builder that died is taken
-  over (`build_lock`).
-- `release_shm_workspace`: the CPU backend's shared-memory workspace, which DeepSpeed never removes,
-  is unlinked once every rank has mapped it.
-- `register_ops`: ds_optimus' own op (`moe_routing`, the routing/gather/combine kernels,
-  `ds_optimus.ops.op_builder`) joins DeepSpeed's: `get_accelerator().create_op_builder(
-  "MoERoutingBuilder")` returns its builder for the accelerator (each accelerator's `get_op_builder`
-  wrapped), `ds_report` lists it (`ALL_OPS`), and a build at install counts as installed there.
+"""DeepSpeed's compiled ops and CPU communication backend as ds_optimus runs them (DeepSpeed 0.19.8, see
+`ds_optimus.integrations.PATCHES`): per-environment, announced op builds (`prepare_op_builds`), the CPU backend's
+shared-memory workspace unlinked (`release_shm_workspace`), ds_optimus' `moe_routing` op registered (`register_ops`).
 """
 
 from __future__ import annotations
@@ -50,16 +39,14 @@ ACCELERATORS = (
 
 
 def extensions_dir() -> Path:
-    """Where this Python environment keeps DeepSpeed's compiled ops: a folder of its own, so that two
-    environments do not rebuild each other's ops in turn, as in PyTorch's one shared default folder."""
+    """This environment's own folder for DeepSpeed's compiled ops, so environments do not rebuild each other's."""
     key = hashlib.sha256(f"{sys.prefix}|{torch.__version__}|{deepspeed.__version__}".encode()).hexdigest()[:10]
     return Path.home() / ".cache" / "torch_extensions" / f"ds_optimus-{Path(sys.prefix).name}-{key}"
 
 
 def prepare_op_builds(say=None) -> None:
-    """Before DeepSpeed builds or loads its ops: keep them per environment (`TORCH_EXTENSIONS_DIR`,
-    unless set), skip those training never calls (`UNNEEDED_OPS`), and say in one line (`say`, on
-    rank 0) what is being compiled and why before a build starts. Idempotent."""
+    """Keep op builds per environment, skip `UNNEEDED_OPS`, take over stale build locks, and `say` (rank 0) what
+    compiles and why. Idempotent."""
     from deepspeed.ops.op_builder.builder import OpBuilder
 
     check_version()
@@ -105,11 +92,7 @@ def prepare_op_builds(say=None) -> None:
 
 
 def release_shm_workspace() -> None:
-    """Remove the name of this rank's shared-memory workspace that DeepSpeed's CPU communication
-    backend creates when all ranks share a host (/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_
-    <port>_<rank>, 69 MB) and never removes: every run on a new port would leave one per rank behind,
-    until /dev/shm (RAM) is full. Every rank maps every other rank's workspace while the backend
-    starts, so after a barrier the names can go; the mappings stay valid. Collective; CPU only."""
+    """Unlink this rank's 69 MB /dev/shm workspace of DeepSpeed's CPU backend (never removed). Collective; CPU only."""
     from deepspeed.accelerator import get_accelerator
 
     if not dist.is_initialized() or get_accelerator().device_name() != "cpu":
@@ -118,7 +101,7 @@ def release_shm_workspace() -> None:
         f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
         f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}"
     )
-    dist.barrier()
+    dist.barrier()  # every rank has mapped every other's workspace by now; the mappings outlive the names
     try:
         os.unlink(name)
     except FileNotFoundError:
@@ -145,8 +128,7 @@ def _wrap_get_op_builder(cls) -> None:
 
 
 def register_ops() -> None:
-    """Make ds_optimus' op one of DeepSpeed's: found by every accelerator's op lookup, listed by
-    `ds_report` (`deepspeed.env_report`), installed there when built at install. Idempotent."""
+    """Make ds_optimus' op one of DeepSpeed's: in every accelerator's op lookup and in `ds_report`. Idempotent."""
     import importlib
     import importlib.util
 

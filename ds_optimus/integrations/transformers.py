@@ -1,15 +1,10 @@
-"""Transformers, extended through its public registration APIs (no patch of its code): the Mula
-models with the Auto classes, and the dropless MoE layer with its experts interface. Written against
-Transformers 5.17 to 5.x (`setup.py` pins the major version).
-"""
+"""Registers Mula with Transformers' public APIs (no patching); for Transformers 5.17 to 5.x."""
 
 from __future__ import annotations
 
 
 def register_mula() -> None:
-    """Register Mula with `AutoConfig`, `AutoModel` and `AutoModelForCausalLM` (and for `auto_map`,
-    so a saved folder also loads with trust_remote_code=True where ds_optimus is not installed), and
-    the MoE experts path with Transformers' experts interface as "ds_optimus"."""
+    """Register Mula with the Auto classes and the MoE experts path as "ds_optimus"."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     from ..hf_models.mula import MulaConfig, MulaForCausalLM, MulaModel

@@ -1,5 +1,4 @@
-"""Starting runs on clusters: the world from whichever launcher started a process (`environment`),
-host lists as schedulers write them (`hosts`), and job scripts for PBS and Slurm (`jobs`)."""
+"""Starting runs on clusters: the launcher's world (`environment`), host lists (`hosts`), PBS/Slurm scripts (`jobs`)."""
 
 from .environment import LaunchError, World, adopt, detect
 

@@ -1,26 +1,8 @@
-"""Which launcher started this process, and the world it belongs to (a leaf: the standard library
-and `hosts` only).
+"""Which launcher started this process, and its world (a leaf: the standard library and `hosts` only).
 
-torch.distributed forms a world from `RANK`, `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT` (its
-`env://` rendezvous, a TCP store served by rank 0). The `deepspeed` launcher and torchrun set them;
-MPI launchers and srun set their own variables instead. `adopt()` reads whichever launcher's
-variables are there and writes torch's, so every entry point forms its world the same way:
-
-    launcher                         rank / size                        local rank / size
-    deepspeed launcher, torchrun     RANK / WORLD_SIZE                  LOCAL_RANK / LOCAL_WORLD_SIZE
-    Open MPI (mpirun, prterun)       OMPI_COMM_WORLD_RANK / _SIZE       OMPI_COMM_WORLD_LOCAL_RANK / _SIZE
-    Cray PALS (mpiexec on Aurora)    PALS_RANKID / PALS_SIZE, PMI_SIZE  PALS_LOCAL_RANKID / PALS_LOCAL_SIZE
-    MPICH, Intel MPI (Hydra)         PMI_RANK / PMI_SIZE                MPI_LOCALRANKID / MPI_LOCALNRANKS
-    Slurm (srun)                     SLURM_PROCID / SLURM_STEP_NUM_TASKS  SLURM_LOCALID / SLURM_STEP_TASKS_PER_NODE
-    PMIx launchers                   PMIX_RANK / PMIX_SIZE, PMI_SIZE    PMIX_LOCAL_RANK / PMIX_LOCAL_SIZE
-
-The first launcher of the table whose rank variable is set is the one used (torchrun started by
-srun: torchrun's; srun's variables then describe the allocation, not the world). Rank 0's host is
-`MASTER_ADDR` where set; else 127.0.0.1 when the whole world runs on this host; else the first host
-of the job (Slurm's node list, PBS's node file, or `DS_OPTIMUS_HOSTFILE`), which rank 0 checks is
-its own. The port is `MASTER_PORT` where set, else derived from the job's id (every rank of a job
-derives the same one, and two jobs sharing a node rarely collide), else from the launcher's process
-on a single host. What cannot be worked out is one line naming the variables seen.
+`adopt()` reads the variables of whichever launcher in `LAUNCHERS` is there and writes torch's `env://` ones.
+Rank 0's host: `MASTER_ADDR`, else 127.0.0.1 on one host, else the job's first host; the port: `MASTER_PORT`,
+else derived from the job id, else from the launcher's pid on one host.
 """
 
 from __future__ import annotations
@@ -50,6 +32,7 @@ class Launcher:
     mpi: bool = True  # an MPI process manager (their variables must agree where several are set)
 
 
+# The first whose rank variable is set wins (torchrun under srun: torchrun's; srun's then describe the allocation).
 LAUNCHERS = (
     Launcher(
         "torch",
@@ -196,8 +179,7 @@ def detect(env: Mapping[str, str] | None = None) -> World:
 
 
 def _check_agreement(env, chosen: Launcher, present: list[Launcher], rank: int, size: int, seen: list[str]) -> None:
-    """Where several MPI process managers' variables are set (PALS sets PMI_RANK too), they must
-    describe the same process; srun's, under an MPI launcher, describe the allocation instead."""
+    """Where several MPI process managers' variables are set (PALS sets PMI_RANK too), they must agree."""
     if not chosen.mpi:
         return
     for other in present[1:]:
@@ -214,9 +196,7 @@ def _check_agreement(env, chosen: Launcher, present: list[Launcher], rank: int, 
 
 
 def job_hosts(env: Mapping[str, str] | None = None) -> tuple[list[str], str] | None:
-    """The hosts of the launch in order and where they came from: srun's step node list, the file
-    `DS_OPTIMUS_HOSTFILE` names (the supervisor's, for each attempt), Slurm's job node list, PBS's
-    node file; None where the job gives none."""
+    """The launch's hosts in order and where they came from, or None where the job gives none."""
     env = os.environ if env is None else env
     try:
         # the launch step's own nodes first (srun's; the supervisor's host file of the attempt), then
@@ -286,9 +266,8 @@ def rendezvous(world: World, env: Mapping[str, str] | None = None) -> tuple[str,
 
 
 def adopt(env: MutableMapping[str, str] | None = None) -> World:
-    """Write torch's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT) from whichever launcher started this process, and return its world. Without a
-    launcher nothing is written (the caller forms a world of one). Idempotent."""
+    """Write torch's variables from whichever launcher started this process and return its world.
+    Idempotent; without a launcher nothing is written."""
     env = os.environ if env is None else env
     world = detect(env)
     if world.launcher == "none":
@@ -317,8 +296,7 @@ def adopt(env: MutableMapping[str, str] | None = None) -> World:
 
 
 def _check_resolves(address: str, how: str, env: Mapping[str, str]) -> None:
-    """One line here, before the process group's own retries and warnings, where rank 0's host from
-    the job's host list is a name this host cannot resolve."""
+    """Fail in one line, before the process group's retries, if rank 0's host does not resolve here."""
     try:
         socket.getaddrinfo(address, None)
     except OSError as err:
@@ -329,8 +307,7 @@ def _check_resolves(address: str, how: str, env: Mapping[str, str]) -> None:
 
 
 def open_files_for(world_size: int) -> None:
-    """Rank 0's TCP store holds one connection per rank: raise this process's open-file limit to
-    cover them (the soft limit is often 1,024), or say in one line that the hard limit is too low."""
+    """Raise the open-file limit to cover rank 0's TCP store (a connection per rank), or fail if the hard one is low."""
     try:
         import resource
     except ImportError:  # not a POSIX system
@@ -350,8 +327,7 @@ BIND_VARIABLE = "DS_OPTIMUS_CPU_BIND"  # "1": each local rank bound to its share
 
 
 def core_share(cores: list[int], local_rank: int, local_size: int) -> list[int]:
-    """Local rank `local_rank`'s contiguous share of `cores` (split evenly; the first ranks take one
-    more where they do not divide)."""
+    """`local_rank`'s contiguous, even share of `cores` (the first ranks take one more where they do not divide)."""
     cores = sorted(cores)
     base, extra = divmod(len(cores), max(1, local_size))
     if base == 0:
@@ -361,8 +337,7 @@ def core_share(cores: list[int], local_rank: int, local_size: int) -> list[int]:
 
 
 def bind_cpus(local_rank: int, local_size: int, env: Mapping[str, str] | None = None) -> list[int] | None:
-    """With DS_OPTIMUS_CPU_BIND=1 (for launchers that do not bind, as mpiexec's --cpu-bind and
-    srun's --cpu-bind do), bind this process to its share of the cores it may use; returns them."""
+    """With DS_OPTIMUS_CPU_BIND=1 (for launchers that do not bind), bind to this rank's share of cores; returns it."""
     env = os.environ if env is None else env
     if env.get(BIND_VARIABLE, "") not in ("1", "true", "auto") or not hasattr(os, "sched_setaffinity"):
         return None

@@ -1,8 +1,5 @@
-"""Host lists as job schedulers write them (a leaf: the standard library only).
-
-Slurm's compressed node lists (`nid[001-003,007],login2`), PBS's node file (one line per rank slot,
-hosts repeated), and plain hostfiles (`host slots=N` as the deepspeed launcher and Open MPI read
-them, or `host:N` as MPICH's Hydra does) all become the ordered list of distinct hosts.
+"""Host lists as job schedulers write them (Slurm node lists, PBS node files, hostfiles), as the ordered list
+of distinct hosts. A leaf: the standard library only.
 """
 
 from __future__ import annotations
@@ -12,12 +9,11 @@ from pathlib import Path
 
 
 class HostListError(ValueError):
-    """A host list that cannot be read; the message names it, in one line."""
+    """A host list that cannot be read (a one-line message naming it)."""
 
 
 def expand_slurm_hostlist(text: str) -> list[str]:
-    """`"nid[001-003,007],gpu-a[1-2]-b"` -> `["nid001", "nid002", "nid003", "nid007", "gpu-a1-b", "gpu-a2-b"]`:
-    ranges keep their zero padding; several bracket groups in one name are expanded left to right."""
+    """`"nid[08-10,7],b"` -> `["nid08", "nid09", "nid10", "nid7", "b"]`; bracket groups expand left to right."""
     hosts: list[str] = []
     for name in _split_top_level(text.strip()):
         hosts.extend(_expand_one(name, text))
@@ -61,14 +57,12 @@ def _expand_one(name: str, whole: str) -> list[str]:
 
 
 def short_host(host: str) -> str:
-    """`x4102c5s3b0n0.hostmgmt.example.gov` -> `x4102c5s3b0n0`: node files often hold full names
-    where `gethostname()` gives the short one (or the other way round)."""
+    """`x4102c5s3b0n0.hostmgmt.example.gov` -> `x4102c5s3b0n0` (node files and `gethostname()` may differ)."""
     return host.split(".", 1)[0]
 
 
 def read_hostfile(path: str | Path) -> list[str]:
-    """The distinct hosts of a PBS node file, a deepspeed/Open MPI hostfile (`host slots=N`) or an
-    MPICH one (`host:N`), in their order; `#` comments and blank lines are skipped."""
+    """The distinct hosts, in order, of a PBS node file or a `host slots=N` or `host:N` hostfile."""
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as err:

@@ -2,10 +2,7 @@
 ds_optimus.launch.simulate --hostfile F --ppn P -- COMMAND...` starts P ranks for each host of F with
 MPICH's variables (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS), the host's name as
 DS_OPTIMUS_HOST (logs, fault records and host lists name it) and the rendezvous on the loopback, since
-the names resolve nowhere. The supervisor's host files and left-out nodes work as on a cluster.
-
-When a rank fails the others are stopped as mpiexec and srun stop them: SIGTERM (each says its last
-word), then SIGKILL after `--kill-after` seconds; the failed rank's status is this command's."""
+the names resolve nowhere. The supervisor's host files and left-out nodes work as on a cluster."""
 
 from __future__ import annotations
 
@@ -90,6 +87,7 @@ def run(hosts: list[str], ppn: int, command: list[str], kill_after: float = 30.0
 
 
 def _stop(procs: list[subprocess.Popen], kill_after: float) -> None:
+    # as mpiexec and srun stop ranks: SIGTERM (each says its last word), then SIGKILL
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)

@@ -1,8 +1,5 @@
-"""The dropless MoE layer: routing plans, token permutation, grouped experts backends, the layer.
-
-The router itself is the Mula router (`MulaTopKRouter`: softmax or sigmoid top-k, DeepSeek-V3 bias
-balancing) and its losses (`router_losses`: load balance per micro-batch or global batch, z-loss,
-token counts), re-exported here; the model code keeps the one definition.
+"""The dropless MoE layer: routing plans, token permutation, grouped experts backends, the layer; the router and its
+losses come from the Mula model code.
 """
 
 from ..hf_models.mula.modeling_mula import MulaTopKRouter as TopKRouter

@@ -1,23 +1,9 @@
 """Grouped SwiGLU experts over stacked weights, through a backend chosen per device and dtype.
 
-Every backend computes, for rows `x [S, H]` already sorted by expert with `counts [E]` rows each,
-`y = down_e(act(gate_e(x)) * up_e(x))` using `gate_up [E, 2I, H]` (gate rows first) and
-`down [E, H, I]`:
-
-- ``reference``: one plain autograd matmul pair per expert. Obviously correct; the test oracle.
-- ``grouped_mm``: `torch.nn.functional.grouped_mm` (or `torch._grouped_mm`) for the forward and for
-  both gradients (the weight gradient is a grouped GEMM with ragged K), with a hand-written backward
-  that recomputes the activation from the saved pre-activation instead of keeping it.
-- ``looped``: a hand-written forward/backward with one dense matmul per expert writing into
-  preallocated outputs, for devices and dtypes that have no grouped GEMM kernel (e.g. float32 on
-  CUDA) and for sizes the grouped kernels cannot take.
-- ``triton``: the Triton kernels of `ds_optimus.ops` (GPUs with Triton installed; chosen
-  automatically there). With no expert parallelism and no capacity limit the layer runs its fused
-  form, gather + experts + weighted combine in one op (`Backend.fused`).
-- further backends register with `register_backend`.
-
-`DS_OPTIMUS_EXPERTS_BACKEND=<name>` forces a backend everywhere, over any per-layer or config
-choice (e.g. ``reference`` to debug).
+Each computes `y = down_e(act(gate_e(x)) * up_e(x))` for expert-sorted rows `x [S, H]` (`counts [E]`),
+`gate_up [E, 2I, H]` (gate rows first) and `down [E, H, I]`: ``reference`` (the test oracle),
+``grouped_mm``, ``looped``, ``triton`` (with a fused form) or any `register_backend` adds.
+`DS_OPTIMUS_EXPERTS_BACKEND=<name>` overrides every other choice.
 """
 
 from __future__ import annotations
@@ -62,8 +48,8 @@ def register_backend(
     automatic: Callable[[torch.device], bool] | None = None,
     fused: FusedFn | None = None,
 ) -> None:
-    """Make `fn(x, gate_up, down, counts, act)` available as experts backend `name`; `automatic`
-    says on which devices the "auto" choice may pick it, `fused` is its optional fused form."""
+    """Register `fn(x, gate_up, down, counts, act)` as backend `name`; `automatic(device)`: may "auto"
+    pick it there; `fused`: its optional fused form."""
     _BACKENDS[name] = Backend(name, fn, supports, priority, automatic or (lambda device: True), fused)
 
 
@@ -85,8 +71,7 @@ def available_backends(device: torch.device | str, dtype: torch.dtype) -> list[s
 
 
 def select_backend(device: torch.device | str, dtype: torch.dtype, requested: str | None = None) -> str:
-    """The backend to use: $DS_OPTIMUS_EXPERTS_BACKEND if set (it overrides everything, for
-    debugging), else `requested`, else the best available."""
+    """$DS_OPTIMUS_EXPERTS_BACKEND if set, else `requested`, else the best available backend."""
     requested = os.environ.get(ENV_VAR) or requested or None
     if requested is not None and requested != "auto":
         if requested not in _BACKENDS:
@@ -155,9 +140,7 @@ _GMM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 def _gmm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Grouped GEMM. With `a [S, K]` and `b [E, K, N]`: expert groups of rows of `a` times their
-    expert's matrix -> [S, N]. With `a [M, S]` and `b [S, N]`: per expert `a[:, group] @ b[group]`
-    -> [E, M, N] (ragged K, the weight gradient)."""
+    """Grouped GEMM: `a [S, K]` x `b [E, K, N]` -> [S, N], or `a [M, S]` x `b [S, N]` -> [E, M, N] (ragged K)."""
     return torch.ops.ds_optimus.grouped_mm(a, b, offsets)
 
 
@@ -177,16 +160,12 @@ def _(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
 
 
 class _LoopedSwiGLU(torch.autograd.Function):
-    """The SwiGLU experts as one dense matmul per expert, each writing into its rows of a
-    preallocated output (no concatenation), with the same recompute-in-backward as the grouped path.
-
-    Gate and up go into two separate contiguous [S, I] buffers rather than the halves of one
-    [S, 2I] buffer: element-wise kernels over the strided halves run about twice as slow on the CPU
-    in bf16, which costs more than the extra matmul call per expert."""
+    """SwiGLU experts as one dense matmul per expert into preallocated outputs; h recomputed in backward."""
 
     @staticmethod
     def forward(ctx, x, gate_up, down, sizes, act):
         inter = down.shape[-1]
+        # Two [S, I] buffers, not halves of one [S, 2I]: strided elementwise kernels run ~2x slower on CPU bf16.
         gate, up = x.new_empty(x.shape[0], inter), x.new_empty(x.shape[0], inter)
         y = x.new_empty(x.shape[0], down.shape[1])
         for e, rows in _expert_rows(sizes):
@@ -235,8 +214,7 @@ def _expert_rows(sizes: list[int]):
 
 
 def _weight_grad_buffer(weight: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """An uninitialised gradient for a stacked expert weight, zeroed only for the experts without
-    rows (the others are overwritten whole): zero-filling the whole buffer costs as much as a GEMM."""
+    """An uninitialised stacked-weight gradient, zeroed only for experts without rows (a full fill costs a GEMM)."""
     grad = torch.empty_like(weight)
     for e, n in enumerate(sizes):
         if not n:
@@ -253,7 +231,7 @@ def _glu(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
 def _glu_backward(
     gate: torch.Tensor, up: torch.Tensor, grad_h: torch.Tensor, act: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(d gate, d up, h) for h = act(gate) * up; d gate is written over `grad_h`."""
+    """(d gate, d up, h) for h = act(gate) * up; d gate overwrites `grad_h`."""
     if act == "silu":
         s = F.silu(gate)
         d_up = grad_h * s

@@ -1,10 +1,7 @@
 """The dropless MoE layer: permute, grouped experts (optionally across ranks), combine.
 
-`moe_experts_forward` is registered with Transformers' experts interface as ``"ds_optimus"``, so
-the Mula MoE block runs through it with no second model definition; `import ds_optimus` registers it
-and makes it the Mula default. Other Transformers experts modules with the same layout (gated,
-gate and up concatenated in `gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`, no biases, not
-transposed: OLMoE, Qwen-MoE, Mixtral in Transformers 5) can use it too; other layouts are refused.
+`moe_experts_forward` is Transformers' ``"ds_optimus"`` experts implementation, Mula's default after `import
+ds_optimus`; experts modules of Mula's layout (OLMoE, Qwen-MoE, Mixtral in Transformers 5) can use it too.
 """
 
 from __future__ import annotations
@@ -22,16 +19,13 @@ IMPLEMENTATION_NAME = "ds_optimus"
 
 
 def uses_router_bias(model: nn.Module) -> bool:
-    """Whether `model` (a Mula model) balances its experts with a router bias that something must
-    update once per optimizer step (`update_router_bias`)."""
+    """Whether `model` (Mula) has a router bias to update once per optimizer step (`update_router_bias`)."""
     config = getattr(model, "config", None)
     return bool(getattr(config, "num_experts", 0)) and getattr(config, "router_bias_update_rate", 0.0) > 0
 
 
 def declare_expert_attributes(module: nn.Module) -> nn.Module:
-    """Give an experts module the attributes expert parallelism sets, at their defaults (all experts
-    local, no dispatcher, no layout, automatic backend), unless it has them already; returns it.
-    `MulaExperts` declares them itself; other Transformers experts classes of the same layout do not."""
+    """Give an experts module the attributes expert parallelism sets, at their defaults unless set; returns it."""
     state = vars(module)
     state.setdefault("num_local_experts", module.num_experts)
     state.setdefault("expert_parallel", None)
@@ -41,8 +35,7 @@ def declare_expert_attributes(module: nn.Module) -> nn.Module:
 
 
 def _within_capacity(plan: RoutingPlan, top_k_index: torch.Tensor, capacity_factor: float):
-    """Which sorted positions fit in their expert's capacity (the first ones to arrive), and the
-    clamped counts."""
+    """Which sorted positions fit their expert's capacity (first come), and the clamped counts."""
     num_experts = plan.counts.numel()
     capacity = max(1, math.ceil(capacity_factor * plan.num_slots / num_experts))
     expert_of_sorted = top_k_index.reshape(-1).index_select(0, plan.order)
@@ -56,9 +49,8 @@ def moe_experts_forward(
 ) -> torch.Tensor:
     """Experts of one MoE layer on `hidden_states [T, H]` routed by `top_k_index`/`top_k_weights [T, k]`.
 
-    Dropless unless `config.moe_capacity_factor` is set. When `apply_expert_parallel` has sharded the
-    module, the tokens travel to the ranks that own their experts and back (all-to-all): once per
-    destination rank with the deduplicated dispatcher, else once per routed slot, sorted by expert.
+    Dropless unless `config.moe_capacity_factor` is set; when sharded by `apply_expert_parallel`, tokens travel
+    to their experts' ranks (all-to-all), once per destination rank with the deduplicated dispatcher.
     """
     config = self.config
     layout = {
@@ -123,13 +115,9 @@ def register_experts_implementation() -> None:
 
 
 class MoELayer(nn.Module):
-    """A standalone MoE feed-forward layer (router + SwiGLU experts) on this library's experts path.
+    """A standalone MoE feed-forward layer: a Mula MoE block built from keyword arguments.
 
-    The same modules as a Mula MoE block (`MulaTopKRouter`, `MulaExperts`), built from keyword
-    arguments; `force_uniform_routing` sends every token to fixed experts that load all equally (a
-    benchmark mode, `uniform_expert_assignment`). `forward(x [..., H])` returns `(out, aux)` with `aux`
-    holding the router logits, the chosen experts, the load-balancing and z losses, and per-expert
-    token counts.
+    `forward(x [..., H])` returns `(out, aux)`, `aux` holding router logits, chosen experts, losses and token counts.
     """
 
     def __init__(

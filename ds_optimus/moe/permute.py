@@ -1,15 +1,7 @@
-"""Token permutation for dropless MoE: sort (token, slot) pairs by expert and back.
+"""Token permutation for dropless MoE: sort (token, slot) pairs by expert (stably) and back.
 
-A routing decision `top_k_index [T, k]` has S = T*k slots. `plan_routing` sorts the slots by expert
-(stably, so tokens keep their order inside an expert), which gives contiguous per-expert rows and
-their counts. `permute_tokens` gathers the token rows into that order; `unpermute_combine` brings the
-expert outputs back to slot order and sums each token's k outputs weighted by its routing weights.
-Both are gathers in forward and backward (no scatter-add, no atomics), so results are deterministic.
-
-All three run the compiled routing kernels (`ds_optimus.ops.routing`: C++ on the CPU, Triton on GPUs)
-unless `ops.routing.routing_kernel` says "reference" (`DS_OPTIMUS_KERNELS=reference`, or no compiler
-for the CPU op); then the PyTorch implementation below serves, the one the kernels are measured
-against (`benchmarks/moe_routing.py`).
+Forward and backward are gathers (no atomics), so deterministic. The compiled kernels (`ops.routing`) run unless
+`routing_kernel` says "reference"; then the PyTorch code below, which the kernels are measured against.
 """
 
 from __future__ import annotations
@@ -23,13 +15,12 @@ from ..ops import routing
 
 @dataclass
 class RoutingPlan:
-    """Where each slot goes. `order[p]` is the slot at sorted position p, `inverse[s]` the sorted
-    position of slot s, `counts[e]` how many slots expert e received (on the routing device)."""
+    """Where each of the S = T*k slots goes (tensors on the routing device)."""
 
-    order: torch.Tensor  # [S] int64
-    inverse: torch.Tensor  # [S] int64
+    order: torch.Tensor  # [S] int64: the slot at sorted position p
+    inverse: torch.Tensor  # [S] int64: the sorted position of slot s
     token_of_sorted: torch.Tensor  # [S] int64: the token whose row sits at sorted position p
-    counts: torch.Tensor  # [E] int64
+    counts: torch.Tensor  # [E] int64: how many slots expert e received
     inverse_by_slot: torch.Tensor  # [k, T] int64: row j holds the sorted positions of every token's j-th slot
     num_tokens: int
     top_k: int
@@ -40,12 +31,12 @@ class RoutingPlan:
 
 
 def kernels_on(device: torch.device) -> bool:
-    """Whether the layer's routing, gather and combine run the compiled kernels on `device`."""
+    """Whether routing, gather and combine run the compiled kernels on `device`."""
     return routing.routing_kernel(device) != "reference"
 
 
 def plan_routing(top_k_index: torch.Tensor, num_experts: int) -> RoutingPlan:
-    """Sort the slots of `top_k_index [T, k]` by expert id (ids in [0, num_experts))."""
+    """Sort the slots of `top_k_index [T, k]` by expert id."""
     num_tokens, top_k = top_k_index.shape
     if kernels_on(top_k_index.device):
         order, inverse, counts = routing.route_slots(top_k_index, num_experts)
@@ -135,7 +126,7 @@ class _UnpermuteCombine(torch.autograd.Function):
 
 
 def permute_tokens(x: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
-    """Rows of `x [T, H]` in sorted-slot order `[S, H]` (each token repeated once per chosen expert)."""
+    """Rows of `x [T, H]` in sorted-slot order `[S, H]` (a token once per chosen expert)."""
     if kernels_on(x.device):
         return routing.gather_rows(x, plan.token_of_sorted, plan.inverse.view(plan.num_tokens, plan.top_k))
     return _PermuteTokens.apply(x, plan.token_of_sorted, plan.inverse_by_slot)

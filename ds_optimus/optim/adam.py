@@ -1,5 +1,4 @@
-"""The sharded optimizer's update: Adam or AdamW on this rank's shard with PyTorch's fused
-multi-tensor kernel, one call per param group (pure PyTorch)."""
+"""The sharded optimizer's update: PyTorch's fused Adam/AdamW on this rank's shard, one call per param group."""
 
 from __future__ import annotations
 
@@ -9,7 +8,7 @@ from .spaces import ShardedOptimizerError, Space
 
 
 def adam_kind(optimizer) -> tuple[bool, bool]:
-    """(decoupled weight decay, amsgrad) of a torch or DeepSpeed Adam/AdamW; a clear error otherwise."""
+    """(decoupled weight decay, amsgrad) of a torch or DeepSpeed Adam/AdamW; an error otherwise."""
     name = type(optimizer).__name__
     if isinstance(optimizer, torch.optim.AdamW):
         return True, bool(optimizer.defaults.get("amsgrad"))
@@ -21,8 +20,7 @@ def adam_kind(optimizer) -> tuple[bool, bool]:
 
 
 def adam_segments(spaces: list[Space], group_of: dict[int, int]) -> dict[int, list[tuple[Space, int, int]]]:
-    """Per param group (`group_of`: id(param) -> group index), (space, shard position, length) runs of
-    this rank's shard, adjacent runs of the same group merged: the tensors of one fused Adam call."""
+    """Per param group, this rank's (space, shard position, length) runs, adjacent ones merged (one fused call)."""
     segments: dict[int, list[list]] = {}
     for space in spaces:
         for param, _, length, pos in sorted(space.own_runs(), key=lambda r: r[3]):
@@ -43,9 +41,8 @@ def fused_adam(
     divisor: torch.Tensor,
     decay_after: bool = False,
 ) -> None:
-    """One Adam/AdamW step of every segment's master weights and moments, the gradients divided by
-    `divisor` (unscaling, averaging and clipping in one number); `step` already counts this step.
-    `decay_after`: the decoupled weight decay shrinks the updated weights (`decay_after`'s module)."""
+    """One Adam/AdamW step of every segment, gradients divided by `divisor`; `step` already counts it.
+    `decay_after`: the decoupled weight decay shrinks the updated weights."""
     for g, segs in segments.items():
         group = param_groups[g]
         views = {
@@ -77,6 +74,6 @@ def fused_adam(
 
 
 def decay_updated(tensors: list[torch.Tensor], lr: float, weight_decay: float) -> None:
-    """Shrink the just-updated `tensors` by (1 - lr x weight_decay), in place (the decay after the update)."""
+    """Shrink the just-updated `tensors` by (1 - lr x weight_decay), in place."""
     if weight_decay and tensors:
         torch._foreach_mul_(tensors, 1.0 - lr * weight_decay)

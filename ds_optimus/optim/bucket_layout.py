@@ -1,21 +1,6 @@
-"""How the sharded optimizer lays parameters out in communication buckets and shards.
-
-A *space* is a set of parameters reduced over one process group: the dense parameters over the
-data-parallel group, each EP layout's expert parameters over its expert-data-parallel group. A
-space's parameters are cut into *buckets* of about `bucket_size` elements (in the order the
-backward pass produces their gradients), and every bucket into one equal *shard* per rank of the
-group, so that a bucket is reduced with one reduce-scatter and gathered with one all-gather.
-
-Two layouts of a bucket:
-
-- flat: the parameters one after another, the bucket cut into equal contiguous ranges (ZeRO's
-  layout; the least padding);
-- chunked: every parameter cut into one chunk per rank along its flattened elements, the bucket
-  arranged rank by rank. For stacked expert weights [L, ...] whose local expert count L divides
-  by the group size, every chunk is a whole number of experts: each expert's optimizer state lives
-  on exactly one rank.
-
-Both are described by `Run`s: a contiguous run of one parameter's elements at a bucket offset.
+"""Bucket layouts of the sharded optimizer, one equal shard per rank: flat (end to end, least padding) or
+chunked (each parameter split per rank: each expert of an [L, ...] stack, L divisible by the group
+size, stays on one rank).
 """
 
 from __future__ import annotations
@@ -36,8 +21,7 @@ class Run:
 
 
 def flat_runs(numels: list[int], group_size: int, first: int = 0) -> tuple[list[Run], int]:
-    """Runs of parameters `first, first+1, ...` laid end to end and cut into `group_size` equal
-    shards; returns (runs, bucket size)."""
+    """Parameters `first, ...` end to end in `group_size` equal shards: (runs, bucket size)."""
     total = sum(numels)
     shard = max(1, math.ceil(total / group_size))
     runs, pos = [], 0
@@ -53,8 +37,7 @@ def flat_runs(numels: list[int], group_size: int, first: int = 0) -> tuple[list[
 
 
 def chunked_runs(numels: list[int], group_size: int, first: int = 0) -> tuple[list[Run], int]:
-    """Runs of parameters each cut into `group_size` chunks of ceil(numel / group_size) elements,
-    the bucket ordered rank by rank; returns (runs, bucket size)."""
+    """Each parameter in `group_size` chunks, rank by rank: (runs, bucket size)."""
     chunks = [math.ceil(n / group_size) for n in numels]
     shard = max(1, sum(chunks))
     runs = []
@@ -69,8 +52,7 @@ def chunked_runs(numels: list[int], group_size: int, first: int = 0) -> tuple[li
 
 
 def merge_copies(runs: list[Run]) -> dict[int, list[tuple[int, int, int]]]:
-    """Per parameter, (start, offset, length) copies between the parameter and the bucket, with
-    runs that continue each other in both merged into one."""
+    """Per parameter, (start, offset, length) bucket copies, contiguous runs merged."""
     copies: dict[int, list[tuple[int, int, int]]] = {}
     for run in sorted(runs, key=lambda r: (r.param, r.start)):
         mine = copies.setdefault(run.param, [])
@@ -95,8 +77,7 @@ def padding(runs: list[Run], size: int) -> list[tuple[int, int]]:
 
 
 def split_buckets(numels: list[int], bucket_size: int) -> list[list[int]]:
-    """Consecutive parameter indices grouped so that each group reaches `bucket_size` elements
-    (the last may be smaller); a parameter is never split between buckets."""
+    """Consecutive parameter indices, grouped to at least `bucket_size` elements (bar the last)."""
     buckets, current, filled = [], [], 0
     for i, n in enumerate(numels):
         current.append(i)

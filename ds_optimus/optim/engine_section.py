@@ -1,5 +1,4 @@
-"""`optimus.sharded_optimizer`: the settings of the EP-aware sharded optimizer (`sharded.py`); and
-the part of `optimus` that DeepSpeed's engine applies itself (`EngineSection`)."""
+"""`optimus.sharded_optimizer` settings, and `EngineSection`: the part of `optimus` DeepSpeed's engine applies."""
 
 from __future__ import annotations
 
@@ -13,8 +12,7 @@ from ..schema import Section, check_flags, need, positive_int
 
 @dataclass(frozen=True)
 class ShardedOptimizerConfig(Section):
-    """The EP-aware sharded optimizer (`ds_optimus.optim`), in place of DeepSpeed's ZeRO stage 1/2
-    optimizer; the stage is DeepSpeed's `zero_optimization.stage`."""
+    """The EP-aware sharded optimizer, in place of DeepSpeed's ZeRO-1/2 one (stage: `zero_optimization.stage`)."""
 
     enabled: bool = False  # the EP-aware sharded optimizer in place of DeepSpeed's ZeRO-1/2 optimizer
     bucket_size: int = 50_000_000  # elements per reduce-scatter / all-gather bucket
@@ -76,10 +74,7 @@ ENTRY_POINT_KEYS = (
 
 @dataclass(frozen=True)
 class EngineSection(Section):
-    """The part of the `optimus` section that DeepSpeed's engine applies itself, once ds_optimus is
-    imported, to the model `deepspeed.initialize` is given: MoE settings, expert parallelism and
-    the sharded optimizer. Whichever way the engine is reached (the Hugging Face Trainer through
-    accelerate, `accelerate launch`, a script of one's own), these are honoured."""
+    """The part of `optimus` that DeepSpeed's engine applies itself, however `deepspeed.initialize` is reached."""
 
     moe: MoEConfig = field(default_factory=MoEConfig)
     expert_parallel: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)
@@ -87,8 +82,7 @@ class EngineSection(Section):
 
     @classmethod
     def of(cls, section: Any) -> EngineSection:
-        """The engine's part of an `optimus` section (a dict); a key only the training entry point
-        reads is a one-line ConfigError."""
+        """The engine's part of an `optimus` dict; a key only the training entry point reads is a ConfigError."""
         need(isinstance(section, dict), f"optimus must be a JSON object, got {type(section).__name__}")
         for key in section:
             need(
@@ -101,7 +95,7 @@ class EngineSection(Section):
 
 
 def engine_ds_config(ds_config: dict[str, Any]) -> dict[str, Any]:
-    """A copy of `ds_config` (a dict) whose `optimus` section keeps only what the engine applies."""
+    """A copy of `ds_config` whose `optimus` keeps only what the engine applies."""
     config = dict(ds_config)
     section = config.get("optimus")
     if isinstance(section, dict):

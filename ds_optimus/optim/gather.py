@@ -1,23 +1,5 @@
-"""The sharded optimizer's parameter all-gather: each space's updated shards, cast to the parameters'
-dtype, all-gathered inside the shard group and copied into the parameters (pure PyTorch).
-
-Two ways:
-
-- at once (`overlap=False`): at the end of `step()`, one all-gather per bucket, two in flight;
-- overlapped with the next forward pass (`overlap=True`): every bucket's all-gather is launched at
-  the end of `step()`, in the order the forward pass needs them (embeddings first), and a forward
-  pre-hook on each module that owns parameters waits for its own buckets only, so that layer k's
-  computation runs while the buckets of layers k+1... are still on the wire. Every collective is
-  launched inside `step()`, by every rank in the same order: the hooks only wait, so a read of the
-  weights by one rank alone (rank 0 saving a model) cannot hang the others. Reading the weights
-  other than through a forward pass (`state_dict()`, `load_state_dict()`, a checkpoint, an export)
-  waits for all of them first (hooks on the root module); code that reads `param.data` directly
-  right after `step()` calls `wait_all()` (the optimizer's `wait_for_params()`). A skipped step
-  launches nothing, and the parameters keep their values. A compiled module (`Module.compile()`)
-  waits for all its parameters before it starts: one break of its graph, at its start.
-
-Cost of the overlapped way: until the forward pass takes them, every bucket's gathered copy is held,
-one copy of this rank's parameters in their dtype (the at-once way holds two buckets).
+"""The sharded optimizer's parameter all-gather, at the end of `step()` or overlapped with the next forward
+pass (each module's pre-hook waits for its own buckets; a full copy is held until then).
 """
 
 from __future__ import annotations
@@ -32,8 +14,7 @@ from .spaces import Bucket, BufferPool, Space
 
 
 class ParamGather:
-    """The all-gathers of one optimizer's spaces; `order`: its (space, bucket) pairs in the order the
-    forward pass uses them; `module`: the model whose forward waits (overlapped way only)."""
+    """The all-gathers of one optimizer's spaces; `order`: (space, bucket) pairs in forward-use order."""
 
     def __init__(self, order: list[tuple[Space, Bucket]], pool: BufferPool, module=None, overlap: bool = False) -> None:
         self.order, self.pool = order, pool
@@ -104,7 +85,7 @@ class ParamGather:
 
     @torch.no_grad()
     def wait_for(self, param_ids) -> None:
-        """Wait for the buckets holding these parameters and copy them in."""
+        """Wait for the buckets holding these parameters."""
         for pid in param_ids:
             key = self.bucket_of.get(pid)
             if key is not None:
@@ -112,7 +93,7 @@ class ParamGather:
 
     @torch.no_grad()
     def wait_all(self) -> None:
-        """Wait for every bucket still on its way and copy them in."""
+        """Wait for every bucket still on its way."""
         for key in list(self.pending):
             self._take(key)
 
@@ -130,6 +111,7 @@ class ParamGather:
         self._hooks = []
 
 
+# only waits: every rank launches every gather in step(), so one rank reading weights alone cannot hang the others
 @torch.compiler.disable  # host-side bookkeeping: a compiled module breaks its graph here, at its start
 def _before_forward(gather: ParamGather, param_ids: tuple[int, ...], module, args) -> None:
     if gather.pending:
@@ -138,11 +120,11 @@ def _before_forward(gather: ParamGather, param_ids: tuple[int, ...], module, arg
 
 @torch.no_grad()
 def _scatter(space: Space, bucket: Bucket, buf: torch.Tensor, work, pool: BufferPool) -> None:
-    """Wait for a bucket's all-gather and copy it into its parameters, moving their version counters:
-    autograd refuses a backward through a value read before it arrived. (Through `.data`: an in-place
-    copy into a view of the parameter breaks the profiler's memory tracking.)"""
+    """Wait for a bucket's all-gather and copy it into its parameters, bumping their version counters."""
     work.wait()
     for i, copies in bucket.copies.items():
+        # through .data: an in-place copy into a view of the parameter breaks the profiler's memory tracking;
+        # the version bump makes autograd refuse a backward through a value read before it arrived
         flat = space.params[i].data.view(-1)
         for start, offset, length in copies:
             flat[start : start + length].copy_(buf[offset : offset + length])

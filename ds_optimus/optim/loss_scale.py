@@ -1,4 +1,4 @@
-"""Loss scaling for fp16 training with the sharded optimizer (pure PyTorch)."""
+"""Loss scaling for fp16 training with the sharded optimizer."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 
 
 class LossScaler:
-    """Static or dynamic loss scaling for fp16 (the scale halves on overflow and doubles after
-    `window` clean steps; `hysteresis` overflows are tolerated before a decrease)."""
+    """Static or dynamic fp16 loss scaling: the scale halves on overflow (with `hysteresis`) and doubles
+    after `window` clean steps."""
 
     def __init__(
         self, scale: float = 1.0, dynamic: bool = False, window: int = 1000, hysteresis: int = 2, min_scale: float = 1.0
@@ -23,7 +23,7 @@ class LossScaler:
         return loss * self.cur_scale
 
     def update(self, overflow: bool) -> None:
-        """Move the scale after a step that did (or did not) overflow."""
+        """Move the scale after a step (`overflow` or not)."""
         if not self.dynamic:
             return
         if overflow:  # tolerated `hysteresis` - 1 times, then the scale halves at every overflow
@@ -39,7 +39,7 @@ class LossScaler:
                 self.bad_left = self.hysteresis
 
     def state_dict(self) -> dict[str, Any]:
-        """Every setting and counter, for a checkpoint."""
+        """Settings and counters, for a checkpoint."""
         return dict(vars(self))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

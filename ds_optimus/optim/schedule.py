@@ -1,20 +1,5 @@
-"""The learning-rate schedule of a run without a DeepSpeed "scheduler" section, and its length in tokens.
-
-Two shapes (`optimus.train.lr_schedule`), both a linear warm-up over `warmup_steps` optimizer steps and
-a cosine decay to `min_lr_ratio` x lr, as factors of the optimizer's lr for the k-th optimizer step
-(k = 0, 1, ...; W warm-up steps, T steps in all, s the warm-up's start as a factor, m = min_lr_ratio):
-
-    "cosine"   warm-up  (k + 1) / W                 (s = null: the first step already at lr / W)
-                        s + (1 - s) k / W          (s given: the first step at s, step W at lr)
-               decay    m + (1 - m) (1 + cos(pi (k - W) / (T - W - 1))) / 2   (m at the last step)
-    "optimus"  the seed's own formula (its dist_train.get_learning_rate):
-               warm-up  s + (1 - s) k / W          (s = m unless `warmup_start_lr` says otherwise)
-               decay    m + (1 - m) (1 + cos(pi (k - W) / (T - W))) / 2       (m one step after the last)
-
-The seed sized T as one pass over its data; here T is `optimus.train.steps`, or `train.tokens` over
-the tokens of one optimizer step (`steps_for_tokens`), so a 100B-token or one-pass schedule needs no
-arithmetic by hand. Token counts may be written "4T", "100B", "2.5e9" or as integers.
-"""
+"""The learning-rate schedule of a run without a DeepSpeed "scheduler" section (a warm-up, then a cosine decay; the
+formulas: docs/pretraining.md), and its length in tokens."""
 
 from __future__ import annotations
 
@@ -31,8 +16,7 @@ _COUNT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMBGT]?)\s*$
 
 
 def token_count(value, key: str) -> int | None:
-    """A token count from a config value: an integer, or a string such as "4T", "100B", "2.5e9"
-    (None stays None); a one-line ConfigError naming `key` otherwise."""
+    """A token count from an integer or a string such as "4T" or "2.5e9"; None stays None."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
@@ -50,13 +34,12 @@ def token_count(value, key: str) -> int | None:
 
 
 def steps_for_tokens(tokens: int, tokens_per_step: int) -> int:
-    """Optimizer steps that train at least `tokens` tokens at `tokens_per_step` a step."""
+    """Optimizer steps that train at least `tokens` tokens."""
     return max(1, -(-tokens // tokens_per_step))
 
 
 def warmup_start(schedule: str, warmup_start_lr, min_lr_ratio: float, lr: float) -> float | None:
-    """The warm-up's first factor: None for "cosine"'s lr / W start, else a fraction of lr ("min": the
-    minimum LR's; a number: that LR over the optimizer's `lr`)."""
+    """The warm-up's first factor of lr; None for "cosine"'s default lr / W start."""
     if warmup_start_lr is None:
         return min_lr_ratio if schedule == "optimus" else None
     if warmup_start_lr == "min":
@@ -67,10 +50,10 @@ def warmup_start(schedule: str, warmup_start_lr, min_lr_ratio: float, lr: float)
 def lr_factor(
     schedule: str, steps: int, warmup_steps: int, min_lr_ratio: float, start: float | None = None
 ) -> Callable[[int], float]:
-    """The factor of the optimizer's lr for optimizer step k (0-based; `LambdaLR`'s argument), for a
-    run of `steps` steps in all; `start` from `warmup_start`."""
+    """The factor of the optimizer's lr at 0-based optimizer step k (`LambdaLR`'s argument)."""
     if schedule not in SCHEDULES:
         raise ConfigError(f"optimus.train.lr_schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    # "cosine" reaches the minimum at the last step, the seed's formula one step after it
     span = steps - warmup_steps if schedule == "optimus" else steps - warmup_steps - 1
 
     def factor(k: int) -> float:

@@ -1,14 +1,4 @@
-"""The sharded optimizer's saved state: one rank's shard, named so that any layout can load it.
-
-A rank's state lists, per space, *pieces*: (parameter name, first element in the full unsharded
-parameter, length, position in the saved shard) with the saved fp32 master weights and Adam moments.
-A piece of a parameter holding some columns of the full one (a tensor-parallel row-split weight) is
-several equal segments, one per row: (name, first element, segment length, position, segments,
-elements from one segment's start to the next's), the segments lying one after the other in the shard.
-Loading intersects the pieces of the saved ranks with those this rank now owns (as boxes of rows and
-columns where either is cut by columns), so a checkpoint written on one data/expert/tensor-parallel
-layout resumes on another (pure PyTorch).
-"""
+"""The sharded optimizer's saved state: a rank's shard as named pieces, loadable on any layout."""
 
 from __future__ import annotations
 
@@ -24,9 +14,7 @@ MOMENTS = ("master", "exp_avg", "exp_avg_sq")
 
 
 def shard_state(spaces: list[Space]) -> list[dict[str, Any]]:
-    """Per space, this rank's pieces and the tensors they index (on the CPU). With hybrid sharding only
-    the first replica of a shard saves it (the others hold the same values), and a space replicated over
-    a tensor-parallel group is saved by the group's first rank (`Space.counted`): every element once."""
+    """Per space, this rank's pieces and CPU tensors; each element is saved by one rank."""
     saved = []
     for space in spaces:
         if space.replica_rank > 0 or not getattr(space, "counted", True):
@@ -41,15 +29,12 @@ def shard_state(spaces: list[Space]) -> list[dict[str, Any]]:
 
 
 def held_ranges(state: dict[str, Any]) -> list[list]:
-    """What a saved `state_dict()` holds, as [parameter name, first element, length] runs: the
-    checkpoint manifest keeps them for every optimizer file, so a rank opens only the files it needs."""
+    """A saved `state_dict()`'s runs [name, first element, length, ...], for the manifest."""
     return [[piece[0], *piece[1:3], *piece[4:]] for saved in state["spaces"] for piece in saved["pieces"]]
 
 
 def files_holding(held: dict[str, list | None], spaces: list[Space]) -> list[str]:
-    """The files of `held` ({file: its `held_ranges`, or None where a manifest predates them}) that hold
-    some element of this rank's shard; every file when one is unknown. At 12,288 ranks a rank then
-    opens the one to few files its elements came from, instead of all 12,288."""
+    """The files of `held` with part of this rank's shard (all if any runs are None)."""
     if any(runs is None for runs in held.values()):
         return list(held)
     wanted = _wanted(spaces)
@@ -79,8 +64,7 @@ def _wanted(spaces: list[Space]) -> dict[str, list[tuple[Piece, Space, int]]]:
 
 
 def _boxes(piece: Piece, width: int) -> list[tuple[int, int, int, int, int]]:
-    """A piece as boxes of a grid `width` columns wide: (first row, rows, first column, columns, where
-    the box starts in the piece), the box's elements lying row after row."""
+    """A piece as row-major boxes (first row, rows, first column, columns, offset) of a `width`-column grid."""
     start, seg, count, _ = piece
     if count > 1:
         row, col = divmod(start, width)
@@ -97,13 +81,11 @@ def _boxes(piece: Piece, width: int) -> list[tuple[int, int, int, int, int]]:
 
 
 def _width(a: Piece, b: Piece) -> int | None:
-    """The row length the two pieces of one parameter are compared on: a cut-by-columns piece's stride;
-    None where both are contiguous."""
+    """The row length to compare two pieces on; None if both are contiguous."""
     return a[3] if a[2] > 1 else b[3] if b[2] > 1 else None
 
 
 def _overlap(a: Piece, b: Piece) -> int:
-    """Elements the two pieces of one parameter share."""
     if a[0] >= b[0] + (b[2] - 1) * b[3] + b[1] or b[0] >= a[0] + (a[2] - 1) * a[3] + a[1]:
         return 0
     width = _width(a, b)
@@ -117,8 +99,7 @@ def _overlap(a: Piece, b: Piece) -> int:
 
 
 def _copy(saved: dict[str, Any], spos: int, a: Piece, space: Space, pos: int, b: Piece) -> int:
-    """Copy what saved piece `a` (at `spos` in the saved state) shares with this rank's piece `b` (at
-    `pos` in `space`'s shard); returns the elements copied."""
+    """Copy what saved piece `a` shares with this rank's piece `b`; returns the count."""
     width = _width(a, b)
     if width is None:
         lo, hi = max(a[0], b[0]), min(a[0] + a[1], b[0] + b[1])
@@ -145,8 +126,7 @@ def _copy(saved: dict[str, Any], spos: int, a: Piece, space: Space, pos: int, b:
 
 @torch.no_grad()
 def load_spaces(spaces: list[Space], sources: Iterable[dict[str, Any]]) -> None:
-    """Fill this rank's shard of every space from the saved states of any layout (every rank's, or
-    at least those holding this rank's elements); a one-line error when some element is missing."""
+    """Fill this rank's shard from saved states of any layout; a one-line error if some is missing."""
     wanted = _wanted(spaces)
     covered = dict.fromkeys(wanted, 0)
     for source in sources:
@@ -166,10 +146,8 @@ def load_spaces(spaces: list[Space], sources: Iterable[dict[str, Any]]) -> None:
 
 
 def restore_hyperparameters(param_groups: list[dict[str, Any]], saved_groups: list[dict[str, Any]]) -> None:
-    """As torch's `load_state_dict` does, bring back the param groups' hyper-parameters (the
-    learning rate an LR scheduler last set, ...): matched by group name, else by position; a group
-    the checkpoint lacks (e.g. the expert group of an EP run resuming a run without EP) takes the
-    learning rate of the first saved group."""
+    """Restore param-group hyper-parameters by name, else position; a group the checkpoint lacks gets its first
+    group's LR."""
     by_name = {g.get("name"): g for g in saved_groups if g.get("name") is not None}
     for i, group in enumerate(param_groups):
         saved = by_name.get(group.get("name"))

@@ -1,31 +1,9 @@
-"""The EP-aware sharded optimizer: a ZeRO-1/2 stage that knows about expert parallelism.
+"""The EP-aware sharded optimizer: ZeRO-1/2 with expert parameters sharded over their EDP group.
 
-Dense parameters' fp32 master weights and Adam moments are sharded over the data-parallel group,
-each EP layout's expert parameters' over its expert-data-parallel (EDP) group, aligned to whole
-experts when the EDP size divides the local expert count (`bucket_layout.py`, `spaces.py`). Pure PyTorch,
-it runs on its own (`backward(loss)`, `step()`), or as DeepSpeed's ZeRO optimizer (`integrations.deepspeed_engine`).
-
-Per step:
-- gradients are copied, as the backward pass produces them, into communication buckets, and each
-  bucket is reduce-scattered with one collective as soon as it is complete (ZeRO-2: every
-  micro-step, the reduced shard accumulated in fp32; ZeRO-1: gradients accumulate locally over the
-  micro-steps and are reduce-scattered during the last one);
-- the global gradient norm is one all-reduce of one number: every element of every parameter is
-  held by exactly one rank's shard (dense over DP, experts over EDP, EP groups disjoint);
-- Adam/AdamW runs on the shard with PyTorch's fused multi-tensor kernel, the unscaling, the
-  averaging over ranks and the clipping folded into its gradient divisor;
-- the updated shard is cast to the parameters' dtype and all-gathered, one collective per bucket,
-  at the end of `step()` or overlapped with the next forward pass (`gather.py`).
-
-Hybrid sharding (`shard_group_size`): each group is cut into shard groups of that many consecutive
-ranks (`ds_optimus.parallel.groups.hybrid_shard_groups`); the state is sharded inside a shard group
-and replicated across them. Gradients are reduce-scattered inside the shard group and the reduced
-shard all-reduced across the replicas (once per step, at the start of `step()`); the all-gather stays
-inside the shard group. The replicas run the same update on the same values and stay bitwise equal.
-
-Averaging: every rank's loss is the mean over its own tokens, so the global mean's gradient is the
-sum over ranks over the data-parallel world size, for experts too (an expert's local gradient
-already sums the contributions of the tokens its EP group sent it).
+fp32 master weights and Adam moments are sharded over the data-parallel group, experts' over their EDP group.
+Runs on its own (`backward(loss)`, `step()`) or as DeepSpeed's ZeRO optimizer (`integrations.deepspeed_engine`).
+Gradients are reduce-scattered per bucket as backward completes it (ZeRO-1: only in a step's last micro-step);
+`step()` runs fused Adam on the shard and all-gathers the new values (`gather.py`).
 """
 
 from __future__ import annotations
@@ -54,22 +32,18 @@ SQUARES_ROW = 4096  # elements per partial sum of the gradient norm's squares
 
 
 def sum_of_squares(flat: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """The sum of the squares of a 1-D float tensor, as a `dtype` scalar: float32 partial sums of rows of
-    `SQUARES_ROW` elements (one batched matmul), added up in `dtype`. A single float32 dot over a whole
-    shard accumulates in order: 1.4e-3 relative error over 5e7 elements, 2e-6 so."""
+    """Sum of squares of a 1-D float tensor as a `dtype` scalar: float32 row sums added up in `dtype`."""
     whole = flat.numel() - flat.numel() % SQUARES_ROW
     rows = flat[:whole].view(-1, SQUARES_ROW)
+    # one float32 dot over a whole shard: 1.4e-3 relative error over 5e7 elements; these row sums: 2e-6
     total = torch.bmm(rows.unsqueeze(1), rows.unsqueeze(2)).reshape(-1).to(dtype).sum()
     tail = flat[whole:]
     return total + torch.dot(tail, tail).to(dtype)
 
 
 class ShardedOptimizer:
-    """ZeRO-1 (`stage=1`) or ZeRO-2 (`stage=2`) over the param groups of `init_optimizer` (torch or
-    DeepSpeed Adam/AdamW), with expert parameters sharded over the EDP group of their layout in
-    `expert_groups` (the `ExpertParallelGroups` that `apply_expert_parallel` returned). `shard_group_size`:
-    ranks per shard group (None: the whole group); `module`: the model, whose forward pass waits for its
-    own parameters when `overlap_param_gather`."""
+    """ZeRO-1/2 over `init_optimizer`'s param groups (torch or DeepSpeed Adam/AdamW); `expert_groups`: from
+    `apply_expert_parallel`; `shard_group_size`: ranks per hybrid shard group (None: all)."""
 
     def __init__(
         self,
@@ -234,8 +208,7 @@ class ShardedOptimizer:
         return spaces
 
     def _place(self, name: str) -> tuple[int, tuple[int, int] | None]:
-        """Where this rank's part of split parameter `name` lies in the full one: its first element, and
-        (its columns, the full one's) where it holds columns (split along dim 1) rather than rows."""
+        """This rank's part of split `name`: its first element, and (its, full) columns if split by columns."""
         split = self.tensor_splits[name]
         inner = math.prod(split.full[split.dim + 1 :])
         if split.dim == 0:
@@ -253,9 +226,7 @@ class ShardedOptimizer:
         return (self.stage == 2 and not self.defer_reduction) or self.is_gradient_accumulation_boundary()
 
     def bucket_dtype(self, space: Space) -> torch.dtype:
-        """The dtype a bucket adds a step's gradients up in: fp32 when it adds up several micro-steps
-        (ZeRO-1 with accumulation, a pipeline schedule's deferred reduction) and the wire dtype is
-        narrower; else the wire dtype (one micro-step's gradients, cast once at most)."""
+        """fp32 if a bucket sums several micro-steps and the wire dtype is narrower, else the wire dtype."""
         accumulates = self.defer_reduction or (self.stage == 1 and self.accumulation_steps > 1)
         if accumulates and space.reduce_dtype.itemsize < 4:
             return torch.float32
@@ -306,14 +277,11 @@ class ShardedOptimizer:
         self._gradient_arrived()
 
     def last_gradients(self, params: Iterable[torch.nn.Parameter]) -> None:
-        """Say that the coming gradients of `params` are their last of the step (a pipeline stage's last
-        backward pass): a bucket whose every parameter has had its last gradient is reduced at once, in the
-        one launch order, rather than after the schedule."""
+        """Mark `params`' coming gradients as the step's last, so their buckets reduce before the schedule ends."""
         self._last.update(id(p) for p in params if id(p) in self._slot)
 
     def gradients_ready(self, params: Iterable[torch.nn.Parameter]) -> None:
-        """Take the gradients that were written into `params`' `.grad` without autograd's accumulation
-        (a pipeline schedule's separate weight-gradient pass), as the gradient hooks take the others."""
+        """Take gradients written into `params`' `.grad` outside autograd (a pipeline's weight-gradient pass)."""
         for param in params:
             slot = self._slot.get(id(param))
             if slot is not None and param.grad is not None:
@@ -411,7 +379,7 @@ class ShardedOptimizer:
         return self._is_gradient_accumulation_boundary
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        """Say whether the coming micro-step ends a step (a training loop with accumulation sets it)."""
+        """Set whether the coming micro-step ends a step."""
         self._is_gradient_accumulation_boundary = bool(is_boundary)
 
     def finalize_gradient_accumulation_boundary(self) -> None:
@@ -474,6 +442,7 @@ class ShardedOptimizer:
             self._finished = False  # a step whose gradients never went through the hooks
             self._finish_reduction()
         self._reduce_across_replicas()
+        # each rank's loss is a mean over its tokens: the global mean's gradient is the sum / DP size, experts too
         inv = 1.0 / (self.world_size * self.cur_scale)
         device = self.spaces[0].device if self.spaces else torch.device("cpu")
         wide = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
@@ -502,8 +471,7 @@ class ShardedOptimizer:
         self.gather.launch()
 
     def _reduce_across_replicas(self) -> None:
-        """Hybrid sharding: sum every reduced shard over its replicas (in the reduction dtype), one
-        all-reduce per bucket, all in flight at once."""
+        """Hybrid sharding: sum every reduced shard over its replicas, one async all-reduce per bucket."""
         works = []
         for space, bucket in self._order:
             if space.replicas is not None:  # fp16 sums of several micro-steps could overflow: fp32 then
@@ -517,16 +485,13 @@ class ShardedOptimizer:
                 view.copy_(wire)
 
     def wait_for_params(self) -> None:
-        """Wait until every parameter has its value of the last step (only needed, with the overlapped
-        gather, by code that reads `param.data` itself before the next forward pass)."""
+        """Wait for every parameter's updated value (for code reading `param.data` before the next forward)."""
         self.gather.wait_all()
 
     # -- state ------------------------------------------------------------------------------------
 
     def state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds for the optimizer: fp32 master and moments, the reduced gradient
-        shard, (ZeRO-1) the full-size gradient buckets kept between micro-steps, and the reused
-        communication buffers (about two buckets' worth)."""
+        """Bytes this rank holds for the optimizer, by kind."""
         state = sum(t.numel() * t.element_size() for s in self.spaces for t in (s.master, s.exp_avg, s.exp_avg_sq))
         grad_shard = sum(s.grad.numel() * s.grad.element_size() for s in self.spaces)
         buckets = 0
@@ -540,8 +505,7 @@ class ShardedOptimizer:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's shard of the optimizer state, with each run named by its parameter and its
-        element range in the full (unsharded) parameter, so any layout can load it (`shard_state.py`)."""
+        """This rank's optimizer-state shard, runs named by parameter and element range (any layout loads it)."""
         return {
             "format": STATE_FORMAT,
             "step": int(self._step.item()),
@@ -552,16 +516,14 @@ class ShardedOptimizer:
         }
 
     def load_state_dict(self, state_dict, load_optimizer_states: bool = True, **kwargs) -> None:
-        """Load this rank's `state_dict()` (same layout, without hybrid sharding: there a shard's later
-        replicas save nothing) or a list of all ranks' (any layout)."""
+        """Load this rank's `state_dict()` (same layout, not hybrid) or a list of all ranks' (any layout)."""
         sources = list(state_dict) if isinstance(state_dict, (list, tuple)) else [state_dict]
         self.load_shards(sources)
 
     @torch.no_grad()
     def load_shards(self, sources: Iterable[dict[str, Any]], filled: bool = False) -> None:
-        """Fill this rank's shard from the `state_dict()`s of a run on any layout (every rank's, or
-        at least those holding this rank's elements; `filled`: `load_spaces` did it), then set the
-        parameters from it."""
+        """Fill this rank's shard from a run's `state_dict()`s on any layout (`filled`: `load_spaces` ran), then
+        set the parameters."""
         sources = list(sources)
         if not filled:
             load_spaces(self.spaces, sources)
@@ -576,8 +538,8 @@ class ShardedOptimizer:
         self.gather.launch()
 
     def refresh_master_from_params(self) -> None:
-        """Set the fp32 master shard from the current parameters (after loading weights only; code that
-        writes the parameters itself calls `wait_for_params()` before, so no gather lands on them after)."""
+        """Set the fp32 master shard from the parameters (after loading weights only; code writing them
+        calls `wait_for_params()` first)."""
         self.gather.wait_all()
         for space in self.spaces:
             space.refresh_master()
@@ -589,6 +551,5 @@ class ShardedOptimizer:
         self.gather.remove_hooks()
 
     def destroy(self) -> None:
-        """What `DeepSpeedEngine.destroy()` calls: the hooks removed, so that the parameters' autograd
-        nodes (which the garbage collector cannot see through) no longer keep the optimizer alive."""
+        """Remove the hooks: their autograd nodes, opaque to the GC, keep the optimizer alive."""
         self.remove_hooks()

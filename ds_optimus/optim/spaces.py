@@ -1,13 +1,5 @@
-"""The sharded optimizer's data: spaces of parameters, their communication buckets, and the pool of
-reused communication buffers (pure PyTorch).
-
-A `Space` is a set of parameters reduced over one process group (the dense parameters over the
-data-parallel group, one EP layout's experts over its expert-data-parallel group) with this rank's
-shard of their fp32 master weights, Adam moments and reduced gradients. With hybrid sharding the
-group is cut into shard groups: the state is sharded inside one and replicated across them. Its parameters are cut into
-`Bucket`s, each reduce-scattered and all-gathered with one collective; `bucket_layout.py` says which
-elements of which parameter lie where in a bucket and in which rank's shard.
-"""
+"""The sharded optimizer's data: parameter spaces with this rank's fp32 state shard, their
+communication buckets (laid out by `bucket_layout.py`), and a buffer pool."""
 
 from __future__ import annotations
 
@@ -20,16 +12,11 @@ from .bucket_layout import chunked_runs, flat_runs, merge_copies, padding, split
 
 
 class ShardedOptimizerError(RuntimeError):
-    """A setting or checkpoint the sharded optimizer cannot work with; one line saying why."""
+    """A setting or checkpoint the sharded optimizer cannot work with."""
 
 
 class BufferPool:
-    """Reused communication buffers on CPU. There a fresh tensor of tens of MB costs a page fault
-    per 4 KiB the first time it is written (glibc hands large blocks back to the system), as much
-    as the copy itself; so buffers are kept and handed out again, the smallest free one that is
-    large enough (as a view of its first elements). Holds about as many buckets as are filled at
-    once during the backward pass, plus one. Accelerators' caching allocators already reuse
-    memory: there the pool just allocates."""
+    """Reused CPU communication buffers (elsewhere it just allocates: caching allocators reuse memory)."""
 
     def __init__(self) -> None:
         self.free: list[torch.Tensor] = []
@@ -40,6 +27,7 @@ class BufferPool:
         device = torch.device(device)
         if device.type != "cpu":
             return torch.empty(numel, dtype=dtype, device=device)
+        # a fresh CPU tensor of tens of MB page-faults per 4 KiB on first write (glibc returns large blocks)
         fits = [i for i, t in enumerate(self.free) if t.dtype == dtype and t.device == device and t.numel() >= numel]
         if fits:
             base = self.free.pop(min(fits, key=lambda i: self.free[i].numel()))
@@ -81,7 +69,7 @@ class Bucket:
 
 
 class Space:
-    """Parameters reduced over one process group: the dense ones, or one EP layout's experts."""
+    """Parameters reduced over one process group (the dense ones, or one EP layout's experts)."""
 
     def __init__(
         self,
@@ -135,17 +123,14 @@ class Space:
         self.refresh_master()
 
     def own_runs(self) -> Iterable[tuple[int, int, int, int]]:
-        """(param index, start in the local parameter, length, position in the shard) of this rank."""
+        """This rank's (param index, start in the local parameter, length, position in the shard)."""
         for bucket in self.buckets:
             for run in bucket.mine:
                 yield run.param, run.start, run.length, bucket.shard_offset + run.offset - run.owner * bucket.shard
 
     def pieces(self) -> Iterable[tuple[int, int, int, int, int, int]]:
-        """This rank's shard in the full parameters' coordinates: (param index, first element in the full
-        parameter, length of a segment, position in the shard, segments, elements from one segment's
-        start to the next's). A contiguous run is one segment; a run of a parameter holding some
-        columns of the full one is one segment per row it touches, cut into at most three pieces
-        (a part row, whole rows, a part row)."""
+        """This rank's shard in full-parameter coordinates: (param index, first element, segment length,
+        position in the shard, segments, stride)."""
         for i, start, length, pos in self.own_runs():
             if self.columns[i] is None:
                 yield i, self.offsets[i] + start, length, pos, 1, length

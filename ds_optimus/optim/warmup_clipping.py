@@ -1,11 +1,5 @@
-"""Gradient clipping that starts after the learning-rate warm-up (`optimus.train.clip_after_warmup`,
-Optimus' recipe: its optimizers clip the global norm only once `step >= warmup_steps`).
-
-The recipe's arithmetic, from the config alone: the clip value and the warm-up it waits for, and
-the value of each step. The engine is built once, with the config's `gradient_clipping`; the
-switch in place before each step is `ds_optimus.integrations.deepspeed_engine.set_gradient_clipping`
-(it writes DeepSpeed's private config). Needs no DeepSpeed to import.
-"""
+"""Gradient clipping from the end of the learning-rate warm-up on (`optimus.train.clip_after_warmup`): the config's
+arithmetic only, without DeepSpeed; `deepspeed_engine.set_gradient_clipping` applies it."""
 
 from __future__ import annotations
 
@@ -19,9 +13,7 @@ DEEPSPEED_DEFAULT_WARMUP = 1000
 
 
 def delayed_clipping(ds_config: dict[str, Any], warmup_steps: int) -> tuple[float, int]:
-    """`(clip value, warm-up steps)` for clipping after the warm-up: the config's `gradient_clipping`
-    and the warm-up of its `scheduler` section, or `warmup_steps` (optimus.train's) without one. A
-    config with nothing to clip, or a scheduler without a warm-up, is a one-line ConfigError."""
+    """(clip value, warm-up steps): `gradient_clipping`, the scheduler's warm-up or `warmup_steps`; or ConfigError."""
     clip = ds_config.get("gradient_clipping", 0.0)
     if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip <= 0:
         got = "none" if clip is None or "gradient_clipping" not in ds_config else repr(clip)
@@ -47,5 +39,5 @@ def delayed_clipping(ds_config: dict[str, Any], warmup_steps: int) -> tuple[floa
 
 
 def clip_for_step(step: int, clip: float, warmup_steps: int) -> float:
-    """The clip value of optimizer step `step` (1-based): none during the first `warmup_steps` steps."""
+    """The clip value of 1-based step `step`: none during the first `warmup_steps`."""
     return clip if step > warmup_steps else 0.0

@@ -1,9 +1,6 @@
-"""Expert, pipeline and tensor parallelism: building a model that holds only this rank's experts,
-pipeline stage and part of each split weight (on the meta device first), TP/DP/EP/EDP and pipeline-stage
-process groups (`groups`), the stages' split and schedules (`stages`, `pipeline`), the Megatron-style
-split of a Mula model (`tensor_parallel`), all-to-all dispatch/combine (flat and hierarchical), sharding a model's
-experts, exporting a sharded model as one Hugging Face folder, and DeepSpeed-ready param groups.
-Imports nothing of `ds_optimus.optim` (nor DeepSpeed); names are imported on first use."""
+"""Expert, pipeline and tensor parallelism: rank-local model building (`build`), process groups (`groups`), pipeline
+stages and schedules (`stages`, `pipeline`), `tensor_parallel`, expert dispatch (`dispatch`), and sharding and export
+(`expert_parallel`). Imports nothing of `ds_optimus.optim` (nor DeepSpeed); names load on first use."""
 
 from .._lazy import lazy_exports
 

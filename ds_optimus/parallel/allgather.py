@@ -1,37 +1,6 @@
-"""The all-gather expert-parallel exchange (`optimus.expert_parallel.dispatch: "allgather"`): the
-method of Optimus, the library of the Mula runs on Aurora (EP inside one 12-tile node).
-
-Every rank all-gathers its EP group's tokens (hidden states [T, H]) and their routing (top-k expert
-ids and weights, one packed message), runs its local experts on the gathered rows routed to them
-(from every rank of the group), adds each token's weighted outputs there into a partial output for
-every gathered token (zero for tokens whose experts all live elsewhere), and reduce-scatters the
-partial outputs, so each rank gets back the sum over the group for its own tokens. Backward: the
-all-gather's backward is a reduce-scatter of the gradients, the reduce-scatter's an all-gather.
-Ranks with different token counts (evaluation, a last batch) pad to the group's largest count;
-padding rows carry no routing (ids -1). The counts travel in one small all-gather per layer together
-with what each rank's experts will receive (rows per local expert, rows per number of local slots),
-read with one host synchronisation, as the all-to-all exchanges read their split sizes. The experts
-see their rows in the all-to-all's order (by expert, then source rank, then token); the sums are
-gathers over rows ordered by member count, as in `dedup.py` (no atomics: the same result every run).
-
-No variable-size all-to-all is needed (reported to fail on Intel's collective library), only the
-two collectives every library tunes best. Bytes per rank with T tokens per rank, hidden size H,
-EP size P and top-k k (forward; backward the same reversed): the all-gather receives (P-1)·T·H
-elements (plus (P-1)·T·k ids and weights) and the reduce-scatter sends (P-1)·T·H, whatever k is.
-The per-slot all-to-all sends k·T·H·(P-1)/P each way with uniform routing. The ratio is P/k: the
-all-gather sends fewer bytes exactly when P < k (top-8: 4x fewer at EP 2, 2x at EP 4, equal at EP 8,
-1.5x more at Optimus' EP 12). The deduplicated all-to-all never sends more than the all-gather (it
-is the all-gather with every rank reached), so this exchange pays where the collectives, not the
-bytes, decide: inside one fast node, with a small EP group and a large top-k; never between nodes.
-Each rank holds the group's P·T gathered rows while its experts run.
-
-Dtypes. The all-gathers are bitwise (`dispatch.wire`: bf16 over gloo travels as bytes). A reduction
-cannot be bitwise, so the reduce-scatter adds in float32 where half types go through gloo (CPU): the
-partial outputs are then kept in float32 (the local weighted sum accumulates in float32 anyway), so
-the output is rounded once, as the per-slot all-to-all's combine rounds it, at twice the return bytes
-on the one backend where they are memory copies. (An all-to-all of bf16 partial outputs and a local
-sum would keep the bytes but round every partial sum once more, as the deduplicated exchange does.)
-Backends that reduce half types natively (NCCL, xccl) reduce in the model's dtype, as Optimus does.
+"""The all-gather expert-parallel exchange (`dispatch: "allgather"`, EP inside one node): all-gather tokens and
+routing, run the local experts, reduce-scatter the partial outputs. No variable-size all-to-all (reported to fail on
+Intel's collective library); fewer bytes than the per-slot all-to-all exactly when EP size < top-k.
 """
 
 from __future__ import annotations
@@ -48,15 +17,14 @@ from .groups import ExpertParallelGroups
 
 
 def reduce_dtype(x: torch.Tensor, group) -> torch.dtype:
-    """The dtype a reduce-scatter of `x` adds in: float32 for half types going through gloo (which
-    cannot add them, or adds them in their own precision at every step), else `x`'s."""
+    """What a reduce-scatter of `x` adds in: float32 for half types on gloo, else `x.dtype`."""
     if x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu" and "gloo" in str(dist.get_backend(group)):
         return torch.float32
     return x.dtype
 
 
 def all_gather_rows(x: torch.Tensor, group, size: int) -> torch.Tensor:
-    """Every rank's rows `x` (the same count on each), concatenated in rank order."""
+    """Every rank's rows `x` (equal counts), in rank order."""
     x = x.contiguous()
     out = x.new_empty(size * x.shape[0], *x.shape[1:])
     _collective("all_gather")(wire(out, group), wire(x, group), group=group)
@@ -64,7 +32,7 @@ def all_gather_rows(x: torch.Tensor, group, size: int) -> torch.Tensor:
 
 
 def reduce_scatter_rows(x: torch.Tensor, group, size: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Rows `x` [size * N, ...] summed over the group's ranks; this rank's N rows, as `dtype`."""
+    """This rank's rows of `x` summed over the group, as `dtype`."""
     src = x.to(reduce_dtype(x, group)).contiguous()
     out = src.new_empty(x.shape[0] // size, *x.shape[1:])
     _collective("reduce_scatter")(out, src, group=group)
@@ -83,9 +51,6 @@ class _AllGather(torch.autograd.Function):
 
 
 class _ReduceScatter(torch.autograd.Function):
-    """The sum over the group, this rank's rows, cast to `dtype`; the gradient comes back by
-    all-gather in that dtype (the cast of the sum loses nothing the gradient carries)."""
-
     @staticmethod
     def forward(ctx, x: torch.Tensor, group, size: int, dtype: torch.dtype):
         ctx.group, ctx.size, ctx.dtype = group, size, x.dtype
@@ -97,8 +62,7 @@ class _ReduceScatter(torch.autograd.Function):
 
 
 class _GatherRouting(torch.autograd.Function):
-    """Every rank's routing weights and expert ids in one message; the weights' gradients are
-    reduce-scattered back."""
+    """Every rank's routing weights and ids, in one message."""
 
     @staticmethod
     def forward(ctx, weights: torch.Tensor, ids: torch.Tensor, group, size: int):
@@ -113,8 +77,7 @@ class _GatherRouting(torch.autograd.Function):
 
 
 class AllGatherDispatcher:
-    """Runs a layer's experts on tokens routed across the EP group by all-gather and reduce-scatter.
-    Installed by `apply_expert_parallel` (`dispatch="allgather"`); flat EP groups only."""
+    """Runs a layer's experts over a flat EP group by all-gather and reduce-scatter."""
 
     # Takes whole tokens with their routing, as `DedupDispatcher` does (the experts implementation's
     # token interface), not per-slot rows sorted by expert.
@@ -137,9 +100,7 @@ class AllGatherDispatcher:
         experts: Callable[..., torch.Tensor],
         params: tuple[torch.Tensor, ...],
     ) -> torch.Tensor:
-        """Experts on `x [T, H]` for expert ids `ids [T, k]` (in the EP group; -1: a dropped slot)
-        with routing `weights [T, k]`: sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) -> [T, H].
-        `experts(rows, counts, *params)` runs this rank's experts with the weights `params`."""
+        """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) -> [T, H]; ids -1 are dropped slots."""
         g, el = self.groups, self.num_local_experts
         tokens = x.shape[0]
         plan, most = self._plan(ids)
@@ -161,9 +122,7 @@ class AllGatherDispatcher:
         return _ReduceScatter.apply(partial, g.ep_group, g.ep_size, x.dtype)[:tokens]
 
     def _plan(self, ids: torch.Tensor) -> tuple[_Plan, int]:
-        """One small all-gather of, per rank: its token count and, for each rank of the group, how many
-        of its tokens have more than j slots there (j < min(k, local experts)) and its slots per expert
-        there. Returns what this rank's experts receive, and the group's largest token count."""
+        """Every rank's token and slot counts in one all-gather: this rank's `_Plan`, the largest token count."""
         g, el = self.groups, self.num_local_experts
         ep, me = g.ep_size, g.ep_rank
         tokens, k = ids.shape

@@ -1,16 +1,6 @@
-"""Build a Mula model on the meta device and materialise only what this rank holds.
+"""Build a Mula model on the meta device and materialise only what this rank holds (its expert slice is cut on meta).
 
-Every rank used to build the whole model in fp32 and then keep its slice: for Mula-220B-A10B that is
-~880 GB per rank before anything is sharded. Here the model is made on the meta device (no memory),
-each MoE layer's stacked experts are cut to this rank's expert-parallel slice while still on meta,
-and only then are tensors allocated and filled, so a rank's peak is what it keeps.
-
-Initial values do not depend on the layout: each module's tensors are drawn from a generator seeded
-by (run seed, module name), and each expert's from one seeded by (run seed, experts module, expert
-index), so expert 37 of layer 5 has the same values whether the layer is whole in one process or
-sliced over 2, 4 or 8 ranks. From a folder, a rank reads only its rows of the stacked expert tensors
-(safetensors reads a slice without the rest; PyTorch .bin files are memory-mapped), and an OLMoE
-folder's per-expert tensors are stacked on the fly for this rank's experts only.
+Initial values do not depend on the layout; from a folder a rank reads only its rows of the expert tensors.
 """
 
 from __future__ import annotations
@@ -46,12 +36,11 @@ def build_model(
     stage: tuple[list[int], bool, bool] | None = None,
     tensor_parallel: tuple[object, int, int] | None = None,
 ) -> MulaForCausalLM:
-    """`MulaForCausalLM(config)` holding experts [ep_rank*E/ep_size, (ep_rank+1)*E/ep_size) of every MoE
-    layer, in fp32: random initial values independent of the layout (seeded by `seed`, parameter name
-    and expert), or the weights of `folder` (`kind` "mula" or "olmoe"), of which only those rows are read.
-    `stage` (decoder layers, has the embedding, has the head) keeps only a pipeline stage's part;
-    `tensor_parallel` (group, size, rank) keeps only this rank's part of every split weight
-    (`parallel.tensor_parallel`), with the values the whole model would have there."""
+    """fp32 `MulaForCausalLM(config)` with only experts [ep_rank*E/ep_size, (ep_rank+1)*E/ep_size) of each layer.
+
+    Values: seeded random ones, or `folder`'s (`kind` "mula"/"olmoe"). `stage` (decoder layers, has embedding,
+    has head) keeps a pipeline stage's part, `tensor_parallel` (group, size, rank) this rank's split weights.
+    """
     if not (isinstance(ep_size, int) and ep_size >= 1 and isinstance(ep_rank, int) and 0 <= ep_rank < ep_size):
         raise ValueError(f"build_model: ep_rank must be in [0, ep_size={ep_size}), got {ep_rank!r}")
     with torch.device("meta"):
@@ -81,14 +70,13 @@ def build_model(
 
 
 def seed_of(seed: int, name: str) -> int:
-    """A generator seed from the run's seed and a tensor's name: the same on every rank and layout."""
+    """A generator seed from the run's seed and a tensor's name, the same on every rank and layout."""
     return (seed * 0x9E3779B1 + zlib.crc32(name.encode())) % (2**63)
 
 
 @torch.no_grad()
 def initialise(model: MulaForCausalLM, seed: int) -> None:
-    """Fill every tensor of a model made by `build_model`: the model's own `_init_weights` per module,
-    under a generator seeded by the module's name; experts one by one, seeded by their global index."""
+    """Fill a `build_model` model: `_init_weights` per module seeded by its name, experts by their global index."""
     std = model.config.initializer_range
     done: set[int] = set()
     draws = []  # (tensor, seed) per expert: drawn by a pool of threads (normal_ releases the GIL)
@@ -143,8 +131,7 @@ def reset_buffers(model: nn.Module) -> None:
 
 
 class _Folder:
-    """The tensors of an HF folder by name, read lazily: a whole tensor, some rows of its first dimension,
-    or some columns of its second."""
+    """An HF folder's tensors by name, read lazily: whole, some rows, or some columns."""
 
     def __init__(self, folder: Path):
         self.folder = folder
@@ -212,16 +199,15 @@ def _weight_files(folder: Path) -> list[Path]:
 
 
 def folder_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor in an HF folder's weight files, from the safetensors headers (a
-    PyTorch .bin file is memory-mapped); a `WeightsError` where a file does not open."""
+    """Name -> shape of every tensor in an HF folder's weight files; a `WeightsError` where a file does not open."""
     source = _Folder(folder)
     return {name: source.shape(name) for name in source.where}
 
 
 @torch.no_grad()
 def load_slices(model: MulaForCausalLM, folder: Path, kind: str = "mula") -> None:
-    """Copy `folder`'s weights into a model made by `build_model`, reading only this rank's expert rows.
-    A missing tensor or one of another shape is a `WeightsError` naming it."""
+    """Copy `folder`'s weights into a `build_model` model, reading only this rank's expert rows.
+    A missing or misshapen tensor is a `WeightsError` naming it."""
     source = _Folder(folder)
     tied = model.config.tie_word_embeddings
     experts = {name: module for name, module in model.named_modules() if isinstance(module, MulaExperts)}
@@ -256,8 +242,7 @@ def load_slices(model: MulaForCausalLM, folder: Path, kind: str = "mula") -> Non
 
 
 def _part_of(part: nn.Module, leaf: str, source: _Folder, name: str, wrong: list[str]) -> torch.Tensor | None:
-    """A tensor-parallel part's slice of the folder's whole tensor `name` (only its rows or columns
-    read); None, with `name` in `wrong`, where the folder's tensor has another shape."""
+    """A TP part's slice of the folder's tensor `name`; None, with `name` in `wrong`, if it has another shape."""
     if leaf == "bias" and not part.bias_split:  # a row-split linear keeps its bias whole
         expected = tuple(part.bias.shape)
     else:
@@ -282,8 +267,7 @@ def _expert_rows(
     missing: list[str],
     wrong: list[str],
 ) -> torch.Tensor | None:
-    """Rows `rows` of a stacked expert tensor: read as a slice, or (an OLMoE folder) stacked from the
-    per-expert tensors of those experts only."""
+    """Rows `rows` of a stacked expert tensor: a slice, or stacked from an OLMoE folder's per-expert tensors."""
     name = f"{owner}.{leaf}"
     if name in source:
         if source.shape(name)[0] != num_experts:

@@ -1,6 +1,4 @@
-"""torch.distributed's single-tensor collectives under their current names: `all_gather_single` and
-`reduce_scatter_single` from PyTorch 2.13 (whose `all_gather_into_tensor` and `reduce_scatter_tensor`
-warn on every call), the older names before."""
+"""torch.distributed's single-tensor collectives by their current names (PyTorch 2.13 warns on the old)."""
 
 from __future__ import annotations
 
@@ -10,6 +8,5 @@ _OLD = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatte
 
 
 def collective(kind: str):
-    """`dist.all_gather_single` or `dist.reduce_scatter_single` (`kind` "all_gather" or
-    "reduce_scatter"), looked up at call time (tests patch torch.distributed)."""
+    """`dist.{kind}_single` or its older name, looked up at call time (tests patch torch.distributed)."""
     return getattr(dist, f"{kind}_single", None) or getattr(dist, _OLD[kind])

@@ -1,19 +1,7 @@
-"""The deduplicated expert-parallel exchange: each token crosses to a rank once, whatever number of
-its experts live there; optionally cut into chunks whose exchanges overlap the experts' compute.
+"""The deduplicated expert-parallel exchange: a token crosses once to each rank (or node, then rank) it reaches.
 
-Flat: a token goes once to each rank owning at least one of its experts, with the local expert ids
-and routing weights of its slots there. The destination gathers one row per slot from the received
-token, runs its experts, sums the token's weighted outputs and sends back one row per (token, rank);
-the source adds those partial sums. Hierarchical (`node_size`): a token crosses between nodes once
-per destination node, on the rail of ranks with its local index, and that rank fans it out inside
-the node once per rank hit there; the node's partial sums are added before they cross back. The
-backward pass is the reverse.
-
-Every sum over a row's members (the slots of a token on a rank, the ranks a token reaches) visits
-the rows ordered by member count, so the j-th pass adds into a prefix of them: gathers only, no
-atomics, the same result on every run. One host synchronisation per layer: every split size of every
-hop is exchanged up front (the source knows what each hop will carry). `chunks` > 1 runs the same
-exchange cut into chunks that overlap the experts' compute (`ds_optimus.parallel.overlap`).
+Sums go in member-count order (gathers only, no atomics: deterministic); one host synchronisation per
+layer. Chunked and overlapped: `overlap.py`.
 """
 
 from __future__ import annotations
@@ -48,7 +36,7 @@ class _Pending:
 
 
 def pack(weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows' slot weights and ids [N, k] as one [N, bytes] buffer: one message instead of two."""
+    """Slot weights and ids [N, k] as one [N, bytes] buffer, one message."""
     return torch.cat([weights.contiguous().view(torch.uint8), ids.contiguous().view(torch.uint8)], 1)
 
 
@@ -84,18 +72,14 @@ class _SendMeta(torch.autograd.Function):
 
 @dataclass
 class _Members:
-    """The members of N rows given by a mask [N, C], numbered column by column: member p is
-    (column `column_of[p]`, row `row_of[p]`). With the rows ordered by member count, most first,
-    `nth[j]` holds the member numbers of the j-th member of the first len(nth[j]) rows, and
-    `inverse[r]` is row r's place in that order. `table [N, depth]` lists each row's members in
-    order (-1 past the last): what the compiled combine kernels take (`ds_optimus.ops.routing`)."""
+    """The members of N rows in a mask [N, C], numbered column by column."""
 
     row_of: torch.Tensor
     column_of: torch.Tensor
-    inverse: torch.Tensor
-    nth: list[torch.Tensor]
+    inverse: torch.Tensor  # each row's place among the rows sorted by member count, most first
+    nth: list[torch.Tensor]  # nth[j]: the j-th members of those sorted rows
     rows: int
-    table: torch.Tensor
+    table: torch.Tensor  # [N, depth]: each row's members, -1 padded (for `ds_optimus.ops.routing`)
 
 
 def _nonzero(flat: torch.Tensor, size: int) -> torch.Tensor:
@@ -105,7 +89,7 @@ def _nonzero(flat: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def _members(mask: torch.Tensor, total: int, at_least: list[int]) -> _Members:
-    """`total` = members in `mask`; `at_least[j]` = rows with more than j members (known on the host)."""
+    """`at_least[j]`: rows with more than j members, known on the host."""
     n, c = mask.shape
     flat = _nonzero(mask.t().reshape(-1), total)
     column_of, row_of = flat // n, flat % n
@@ -179,8 +163,7 @@ class _Collect(torch.autograd.Function):
 
 
 def _slot_members(ids: torch.Tensor, units: int, dests: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For ids [N, k] (-1: none), with `units` ids per destination: (destination of each slot, with
-    `dests` for none; the [N, dests] mask of destinations reached)."""
+    """(each slot's destination, `dests` for none; [N, dests] mask of destinations reached)."""
     dest = torch.where(ids >= 0, torch.div(ids, units, rounding_mode="floor"), dests)
     mask = torch.zeros(ids.shape[0], dests + 1, dtype=torch.bool, device=ids.device).scatter_(1, dest, True)
     return dest, mask[:, :dests]
@@ -201,9 +184,7 @@ class _Hop:
 
 @dataclass
 class _Plan:
-    """One chunk's sizes, known on the host: per hop, rows sent to and received from each rank of
-    its group and how many rows reach more than j destinations; at the experts, how many rows have
-    more than j slots there, the slots in all, and the slots per local expert (on the device)."""
+    """One chunk's sizes per hop and at the experts, on the host (`counts` on the device)."""
 
     send: list[list[int]]
     recv: list[list[int]]
@@ -222,15 +203,9 @@ def _split_list(values: list[int], sizes: list[int]) -> list[list[int]]:
 
 
 def plan_chunks(dispatcher: DedupDispatcher, chunk_ids: list[torch.Tensor]) -> list[_Plan]:
-    """Every split size and member count of every chunk: one count exchange per hop (all chunks in
-    one message) and one host synchronisation.
-
-    Per chunk, a source sends each destination of the first hop a vector of counts:
-      flat, to rank r:       [rows with more than j slots on r, j < min(k, el) | slots per local expert of r]
-      hierarchical, to the rail rank of node b:
-                             [rows reaching more than j ranks of b, j < min(k, n) | the flat vector of each rank of b]
-    The first entry of a "more than j" histogram (j = 0) is the row count: the split size. A rail
-    rank adds the per-rank vectors over its sources and sends each rank of its node its sum."""
+    """Every chunk's split sizes and member counts: one count exchange per hop, one host synchronisation."""
+    # Sent per chunk to rank r: [rows with > j slots on r | slots per local expert]; hierarchically, to node b's
+    # rail rank: [rows reaching > j ranks of b | each rank's vector], summed there and forwarded. j = 0: split size.
     el, hops, ep = dispatcher.num_local_experts, dispatcher.hops, dispatcher.groups.ep_size
     k, chunks = chunk_ids[0].shape[1], len(chunk_ids)
     depth_e, src_depth = min(k, el), min(k, hops[0].dests)
@@ -294,9 +269,7 @@ def plan_chunks(dispatcher: DedupDispatcher, chunk_ids: list[torch.Tensor]) -> l
 
 
 def depart(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, plan: _Plan, level: int, hop: _Hop, spread=None):
-    """The rows, weights and local expert ids that leave for the hop's destinations: each row once
-    per destination its slots reach, with the ids (-1 elsewhere) and weights of the slots there.
-    Returns (members, where the slots land [S, k], rows, weights, ids)."""
+    """Each row once per destination it reaches: (members, slot positions [S, k], rows, weights, local ids)."""
     dest, mask = _slot_members(ids, hop.units, hop.dests)
     m = _members(mask, sum(plan.send[level]), plan.at_least[level])
     here = dest.index_select(0, m.row_of) == m.column_of.unsqueeze(1)
@@ -310,7 +283,7 @@ def _id_dtype(ids: int) -> torch.dtype:
 
 
 def at_experts(ids: torch.Tensor, plan: _Plan, num_local_experts: int) -> tuple[_Members, torch.Tensor]:
-    """The rows' slots at this rank's experts, and where each slot's weight sits in the [N, k] weights."""
+    """The slots at this rank's experts, and each slot's index in the flat [N, k] weights."""
     el, k = num_local_experts, ids.shape[1]
     _, mask = _slot_members(ids, 1, el)
     m = _members(mask, plan.dest_total, plan.dest_at_least)
@@ -321,8 +294,7 @@ def at_experts(ids: torch.Tensor, plan: _Plan, num_local_experts: int) -> tuple[
 
 
 class DedupDispatcher:
-    """Runs a layer's experts on tokens routed across the EP group, each token crossing once per
-    destination rank (or node, then rank). Installed by `apply_expert_parallel` (`dedup`)."""
+    """Runs a layer's experts across the EP group, deduplicated."""
 
     deduplicated = True
 
@@ -344,9 +316,8 @@ class DedupDispatcher:
         experts: Callable[..., torch.Tensor],
         params: tuple[torch.Tensor, ...],
     ) -> torch.Tensor:
-        """Experts on `x [T, H]` for expert ids `ids [T, k]` (in the EP group; -1: a dropped slot)
-        with routing `weights [T, k]`: sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) -> [T, H].
-        `experts(rows, counts, *params)` runs this rank's experts with the weights `params`."""
+        """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) -> [T, H] (ids -1: dropped); `experts(rows,
+        counts, *params)` runs this rank's experts."""
         if self.chunks > 1:  # the chunked, overlapped exchange is its subclass's (`overlap.py`)
             raise ValueError("a DedupDispatcher of several chunks is made by overlap.dedup_dispatcher")
         (plan,) = plan_chunks(self, [ids])

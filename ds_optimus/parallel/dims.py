@@ -1,8 +1,5 @@
-"""The layout of a run's ranks: its sizes, checked once, and where each rank sits (arithmetic only).
-
-Order, outermost first: pipeline stages, then data parallelism, cut into expert-parallel groups of
-consecutive data-parallel ranks, then tensor parallelism (runs of consecutive ranks, inside a node).
-`parallel.groups` makes the process groups of this layout; the planner's `Layout.dims` is the same.
+"""Rank layout arithmetic. Outermost first: pipeline stages, data parallelism (EP groups: consecutive DP ranks),
+tensor parallelism (consecutive ranks in a node).
 """
 
 from __future__ import annotations
@@ -13,14 +10,13 @@ from ..schema import ConfigError
 
 
 class LayoutError(ValueError):
-    """An impossible parallel layout (sizes that do not divide)."""
+    """An impossible parallel layout."""
 
 
 def check_layout(
     world_size: int, ep_size: int, num_experts: int | None = None, node_size: int | None = None, stages: int = 1
 ) -> None:
-    """Raise `LayoutError` (one line naming the problem) unless the sizes fit together (`world_size`:
-    the ranks of one pipeline stage, with `stages` > 1)."""
+    """A one-line `LayoutError` unless the sizes fit (`world_size`: one stage's ranks)."""
     if not isinstance(ep_size, int) or ep_size < 1:
         raise LayoutError(f"expert parallel size must be a positive integer, got {ep_size!r}")
     if world_size % ep_size:
@@ -41,7 +37,7 @@ def check_layout(
 
 @dataclass(frozen=True)
 class RankPosition:
-    """Where one rank sits: its pipeline stage, TP rank, data-parallel rank and EP rank."""
+    """Where one rank sits."""
 
     stage: int
     tp_rank: int
@@ -51,7 +47,7 @@ class RankPosition:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """The sizes of a layout of `world` ranks; `dp` (and `edp`) follow from them."""
+    """A layout's sizes; `dp` and `edp` follow."""
 
     world: int
     pp: int = 1  # pipeline stages
@@ -62,8 +58,7 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, opt, world: int) -> ParallelDims:
-        """The layout `opt` (an `OptimusConfig`) asks of `world` ranks; a one-line ConfigError where
-        its stages or tensor-parallel groups do not fit (expert parallelism: `check_experts`)."""
+        """The layout `opt` asks of `world` ranks, or a one-line ConfigError."""
         size, tensor = opt.pipeline_parallel.size, opt.tensor_parallel.size
         if world % size:
             raise ConfigError(f"optimus.pipeline_parallel.size {size} does not divide the {world} ranks")
@@ -86,16 +81,16 @@ class ParallelDims:
 
     @property
     def dp(self) -> int:
-        """Data-parallel size: the ranks of one stage at one TP position."""
+        """Ranks of one stage at one TP position."""
         return self.world // (self.pp * self.tp)
 
     @property
     def edp(self) -> int:
-        """Expert-data-parallel size: the ranks holding the same experts in one stage and TP position."""
+        """Ranks holding the same experts in one stage and TP position."""
         return self.dp // self.ep
 
     def check_experts(self, num_experts: int) -> None:
-        """A one-line error unless the EP size fits the data-parallel ranks and the model's experts."""
+        """A one-line error unless the EP size fits the DP ranks and the experts."""
         if num_experts:
             check_layout(self.dp, self.ep, num_experts, self.node_size, stages=self.pp)
         elif self.ep > 1:

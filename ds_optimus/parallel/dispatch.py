@@ -1,14 +1,5 @@
-"""All-to-all token exchange for expert parallelism, flat and hierarchical.
-
-Rows leave a rank sorted by global expert id, so the rows for each destination rank are contiguous.
-Token counts per (destination rank, local expert) are exchanged first; they give every split size.
-Both directions are autograd functions whose backward is the reverse exchange.
-
-Hierarchical (two-step, as BaGuaLu and Tutel do on large clusters): the EP group is cut into nodes
-of `node_size` ranks. Step 1 exchanges inside the node, so that local rank m of each node collects
-everything its node sends to local rank m of every node; step 2 exchanges between the ranks with
-the same local index, one aggregated message per node pair instead of node_size^2 small ones. The
-rows then arrive in the same order as with the flat exchange.
+"""All-to-all token exchange for expert parallelism: flat, or hierarchical (`node_size`: inside each node,
+then one aggregated message per node pair, as BaGuaLu and Tutel do).
 """
 
 from __future__ import annotations
@@ -22,9 +13,7 @@ from .groups import ExpertParallelGroups
 
 
 def wire(x: torch.Tensor, group) -> torch.Tensor:
-    """`x` as the all-to-all can send it: the exchange is bitwise, so types a backend lacks travel as
-    bytes (NCCL has no int16; gloo neither, nor bfloat16/float16 — CPU tensors go through gloo also
-    under a mixed backend such as "cpu:gloo,cuda:nccl")."""
+    """`x` as the all-to-all can send it: int16, and bf16/fp16 on gloo, as bytes."""
     if x.dtype == torch.int16 or (
         x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu" and "gloo" in str(dist.get_backend(group))
     ):
@@ -45,7 +34,7 @@ class _AllToAll(torch.autograd.Function):
 
 
 def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    """Rows `x` split by `in_splits` go to the group's ranks in order; returns the rows received."""
+    """Rows `x`, split by `in_splits`, to the group's ranks in order; returns the rows received."""
     x = x.contiguous()
     out = x.new_empty(sum(out_splits), *x.shape[1:])
     dist.all_to_all_single(wire(out, group), wire(x, group), out_splits, in_splits, group=group)
@@ -69,9 +58,7 @@ def _t(sizes: list[list[int]]) -> list[list[int]]:
 
 
 class ExpertParallelDispatcher:
-    """Sends expert-sorted rows to the ranks owning their experts, runs the local experts, and
-    brings the outputs back, one row per routed slot each way. Installed on an experts module by
-    `apply_expert_parallel` (`dedup=False`; `DedupDispatcher` sends a token once per rank)."""
+    """Sends expert-sorted rows to their experts' ranks and back, one row per slot each way."""
 
     deduplicated = False
 
@@ -100,7 +87,7 @@ class ExpertParallelDispatcher:
         return all_to_all_autograd(y, in_splits, out_splits, g.ep_group)
 
     def _local(self, rows: torch.Tensor, recv: list[list[int]], experts) -> torch.Tensor:
-        """Regroup received rows from (source, expert) to (expert, source) order, run, and undo."""
+        """Run the experts on received rows in (expert, source) order."""
         by_expert = transpose_chunks(rows, recv)
         per_expert = torch.tensor([sum(col) for col in zip(*recv, strict=True)], device=rows.device)
         return transpose_chunks(experts(by_expert, per_expert), _t(recv))

@@ -1,10 +1,5 @@
-"""Shard a model's stacked experts over an expert-parallel group, mark them for DeepSpeed, and
-export an expert-parallel model as one Hugging Face folder.
-
-An experts module records its expert-parallel state in attributes that `MulaExperts` declares
-(`num_local_experts`, `expert_parallel`, `expert_groups`, `experts_backend`); this module sets
-them, and reads the layout a model was given from them (`expert_groups_of`, `expert_layouts`).
-"""
+"""Shard a model's stacked experts over an expert-parallel group, mark them for DeepSpeed, and export an
+expert-parallel model as one Hugging Face folder; the layout lives in attributes `MulaExperts` declares."""
 
 from __future__ import annotations
 
@@ -32,12 +27,7 @@ DISPATCHES = ("alltoall", "allgather")
 
 @dataclass(frozen=True)
 class ExpertParallelConfig(Section):
-    """`optimus.expert_parallel`: the EP size; `node_size` selects the hierarchical exchange;
-    `dedup` sends a token once per destination rank (or node) instead of once per routed slot
-    ("auto": when that is expected to send fewer bytes); `chunks` cuts the deduplicated exchange into
-    that many parts, so one part travels while the experts compute another. `dispatch` picks the
-    exchange: "alltoall" (every mode above) or "allgather" (Optimus': all-gather the group's tokens,
-    reduce-scatter the outputs; flat, one chunk, no dedup; `ds_optimus.parallel.allgather`)."""
+    """`optimus.expert_parallel`: the EP size and the token exchange."""
 
     size: int = 1  # expert-parallel size: consecutive ranks that share each MoE layer's experts
     node_size: int | None = None  # ranks per node; below `size` it selects the hierarchical exchange
@@ -83,8 +73,7 @@ class ExpertParallelConfig(Section):
 
 
 def experts_modules(model: nn.Module) -> list[nn.Module]:
-    """The modules holding stacked experts, their expert-parallel attributes declared (another
-    Transformers experts class than MulaExperts gets them here, at their defaults)."""
+    """The modules holding stacked experts, their expert-parallel attributes declared (at defaults if not Mula's)."""
     return [
         declare_expert_attributes(m)
         for m in model.modules()
@@ -106,19 +95,9 @@ def apply_expert_parallel(
     chunks: int = 1,
     dispatch: str = "alltoall",
 ) -> ExpertParallelGroups:
-    """Keep this rank's slice of every MoE layer's stacked experts and route tokens to their owners.
-
-    `ep_size` ranks share each layer's experts (rank i of an EP group keeps experts
-    [i*E/P, (i+1)*E/P)); `node_size` selects the hierarchical exchange with nodes of that many ranks.
-    `dedup` picks the exchange that sends a token once per destination (True), once per routed slot
-    (False), or the one expected to send fewer bytes ("auto"); `chunks` > 1 overlaps the
-    deduplicated exchange with the experts' compute. `dispatch="allgather"` replaces the all-to-all by
-    Optimus' all-gather + reduce-scatter (flat, `dedup` not True, `chunks` 1).
-    Every experts module records the layout in `expert_groups`. Expert weights are marked for
-    DeepSpeed (`allreduce=False`, `group_name`) so ZeRO reduces their gradients over the
-    expert-data-parallel group. Every rank must start from the same weights. Collective; returns the
-    process groups.
-    """
+    """Keep this rank's slice of every MoE layer's stacked experts and route tokens to their owners (keywords:
+    `ExpertParallelConfig`'s). Expert weights get `allreduce=False` and `group_name`, so ZeRO reduces them over the
+    expert-data-parallel group. Every rank must start from the same weights; collective."""
     hierarchical = (
         ep_size.hierarchical
         if isinstance(ep_size, ExpertParallelGroups)
@@ -232,8 +211,7 @@ def expert_groups_of(model: nn.Module) -> ExpertParallelGroups | None:
 
 
 def full_state_dict(model: nn.Module, groups: ExpertParallelGroups) -> dict[str, torch.Tensor]:
-    """The model's state dict with every expert-parallel weight gathered to its full [E, ...] shape
-    (collective over the EP group; every rank gets the whole dict)."""
+    """The state dict with every expert weight gathered whole ([E, ...]) on every EP rank."""
     state = model.state_dict()
     sharded = [name for name, p in model.named_parameters() if is_expert_param(p)]  # same order on every rank
     for name in sharded:
@@ -245,11 +223,7 @@ def full_state_dict(model: nn.Module, groups: ExpertParallelGroups) -> dict[str,
 
 
 def gather_experts(model: nn.Module, groups: ExpertParallelGroups, dst: int) -> dict[str, torch.Tensor] | None:
-    """The model's state dict with every expert weight joined to its full [E, ...] shape on global rank
-    `dst` of this rank's EP group, None on the group's other ranks (collective over that group only:
-    the other EP groups, replicas of the same experts, take no part). What a writer needs, without
-    every rank holding every expert as `full_state_dict` makes them; each joined weight is moved to
-    the host at once, so the device never holds more than one of them whole."""
+    """Like `full_state_dict`, but on the host of global rank `dst` alone, one weight at a time; None elsewhere."""
     state, rank = model.state_dict(), dist.get_rank()
     for name in [n for n, p in model.named_parameters() if is_expert_param(p)]:  # same order on every rank
         local = state[name].contiguous()
@@ -267,8 +241,7 @@ def gather_experts(model: nn.Module, groups: ExpertParallelGroups, dst: int) -> 
 
 
 def readable_as_umask(paths) -> None:
-    """Give files the permissions the process's umask gives new files (safetensors writes its files
-    readable by their owner alone, so nobody else on a shared cluster could load an exported model)."""
+    """Give `paths` the permissions the umask gives new files (safetensors writes them owner-only)."""
     umask = os.umask(0)
     os.umask(umask)
     for path in paths:
@@ -285,16 +258,9 @@ def export_pretrained(
     generation_config=None,
     state_dict: dict[str, torch.Tensor] | None = None,
 ) -> None:
-    """Write `model` (with every expert) and `tokenizer`, if given, as a Hugging Face folder;
-    `model_card` (markdown) becomes its README.md, `generation_config` (a `GenerationConfig`)
-    replaces the one derived from the model's config.
-
-    Every rank calls it: collective when torch.distributed is initialised. Under expert parallelism
-    (`groups`; by default the layout the model's experts declare) the experts are gathered over the
-    EP group; global rank 0 writes, and no rank returns before the folder is complete. A `state_dict`
-    given (rank 0's, gathered already) is written instead of the model's own; an empty one writes no
-    weights (a pipelined model's stages write theirs: `parallel.pipeline.write_stage_weights`).
-    """
+    """Write `model` with every expert, `tokenizer`, `model_card` (README.md) and `generation_config` as a Hugging
+    Face folder; collective: rank 0 writes, all return once it is complete. A `state_dict` given is written instead
+    (empty: no weights)."""
     groups = groups if groups is not None else expert_groups_of(model)
     distributed = dist.is_available() and dist.is_initialized()
     gather = state_dict is None and groups is not None and groups.ep_size > 1 and groups.pipeline is None
@@ -331,10 +297,8 @@ def export_pretrained(
 
 
 def setup_moe(model: nn.Module, config, groups: ExpertParallelGroups | None = None) -> ExpertParallelGroups | None:
-    """Apply the MoE settings of a parsed `optimus` section (`ds_optimus.config.OptimusConfig`, or
-    anything with its `moe` and `expert_parallel` sections): the experts backend and uniform routing of
-    every MoE layer, and expert parallelism when `expert_parallel.size > 1` (over `groups`, the layout's
-    groups made already, else made here). Returns the EP groups, or None without expert parallelism."""
+    """Apply a parsed `optimus` section's MoE settings (experts backend, uniform routing, expert parallelism over
+    `groups` if given); returns the EP groups or None."""
     if not (hasattr(config, "moe") and hasattr(config, "expert_parallel")):
         raise TypeError(
             f"setup_moe takes a parsed optimus section, not {type(config).__name__}: "
@@ -356,8 +320,7 @@ def setup_moe(model: nn.Module, config, groups: ExpertParallelGroups | None = No
 
 
 def set_uniform_routing(model: nn.Module, enabled: bool) -> None:
-    """Turn uniform routing (`optimus.moe.force_uniform_routing`, a benchmark mode) on or off in every
-    router of `model`, each at its rank's place in the expert-parallel layout the model has now."""
+    """Turn uniform routing (a benchmark mode) on or off in every router, at its rank's EP place."""
     routers = [m for m in model.modules() if hasattr(m, "force_uniform_routing")]  # Mula's routers declare it
     if enabled and experts_modules(model) and not routers:
         raise ValueError(
@@ -384,13 +347,8 @@ def _use_ds_optimus_experts(model: nn.Module) -> None:
 def moe_param_groups(
     model: nn.Module, weight_decay: float = 0.0, *, decay_all: bool = False, **options: Any
 ) -> list[dict[str, Any]]:
-    """Optimizer param groups as DeepSpeed's MoE support expects them.
-
-    Dense parameters go to "dense" (weight decay) and "dense_no_decay" (norms, biases and other 1-D
-    parameters: the usual rule; with `decay_all`, Optimus' choice, they are decayed in "dense"
-    too); expert weights to one group per EP layout, named by its DeepSpeed group name with `moe=True`.
-    `options` (lr, betas, ...) are copied into every group.
-    """
+    """DeepSpeed-MoE param groups: "dense", "dense_no_decay" (1-D, unless `decay_all`) and one `moe=True` group per
+    EP layout; `options` go into each."""
     dense, no_decay, experts = [], [], {}
     for param in model.parameters():
         if not param.requires_grad:

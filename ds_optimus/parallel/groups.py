@@ -1,17 +1,8 @@
-"""Process groups for tensor parallel (TP), data parallel (DP), expert parallel (EP) and expert-data
-parallel (EDP).
+"""Process groups for tensor (TP), data (DP), expert (EP) and expert-data (EDP) parallelism.
 
-Layout (DeepSpeed's): with world size W and EP size P, the EP groups are consecutive ranks
-[0..P-1], [P..2P-1], ...; the EDP groups join the ranks that hold the same experts,
-{i, i+P, i+2P, ...}; dense parameters are data-parallel over all W ranks. For the hierarchical
-exchange, EP groups are cut into nodes of `node_size` consecutive ranks: an intra-node group per node
-and an inter-node group per local rank index. With pipeline stages (`init_pipeline_groups`), all of this
-is made inside each stage's ranks, and the stage's ranks are its data-parallel group. With tensor
-parallelism (`init_tensor_parallel_groups`, size T) the TP groups are runs of T consecutive ranks (inside a
-node), and everything above is made over the ranks of one TP position: a stage's ranks at the same place
-of their TP group are its data-parallel group, cut into EP groups as before. Nothing here
-talks to DeepSpeed: its engine hook (`ds_optimus.integrations.deepspeed_engine`) registers the layouts a
-model's experts declare, under DeepSpeed's name for them (``ep_size_{P}``), when the engine is built.
+DeepSpeed's layout: EP groups are runs of P consecutive ranks, EDP groups {i, i+P, ...}. TP groups are
+innermost; EP/DP groups are made inside each pipeline stage over the ranks of one TP position. The
+DeepSpeed engine hook registers these layouts under DeepSpeed's names (``ep_size_{P}``).
 """
 
 from __future__ import annotations
@@ -83,8 +74,7 @@ _TENSOR: dict[int, TensorParallelGroups] = {}
 
 
 def init_tensor_parallel_groups(size: int) -> TensorParallelGroups:
-    """Create (once per size) the tensor-parallel groups of `size` consecutive ranks; this rank's view.
-    Collective: every rank calls it with the same size."""
+    """This rank's tensor-parallel group of `size` consecutive ranks (made once). Collective."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("tensor parallelism needs torch.distributed to be initialised first")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -102,9 +92,7 @@ def init_tensor_parallel_groups(size: int) -> TensorParallelGroups:
 
 
 def init_layout_groups(dims) -> ExpertParallelGroups | None:
-    """Every process group of layout `dims` (a `ParallelDims`): TP groups innermost, the pipeline's, and
-    the data/expert-parallel groups inside each stage and TP position; None where it has none of them
-    (plain data parallelism: DeepSpeed's world group). Collective."""
+    """Every process group of `ParallelDims` `dims`; None for plain data parallelism. Collective."""
     if dims.tp == dims.pp == dims.ep == 1:
         return None
     return init_expert_parallel_groups(dims.ep, dims.node_size, dims.pp, dims.tp)
@@ -112,10 +100,8 @@ def init_layout_groups(dims) -> ExpertParallelGroups | None:
 
 @dataclass
 class PipelineGroups:
-    """This rank's view of the pipeline layout: `size` stages, stage s on global ranks [s*D, (s+1)*D)
-    (D = world / size ranks per stage, data and expert parallel among themselves). `group` joins the
-    ranks of one pipeline (the same place in every stage: point-to-point sends); `stage_group` the D
-    ranks of this rank's stage."""
+    """This rank's pipeline layout: stage s on ranks [s*D, (s+1)*D), D = world / `size`. `group`: one
+    pipeline (the same place in every stage); `stage_group`: this rank's stage."""
 
     size: int
     stage: int
@@ -132,8 +118,7 @@ _PIPELINES: dict[int, PipelineGroups] = {}
 
 
 def init_pipeline_groups(size: int) -> PipelineGroups:
-    """Create (once per size) the pipeline and stage groups of `size` stages; this rank's view.
-    Collective: every rank calls it with the same size."""
+    """This rank's pipeline and stage groups for `size` stages (made once). Collective."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("pipeline parallelism needs torch.distributed to be initialised first")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -164,15 +149,8 @@ _CACHE: dict[tuple[int, int | None, int, int], ExpertParallelGroups] = {}
 def init_expert_parallel_groups(
     ep_size: int, node_size: int | None = None, pipeline_size: int | None = None, tensor_size: int | None = None
 ) -> ExpertParallelGroups:
-    """Create (once per layout) the EP/EDP groups of `ep_size` and return this rank's view. With
-    `pipeline_size` stages (None: those of the pipeline layout made already, else one), the groups are
-    made inside each stage's ranks and the data-parallel group is the stage's (`init_pipeline_groups`);
-    with `tensor_size` > 1 (None: the tensor-parallel layout made already, else 1) they are made over the
-    stage's ranks of each TP position (`init_tensor_parallel_groups`).
-
-    Collective: every rank must call it with the same arguments. Creating groups is collective, so a
-    layout is created once and the same object returned again.
-    """
+    """This rank's EP/EDP groups of `ep_size` (made once per layout), inside each pipeline stage and TP
+    position; `pipeline_size`/`tensor_size` None: the layouts made already. Collective."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("expert parallelism needs torch.distributed to be initialised first")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -263,16 +241,9 @@ _SHARD_GROUPS: dict[tuple, dict[str, tuple[object, object]]] = {}
 
 
 def hybrid_shard_groups(groups: dict[str, object], size: int | None) -> dict[str, tuple[object, object]]:
-    """For each of this rank's process groups `groups` (by kind: "dense", an EP layout's name), the
-    (shard group, replica group) of hybrid sharding with `size` ranks per shard group: a group's
-    ranks, in its own order, cut into runs of `size` (consecutive ranks, so the runs are nodes or
-    groups of nodes), and the ranks at the same place of every run. A group of at most `size`
-    ranks is one shard group and has no replica group (None). `size` None: no hybrid sharding.
-
-    Collective over the world (creating groups is): every rank calls it with the same `size` and
-    the same kinds, even a rank without parameters of some kind. Each rank sends the place it holds in
-    each of its groups (its group's first rank, size and its index), so every rank knows every group
-    and creates them all in one order. Made once per layout."""
+    """(shard group, replica group) of each of `groups` (by kind) under hybrid sharding: runs of `size`
+    ranks, and the ranks at one place of every run (None if the group is no larger).
+    Collective over the world: every rank passes the same `size` and kinds."""
     if size is None:
         return {kind: (group, None) for kind, group in groups.items()}
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
@@ -321,10 +292,8 @@ def hybrid_shard_groups(groups: dict[str, object], size: int | None) -> dict[str
 
 
 class EngineParallelism:
-    """What DeepSpeed's engine asks of a model-parallel unit (`deepspeed.initialize(mpu=...)`) for a
-    layout of ds_optimus' groups (`ExpertParallelGroups`): its data parallelism is the data-parallel group
-    (batch sizes, the initial broadcast and the optimizer's shards), its model parallelism the
-    tensor-parallel group, and the pipeline stages are ds_optimus' own (`pipeline`, or None)."""
+    """DeepSpeed's model-parallel unit (`deepspeed.initialize(mpu=...)`) for `ExpertParallelGroups`:
+    data parallelism is the DP group, model parallelism the TP group."""
 
     def __init__(self, groups: ExpertParallelGroups, sequence_parallel: bool = False) -> None:
         self.groups, self.pipeline, self.tensor = groups, groups.pipeline, groups.tensor

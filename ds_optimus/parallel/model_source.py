@@ -1,8 +1,5 @@
-"""Where a run's model comes from: a preset or a Hugging Face folder (Mula, or OLMoE/OLMo converted
-on the fly), with `optimus.model.overrides`; its `MulaConfig`, the checks of a folder's weights
-against it (from the files' headers: names and shapes, no tensor data), and the build on the meta
-device that reads only this rank's rows (`build.build_model`). `ModelConfig` (the config section)
-calls these, passing itself as `model` (its `preset`, `path` and `overrides` are read)."""
+"""Where a run's model comes from (a preset, or a Mula, OLMoE or OLMo folder, with `optimus.model.overrides`): its
+`MulaConfig`, header-only checks of a folder's weights, and the build. `model` is the `ModelConfig` section."""
 
 from __future__ import annotations
 
@@ -16,14 +13,9 @@ from ..schema import ConfigError, need
 def build(
     model, tokenizer=None, *, ep_size: int = 1, ep_rank: int = 0, seed: int = 0, stage=None, tensor_parallel=None
 ):
-    """The Mula model in fp32, built on the meta device and holding only experts
-    [ep_rank*E/ep_size, (ep_rank+1)*E/ep_size) of each MoE layer: random initial values that do not
-    depend on the layout (seeded by `seed`, name and expert) for a preset or a folder without
-    weights, else the folder's weights, of which only those rows are read; ids of `tokenizer`'s end
-    and padding tokens. An OLMoE folder is converted on the fly; a folder of another architecture,
-    and weights that leave a parameter uninitialised, are one-line ConfigErrors. `stage` (decoder
-    layers, has the embedding, has the head) keeps a pipeline stage's part only; `tensor_parallel`
-    (group, size, rank) this rank's part of every split weight."""
+    """The Mula model in fp32 on the meta device, holding each MoE layer's experts [ep_rank*E/ep_size,
+    (ep_rank+1)*E/ep_size): a folder's weights (only those rows read) or random values seeded by `seed`, name and
+    expert. `stage` and `tensor_parallel` keep this rank's part."""
     from .build import WeightsError, build_model
 
     config = mula_config(model, tokenizer)
@@ -47,8 +39,8 @@ def build(
 
 
 def mula_config(model, tokenizer=None, seq_len: int | None = None):
-    """The `MulaConfig` of the model `build` makes (a one-line ConfigError where it cannot be made,
-    or where its positions are fewer than `seq_len`), with `tokenizer`'s end and padding ids."""
+    """The `MulaConfig` of the model `build` makes, with `tokenizer`'s end and padding ids, checked against
+    `seq_len`."""
     from ..hf_models.mula import MulaConfig
 
     folder = Path(model.path) if model.path is not None else None
@@ -137,10 +129,8 @@ def folder_kind(folder: Path) -> str:
 
 
 def check_folder_weights(folder: Path, config, kind: str, when: str = "") -> None:
-    """A one-line ConfigError where `folder`'s weights (read from the files' headers: names and shapes,
-    no tensor data) would not fill `MulaForCausalLM(config)`: a tensor missing or of another shape;
-    for an OLMoE folder (`kind` "olmoe"), as its conversion would find them. `when` ends the OLMoE
-    message's "converted on the fly" (e.g. " at the start")."""
+    """A ConfigError where `folder`'s weights (from the file headers) would not fill `MulaForCausalLM(config)` (for
+    "olmoe": once converted); `when` ends the OLMoE message."""
     import torch
 
     from ..hf_models.mula import MulaForCausalLM
@@ -171,8 +161,7 @@ def check_folder_weights(folder: Path, config, kind: str, when: str = "") -> Non
 
 
 def refuse_uninitialised(folder: Path, missing: list[str], wrong: list[str]) -> None:
-    """A one-line ConfigError when a model folder's weights leave parameters `missing` (or of another
-    shape: `wrong`), which would otherwise train from their random initial values."""
+    """A ConfigError when a folder's weights leave parameters `missing` or of another shape (`wrong`)."""
     names = missing or wrong
     if names:
         more = f" and {len(names) - 3} more" if len(names) > 3 else ""

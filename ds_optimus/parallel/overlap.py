@@ -1,19 +1,8 @@
 """The deduplicated exchange cut into chunks whose exchanges overlap the experts' compute.
 
-A layer's tokens are cut into `chunks` parts. Every stage (prepare a hop and send it; compute the
-experts and send back; add the partial sums) runs for all chunks before the next stage starts, on
-asynchronous all-to-alls: while the experts compute chunk c, the rows of chunk c+1 are still
-travelling and the partial sums of chunk c-1 are on their way back. The backward pass runs the same
-stages in reverse (the gradients of the partial sums out, the experts' backward, the gradients of
-the rows back), so it overlaps too. On GPUs NCCL runs the collectives on its own stream; on gloo
-its worker threads carry them while the main thread computes.
-
-Everything around the experts is differentiated by hand (gathers and the sums of `dedup`); the
-experts' own backward replays each chunk's recorded graph with `torch.autograd.grad`, and their
-parameter gradients reach the outer graph once, summed over the chunks. Each chunk keeps its
-experts' input and output rows until the backward pass; under non-reentrant activation
-checkpointing they are dropped after the forward pass and the backward pass uses those of the
-recomputation, as for any other layer.
+Each stage runs for all chunks before the next, on asynchronous all-to-alls, so chunk c computes while
+c+1 travels; the backward mirrors it. The experts' backward replays each chunk's recorded graph; the rest
+is differentiated by hand.
 """
 
 from __future__ import annotations

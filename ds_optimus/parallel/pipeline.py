@@ -1,24 +1,9 @@
 """Pipeline parallelism for Mula models on `torch.distributed.pipelining`.
 
-A rank of stage s keeps only its chunks of decoder layers (`keep_stage`, on the meta device before
-anything is allocated: `parallel.build.build_model(..., stage=...)`), the embedding on the first chunk,
-the final norm and head on the last. Parameter names stay the whole model's (`model.layers.17...`), so
-optimizer state and checkpoints, keyed by name, do not depend on the pipeline layout. Each chunk
-(`StageChunk`) runs its layers as `MulaModel.forward` does, and passes on, besides the hidden states,
-each MoE layer's router statistics (`router_layer_stats`: mean probabilities and z-loss with their
-gradients, token counts without), so the rank with the last chunk computes the router losses of every layer exactly
-as the model does in one piece (`PipelineLoss`), and their gradients flow back to every stage's routers.
-
-The schedule (1F1B, GPipe, interleaved 1F1B, looped BFS, interleaved zero-bubble, and the V-shaped ZB-V
-and DualPipeV, whose first rank holds the first and the last chunk) is PyTorch's; it
-calls the backward passes itself, so the optimizer's gradient hooks see each micro-batch's gradients as
-they come and add them up in fp32 buckets (`ShardedOptimizer.defer_reduction`). Each stage tells the
-optimizer which backward pass is its last of the step (`last_backward`), and a bucket is reduced as soon
-as its every parameter has had that last gradient: inside the schedule's drain, overlapping the
-remaining backward passes, not after it. Under ZeRO-2 with one chunk per rank no full-size gradients are
-kept: each micro-batch's backward pass reduces its own into the shards, as without stages. The
-zero-bubble schedule's separate weight-gradient pass writes `.grad` directly; the stage hands those
-gradients to the optimizer itself.
+Each rank keeps its chunks of decoder layers under the whole model's parameter names, so optimizer
+state and checkpoints do not depend on the layout. Chunks pass each MoE layer's router statistics on,
+so the last chunk computes every layer's router losses as the unpipelined model does (`PipelineLoss`).
+The sharded optimizer reduces buckets in the schedule's drain.
 """
 
 from __future__ import annotations
@@ -44,9 +29,8 @@ def stage_chunks(config: PipelineParallelConfig, model_config, seq_len: int, sta
 
 
 def keep_stage(model: nn.Module, layers: list[int], first: bool, last: bool) -> None:
-    """Drop from a `MulaForCausalLM` (on the meta device, before it is allocated) every decoder layer
-    not in `layers`, the embedding unless `first`, the final norm and head unless `last`. The kept
-    layers stay under their own numbers (`model.layers.<i>`)."""
+    """Drop from a meta-device `MulaForCausalLM` the decoder layers not in `layers` (the rest keep their
+    numbers), the embedding unless `first`, the final norm and head unless `last`."""
     inner = model.model
     inner.layers = nn.ModuleDict({str(i): inner.layers[i] for i in layers})
     if not first:
@@ -57,9 +41,8 @@ def keep_stage(model: nn.Module, layers: list[int], first: bool, last: bool) -> 
 
 
 class StageChunk(nn.Module):
-    """Consecutive decoder layers of a pipelined Mula model, run as `MulaModel.forward` runs them.
-    Input: token ids (the first chunk) or hidden states, with the router statistics so far for an MoE
-    model; output: hidden states (logits on the last chunk) with the statistics updated."""
+    """Consecutive decoder layers run as `MulaModel.forward` runs them: token ids or hidden states (and
+    MoE router statistics) in; hidden states, or logits on the last chunk (and statistics), out."""
 
     def __init__(self, model: nn.Module, layers: range, first: bool, last: bool) -> None:
         super().__init__()
@@ -113,9 +96,8 @@ class StageChunk(nn.Module):
 
 
 class PipelineLoss:
-    """The loss of a micro-batch on the rank with the last chunk: the LM loss plus the router losses of every MoE
-    layer (from the statistics the stages passed on), over `micro_batches` so that the schedule's
-    backward passes add up to the step's mean. Each micro-batch's parts are kept in `records`."""
+    """A micro-batch's LM plus router loss on the last chunk, over `micro_batches` (so backward passes sum
+    to the step's mean); each micro-batch's parts go to `records`."""
 
     def __init__(self, model: nn.Module, micro_batches: int, group=None, router_share: float = 1.0) -> None:
         self.model, self.micro_batches, self.group = model, micro_batches, group
@@ -156,10 +138,8 @@ class PipelineLoss:
 
 
 def _reducing_stage(pipelining) -> type:
-    """PyTorch's pipeline stage, telling the sharded optimizer (when it has one) which backward pass brings
-    each parameter's last gradient of the step, so that its buckets are reduced during the schedule's
-    drain; and handing it the gradients a separate weight-gradient pass (the zero-bubble schedules) writes
-    into `.grad` directly, which autograd's gradient hooks never see."""
+    """PyTorch's pipeline stage, telling the sharded optimizer of each last backward pass and handing it
+    the gradients the zero-bubble weight pass writes into `.grad` (which its hooks never see)."""
 
     class ReducingStage(pipelining.PipelineStage):
         optimizer = None  # set by build_schedule: the sharded optimizer, or None
@@ -188,8 +168,7 @@ def _reducing_stage(pipelining) -> type:
 
 
 def each_micro_batch_reduction(optimizer, config: PipelineParallelConfig) -> bool:
-    """Whether the sharded optimizer `optimizer` reduces every micro-batch's gradients under `config`'s
-    schedule (ZeRO-2, one chunk of layers per rank) rather than the step's sum in the drain."""
+    """Whether `optimizer` reduces each micro-batch's gradients (ZeRO-2, one chunk per rank)."""
     return optimizer is not None and optimizer.stage == 2 and config.schedule in SINGLE_STAGE_SCHEDULES
 
 
@@ -204,11 +183,8 @@ def build_schedule(
     seq_len: int,
     optimizer=None,
 ) -> Any:
-    """PyTorch's schedule `config.schedule` over this rank's chunks (global chunk index, module), for
-    micro-batches of `micro` sequences of `seq_len` tokens. Every stage states the shapes it takes and
-    gives, so the schedule never runs a forward or backward pass on placeholder tensors to find them
-    (which would count their router loads and add their gradients). With `optimizer` (the sharded
-    optimizer), each stage's last backward pass launches its gradient reduction as the gradients come."""
+    """PyTorch's schedule `config.schedule` over this rank's (chunk index, module) `chunks`, for
+    micro-batches of `micro` x `seq_len` tokens."""
     from torch.distributed import pipelining
 
     device = torch.device(device)
@@ -224,7 +200,7 @@ def build_schedule(
             output_args=_example(module, False, index == config.chunks - 1, micro, seq_len, device),
         )
         for index, module in chunks
-    ]
+    ]  # shapes given: shape inference would run placeholder passes that count router loads and add gradients
     # ZeRO-2 keeps no full-size gradients: with one chunk per rank each backward pass is one micro-batch's,
     # reduced into the shards as it goes (as without stages); with several chunks a bucket can hold
     # parameters of two chunks, whose backward passes interleave, so the step's gradients add up in fp32
@@ -239,8 +215,7 @@ def build_schedule(
 
 
 def _example(module: StageChunk, ids: bool, logits: bool, micro: int, seq_len: int, device) -> tuple:
-    """Placeholders of what a chunk takes (token ids, or hidden states) or gives (hidden states, or
-    logits), with the router statistics of an MoE model."""
+    """Placeholders of a chunk's inputs or outputs."""
     if ids:
         return (torch.empty(micro, seq_len, dtype=torch.long, device=device),)
     dtype = next(module.parameters()).dtype
@@ -253,8 +228,7 @@ def _example(module: StageChunk, ids: bool, logits: bool, micro: int, seq_len: i
 
 
 def run_schedule(schedule, batch: torch.Tensor, first: bool, last: bool) -> None:
-    """One step of `schedule` over `batch` (token ids, also the labels): the rank with the first chunk
-    (`first`) feeds the inputs, the one with the last chunk (`last`) the targets."""
+    """One step of `schedule` over `batch` (token ids, also the labels)."""
     args = (batch,) if first else ()
     schedule.step(*args, target=batch if last else None, return_outputs=False)
 
@@ -267,8 +241,8 @@ def forward_only(
     batch: torch.Tensor,
     loss: PipelineLoss,
 ) -> torch.Tensor | None:
-    """The LM loss of `batch` through every chunk in order, without a schedule (evaluation): the rank
-    with the last chunk returns it, the others None. Collective over the pipeline."""
+    """The loss of `batch` without a schedule (evaluation), on the last chunk's rank (else None).
+    Collective over the pipeline."""
     mine = dict(chunks)
     total_chunks, x, stats, result = config.chunks, batch, None, None
     for c in range(total_chunks):
@@ -305,11 +279,8 @@ def _receive(module: StageChunk, batch: torch.Tensor, source: int) -> tuple[torc
 def write_stage_weights(
     folder, state: dict[str, torch.Tensor] | None, pipeline: PipelineGroups, max_shard_bytes: int = 5 * 2**30
 ) -> None:
-    """Write a pipelined model's weights into Hugging Face folder `folder` without joining them anywhere:
-    the first rank of each stage writes its stage's part (`state`, every expert; the other ranks' is
-    not read) as safetensors shards
-    of at most `max_shard_bytes` (a tensor is never cut), numbered across the stages, and rank 0 the
-    index `model.safetensors.index.json` that `from_pretrained` reads. Collective over every rank."""
+    """Write a pipelined model's weights into Hugging Face folder `folder`: each stage's first rank writes
+    its `state` (every expert) as safetensors shards, rank 0 the index. Collective over every rank."""
     from safetensors.torch import save_file
 
     writer = dist.get_rank() == pipeline.stage_ranks[0]

@@ -1,12 +1,6 @@
 """Pipeline stages: the `optimus.pipeline_parallel` section, the cost of each part of a Mula model,
-and the split of its decoder layers into stages of balanced cost.
-
-A run of P stages with V virtual stages per rank cuts the layers into P·V contiguous chunks; chunk c
-runs on stage rank c mod P (the loop order of the interleaved schedules; V = 1 is the plain split), or,
-under the V-shaped schedules (two chunks per rank), on rank c for c < P and on rank 2P - 1 - c after:
-the first rank holds the first and the last chunk, and the pipeline turns back on the last rank.
-The embedding is counted with the first chunk and the final norm, head and loss with the last, so the
-last chunk takes fewer layers: for Mula-220B-A10B the head costs about one MoE layer.
+and the split of its decoder layers into P·V chunks of balanced cost (`chunk_stage` places them).
+The first chunk also pays the embedding and the last the head, about one MoE layer of Mula-220B-A10B.
 """
 
 from __future__ import annotations
@@ -34,10 +28,7 @@ SCHEDULES = {**SINGLE_STAGE_SCHEDULES, **MULTI_STAGE_SCHEDULES}
 
 @dataclass(frozen=True)
 class PipelineParallelConfig(Section):
-    """`optimus.pipeline_parallel`: `size` pipeline stages (ranks per pipeline), run by `schedule`
-    with `virtual_stages` chunks of layers per rank (the interleaved schedules), over the step's
-    `gradient_accumulation_steps` micro-batches. `layers` (optional) gives the decoder layers of each
-    chunk in order, overriding the balanced split."""
+    """`optimus.pipeline_parallel`: `size` stages run by `schedule`, `virtual_stages` chunks per rank."""
 
     size: int = 1  # pipeline stages; stage s is ranks [s x world / size, (s + 1) x world / size)
     # "gpipe", "1f1b", or with virtual stages "interleaved_1f1b", "looped_bfs" or "interleaved_zb" (zero bubble:
@@ -87,17 +78,16 @@ class PipelineParallelConfig(Section):
             )
 
     def stage_of(self, chunk: int) -> int:
-        """The stage rank that runs chunk `chunk` under this schedule (`chunk_stage`)."""
+        """The stage rank that runs chunk `chunk`."""
         return chunk_stage(chunk, self.size, self.schedule in V_SCHEDULES)
 
     @property
     def chunks(self) -> int:
-        """Chunks of layers in the whole pipeline: stages times virtual stages."""
+        """Chunks of layers in the whole pipeline."""
         return self.size * self.virtual_stages
 
     def split(self, config, seq_len: int) -> list[range]:
-        """The decoder layers of each chunk of a model of `config` (a `MulaConfig`), in order: the
-        given `layers`, or the split that balances `layer_costs`. A one-line ValueError when they do not fit."""
+        """The decoder layers of each chunk of a `MulaConfig` model: `layers`, or the balanced split."""
         total = config.num_hidden_layers
         if self.layers is not None:
             if sum(self.layers) != total:
@@ -118,9 +108,8 @@ class PipelineParallelConfig(Section):
 
 
 def layer_costs(config, seq_len: int) -> tuple[list[float], float, float]:
-    """Forward FLOPs per token of each decoder layer, of the embedding and of the head (final norm,
-    LM head, softmax and loss) of a model of `config` at sequence length `seq_len`. Backward costs
-    about twice the forward for every part alike, so the forward ranks the parts as the step does."""
+    """Forward FLOPs per token of each decoder layer, the embedding and the head (norm, LM head, loss)."""
+    # backward is about twice the forward for every part alike, so the forward ranks parts as the step does
     hidden, heads = config.hidden_size, config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -140,8 +129,8 @@ def layer_costs(config, seq_len: int) -> tuple[list[float], float, float]:
 
 
 def split_layers(costs: list[float], embedding: float, head: float, chunks: int) -> list[range]:
-    """Cut layers of `costs` into `chunks` contiguous, non-empty ranges minimising the costliest chunk,
-    the first chunk also paying `embedding` and the last `head` (exact, by dynamic programming)."""
+    """Cut layers of `costs` into `chunks` non-empty ranges minimising the costliest chunk (the first also
+    paying `embedding`, the last `head`), exactly by dynamic programming."""
     n = len(costs)
     if not 1 <= chunks <= n:
         raise ValueError(f"cannot cut {n} layers into {chunks} non-empty chunks")
@@ -172,17 +161,15 @@ def split_layers(costs: list[float], embedding: float, head: float, chunks: int)
 
 
 def chunk_stage(chunk: int, stages: int, v_shape: bool = False) -> int:
-    """The stage rank that runs chunk `chunk`: the loop order (chunk c on rank c mod stages), or with
-    `v_shape` (two chunks a rank) down the ranks and back (c, then 2·stages - 1 - c)."""
+    """The stage rank of chunk `chunk`: c mod stages, or with `v_shape` c, then 2·stages - 1 - c."""
     if v_shape:
         return chunk if chunk < stages else 2 * stages - 1 - chunk
     return chunk % stages
 
 
 def check_pipeline(opt, ds_config: dict, model_config, accumulation: int) -> list[range]:
-    """What a pipeline-parallel run of the parsed `optimus` section `opt` needs beyond the config's own
-    checks (one-line ConfigErrors, alike on every rank; the trainer and `--check` both ask); returns the
-    layers of every chunk."""
+    """Check what a pipeline-parallel run of `opt` needs beyond the config's own checks (a ConfigError);
+    the layers of every chunk."""
     pp = opt.pipeline_parallel
     if not opt.sharded_optimizer.enabled:
         raise ConfigError(

@@ -1,25 +1,6 @@
-"""Tensor parallelism for Mula models, applied to the plain model from outside (as expert parallelism
-is): the modeling file stays torch + Transformers only, and parameter names stay the whole model's.
-
-Over a group of T ranks (`apply_tensor_parallel`), each rank keeps 1/T of every split weight as a
-plain tensor under the parameter's own name, so the sharded optimizer, the gradient norm and the
-checkpoints see ordinary parameters (a split parameter's full shape and this rank's slice of it are in
-`split_parameters`):
-
-- attention: q, k and v split by heads (columns of the output; the key/value heads must divide by
-  T), o by its input columns, its output summed over the group; the QK-norm over the full q and k
-  width takes its mean square over the group;
-- the dense MLP (and a dense layer's FFN): gate and up by columns, down by input columns, summed;
-- the embedding and the LM head split by vocabulary rows: each rank looks up the ids in its rows and
-  the group sums the rows; the head gives each rank its vocabulary slice of the logits, and the loss
-  is a vocabulary-parallel cross-entropy, so the full logits never exist on one rank;
-- norms, the router and the experts are replicated: every rank of the group runs them on the same
-  (replicated) hidden states. Experts stay expert-parallel across groups.
-
-The collectives are the two of Megatron-LM's scheme (Shoeybi et al., 2019): where a replicated
-activation enters a split region its gradient is summed over the group on the way back (`_copy`),
-and where a split region's partial outputs leave it they are summed on the way forward (`_reduce`).
-"""
+"""Tensor parallelism for Mula models, applied to the plain model from outside: each rank keeps 1/T of each split
+weight under its own name (attention by heads, the dense MLP by intermediate width, embedding and head by vocabulary
+rows); norms, router and experts stay replicated."""
 
 from __future__ import annotations
 
@@ -39,9 +20,8 @@ from .groups import LayoutError
 
 @dataclass(frozen=True)
 class TensorParallelConfig(Section):
-    """`optimus.tensor_parallel`: `size` consecutive ranks (inside a node) split each attention and dense
-    MLP block, the embedding and the head; data, expert and pipeline parallelism run over the ranks of
-    each TP position."""
+    """`optimus.tensor_parallel`: `size` consecutive ranks (inside a node) split attention, dense MLPs, the
+    embedding and the head."""
 
     size: int = 1  # ranks per tensor-parallel group (innermost: consecutive ranks)
     # the norms, the residual stream and the MoE blocks between the split blocks cut along the sequence
@@ -62,12 +42,12 @@ class TensorParallelConfig(Section):
 
 
 class TensorParallelError(LayoutError):
-    """A model that cannot be split over the group: one line naming the reason."""
+    """A model that cannot be split over the group."""
 
 
 @dataclass(frozen=True)
 class Split:
-    """How a parameter is split: along `dim` of its `full` shape, this rank holding [start, stop)."""
+    """A parameter split along `dim` of its `full` shape, this rank holding [start, stop)."""
 
     full: tuple[int, ...]
     dim: int
@@ -76,7 +56,7 @@ class Split:
 
 
 class _Copy(torch.autograd.Function):
-    """Identity forward; the gradient summed over the group backward (a replicated input of a split region)."""
+    """Identity forward; the gradient all-reduced over the group backward."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -91,7 +71,7 @@ class _Copy(torch.autograd.Function):
 
 
 class _Reduce(torch.autograd.Function):
-    """Sum over the group forward; identity backward (the replicated output of a split region)."""
+    """All-reduce over the group forward; identity backward."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -105,7 +85,7 @@ class _Reduce(torch.autograd.Function):
 
 
 class _SumBoth(torch.autograd.Function):
-    """Sum over the group forward and backward: a statistic of a split tensor used by split work."""
+    """All-reduce forward and backward (a statistic of a split tensor)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -121,8 +101,8 @@ class _SumBoth(torch.autograd.Function):
         return grad, None
 
 
+# the sequence collectives: along dim 1, the chunks in group rank order
 def _seq_gather(x: torch.Tensor, group) -> torch.Tensor:
-    """The group's sequence chunks (dim 1) joined in rank order."""
     size = dist.get_world_size(group)
     rows = x.transpose(0, 1).contiguous()
     out = torch.empty((size * rows.shape[0], *rows.shape[1:]), dtype=x.dtype, device=x.device)
@@ -131,7 +111,6 @@ def _seq_gather(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def _seq_chunk(x: torch.Tensor, group) -> torch.Tensor:
-    """This rank's chunk of the sequence (dim 1)."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if x.shape[1] % size:
         raise TensorParallelError(
@@ -143,7 +122,6 @@ def _seq_chunk(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def _seq_reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
-    """The sum over the group of `x`, this rank's chunk of the sequence (dim 1) of it."""
     size = dist.get_world_size(group)
     rows = x.transpose(0, 1).contiguous()
     out = torch.empty((rows.shape[0] // size, *rows.shape[1:]), dtype=x.dtype, device=x.device)
@@ -156,7 +134,7 @@ def _seq_gather_contiguous(x: torch.Tensor, group) -> torch.Tensor:
 
 
 class _AlongSequence(torch.autograd.Function):
-    """`there(x, group)` forward and `back(grad, group)` backward, two of the sequence collectives above."""
+    """`there(x, group)` forward, `back(grad, group)` backward: one sequence-parallel crossing."""
 
     @staticmethod
     def forward(ctx, x, group, there, back):
@@ -184,9 +162,8 @@ def _along_sequence(x: torch.Tensor, group, crossing) -> torch.Tensor:
 
 
 class _Part(nn.Module):
-    """A module keeping part of a whole one's weights: `whole()` makes an empty whole-size module of the
-    original kind (to draw its initial values as the unsplit model would), `take(whole)` copies this
-    rank's part of it."""
+    """Holds this rank's part of a module: `whole()` builds an empty full-size original, `take(whole)` copies the
+    part from it."""
 
     dim = 0  # the weight's split dimension
     bias_split = True  # the bias follows the split (columns) or is kept whole (rows)
@@ -210,7 +187,7 @@ class _Part(nn.Module):
 
 
 class ColumnParallelLinear(_Part):
-    """`nn.Linear` keeping output features [start, stop): a replicated input, this rank's output slice."""
+    """`nn.Linear` keeping output features [start, stop)."""
 
     def __init__(self, linear: nn.Linear, group, start: int, stop: int) -> None:
         super().__init__()
@@ -227,8 +204,7 @@ class ColumnParallelLinear(_Part):
 
 
 class RowParallelLinear(_Part):
-    """`nn.Linear` keeping input features [start, stop): this rank's input slice, the output summed over
-    the group (the bias, replicated, added once after the sum)."""
+    """`nn.Linear` keeping input features [start, stop), its output summed over the group."""
 
     dim, bias_split = 1, False
 
@@ -247,7 +223,7 @@ class RowParallelLinear(_Part):
 
 
 class SplitRMSNorm(_Part):
-    """`MulaRMSNorm` over a width split across the group: the mean square summed over it."""
+    """`MulaRMSNorm` over a width split across the group."""
 
     def __init__(self, norm: MulaRMSNorm, group, start: int, stop: int) -> None:
         super().__init__()
@@ -272,8 +248,7 @@ class SplitRMSNorm(_Part):
 
 
 class VocabParallelEmbedding(_Part):
-    """`nn.Embedding` keeping vocabulary rows [start, stop): ids elsewhere give zero rows here, and the
-    group sums the rows."""
+    """`nn.Embedding` keeping vocabulary rows [start, stop); the group sums the ranks' rows."""
 
     def __init__(self, embedding: nn.Embedding, group, start: int, stop: int) -> None:
         super().__init__()
@@ -293,9 +268,7 @@ class VocabParallelEmbedding(_Part):
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Cross-entropy of logits split by vocabulary (this rank's columns from `start`) against `target`
-    (full vocabulary ids), per row; three all-reduces of one number a row (max, sum of exponentials,
-    the target's logit)."""
+    """Per-row cross-entropy of vocabulary-split logits (this rank's from `start`) against full-vocabulary ids."""
 
     @staticmethod
     def forward(ctx, logits, target, start, group):
@@ -324,9 +297,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_loss(group, start: int):
-    """A `loss_function` for `MulaForCausalLM` whose logits are this rank's vocabulary slice: Transformers'
-    causal-LM loss (labels shifted by one, -100 ignored, the mean over the counted tokens or the sum
-    over `num_items_in_batch`), computed without gathering the logits."""
+    """Transformers' causal-LM `loss_function` over vocabulary-split logits, without gathering them."""
 
     def loss_function(
         logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs
@@ -346,7 +317,7 @@ def vocab_parallel_loss(group, start: int):
 
 
 def is_part(module: nn.Module) -> bool:
-    """Whether `module` keeps part of a split module's weights (it has `whole()` and `take()`)."""
+    """Whether `module` holds part of a split module's weights."""
     return isinstance(module, _Part)
 
 
@@ -360,10 +331,7 @@ def _span(size: int, parts: int, rank: int, what: str) -> tuple[int, int]:
 def apply_tensor_parallel(
     model: MulaForCausalLM, group, size: int | None = None, rank: int | None = None
 ) -> dict[str, Split]:
-    """Split `model` (a `MulaForCausalLM`, materialised or on the meta device) over the ranks of `group`
-    in place (`size` and `rank` where `group` is not made yet); returns the
-    split parameters by name with their full shapes and this rank's slice. A TensorParallelError (one
-    line) where a width does not divide."""
+    """Split `model` in place over `group` (`size`/`rank` before it exists); returns `split_parameters(model)`."""
     size = dist.get_world_size(group) if size is None else size
     rank = dist.get_rank(group) if rank is None else rank
     config = model.config
@@ -408,8 +376,7 @@ def apply_tensor_parallel(
 
 
 def split_parameters(model: nn.Module) -> dict[str, Split]:
-    """The split parameters of a model `apply_tensor_parallel` has split, by every name they go by (a
-    tied head's weight also under the head's name): the whole tensor's shape and this rank's part."""
+    """Each split parameter's Split, under every name it goes by (a tied head's too)."""
     splits = {}
     for name, module in model.named_modules(remove_duplicate=False):
         if not is_part(module) or module.weight is None:  # a norm without an affine weight has nothing to split
@@ -422,16 +389,9 @@ def split_parameters(model: nn.Module) -> dict[str, Split]:
 
 
 def apply_sequence_parallel(model: MulaForCausalLM, group, chunks: list[range] | None = None) -> None:
-    """Cut the residual stream of a model `apply_tensor_parallel` has split along the sequence over the
-    same group: each run of consecutive decoder layers (`chunks`, a pipeline's; None: all of them) takes
-    this rank's sequence chunk at its first layer and joins the chunks after its last (after the final
-    norm for the last run), and the split blocks inside gather their input and reduce-scatter their
-    output along the sequence. The embedding, the positions and the mask stay whole (they are made
-    before the first layer); norms and their weights see this rank's tokens only, so a replicated
-    weight's gradient is part of the whole, summed over the group with the data-parallel ones (the
-    sharded optimizer's `replicated_group`). An MoE block runs on this rank's tokens alone (its router,
-    experts and exchange), so its weights' gradients are parts too, and its router losses are this
-    rank's tokens' (see `sequence_router_share`)."""
+    """Cut a tensor-parallel model's residual stream along the sequence, per run of layers (`chunks`; None: all) from
+    its first layer to its last or the final norm; replicated weights' gradients become partial (summed over
+    `replicated_group`)."""
     config = model.config
     layers = model.model.layers
     held = {int(k): v for k, v in layers.items()} if isinstance(layers, nn.ModuleDict) else dict(enumerate(layers))
@@ -450,9 +410,7 @@ def apply_sequence_parallel(model: MulaForCausalLM, group, chunks: list[range] |
 
 
 def sequence_router_share(loss: torch.Tensor, lm_loss: torch.Tensor, size: int) -> torch.Tensor:
-    """A rank's loss under sequence parallelism over `size` ranks: the LM loss (the same on every rank)
-    plus 1/size of its router losses, which are its own tokens' (the group's gradients then add up to
-    the LM loss's and the mean of the ranks' router losses)."""
+    """A rank's loss under sequence parallelism: the LM loss plus 1/size of its router losses."""
     return lm_loss + (loss - lm_loss) / size
 
 
@@ -471,8 +429,7 @@ def _join_output(module, args, output, group):
 
 
 def join_parts(parts: list[tuple[Split, torch.Tensor]], start: int, stop: int) -> torch.Tensor:
-    """Elements [start, stop) along the split dimension, cut from saved `parts` (each with its Split) of
-    one tensor; a TensorParallelError where they do not cover it."""
+    """Elements [start, stop) along the split dimension, joined from saved `parts` of one tensor."""
     dim = parts[0][0].dim
     pieces = [
         tensor.narrow(dim, max(a.start, start) - a.start, min(a.stop, stop) - max(a.start, start))
@@ -486,11 +443,8 @@ def join_parts(parts: list[tuple[Split, torch.Tensor]], start: int, stop: int) -
 
 @torch.no_grad()
 def whole_tensors(state: dict[str, torch.Tensor] | nn.Module, splits: dict[str, Split], group, dst: int = 0):
-    """The whole model's tensors, one at a time as (name, tensor), from every rank's parts (`state`: this
-    rank's state dict, or its model; each split tensor gathered over `group` and joined along its split
-    dimension) on group rank `dst`; the other ranks take part in each gather and get nothing.
-    Collective over the group: a writer on `dst` can stream them into files, holding one whole tensor
-    besides the parts."""
+    """Yield (name, whole tensor) from `state` (state dict or model) on group rank `dst`, one gathered at a time;
+    collective."""
     state = state.state_dict() if isinstance(state, nn.Module) else state
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     # a tied weight's names: gathered once, yielded under each; kept until its last name
@@ -518,8 +472,7 @@ def whole_tensors(state: dict[str, torch.Tensor] | nn.Module, splits: dict[str, 
 
 
 def join_for_writer(state: dict[str, torch.Tensor], splits: dict[str, Split], group, dst: int = 0):
-    """`state` with every split tensor whole (on the host, one gathered at a time) on group rank `dst`,
-    None on the group's other ranks (collective over the group): what a folder's writer needs."""
+    """`state` with split tensors whole on the host of group rank `dst`; None elsewhere."""
     rank, host = dist.get_rank(group), {}
     joined = {}
     for name, tensor in whole_tensors(state, splits, group, dst):

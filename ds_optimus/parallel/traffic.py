@@ -1,11 +1,5 @@
-"""What an expert-parallel exchange sends: expected rows per token (the model the planner and the
-`dedup: "auto"` choice use) and exact bytes counted at the collective (`ExchangeTraffic`, for
-benchmarks and tests).
-
-With uniform routing a token's `top_k` distinct experts are a uniform draw without replacement from
-the `num_experts`; a group of `g` experts (one rank's, or one node's) is hit unless all `top_k`
-miss it, which happens with probability C(E - g, k) / C(E, k). The per-slot exchange sends `top_k`
-rows per token; the deduplicated one sends one row per group hit.
+"""Exchange traffic: expected rows per token (uniform routing, the planner's model) and bytes counted at the
+collective.
 """
 
 from __future__ import annotations
@@ -21,8 +15,7 @@ if TYPE_CHECKING:  # the planner imports this module's formulas without PyTorch
 
 
 def group_hit_probability(num_experts: int, top_k: int, experts_per_group: int) -> float:
-    """Probability that a token's `top_k` distinct experts include at least one of a group of
-    `experts_per_group` (uniform routing)."""
+    """Chance that a token's `top_k` experts hit a group of `experts_per_group` (uniform routing)."""
     if experts_per_group >= num_experts:
         return 1.0
     return 1.0 - comb(num_experts - experts_per_group, top_k) / comb(num_experts, top_k)
@@ -30,49 +23,37 @@ def group_hit_probability(num_experts: int, top_k: int, experts_per_group: int) 
 
 @lru_cache(maxsize=4096)  # the planner asks for the same few (experts, top-k, groups) for every layout
 def expected_groups_hit(num_experts: int, top_k: int, groups: int) -> float:
-    """Expected number of distinct groups (of `num_experts / groups` experts each) a token's
-    `top_k` experts fall in: the rows per token a deduplicated exchange sends to `groups` ranks."""
+    """Rows per token a deduplicated exchange sends to `groups` ranks."""
     return groups * group_hit_probability(num_experts, top_k, num_experts // groups)
 
 
 def metadata_bytes(top_k: int, weight_bytes: int) -> int:
-    """Bytes travelling with each deduplicated row: the slots' expert ids (int16) and weights."""
+    """Bytes of slot ids (int16) and weights per deduplicated row."""
     return top_k * (2 + weight_bytes)
 
 
 def dedup_sends_fewer_bytes(
     num_experts: int, top_k: int, destinations: int, row_bytes: int, weight_bytes: int = 4
 ) -> bool:
-    """Whether the deduplicated exchange is expected to send fewer bytes than the per-slot one to
-    `destinations` equal groups of experts (ranks; nodes for the hierarchical exchange's inter-node hop)."""
+    """Whether deduplication should send fewer bytes to `destinations` groups."""
     dedup = expected_groups_hit(num_experts, top_k, destinations) * (row_bytes + metadata_bytes(top_k, weight_bytes))
     return dedup < top_k * row_bytes
 
 
 def exchange_bytes_per_token(dispatch: str, ep_size: int, top_k: int, row_bytes: float) -> float:
-    """Bytes of hidden rows a rank moves to and from other ranks per token it holds, in one forward
-    pass (the backward pass moves as many): "allgather" gathers every token to the other ep_size - 1
-    ranks and reduce-scatters as many partial rows back, whatever `top_k`; the per-slot "alltoall"
-    sends `top_k` rows, (ep_size - 1) / ep_size of them to other ranks with uniform routing, and
-    gets them back. Routing metadata (ids, weights, counts) is not counted."""
+    """Hidden-row bytes moved per token held, in one forward pass (uniform routing)."""
     if dispatch == "allgather":
         return 2 * (ep_size - 1) * row_bytes
     return 2 * top_k * (ep_size - 1) / ep_size * row_bytes
 
 
 def allgather_sends_fewer_bytes(top_k: int, ep_size: int) -> bool:
-    """Whether the all-gather exchange sends fewer bytes than the per-slot all-to-all: (P-1) rows
-    against k (P-1)/P per token, i.e. exactly when the EP size P is below top-k."""
+    """Whether the all-gather exchange sends fewer bytes than the per-slot all-to-all."""
     return 1 < ep_size < top_k
 
 
 class ExchangeTraffic(contextlib.AbstractContextManager):
-    """Counts, exactly, the bytes this rank's all-to-alls send to other ranks while active.
-
-    Wraps `torch.distributed.all_to_all_single` (which ds_optimus' dispatchers and DeepSpeed's MoE
-    layer both call), so every implementation is counted at the same place. `by_peer` maps global
-    ranks to bytes; `inter_node(node_size)` sums what went to ranks of other nodes of that size.
-    Rows a rank sends to itself are not counted: they do not leave it."""
+    """Counts bytes this rank's `all_to_all_single` calls send to other ranks while active."""
 
     def __init__(self) -> None:
         self.by_peer: dict[int, int] = defaultdict(int)
@@ -117,8 +98,7 @@ class ExchangeTraffic(contextlib.AbstractContextManager):
         return sum(self.by_peer.values())
 
     def rows(self, row_bytes: int, node_size: int | None = None) -> int:
-        """Rows of `row_bytes` bytes (e.g. hidden states) sent to other ranks, or, with `node_size`,
-        to ranks of other nodes."""
+        """Rows of `row_bytes` bytes sent to other ranks (or nodes, with `node_size`)."""
         import torch.distributed as dist
 
         me = dist.get_rank() // node_size if node_size else None
@@ -131,7 +111,7 @@ class ExchangeTraffic(contextlib.AbstractContextManager):
         )
 
     def inter_node(self, node_size: int) -> int:
-        """Bytes sent to ranks of other nodes, nodes being consecutive runs of `node_size` ranks."""
+        """Bytes sent to other nodes of `node_size` ranks."""
         import torch.distributed as dist
 
         me = dist.get_rank() // node_size

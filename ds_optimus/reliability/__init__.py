@@ -1,3 +1,1 @@
-"""Reliability for long runs: numerical guards (`guards`), the hang watchdog (`watchdog`), the
-supervisor that restarts a failed run (`supervise`) and signals (`signals`). Checkpoints are in
-`ds_optimus.checkpoint`."""
+"""Reliability for long runs: `guards`, `watchdog`, `supervise` and `signals` (checkpoints: `ds_optimus.checkpoint`)."""

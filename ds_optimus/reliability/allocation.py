@@ -1,14 +1,4 @@
-"""The nodes a supervised run launches on: the allocation's hosts less those faults struck out,
-spares taking their places first, then fewer nodes (a smaller data-parallel size) where the layout
-allows it.
-
-    allocation = Allocation(hosts, spares=2)
-    hosts = allocation.choose(strikes={"x3": 1}, strikes_to_leave_out=1, fits=fits)
-
-`fits(nodes) -> str | None` says why a node count cannot run the layout (None: it can); the
-supervisor asks the trainer's `--check` in a subprocess. The launch command's placeholders
-(`{hostfile}`, `{hosts}`, `{nodes}`, `{ranks}`) are filled from the chosen hosts.
-"""
+"""The hosts a supervised run launches on, less those faults struck out."""
 
 from __future__ import annotations
 
@@ -19,15 +9,14 @@ from ..launch.hosts import short_host
 
 
 class AllocationError(RuntimeError):
-    """Too few healthy nodes for the layout; the message says how many and why, in one line."""
+    """Too few healthy nodes for the layout."""
 
 
 PLACEHOLDERS = ("{hostfile}", "{hosts}", "{nodes}", "{ranks}")
 
 
 class Allocation:
-    """`hosts` in the allocation's order; the last `spares` of them are held back until a node is
-    struck out. `out` grows as faults strike nodes; a node once out stays out."""
+    """`hosts` in order, the last `spares` held back; a node once in `out` stays out."""
 
     def __init__(self, hosts: list[str], spares: int = 0) -> None:
         if spares < 0 or spares >= len(hosts):
@@ -42,8 +31,7 @@ class Allocation:
     def choose(
         self, strikes: dict[str, int], strikes_to_leave_out: int, fits: Callable[[int], str | None] | None = None
     ) -> list[str]:
-        """The hosts of the next attempt: the first `nodes` healthy ones in allocation order (spares
-        after the others); fewer when not enough are healthy, as many as the layout allows."""
+        """The next attempt's hosts: the first `nodes` healthy ones, else as many as `fits` allows."""
         for host in self.hosts:  # `strikes` by short name (fault_log.strikes)
             if strikes.get(short_host(host), 0) >= strikes_to_leave_out and host not in self.out:
                 self.out.append(host)
@@ -66,12 +54,12 @@ class Allocation:
 
 
 def _names_a_size(reason: str) -> bool:
-    """Whether a `--check` refusal is about the world's size (it says a rank or world count)."""
+    """Whether a `--check` refusal is about the world's size."""
     return any(word in reason for word in ("rank", "world", "divide", "fit", "GiB"))
 
 
 def fill(command: list[str], hosts: list[str], ranks_per_node: int, hostfile: Path) -> list[str]:
-    """`command` with its placeholders filled for `hosts` (the host file written, one host a line)."""
+    """`command` with its placeholders filled for `hosts`."""
     hostfile.parent.mkdir(parents=True, exist_ok=True)
     hostfile.write_text("".join(f"{host}\n" for host in hosts))
     values = {

@@ -1,15 +1,7 @@
-"""The run's record of faults attributed to ranks and hosts: `<output_dir>/faults.jsonl`, one JSON
-object a line, appended by one rank per fault:
+"""The run's fault log `<output_dir>/faults.jsonl` (JSON lines), read by the supervisor to leave nodes out.
 
-    {"step": 7, "kind": "nonfinite", "ranks": [3], "hosts": ["x4102c5s3b0n0"], "attempt": 0,
-     "time": 1764300000.0, "detail": "loss is nan"}
-
-Kinds: `nonfinite` (a rank's own loss was NaN/Inf: its node computed it), `hang` (ranks that did
-not reach the collective the others waited in when the watchdog fired), `straggler` (ranks slower
-than the median by the configured factor; informational: the supervisor does not strike them),
-`probe` (a node that failed the pre-launch probe), `lost` (ranks that ended without a word, killed
-outright or with their node: named by the supervisor from the heartbeats after the launch failed).
-The supervisor reads it to leave nodes out.
+Kinds: `nonfinite` (a rank's own NaN/Inf loss), `hang` (ranks the watchdog found missing from a collective),
+`straggler` (informational), `probe` (a failed pre-launch probe), `lost` (ranks that ended without a word).
 """
 
 from __future__ import annotations
@@ -34,8 +26,7 @@ def append_fault(
     detail: str = "",
     attempt: int | None = None,
 ) -> dict:
-    """Append one record (a single `write` of one line, so concurrent appenders never interleave);
-    `attempt` defaults to this process's (DS_OPTIMUS_ATTEMPT)."""
+    """Append one record in one `write` (appenders never interleave); `attempt` defaults to DS_OPTIMUS_ATTEMPT."""
     if attempt is None:
         attempt = int(os.environ.get("DS_OPTIMUS_ATTEMPT", "0") or 0)
     record = {
@@ -59,7 +50,7 @@ def append_fault(
 
 
 def read_faults(output_dir: str | Path) -> list[dict]:
-    """Every record of the run's fault log (a torn last line, from a crash mid-write, is skipped)."""
+    """The log's records, skipping a torn last line."""
     path = Path(output_dir) / FAULTS_FILE
     try:
         lines = path.read_text().splitlines()
@@ -80,14 +71,12 @@ MAX_HOSTS_STRUCK = 2  # a fault naming more hosts than this spread from one (a N
 
 
 def strikes(records: list[dict], since: float | None = None) -> dict[str, int]:
-    """How many striking faults name each host, by its short name (node files hold full names where
-    `gethostname()` may give short ones): records from `since` on (this job's), and only those naming
-    at most MAX_HOSTS_STRUCK hosts: a NaN that crossed the expert exchange or a pipeline's sends shows
-    on many hosts' ranks and names none of them for sure."""
+    """Striking faults per short host name since `since`, in records naming at most MAX_HOSTS_STRUCK hosts."""
     counts: dict[str, int] = {}
     for record in records:
         if record.get("kind") not in STRIKING or (since is not None and record.get("time", 0) < since):
             continue
+        # Short names: node files hold full names where `gethostname()` may give short ones.
         hosts = {short_host(h) for h in record.get("hosts", [])}
         if len(hosts) <= MAX_HOSTS_STRUCK:
             for host in hosts:

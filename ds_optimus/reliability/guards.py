@@ -1,10 +1,5 @@
-"""Numerical guards: skip updates whose loss or gradient norm is not finite or spikes, on every rank
-alike, and ask for a rollback after too many bad steps in a row.
-
-The decision is taken inside the sharded optimizer's step, after the all-reduce of the gradient
-norm, from numbers every rank holds identically (the all-reduced loss and norm): so every rank
-skips or updates together and no replica diverges. A skipped step changes no weight, no optimizer
-moment and no LR-schedule position; DeepSpeed counts it in `engine.skipped_steps`.
+"""Numerical guards: skip updates whose loss or gradient norm is not finite or spikes, alike on every rank (the
+sharded optimizer decides from all-reduced numbers), and ask for a rollback after too many bad steps in a row.
 """
 
 from __future__ import annotations
@@ -25,9 +20,8 @@ class GuardDecision:
 
 
 class StepGuard:
-    """Rolling statistics of accepted steps' loss and gradient norm; a step is bad when either is not
-    finite, or (once `min_window` steps are in the window) lies more than `sigmas` standard
-    deviations above the window's mean."""
+    """Rolling statistics of accepted steps' loss and gradient norm; a step is bad if either is not finite or lies
+    over `sigmas` deviations above the mean (from `min_window` steps)."""
 
     def __init__(
         self,
@@ -59,7 +53,7 @@ class StepGuard:
         return z if z > self.sigmas else None
 
     def decide(self, grad_norm: float) -> GuardDecision:
-        """Whether to skip this update (called by the optimizer with the global gradient norm)."""
+        """Whether to skip this update, given the global gradient norm."""
         loss = self.loss
         if loss is not None and not math.isfinite(loss):
             decision = GuardDecision(True, f"loss is {loss}")
@@ -100,8 +94,7 @@ class StepGuard:
         self.bad_in_a_row = 0
 
     def accept_new_level(self) -> None:
-        """Take a run of finite spikes as the run's new level: forget the statistics (spikes are judged
-        again once `min_window` steps are in) and the bad steps."""
+        """Take a run of finite spikes as the new level: forget the statistics and the bad steps."""
         self.losses.clear()
         self.norms.clear()
         self.bad_in_a_row = 0

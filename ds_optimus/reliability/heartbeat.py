@@ -1,21 +1,5 @@
-"""Heartbeats: each rank's last step boundary, in a fixed-size record of its own file under
-`<output_dir>/heartbeats/`, read when a watchdog fires to name the ranks that did not reach the
-collective the others wait in.
-
-A beat is one `pwrite` of 128 bytes into a file opened once (no metadata operation on the shared
-file system per step: at 12,288 ranks and a 4-s step, about 3,000 small writes a second spread over
-the file system's storage targets). When a rank's watchdog fires it writes `fired` with whether its
-main thread waits on the others; the first waiting rank to claim the step's report reads the
-records until every rank has fired, or a grace period has passed, and names the ranks that are
-behind: not at the step, not fired (dead, or hung holding the interpreter), or fired while not
-waiting (busy elsewhere: the culprit). The others stay up until its report is written. A rank whose
-accelerator hangs inside a kernel waits at the step's read like the healthy ones, so it is named
-only when its process stops answering too.
-
-A rank also says its last word in its record as it leaves (`last_word`: `done`, `error`, or `signal`
-when a launcher or scheduler asks it to stop), so that after a failed launch the ranks that left
-without one, killed outright or with their node, can be told from the others (`silent_ranks`: the
-supervisor names them).
+"""Heartbeats: each rank's last step boundary and last word, a 128-byte record under `<output_dir>/heartbeats/`,
+read when watchdogs fire to name the ranks behind, and after a failed launch (`silent_ranks`).
 """
 
 from __future__ import annotations
@@ -70,8 +54,7 @@ class Heartbeat:
         self._write()
 
     def last_word(self, word: str) -> None:
-        """Say how this rank leaves (one of WORDS), flushed: the first word stays (an error, then the
-        launcher's SIGTERM, is an error). Safe in a signal handler and after `close` (then a no-op)."""
+        """Say how this rank leaves (one of WORDS), flushed; the first word stays. Signal-safe; no-op after `close`."""
         if self.word or self.fd < 0:
             return
         self.word = word
@@ -86,6 +69,7 @@ class Heartbeat:
             f"{self.step} {int(self.fired)} {int(self.waiting)} {time.time():.3f} {self.host} {self.attempt} "
             f"{self.word or '-'}"
         )
+        # One pwrite into a file opened once: no metadata operation per step on the shared file system.
         os.pwrite(self.fd, text.encode()[: RECORD - 1].ljust(RECORD - 1) + b"\n", 0)
 
     def close(self) -> None:
@@ -133,10 +117,7 @@ def read_beat(path: Path) -> Beat | None:
 
 
 def silent_ranks(output_dir: str | Path, attempt: int) -> list[Beat]:
-    """After a failed launch: the ranks of `attempt` that left without a word (none said, no watchdog
-    fired), killed outright (SIGKILL, the out-of-memory killer) or with their node, while others of
-    the attempt did say one. Empty when none said a word: a launcher that killed every rank at once
-    leaves nothing to tell them apart by."""
+    """Ranks of `attempt` that left without a word or a fired watchdog; empty unless another rank said one."""
     beats = [
         beat
         for path in sorted((Path(output_dir) / FOLDER).glob("rank-*"))
@@ -151,8 +132,8 @@ _waiting = threading.Event()  # set by the trainer while its main thread waits f
 
 @contextlib.contextmanager
 def waiting_for_peers():
-    """Around a host wait on the other ranks (the step's all-reduce and its read to the host: on an
-    accelerator the collective is queued and the host waits at the read, outside torch.distributed)."""
+    """Marks the main thread as waiting on the other ranks."""
+    # An accelerator's collective is queued: the host waits at the read, outside torch.distributed.
     _waiting.set()
     try:
         yield
@@ -161,9 +142,7 @@ def waiting_for_peers():
 
 
 def main_thread_in_collective() -> bool:
-    """Whether the main thread waits on the other ranks: inside `waiting_for_peers()`, or with
-    torch.distributed or DeepSpeed's comm on its stack (a blocking collective), rather than
-    computing or sleeping elsewhere."""
+    """Whether the main thread waits on other ranks: in `waiting_for_peers()` or in torch.distributed/DeepSpeed comm."""
     if _waiting.is_set():
         return True
     frame = sys._current_frames().get(threading.main_thread().ident)
@@ -176,9 +155,7 @@ def main_thread_in_collective() -> bool:
 
 
 def behind(beats: list[Beat | None], step: int) -> list[Beat | int]:
-    """The ranks behind at `step`, from every rank's record (None: it never beat): each its last `Beat`,
-    or its rank number when it never beat. Behind: not at the step, not fired (dead, or hung holding the
-    interpreter), or fired while not waiting on the others (busy elsewhere: the culprit)."""
+    """Ranks behind at `step` (their `Beat`, or the rank if it never beat): not at it, not fired, or not waiting."""
     out: list[Beat | int] = []
     for rank, beat in enumerate(beats):
         if beat is None:
@@ -189,20 +166,15 @@ def behind(beats: list[Beat | None], step: int) -> list[Beat | int]:
 
 
 def poll_seconds(world: int) -> float:
-    """How often the reporter re-reads the records still missing: 0.2 s, slower with the world size
-    (one 128-byte read a missing rank each time: at 12,288 ranks about 5,000 reads a second at most)."""
-    return max(0.2, world / 5000)
+    """The reporter's re-read interval: 0.2 s, longer at scale."""
+    return max(0.2, world / 5000)  # at most about 5,000 128-byte reads a second
 
 
 def name_the_missing(
     heartbeat: Heartbeat, world: int, grace_s: float, sleep=time.sleep, clock=time.monotonic
 ) -> tuple[list[Beat | int], bool]:
-    """Called by a rank whose watchdog fired: say so (flushed to the file system), and, when this rank
-    waits on the others, try to be the one that reports this step (the first to create the step's
-    `reporter-<step>` file). The reporter reads the records until every rank has said its watchdog
-    fired, or `grace_s` has passed (a dead rank never says so), and returns the ranks `behind` and
-    True. The others wait for the report to be written (`report_written`: a launcher stops every rank
-    when the first exits), at most 2 x `grace_s` + 5 s, and return ([], False)."""
+    """For a rank whose watchdog fired: record it and, if waiting, try to become the step's reporter.
+    The reporter returns (`behind`, True) once all fired or after `grace_s`; the others return ([], False)."""
     waiting = main_thread_in_collective()
     heartbeat.beat(heartbeat.step, fired=True, waiting=waiting)
     os.fsync(heartbeat.fd)  # other nodes read it (NFS shows a write to other clients once flushed)
@@ -215,7 +187,7 @@ def name_the_missing(
         except FileExistsError:
             pass
     deadline = clock() + (grace_s if reporter else 2 * grace_s + 5)
-    if not reporter:
+    if not reporter:  # a launcher stops every rank when the first exits: wait for the report
         while not (heartbeat.folder / f"reported-{step}").exists() and clock() < deadline:
             sleep(min(0.2, deadline - clock()))
         return [], False
@@ -232,5 +204,5 @@ def name_the_missing(
 
 
 def report_written(heartbeat: Heartbeat) -> None:
-    """The reporter's last act before it exits: the others, waiting for it, may exit now."""
+    """The reporter's last act: the ranks waiting for it may exit."""
     os.close(os.open(heartbeat.folder / f"reported-{heartbeat.step}", os.O_CREAT | os.O_WRONLY))

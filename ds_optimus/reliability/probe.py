@@ -1,13 +1,9 @@
-"""A per-node health probe, run by the supervisor before it relaunches a run (one rank a node):
+"""A per-node health probe the supervisor runs, one rank a node, before it relaunches a run:
 
     mpiexec -n {nodes} --ppn 1 --hostfile {hostfile} python -m ds_optimus.reliability.probe
 
-Each rank checks that its node's accelerators are visible (`--devices N`: at least N), that a
-matmul on one gives the result the CPU computes, and that a collective with its neighbours (an
-all-reduce over the probe's world, then a send to the next rank and a receive from the previous)
-carries the right numbers; it writes `<DS_OPTIMUS_PROBE_DIR>/<host>.json` with `ok` (its own checks)
-and the reason, and the collective's finding beside it. A node that hangs writes nothing: the
-supervisor's time-out and the missing file name it.
+Each rank checks its accelerators, a matmul and a collective, and writes
+`<DS_OPTIMUS_PROBE_DIR>/<host>.json`; a hung node writes nothing, and the missing file names it.
 """
 
 from __future__ import annotations
@@ -44,7 +40,7 @@ def check_node(devices: int) -> str | None:
 
 
 def check_collective() -> str | None:
-    """An all-reduce over the probe's world and a ring exchange with the neighbours, on the CPU (gloo)."""
+    """None when an all-reduce and a ring exchange (gloo) carry the right numbers, else what failed."""
     import torch
     import torch.distributed as dist
 
@@ -64,7 +60,7 @@ def check_collective() -> str | None:
 
 
 def _injected(host: str) -> str | None:
-    """A failure planned for this host by the tests (`DS_OPTIMUS_FAULTS`: `{"kind": "probe", "host": H}`)."""
+    """A failure the tests planned for this host in `DS_OPTIMUS_FAULTS`."""
     faults = json.loads(os.environ.get("DS_OPTIMUS_FAULTS") or "[]")
     return "fault injected" if any(f.get("kind") == "probe" and f.get("host") == host for f in faults) else None
 

@@ -1,15 +1,5 @@
-"""Preemption: SIGTERM and SIGUSR1 (a scheduler's warning before it kills the job or at its time
-limit) ask for a checkpoint at the next step boundary and a clean exit with `EXIT_PREEMPTED`.
-
-The handler only sets a flag. At each step boundary the ranks all-reduce it (a signal may reach only
-some ranks), so they all stop after the same step, write the same checkpoint and exit together.
-
-A Python handler runs only when the main thread returns to the interpreter, which a rank blocked in a
-collective with a dead peer may never do before its launcher kills it. So the signal is also seen at
-once through `signal.set_wakeup_fd`: CPython's C handler writes its number to a pipe that a thread
-reads, and that thread says the rank's last word in its heartbeat (`signal`): a rank stopped by its
-launcher is then told apart from one that died without a word.
-"""
+"""Preemption: SIGTERM and SIGUSR1 (a scheduler's warning) ask for a checkpoint at the next step boundary and an exit
+with `EXIT_PREEMPTED`; the ranks all-reduce the flag there, so all stop after the same step."""
 
 from __future__ import annotations
 
@@ -26,7 +16,7 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class PreemptionHandler:
-    """Installs the handlers (restored by `close()`); `requested()` is collective."""
+    """Installs the handlers (restored by `close()`)."""
 
     def __init__(self) -> None:
         self.received: str | None = None
@@ -40,7 +30,7 @@ class PreemptionHandler:
         say_everywhere("signal")  # (the wake-up thread has said it already, unless the pipe was full)
 
     def requested(self, device: torch.device | str = "cpu") -> bool:
-        """Whether any rank received a signal (collective: every rank calls it at the same boundary)."""
+        """Whether any rank received a signal (collective, at a step boundary)."""
         import torch
         import torch.distributed as dist
 
@@ -58,8 +48,8 @@ class PreemptionHandler:
 
 
 class _WakeupWatcher:
-    """A thread that reads the signal numbers CPython's C handler writes to `set_wakeup_fd`'s pipe and
-    says `signal` in this process's heartbeats for SIGNALS; bytes go on to a wake-up fd set before."""
+    """Says `signal` in the heartbeats at once from a thread reading `set_wakeup_fd`'s pipe (a rank blocked in a
+    collective may never run the Python handler); bytes go on to an earlier wake-up fd."""
 
     def __init__(self) -> None:
         self._read, self._write = os.pipe()

@@ -1,32 +1,14 @@
-"""Restart a failed training run from its last good checkpoint.
+"""Restart a failed training run from its last good checkpoint (docs/reliability.md, docs/cluster.md).
 
     python -m ds_optimus.reliability.supervise [--max-restarts 3] [--backoff 30] -- \\
         deepspeed --num_gpus 8 --module ds_optimus.train --config ds_configs/mula-7b-a1b.json
 
-Runs the command; when it fails (a killed rank, a watchdog exit, a crash), waits (`--backoff`
-seconds, doubling up to `--max-backoff`) and runs it again: the training entry point resumes from
-the newest intact checkpoint. It stops when the run succeeds, when it was preempted (exit status 75:
-the checkpoint is written; the scheduler requeues), after `--max-restarts` restarts, or when two
-failures in a row happen at the same step (no progress: restarting again would fail again), or when
-a launch that failed before its first step is refused by the trainer's `--check` (a config error:
-every relaunch would stop on it; exit status 2). The
-step comes from `<train.output_dir>/progress.json`, found through the command's `--config` (or
-`--progress FILE`). Each attempt gets `DS_OPTIMUS_ATTEMPT=<n>` in its environment. SIGTERM/SIGINT
-are passed on to the run, whose exit status is then the supervisor's.
-
-Given the allocation's nodes (`--hosts pbs|slurm|FILE`), it also leaves failing nodes out: before
-each attempt it reads `<output_dir>/faults.jsonl` (the ranks and hosts the run named: a non-finite
-loss, a hang; or the probe) and leaves out each node named `--strikes` times, a spare (`--spares`:
-the allocation's last nodes, held back) taking its place, else running on fewer nodes where the
-layout allows it (the trainer's `--check` says; checkpoints reshard, the global batch is kept by
-accumulation). After a failed launch it names the ranks that ended without a word in their
-heartbeats (killed outright, out of memory, or with their node: `lost` in faults.jsonl), so their
-nodes are left out too. What it decides is also kept in the run's `log.txt`. `--probe "COMMAND"`
-runs a per-node probe on the chosen nodes before each relaunch. The command's `{hostfile}`,
-`{hosts}`, `{nodes}` and `{ranks}` (nodes x `--ranks-per-node`) are filled for each attempt:
-
-    python -m ds_optimus.reliability.supervise --hosts pbs --ranks-per-node 12 --spares 2 -- \
-        mpiexec -n {ranks} --ppn 12 --hostfile {hostfile} python -m ds_optimus.train --config C.json
+A failed run is relaunched after a doubling back-off and resumes from its newest intact checkpoint. It stops on
+success, on preemption (exit 75), after `--max-restarts`, on two failures in a row at the same step (from
+progress.json), or when `--check` refuses a launch that failed before its first step (exit 2). With `--hosts`
+it leaves out nodes struck `--strikes` times in faults.jsonl (ranks silent in their heartbeats count, as `lost`),
+taking `--spares` or fewer nodes where `--check` allows, and fills `{hostfile}`, `{hosts}`, `{nodes}`, `{ranks}`.
+Each attempt gets `DS_OPTIMUS_ATTEMPT=<n>`; SIGTERM/SIGINT are passed on to the run.
 """
 
 from __future__ import annotations
@@ -76,8 +58,7 @@ def _progress_file(command: list[str]) -> Path | None:
 
 def layout_check(command: list[str], ranks_per_node: int):
     """`fits(nodes)`: None when the trainer's `--check` passes at nodes x ranks_per_node ranks (nodes
-    None: the world `--check` finds itself), else its one-line reason (a subprocess: the supervisor
-    imports no training code)."""
+    None: the world it finds itself), else its one-line reason."""
     found = _config_of(command)
 
     def fits(nodes: int | None) -> str | None:
@@ -95,7 +76,7 @@ def layout_check(command: list[str], ranks_per_node: int):
             *world,
         ]
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-        proc = subprocess.run(check, capture_output=True, text=True, env=env)
+        proc = subprocess.run(check, capture_output=True, text=True, env=env)  # the supervisor imports no training code
         lines = proc.stderr.strip().splitlines()
         return None if proc.returncode == 0 else (lines[-1] if lines else f"--check exited {proc.returncode}")
 
@@ -124,9 +105,8 @@ def supervise(
     sleep=time.sleep,
     refused=None,
 ) -> int:
-    """Run `command` until it succeeds or the rules above stop it; returns the exit status to use
-    (`sleep` waits out each back-off). `refused(nodes)`: the trainer's `--check` refusal of the
-    launch (None: it would start), asked after a launch that failed before its first step."""
+    """Run `command` until it succeeds or a rule above stops it; returns the exit status to use.
+    `refused(nodes)`: the trainer's `--check` refusal of a launch (None: it would start)."""
     known = progress is not None or _config_of(command) is not None
     progress = progress or _progress_file(command)
     output_dir = progress.parent if progress is not None else Path(DEFAULT_OUTPUT_DIR)
@@ -134,7 +114,7 @@ def supervise(
     stopping = []
 
     def say(message: str) -> None:
-        """To the caller's `log`, and to the run's log.txt where the run is known."""
+        """To `log`, and to the run's log.txt where the run is known."""
         log(message)
         if known:
             try:
@@ -219,8 +199,7 @@ def supervise(
 
 
 def _name_the_silent(output_dir: Path, attempt: int, since: float, log) -> list[int]:
-    """The ranks of the attempt that ended without a word in their heartbeats (and that no fault of
-    the attempt names already, as a hang's report does), recorded as `lost`; their ranks."""
+    """Record as `lost`, and return, the attempt's ranks silent in their heartbeats that no fault names yet."""
     named = {
         rank
         for record in read_faults(output_dir)
@@ -256,7 +235,7 @@ def _choose_hosts(
     attempt: int,
     since: float,
 ) -> list[str]:
-    """The attempt's hosts (a probe first, when given: the nodes it finds failing are struck too)."""
+    """The attempt's hosts (after the probe, when given: the nodes it finds failing are struck too)."""
     before = list(allocation.out)
     hosts = allocation.choose(strikes(read_faults(output_dir), since), strikes_to_leave_out, fits)
     if probe:
@@ -292,8 +271,7 @@ def run_probe(
     log,
     timeout_s: float = 300.0,
 ) -> list[str]:
-    """Run the probe command on `hosts` (its placeholders filled, `DS_OPTIMUS_PROBE_DIR` set); the
-    hosts that wrote no passing result are returned."""
+    """Run the probe command on `hosts` (`DS_OPTIMUS_PROBE_DIR` set); returns those with no passing result."""
     folder = output_dir / "probe" / f"attempt-{attempt}"
     folder.mkdir(parents=True, exist_ok=True)
     hostfile = output_dir / "hosts" / f"probe-{attempt}.txt"

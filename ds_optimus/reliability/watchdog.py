@@ -1,11 +1,5 @@
-"""Hang watchdog: every rank re-arms a deadline at each step boundary (its heartbeat); when a step,
-a collective inside it, an evaluation or a checkpoint overruns its time-out, the rank writes which
-phase hung and the stacks of all its threads to its log (stderr) and exits with `EXIT_HUNG`, so
-the launcher stops the run and the supervisor restarts it from the last checkpoint instead of
-letting a hung collective burn the allocation.
-
-A Python thread watches the deadline and writes the message; as a backstop for a main thread that
-holds the GIL in native code, `faulthandler`'s C timer dumps the stacks and exits `grace_s` later.
+"""Hang watchdog: past a deadline re-armed at each step boundary, a rank logs the hung phase and its
+thread stacks and exits `EXIT_HUNG` (backstop: `faulthandler`'s C timer, for native code holding the GIL).
 """
 
 from __future__ import annotations
@@ -49,12 +43,11 @@ class Watchdog:
         self._wake.set()
 
     def describe(self) -> str:
-        """What is armed: `step 5 exceeded its 20 s time-out` once it fired."""
+        """What is armed, as `step 5 exceeded its 20 s time-out`."""
         return f"{self._what} exceeded its {self._timeout:g} s time-out"
 
     def close(self) -> None:
-        """Disarm and end the watching thread, which drops the hooks: in a process that lives on (a
-        notebook, a pool of test ranks) a closed watchdog keeps nothing of its run alive."""
+        """Disarm, end the watching thread and drop the hooks."""
         self._closed = True
         self._deadline = None
         faulthandler.cancel_dump_traceback_later()
@@ -93,9 +86,8 @@ class Watchdog:
             os._exit(EXIT_HUNG)
 
     def _write(self, text: str) -> None:
-        """Every line prefixed with the rank and written by one `write` each: the other ranks' watchdogs,
-        waiting on this rank in a collective, fire at the same moment into the same launcher pipe, and
-        a pipe keeps a write of up to PIPE_BUF (4 KiB) bytes whole, so dumps interleave by line at worst."""
+        """Write `text` with each line rank-prefixed, one `write` per line."""
+        # all ranks fire at once into one launcher pipe; a write up to PIPE_BUF (4 KiB) stays whole
         try:
             fd = self.log.fileno()
         except (AttributeError, OSError):  # a stream with no descriptor (a test's StringIO)
@@ -115,7 +107,7 @@ _PIPE_BUF = 4096
 
 
 def thread_stacks() -> str:
-    """The Python stack of every thread of this process, most recent call last, as one text."""
+    """The Python stack of every thread of this process, as one text."""
     names = {thread.ident: thread.name for thread in threading.enumerate()}
     current = threading.get_ident()
     parts = []
@@ -153,6 +145,6 @@ class WatchdogConfig(Section):
         )
 
     def build(self, rank: int) -> Watchdog:
-        """This rank's watchdog (its thread starts; nothing is armed until the first `beat`). The
-        backstop's grace covers the heartbeats' wait and one read of every rank's record."""
+        """This rank's watchdog, armed at its first `beat`."""
+        # the backstop's grace covers the heartbeats' wait and one read of every rank's record
         return Watchdog(rank, grace_s=30.0 + 2 * self.heartbeat_grace_s + 60.0)

@@ -1,11 +1,4 @@
-"""Command line of the run report.
-
-    python -m ds_optimus.report runs/mula-tiny-moe                # PNGs into runs/mula-tiny-moe/plots/
-    python -m ds_optimus.report runs/mula-tiny-moe --out figs --dpi 80
-
-A missing folder, a missing or empty metrics.jsonl, or no matplotlib ends it with one line and exit
-status 2.
-"""
+"""Command line of the run report: `python -m ds_optimus.report RUN_DIR [--out DIR] [--dpi N]`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Reading a run's `metrics.jsonl`: one record per logged step, the skipped updates, the rollbacks
-and the experts' token counts, as plain lists and arrays (no plotting here)."""
+"""Reading a run's `metrics.jsonl` into plain lists and arrays (no plotting here)."""
 
 from __future__ import annotations
 
@@ -12,20 +11,18 @@ import numpy as np
 
 
 class ReportError(Exception):
-    """A run folder or metrics file that cannot be reported on (the message is one line)."""
+    """A run folder or metrics file that cannot be reported on."""
 
 
 @dataclass
 class ExpertLoads:
-    """Tokens routed to each expert (a token counts once per expert it picked) per MoE layer,
-    summed over the ranks and over the steps since the previous logged step."""
+    """Token slots per MoE layer and expert, summed over ranks and each logged window."""
 
     steps: list[int]  # the logged steps, increasing; column t covers the steps after steps[t-1] up to steps[t]
     counts: np.ndarray  # [MoE layers, experts, logged steps], integers
 
     def relative(self) -> np.ndarray:
-        """Each expert's count over the mean count of its layer and window (1.0: balanced; NaN
-        where a window counted nothing)."""
+        """Counts over their layer and window's mean (1.0: balanced; NaN for an empty window)."""
         mean = self.counts.mean(axis=1, keepdims=True).astype(float)
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(mean > 0, self.counts / np.where(mean > 0, mean, 1.0), np.nan)
@@ -33,8 +30,7 @@ class ExpertLoads:
 
 @dataclass
 class RunMetrics:
-    """What a run's `metrics.jsonl` holds, read the way the trainer wrote it: a step logged more
-    than once (a rollback trained it again) keeps its later values."""
+    """A run's `metrics.jsonl`; a step logged more than once keeps its later values."""
 
     path: Path
     records: list[dict] = field(default_factory=list)  # one per logged step, merged, by step
@@ -61,8 +57,7 @@ class RunMetrics:
         return sorted(found, key=lambda k: int(k[len(prefix) :]))
 
     def expert_loads(self) -> ExpertLoads | None:
-        """The `expert_tokens` of every logged step that has them, as one array; None for a dense
-        run or one logged before the counts were recorded."""
+        """Every logged step's `expert_tokens` as one array; None where none were recorded."""
         rows = [(r["step"], r["expert_tokens"]) for r in self.records if _is_table(r.get("expert_tokens"))]
         if not rows:
             return None
@@ -90,8 +85,7 @@ def metrics_path(run_dir: str | Path) -> Path:
 
 
 def load_metrics(run_dir: str | Path) -> RunMetrics:
-    """Read `RUN_DIR/metrics.jsonl`. A last line still being written is left out; a step logged
-    again (after a resume or a rollback) keeps its later values."""
+    """Read `RUN_DIR/metrics.jsonl`, leaving out a last line still being written."""
     path = metrics_path(run_dir)
     try:
         text = path.read_text(errors="replace")
@@ -133,9 +127,7 @@ def load_metrics(run_dir: str | Path) -> RunMetrics:
 
 
 def load_downstream(run_dir: str | Path) -> dict[str, list[tuple[int, float, float | None]]]:
-    """Downstream scores of a run's checkpoints (`RUN_DIR/eval/step_N.json`, written by
-    `ds_optimus.evaluate`): {task: [(step, score, its standard error), ...]} by step, the score being
-    normalised accuracy where the task has it, else accuracy. Unreadable files are left out."""
+    """Scores from `RUN_DIR/eval/step_N.json`: {task: [(step, acc_norm or else acc, its stderr), ...]} by step."""
     import json
 
     scores: dict[str, list[tuple[int, float, float | None]]] = {}

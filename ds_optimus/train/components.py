@@ -1,6 +1,6 @@
-"""The pieces the trainer assembles, each usable on its own: the process group, batch sizes, the LR
-schedule, data preparation on every rank, activation checkpointing and compilation of the decoder
-layers, the Hugging Face export and a sample from the exported folder."""
+"""The trainer's pieces, each usable on its own: process group, batch sizes, LR schedule, data preparation,
+recomputation, compilation, the HF export and a sample from it.
+"""
 
 from __future__ import annotations
 
@@ -21,10 +21,8 @@ from ..config import ConfigError, check_run_config, resolve_batch_sizes, resolve
 
 
 def init_distributed() -> str:
-    """torch.distributed through DeepSpeed, from whichever launcher started this process (the
-    deepspeed launcher, torchrun, mpiexec of MPICH, Intel MPI, Cray PALS or Open MPI, srun:
-    `ds_optimus.launch.environment`), or as a single process when run without one. gloo on CPU
-    unless oneCCL is installed. Returns one line saying how the world was formed, for the log."""
+    """torch.distributed through DeepSpeed from whichever launcher started this process (or none); returns a log
+    line."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
@@ -87,9 +85,7 @@ def init_distributed() -> str:
 
 
 def world_size_note(rank: int, size: int, env) -> str | None:
-    """Rank 0's line before the rendezvous where the world's size is Slurm's job task count with no
-    srun step: a batch script's own shell has those variables too, and its one process would wait for
-    peers that never come."""
+    """Rank 0's warning when the world size is Slurm's task count without an srun step."""
     from ..launch.environment import SIZE_FROM_VARIABLE
 
     if rank != 0 or not env.get(SIZE_FROM_VARIABLE) or env.get("SLURM_STEP_ID"):
@@ -101,7 +97,7 @@ def world_size_note(rank: int, size: int, env) -> str | None:
 
 
 def launch_summary() -> str:
-    """One line: the world, the launcher, the rendezvous and this rank's CPU cores."""
+    """One line: world, launcher, rendezvous and this rank's CPU cores."""
     from ..launch.environment import LAUNCHER_VARIABLE, LAUNCHERS, SIZE_FROM_VARIABLE
 
     launcher = os.environ.get(LAUNCHER_VARIABLE, "none")
@@ -139,9 +135,8 @@ def _ranges(cores: list[int]) -> str:
 
 
 def cpu_threads_per_rank() -> int:
-    """On CPU, give each local rank its share of the cores (the deepspeed launcher leaves every rank
-    at all cores, so N ranks run N x cores threads and slow each other down). OMP_NUM_THREADS, when
-    set, wins. Returns the thread count."""
+    """On CPU, give each local rank its share of the cores (unless OMP_NUM_THREADS is set); returns the count."""
+    # The deepspeed launcher leaves every rank at all cores: N ranks would run N x cores threads.
     if "OMP_NUM_THREADS" in os.environ:
         return torch.get_num_threads()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -156,8 +151,7 @@ def _local_world_size() -> int:
 
 
 def _local_place() -> tuple[int, int]:
-    """(local rank, ranks on this host), from the ranks sharing this host's name (one small
-    all-gather at start-up; for launchers that do not say)."""
+    """(local rank, ranks on this host), by an all-gather of host names."""
     from ..launch.environment import this_host
 
     me = this_host()
@@ -167,15 +161,13 @@ def _local_place() -> tuple[int, int]:
 
 
 def seed_everything(seed: int) -> None:
-    """Seed Python's, NumPy's and torch's generators (the same initial weights on every rank)."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
 
 
 def lr_schedule(train, lr: float):
-    """`optimizer -> LambdaLR` of `optimus.train`'s schedule (`train`, a TrainConfig; `lr`: the optimizer's),
-    shaped by `optim.schedule.lr_factor`: its warm-up, then the cosine decay to min_lr_ratio x lr."""
+    """`optimizer -> LambdaLR`: warm-up, then cosine decay to min_lr_ratio x `lr`."""
     from ..optim.schedule import lr_factor, warmup_start
 
     start = warmup_start(train.lr_schedule, train.warmup_start_lr, train.min_lr_ratio, lr)
@@ -191,18 +183,13 @@ def scheduler_defaults(ds_config: dict[str, Any], steps: int) -> None:
 
 
 def prepare_everywhere(data, tokenizer):
-    """Open the run's data (`optimus.data`, a `DataConfig`), tokenizing what is not prepared yet:
-    rank 0 looks at the filesystem once (every glob, stat and header read) and sends what it found;
-    then every rank tokenizes its share of the files, with `data.workers` processes each (rank 0
-    shows the progress), all waiting for the others' shards on the shared cache folder. A rank's
-    data error is printed by that rank and by rank 0, which hears of it. Without a process group the
-    launcher's variables give the ranks (the Hugging Face Trainer's script prepares before its
-    group exists)."""
+    """Open the run's data, tokenizing what is not prepared: rank 0 plans and broadcasts, each rank tokenizes its
+    share."""
     from ..data import DataError, parse_sources, prepare_data
     from ..data.units import plan_sources
 
     sources = parse_sources(data.sources)
-    if not dist.is_initialized():
+    if not dist.is_initialized():  # the Hugging Face Trainer's script prepares before its group exists
         from ..data.prepare import launch_world
 
         rank, world = launch_world()
@@ -243,7 +230,7 @@ def prepare_everywhere(data, tokenizer):
 
 
 def describe_data(packed, loader) -> str:
-    """One line on the run's data: tokens, documents and each source's share of the draws."""
+    """One line on the run's data: tokens, documents, source shares."""
     tokens_only = sum(1 for s in packed.sources if s.documents is None)
     docs = f" from {packed.documents:,} documents" if packed.documents else ""
     if tokens_only:
@@ -257,7 +244,7 @@ def describe_data(packed, loader) -> str:
 
 
 def check_shared_folder(folder: Path, what: str) -> None:
-    """Raise on every rank unless every rank sees the files rank 0 writes in `folder` (collective)."""
+    """Raise on every rank unless all ranks see rank 0's files in `folder` (collective)."""
     token = [os.urandom(8).hex() if dist.get_rank() == 0 else None]
     if dist.get_rank() == 0:
         try:
@@ -288,9 +275,7 @@ def check_shared_folder(folder: Path, what: str) -> None:
 
 
 def enable_activation_checkpointing(model, parts: bool | Sequence[str] = True) -> None:
-    """Recompute each decoder layer in the backward pass (`parts` True), or only those parts of each
-    (any of "moe", "attention", "norms": `MulaDecoderLayer.recompute`), non-reentrant (the sharded
-    optimizer's gradient hooks then fire once per parameter)."""
+    """Recompute each decoder layer in backward, or only `parts` of each (`MulaDecoderLayer.recompute`)."""
     if parts is not True:
         layers = [m for m in model.modules() if isinstance(getattr(type(m), "recompute", None), property)]
         if not layers:
@@ -298,7 +283,7 @@ def enable_activation_checkpointing(model, parts: bool | Sequence[str] = True) -
         for layer in layers:
             layer.recompute = tuple(parts or ())
         return
-    kwargs = {"use_reentrant": False}
+    kwargs = {"use_reentrant": False}  # the sharded optimizer's gradient hooks then fire once per parameter
     if hasattr(model, "activation_checkpointing_enable"):  # the name since Transformers 5.2x
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
@@ -306,9 +291,7 @@ def enable_activation_checkpointing(model, parts: bool | Sequence[str] = True) -
 
 
 def compile_layers(model) -> int:
-    """Compile every decoder layer in place with `torch.compile` (the expert kernels are custom ops
-    with fake implementations, so they trace; the token exchange of expert parallelism and other
-    host-side work break the graph instead of failing). Returns the number of layers compiled."""
+    """Compile every decoder layer in place; returns the count."""
     layers = model.model.layers
     layers = list(layers.values() if isinstance(layers, torch.nn.ModuleDict) else layers)  # a pipeline stage's
     for layer in layers:
@@ -317,11 +300,8 @@ def compile_layers(model) -> int:
 
 
 def export(model, tokenizer, folder: Path, groups, record=None) -> None:
-    """Write an HF folder ready for a Hub upload (collective: every rank calls it): the model with
-    every expert gathered under expert parallelism, the tokenizer and a generation config of its
-    special-token ids when a tokenizer is given, and a model card (README.md) that tells of the
-    training run when `record` (`model_card.training_record(trainer)`) is given. Only a Mula model
-    gets a card (the Hugging Face Trainer glue also saves other models with stacked experts)."""
+    """Write an HF folder for the Hub (collective): the model with every expert gathered, tokenizer, generation
+    config, a Mula model's card."""
     from ..parallel.expert_parallel import export_pretrained
     from .model_card import model_card
 
@@ -371,8 +351,7 @@ def export(model, tokenizer, folder: Path, groups, record=None) -> None:
 
 
 def generation_config(tokenizer):
-    """A `GenerationConfig` with `tokenizer`'s begin, end and padding ids (padding falls back to
-    the end-of-text id, as the model's config does)."""
+    """A `GenerationConfig` of `tokenizer`'s bos, eos and pad (else eos) ids."""
     from transformers import GenerationConfig
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -380,9 +359,7 @@ def generation_config(tokenizer):
 
 
 def sample(folder: Path, prompt: str, new_tokens: int, seed: int = 0) -> str:
-    """A continuation of `prompt` by the model loaded back from `folder` with the Auto classes
-    (top-k sampling at temperature 0.8 with a repetition penalty, from a fixed seed: a small model
-    decoded greedily mostly repeats one token)."""
+    """A continuation of `prompt` by the model in `folder` (top-k sampling, fixed seed)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -394,7 +371,7 @@ def sample(folder: Path, prompt: str, new_tokens: int, seed: int = 0) -> str:
         out = model.generate(
             ids,
             max_new_tokens=new_tokens,
-            do_sample=True,
+            do_sample=True,  # a small model decoded greedily mostly repeats one token
             top_k=40,
             temperature=0.8,
             repetition_penalty=1.3,
@@ -405,8 +382,7 @@ def sample(folder: Path, prompt: str, new_tokens: int, seed: int = 0) -> str:
 
 
 def data_prompt(packed, tokenizer, tokens: int = 6) -> str:
-    """A prompt in the run's own data: the first `tokens` tokens of the first held-out document (of the
-    training data without a held-out split), up to its end."""
+    """The first held-out (else training) document's first `tokens` tokens, up to its end."""
     for split in ("val", "train"):
         ids = packed.tokens(split).head(tokens).tolist()
         if tokenizer.eos_token_id in ids:
@@ -417,7 +393,7 @@ def data_prompt(packed, tokenizer, tokens: int = 6) -> str:
 
 
 def dense_fingerprint(model) -> float:
-    """The sum of every replicated (non-expert) weight: equal on every rank unless replicas diverged."""
+    """The sum of the non-expert weights: equal on every rank unless replicas diverged."""
     from ..parallel.expert_parallel import is_expert_param
 
     with torch.no_grad():
@@ -442,8 +418,7 @@ _SHAPE_KEYS = (
 
 
 def _finished_with_this_model(opt, checkpoint: Path, summary: Path) -> bool:
-    """Whether the run's summary says finished and `checkpoint` holds the model the config builds
-    (else the run goes on to its own checks, which refuse a checkpoint of another model)."""
+    """Whether the summary says finished and `checkpoint` holds the configured model."""
     import json
 
     from ..checkpoint.files import CheckpointError, load
@@ -460,9 +435,7 @@ def _finished_with_this_model(opt, checkpoint: Path, summary: Path) -> bool:
 
 
 def last_step(opt, tokens_per_step: int, start_step: int = 0, trained: int | None = None) -> int:
-    """The run's last step: `train.steps`, or sooner the step that reaches `train.stop_after_tokens`, from
-    `trained` tokens at `start_step` (the data's count at a resume, whatever batch the steps before it
-    had) on at `tokens_per_step`; without `trained`, every step at `tokens_per_step`."""
+    """`train.steps`, or sooner the step reaching `train.stop_after_tokens` from `trained` tokens at `start_step`."""
     from ..optim.schedule import steps_for_tokens, token_count
 
     stop = token_count(opt.train.stop_after_tokens, "optimus.train.stop_after_tokens")
@@ -475,9 +448,7 @@ def last_step(opt, tokens_per_step: int, start_step: int = 0, trained: int | Non
 
 
 def finished_already(opt, output_dir: Path, last: int) -> int | None:
-    """The step of the run's newest complete checkpoint when the run is finished there (at or past its
-    `last` step, and its summary.json says finished): a finished run launched again, known before
-    anything is built. Rank 0's view, on every rank (collective); None otherwise."""
+    """The newest complete checkpoint's step if the run finished there, else None (rank 0's view, collective)."""
     found: list[int | None] = [None]
     if dist.get_rank() == 0 and opt.checkpoint.resume and opt.checkpoint.enabled:
         complete = opt.checkpoint.build(output_dir).complete()
@@ -491,10 +462,7 @@ def finished_already(opt, output_dir: Path, last: int) -> int | None:
 
 
 def resume_changes(extra: dict[str, Any], trainer) -> list[str]:
-    """What a resume says of a checkpoint's `extra` state taken with other tokens a step (the global
-    batch changed: the loader refuses another seq_len) or, where `train.steps` sets the LR schedule's
-    length (the built-in schedule, or DeepSpeed's decaying ones without their own total), another
-    `train.steps`; nothing for checkpoints from before they were kept."""
+    """Notes on a resume whose tokens a step or LR-schedule length differ from the checkpoint's."""
     tokens, steps = trainer.tokens_per_step, trainer.opt.train.steps
     notes, saved, saved_steps = [], extra.get("tokens_per_step"), extra.get("steps")
     if saved is not None and saved != tokens:

@@ -1,19 +1,5 @@
-"""What the Hugging Face `Trainer` still needs from ds_optimus beyond `import ds_optimus`.
-
-With DeepSpeed on (`TrainingArguments(deepspeed=...)`), a plain `transformers.Trainer` needs
-nothing from here: `import ds_optimus` hooks DeepSpeed's engine, which applies the config's
-`optimus` section (`moe`, `expert_parallel`, `sharded_optimizer`) to the model it is given, puts
-expert parameters in DeepSpeed's `moe` param groups (from the Trainer's own optimizer or from the
-flat parameter list it passes with an "optimizer" section), moves a Mula router's bias after each
-optimizer step, and makes `Trainer.save_model` gather every expert (see
-`ds_optimus.integrations.deepspeed_engine`). What is left here:
-
-- `trainer_ds_config(ds_config)`: a config of `python -m ds_optimus.train` made fit for the Trainer
-  (its training-only `optimus` keys, "optimizer" and "scheduler" dropped, batch sizes "auto");
-- `RouterBiasUpdate`: the router-bias update for runs without DeepSpeed (single process, DDP),
-  which `MulaTrainer` adds itself;
-- `PackedSequences`: a packed token file as Trainer examples.
-"""
+"""What the Hugging Face `Trainer` needs beyond `import ds_optimus`, which hooks DeepSpeed's engine
+(docs/hf-trainer.md)."""
 
 from __future__ import annotations
 
@@ -24,10 +10,8 @@ from transformers import Trainer, TrainerCallback
 
 
 def trainer_ds_config(ds_config: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a `ds_optimus.train` DeepSpeed config (a dict or a path) for
-    `TrainingArguments(deepspeed=...)`: the `optimus` keys the engine applies stay (`moe`,
-    `expert_parallel`, `sharded_optimizer`), the Trainer's arguments fill the optimizer, scheduler
-    and batch sizes ("auto")."""
+    """A copy of a `ds_optimus.train` DeepSpeed config (a dict or a path) for `TrainingArguments(deepspeed=...)`, its
+    optimizer, scheduler and batch sizes left to the Trainer."""
     from ..config import load_json_config
     from ..optim.engine_section import engine_ds_config
 
@@ -46,11 +30,8 @@ def trainer_ds_config(ds_config: dict[str, Any]) -> dict[str, Any]:
 
 
 class RouterBiasUpdate(TrainerCallback):
-    """Auxiliary-loss-free balancing under the Hugging Face `Trainer` without DeepSpeed: after every
-    optimizer step, each MoE router's bias moves towards balance from the loads counted since the
-    last step, summed over all ranks (`MulaForCausalLM.update_router_bias`: one all-reduce, no host
-    sync). With DeepSpeed the engine does it (this callback then does nothing), and models without a
-    router bias are left alone."""
+    """Moves each MoE router's bias towards balance after every optimizer step under the Trainer without DeepSpeed
+    (with it, the engine does)."""
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         from accelerate.state import AcceleratorState
@@ -66,8 +47,7 @@ class RouterBiasUpdate(TrainerCallback):
 
 
 class MulaTrainer(Trainer):
-    """`transformers.Trainer` that moves a Mula router's bias after each optimizer step also without
-    DeepSpeed (`RouterBiasUpdate`). With DeepSpeed a plain `Trainer` does the same."""
+    """`transformers.Trainer` with `RouterBiasUpdate`."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -76,9 +56,7 @@ class MulaTrainer(Trainer):
 
 
 class PackedSequences(torch.utils.data.Dataset):
-    """The run's sequences as Trainer examples (`input_ids`, `labels`): example i is the loader's
-    i-th global sample, drawn from the sources by their weights (the Trainer's sampler then
-    shuffles the indices); one epoch is as many samples as the sources hold sequences."""
+    """The run's sequences as Trainer examples (`input_ids`, `labels`): example i is the loader's i-th global sample."""
 
     def __init__(self, data, seq_len: int, seed: int = 0) -> None:
         from ..data.loader import TokenBatches

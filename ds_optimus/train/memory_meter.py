@@ -1,10 +1,6 @@
-"""Per-rank tensor memory of a training run: what the layout planner's memory model is checked
-against, and what a user reads to see how close a run sits to the device's limit.
-
-On accelerators the allocator keeps the statistics (`max_memory_allocated`). The CPU allocator
-keeps none, so there the profiler records every allocation and free with its size; the running
-sum of those events is the memory held, its maximum the peak. Both count tensor memory only, not
-the allocator's caching or fragmentation, nor the process's code and libraries.
+"""Per-rank tensor memory of a training run, the check on the layout planner's memory model: the
+allocator's statistics on accelerators, the profiler's allocation events summed on the CPU (tensor
+memory only, not the allocator's caching or fragmentation).
 """
 
 from __future__ import annotations
@@ -18,8 +14,7 @@ from ..verbosity import without_profiler_chatter
 
 
 class MemoryMeter:
-    """Tensor bytes held by this rank: the peak since `start`, and the bytes held at labelled
-    points (`mark`). `stop` returns {"peak_bytes", "marks": {label: bytes}} (bytes since start)."""
+    """Tensor bytes this rank held since `start`: `stop` returns {"peak_bytes", "marks": {label: bytes}}."""
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)

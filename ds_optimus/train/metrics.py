@@ -16,15 +16,13 @@ LOSS_PARTS = ("loss", "lm_loss", "aux_loss", "z_loss")  # what a Mula output rep
 
 
 def expert_imbalance(tokens_per_expert) -> list[float]:
-    """Max over mean tokens per expert, for each MoE layer (1.0 is perfect balance), from per-layer
-    rows of counts (nested lists, or a tensor)."""
+    """Max over mean tokens per expert for each MoE layer (1.0: balanced), from per-layer rows of counts."""
     rows = tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor) else tokens_per_expert
     return [max(row) / max(sum(row) / len(row), 1e-9) for row in rows]
 
 
 def expert_token_counts(tokens_per_expert) -> list[list[int]]:
-    """Per-layer rows of token-slot counts (floats summed on the device) as integers: the compact
-    `expert_tokens` field of `metrics.jsonl` (one row per MoE layer, one count per expert)."""
+    """Per-layer rows of token-slot counts as integers: `metrics.jsonl`'s `expert_tokens` field."""
     rows = tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor) else tokens_per_expert
     return [[round(count) for count in row] for row in rows]
 
@@ -94,8 +92,7 @@ class MetricsSink:
             self.wandb.log(metrics, step=step)
 
     def message(self, text: str) -> None:
-        """Show `text` and append it, timestamped, to `log.txt` beside the metrics (skipped steps,
-        rollbacks, damaged checkpoints stay on record)."""
+        """Show `text` and append it, timestamped, to `log.txt`."""
         if not self.enabled:
             return
         append_log(self.path.parent, text)
@@ -105,7 +102,7 @@ class MetricsSink:
             print(text, file=sys.stderr, flush=True)
 
     def end_progress(self) -> None:
-        """End the progress bar (the steps are done; messages go on)."""
+        """End the progress bar; messages go on."""
         if self.bar is not None:
             self.bar.close()
             self.bar = None

@@ -1,33 +1,8 @@
-"""Where a training step's time goes, phase by phase and collective by collective (`optimus.profile`).
+"""Per-phase and per-collective timing of a profiled training step (`optimus.profile`).
 
-The seed (Optimus) timed each phase of a step from device-side events, each collective by kind with
-its tensor size and group size, and each rank's wait at a synchronisation for the slowest rank. Here:
-
-- `StepTimer` marks the start and the end of each phase of one step (the trainer's `_phase`: data,
-  forward, backward, the step's reduction, optimizer; `pipeline` for a pipeline-parallel step's whole
-  schedule). On an accelerator with timing events (CUDA/ROCm, XPU: DeepSpeed's
-  `get_accelerator().Event`) a mark is an event recorded on the current stream, so a phase is what the
-  device spent between its edges, idle gaps waiting for the host included; on the CPU a mark is
-  `time.perf_counter()`. Marking never waits: `finish()` waits for the device once, at the end of
-  the profiled step, and reads every interval.
-- `CollectiveRecorder` replaces torch.distributed's collective and point-to-point functions with
-  counting wrappers while a profiled step runs, and puts them back after it. Callers look them up on
-  the module at call time (ds_optimus' code, DeepSpeed's comm layer, PyTorch's pipeline schedules),
-  except two functions DeepSpeed's comm backend keeps from its start (its all-gather and
-  reduce-scatter into one tensor, which ZeRO-1/2 use): those are wrapped on the backend for the same
-  time. A call made inside a phase counts, under that phase: its kind, the bytes this rank sends
-  (numel x element size of the tensors it sends; of the tensor it receives into, for `recv`; none
-  for barriers and object collectives, whose pickles are not sized), its group's size, and its time:
-  from issue to completion for a synchronous call (marks around it), only the time to issue it for
-  `async_op=True` and for `isend`/`irecv` (their completion is waited for elsewhere, where it is not
-  seen). A collective made inside another (an object collective's own, a batch's operations) counts
-  once, as the outer one.
-
-`isend` and `irecv` are replaced in `torch.distributed.distributed_c10d` too, by the same wrapper:
-`P2POp` checks its operation against that module's own (by membership when made, by identity in
-`batch_isend_irecv`), so the two must agree while the wrappers are in. PyTorch's pipeline schedules
-call them one by one for a batch of sends (or of receives) and through `batch_isend_irecv` for a
-mixed one, which counts each operation as a `send` or a `recv` (the batch's issue time on the first).
+`StepTimer` marks phase edges (device events, or `perf_counter` on the CPU), read once in `finish()`.
+`CollectiveRecorder` wraps torch.distributed's collectives (and DeepSpeed's backend-bound two) for one step,
+counting per phase each call's kind, bytes sent, group size and time (async: issue time only).
 """
 
 from __future__ import annotations
@@ -87,7 +62,7 @@ DEEPSPEED_BOUND = ("all_gather_function", "reduce_scatter_function")
 
 
 class HostClock:
-    """Marks are `time.perf_counter()` readings (the CPU, where work is done when the call returns)."""
+    """Host clock: marks are `time.perf_counter()` readings."""
 
     def mark(self) -> float:
         return time.perf_counter()
@@ -96,19 +71,18 @@ class HostClock:
         return end - start
 
     def settle(self) -> None:
-        """Wait until every mark made so far can be read (nothing to wait for on the host)."""
+        """Nothing to wait for on the host."""
 
     def recycle(self, marks: list) -> None:
         pass
 
 
 class EventClock:
-    """Marks are timing events recorded on the current stream (no wait); `settle` waits for the
-    device once. Events are kept for the next profiled step: creating them is not free."""
+    """Marks are timing events recorded on the current stream (no wait); `settle` waits for the device once."""
 
     def __init__(self, event_type, synchronize) -> None:
         self.event_type, self.synchronize = event_type, synchronize
-        self.free: list = []
+        self.free: list = []  # kept for the next profiled step: creating events is not free
 
     def mark(self):
         event = self.free.pop() if self.free else self.event_type(enable_timing=True)
@@ -126,8 +100,7 @@ class EventClock:
 
 
 def clock_for(device: torch.device | str) -> HostClock | EventClock:
-    """Device events where the accelerator has them (through DeepSpeed's accelerator), else the host's
-    clock (the CPU; an accelerator without timing events gets host times, which it runs ahead of)."""
+    """Device timing events where DeepSpeed's accelerator has them, else the host clock."""
     if torch.device(device).type == "cpu":
         return HostClock()
     from deepspeed.accelerator import get_accelerator
@@ -141,7 +114,7 @@ def clock_for(device: torch.device | str) -> HostClock | EventClock:
 
 
 class _Phase:
-    """A context that marks phase `name` of `timer`'s step."""
+    """Context marking phase `name` of `timer`'s step."""
 
     __slots__ = ("timer", "name", "start", "outer")
 
@@ -169,8 +142,7 @@ class StepProfile:
     comm: dict[str, dict[str, float]] = field(default_factory=dict)  # kind -> {"s", "bytes", "calls", "ranks"}
 
     def metrics(self) -> dict[str, float]:
-        """The numbers under their metrics.jsonl names: `profile/<phase>_s`, `profile/rest_s` (the step's
-        time in no phase), `profile/step_s`, `profile/comm/<kind>_{s,bytes,calls,ranks}`."""
+        """The numbers under their metrics.jsonl `profile/...` names (`rest_s`: the step's time in no phase)."""
         out = {f"profile/{name}_s": seconds for name, seconds in self.phases.items()}
         out["profile/rest_s"] = max(0.0, self.step_s - sum(self.phases.values()))
         out["profile/step_s"] = self.step_s
@@ -180,17 +152,16 @@ class StepProfile:
 
 
 class StepTimer:
-    """The marks of one profiled step: each phase's (name, start, end) and each counted collective's
-    (kind, phase, bytes, group size, timing: a (start, end) pair of marks, or issue seconds)."""
+    """The marks of one profiled step: phase spans and counted collective calls."""
 
     def __init__(self, clock: HostClock | EventClock) -> None:
         self.clock = clock
         self.spans: list[tuple[str, Any, Any]] = []
-        self.calls: list[tuple[str, str, int, int, Any]] = []
+        self.calls: list[tuple[str, str, int, int, Any]] = []  # timing: (start, end) marks, or issue seconds
         self.current: str | None = None  # the phase running now
 
     def phase(self, name: str) -> _Phase:
-        """A context timing phase `name` (a phase seen again, as each micro-batch's forward, adds up)."""
+        """A context timing phase `name`; repeats (each micro-batch's forward) add up."""
         return _Phase(self, name)
 
     def finish(self) -> StepProfile | None:
@@ -232,7 +203,7 @@ class StepTimer:
 
 
 def _nbytes(value) -> int:
-    """numel x element size of a tensor, or of the tensors of a (nested) list; 0 for anything else."""
+    """Bytes of a tensor or of a (nested) list of tensors; 0 for anything else."""
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
     if isinstance(value, (list, tuple)):
@@ -250,9 +221,7 @@ def _argument(args: tuple, kwargs: dict, position: dict[str, int], name: str | N
 
 
 class CollectiveRecorder:
-    """Counting wrappers over torch.distributed's collectives, installed for one profiled step at a time
-    (`install(timer)` ... `uninstall()`). A wrapper left in place by someone who patched the function
-    after us (it cannot be taken out without undoing theirs) does nothing once uninstalled."""
+    """Counting wrappers over torch.distributed's collectives for one profiled step (`install`/`uninstall`)."""
 
     def __init__(self) -> None:
         self.timer: StepTimer | None = None
@@ -273,14 +242,14 @@ class CollectiveRecorder:
 
     def uninstall(self) -> None:
         for holder, name, original, wrapper in reversed(self.installed):
+            # one patched over by someone after us stays (removing it would undo theirs) but counts nothing
             if getattr(holder, name, None) is wrapper:
                 setattr(holder, name, original)
         self.installed.clear()
         self.timer = None
 
     def _counting(self) -> StepTimer | None:
-        """The step's timer if a call now is to be counted: inside a phase, on the step's thread, not
-        inside another counted call."""
+        """The step's timer if a call now counts: inside a phase, on the step's thread, not nested."""
         timer = self.timer
         if timer is None or timer.current is None or self.inside or threading.get_ident() != self.thread:
             return None
@@ -323,8 +292,7 @@ class CollectiveRecorder:
         return counted
 
     def _wrap_batch(self, original):
-        """`batch_isend_irecv(ops)`: each operation a `send` or a `recv` of its tensor; the batch is
-        asynchronous, so its issue time goes to its first operation."""
+        """Counts each op as a `send` or `recv`, the batch's issue time on the first."""
         recorder = self
 
         @functools.wraps(original)
@@ -352,8 +320,7 @@ class CollectiveRecorder:
 
 
 def _targets():
-    """(holder, attribute, function, (kind, sent argument) or None for the batched point-to-point) of
-    everything a step's collectives are called through."""
+    """(holder, attribute, function, spec or None for batch_isend_irecv) of every function to wrap."""
     from torch.distributed import distributed_c10d
 
     for name, spec in COLLECTIVES.items():
@@ -375,7 +342,7 @@ def _targets():
 
 
 def _unwrapped(function):
-    """The function a counting wrapper (of an earlier recorder, left in place) wraps; else `function`."""
+    """`function` with any leftover counting wrappers peeled off."""
     while getattr(function, "__qualname__", "").startswith("CollectiveRecorder._wrap"):
         function = function.__wrapped__
     return function
@@ -385,8 +352,7 @@ def _unwrapped(function):
 
 
 class ProfileWindow:
-    """The profiled steps since the last logged one: each number's mean over them (a group size: the
-    largest), and the ranks' times of the steps their flags described (`add_ranks`), pooled."""
+    """Profiled steps since the last log: per-step means (group sizes: the largest) and pooled rank times."""
 
     RANK_FLAGS = ("profile/ranks", "profile/compute", "profile/compute_sq", "profile/wait", "profile/wait_sq")
 
@@ -410,15 +376,14 @@ class ProfileWindow:
         self.steps += 1
 
     def add_ranks(self, summed: dict[str, float], step: int) -> None:
-        """The flags' sums over ranks (`summed`, from the step's reduction) of the profiled step `step`."""
+        """Add the flags' sums over ranks (from the step's reduction) of profiled step `step`."""
         for key in self.RANK_FLAGS:
             self.ranks[key] += summed[key]
         self.ranks_step = step
 
     def take(self) -> dict[str, float]:
-        """The window's record (then empty): means per profiled step, and over the ranks `profile/compute_s`,
-        `profile/jitter_s` (a rank's time before, and its wait in, the step's reduction) with their
-        standard deviations over the ranks, for step `profile/ranks_step`."""
+        """The record (then empty): per-step means, and over ranks `profile/compute_s` (before the reduction)
+        and `profile/jitter_s` (waiting in it), with stds."""
         record = (
             {key: value if key.endswith("_ranks") else value / self.steps for key, value in self.sums.items()}
             if self.steps
@@ -440,5 +405,5 @@ COUNTS = ("_bytes", "_calls", "_ranks")  # metrics that are counts: whole ones a
 
 
 def _whole(value: float) -> float | int:
-    """A count or a size that came out whole, as an integer."""
+    """A count or size that came out whole, as an integer."""
     return int(value) if isinstance(value, int) or (value.is_integer() and abs(value) < 2**53) else value

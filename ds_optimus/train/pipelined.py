@@ -1,14 +1,4 @@
-"""The trainer's pipeline-parallel path (`optimus.pipeline_parallel.size` > 1): each rank builds its
-stage's part of the model, DeepSpeed's engine runs its optimizer over the stage's data-parallel ranks,
-and a step is one run of PyTorch's pipeline schedule over the step's micro-batches, during whose drain
-the sharded optimizer reduces each stage's gradients, then steps (`ds_optimus.parallel.pipeline`).
-
-Why PyTorch's pipelining and not DeepSpeed's pipeline engine: it takes the model's own modules as
-stages (DeepSpeed's wants the network re-expressed as a `PipelineModule` of layer specs, a second
-model definition), it has the interleaved and looped schedules besides 1F1B, and it leaves the
-optimizer to the caller, so the EP-aware sharded optimizer stays DeepSpeed's ZeRO optimizer as
-without stages (DeepSpeed's pipeline engine refuses ZeRO-2 and knows nothing of expert groups).
-"""
+"""The trainer's pipeline-parallel path: a step is one run of PyTorch's pipeline schedule over this rank's chunks."""
 
 from __future__ import annotations
 
@@ -19,9 +9,10 @@ import torch
 from ..parallel.stages import check_pipeline  # noqa: F401  (the trainer's: one-line errors, as --check's)
 
 
+# PyTorch's pipelining, not DeepSpeed's pipeline engine: it takes the model's own modules as stages, has the
+# interleaved schedules, and leaves us the optimizer (DeepSpeed's refuses ZeRO-2 and knows no expert groups)
 class PipelineRunner:
-    """This rank's chunks of the model and the schedule that runs them; `step` trains one step's
-    micro-batches, `evaluate` gives the LM loss of a batch (on the rank with the last chunk)."""
+    """This rank's chunks of the model and the schedule that runs them."""
 
     def __init__(self, opt, groups, model, split: list[range], micro: int, accumulation: int) -> None:
         from ..parallel.pipeline import StageChunk
@@ -48,7 +39,7 @@ class PipelineRunner:
         return [i for c in mine for i in split[c]], 0 in mine, len(split) - 1 in mine
 
     def describe(self) -> str:
-        """One line for the run's log: stages, schedule, micro-batches and the layers of each chunk."""
+        """One line for the run's log."""
         config = self.config
         chunks = f" x {config.virtual_stages} chunks" if config.virtual_stages > 1 else ""
         return (
@@ -58,7 +49,7 @@ class PipelineRunner:
         )
 
     def attach(self, engine) -> None:
-        """Build the schedule over the engine's module (after DeepSpeed has cast and placed it)."""
+        """Build the schedule over the engine's module (once DeepSpeed has placed it)."""
         from ..parallel.pipeline import PipelineLoss, build_schedule, each_micro_batch_reduction
 
         self.engine = engine
@@ -80,10 +71,8 @@ class PipelineRunner:
         )
 
     def step(self, batch: torch.Tensor, parts: torch.Tensor) -> torch.Tensor | None:
-        """Forward and backward passes of the step's micro-batches (`batch`: all of them, in order), their
-        gradients reduced into the optimizer's shards. Adds the mean of the micro-batches' loss parts
-        (`LOSS_PARTS`; the last chunk's rank's, zero on the others) to `parts`, and returns the step's token slots
-        per MoE layer and expert (zero except on the last chunk's rank; None for a dense model)."""
+        """Train on the step's micro-batches; add their mean `LOSS_PARTS` to `parts`, return token slots per
+        MoE layer and expert (None if dense); both zero but on the last chunk's rank."""
         from ..parallel.pipeline import run_schedule
         from .metrics import LOSS_PARTS
 
@@ -106,7 +95,7 @@ class PipelineRunner:
         return loads
 
     def evaluate(self, batch: torch.Tensor) -> torch.Tensor | None:
-        """The LM loss of `batch` (the last chunk's rank's; None on the others). Collective over the pipeline."""
+        """The LM loss of `batch` on the last chunk's rank (None elsewhere); collective over the pipeline."""
         from ..parallel.pipeline import forward_only
 
         self.loss.records.clear()
@@ -114,6 +103,5 @@ class PipelineRunner:
 
 
 def engine_batch_config(ds_config: dict[str, Any], micro: int, accumulation: int) -> dict[str, Any]:
-    """The engine's view of the batch: the schedule feeds it the step's micro-batches at once, so one
-    "micro-batch" of micro x accumulation sequences and no accumulation of its own."""
+    """The engine's batch config: the step's micro-batches as one, no accumulation."""
     return {**ds_config, "train_micro_batch_size_per_gpu": micro * accumulation, "gradient_accumulation_steps": 1}

@@ -1,13 +1,6 @@
 """The pretraining loop behind `deepspeed --module ds_optimus.train --config ds_configs/NAME.json`.
 
-`Trainer(ds_config)` assembles the run from the parsed config: the Mula model (a preset or an HF
-folder) with its MoE settings and expert parallelism, the data (each rank tokenizing its share once),
-DeepSpeed's engine (ZeRO, bf16, accumulation, clipping, optimizer and LR schedule from the config)
-and the checkpoint manager, then resumes from the newest intact checkpoint. `train_step()` is one
-optimizer step; `train()` is the loop; `close()` is the one clean-up path. Everything around the
-step lives in callbacks (`ds_optimus.train.callbacks`): metrics, evaluation, checkpoints, the
-watchdog, preemption, guards and rollback, the memory meter, the progress file and the router-bias
-update. At the end the model is exported as a Hugging Face folder that `AutoModelForCausalLM` loads.
+`Trainer` builds and resumes the run, `train()` loops and exports; everything around the step is a callback.
 """
 
 from __future__ import annotations
@@ -40,7 +33,7 @@ _NO_PHASE = contextlib.nullcontext()  # `Trainer._phase` of a step that is not p
 
 @contextlib.contextmanager
 def every_rank_alike():
-    """Errors raised inside are ones every rank raises alike (checks of the same config): printed once."""
+    """Errors raised inside are raised alike by every rank (checks of the same config): printed once."""
     try:
         yield
     except (ConfigError, ValueError) as err:
@@ -48,8 +41,7 @@ def every_rank_alike():
 
 
 class Preempted(SystemExit):
-    """Raised by `Trainer.train` after the checkpoint a SIGTERM/SIGUSR1 asked for: the process exits
-    with `EXIT_PREEMPTED`; `.summary` holds the run's summary."""
+    """Raised after a preemption's checkpoint: exits with `EXIT_PREEMPTED`; `.summary` holds the summary."""
 
     def __init__(self, summary: dict[str, Any]) -> None:
         super().__init__(EXIT_PREEMPTED)
@@ -57,9 +49,8 @@ class Preempted(SystemExit):
 
 
 class Trainer:
-    """One pretraining run of a DeepSpeed config with an `optimus` section (collective: every rank
-    builds one). `callbacks` run after the guards and before evaluation, preemption and checkpoints
-    (`default_callbacks`)."""
+    """One pretraining run of a DeepSpeed config with an `optimus` section (collective); `callbacks` run after the
+    guards, before evaluation, preemption and checkpoints."""
 
     def __init__(
         self, ds_config: dict[str, Any] | str | Path, *, callbacks: list[Callback] = (), log_every_rank: bool = False
@@ -242,8 +233,7 @@ class Trainer:
         self.sum_dtype = _sum_dtype(torch.device(self.device))
 
     def _resume(self) -> int:
-        """Load the newest intact checkpoint, if any, and open the metrics sink; returns the step the
-        checkpoint was taken after (0 without one)."""
+        """Load the newest intact checkpoint and open the metrics sink; returns its step (0 without one)."""
         checkpoints = self.checkpoints
         notes: list[str] = [self.launch_line]
         if not self.opt.checkpoint.resume and checkpoints.has_checkpoints():
@@ -303,11 +293,7 @@ class Trainer:
     # -- the step and the loop --------------------------------------------------------------------
 
     def train_step(self) -> None:
-        """One optimizer step over `accumulation` micro-batches (inside `train()`, which sets the
-        callbacks up first). Losses and expert loads add up on the device; after the last backward
-        pass one all-reduce brings the step's numbers (and the callbacks' flags) to every rank's
-        host, the one read the guards and preemption need, before the update. Metrics of a log step
-        reach the host in that same read."""
+        """One optimizer step over `accumulation` micro-batches; one all-reduce and one host read precede the update."""
         engine = self.engine
         began = time.perf_counter()
         skipped_before = engine.skipped_steps
@@ -321,7 +307,7 @@ class Trainer:
         self.update_skipped = engine.skipped_steps > skipped_before
 
     def _pipeline_step(self, parts: torch.Tensor) -> None:
-        """The step's micro-batches through the pipeline schedule, then the update."""
+        """The micro-batches through the pipeline schedule, then the update."""
         with self._phase("data"):
             batch = torch.cat([self.train_loader.next_batch() for _ in range(self.accumulation)]).to(self.device)
         with self._phase("pipeline"):
@@ -333,7 +319,7 @@ class Trainer:
             self.engine.step()
 
     def _micro_batch_steps(self, parts: torch.Tensor) -> None:
-        """Forward and backward of each micro-batch, the engine's step after each (the update after the last)."""
+        """Forward and backward of each micro-batch, each followed by the engine's step."""
         engine, accumulation = self.engine, self.accumulation
         for micro in range(accumulation):
             with self._phase("data"):
@@ -355,8 +341,7 @@ class Trainer:
                 engine.step()
 
     def _reduce_step(self, parts: torch.Tensor) -> None:
-        """Sum the loss parts (then averaged), the callbacks' flags and, on log steps, the expert
-        loads over all ranks in one all-reduce, and read the result on the host once."""
+        """One all-reduce of the loss parts, callbacks' flags and (log steps) expert loads; one host read."""
         flags = [item for callback in self.callbacks for item in callback.step_flags().items()]
         self.reduce_arrival = time.time()  # when this rank came to the step's reduction (stragglers: the last)
         if len({name for name, _ in flags}) != len(flags):
@@ -391,16 +376,15 @@ class Trainer:
             self.expert_loads = None
 
     def _phase(self, name: str):
-        """A context timing phase `name` of a profiled step (`optimus.profile`); else a shared no-op."""
+        """A timer for phase `name` of a profiled step, else a no-op."""
         return _NO_PHASE if self.phases is None else self.phases.phase(name)
 
     def is_log_step(self, step: int) -> bool:
-        """Whether step `step`'s metrics go to the logs: every `log_interval`-th, and the last."""
+        """Every `log_interval`-th step, and the last."""
         return step % self.opt.train.log_interval == 0 or step in (self.end_step, self.last_step)
 
     def train(self) -> dict[str, Any]:
-        """Run from the resumed step to the last one (or until a callback stops the run), export
-        the model at the end, and return the summary (on every rank)."""
+        """Run to the last step or a callback's stop, export, and return the summary on every rank."""
         if self.finished_at is not None:
             text = (
                 f"the run was already trained to step {self.finished_at}: nothing to do ({self._further()}; or "
@@ -468,14 +452,14 @@ class Trainer:
         return "raise optimus.train.steps past it to train further: the LR schedule then stretches to the new length"
 
     def _summary_written(self) -> bool:
-        """Whether the run's `summary.json`, written last, exists: rank 0's view, on every rank."""
+        """Whether `summary.json` (written last) exists: rank 0's view, on every rank."""
         found = [(self.output_dir / "summary.json").exists() if self.rank == 0 else None]
         if self.world > 1:
             dist.broadcast_object_list(found, src=0)
         return bool(found[0])
 
     def _export(self) -> None:
-        """The Hugging Face folder and a sample from it (unless `train.export` is false); summary.json last."""
+        """The HF folder and a sample from it (unless `train.export` is false); summary.json last."""
         hf_dir = self.output_dir / "hf"
         sample = self.rank == 0 and self.opt.train.sample_tokens
         if self.opt.train.export:
@@ -492,9 +476,8 @@ class Trainer:
             (self.output_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
 
     def close(self, error: BaseException | None = None) -> None:
-        """Release what the run holds (callbacks in reverse order, then the metrics sink); the one
-        path for success, an error and a preemption. An error is kept in `log.txt` in one line; a
-        callback that fails to close does not keep the others from closing."""
+        """The one clean-up path (success, error, preemption): callbacks in reverse, then the metrics sink; errors go
+        to `log.txt`."""
         failures = []
         for callback in self.callbacks:
             try:
@@ -534,20 +517,17 @@ class Trainer:
             print(text, file=sys.stderr, flush=True)
 
     def request_stop(self, reason: str) -> None:
-        """End the run after the current step (its checkpoint is still written). Every rank must ask
-        alike: decide from numbers every rank holds (`metrics`, reduced over ranks). A preemption's
-        stop stays one (its exit status tells the scheduler to requeue)."""
-        if self.stop_reason != "preempted":
+        """End the run after this step (its checkpoint is still written); every rank must ask alike."""
+        if self.stop_reason != "preempted":  # its exit status tells the scheduler to requeue
             self.stop_reason = reason
 
     def rewind(self, step: int) -> None:
-        """Continue after `step` (a rollback restored its checkpoint); the current step's remaining
-        `post_step` callbacks are skipped."""
+        """Continue after `step` (a rollback restored it), skipping this step's remaining `post_step` callbacks."""
         self.step = step
         self._rewound = True
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """What a checkpoint keeps besides the engine: the data loader's position, callbacks' state."""
+        """What a checkpoint keeps besides the engine: loader position, batch, steps, callbacks' state."""
         state = {
             "loader": self.train_loader.state_dict(),
             "tokens_per_step": self.tokens_per_step,
@@ -560,13 +540,13 @@ class Trainer:
             callback.on_checkpoint(step, path)
 
     def begin_long_work(self, what: str) -> None:
-        """Say that work which may take long starts now (the watchdog allows it its longer time-out)."""
+        """Possibly long work starts now (the watchdog allows it its longer time-out)."""
         for callback in self.callbacks:
             callback.on_long_work(what)
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Mean LM loss over the held-out batches, averaged over ranks; None without held-out data."""
+        """Mean held-out LM loss over ranks; None without held-out data."""
         if not self.held_out:
             return None
         self.engine.eval()
@@ -601,7 +581,7 @@ def _loss_part(out, key: str, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _sum_dtype(device: torch.device) -> torch.dtype:
-    """float64 for the step's sums where the device has it (as the host would add), else float32."""
+    """float64 for the step's sums where the device has it, else float32."""
     if device.type == "mps":
         return torch.float32
     if device.type == "xpu" and not getattr(torch.xpu.get_device_properties(device), "has_fp64", True):
@@ -610,6 +590,5 @@ def _sum_dtype(device: torch.device) -> torch.dtype:
 
 
 def pretrain(ds_config: dict[str, Any] | str | Path, *, log_every_rank: bool = False) -> dict[str, Any]:
-    """Run the pretraining job of a DeepSpeed config with an `optimus` section; returns a summary
-    (first and last loss, evaluations, the exported folder) on every rank."""
+    """Run `Trainer(ds_config)`; returns the summary on every rank."""
     return Trainer(ds_config, log_every_rank=log_every_rank).train()

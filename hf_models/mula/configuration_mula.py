@@ -161,44 +161,24 @@ def _need(ok: bool, message: str) -> None:
 class MulaConfig(PreTrainedConfig):
     r"""Configuration of a Mula decoder: dense when `num_experts == 0`, Mixture-of-Experts otherwise.
 
-    Architecture: pre-norm decoder layers, optional QK-norm (over the full q and k width, as
-    OLMoE does), RoPE, grouped-query attention, SwiGLU feed-forward. MoE layers route each token to
-    `num_experts_per_tok` of `num_experts` SwiGLU experts whose weights are stacked
-    (`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`, gate rows before up rows).
+    Pre-norm layers, full-width QK-norm (optional), RoPE, GQA, SwiGLU; stacked experts (gate rows first).
 
-    Norm fields:
-        norm_type: the input, post-attention and final norms: "rms_norm" (default; OLMoE) or
-            "layer_norm" (OLMo). Both compute in float32 and cast back; QK-norm is always an RMSNorm.
-        norm_elementwise_affine: those norms learn a per-channel weight (and, for "layer_norm", a bias),
-            as PyTorch's argument of that name; False makes them parameter-free (OLMo's LayerNorm).
-        rms_norm_eps: the epsilon of every norm, LayerNorm included (Transformers' usual name).
-
-    MoE-specific fields:
+    Args:
+        norm_type: the non-QK norms, "rms_norm" (default; OLMoE) or "layer_norm" (OLMo); QK-norm is RMSNorm.
+        norm_elementwise_affine: those norms learn a weight (LayerNorm also a bias); False: parameter-free.
+        rms_norm_eps: the epsilon of every norm, LayerNorm included.
         num_experts: routed experts per MoE layer; 0 makes every layer dense.
         num_experts_per_tok: top-k.
         moe_intermediate_size: intermediate size of one expert.
-        moe_layer_freq: every `moe_layer_freq`-th layer is MoE (layer i is MoE when
-            `(i + 1) % moe_layer_freq == 0`), the others use the dense FFN of `intermediate_size`.
+        moe_layer_freq: layer i is MoE when `(i + 1) % moe_layer_freq == 0`; the others use `intermediate_size`.
         router_scoring_func: "softmax" (OLMoE, Mixtral) or "sigmoid" (DeepSeek-V3).
         norm_topk_prob: renormalise the k selected routing weights to sum to 1.
         router_aux_loss_coef: weight of the load-balancing loss added to the LM loss.
-        router_z_loss_coef: weight of the router z-loss added to the LM loss.
-        router_aux_loss_scope: "micro_batch" computes the load-balancing loss's expert loads over each
-            rank's micro-batch; "global_batch" sums them over all data-parallel ranks' concurrent
-            micro-batches first (one all-reduce of E+1 numbers per MoE layer, all layers in one call
-            per forward), which balances across ranks and lets micro-batches specialise.
-        router_aux_loss_type: the load-balancing loss's form. "mula" (default): E * sum_e f_e p_e per MoE
-            layer (f_e the share of the layer's token slots sent to expert e, p_e its mean router
-            probability), averaged over layers; 1.0 at balance. "transformers": the form of
-            Transformers' `load_balancing_loss_func` (Mixtral, OLMoE) and of Optimus (the Mula runs): the tokens
-            of all MoE layers pooled, f_e counting slots per token (summing to k); k at balance, so a
-            coefficient balances about k times more strongly than under "mula". Both honour padding and
-            `router_aux_loss_scope`.
-        moe_capacity_factor: None (default) is dropless. A number caps each expert at
-            ceil(factor * tokens * k / experts) token slots per rank; the excess slots are dropped.
-        router_bias_update_rate: > 0 enables DeepSeek-V3-style auxiliary-loss-free balancing: a
-            per-expert bias steers top-k selection (not the weights) and is moved by this rate
-            towards balance by `MulaForCausalLM.update_router_bias()`.
+        router_z_loss_coef: weight of the router z-loss, likewise.
+        router_aux_loss_scope: expert loads per rank's "micro_batch", or summed over DP ranks ("global_batch").
+        router_aux_loss_type: "mula" (per layer, averaged; 1 at balance) or "transformers" (pooled; k at balance).
+        moe_capacity_factor: None: dropless; else ceil(factor * tokens * k / experts) slots per expert and rank.
+        router_bias_update_rate: > 0: DeepSeek-V3 loss-free balancing bias, moved by `update_router_bias()`.
     """
 
     model_type: ClassVar[str] = "mula"

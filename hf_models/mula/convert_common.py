@@ -1,8 +1,5 @@
 """What the checkpoint converters (`convert_olmoe`, `convert_olmo`) share: reading a Transformers checkpoint
-folder, checking its tensors against the model a config implies, and writing the converted folder.
-
-Every problem is a `ConversionError` whose message names it in one line. PyTorch and Transformers are
-imported where used, so that a converter's `--help` needs neither.
+folder, checking its tensors, writing the result; every problem is a one-line `ConversionError`.
 """
 
 from __future__ import annotations
@@ -14,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+# PyTorch and Transformers are imported where used, so that a converter's `--help` needs neither.
 if TYPE_CHECKING:
     import torch
 
@@ -24,7 +22,7 @@ IGNORED = re.compile(r"(rotary_emb\.inv_freq|rotary_emb\.original_inv_freq)$")
 
 
 class ConversionError(ValueError):
-    """A checkpoint that cannot be converted; the message names the problem in one line."""
+    """A checkpoint that cannot be converted (a one-line message)."""
 
 
 # -- reading ------------------------------------------------------------------------------------
@@ -45,7 +43,7 @@ def read_config(folder: Path) -> dict:
 
 
 def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint folder (safetensors or PyTorch .bin, single file or sharded)."""
+    """All tensors of a checkpoint folder (safetensors or .bin, single or sharded)."""
     import torch
     from safetensors.torch import load_file
 
@@ -76,8 +74,7 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def read_mula_config(folder: Path) -> MulaConfig:
-    """The MulaConfig of the Mula checkpoint folder `folder`; another model type or an invalid config is
-    refused in one line."""
+    """The MulaConfig of a Mula checkpoint folder, else a ConversionError."""
     from .configuration_mula import MulaConfig
 
     cfg = read_config(folder)
@@ -88,7 +85,7 @@ def read_mula_config(folder: Path) -> MulaConfig:
 
 
 def build_config(config_cls, values: dict):
-    """`config_cls(**values)`, its validation error (naming the field) turned into a ConversionError."""
+    """`config_cls(**values)`, a validation error raised as a ConversionError."""
     try:
         return config_cls(**values)
     except (ValueError, TypeError) as err:
@@ -96,8 +93,7 @@ def build_config(config_cls, values: dict):
 
 
 def rope_parameters(cfg: dict) -> dict:
-    """The RoPE parameters of a config.json dict, from Transformers v5's `rope_parameters` or v4's
-    top-level `rope_theta` and `rope_scaling` (as the Hub files have them)."""
+    """A config.json dict's RoPE parameters, from Transformers v5 or v4 keys."""
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     rope.setdefault("rope_type", rope.pop("type", "default"))
     rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
@@ -105,15 +101,14 @@ def rope_parameters(cfg: dict) -> dict:
 
 
 def checkpoint_dtype(cfg: dict) -> dict:
-    """`{"dtype": ...}` when a config.json dict names its weights' dtype (v5 `dtype`, v4 `torch_dtype`)."""
+    """`{"dtype": ...}` if a config.json dict names one (`dtype`, `torch_dtype`)."""
     dtype = cfg.get("dtype") or cfg.get("torch_dtype")
     return {"dtype": dtype} if dtype else {}
 
 
 # -- tensors ------------------------------------------------------------------------------------
 def check_tensors(model_cls, config, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tensors `model_cls(config)` loads (ignored buffers and a tied head left out), after checking
-    on the meta device that every one it needs is there with its shape and none is left over."""
+    """The tensors `model_cls(config)` loads (bar ignored buffers, a tied head), checked present and shaped."""
     import torch
 
     with torch.device("meta"):
@@ -138,8 +133,7 @@ def check_tensors(model_cls, config, tensors: dict[str, torch.Tensor]) -> dict[s
 
 
 def load_into_meta_model(model_cls, config, tensors: dict[str, torch.Tensor]):
-    """Build `model_cls(config)` without allocating, check every tensor's name and shape, and assign
-    (for saving: buffers the state dict leaves out stay on the meta device)."""
+    """`model_cls(config)` on the meta device with the checked tensors assigned (for saving only)."""
     import torch
 
     tensors = check_tensors(model_cls, config, tensors)
@@ -156,7 +150,7 @@ def load_into_meta_model(model_cls, config, tensors: dict[str, torch.Tensor]):
 
 # -- writing ------------------------------------------------------------------------------------
 def check_output(output_dir: Path) -> None:
-    """Refuse an output path that is a file or a non-empty folder, before any work is done."""
+    """Refuse an output that is a file or a non-empty folder."""
     if output_dir.exists() and not output_dir.is_dir():
         raise ConversionError(f"output {output_dir} exists and is not a folder")
     if output_dir.is_dir() and any(output_dir.iterdir()):
@@ -171,22 +165,19 @@ def save_folder(model, output_dir: Path, **kwargs) -> None:
 
 
 def quiet_libraries() -> None:
-    """What a conversion prints is its own line: Transformers' warnings below errors and its shard bars,
-    and DeepSpeed's accelerator line (DeepSpeed is imported along, by Transformers' own checks) are left
-    out. The DeepSpeed logger is filtered before DeepSpeed creates it, so its first line is caught too."""
+    """Silence Transformers' warnings and shard bars, and DeepSpeed's accelerator line."""
     import logging
 
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    # Filtered before DeepSpeed (imported by Transformers' checks) creates it: its first line is caught too.
     logging.getLogger("DeepSpeed").addFilter(lambda record: record.levelno >= logging.ERROR)
 
 
 def run_conversion(prog: str, convert: Callable[[], Path], verbose: bool = False) -> Path | None:
-    """One conversion for a command line: prints `wrote <folder>` and returns the folder, or prints the
-    ConversionError in one line (`<prog>: error: ...`, as ds_optimus.command_line.fail) and returns None.
-    Unless `verbose`, the libraries' own lines are left out (`quiet_libraries`)."""
+    """For a command line: prints `wrote <folder>` and returns it, or the error and None."""
     if not verbose:
         quiet_libraries()
     try:

@@ -1,14 +1,10 @@
 """Convert between Transformers OLMo checkpoints (`OlmoForCausalLM`) and dense Mula checkpoints.
 
-    python -m ds_optimus.hf_models.mula.convert_olmo INPUT OUTPUT            # OLMo -> Mula
-    python -m ds_optimus.hf_models.mula.convert_olmo INPUT OUTPUT --to-olmo  # Mula -> OLMo
+    python -m ds_optimus.hf_models.mula.convert_olmo INPUT OUTPUT [--to-olmo]
 
-OLMo (e.g. allenai/OLMo-1B-hf) is a dense Mula with non-parametric LayerNorms (norm_type="layer_norm",
-norm_elementwise_affine=False, epsilon 1e-5), no QK-norm and the same tensor names, so conversion is a
-config translation; tensors keep their names and dtype. A tied OLMo checkpoint (OLMo-1B-hf ties its
-embeddings) becomes a Mula model with tie_word_embeddings=True; the `mula-1b` preset, for training from
-scratch, is the same architecture untied. Mula models OLMo cannot express (MoE layers, QK-norm, RMSNorm,
-norms with a weight, another norm epsilon) are refused in one line.
+OLMo is a dense Mula with non-parametric LayerNorms (epsilon 1e-5), no QK-norm and the same tensor names, so
+only the config is translated; tied embeddings stay tied (the `mula-1b` preset is the same architecture untied).
+Mula models OLMo cannot express are refused in one line.
 """
 
 from __future__ import annotations
@@ -59,8 +55,7 @@ _SHARED_KEYS = (
 
 # -- configs ------------------------------------------------------------------------------------
 def olmo_to_mula_config(cfg: dict) -> MulaConfig:
-    """Translate an OLMo config.json dict into the equivalent dense MulaConfig. The dict is read as
-    `OlmoConfig` reads it (its defaults for absent fields; v4's `rope_theta` and `torch_dtype`)."""
+    """The dense MulaConfig of an OLMo config.json dict, read as `OlmoConfig` reads it (v4 fields too)."""
     from transformers import OlmoConfig
 
     from .configuration_mula import MulaConfig
@@ -103,8 +98,7 @@ def mula_to_olmo_config(config: MulaConfig):
 
 # -- the two directions -------------------------------------------------------------------------
 def convert_olmo_to_mula(input_dir: str | Path, output_dir: str | Path) -> Path:
-    """Write a Mula checkpoint folder equivalent to the OLMo checkpoint in `input_dir` (tied embeddings
-    stay tied)."""
+    """Write a Mula checkpoint folder equivalent to the OLMo checkpoint in `input_dir`."""
     from .modeling_mula import MulaForCausalLM
 
     input_dir, output_dir = Path(input_dir), Path(output_dir)

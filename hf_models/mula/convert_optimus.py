@@ -1,25 +1,12 @@
-"""Import a checkpoint of the seed (Optimus, IntelLabs/Optimus-LM) as a Mula Hugging Face folder.
+"""Import a checkpoint of the seed (Optimus, IntelLabs/Optimus-LM) as a Mula Hugging Face folder (docs/models.md).
 
     python -m ds_optimus.hf_models.mula.convert_optimus CHECKPOINT_DIR OUTPUT_DIR \\
         (--model-choice STR | --config PATH | --preset NAME) [--pp N] [--ep N] [--vpp N] \\
         [--dtype bf16|fp32|keep] [--tokenizer PATH] [--force]
 
-The seed's trainer saves one `model_checkpoint_shard-{pp*EP+ep}.pth` per model-parallel rank
-(`model_checkpoint.pth` without model parallelism), each `{"train_step_id": S, "state_dict": ...}` with
-OLMoE's or OLMo's module names; layer indices are local to the pipeline stage (contiguous stages, or
-interleaved ones under virtual stages), expert indices local to the expert-parallel rank (or each rank's
-experts stacked in `mlp.experts.*_proj_merged_weight`); the router, attention and norms are replicated
-over the EP ranks of a stage, the embedding is on the first stage, the final norm and head on the last; a
-`module.` prefix comes from DDP. Mula has the same names but stacks each layer's experts
-(`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`).
-
-No config is stored with the seed's checkpoints: the model's shape is the run's `--model_choice` string
-(the seed's grammar over two hard-coded bases, nothing downloaded), a config.json (Mula, OLMoE or OLMo) or a
-Mula preset. Pipeline and expert-parallel sizes are read from the shards (the first shard's layers and
-experts) or given; virtual stages cannot be read and are given with --vpp. Every shard's names and shapes are
-checked against the config before anything is written. Then one pipeline stage at a time is read (its shards
-memory-mapped) and written as safetensors files of at most 5 GiB, so host memory holds one output file and
-one tensor, never the model. The optimizer files are not read.
+A shard's layer indices are local to its pipeline stage, its expert indices to its EP rank (or stacked in
+`*_proj_merged_weight`). Pass 1 checks every shard against the config; pass 2 writes one stage at a time, so host
+memory never holds the model.
 """
 
 from __future__ import annotations
@@ -186,8 +173,7 @@ def _olmoe_values(choice: str, tags: list[tuple[str, float | None]]) -> tuple[di
 
 
 def _olmo_values(choice: str, tags: list[tuple[str, float | None]]) -> dict:
-    """OLMo-1B's values under the seed's tags (get_modified_config's OLMo branch): L, S, TWE, RMS. The
-    seed's model keeps a separate head under TWE, so the import stays untied."""
+    """OLMo-1B's values under the seed's tags (get_modified_config's OLMo branch): L, S, TWE, RMS."""
     values, scale = copy.deepcopy(OLMO_VALUES), 1.0
     for key, value in tags:
         if key == "L":
@@ -206,8 +192,7 @@ def _olmo_values(choice: str, tags: list[tuple[str, float | None]]) -> dict:
 
 
 def config_from_model_choice(choice: str) -> tuple[MulaConfig, bool]:
-    """The MulaConfig of a seed `--model_choice` (`allenai/OLMoE-1B-7B-0924--SA1.5-SH1.5-SE3.75-SI1.5-L64`),
-    and whether the run skipped QK-norm (SKIPQKNORM: the shards hold q/k norm weights that it did not use)."""
+    """The MulaConfig of a seed `--model_choice`, and whether the run skipped QK-norm (SKIPQKNORM)."""
     from .configuration_mula import MulaConfig
 
     base, _, text = choice.partition("--")
@@ -227,7 +212,7 @@ def config_from_model_choice(choice: str) -> tuple[MulaConfig, bool]:
 
 
 def config_from_file(path: Path) -> MulaConfig:
-    """The MulaConfig of a config.json (a file, or the folder holding it) of a Mula, OLMoE or OLMo model."""
+    """The MulaConfig of a Mula, OLMoE or OLMo config.json (or the folder holding it)."""
     from .configuration_mula import MulaConfig
     from .convert_olmo import olmo_to_mula_config
     from .convert_olmoe import olmoe_to_mula_config
@@ -255,8 +240,7 @@ def config_from_file(path: Path) -> MulaConfig:
 
 
 def model_config(model_choice: str | None, config: str | Path | None, preset: str | None) -> tuple[MulaConfig, bool]:
-    """The MulaConfig the shards are read as (exactly one of the three sources), untied: the seed's model
-    always has a head of its own. The flag: q/k norm weights in the shards are to be left out."""
+    """The MulaConfig the shards are read as (always untied), and whether to leave out their q/k norm weights."""
     from .configuration_mula import MulaConfig
 
     if sum(x is not None for x in (model_choice, config, preset)) != 1:
@@ -277,7 +261,7 @@ def model_config(model_choice: str | None, config: str | Path | None, preset: st
 
 # -- the checkpoint folder ----------------------------------------------------------------------
 def not_a_checkpoint(folder: Path, names: list[str]) -> ConversionError:
-    """The error for a folder without model files, saying what it seems to be instead."""
+    """The error for a folder without model files, saying what it seems to be."""
     inner = [
         d
         for d in sorted(folder.iterdir())
@@ -306,8 +290,7 @@ def not_a_checkpoint(folder: Path, names: list[str]) -> ConversionError:
 
 
 def find_model_files(folder: Path, pp: int | None, ep: int | None) -> list[Path]:
-    """The model files of a seed checkpoint folder in shard order (mp_ind = pp * EP + ep): one
-    `model_checkpoint.pth`, or `model_checkpoint_shard-0.pth` ... with none missing in between."""
+    """A seed checkpoint folder's model files in shard order (mp_ind = pp * EP + ep)."""
     if not folder.is_dir():
         raise ConversionError(f"{folder} is not a folder")
     names = sorted(p.name for p in folder.iterdir())
@@ -353,8 +336,8 @@ def load_shard(path: Path) -> tuple[int | None, dict[str, torch.Tensor]]:
 
 
 def check_marker(folder: Path, step: int | None, force: bool) -> str | None:
-    """Refuse (unless `force`) a checkpoint the seed may not have finished: it deletes `completed` before
-    a save and writes it, holding the step, after every shard. Returns a note when forced past it."""
+    """Refuse (unless `force`) a checkpoint whose `completed` marker is missing or names another step; returns a note
+    when forced past it."""
     marker = folder / MARKER
     if not marker.is_file():
         problem = (
@@ -374,8 +357,8 @@ def check_marker(folder: Path, step: int | None, force: bool) -> str | None:
 # -- layout -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Layout:
-    """How the seed split the model over the files: `pp` stages of `layers` decoder layers each (in `vpp`
-    interleaved chunks), `ep` expert-parallel ranks of `experts` experts each (0: dense)."""
+    """How the seed split the model: `pp` stages of `layers` decoder layers each (in `vpp` interleaved chunks), `ep`
+    expert-parallel ranks of `experts` experts each (0: dense)."""
 
     files: tuple[Path, ...]
     pp: int
@@ -385,12 +368,11 @@ class Layout:
     experts: int
 
     def rank(self, shard: int) -> tuple[int, int]:
-        """(pipeline stage, expert-parallel rank) of a file (the seed's mp_ind = pp * EP + ep at TP 1)."""
+        """(pipeline stage, expert-parallel rank) of a file (mp_ind = pp * EP + ep at TP 1)."""
         return divmod(shard, self.ep)
 
     def global_layer(self, stage: int, local: int) -> int:
-        """The model's layer index of a stage's local layer: chunk v of stage p holds the layers of virtual
-        stage v * PP + p (with one chunk: layers p * layers ...)."""
+        """The model's layer index of a stage's local layer: chunk v of stage p holds virtual stage v * PP + p."""
         chunk = self.layers // self.vpp
         return (local // chunk * self.pp + stage) * chunk + local % chunk
 
@@ -467,7 +449,7 @@ def infer_layout(
 # -- pass 1: every shard's names and shapes against the config ------------------------------------
 @dataclass(frozen=True)
 class Source:
-    """Where a tensor of the Mula model is in the checkpoint: the file, its key, a merged tensor's row."""
+    """Where a Mula tensor is in the checkpoint: the file, its key, a merged tensor's row."""
 
     shard: int
     key: str
@@ -476,8 +458,7 @@ class Source:
 
 @dataclass
 class Scan:
-    """What the check of the shards found: each plain tensor's copies (one per EP rank of its stage) and
-    their checksums, each expert weight's place, the floating dtypes and each file's step."""
+    """Pass 1's findings: where each tensor is, the replicas' checksums, the floating dtypes and each file's step."""
 
     plain: dict[str, list[Source]] = field(default_factory=dict)
     crcs: dict[str, int] = field(default_factory=dict)
@@ -488,7 +469,7 @@ class Scan:
 
 
 def expected_shapes(config: MulaConfig) -> dict[str, tuple[int, ...]]:
-    """Name and shape of every tensor of `MulaForCausalLM(config)`, in its order, built on the meta device."""
+    """Name and shape of every tensor of `MulaForCausalLM(config)`, in its order."""
     import torch
 
     from .modeling_mula import MulaForCausalLM
@@ -527,7 +508,7 @@ def _target(key: str, stage: int, rank: int, layout: Layout, file: str) -> tuple
 
 
 def _expert_shape(expected: dict, layer: int, part: str) -> tuple[int, ...] | None:
-    """The shape of one expert's `part` weight in layer `layer` ([I, H] or [H, I]); None in a dense layer."""
+    """One expert's `part` weight shape in layer `layer` ([I, H] or [H, I]); None in a dense layer."""
     stacked = expected.get(f"model.layers.{layer}.mlp.experts.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}")
     if stacked is None:
         return None
@@ -612,8 +593,7 @@ def layer_owners(layout: Layout) -> dict[int, int]:
 
 
 def check_complete(scan: Scan, expected: dict, layout: Layout, num_experts: int) -> None:
-    """Every tensor of the model is somewhere in the shards: else one line naming the first missing one
-    and the file that should hold it."""
+    """Every tensor of the model is in the shards; else an error naming the first missing one and its file."""
     owners, missing = layer_owners(layout), []
     for name in expected:
         stacked = _STACKED.match(name)
@@ -646,8 +626,7 @@ def scan_checkpoint(
     skip_qk_norm: bool,
     progress: Callable[[str], None],
 ) -> tuple[Layout, Scan, dict]:
-    """Pass 1: the layout, and where every tensor is, one memory-mapped file at a time (names, shapes, the
-    replicas' checksums; no tensor kept); every shard from the same step, nothing missing."""
+    """Pass 1: the layout and every tensor's place, one memory-mapped file at a time, no tensor kept."""
     expected = expected_shapes(config)
     scan, layout = Scan(), None
     for index, file in enumerate(files):
@@ -669,8 +648,8 @@ def scan_checkpoint(
 
 # -- pass 2: one stage at a time into safetensors files -------------------------------------------
 class FileWriter:
-    """Tensors into safetensors files of at most `max_bytes` (a tensor is never cut), each written when
-    full; `finish` names them as `save_pretrained` does and writes the index."""
+    """Tensors into safetensors files of at most `max_bytes` (a tensor is never cut); `finish` names them as
+    `save_pretrained` does and writes the index."""
 
     def __init__(self, folder: Path, max_bytes: int | None = None) -> None:
         self.folder, self.max_bytes = folder, max_bytes or MAX_FILE_BYTES
@@ -716,8 +695,7 @@ def _fetch(states: dict[int, dict], source: Source) -> torch.Tensor:
 
 
 def assemble(name: str, shape: tuple[int, ...], states: dict[int, dict], scan: Scan, dtype) -> torch.Tensor:
-    """Mula's tensor `name` in `dtype`, a copy: a plain one from its first file, a layer's stacked experts
-    (`gate_up_proj`: gate rows, then up rows) from every expert-parallel file of its stage."""
+    """Mula's tensor `name` as a `dtype` copy; stacked experts take gate rows, then up rows."""
     import torch
 
     if name.endswith(".mlp.gate.expert_bias"):
@@ -738,8 +716,8 @@ def assemble(name: str, shape: tuple[int, ...], states: dict[int, dict], scan: S
 def write_weights(
     output_dir: Path, layout: Layout, scan: Scan, expected: dict, dtype, progress: Callable[[str], None]
 ) -> list[Path]:
-    """Pass 2: each stage's files memory-mapped together, its tensors assembled in the model's order and
-    handed to a FileWriter; host memory holds one output file and one tensor."""
+    """Pass 2: each stage's files memory-mapped together, its tensors assembled in the model's order into a
+    FileWriter."""
     owners, writer = layer_owners(layout), FileWriter(output_dir)
     for stage in range(layout.pp):
         states = {}
@@ -801,8 +779,8 @@ def write_folder(
     tokenizer,
     progress: Callable[[str], None],
 ) -> None:
-    """The Mula folder: config, model code and generation config through `save_pretrained` (no weights),
-    the weights stage by stage, the tokenizer if given. On any failure what was written is removed."""
+    """Write the Mula folder (config, model code, generation config, weights, tokenizer); on any failure what was
+    written is removed."""
     import torch
 
     from .modeling_mula import MulaForCausalLM
@@ -839,10 +817,8 @@ def import_checkpoint(
     force: bool = False,
     progress: Callable[[str], None] = print,
 ) -> Path:
-    """Write the Mula folder `output_dir` holding the seed's checkpoint `checkpoint_dir` (one of its
-    `checkpoint1`, `checkpoint2`, `main` or `step...` folders), read as the model that exactly one of
-    `model_choice`, `config` and `preset` describes. A ConversionError names any problem in one line,
-    before anything is written."""
+    """Write the seed's checkpoint `checkpoint_dir` as the Mula folder `output_dir`; any problem is a one-line
+    ConversionError before anything is written."""
     from .sizing import count_parameters
 
     checkpoint_dir, output_dir, vpp = Path(checkpoint_dir), Path(output_dir), 1 if vpp is None else vpp

@@ -1,9 +1,7 @@
 """Mula: dense and Mixture-of-Experts decoder language models as Hugging Face Transformers classes.
 
-This file imports only `torch` and `transformers` at module level, so a saved checkpoint folder that
-carries it (with `auto_map` in config.json) loads with `trust_remote_code=True` where ds_optimus is
-not installed. With ds_optimus installed, `import ds_optimus` registers these classes with the Auto
-classes and faster experts implementations with Transformers' experts interface.
+Imports only `torch` and `transformers`, so a checkpoint folder carrying this file loads as remote code
+without ds_optimus; `import ds_optimus` registers the Auto classes and faster experts implementations.
 """
 
 from collections.abc import Callable
@@ -67,8 +65,7 @@ class MulaRMSNorm(nn.Module):
 
 
 class MulaLayerNorm(nn.Module):
-    """LayerNorm computed in float32 and cast back to the input's dtype; with `elementwise_affine` a
-    learned weight and bias, without it none (OLMo's non-parametric LayerNorm)."""
+    """LayerNorm in float32, cast back to the input's dtype; learned weight and bias only with `elementwise_affine`."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, elementwise_affine: bool = True) -> None:
         super().__init__()
@@ -88,7 +85,7 @@ class MulaLayerNorm(nn.Module):
 
 
 def make_norm(config: MulaConfig, hidden_size: int) -> nn.Module:
-    """The input, post-attention or final norm that `config.norm_type` and `norm_elementwise_affine` ask for."""
+    """The norm that `config.norm_type` and `norm_elementwise_affine` ask for."""
     norm_class = MulaLayerNorm if config.norm_type == "layer_norm" else MulaRMSNorm
     return norm_class(hidden_size, eps=config.rms_norm_eps, elementwise_affine=config.norm_elementwise_affine)
 
@@ -247,23 +244,18 @@ class MulaMLP(nn.Module):
 def uniform_expert_assignment(
     num_tokens: int, num_experts: int, top_k: int, rank: int = 0, device: torch.device | None = None
 ) -> torch.Tensor:
-    """The experts [num_tokens, top_k] of uniform routing: token t of the flattened batch on rank `rank`
-    of the expert-parallel group is token g = rank * num_tokens + t of the group, and gets the top_k
-    consecutive experts from (g * top_k) mod num_experts on."""
-    # The group's token slots are numbered g * top_k + j and dealt to the experts in turn, slot i to
-    # expert i mod E: a token's k experts are distinct, and any N consecutive slots load each expert
-    # N // E or N // E + 1 times, exactly N / E when E divides N (the group's tokens x k).
+    """Experts [num_tokens, top_k] of uniform routing: token t on expert-parallel rank `rank` (group token
+    g = rank * num_tokens + t) gets the top_k consecutive experts from (g * top_k) mod num_experts."""
+    # Slot i goes to expert i mod E: a token's k experts are distinct and N slots load each expert N // E or N // E + 1.
     token = torch.arange(num_tokens, device=device) + rank * num_tokens
     slot = token[:, None] * top_k + torch.arange(top_k, device=device)
     return slot % num_experts
 
 
 class MulaTopKRouter(nn.Module):
-    """Top-k router: softmax (or sigmoid) scores over experts, optional DeepSeek-V3 selection bias.
+    """Top-k router over softmax (or sigmoid) scores with an optional DeepSeek-V3 selection bias.
 
-    Returns raw router logits [T, E] (for the auxiliary losses), the routing weights [T, k] and the
-    chosen expert indices [T, k]. The selection bias only changes which experts are chosen; the
-    weights come from the unbiased scores, as in DeepSeek-V3's auxiliary-loss-free balancing.
+    Returns logits [T, E], weights [T, k] and expert indices [T, k]; the bias changes only the choice, not the weights.
     """
 
     def __init__(self, config: MulaConfig):
@@ -275,16 +267,11 @@ class MulaTopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.num_experts, config.hidden_size))
         self.uses_bias = config.router_bias_update_rate > 0
         if self.uses_bias:
-            # Persistent: the bias is training state and must survive save/load. Kept in float32 under
-            # bf16/fp16 training (`_keep_in_fp32_modules_strict`): its updates are smaller than bf16's
-            # resolution near typical bias values.
+            # Persistent (training state); float32 since its updates are below bf16's resolution near typical values.
             self.expert_bias = nn.Buffer(torch.zeros(self.num_experts, dtype=torch.float32))
-        # Token-slot counts since the last bias update: a plain tensor, not a buffer, so that neither
-        # DDP's buffer broadcast nor a dtype cast of the module touches it.
+        # Slot counts since the last bias update; not a buffer, so DDP's broadcast and dtype casts leave it alone.
         self.load_since_update: torch.Tensor | None = None
-        # Uniform routing, a benchmark mode that ds_optimus sets on a run's routers (never saved with the
-        # model, which routes normally once loaded): each token goes to fixed experts that load every expert
-        # equally (`uniform_expert_assignment`), at this rank's place in its expert-parallel group.
+        # Benchmark mode set by ds_optimus (never saved): fixed, equally loaded experts (`uniform_expert_assignment`).
         self.force_uniform_routing = False
         self.uniform_routing_rank = 0
 
@@ -297,8 +284,7 @@ class MulaTopKRouter(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         router_logits = F.linear(hidden_states, self.weight)
         if self.force_uniform_routing:
-            # Benchmark mode: the experts are fixed, but the router still runs and learns. The logits of
-            # the other experts are -inf, so the weights are its scores restricted to the assigned k.
+            # The router still runs and learns: its scores restricted to the k assigned experts.
             top_k_index = uniform_expert_assignment(
                 router_logits.shape[0], self.num_experts, self.top_k, self.uniform_routing_rank, router_logits.device
             )
@@ -319,9 +305,7 @@ class MulaTopKRouter(nn.Module):
 
     @torch.no_grad()
     def record_load(self, top_k_index: torch.Tensor) -> None:
-        """Add the experts chosen in one forward pass to the load counted since the last bias update.
-        Called by `MulaModel` outside the decoder layer, so activation checkpointing's recomputation
-        does not count a pass twice."""
+        """Add one forward pass's chosen experts to the load counted since the last bias update."""
         if self.load_since_update is None or self.load_since_update.device != top_k_index.device:
             self.load_since_update = torch.zeros(self.num_experts, dtype=torch.float32, device=top_k_index.device)
         flat = top_k_index.reshape(-1)
@@ -329,8 +313,7 @@ class MulaTopKRouter(nn.Module):
 
     @torch.no_grad()
     def update_bias(self, rate: float, group=None) -> None:
-        """Move the selection bias by `rate` towards balance: up for under-loaded experts, down for
-        over-loaded ones. With `group`, the loads are first summed over that process group."""
+        """Move the selection bias by `rate` towards balance, after summing the loads over `group` if given."""
         load = self.load_since_update
         if load is None:
             return
@@ -340,8 +323,7 @@ class MulaTopKRouter(nn.Module):
 
     @torch.no_grad()
     def update_bias_from(self, load: torch.Tensor, rate: float) -> None:
-        """One bias update from the summed `load` [E] (an empty load changes nothing), then start
-        counting afresh. Decided on the device: no host synchronisation."""
+        """One bias update from the summed `load` [E] (none if empty), then reset the count; no host sync."""
         step = rate * torch.sign(load.mean() - load)
         step = torch.where(load.sum() > 0, step, torch.zeros_like(step))
         updated = self.expert_bias.float() + step.to(self.expert_bias.device)
@@ -352,12 +334,9 @@ class MulaTopKRouter(nn.Module):
 
 @use_experts_implementation
 class MulaExperts(nn.Module):
-    """The experts of one MoE layer as stacked tensors: gate_up_proj [E, 2I, H], down_proj [E, H, I].
+    """One MoE layer's experts as stacked tensors: gate_up_proj [E, 2I, H], down_proj [E, H, I].
 
-    `forward` here is the reference implementation (sort token slots by expert, one matmul pair per
-    expert that received tokens, weighted sum over the k slots of each token in float32). The
-    decorator dispatches to `config._experts_implementation` when set: Transformers' "grouped_mm" and
-    "batched_mm", or the kernels that ds_optimus registers.
+    `forward` is the reference loop; the decorator dispatches to `config._experts_implementation` when set.
     """
 
     def __init__(self, config: MulaConfig):
@@ -368,8 +347,7 @@ class MulaExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
         self.act_fn = ACT2FN[config.hidden_act]
-        # Set by expert parallelism (`ds_optimus.parallel.apply_expert_parallel`), declared here so that
-        # every reader finds them. Experts held on this rank (the first dimension of the weights above):
+        # Set by `ds_optimus.parallel.apply_expert_parallel`. Experts held on this rank (weights' first dim):
         self.num_local_experts = self.num_experts
         # The token exchange that sends rows to the ranks owning their experts; None: all experts local.
         self.expert_parallel = None
@@ -426,22 +404,8 @@ RECOMPUTE_PARTS = ("moe", "attention", "norms")
 
 
 class MulaDecoderLayer(GradientCheckpointingLayer):
-    """Pre-norm decoder layer: x + attn(norm(x)), then + ffn(norm(x)) with a dense or MoE FFN.
-
-    Returns (hidden_states, attention_weights, router_logits, top_k_index): the attention weights are
-    None unless the attention backend makes them (eager), the router outputs None in dense layers.
-    `MulaModel` records its optional outputs from this return value, with hooks on this module only:
-    activation checkpointing wraps `forward` alone, so the router logits recorded keep their gradients
-    under reentrant and non-reentrant checkpointing alike, and a layer compiled on its own keeps its
-    whole body in one graph (no recording hook runs inside it).
-
-    Selective recomputation: `layer.recompute = ("moe", ...)` (any of `RECOMPUTE_PARTS`) runs those
-    sub-blocks under non-reentrant `torch.utils.checkpoint` while training: "moe" the FFN after the
-    post-attention norm (router, experts and their expert-parallel exchange; the dense FFN in a dense
-    layer), "attention" the attention after the input norm, "norms" the two layer norms (a norm and the
-    block after it recomputed together keep only the norm's input). Transformers'
-    `gradient_checkpointing_enable` (the whole layer) takes precedence over it.
-    """
+    """Pre-norm decoder layer with a dense or MoE FFN; returns (hidden_states, attention_weights, router_logits,
+    top_k_index), None where absent. `recompute` picks sub-blocks to recompute (whole-layer checkpointing wins)."""
 
     def __init__(self, config: MulaConfig, layer_idx: int):
         super().__init__()
@@ -455,7 +419,7 @@ class MulaDecoderLayer(GradientCheckpointingLayer):
 
     @property
     def recompute(self) -> tuple[str, ...]:
-        """The sub-blocks recomputed in the backward pass (selective activation recomputation)."""
+        """Sub-blocks recomputed in backward: "moe" (the FFN, dense or MoE), "attention", "norms" (both norms)."""
         return self._recompute
 
     @recompute.setter
@@ -506,8 +470,7 @@ class MulaDecoderLayer(GradientCheckpointingLayer):
         return residual + ffn_out, attn_weights, router_logits, top_k_index
 
     def _recomputed_parts(self) -> tuple[str, ...]:
-        """The sub-blocks to recompute in this call: none without a backward pass to replay them or
-        while the whole layer is checkpointed."""
+        """Sub-blocks to recompute now: none without a backward pass or while the whole layer is checkpointed."""
         if not self._recompute or not (self.training and torch.is_grad_enabled()) or self.gradient_checkpointing:
             return ()
         return self._recompute
@@ -516,18 +479,9 @@ class MulaDecoderLayer(GradientCheckpointingLayer):
     def _sub_block(
         norm: nn.Module, block: nn.Module, x: torch.Tensor, recompute_block: bool, recompute_norm: bool, **kwargs
     ):
-        """`block(norm(x), **kwargs)`, the parts asked for under non-reentrant checkpointing.
-
-        Side effects stay out of the recomputed code: the router's load count (`record_load`) and
-        the losses' token counts are made by `MulaModel` and `MulaForCausalLM` from this layer's
-        outputs, which come from the first forward pass only (non-reentrant checkpointing discards
-        what the replay computes but the tensors it saved). The MoE block's expert-parallel exchange
-        (all-to-all) runs again in the replay, inside the backward pass: that is correct because
-        every rank replays it at the same point, when the backward pass first needs a tensor the
-        block saved (every rank walks the same graph in the same order, so the replays' collectives,
-        and the backward pass's own, pair up across ranks), and in full (`early_stop=False`: a replay
-        stopped after its last saved tensor could skip a collective on one rank and not another).
-        """
+        """`block(norm(x), **kwargs)`, the parts asked for under non-reentrant checkpointing."""
+        # Side effects (load and token counts) are made by the callers, outside the replay. The MoE all-to-all
+        # replays at the same point on every rank; early_stop=False so no rank skips a collective another runs.
         if recompute_block and recompute_norm:
             return checkpoint(_norm_then, norm, block, x, use_reentrant=False, early_stop=False, **kwargs)
         normed = checkpoint(norm, x, use_reentrant=False) if recompute_norm else norm(x)
@@ -558,8 +512,8 @@ class MulaPreTrainedModel(PreTrainedModel):
     _can_compile_fullgraph = True
     # Honoured by from_pretrained and DeepSpeed's engine; emptied in `post_init` where no router has a bias.
     _keep_in_fp32_modules_strict = ["expert_bias"]
-    # What `capture_outputs` records when asked (`output_hidden_states`, `output_attentions`,
-    # `output_router_logits`), all from the decoder layer's return value (see `MulaDecoderLayer`).
+    # Recorded from the decoder layer's return value: hooks outside the checkpointed forward keep the router
+    # logits' gradients, and no hook runs inside a layer compiled on its own.
     _can_record_outputs = {
         "hidden_states": OutputRecorder(MulaDecoderLayer, index=0),
         "attentions": OutputRecorder(MulaDecoderLayer, index=1),
@@ -573,8 +527,7 @@ class MulaPreTrainedModel(PreTrainedModel):
         super().post_init()
 
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
-        """Default to ds_optimus' dropless expert-parallel layer when it is registered (`import
-        ds_optimus` does that), else to Transformers' choice."""
+        """Default to ds_optimus' dropless experts once `import ds_optimus` registers them, else Transformers'."""
         if requested_experts is None:
             from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
@@ -583,10 +536,8 @@ class MulaPreTrainedModel(PreTrainedModel):
         return super().get_correct_experts_implementation(requested_experts)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """Save as usual; when the classes are registered for the Auto classes (as `import ds_optimus`
-        does), `auto_map` also names the base model, so AutoModel loads the folder as remote code too.
-        A model whose experts are sharded over ranks is refused unless `state_dict` holds every expert
-        (an empty `state_dict` writes the configuration alone)."""
+        """Save; registered Auto classes also put the base model in `auto_map`. Experts sharded over ranks are
+        refused unless `state_dict` holds every expert (an empty `state_dict` writes only the config)."""
         state = kwargs.get("state_dict")
         for name, module in self.named_modules() if state is None or state else ():
             if not isinstance(module, MulaExperts) or module.num_local_experts == module.num_experts:
@@ -641,10 +592,8 @@ class MulaModelOutputWithPast(MoeModelOutputWithPast):
 class MulaCausalLMOutputWithPast(MoeCausalLMOutputWithPast):
     """`MoeCausalLMOutputWithPast` with the loss split into its parts.
 
-    loss = lm_loss + router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss (with labels, in
-    training mode; in eval mode loss = lm_loss). `aux_loss` is the load-balancing loss (1.0 at perfect
-    balance), `z_loss` the router z-loss, both averaged over MoE layers; `tokens_per_expert`
-    [moe_layers, E] counts token slots.
+    With labels: loss = lm_loss + router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss in training, else
+    lm_loss. `tokens_per_expert` [moe_layers, E] counts token slots.
     """
 
     lm_loss: torch.Tensor | None = None
@@ -719,7 +668,7 @@ class MulaModel(MulaPreTrainedModel):
                 if with_router:
                     router_indices.append(layer_index)
                 if self.training and layer.mlp.gate.uses_bias:
-                    layer.mlp.gate.record_load(layer_index)
+                    layer.mlp.gate.record_load(layer_index)  # here, so a recomputation does not count twice
         hidden_states = self.norm(hidden_states)
         return MulaModelOutputWithPast(
             last_hidden_state=hidden_states,
@@ -739,18 +688,10 @@ def router_losses(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Load-balancing loss, router z-loss (both averaged over layers) and token-slot counts per layer.
 
-    Load balance, `form="mula"` (Switch/OLMoE form per layer, normalised to 1.0 when balanced):
-    E * sum_e f_e * p_e, where f_e is the fraction of token slots sent to expert e and p_e the mean
-    router probability of e. `form="transformers"` is the form of Transformers'
-    `load_balancing_loss_func` (and Optimus'): the tokens of all layers pooled into one f and
-    one p, f_e the slots sent to e per token (summing to k), so k at balance; it is computed from the
-    router's own choices and scores, which is Transformers' top-k of a softmax for the default router
-    without a selection bias. Z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2.
-    `token_mask` [T] (1 = real token) leaves padding out of all three. With a process `group`, f_e is
-    computed over the tokens that all ranks of the group process in this step (global-batch
-    balancing: one all-reduce of every layer's slot and token counts, which carry no gradient); p_e
-    stays local, so the mean of the ranks' losses is the global-batch loss when the ranks have equal
-    token counts.
+    `form="mula"`: per layer E * sum_e f_e * p_e (f_e: fraction of slots to expert e, p_e: its mean probability),
+    1.0 at balance. `form="transformers"`: Transformers' `load_balancing_loss_func`, all layers pooled, f_e slots
+    per token, k at balance. Z-loss: mean of logsumexp(logits)^2. `token_mask` [T] (1 = real) excludes padding.
+    With `group`, f_e counts the whole group's tokens (global-batch balancing); p_e stays local.
     """
     stats = [
         router_layer_stats(logits, index, num_experts, scoring_func, token_mask)
@@ -767,8 +708,8 @@ def router_layer_stats(
     scoring_func: str = "softmax",
     token_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One MoE layer's part of `router_losses`: the mean router probability per expert [E] and the
-    z-loss (with gradients), the token slots per expert [E] and the token count [1] (without)."""
+    """One layer's part of `router_losses`: mean probability per expert [E] and z-loss (with gradients),
+    slots per expert [E] and token count [1] (detached)."""
     logits = logits.float()
     if scoring_func == "sigmoid":
         probs = torch.sigmoid(logits)
@@ -802,8 +743,7 @@ def combine_router_stats(
     group=None,
     form: str = "mula",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`router_losses` from every MoE layer's `router_layer_stats` (a pipeline's last stage gets them
-    from the stages before it)."""
+    """`router_losses` from every MoE layer's `router_layer_stats` (also those of earlier pipeline stages)."""
     num_experts = counts[0].shape[-1]
     # Slot and token counts of every layer: summed over the group in one all-reduce when balancing
     # the global batch, and unclamped until then, so ranks without real tokens add nothing.
@@ -942,10 +882,8 @@ class MulaForCausalLM(MulaPreTrainedModel, GenerationMixin):
 
     @torch.no_grad()
     def update_router_bias(self, group=None) -> None:
-        """Apply one auxiliary-loss-free balancing update to every MoE router (call once per
-        optimizer step). Expert loads are first summed over `group`, by default every rank when
-        torch.distributed is initialised, so all replicas of a router move their bias alike: one
-        all-reduce for all layers, and no host synchronisation."""
+        """One auxiliary-loss-free bias update of every MoE router (once per optimizer step), from the loads
+        summed over `group` (default: every rank)."""
         rate = self.config.router_bias_update_rate
         if rate <= 0:
             raise ValueError("update_router_bias needs config.router_bias_update_rate > 0")
@@ -972,7 +910,7 @@ class MulaForCausalLM(MulaPreTrainedModel, GenerationMixin):
 
     @torch.no_grad()
     def discard_router_loads(self) -> None:
-        """Forget the expert loads counted since the last bias update (a step whose update was skipped)."""
+        """Forget the expert loads counted since the last bias update (for a skipped step)."""
         for module in self.modules():
             if isinstance(module, MulaTopKRouter) and module.load_since_update is not None:
                 module.load_since_update.zero_()

@@ -6,12 +6,7 @@ from .configuration_mula import MulaConfig
 
 
 def count_parameters(config: MulaConfig) -> tuple[int, int]:
-    """Return (total, active) parameter counts of `MulaForCausalLM(config)`.
-
-    Active parameters are those one token uses in a forward pass: everything except the
-    (num_experts - num_experts_per_tok) experts a token is not routed to in each MoE layer.
-    Embeddings and the LM head count (once when tied), as in the OLMoE and OLMo papers.
-    """
+    """(total, active) parameters, embeddings and head included (once if tied); active skips unrouted experts."""
     h, v = config.hidden_size, config.vocab_size
     q_width = config.num_attention_heads * config.head_dim
     kv_width = config.num_key_value_heads * config.head_dim
@@ -38,23 +33,19 @@ def count_parameters(config: MulaConfig) -> tuple[int, int]:
 
 
 def norm_parameters(config: MulaConfig) -> int:
-    """Parameters of one input, post-attention or final norm: a weight (RMSNorm) or a weight and a bias
-    (LayerNorm) with `norm_elementwise_affine`, none without (OLMo's LayerNorm)."""
+    """Parameters of one non-QK norm: its weight (and LayerNorm's bias) if `norm_elementwise_affine`."""
     if not config.norm_elementwise_affine:
         return 0
     return config.hidden_size * (2 if config.norm_type == "layer_norm" else 1)
 
 
 def matmul_flops_per_token(matmul_params: int, layers: int, attention_width: int, seq_len: int) -> float:
-    """Training FLOPs per token (forward and backward): 6 x the parameters a token multiplies with,
-    plus 12 x layers x attention width x sequence length for the attention scores and values."""
+    """Training FLOPs per token: 6 x matmul parameters + 12 x layers x attention width x seq_len."""
     return 6.0 * matmul_params + 12.0 * layers * attention_width * seq_len
 
 
 def flops_per_token(config: MulaConfig, seq_len: int) -> float:
-    """Training FLOPs per token of `MulaForCausalLM(config)` at `seq_len`: its active parameters less
-    the input embedding (a lookup, not a matmul, unless tied to the LM head), through
-    `matmul_flops_per_token`. The trainer's MFU and the layout planner both use this figure."""
+    """Training FLOPs per token at `seq_len`: active parameters less the input embedding (unless tied)."""
     _, active = count_parameters(config)
     embedding = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
     width = config.num_attention_heads * config.head_dim

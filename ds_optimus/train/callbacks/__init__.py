@@ -1,16 +1,5 @@
-"""Everything around the training step, one concern per callback (`Callback` lists the hooks).
-
-`default_callbacks(opt, extra)` gives a run's callbacks in the order their hooks run: the watchdog
-first (it re-arms before anything else can hang), fault injection (only with `DS_OPTIMUS_FAULTS`),
-the naming of ranks behind a non-finite loss and of stragglers (into faults.jsonl), the memory
-meter, the profilers (`optimus.train.profile_steps`, then the phase profiler of `optimus.profile`, whose
-`post_step` comes before the guards' rollback can skip it), clipping after the warm-up
-(`optimus.train.clip_after_warmup`), the router-bias update right after the optimizer step, metrics
-and the progress file, the guards (whose rollback ends the step's remaining `post_step` calls), then
-the `extra` callbacks of the user, so that what they do or ask for (a stop) is in the step's
-evaluation and checkpoint, then evaluation, preemption (whose stop wins over others) and the
-checkpoints, last. The downstream tasks scored on each checkpoint (`optimus.eval.downstream`) come
-first, so they close last.
+"""Everything around the training step, one concern per callback (`Callback` lists the hooks);
+`default_callbacks` orders them.
 """
 
 from __future__ import annotations
@@ -52,11 +41,10 @@ __all__ = [
 
 
 def default_callbacks(opt, extra: list[Callback] = ()) -> list[Callback]:
-    """The callbacks of a run of the parsed `optimus` section `opt`, with the user's `extra`, in
-    hook order."""
+    """The callbacks of a run of `opt`, with the user's `extra`, in hook order."""
     # downstream evaluation first, so that it closes last: after the watchdog, while waiting for its scores
     callbacks: list[Callback] = [DownstreamCallback(opt.eval.downstream)] if opt.eval.downstream.enabled else []
-    callbacks.append(WatchdogCallback(opt.watchdog))
+    callbacks.append(WatchdogCallback(opt.watchdog))  # re-arms before anything else can hang
     faults = FaultInjectionCallback.from_environment()
     if faults is not None:
         callbacks.append(faults)
@@ -65,7 +53,7 @@ def default_callbacks(opt, extra: list[Callback] = ()) -> list[Callback]:
         callbacks.append(MemoryCallback(opt.train.measure_memory_steps))
     if opt.train.profile_steps:
         callbacks.append(ProfileCallback(*opt.train.profile_steps))
-    if opt.profile.enabled:
+    if opt.profile.enabled:  # its post_step before the guards' rollback can skip it
         callbacks.append(PhaseProfileCallback(opt.profile))
     if opt.train.clip_after_warmup:
         callbacks.append(ClipAfterWarmupCallback())
@@ -73,10 +61,10 @@ def default_callbacks(opt, extra: list[Callback] = ()) -> list[Callback]:
         RouterBiasCallback(),
         MetricsCallback(),
         ProgressFileCallback(),
-        GuardCallback(opt.guards),
-        *extra,
+        GuardCallback(opt.guards),  # a rollback ends the step's remaining post_step calls
+        *extra,  # before evaluation and checkpoints, so what they do or ask (a stop) is in them
         EvaluationCallback(),
-        PreemptionCallback(),
+        PreemptionCallback(),  # its stop wins over others
     ]
     if opt.checkpoint.enabled:
         callbacks.append(CheckpointCallback())

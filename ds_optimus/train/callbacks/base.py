@@ -1,4 +1,4 @@
-"""The callback interface: one concern around the training step per callback."""
+"""The callback interface."""
 
 from __future__ import annotations
 
@@ -10,47 +10,42 @@ if TYPE_CHECKING:
 
 
 class Callback:
-    """A concern around the training step (metrics, checkpoints, the watchdog, ...). The trainer
-    calls each hook on every callback in the order they were given; every hook is a no-op unless
-    overridden, and `self.trainer` is set before the first. A callback with a `state_key` has its
-    `state_dict()` saved in every checkpoint under that key and handed back by `load_state_dict`
-    when the run resumes."""
+    """A concern around the training step: hooks (no-ops unless overridden) run on every callback in order. A
+    `state_key` checkpoints `state_dict()` and restores it on resume."""
 
     trainer: Trainer
     state_key: str | None = None
 
     def setup(self) -> None:
-        """Once torch.distributed is up, before the model, the data or the engine is built."""
+        """After torch.distributed starts, before the model, data and engine."""
 
     def pre_train(self) -> None:
-        """Everything is built and the run resumed; the first step comes next."""
+        """All built and resumed; the first step is next."""
 
     def pre_step(self, step: int) -> None:
         """Step `step` begins (`trainer.step` is already `step`)."""
 
     def step_flags(self) -> dict[str, float]:
-        """Numbers to sum over ranks with the step's losses, in its one all-reduce: their sums are
-        in `trainer.metrics` under the same names by the time the update is made."""
+        """Numbers summed over ranks with the step's losses: in `trainer.metrics`, same names, by the update."""
         return {}
 
     def post_step(self, step: int) -> None:
-        """The update of step `step` is done; its losses, reduced over ranks, are in `trainer.metrics`."""
+        """Step `step`'s update is done; the reduced losses are in `trainer.metrics`."""
 
     def on_long_work(self, what: str) -> None:
-        """Work that may take long is about to start (an evaluation, a checkpoint, the export)."""
+        """Possibly long work (evaluation, checkpoint, export) starts."""
 
     def on_checkpoint(self, step: int, path: Path) -> None:
-        """A checkpoint of step `step` was written (or, saved in the background, is being written)."""
+        """A checkpoint of `step` was written (or is being, in the background)."""
 
     def post_train(self) -> None:
-        """The loop is over: the last step ran, or the run stopped early."""
+        """The loop is over (done, or stopped early)."""
 
     def on_exit(self, error: BaseException | None) -> None:
-        """First on the way out (success, `error` or a preemption), before any callback closes: quick,
-        and never raises (the watchdog's heartbeat says the rank's last word here)."""
+        """First on the way out, before any close: quick, never raises."""
 
     def close(self, error: BaseException | None) -> None:
-        """The one clean-up path, after success, an error (`error`) or a preemption."""
+        """The one clean-up path (success, `error` or a preemption)."""
 
     def state_dict(self) -> dict[str, Any]:
         return {}

@@ -7,10 +7,8 @@ from .base import Callback
 
 
 class CheckpointCallback(Callback):
-    """Saves through the trainer's `CheckpointManager` (verified, atomic; in the background with
-    `checkpoint.async_save`, except the last save of an invocation, which is waited for anyway) and
-    waits for a save in flight when the loop ends. A stop asked for by a callback that runs after
-    this one still gets its checkpoint, when the loop ends."""
+    """Saves through the trainer's `CheckpointManager` (in the background with `checkpoint.async_save`, but
+    not an invocation's last save) and waits for a save in flight when the loop ends."""
 
     saved_step: int | None = None
 
@@ -27,7 +25,7 @@ class CheckpointCallback(Callback):
             path = trainer.checkpoints.save_cold(step, trainer.engine, trainer.train_loader.tokens_consumed)
             trainer.message(f"step {step}: cold checkpoint {path}")
 
-    def post_train(self) -> None:
+    def post_train(self) -> None:  # a stop asked for by a callback after this one still gets its checkpoint
         trainer = self.trainer
         if trainer.stop_reason is not None and self.saved_step != trainer.step:
             self._save(trainer.step, background=False)

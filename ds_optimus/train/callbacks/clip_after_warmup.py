@@ -10,9 +10,7 @@ from .base import Callback
 
 
 class ClipAfterWarmupCallback(Callback):
-    """No clipping during the warm-up, the config's `gradient_clipping` after it, as Optimus' recipe
-    does. The value is set before every step, so a resume or a rollback lands on the right one; a config
-    with nothing to clip, or a scheduler without a warm-up, is a one-line error before the engine is built."""
+    """No clipping during the warm-up, the config's `gradient_clipping` after it (Optimus' recipe)."""
 
     clip = 0.0
     warmup_steps = 0
@@ -23,5 +21,5 @@ class ClipAfterWarmupCallback(Callback):
         except ConfigError as err:
             raise said_by_every_rank(err) from None
 
-    def pre_step(self, step: int) -> None:
+    def pre_step(self, step: int) -> None:  # set every step, so a resume or a rollback gets the right one
         set_gradient_clipping(self.trainer.engine, clip_for_step(step, self.clip, self.warmup_steps))

@@ -1,12 +1,8 @@
-"""Downstream tasks scored at every checkpoint (`optimus.eval.downstream`), as Optimus (the Mula runs on Aurora) scored
-its checkpoints, without holding the run up: rank 0 starts `python -m ds_optimus.evaluate RUN --step N`
-in a process of its own once checkpoint N is on disk (one at a time; the next waits its turn), on
-rank 0's device, and training goes on. The scores go to `<output_dir>/eval/step_N.json` (the run's
-report plots them), a line in the log and, with wandb, `downstream/<task>`; the process's output to
-`eval/step_N.log`. A checkpoint waiting to be scored is not pruned. At the end of the run the
-evaluations still due are waited for; after a preemption or an error they are stopped, and say how to
-score the checkpoints later (`--all` scores what is missing). A failed evaluation is said in the log
-and the run goes on: the checkpoint is what matters."""
+"""Downstream tasks scored at every checkpoint (`optimus.eval.downstream`) without holding the run up: once
+checkpoint N is on disk, rank 0 runs `python -m ds_optimus.evaluate RUN --step N` in a process of its own (one at
+a time, on rank 0's device). Scores go to `eval/step_N.json`, the log and wandb (`downstream/<task>`), its output
+to `eval/step_N.log`; a checkpoint waiting to be scored is not pruned. The run's end waits for evaluations due;
+a preemption or an error stops them, saying how to score later. A failed evaluation is logged; training goes on."""
 
 from __future__ import annotations
 

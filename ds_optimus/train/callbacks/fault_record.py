@@ -1,6 +1,5 @@
-"""Naming the ranks and hosts behind a fault: a non-finite loss (which ranks computed it) and
-stragglers (which ranks are slow), said in one line and appended to `<output_dir>/faults.jsonl`
-for the supervisor (hangs are named by the watchdog's heartbeats: `WatchdogCallback`)."""
+"""Naming the ranks and hosts behind a non-finite loss or a straggler step, in one line and in
+`<output_dir>/faults.jsonl` (hangs: `WatchdogCallback`)."""
 
 from __future__ import annotations
 
@@ -12,11 +11,8 @@ from .base import Callback
 
 
 class FaultRecordCallback(Callback):
-    """Each rank's own loss finiteness rides on the step's all-reduce as a count (the trainer's
-    `nonfinite_ranks`); only when it is not 0 do the ranks say which they are (one all-gather, on bad
-    steps alone). Every `straggler_interval` steps the ranks' arrival times at the step's reduction
-    are gathered (one all-gather of a number a rank) and those that made the step `straggler_factor`
-    times longer than the others needed are named."""
+    """Names the ranks of a non-finite loss (gathered only when the trainer's `nonfinite_ranks` is not 0)
+    and, every `straggler_interval` steps, those making the step `straggler_factor` times longer."""
 
     def __init__(self, straggler_interval: int, straggler_factor: float) -> None:
         self.interval, self.factor = straggler_interval, straggler_factor
@@ -33,8 +29,7 @@ class FaultRecordCallback(Callback):
         trainer.rank_hosts = self.hosts  # the watchdog names a rank that never beat by it
 
     def step_flags(self) -> dict[str, float]:
-        """Right before the step's reduction: on a straggler step, wait for this rank's device, so
-        that its arrival is its work's end, not its queueing's."""
+        """On a straggler step, sync the device before the reduction, so arrival marks the work's end."""
         trainer = self.trainer
         if self.interval and trainer.step % self.interval == 0 and trainer.world > 1:
             from deepspeed.accelerator import get_accelerator
@@ -65,10 +60,9 @@ class FaultRecordCallback(Callback):
         )
 
     def _stragglers(self, step: int) -> None:
-        """Each rank's arrival at the step's reduction, against the first rank's: the ranks wait
-        for the last to arrive there, so its lateness is the time the step lost to it (step times
-        themselves are alike on every rank, all waiting for the slowest). A delay that an exchange
-        inside the step absorbs (expert all-to-all, pipeline sends) shows at that exchange instead."""
+        """Name the ranks arriving late at the step's reduction, against the first rank."""
+        # step times are alike on every rank (all wait for the slowest): lateness is what the step lost.
+        # A delay an exchange inside the step absorbs (expert all-to-all, pipeline sends) shows there instead
         from ...reliability.fault_log import append_fault, describe
 
         trainer = self.trainer
@@ -91,8 +85,7 @@ class FaultRecordCallback(Callback):
 
 
 def _gather(value: torch.Tensor, world: int) -> list[float]:
-    """Every rank's one number, on the host (gloo or the accelerator's backend, on the CPU tensor's
-    device where the backend takes it)."""
+    """Every rank's one number, on the host."""
     out = torch.zeros(world, dtype=value.dtype)
     collective("all_gather")(out, value) if dist.get_backend() == "gloo" else _on_device(out, value)
     return out.tolist()

@@ -1,15 +1,9 @@
-"""Fault injection for testing recovery, installed only when `DS_OPTIMUS_FAULTS` holds a JSON list
-of faults, each `{"kind": ..., "step": N, "rank": R, "attempt": A}` (rank and attempt default to 0;
-the attempt is the supervisor's restart count, `DS_OPTIMUS_ATTEMPT`). Nothing of it runs otherwise.
+"""Fault injection for recovery tests, installed only by `DS_OPTIMUS_FAULTS`: a JSON list of `{"kind": ..., "step": N,
+"rank": R, "attempt": A}` (R and A default to 0; A: the supervisor's restart count).
 
-Kinds: `kill` (SIGKILL this process at the start of step N), `kill_in_save` (SIGKILL while the
-checkpoint of step N is being written, after its first file), `nan_loss` (this rank's loss of step
-N becomes NaN, so its gradients do), `sleep` (sleep `seconds` inside step N, before its
-collectives), `signal` (send this process `signal`, default SIGTERM, at the start of step N), `raise`
-(raise a RuntimeError at the start of step N: an error on one rank that the others do not share),
-`late` (sleep right before step N's reduction: a straggler; `seconds`, or `times` the time this rank's
-step took until then, which holds on a machine of any speed or load). (`{"kind": "probe", "host": H}`
-fails the node probe on host H: `ds_optimus.reliability.probe`.)
+At step N: `kill`, `raise` and `signal` (`signal`, default SIGTERM) at its start, `kill_in_save` after its
+checkpoint's first file, `nan_loss` on this rank, `sleep` (`seconds`) before its collectives, `late` before its
+reduction (`seconds`, or `times` the step's time so far).
 """
 
 from __future__ import annotations
@@ -28,8 +22,7 @@ KINDS = ("kill", "kill_in_save", "nan_loss", "sleep", "signal", "raise", "late")
 
 
 class FaultInjectionCallback(Callback):
-    """Strikes the planned faults of this rank and attempt, each once (a step run again after a
-    rollback does not meet its fault again)."""
+    """Strikes this rank's and attempt's faults, each once (not again after a rollback)."""
 
     def __init__(self, faults: list[dict]) -> None:
         for fault in faults:
@@ -115,7 +108,7 @@ def _poison_output(module, args, output):
 
 
 def _once(register, hook) -> None:
-    """Register `hook` on a module for its next call only."""
+    """Register `hook` for the module's next call only."""
     handles = []
 
     def run_once(*args):

@@ -15,13 +15,8 @@ from .base import Callback
 
 
 class MetricsCallback(Callback):
-    """Every step: the loss into the run's summary. Every `train.log_interval` steps (and at the
-    last): learning rate, gradient norm, throughput and MFU over the interval, skipped steps, and the
-    experts' load imbalance and token counts (`expert_tokens`: per MoE layer, the tokens routed to
-    each expert, summed over ranks and the interval) over the interval, written through the
-    trainer's metrics sink, with each data source's tokens and epochs so far (`tokens/<name>`,
-    `epochs/<name>`). When the run ends without an error (and not preempted), rank 0 draws
-    `metrics.jsonl` into `<output_dir>/plots/` (`ds_optimus.report`)."""
+    """The loss into the summary each step; every `train.log_interval` steps the interval's metrics
+    to the trainer's sink. A run ending without error or preemption: rank 0 draws `<output_dir>/plots/`."""
 
     loop_ended = False
 
@@ -90,8 +85,7 @@ class MetricsCallback(Callback):
             self._write_plots()
 
     def _write_plots(self) -> None:
-        """The run's PNGs, after everything else (the export, summary.json): never in a step's path,
-        and a drawing problem is said in one line, never an error of a finished run."""
+        """The run's PNGs, after everything else; a drawing problem is one line, never an error."""
         from ...report import MissingMatplotlib, write_report
 
         trainer = self.trainer
@@ -110,9 +104,9 @@ class MetricsCallback(Callback):
 
 
 class ProgressFileCallback(Callback):
-    """Rank 0 writes `<output_dir>/progress.json` ({"step", "time", "checkpoint"}) after every step
-    and checkpoint: the supervisor tells a crash that made progress from one that did not, and a
-    launch that finds no checkpoint where the run's last one was refuses to start over its metrics."""
+    """Rank 0 writes `<output_dir>/progress.json` ({"step", "time", "checkpoint"}) after every step and
+    checkpoint: the supervisor tells crashes that made progress, and a launch not finding that checkpoint
+    refuses to start over its metrics."""
 
     checkpoint: str | None = None  # the run's newest checkpoint, written or resumed from
 

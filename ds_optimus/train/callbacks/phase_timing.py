@@ -1,12 +1,5 @@
-"""The phase profiler (`optimus.profile`): every `interval`-th step timed phase by phase, its
-collectives counted by kind, bytes and time, and each rank's wait at the step's reduction for the
-slowest rank, into `metrics.jsonl` and wandb (`ds_optimus.train.phase_profile` has the timers).
-
-Unlike `optimus.train.profile_steps` (torch.profiler's operator table over a few steps, which slows
-them), this is meant to stay on: a few marks a phase, one wait for the device at the end of a
-profiled step, and no collective of its own. The ranks' numbers ride on the step's one all-reduce as
-flags (their sum and sum of squares), so they are the previous profiled step's: a rank's own times
-are known on its host only once the step's events have been read, after that reduction.
+"""The phase profiler (`optimus.profile`), cheap enough to stay on: every `interval`-th step timed by phase, with
+its collectives and each rank's reduction wait, into the metrics (timers: `ds_optimus.train.phase_profile`).
 """
 
 from __future__ import annotations
@@ -18,10 +11,7 @@ from .base import Callback
 
 
 class PhaseProfileCallback(Callback):
-    """On a profiled step, `trainer.phases` holds the step's `StepTimer` (the trainer's `_phase`
-    contexts mark on it) and torch.distributed's collectives are counted. On log steps the profiled
-    steps of the interval go to the metrics as means (`ProfileWindow`). `last` holds this rank's
-    `StepProfile` of the latest profiled step (a callback of the user's may read it in `post_step`)."""
+    """Profiles every `interval`-th step in `trainer.phases`; `last` is this rank's latest `StepProfile`."""
 
     def __init__(self, config) -> None:
         self.interval, self.collectives = config.interval, config.collectives
@@ -43,8 +33,8 @@ class PhaseProfileCallback(Callback):
                 self.recorder.install(timer)
 
     def step_flags(self) -> dict[str, float]:
-        """The last profiled step's time before the reduction and wait in it, not sent yet, with its
-        square (zeros and a count of 0 without one): the same names on every step and rank."""
+        """Flags for this step's all-reduce: the last unsent profiled step's compute and wait, with squares."""
+        # No collective of its own: the ranks' numbers ride on the next step's reduction, a step late.
         _, compute, wait = self.pending or (None, 0.0, 0.0)
         flags = {
             "profile/ranks": 1.0 if self.pending else 0.0,
@@ -75,7 +65,7 @@ class PhaseProfileCallback(Callback):
         self._stop()
 
     def _stop(self) -> StepTimer | None:
-        """End the current profiled step, if any: the collectives as they were; returns its timer."""
+        """End the current profiled step, if any; returns its timer."""
         self.recorder.uninstall()
         trainer = getattr(self, "trainer", None)
         timer = getattr(trainer, "phases", None)

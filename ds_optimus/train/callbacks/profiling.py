@@ -1,9 +1,7 @@
 """Where a step's time goes: `torch.profiler` over steps `train.profile_steps = [first, last]`.
 
-Rank 0 writes the table of the operators and kernels that took the most device time (or CPU time,
-with no accelerator) over those steps to `<output_dir>/profile.txt`, and says so in the log. The
-profiled steps run slower (the profiler records every launch): their step times are the run's but
-not its speed, so leave them out of a throughput figure (`metrics.jsonl` names each step).
+Rank 0 writes the top operators by device (or CPU) time to `<output_dir>/profile.txt`. Profiled steps
+run slower: leave them out of throughput figures.
 """
 
 from __future__ import annotations

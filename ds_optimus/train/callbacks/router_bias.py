@@ -9,11 +9,8 @@ __all__ = ["RouterBiasCallback", "uses_router_bias"]
 
 
 class RouterBiasCallback(Callback):
-    """After each optimizer step, move every MoE router's selection bias towards balance from the
-    loads counted since the last step, summed over the ranks that route other tokens (the data-parallel
-    ranks; with sequence parallelism every TP position's too) (one all-reduce, no host
-    sync; `MulaForCausalLM.update_router_bias`). A step the guards skipped moves nothing. Models
-    without a router bias are left alone."""
+    """After each optimizer step, move every MoE router's selection bias towards balance
+    (`MulaForCausalLM.update_router_bias`); a skipped step moves nothing."""
 
     active = False
 
