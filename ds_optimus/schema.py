@@ -6,9 +6,11 @@ Components declare their `optimus` settings as `Section`s beside their code. Imp
 from __future__ import annotations
 
 import json
+import types
+import typing
 from dataclasses import MISSING, dataclass, fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 
 class ConfigError(ValueError):
@@ -36,8 +38,72 @@ class Section:
             is_section = nested is not MISSING and is_dataclass(nested) and issubclass(nested, Section)
             kwargs[name] = nested.parse(value, f"{where}.{name}") if is_section else value
         section = cls(**kwargs)
-        section.check(where)
+        section.check(where)  # its own messages first: a range or a cross-field rule says more than a type
+        hints = _hints(cls)
+        for name in values:
+            value, hint = getattr(section, name), hints[name]
+            need(matches(value, hint), f"{where}.{name} must be {describe(hint)}, got {value!r}")
         return section
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    hints = _HINTS.get(cls)
+    if hints is None:  # the annotations are strings (postponed evaluation): resolved once per class
+        hints = _HINTS[cls] = typing.get_type_hints(cls)
+    return hints
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def matches(value: Any, hint: Any) -> bool:
+    """Whether JSON `value` has the type `hint` declares (int, float, bool, str, None, list[...], dict,
+    Literal, unions, nested sections); an int is a float, a bool is not a number."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(matches(value, arg) for arg in args)
+    if origin is Literal:
+        return any(value == arg and type(value) is type(arg) for arg in args)
+    if origin is list or hint is list:
+        return isinstance(value, list) and all(matches(item, args[0]) for item in value if args)
+    if origin is dict or hint is dict:
+        return isinstance(value, dict)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return number(value)
+    if hint is str:
+        return isinstance(value, str)
+    if isinstance(hint, type) and issubclass(hint, Section):
+        return isinstance(value, hint)
+    return True  # a type JSON cannot carry (a tuple default): the section's check() holds it
+
+
+_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string", dict: "a JSON object"}
+
+
+def describe(hint: Any, plural: bool = False) -> str:
+    """`hint` in the words of the errors: "an integer", "a string or null", "true, false or a list of strings"."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        kinds = [arg for arg in args if arg is not type(None)]
+        words = ["true, false" if kind is bool else describe(kind) for kind in kinds]
+        words += ["null"] if len(kinds) < len(args) else []
+        return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+    if origin is Literal:
+        return "one of " + ", ".join(json.dumps(arg) for arg in args)
+    if origin is list or hint is list:
+        return f"a list of {describe(args[0], plural=True)}" if args else "a list"
+    if hint is type(None):
+        return "null"
+    word = _WORDS.get(hint, getattr(hint, "__name__", str(hint)))
+    if plural:  # "an integer" -> "integers"
+        return {"true or false": "true or false values"}.get(word, word.split(" ", 1)[-1] + "s")
+    return word
 
 
 def need(ok: bool, message: str) -> None:
@@ -56,13 +122,6 @@ def non_negative_int(value: Any) -> bool:
 
 def number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def check_flags(section: Section, where: str, *names: str) -> None:
-    """Each named key of `section` must be true or false."""
-    for name in names:
-        value = getattr(section, name)
-        need(isinstance(value, bool), f"{where}.{name} must be true or false, got {value!r}")
 
 
 def load_json_config(config: dict[str, Any] | str | Path) -> dict[str, Any]:

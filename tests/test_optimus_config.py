@@ -57,6 +57,48 @@ def test_bad_values_are_one_line_errors_naming_the_key(section, message):
         OptimusConfig.from_ds_config({"optimus": section})
 
 
+@pytest.mark.parametrize(
+    "section, message",
+    [
+        ({"train": {"compile": "yes"}}, r"^optimus\.train\.compile must be true or false, got 'yes'$"),
+        ({"train": {"seed": 1.5}}, r"^optimus\.train\.seed must be an integer, got 1\.5$"),
+        ({"train": {"sample_prompt": 3}}, r"^optimus\.train\.sample_prompt must be a string or null, got 3$"),
+        ({"checkpoint": {"dir": ["a"]}}, r"^optimus\.checkpoint\.dir must be a string or null, got \['a'\]$"),
+        ({"wandb": {"project": 3}}, r"^optimus\.wandb\.project must be a string, got 3$"),
+        ({"model": {"overrides": []}}, r"^optimus\.model\.overrides must be a JSON object, got \[\]$"),
+        ({"checkpoint": {"resume": 1}}, r"^optimus\.checkpoint\.resume must be true or false, got 1$"),
+        (
+            {"sharded_optimizer": {"overlap_comm": "on"}},
+            r"^optimus\.sharded_optimizer\.overlap_comm must be true, false or null, got 'on'$",
+        ),
+        ({"data": {"tokenizer": 5}}, r"^optimus\.data\.tokenizer must be a string or null, got 5$"),
+        (
+            {"guards": {"skip_spikes": None}},
+            r"^optimus\.guards\.skip_spikes must be true or false, got None$",
+        ),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_named_by_the_type_its_key_declares(section, message):
+    """No section's check() tests these types: `Section.parse` holds every value to its annotation."""
+    with pytest.raises(ConfigError, match=message):
+        OptimusConfig.from_ds_config({"optimus": section})
+
+
+def test_the_declared_types_accept_what_json_gives_them():
+    from typing import Literal
+
+    from ds_optimus.schema import matches
+
+    assert matches(2, float) and not matches(True, float) and not matches(True, int) and matches(False, bool)
+    assert matches(None, int | None) and matches("100B", int | str | None) and not matches(1.5, int | str | None)
+    assert matches(["moe"], bool | list[str]) and not matches([1], bool | list[str]) and matches([], list[int])
+    assert matches("gloo", Literal["gloo", "nccl"]) and not matches("mpi", Literal["gloo", "nccl"])
+    config = OptimusConfig.from_ds_config(
+        {"optimus": {"watchdog": {"step_timeout_s": 60}, "train": {"activation_checkpointing": ["moe"]}}}
+    )
+    assert config.watchdog.step_timeout_s == 60 and config.train.activation_checkpointing == ["moe"]
+
+
 def test_unreadable_and_invalid_files(tmp_path):
     with pytest.raises(ConfigError, match=r"^cannot read config .*missing\.json"):
         OptimusConfig.from_ds_config(tmp_path / "missing.json")

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..schema import Section, check_flags, need, non_negative_int, positive_int
+from ..schema import Section, need, non_negative_int, positive_int
 from .files import (  # noqa: F401  (atomic_save, file_record, write_text_atomic: re-exported)
     LATEST,
     CheckpointError,
@@ -473,7 +473,6 @@ class CheckpointConfig(Section):
             positive_int(self.min_part_mib),
             f"{where}.min_part_mib must be a positive integer, got {self.min_part_mib!r}",
         )
-        check_flags(self, where, "enabled", "resume", "async_save", "stagger_writes")
 
     def build(self, output_dir: str | Path, groups=None) -> CheckpointManager:
         """The run's checkpoint manager (`dir`, or `<output_dir>/checkpoints`); collective-free."""

@@ -56,7 +56,6 @@ class DataConfig(Section):
             f"{where}.val_fraction must be in [0, 0.5), got {self.val_fraction!r}",
         )
         need(positive_int(self.workers), f"{where}.workers must be a positive integer, got {self.workers!r}")
-        need(isinstance(self.allow_change, bool), f"{where}.allow_change must be true or false")
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..schema import Section, check_flags, need
+from ..schema import Section, need
 
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, str], torch.Tensor]
 
@@ -385,4 +385,3 @@ class MoEConfig(Section):
             self.experts_backend in known,
             f"{where}.experts_backend must be one of {', '.join(known)}, got {self.experts_backend!r}",
         )
-        check_flags(self, where, "force_uniform_routing")

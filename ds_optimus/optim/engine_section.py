@@ -7,7 +7,7 @@ from typing import Any
 
 from ..moe.experts import MoEConfig
 from ..parallel.expert_parallel import ExpertParallelConfig
-from ..schema import Section, check_flags, need, positive_int
+from ..schema import Section, need, positive_int
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,6 @@ class ShardedOptimizerConfig(Section):
     overlap_param_gather: bool = False
 
     def check(self, where: str) -> None:
-        check_flags(self, where, "enabled")
         need(
             positive_int(self.bucket_size), f"{where}.bucket_size must be a positive integer, got {self.bucket_size!r}"
         )
@@ -38,11 +37,6 @@ class ShardedOptimizerConfig(Section):
             self.reduce_dtype in (None, "fp32", "bf16", "fp16"),
             f"{where}.reduce_dtype must be fp32, bf16, fp16 or null, got {self.reduce_dtype!r}",
         )
-        need(
-            self.overlap_comm is None or isinstance(self.overlap_comm, bool),
-            f"{where}.overlap_comm must be true, false or null, got {self.overlap_comm!r}",
-        )
-        check_flags(self, where, "overlap_param_gather")
         need(
             self.shard_group_size is None or positive_int(self.shard_group_size),
             f"{where}.shard_group_size must be a positive integer or null, got {self.shard_group_size!r}",

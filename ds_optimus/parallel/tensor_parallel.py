@@ -32,10 +32,6 @@ class TensorParallelConfig(Section):
     def check(self, where: str) -> None:
         need(positive_int(self.size), f"{where}.size must be a positive integer, got {self.size!r}")
         need(
-            isinstance(self.sequence_parallel, bool),
-            f"{where}.sequence_parallel must be true or false, got {self.sequence_parallel!r}",
-        )
-        need(
             not self.sequence_parallel or self.size > 1,
             f"{where}.sequence_parallel needs {where}.size above 1 (it cuts the sequence over the TP group)",
         )

@@ -9,7 +9,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from ..schema import Section, check_flags, need, non_negative_int, number, positive_int
+from ..schema import Section, need, non_negative_int, number, positive_int
 
 
 @dataclass
@@ -124,7 +124,6 @@ class GuardsConfig(Section):
     max_rollbacks: int = 3
 
     def check(self, where: str) -> None:
-        check_flags(self, where, "enabled", "skip_spikes")
         need(positive_int(self.window), f"{where}.window must be a positive integer, got {self.window!r}")
         need(
             positive_int(self.min_window) and self.min_window <= self.window,
