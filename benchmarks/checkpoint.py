@@ -112,7 +112,7 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary folder)")
     args = parser.parse_args()
     from ds_optimus.checkpoint import CheckpointManager
-    from ds_optimus.train.components import init_distributed
+    from ds_optimus.train.startup import init_distributed
 
     init_distributed()
     root = Path(tempfile.mkdtemp(prefix="ckpt_bench_", dir=args.dir))

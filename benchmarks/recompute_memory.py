@@ -29,7 +29,7 @@ import ds_optimus  # noqa: E402,F401  (registers the experts implementation)
 from ds_optimus.hf_models.mula import MulaConfig, MulaModel  # noqa: E402
 from ds_optimus.moe.experts import select_backend  # noqa: E402
 from ds_optimus.plan import ModelShape  # noqa: E402
-from ds_optimus.train.components import enable_activation_checkpointing  # noqa: E402
+from ds_optimus.train.model_setup import enable_activation_checkpointing  # noqa: E402
 
 CHOICES = {
     "none": False,

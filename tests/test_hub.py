@@ -20,7 +20,7 @@ from test_package import HIDE_DS_OPTIMUS
 
 from ds_optimus.data import load_tokenizer
 from ds_optimus.hf_models.mula import MulaConfig, MulaForCausalLM, count_parameters
-from ds_optimus.train.components import export
+from ds_optimus.train.end_of_run import export
 from ds_optimus.train.model_card import TrainingRecord
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -311,7 +311,7 @@ def test_a_world_sized_by_the_jobs_task_count_says_so():
         "MASTER_ADDR": "n1",
     }
     assert adopt(env).size == 2 and "DS_OPTIMUS_SIZE_FROM" not in env  # the step's own size wins
-    from ds_optimus.train.components import world_size_note
+    from ds_optimus.train.startup import world_size_note
 
     batch_shell = {"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_JOB_ID": "5", "MASTER_ADDR": "n1"}
     assert adopt(batch_shell).size == 8  # a wrapper's forwarding, or a batch script's shell: said before waiting

@@ -17,7 +17,7 @@ import torch
 from distributed import run_distributed
 from train_workers import ROOT, pretrain_worker, tiny_config
 
-from ds_optimus.config import OptimusConfig
+from ds_optimus.config import OptimusConfig, resolve_batch_sizes
 from ds_optimus.hf_models.mula import PRESETS, MulaConfig, MulaForCausalLM
 from ds_optimus.parallel.stages import PipelineParallelConfig
 from ds_optimus.parallel.traffic import expected_groups_hit
@@ -54,7 +54,7 @@ from ds_optimus.plan.timing import (
     overlapped,
     step_seconds,
 )
-from ds_optimus.train.components import enable_activation_checkpointing, resolve_batch_sizes
+from ds_optimus.train.model_setup import enable_activation_checkpointing
 
 TINY = dict(seq_len=128, dtype="fp32", overlap_comm=False)
 

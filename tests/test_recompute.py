@@ -19,7 +19,7 @@ from ds_optimus.hf_models.mula.modeling_mula import CACHE_NAME, RECOMPUTE_PARTS
 from ds_optimus.plan import BUILTIN, Layout, LayoutError, ModelShape, estimate_memory, estimate_time, layout_config
 from ds_optimus.plan import layout as plan_layout
 from ds_optimus.plan.search import RECOMPUTE_CHOICES, candidate_layouts, search
-from ds_optimus.train.components import enable_activation_checkpointing
+from ds_optimus.train.model_setup import enable_activation_checkpointing
 from ds_optimus.train.preflight import check_run
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -354,7 +354,7 @@ def test_decay_after_update_shrinks_the_updated_weights(tmp_path, cache, path):
 def test_stop_after_tokens_counts_the_tokens_trained_before_a_resume():
     """A resume with another global batch: the end is where the tokens reach the count, from those the
     data gave so far (100 steps of 1,000 tokens, then 500 a step), not steps x today's batch."""
-    from ds_optimus.train.components import last_step
+    from ds_optimus.train.resume import last_step
 
     opt = OptimusConfig.from_ds_config({"optimus": {"train": {"steps": 10_000, "stop_after_tokens": "150K"}}})
     assert last_step(opt, 1000) == 150  # from the start: 150 steps of 1,000

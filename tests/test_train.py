@@ -26,7 +26,7 @@ from train_workers import (
 )
 
 from ds_optimus.plan.measure import free_port
-from ds_optimus.train.components import resume_changes
+from ds_optimus.train.resume import resume_changes
 
 
 @pytest.fixture(scope="module")
@@ -673,7 +673,7 @@ def test_overrides_parse_json_values_and_reject_bad_assignments():
 
 
 def test_cpu_ranks_share_the_cores(monkeypatch):
-    from ds_optimus.train.components import cpu_threads_per_rank
+    from ds_optimus.train.startup import cpu_threads_per_rank
 
     before = torch.get_num_threads()
     try:

@@ -57,10 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import Trainer, TrainingArguments, default_data_collator
 
     import ds_optimus  # noqa: F401
-    from ds_optimus.config import ConfigError, OptimusConfig, apply_overrides, load_json_config
+    from ds_optimus.config import OptimusConfig, resolve_batch_sizes, resolve_schedule
     from ds_optimus.data import DataError, load_tokenizer
     from ds_optimus.launch import adopt
-    from ds_optimus.train.components import prepare_everywhere, resolve_batch_sizes, resolve_schedule
+    from ds_optimus.schema import ConfigError, apply_overrides, load_json_config
+    from ds_optimus.train.data_setup import prepare_everywhere
     from ds_optimus.train.hf_trainer import PackedSequences, trainer_ds_config
 
     try:

@@ -332,7 +332,7 @@ def _run_line(
     opt, tokenizer=None, world: int | None = None, tokens_per_step: int | None = None, model_bytes: int | None = None
 ) -> str:
     from ..checkpoint.manager import CheckpointManager, describe_layout, saved_layout, trained_without_checkpoint
-    from .components import last_step
+    from .resume import last_step
 
     train, checkpoint = opt.train, opt.checkpoint
     manager = CheckpointManager(checkpoint.dir or Path(train.output_dir) / "checkpoints")

@@ -17,16 +17,21 @@ import torch.distributed as dist
 
 from ..checkpoint.manager import trained_without_checkpoint
 from ..command_line import said_by_every_rank
-from ..config import load_json_config
+from ..config import check_run_config, load_json_config, resolve_batch_sizes, resolve_schedule
 from ..parallel.dims import ParallelDims
 from ..parallel.tensor_parallel import sequence_router_share
 from ..reliability.heartbeat import waiting_for_peers
 from ..reliability.signals import EXIT_PREEMPTED
 from ..schema import ConfigError
-from . import components as C
 from .callbacks import Callback, default_callbacks
+from .data_setup import data_prompt, describe_data, prepare_everywhere
+from .end_of_run import export, sample
+from .lr import lr_schedule, scheduler_defaults
 from .metrics import LOSS_PARTS, MetricsSink, append_log
+from .model_setup import compile_layers, dense_fingerprint, enable_activation_checkpointing
 from .pipelined import PipelineRunner, check_pipeline, engine_batch_config
+from .resume import finished_already, last_step, resume_changes
+from .startup import init_distributed, seed_everything
 
 _NO_PHASE = contextlib.nullcontext()  # `Trainer._phase` of a step that is not profiled: nothing at all
 
@@ -57,13 +62,13 @@ class Trainer:
     ) -> None:
         self.ds_config = load_json_config(ds_config)
         with every_rank_alike():  # the same config and code on every rank: the same error
-            self.opt = opt = C.check_run_config(self.ds_config)
-        self.launch_line = C.init_distributed()
+            self.opt = opt = check_run_config(self.ds_config)
+        self.launch_line = init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         with every_rank_alike():  # the layout, checked once: built from, and passed to, all that follows
             self.dims = ParallelDims.from_config(opt, self.world)
             self.dp_world = self.dims.dp  # data parallelism: the ranks of one pipeline stage and TP position
-            self.micro_batch, self.accumulation = C.resolve_batch_sizes(
+            self.micro_batch, self.accumulation = resolve_batch_sizes(
                 self.ds_config, self.dp_world, opt.pipeline_parallel.size, opt.tensor_parallel.size
             )
         self.tp, self.sequence = self.dims.tp, self.dims.sp
@@ -71,14 +76,14 @@ class Trainer:
         self.position = self.dims.position(self.rank)
         self.dp_rank, self.runner = self.position.dp_rank, None
         self.tokens_per_step = self.micro_batch * self.accumulation * self.dp_world * opt.data.seq_len
-        self.opt = opt = C.resolve_schedule(opt, self.tokens_per_step)  # train.tokens: the steps they take
-        self.last_step = C.last_step(opt, self.tokens_per_step)  # train.steps, or the step of stop_after_tokens
-        C.scheduler_defaults(self.ds_config, opt.train.steps)
-        C.seed_everything(opt.train.seed)  # the same initial weights on every rank
+        self.opt = opt = resolve_schedule(opt, self.tokens_per_step)  # train.tokens: the steps they take
+        self.last_step = last_step(opt, self.tokens_per_step)  # train.steps, or the step of stop_after_tokens
+        scheduler_defaults(self.ds_config, opt.train.steps)
+        seed_everything(opt.train.seed)  # the same initial weights on every rank
         self.output_dir = Path(opt.train.output_dir)
         self.log_every_rank = log_every_rank
         self.sink: MetricsSink | None = None
-        self.finished_at = C.finished_already(opt, self.output_dir, self.last_step)  # launched again after the end
+        self.finished_at = finished_already(opt, self.output_dir, self.last_step)  # launched again after the end
         if self.finished_at is not None:
             self.callbacks = []  # nothing is built: train() says so and returns
             return
@@ -159,12 +164,12 @@ class Trainer:
             with every_rank_alike():
                 apply_sequence_parallel(model, tensor[0], split)
         if opt.train.activation_checkpointing:  # true: whole layers; a list: those parts of each
-            C.enable_activation_checkpointing(model, opt.train.recompute)
+            enable_activation_checkpointing(model, opt.train.recompute)
         self.groups = setup_moe(model, opt, groups=self.groups) or self.groups  # EP over the groups made above
         if split is not None:
             self.runner = PipelineRunner(opt, self.groups, model, split, self.micro_batch, self.accumulation)
         if opt.train.compile:
-            C.compile_layers(model)
+            compile_layers(model)
         self.model = model
 
     def _build_data(self) -> None:
@@ -172,7 +177,7 @@ class Trainer:
 
         data = self.opt.data
         seed = self.opt.train.seed
-        self.packed = C.prepare_everywhere(data, self.tokenizer)  # every rank tokenizes its share, if need be
+        self.packed = prepare_everywhere(data, self.tokenizer)  # every rank tokenizes its share, if need be
         # every stage of a pipeline reads the same batches: the first feeds them, the last scores them
         with every_rank_alike():
             self.train_loader = TokenBatches(
@@ -202,7 +207,7 @@ class Trainer:
         weight_decay = config["optimizer"].get("params", {}).get("weight_decay", 0.0)
         schedule = None
         if "scheduler" not in config:
-            schedule = C.lr_schedule(opt.train, config["optimizer"].get("params", {}).get("lr", 1e-3))
+            schedule = lr_schedule(opt.train, config["optimizer"].get("params", {}).get("lr", 1e-3))
         # The engine applies the optimus section's moe, expert_parallel (done already: the model is
         # expert-parallel) and sharded_optimizer; the rest is this trainer's.
         mpu = None
@@ -259,12 +264,12 @@ class Trainer:
                     f"data changed since the checkpoint (optimus.data.allow_change): {change}"
                     for change in self.train_loader.load_state_dict(extra["loader"], self.opt.data.allow_change)
                 ]
-            notes += [checkpoints.layout_note, *C.resume_changes(extra, self)]
+            notes += [checkpoints.layout_note, *resume_changes(extra, self)]
             for callback in (c for c in self.callbacks if c.state_key is not None):
                 callback.load_state_dict(extra.get(callback.state_key, {}))
             self.resumed_from = str(latest)
         # stop_after_tokens: from the tokens the data has given so far (the batch may have changed at a resume)
-        self.last_step = C.last_step(self.opt, self.tokens_per_step, start, self.train_loader.tokens_consumed)
+        self.last_step = last_step(self.opt, self.tokens_per_step, start, self.train_loader.tokens_consumed)
         self.sink = MetricsSink(
             self.output_dir,
             self.last_step,
@@ -274,7 +279,7 @@ class Trainer:
             enabled=self.rank == 0 or self.log_every_rank,
         )
         if self.rank == 0:
-            self.message(C.describe_data(self.packed, self.train_loader))
+            self.message(describe_data(self.packed, self.train_loader))
         if self.tp > 1:
             ep = self.opt.expert_parallel.size
             notes.append(
@@ -422,7 +427,7 @@ class Trainer:
     def _finish(self) -> None:
         self.sink.end_progress()  # the export and the sample print below it, not through it
         self.summary.update(
-            skipped_steps=self.engine.skipped_steps, weights_fingerprint=C.dense_fingerprint(self.engine.module)
+            skipped_steps=self.engine.skipped_steps, weights_fingerprint=dense_fingerprint(self.engine.module)
         )
         if self.step >= self.last_step:  # the last step is done, in this invocation or an earlier one
             self.stop_reason = None  # a stop asked for at the last step leaves nothing to come back for
@@ -461,16 +466,16 @@ class Trainer:
     def _export(self) -> None:
         """The HF folder and a sample from it (unless `train.export` is false); summary.json last."""
         hf_dir = self.output_dir / "hf"
-        sample = self.rank == 0 and self.opt.train.sample_tokens
+        sampled = self.rank == 0 and self.opt.train.sample_tokens
         if self.opt.train.export:
             self.begin_long_work("the export")
             from .model_card import training_record
 
-            C.export(self.engine.module, self.tokenizer, hf_dir, self.groups, record=training_record(self))
+            export(self.engine.module, self.tokenizer, hf_dir, self.groups, record=training_record(self))
             self.summary["hf_dir"] = str(hf_dir)
-        if self.opt.train.export and sample:
-            prompt = self.opt.train.sample_prompt or C.data_prompt(self.packed, self.tokenizer)
-            self.summary.update(sample_prompt=prompt, sample=C.sample(hf_dir, prompt, self.opt.train.sample_tokens))
+        if self.opt.train.export and sampled:
+            prompt = self.opt.train.sample_prompt or data_prompt(self.packed, self.tokenizer)
+            self.summary.update(sample_prompt=prompt, sample=sample(hf_dir, prompt, self.opt.train.sample_tokens))
             self.message(f"sample from {hf_dir}:\n{self.summary['sample']}")
         if self.rank == 0:
             (self.output_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
