@@ -124,7 +124,6 @@ PRIVATE_STATE = (
     ("deepspeed.utils.groups", "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "register ds_optimus' expert groups by name"),
     ("deepspeed.ops.op_builder.all_ops", "ALL_OPS", "list ds_optimus' moe_routing op in ds_report"),
     ("deepspeed.git_version_info", "installed_ops", "report the moe_routing op installed where it was prebuilt"),
-    ("deepspeed.runtime.config:DeepSpeedConfig", "_param_dict", "read the optimus section of an engine's config"),
     ("deepspeed.runtime.config:DeepSpeedConfig", "gradient_clipping", "switch clipping after the warm-up"),
     (
         "torch.utils.cpp_extension:JIT_EXTENSION_VERSIONER",

@@ -19,6 +19,7 @@ from deepspeed.utils import groups as ds_groups
 from ..moe.layer import uses_router_bias
 from ..optim import sharded
 from ..optim.engine_section import EngineSection
+from ..parallel.dims import ParallelDims
 from ..parallel.expert_parallel import (
     EXPERT_WEIGHTS,
     expert_layouts,
@@ -27,7 +28,7 @@ from ..parallel.expert_parallel import (
     is_expert_param,
     setup_moe,
 )
-from ..parallel.groups import EngineParallelism
+from ..parallel.groups import EngineParallelism, init_layout_groups
 from ..parallel.tensor_parallel import split_parameters
 from ..schema import ConfigError
 from .deepspeed_version import check_version
@@ -87,7 +88,8 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def optimus_given(engine) -> dict | None:
     """The `optimus` section of the engine's config as written, or None (also for a non-DeepSpeed config)."""
-    params = getattr(getattr(engine, "_config", None), "_param_dict", None)
+    # `engine.config`: the config as `deepspeed.initialize` gives it to the engine, a dict (it loads a path first)
+    params = getattr(engine, "config", None)
     section = params.get("optimus") if isinstance(params, dict) else None
     return section if isinstance(section, dict) else None
 
@@ -214,8 +216,10 @@ def _configure_expert_parallel(self, model, collect_sources=None):
             "to shard (expert parallelism needs stacked gate_up_proj/down_proj experts, as Mula's)"
         )
     before = [(m, {name: getattr(m, name) for name in EXPERT_WEIGHTS}) for m in experts]
-    try:
-        setup_moe(model, section)
+    ep = section.expert_parallel
+    try:  # the layout object and the one group-making function the trainer uses (no stages or TP here)
+        groups = init_layout_groups(ParallelDims(dist.get_world_size(), ep=ep.size, node_size=ep.node_size))
+        setup_moe(model, section, groups)
     except ValueError as err:  # a layout that does not fit (EP size vs. world size or experts)
         raise ConfigError(f"optimus.expert_parallel: {err}") from None
     # Told as a module replacement, DeepSpeed re-points the parameter lists and the client optimizer
