@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 from pathlib import Path
@@ -19,20 +20,14 @@ def prepare_everywhere(data, tokenizer):
     from ..data.units import plan_sources
 
     sources = parse_sources(data.sources)
+    prepare = functools.partial(
+        prepare_data, sources, tokenizer, data.cache_dir, data.val_fraction, workers=data.workers
+    )
     if not dist.is_initialized():  # the Hugging Face Trainer's script prepares before its group exists
         from ..data.prepare import launch_world
 
         rank, world = launch_world()
-        return prepare_data(
-            sources,
-            tokenizer,
-            data.cache_dir,
-            data.val_fraction,
-            workers=data.workers,
-            rank=rank,
-            world=world,
-            progress=rank == 0,
-        )
+        return prepare(rank=rank, world=world, progress=rank == 0)
     rank, world = dist.get_rank(), dist.get_world_size()
     if world > 1:
         check_shared_folder(Path(data.cache_dir), "optimus.data.cache_dir")
@@ -46,17 +41,7 @@ def prepare_everywhere(data, tokenizer):
         dist.broadcast_object_list(found, src=0)
     if found[0][0] == "error":
         raise said_by_every_rank(DataError(found[0][1]))
-    return prepare_data(
-        sources,
-        tokenizer,
-        data.cache_dir,
-        data.val_fraction,
-        workers=data.workers,
-        rank=rank,
-        world=world,
-        progress=rank == 0,
-        plan=found[0][1],
-    )
+    return prepare(rank=rank, world=world, progress=rank == 0, plan=found[0][1])
 
 
 def describe_data(packed, loader) -> str:
