@@ -72,7 +72,7 @@ def ds_config(spec: dict) -> dict:
         config["data_types"] = {"grad_accum_dtype": spec["grad_accum_dtype"]}
     if spec.get("dtype") == "fp16":
         config["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2}
-    return config
+    return {**config, **spec.get("deepspeed", {})}  # DeepSpeed's own top-level keys
 
 
 def train(rank: int, world: int, spec: dict) -> dict:

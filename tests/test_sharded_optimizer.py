@@ -269,8 +269,11 @@ def test_bf16_gradient_communication_accumulates_in_fp32_and_halves_the_bytes():
     fp32 = run_distributed(W.train, WORLD, dict(spec, sharded_options={"reduce_dtype": "fp32"}))[0]
     bf16 = run_distributed(W.train, WORLD, dict(spec, sharded_options={"reduce_dtype": "bf16"}))[0]
     everything = run_distributed(W.train, WORLD, dict(spec, dtype="bf16", sharded_options={"reduce_dtype": "fp32"}))[0]
+    # DeepSpeed's own communication_data_type sets the same wire where reduce_dtype is unset
+    deepspeeds = run_distributed(W.train, WORLD, dict(spec, deepspeed={"communication_data_type": "bf16"}))[0]
     assert bf16["bucket_dtypes"] == ["torch.float32"]  # the buckets add up in fp32
     assert 2 * bf16["comm_bytes"]["reduce_scatter"] == fp32["comm_bytes"]["reduce_scatter"] > 0  # counted
+    assert deepspeeds["comm_bytes"] == bf16["comm_bytes"] and deepspeeds["losses"] == bf16["losses"]
     wire = _rel(bf16["losses"], fp32["losses"])
     assert 0 < wire <= _rel(everything["losses"], fp32["losses"]), (wire, _rel(everything["losses"], fp32["losses"]))
     assert bf16["losses"][10] < bf16["losses"][1] - 0.3

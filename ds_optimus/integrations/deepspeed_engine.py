@@ -94,6 +94,13 @@ def optimus_given(engine) -> dict | None:
     return section if isinstance(section, dict) else None
 
 
+def _communication_data_type(engine) -> torch.dtype | None:
+    """DeepSpeed's `communication_data_type` as the config sets it (DeepSpeed has checked the name), or None."""
+    params = getattr(engine, "config", None)
+    given = params.get("communication_data_type") if isinstance(params, dict) else None
+    return _DTYPES[given.lower()] if given is not None else None
+
+
 def engine_section(engine) -> EngineSection:
     """The engine's `optimus` section, parsed once (the defaults without one)."""
     given = optimus_given(engine)
@@ -136,8 +143,8 @@ def build_sharded_optimizer(engine, basic_optimizer, settings) -> ShardedOptimiz
     tensor = engine.mpu.tensor if ours else None
     if settings.reduce_dtype is not None:
         reduce_dtype = _DTYPES[settings.reduce_dtype]
-    elif engine._config.communication_data_type is not None:
-        reduce_dtype = engine._config.communication_data_type
+    elif _communication_data_type(engine) is not None:
+        reduce_dtype = _communication_data_type(engine)
     else:
         reduce_dtype = engine.get_data_types()[1]
     scaler = None
