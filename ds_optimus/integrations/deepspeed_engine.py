@@ -141,12 +141,11 @@ def build_sharded_optimizer(engine, basic_optimizer, settings) -> ShardedOptimiz
             "optimus.sharded_optimizer supports data, expert and ds_optimus' pipeline and tensor parallelism only"
         )
     tensor = engine.mpu.tensor if ours else None
-    if settings.reduce_dtype is not None:
-        reduce_dtype = _DTYPES[settings.reduce_dtype]
-    elif _communication_data_type(engine) is not None:
-        reduce_dtype = _communication_data_type(engine)
-    else:
-        reduce_dtype = engine.get_data_types()[1]
+    reduce_dtype = (
+        _DTYPES[settings.reduce_dtype]
+        if settings.reduce_dtype is not None
+        else _communication_data_type(engine) or engine.get_data_types()[1]
+    )
     scaler = None
     if engine.fp16_enabled():
         if engine.dynamic_loss_scale():
