@@ -7,15 +7,16 @@
 # below (every spawned rank imports it, so DeepSpeed's engine runs with ds_optimus' patches installed);
 # `reuse_dist_env` on by default (one pool of ranks per test class, as upstream's own classes may ask) and the
 # forkserver preloading the libraries, so a test's ranks start without 5 s of imports each; DeepSpeed's CPU ops
-# built without -g (below); no half-second sleep after each launch (`_launch_with_file_store`).
+# built without -g and at -O0 (below); no half-second sleep after each launch (`_launch_with_file_store`).
 
 import ds_optimus  # noqa: F401  (installs its engine patches in every rank)
 from deepspeed.ops.op_builder.cpu.builder import CPUOpBuilder as _CPUOpBuilder
 
-# ds_optimus: the fused_adam and cpu_adam ops these tests JIT-build on a CPU, without debug info: it is 40 % of
-# their compile (cpu_adam 47 s -> 29 s on 2 cores), and no test reads it
+# ds_optimus: the fused_adam and cpu_adam ops these tests JIT-build on a CPU, without debug info (40 % of their
+# compile: cpu_adam 47 s -> 29 s on 2 cores) and unoptimised (a third less: 58 -> 40 CPU-s): no test reads
+# the debug info, and their tensors are a few thousand elements
 _cpu_cxx_args = _CPUOpBuilder.cxx_args
-_CPUOpBuilder.cxx_args = lambda self: [flag for flag in _cpu_cxx_args(self) if flag != "-g"]
+_CPUOpBuilder.cxx_args = lambda self: ["-O0" if flag == "-O3" else flag for flag in _cpu_cxx_args(self) if flag != "-g"]
 import os
 import re
 import time
