@@ -1,6 +1,6 @@
 """Tensor parallelism (`ds_optimus.parallel.tensor_parallel`): a Mula model split over 2 gloo processes
 computes the whole model's loss and gradients (each rank's slice of every split gradient), holds 1/T
-of every split weight, and a width that does not divide is a one-line error."""
+of every split weight, splits what its family's plan names, and a width that does not divide is a one-line error."""
 
 from __future__ import annotations
 
@@ -97,6 +97,37 @@ def test_widths_that_do_not_divide_are_one_line_errors():
     odd = MulaForCausalLM(_config("mula-tiny-dense", vocab_size=4097))
     with pytest.raises(TensorParallelError, match=r"^tensor parallel size 2 does not divide the vocabulary \(4097\)$"):
         apply_tensor_parallel(odd, None, size=2, rank=0)
+
+
+def test_the_split_follows_the_models_plan_and_a_family_without_one_is_a_one_line_error(monkeypatch):
+    """What is split is what Mula's plan names, found by pattern: drop the MLP's entries and the dense
+    MLPs stay whole; every entry of the plan names a module of some preset (none is stale)."""
+    from ds_optimus.hf_models.mula import parallelize
+    from ds_optimus.parallel import tensor_parallel
+
+    named = {"mula-tiny-dense": set(), "mula-tiny-moe": set()}
+    for preset in named:
+        model = MulaForCausalLM(_config(preset, num_hidden_layers=2, tie_word_embeddings=False))
+        splits = apply_tensor_parallel(model, None, size=2, rank=0)
+        named[preset] = {
+            pattern for pattern in parallelize.TENSOR_PARALLEL_PLAN for name in splits if _matches(pattern, name)
+        }
+    assert set().union(*named.values()) == set(parallelize.TENSOR_PARALLEL_PLAN)
+    fewer = {k: v for k, v in parallelize.TENSOR_PARALLEL_PLAN.items() if ".mlp." not in k}
+    monkeypatch.setattr(parallelize, "TENSOR_PARALLEL_PLAN", fewer)
+    model = MulaForCausalLM(_config("mula-tiny-dense", num_hidden_layers=2))
+    splits = apply_tensor_parallel(model, None, size=2, rank=0)
+    assert "model.layers.0.self_attn.q_proj.weight" in splits and not any(".mlp." in name for name in splits)
+    assert isinstance(model.model.layers[0].mlp.down_proj, torch.nn.Linear)
+    monkeypatch.delitem(tensor_parallel.PLANS, "mula")
+    with pytest.raises(TensorParallelError, match=r"^tensor parallelism has no plan for 'mula' models \(it has: \)$"):
+        apply_tensor_parallel(MulaForCausalLM(_config("mula-tiny-dense")), None, size=2, rank=0)
+
+
+def _matches(pattern: str, parameter: str) -> bool:
+    """Whether a parameter's name is of a module `pattern` names."""
+    want, have = pattern.split("."), parameter.split(".")[:-1]
+    return len(want) == len(have) and all(w in ("*", h) for w, h in zip(want, have, strict=True))
 
 
 def build_worker(rank: int, world: int, preset: str) -> dict:

@@ -1,18 +1,20 @@
-"""Tensor parallelism for Mula models, applied to the plain model from outside: each rank keeps 1/T of each split
-weight under its own name (attention by heads, the dense MLP by intermediate width, embedding and head by vocabulary
-rows); norms, router and experts stay replicated."""
+"""Tensor parallelism applied to a plain model from outside, by its family's plan (`PLANS`): each rank keeps 1/T of
+each split weight under its own name (for Mula: attention by heads, the dense MLP by intermediate width, embedding
+and head by vocabulary rows); what the plan does not name (norms, router, experts) stays replicated."""
 
 from __future__ import annotations
 
+import copy
 import functools
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..hf_models.mula.modeling_mula import MulaAttention, MulaForCausalLM, MulaMLP, MulaRMSNorm
+from ..hf_models.mula import parallelize as mula_plan
 from ..schema import Section, need, positive_int
 from .collectives import collective
 from .groups import LayoutError
@@ -219,16 +221,17 @@ class RowParallelLinear(_Part):
 
 
 class SplitRMSNorm(_Part):
-    """`MulaRMSNorm` over a width split across the group."""
+    """An RMSNorm (`hidden_size`, `variance_epsilon`, `weight` or None) over a width split across the group."""
 
-    def __init__(self, norm: MulaRMSNorm, group, start: int, stop: int) -> None:
+    def __init__(self, norm: nn.Module, group, start: int, stop: int) -> None:
         super().__init__()
         self.group, self.hidden_size, self.variance_epsilon = group, norm.hidden_size, norm.variance_epsilon
         self.start, self.stop, self.bias, self.whole_shape = start, stop, None, (norm.hidden_size,)
         self.weight = None if norm.weight is None else nn.Parameter(norm.weight.detach()[start:stop].clone())
+        self._original = (copy.deepcopy(norm).to("meta"),)  # a tuple: not registered as a submodule
 
     def whole(self) -> nn.Module:
-        return MulaRMSNorm(self.hidden_size, self.variance_epsilon, self.weight is not None)
+        return copy.deepcopy(self._original[0])
 
     @torch.no_grad()
     def take(self, whole: nn.Module) -> None:
@@ -324,51 +327,75 @@ def _span(size: int, parts: int, rank: int, what: str) -> tuple[int, int]:
     return rank * step, (rank + 1) * step
 
 
+# each model family's plan (`model.config.model_type`), beside its modeling file
+PLANS: dict[str, ModuleType] = {"mula": mula_plan}
+_STYLES = {
+    "column": (lambda m: m.out_features, lambda m, g, a, b: ColumnParallelLinear(m, g, a, b)),
+    "row": (lambda m: m.in_features, lambda m, g, a, b: RowParallelLinear(m, g, a, b)),
+    "norm": (lambda m: m.hidden_size, lambda m, g, a, b: SplitRMSNorm(m, g, a, b)),
+    "vocab_embedding": (lambda m: m.num_embeddings, lambda m, g, a, b: VocabParallelEmbedding(m, g, a, b)),
+    "vocab_head": (lambda m: m.out_features, lambda m, g, a, b: ColumnParallelLinear(m, g, a, b)),
+}
+
+
+def plan_of(model: nn.Module) -> ModuleType:
+    """The tensor-parallel plan of `model`'s family: `TENSOR_PARALLEL_PLAN` and `check_tensor_parallel`."""
+    family = getattr(model.config, "model_type", None)
+    if family not in PLANS:
+        raise TensorParallelError(f"tensor parallelism has no plan for {family!r} models (it has: {', '.join(PLANS)})")
+    return PLANS[family]
+
+
+def _matches(pattern: str, name: str) -> bool:
+    """Whether module `name` is one `pattern` names (`*`: any one name, e.g. a layer's index)."""
+    want, have = pattern.split("."), name.split(".")
+    return len(want) == len(have) and all(w in ("*", h) for w, h in zip(want, have, strict=True))
+
+
 def apply_tensor_parallel(
-    model: MulaForCausalLM, group, size: int | None = None, rank: int | None = None
+    model: nn.Module, group, size: int | None = None, rank: int | None = None
 ) -> dict[str, Split]:
-    """Split `model` in place over `group` (`size`/`rank` before it exists); returns `split_parameters(model)`."""
+    """Split `model` in place over `group` (`size`/`rank` before it exists) as its family's plan says; returns
+    `split_parameters(model)`."""
     size = dist.get_world_size(group) if size is None else size
     rank = dist.get_rank(group) if rank is None else rank
-    config = model.config
-
-    def split(owner: nn.Module, name: str, kind, start: int, stop: int) -> None:
-        setattr(owner, name, kind(getattr(owner, name), group, start, stop))
-
-    for module in list(model.modules()):
-        if isinstance(module, MulaAttention):
-            if config.num_key_value_heads % size:
-                raise TensorParallelError(
-                    f"tensor parallel size {size} does not divide the key/value heads ({config.num_key_value_heads})"
-                )
-            head = module.head_dim
-            q = _span(module.num_heads * head, size, rank, "the query width")
-            kv = _span(module.num_kv_heads * head, size, rank, "the key/value width")
-            for proj, (a, b) in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-                split(module, proj, ColumnParallelLinear, a, b)
-            split(module, "o_proj", RowParallelLinear, *q)
-            if module.q_norm is not None:
-                for norm, (a, b) in (("q_norm", q), ("k_norm", kv)):
-                    split(module, norm, SplitRMSNorm, a, b)
-        elif isinstance(module, MulaMLP):
-            inter = _span(module.gate_proj.out_features, size, rank, "the MLP's intermediate width")
-            split(module, "gate_proj", ColumnParallelLinear, *inter)
-            split(module, "up_proj", ColumnParallelLinear, *inter)
-            split(module, "down_proj", RowParallelLinear, *inter)
-    vocab = _span(config.vocab_size, size, rank, "the vocabulary")
-    inner = model.model
-    if inner.embed_tokens is not None:
-        split(inner, "embed_tokens", VocabParallelEmbedding, *vocab)
-    if model.lm_head is not None:
-        if config.tie_word_embeddings and inner.embed_tokens is not None:
+    plan = plan_of(model)
+    problem = plan.check_tensor_parallel(model.config, size)
+    if problem:
+        raise TensorParallelError(problem)
+    named = [
+        (name, module, style)
+        for name, module in model.named_modules()
+        for pattern, style in plan.TENSOR_PARALLEL_PLAN.items()
+        if _matches(pattern, name)
+    ]
+    embedding, head = None, None
+    for name, module, (style, what) in named:
+        if style == "vocab_head":  # after the embedding, whose rows a tied head shares
+            head = (name, module, what)
+            continue
+        width, kind = _STYLES[style]
+        part = kind(module, group, *_span(width(module), size, rank, what))
+        _replace(model, name, part)
+        embedding = part if style == "vocab_embedding" else embedding
+    if head is not None:
+        name, module, what = head
+        start, stop = _span(module.out_features, size, rank, what)
+        if model.config.tie_word_embeddings and embedding is not None:
             # the tied head: the embedding's rows, the same slice (`tie_weights` keeps them one tensor)
-            whole = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
-            model.lm_head = ColumnParallelLinear(whole, group, *vocab)
-            model.lm_head.weight = inner.embed_tokens.weight
+            whole = nn.Linear(module.in_features, module.out_features, bias=False, device="meta")
+            part = ColumnParallelLinear(whole, group, start, stop)
+            part.weight = embedding.weight
         else:
-            split(model, "lm_head", ColumnParallelLinear, *vocab)
-        model.loss_function = vocab_parallel_loss(group, vocab[0])
+            part = ColumnParallelLinear(module, group, start, stop)
+        _replace(model, name, part)
+        model.loss_function = vocab_parallel_loss(group, start)
     return split_parameters(model)
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    owner, _, attribute = name.rpartition(".")
+    setattr(model.get_submodule(owner) if owner else model, attribute, module)
 
 
 def split_parameters(model: nn.Module) -> dict[str, Split]:
@@ -384,7 +411,7 @@ def split_parameters(model: nn.Module) -> dict[str, Split]:
     return splits
 
 
-def apply_sequence_parallel(model: MulaForCausalLM, group, chunks: list[range] | None = None) -> None:
+def apply_sequence_parallel(model: nn.Module, group, chunks: list[range] | None = None) -> None:
     """Cut a tensor-parallel model's residual stream along the sequence, per run of layers (`chunks`; None: all) from
     its first layer to its last or the final norm; replicated weights' gradients become partial (summed over
     `replicated_group`)."""
@@ -401,7 +428,9 @@ def apply_sequence_parallel(model: MulaForCausalLM, group, chunks: list[range] |
             for module in held[i].modules():
                 if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                     module.sequence = True
-                if isinstance(module, (MulaAttention, MulaMLP)):  # one gather of the input for its projections
+                # a block whose own projections are column-split (attention, a dense MLP) reads its input
+                # whole: one gather of it for them all
+                if any(isinstance(child, ColumnParallelLinear) for child in module.children()):
                     module.register_forward_pre_hook(functools.partial(_gather_input, group=group))
 
 
