@@ -117,7 +117,8 @@ def cold_name(step: int, tokens: int) -> str:
     return f"step{step}-tokens{tokens}"
 
 
-def _step(folder: Path) -> int:
+def step_of(folder: Path) -> int:
+    """The step of a checkpoint folder (`step_<n>`)."""
     return int(folder.name[len(STEP_PREFIX) :])
 
 
@@ -173,7 +174,7 @@ class CheckpointManager:
             for p in self.directory.iterdir()
             if p.is_dir() and p.name.startswith(STEP_PREFIX) and p.name[len(STEP_PREFIX) :].isdigit()
         ]
-        return sorted(found, key=_step)
+        return sorted(found, key=step_of)
 
     def complete(self) -> list[Path]:
         """Complete checkpoint folders (those with a manifest), oldest first."""
@@ -191,14 +192,16 @@ class CheckpointManager:
         # A crash between the rename and `latest` leaves `latest` behind a complete checkpoint: not obeyed.
         done = self.complete()[::-1]
         named = self._rewound_to(done)
-        return [p for p in done if _step(p) <= _step(named)] if named is not None else done
+        return [p for p in done if step_of(p) <= step_of(named)] if named is not None else done
 
     def _rewound_to(self, done: list[Path]) -> Path | None:
         """The checkpoint `latest` names if written after every newer manifest, else None."""
         try:
             named = self.directory / (self.directory / LATEST).read_text().strip()
             written = (self.directory / LATEST).stat().st_mtime
-            newer = [json.loads((p / "meta.json").read_text()).get("time", 0) for p in done if _step(p) > _step(named)]
+            newer = [
+                json.loads((p / "meta.json").read_text()).get("time", 0) for p in done if step_of(p) > step_of(named)
+            ]
         except (OSError, ValueError):
             return None
         return named if named in done and newer and written > max(newer) else None
@@ -208,7 +211,7 @@ class CheckpointManager:
         best = candidates[0] if candidates else None
         notes, reported = [], set()
         for folder in reversed(self.step_folders()):
-            if not (folder / "meta.json").exists() and (best is None or _step(folder) > _step(best)):
+            if not (folder / "meta.json").exists() and (best is None or step_of(folder) > step_of(best)):
                 then = f"falling back to {best.name}" if best else "no complete checkpoint is left to fall back to"
                 notes.append(f"checkpoint {folder.name} has no manifest meta.json (an interrupted save?); {then}")
                 reported.add(folder.name)
@@ -218,7 +221,7 @@ class CheckpointManager:
             return notes
         if named in reported or (best is not None and self.directory / named == best):
             if best is not None and self.directory / named == best and self._rewound_to(self.complete()[::-1]):
-                newer = [p.name for p in self.complete() if _step(p) > _step(best)]
+                newer = [p.name for p in self.complete() if step_of(p) > step_of(best)]
                 notes.append(
                     f"latest names {named}, set after {', '.join(newer)} (rewound by hand?): resuming from "
                     f"{named} as it says; the newer checkpoints are overwritten as the run gets there again"
@@ -416,7 +419,7 @@ class CheckpointManager:
                     )
                 )
             )
-            return _step(path), client["extra"]
+            return step_of(path), client["extra"]
         if (meta["world_size"], meta["ep_size"]) != (self.world_size, self.ep_size):
             raise CheckpointError(
                 f"{path} was saved by {describe_layout(*saved_layout(meta))}; this run has "

@@ -26,6 +26,8 @@ def checkpoints_of(run: Path) -> list[Path]:
 
 def resolve(target: str | Path, step: int | None = None, every: bool = False) -> list[tuple[Path, Path, int | None]]:
     """(HF or checkpoint folder to score, its run or the folder itself, step or None) per model TARGET names."""
+    from ..checkpoint.manager import step_of
+
     target = Path(target)
     if not target.exists():
         raise EvaluationError(f"{target} does not exist")
@@ -36,14 +38,14 @@ def resolve(target: str | Path, step: int | None = None, every: bool = False) ->
     if (target / "checkpoints").is_dir():  # a run
         found = checkpoints_of(target)
         if step is not None:
-            found = [p for p in found if int(p.name.split("_")[-1]) == step]
+            found = [p for p in found if step_of(p) == step]
             if not found:
                 raise EvaluationError(f"{target} has no complete checkpoint of step {step}")
         elif not every:
             found = found[-1:]
         if not found:
             raise EvaluationError(f"{target} has no complete checkpoint to score")
-        return [(p, target, int(p.name.split("_")[-1])) for p in found]
+        return [(p, target, step_of(p)) for p in found]
     if (target / "config.json").exists():  # a Hugging Face folder; <run>/hf is the run's last step
         run = target.parent if (target.parent / "metrics.jsonl").exists() else None
         return [(target, run or target, _last_step(run) if run else None)]

@@ -171,10 +171,6 @@ def _check_weights(path: str | None, model) -> None:
     check_folder_weights(folder, model.config, kind, when=" at the start")
 
 
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}{'' if n == 1 else 's'}"
-
-
 def _data_lines(opt, tokenizer) -> list[str]:
     from ..data.shards import TokenStream
     from ..data.sources import DistinctFiles, is_saved_dataset, parse_sources, resolve_files
@@ -331,13 +327,13 @@ def _weight_bytes(ds_config: dict[str, Any]) -> int:
 def _run_line(
     opt, tokenizer=None, world: int | None = None, tokens_per_step: int | None = None, model_bytes: int | None = None
 ) -> str:
-    from ..checkpoint.manager import CheckpointManager, describe_layout, saved_layout, trained_without_checkpoint
+    from ..checkpoint.manager import describe_layout, saved_layout, step_of, trained_without_checkpoint
     from .resume import last_step
 
     train, checkpoint = opt.train, opt.checkpoint
-    manager = CheckpointManager(checkpoint.dir or Path(train.output_dir) / "checkpoints")
+    manager = checkpoint.build(train.output_dir)  # the run's own manager, as the trainer builds it
     complete = manager.complete()
-    done = int(complete[-1].name.split("_")[-1]) if complete else 0
+    done = step_of(complete[-1]) if complete else 0
     stop = last_step(opt, tokens_per_step) if tokens_per_step else train.steps
     if complete and checkpoint.resume and done >= stop:
         further = (

@@ -55,10 +55,12 @@ def last_step(opt, tokens_per_step: int, start_step: int = 0, trained: int | Non
 
 def finished_already(opt, output_dir: Path, last: int) -> int | None:
     """The newest complete checkpoint's step if the run finished there, else None (rank 0's view, collective)."""
+    from ..checkpoint.manager import step_of
+
     found: list[int | None] = [None]
     if dist.get_rank() == 0 and opt.checkpoint.resume and opt.checkpoint.enabled:
         complete = opt.checkpoint.build(output_dir).complete()
-        step = int(complete[-1].name.split("_")[-1]) if complete else 0
+        step = step_of(complete[-1]) if complete else 0
         summary = output_dir / "summary.json"
         if complete and step >= last and summary.exists():
             found = [step if _finished_with_this_model(opt, complete[-1], summary) else None]
