@@ -41,6 +41,7 @@ __all__ = [
     "check_run_config",
     "load_json_config",
     "resolve_batch_sizes",
+    "batch_keys",
     "resolve_schedule",
 ]
 
@@ -356,7 +357,8 @@ def resolve_batch_sizes(
     ds_config: dict[str, Any], world_size: int, stages: int = 1, tensor: int = 1
 ) -> tuple[int, int]:
     """(micro-batch per rank, accumulation steps) consistent with train_batch_size over `world_size`
-    data-parallel ranks, also set in `ds_config`; a one-line ConfigError when they cannot be."""
+    data-parallel ranks; a one-line ConfigError when they cannot be. `ds_config` is left as it is
+    (`batch_keys` gives the three keys that agree)."""
     cut = " / ".join(
         part
         for part in (
@@ -401,12 +403,16 @@ def resolve_batch_sizes(
             f"gradient_accumulation_steps {accumulation} x {ranks} (change one of them with "
             "--set; train_batch_size=null lets the other two decide)"
         )
-    ds_config.update(
-        train_micro_batch_size_per_gpu=micro,
-        gradient_accumulation_steps=accumulation,
-        train_batch_size=micro * accumulation * world_size,
-    )
     return micro, accumulation
+
+
+def batch_keys(micro: int, accumulation: int, world_size: int) -> dict[str, int]:
+    """DeepSpeed's three batch keys, agreeing, over `world_size` data-parallel ranks."""
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accumulation,
+        "train_batch_size": micro * accumulation * world_size,
+    }
 
 
 def check_optimizer_section(ds_config: dict[str, Any]) -> None:

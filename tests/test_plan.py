@@ -479,7 +479,7 @@ def test_planned_config_is_a_valid_config_for_its_world_size():
         "virtual_stages": 2,
         "layers": None,
     }
-    assert resolve_batch_sizes(dict(config), 32) == (8, 4) and config["train_batch_size"] == 1024
+    assert resolve_batch_sizes(config, 32) == (8, 4) and config["train_batch_size"] == 1024
     model, read = layout_from_config(json.loads(json.dumps(config)), 64)
     assert read == staged.with_(overlap_comm=read.overlap_comm) and model.name == "mula-7b-a1b"
 

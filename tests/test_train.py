@@ -690,12 +690,25 @@ def test_cpu_ranks_share_the_cores(monkeypatch):
         torch.set_num_threads(before)
 
 
+def test_the_engines_scheduler_gets_the_runs_length_in_a_copy():
+    from ds_optimus.train.lr import with_scheduler_length
+
+    config = {"scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 5}}, "steps": 1}
+    filled = with_scheduler_length(config, 220)
+    assert filled["scheduler"]["params"] == {"warmup_num_steps": 5, "total_num_steps": 220}
+    assert config["scheduler"]["params"] == {"warmup_num_steps": 5}  # the caller's config as it was
+    fixed = {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 1000}}}
+    assert with_scheduler_length(fixed, 220) is fixed  # a length of its own is kept
+    other = {"scheduler": {"type": "WarmupLR", "params": {}}}
+    assert with_scheduler_length(other, 220) is other and with_scheduler_length({}, 220) == {}
+
+
 def test_batch_sizes_are_completed_the_way_deepspeed_does():
     from ds_optimus.config import ConfigError
     from ds_optimus.train import resolve_batch_sizes
 
     config = {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8}
-    assert resolve_batch_sizes(config, 2) == (8, 4) and config["gradient_accumulation_steps"] == 4
+    assert resolve_batch_sizes(config, 2) == (8, 4) and "gradient_accumulation_steps" not in config  # left as given
     assert resolve_batch_sizes({"train_batch_size": 64, "gradient_accumulation_steps": 2}, 4) == (8, 2)
     assert resolve_batch_sizes({"train_micro_batch_size_per_gpu": 3}, 5) == (3, 1)
     bad = [

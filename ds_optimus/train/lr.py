@@ -16,8 +16,12 @@ def lr_schedule(train, lr: float):
     return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def scheduler_defaults(ds_config: dict[str, Any], steps: int) -> None:
-    """Give DeepSpeed's decaying schedulers the run's length when the config leaves it out."""
+def with_scheduler_length(ds_config: dict[str, Any], steps: int) -> dict[str, Any]:
+    """`ds_config`, or a copy whose DeepSpeed decaying scheduler is given the run's length where it leaves it out."""
     scheduler = ds_config.get("scheduler")
-    if scheduler and scheduler.get("type") in ("WarmupCosineLR", "WarmupDecayLR"):
-        scheduler.setdefault("params", {}).setdefault("total_num_steps", steps)
+    if not scheduler or scheduler.get("type") not in ("WarmupCosineLR", "WarmupDecayLR"):
+        return ds_config
+    params = scheduler.get("params", {})
+    if "total_num_steps" in params:
+        return ds_config
+    return {**ds_config, "scheduler": {**scheduler, "params": {**params, "total_num_steps": steps}}}

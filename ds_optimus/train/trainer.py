@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ..checkpoint.manager import trained_without_checkpoint
 from ..command_line import said_by_every_rank
-from ..config import check_run_config, load_json_config, resolve_batch_sizes, resolve_schedule
+from ..config import batch_keys, check_run_config, load_json_config, resolve_batch_sizes, resolve_schedule
 from ..parallel.dims import ParallelDims
 from ..parallel.tensor_parallel import sequence_router_share
 from ..reliability.heartbeat import waiting_for_peers
@@ -26,7 +26,7 @@ from ..schema import ConfigError
 from .callbacks import Callback, default_callbacks
 from .data_setup import data_prompt, describe_data, prepare_everywhere
 from .end_of_run import export, sample
-from .lr import lr_schedule, scheduler_defaults
+from .lr import lr_schedule, with_scheduler_length
 from .metrics import LOSS_PARTS, MetricsSink, append_log
 from .model_setup import compile_layers, dense_fingerprint, enable_activation_checkpointing
 from .pipelined import PipelineRunner, check_pipeline, engine_batch_config
@@ -78,7 +78,9 @@ class Trainer:
         self.tokens_per_step = self.micro_batch * self.accumulation * self.dp_world * opt.data.seq_len
         self.opt = opt = resolve_schedule(opt, self.tokens_per_step)  # train.tokens: the steps they take
         self.last_step = last_step(opt, self.tokens_per_step)  # train.steps, or the step of stop_after_tokens
-        scheduler_defaults(self.ds_config, opt.train.steps)
+        # the engine's config: the batch keys agreeing and the scheduler's length (a copy; the caller's stays)
+        batch = batch_keys(self.micro_batch, self.accumulation, self.dp_world)
+        self.ds_config = with_scheduler_length({**self.ds_config, **batch}, opt.train.steps)
         seed_everything(opt.train.seed)  # the same initial weights on every rank
         self.output_dir = Path(opt.train.output_dir)
         self.log_every_rank = log_every_rank
