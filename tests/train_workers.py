@@ -194,7 +194,7 @@ def drain_worker(rank: int, world: int, config: dict) -> dict:
     def count_held(module, args):
         held.append(sum(b.grad is not None for space in optimizer.spaces for b in space.buckets))
 
-    for _, chunk in trainer.runner.chunks:
+    for _, chunk in trainer.train_module.chunks:
         chunk.register_forward_pre_hook(count_held)
     summary = trainer.train()
     return {**summary, "launched": launched, "held_at_forward": max(held), "buckets": len(optimizer._order)}

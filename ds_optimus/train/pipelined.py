@@ -1,4 +1,4 @@
-"""The trainer's pipeline-parallel path: a step is one run of PyTorch's pipeline schedule over this rank's chunks."""
+"""The pipeline's train module: a step is one run of PyTorch's pipeline schedule over this rank's chunks."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from ..parallel.stages import check_pipeline  # noqa: F401  (the trainer's: one-
 
 # PyTorch's pipelining, not DeepSpeed's pipeline engine: it takes the model's own modules as stages, has the
 # interleaved schedules, and leaves us the optimizer (DeepSpeed's refuses ZeRO-2 and knows no expert groups)
-class PipelineRunner:
-    """This rank's chunks of the model and the schedule that runs them."""
+class PipelineTrainModule:
+    """This rank's chunks of the model and the schedule that runs them (`train_module.TrainModule`'s methods)."""
 
     def __init__(self, opt, groups, model, split: list[range], micro: int, accumulation: int) -> None:
         from ..parallel.pipeline import StageChunk
@@ -48,6 +48,10 @@ class PipelineRunner:
             "embeds, the last has the head)"
         )
 
+    def engine_config(self, ds_config: dict[str, Any]) -> dict[str, Any]:
+        """The engine's batch config: the step's micro-batches as one, no accumulation."""
+        return engine_batch_config(ds_config, self.micro, self.accumulation)
+
     def attach(self, engine) -> None:
         """Build the schedule over the engine's module (once DeepSpeed has placed it)."""
         from ..parallel.pipeline import PipelineLoss, build_schedule, each_micro_batch_reduction
@@ -69,6 +73,12 @@ class PipelineRunner:
             self.seq_len,
             optimizer=engine.optimizer,
         )
+
+    def forward_backward(self, batches: list[torch.Tensor], parts: torch.Tensor, phase) -> torch.Tensor | None:
+        """The step's micro-batches through the schedule, the update left to the trainer."""
+        batch = torch.cat(batches)
+        with phase("pipeline"):
+            return self.step(batch, parts)
 
     def step(self, batch: torch.Tensor, parts: torch.Tensor) -> torch.Tensor | None:
         """Train on the step's micro-batches; add their mean `LOSS_PARTS` to `parts`, return token slots per
@@ -94,12 +104,13 @@ class PipelineRunner:
                 loads += record["tokens_per_expert"].float()
         return loads
 
-    def evaluate(self, batch: torch.Tensor) -> torch.Tensor | None:
-        """The LM loss of `batch` on the last chunk's rank (None elsewhere); collective over the pipeline."""
+    def eval_loss(self, batch: torch.Tensor) -> torch.Tensor | float:
+        """The LM loss of `batch` on the last chunk's rank (0.0 elsewhere); collective over the pipeline."""
         from ..parallel.pipeline import forward_only
 
         self.loss.records.clear()
-        return forward_only(self.chunks, self.pipeline, self.config, batch, self.loss)
+        loss = forward_only(self.chunks, self.pipeline, self.config, batch, self.loss)
+        return loss.float() if loss is not None else 0.0
 
 
 def engine_batch_config(ds_config: dict[str, Any], micro: int, accumulation: int) -> dict[str, Any]:

@@ -19,7 +19,6 @@ from ..checkpoint.manager import trained_without_checkpoint
 from ..command_line import said_by_every_rank
 from ..config import batch_keys, check_run_config, load_json_config, resolve_batch_sizes, resolve_schedule
 from ..parallel.dims import ParallelDims
-from ..parallel.tensor_parallel import sequence_router_share
 from ..reliability.heartbeat import waiting_for_peers
 from ..reliability.signals import EXIT_PREEMPTED
 from ..schema import ConfigError
@@ -29,9 +28,10 @@ from .end_of_run import export, sample
 from .lr import lr_schedule, with_scheduler_length
 from .metrics import LOSS_PARTS, MetricsSink, append_log
 from .model_setup import compile_layers, dense_fingerprint, enable_activation_checkpointing
-from .pipelined import PipelineRunner, check_pipeline, engine_batch_config
+from .pipelined import PipelineTrainModule, check_pipeline
 from .resume import finished_already, last_step, resume_changes
 from .startup import init_distributed, seed_everything
+from .train_module import TrainModule
 
 _NO_PHASE = contextlib.nullcontext()  # `Trainer._phase` of a step that is not profiled: nothing at all
 
@@ -74,7 +74,7 @@ class Trainer:
         self.tp, self.sequence = self.dims.tp, self.dims.sp
         self.sequence_group = None  # under sequence parallelism: every TP position's data-parallel ranks
         self.position = self.dims.position(self.rank)
-        self.dp_rank, self.runner = self.position.dp_rank, None
+        self.dp_rank, self.train_module = self.position.dp_rank, None
         self.tokens_per_step = self.micro_batch * self.accumulation * self.dp_world * opt.data.seq_len
         self.opt = opt = resolve_schedule(opt, self.tokens_per_step)  # train.tokens: the steps they take
         self.last_step = last_step(opt, self.tokens_per_step)  # train.steps, or the step of stop_after_tokens
@@ -149,7 +149,7 @@ class Trainer:
         if self.dims.pp > 1:  # this rank's stage only: its layers, embedding or head
             with every_rank_alike():
                 split = check_pipeline(opt, self.ds_config, opt.model.mula_config(self.tokenizer), self.accumulation)
-            stage = PipelineRunner.stage_part(opt, split, self.groups.pipeline.stage)
+            stage = PipelineTrainModule.stage_part(opt, split, self.groups.pipeline.stage)
         # Built on the meta device, holding only this rank's experts and its part of each split weight.
         with every_rank_alike():  # a width the TP size does not divide: one line
             model = opt.model.build(
@@ -168,8 +168,11 @@ class Trainer:
         if opt.train.activation_checkpointing:  # true: whole layers; a list: those parts of each
             enable_activation_checkpointing(model, opt.train.recompute)
         self.groups = setup_moe(model, opt, groups=self.groups) or self.groups  # EP over the groups made above
-        if split is not None:
-            self.runner = PipelineRunner(opt, self.groups, model, split, self.micro_batch, self.accumulation)
+        self.train_module = (  # the pipeline's runs the schedule; without stages, the micro-batches in turn
+            PipelineTrainModule(opt, self.groups, model, split, self.micro_batch, self.accumulation)
+            if split is not None
+            else TrainModule(self.sequence, self.tp)
+        )
         if opt.train.compile:
             compile_layers(model)
         self.model = model
@@ -213,9 +216,8 @@ class Trainer:
         # The engine applies the optimus section's moe, expert_parallel (done already: the model is
         # expert-parallel) and sharded_optimizer; the rest is this trainer's.
         mpu = None
-        if self.runner is not None:
-            config = engine_batch_config(config, self.micro_batch, self.accumulation)
-        if self.runner is not None or self.tp > 1:  # a stage's ranks of one TP position: the engine's data parallelism
+        config = self.train_module.engine_config(config)
+        if self.dims.pp > 1 or self.tp > 1:  # a stage's ranks of one TP position: the engine's data parallelism
             from ..parallel.groups import EngineParallelism
 
             mpu = EngineParallelism(self.groups, self.sequence)
@@ -233,8 +235,7 @@ class Trainer:
             from ..optim.decay_after import apply_decay_after_update
 
             apply_decay_after_update(self.engine)
-        if self.runner is not None:
-            self.runner.attach(self.engine)
+        self.train_module.attach(self.engine)
         self.engine.drives_router_bias = False  # RouterBiasCallback does it, leaving out the skipped steps
         self.device = self.engine.device
         self.sum_dtype = _sum_dtype(torch.device(self.device))
@@ -289,7 +290,7 @@ class Trainer:
                 f"embedding and the head; data parallel {self.dp_world} over each TP position's ranks"
                 + (f", whose experts are split in expert-parallel groups of {ep}" if ep > 1 else "")
             )
-        for note in [n for n in notes if n] + ([self.runner.describe()] if self.runner is not None else []):
+        for note in [n for n in [*notes, self.train_module.describe()] if n]:
             self.message(note)
         if self.resumed_from:
             self.message(f"resumed from {self.resumed_from} at step {start}")
@@ -306,46 +307,18 @@ class Trainer:
         skipped_before = engine.skipped_steps
         self.lr = engine.get_lr()[0]
         parts = torch.zeros(len(LOSS_PARTS), dtype=self.sum_dtype, device=self.device)
-        if self.runner is not None:
-            self._pipeline_step(parts)
-        else:
-            self._micro_batch_steps(parts)
-        self.step_seconds = time.perf_counter() - began
-        self.update_skipped = engine.skipped_steps > skipped_before
-
-    def _pipeline_step(self, parts: torch.Tensor) -> None:
-        """The micro-batches through the pipeline schedule, then the update."""
         with self._phase("data"):
-            batch = torch.cat([self.train_loader.next_batch() for _ in range(self.accumulation)]).to(self.device)
-        with self._phase("pipeline"):
-            loads = self.runner.step(batch, parts)
+            batches = [
+                self.train_loader.next_batch().to(self.device, non_blocking=True) for _ in range(self.accumulation)
+            ]
+        loads = self.train_module.forward_backward(batches, parts, self._phase)
         if loads is not None:
             self.expert_loads = loads if self.expert_loads is None else self.expert_loads + loads
         self._reduce_step(parts)
         with self._phase("optimizer"):
-            self.engine.step()
-
-    def _micro_batch_steps(self, parts: torch.Tensor) -> None:
-        """Forward and backward of each micro-batch, each followed by the engine's step."""
-        engine, accumulation = self.engine, self.accumulation
-        for micro in range(accumulation):
-            with self._phase("data"):
-                batch = self.train_loader.next_batch().to(self.device, non_blocking=True)
-            with self._phase("forward"):
-                out = engine(input_ids=batch, labels=batch, use_cache=False)  # training keeps no KV cache
-            parts += torch.stack([_loss_part(out, key, self.sum_dtype) for key in LOSS_PARTS]) / accumulation
-            if out.tokens_per_expert is not None:
-                counts = out.tokens_per_expert.detach().float()
-                self.expert_loads = counts if self.expert_loads is None else self.expert_loads + counts
-            loss = out.loss
-            if self.sequence and out.aux_loss is not None:  # this rank's tokens' router losses: 1/T of them
-                loss = sequence_router_share(out.loss, out.lm_loss, self.tp)
-            with self._phase("backward"):
-                engine.backward(loss)
-            if micro == accumulation - 1:
-                self._reduce_step(parts)
-            with self._phase("optimizer"):  # the update; before the last micro-batch, next to nothing
-                engine.step()
+            engine.step()
+        self.step_seconds = time.perf_counter() - began
+        self.update_skipped = engine.skipped_steps > skipped_before
 
     def _reduce_step(self, parts: torch.Tensor) -> None:
         """One all-reduce of the loss parts, callbacks' flags and (log steps) expert loads; one host read."""
@@ -559,12 +532,7 @@ class Trainer:
         self.engine.eval()
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for batch in self.held_out:
-            batch = batch.to(self.device)
-            if self.runner is not None:  # the last chunk's rank's loss; zero on the others
-                loss = self.runner.evaluate(batch)
-                total += loss.float() if loss is not None else 0.0
-                continue
-            total += self.engine(input_ids=batch, labels=batch, use_cache=False).lm_loss.float()
+            total += self.train_module.eval_loss(batch.to(self.device))
         self.engine.train()
         total = total.double() / len(self.held_out)
         if self.world > 1:
@@ -578,13 +546,6 @@ class Trainer:
             getattr(callback, hook)(*args)
             if self._rewound:
                 break
-
-
-def _loss_part(out, key: str, dtype: torch.dtype) -> torch.Tensor:
-    value = getattr(out, key, None)
-    if value is None:  # a dense model has no router losses
-        return torch.zeros((), dtype=dtype, device=out.loss.device)
-    return value.detach().to(dtype)
 
 
 def _sum_dtype(device: torch.device) -> torch.dtype:
