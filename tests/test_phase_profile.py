@@ -273,7 +273,7 @@ def profiled_run_worker(rank: int, world: int, config: dict) -> dict:
         "accumulation": trainer.accumulation,
         "phases_while_built": phases_while_built,
         # a pipeline stage's router statistics received with the activations, float32 [rows, width]
-        "stats": [chunk.num_rows * chunk.width * 4 for _, chunk in getattr(trainer.train_module, "chunks", [])],
+        "stats": [chunk.num_rows * chunk.width * 4 for _, chunk in trainer.train_module.chunks or []],
         "records": [json.loads(line) for line in path.read_text().splitlines()] if rank == 0 else [],
     }
 

@@ -18,6 +18,8 @@ from .metrics import LOSS_PARTS
 class TrainModule:
     """The micro-batches one after another: forward, backward and the engine's step for each."""
 
+    chunks = None  # the pipeline's: this rank's (index, chunk of layers) pairs
+
     def __init__(self, sequence: bool = False, tp: int = 1) -> None:
         self.sequence, self.tp = sequence, tp  # under sequence parallelism a rank's router losses are 1/T
         self.engine = None

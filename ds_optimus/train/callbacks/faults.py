@@ -68,14 +68,14 @@ class FaultInjectionCallback(Callback):
         fault = self.due("signal", step)
         if fault:
             os.kill(os.getpid(), getattr(signal, fault.get("signal", "SIGTERM")))
-        model, runner = self.trainer.engine.module, getattr(self.trainer, "runner", None)
+        model, chunks = self.trainer.engine.module, self.trainer.train_module.chunks
         # with pipeline stages the schedule calls this rank's chunks of layers, not the model
-        first, last = (model, model) if runner is None else (runner.chunks[0][1], runner.chunks[-1][1])
+        first, last = (model, model) if chunks is None else (chunks[0][1], chunks[-1][1])
         fault = self.due("sleep", step)
         if fault:
             _once(first.register_forward_pre_hook, _sleeper(float(fault.get("seconds", 3600))))
         if self.due("nan_loss", step):  # on a stage before the last, its NaN output makes the loss NaN
-            _once(last.register_forward_hook, _poison_loss if runner is None else _poison_output)
+            _once(last.register_forward_hook, _poison_loss if chunks is None else _poison_output)
 
     def step_flags(self) -> dict[str, float]:
         fault = self.due("late", self.trainer.step)
