@@ -139,8 +139,9 @@ class Trainer:
         except ValueError as err:
             raise ConfigError(f"optimus.data.tokenizer: {err}") from None
         ep = opt.expert_parallel
-        with every_rank_alike():
-            self.dims.check_experts(opt.model.mula_config(self.tokenizer, opt.data.seq_len).num_experts)
+        with every_rank_alike():  # the model's config once, for the layout's checks (`--check` makes the same)
+            model_config = opt.model.mula_config(self.tokenizer, opt.data.seq_len)
+            self.dims.check_experts(model_config.num_experts)
         self.groups = init_layout_groups(self.dims)  # every process group of the layout, made here once
         stage = split = tensor = None
         if self.tp > 1:
@@ -148,7 +149,7 @@ class Trainer:
             tensor = (made.group, made.size, made.rank)
         if self.dims.pp > 1:  # this rank's stage only: its layers, embedding or head
             with every_rank_alike():
-                split = check_pipeline(opt, self.ds_config, opt.model.mula_config(self.tokenizer), self.accumulation)
+                split = check_pipeline(opt, self.ds_config, model_config, self.accumulation)
             stage = PipelineTrainModule.stage_part(opt, split, self.groups.pipeline.stage)
         # Built on the meta device, holding only this rank's experts and its part of each split weight.
         with every_rank_alike():  # a width the TP size does not divide: one line
