@@ -101,7 +101,8 @@ def test_widths_that_do_not_divide_are_one_line_errors():
 
 def test_the_split_follows_the_models_plan_and_a_family_without_one_is_a_one_line_error(monkeypatch):
     """What is split is what Mula's plan names, found by pattern: drop the MLP's entries and the dense
-    MLPs stay whole; every entry of the plan names a module of some preset (none is stale)."""
+    MLPs stay whole; every entry of the plan names a module of some preset (none is stale); an unknown
+    style and a family without a plan are one-line errors."""
     from ds_optimus.hf_models.mula import parallelize
     from ds_optimus.parallel import tensor_parallel
 
@@ -119,6 +120,11 @@ def test_the_split_follows_the_models_plan_and_a_family_without_one_is_a_one_lin
     splits = apply_tensor_parallel(model, None, size=2, rank=0)
     assert "model.layers.0.self_attn.q_proj.weight" in splits and not any(".mlp." in name for name in splits)
     assert isinstance(model.model.layers[0].mlp.down_proj, torch.nn.Linear)
+    monkeypatch.setattr(parallelize, "TENSOR_PARALLEL_PLAN", {"lm_head": ("diagonal", "the vocabulary")})
+    with pytest.raises(
+        TensorParallelError, match=r"^lm_head: no tensor-parallel style 'diagonal' \(the styles: column,"
+    ):
+        apply_tensor_parallel(MulaForCausalLM(_config("mula-tiny-dense")), None, size=2, rank=0)
     monkeypatch.delitem(tensor_parallel.PLANS, "mula")
     with pytest.raises(TensorParallelError, match=r"^tensor parallelism has no plan for 'mula' models \(it has: \)$"):
         apply_tensor_parallel(MulaForCausalLM(_config("mula-tiny-dense")), None, size=2, rank=0)

@@ -329,12 +329,12 @@ def _span(size: int, parts: int, rank: int, what: str) -> tuple[int, int]:
 
 # each model family's plan (`model.config.model_type`), beside its modeling file
 PLANS: dict[str, ModuleType] = {"mula": mula_plan}
-_STYLES = {
-    "column": (lambda m: m.out_features, lambda m, g, a, b: ColumnParallelLinear(m, g, a, b)),
-    "row": (lambda m: m.in_features, lambda m, g, a, b: RowParallelLinear(m, g, a, b)),
-    "norm": (lambda m: m.hidden_size, lambda m, g, a, b: SplitRMSNorm(m, g, a, b)),
-    "vocab_embedding": (lambda m: m.num_embeddings, lambda m, g, a, b: VocabParallelEmbedding(m, g, a, b)),
-    "vocab_head": (lambda m: m.out_features, lambda m, g, a, b: ColumnParallelLinear(m, g, a, b)),
+_STYLES = {  # a plan's style: (the width it splits, the part that holds this rank's share)
+    "column": (lambda m: m.out_features, ColumnParallelLinear),
+    "row": (lambda m: m.in_features, RowParallelLinear),
+    "norm": (lambda m: m.hidden_size, SplitRMSNorm),
+    "vocab_embedding": (lambda m: m.num_embeddings, VocabParallelEmbedding),
+    "vocab_head": (lambda m: m.out_features, ColumnParallelLinear),  # and the loss over split logits
 }
 
 
@@ -371,6 +371,8 @@ def apply_tensor_parallel(
     ]
     embedding, head = None, None
     for name, module, (style, what) in named:
+        if style not in _STYLES:
+            raise TensorParallelError(f"{name}: no tensor-parallel style {style!r} (the styles: {', '.join(_STYLES)})")
         if style == "vocab_head":  # after the embedding, whose rows a tied head shares
             head = (name, module, what)
             continue
