@@ -50,7 +50,11 @@ class PipelineTrainModule:
 
     def engine_config(self, ds_config: dict[str, Any]) -> dict[str, Any]:
         """The engine's batch config: the step's micro-batches as one, no accumulation."""
-        return engine_batch_config(ds_config, self.micro, self.accumulation)
+        return {
+            **ds_config,
+            "train_micro_batch_size_per_gpu": self.micro * self.accumulation,
+            "gradient_accumulation_steps": 1,
+        }
 
     def attach(self, engine) -> None:
         """Build the schedule over the engine's module (once DeepSpeed has placed it)."""
@@ -75,33 +79,29 @@ class PipelineTrainModule:
         )
 
     def forward_backward(self, batches: list[torch.Tensor], parts: torch.Tensor, phase) -> torch.Tensor | None:
-        """The step's micro-batches through the schedule, the update left to the trainer."""
-        batch = torch.cat(batches)
-        with phase("pipeline"):
-            return self.step(batch, parts)
-
-    def step(self, batch: torch.Tensor, parts: torch.Tensor) -> torch.Tensor | None:
-        """Train on the step's micro-batches; add their mean `LOSS_PARTS` to `parts`, return token slots per
-        MoE layer and expert (None if dense); both zero but on the last chunk's rank."""
+        """The step's micro-batches through the schedule (the update left to the trainer); add their mean
+        `LOSS_PARTS` to `parts`, return token slots per MoE layer and expert (None if dense); both zero but
+        on the last chunk's rank."""
         from ..parallel.pipeline import run_schedule
         from .metrics import LOSS_PARTS
 
-        optimizer = self.engine.optimizer
-        self.loss.records.clear()
-        optimizer.set_gradient_accumulation_boundary(False)
-        run_schedule(self.schedule, batch, self.first, self.last)
-        optimizer.finalize_gradient_accumulation_boundary()
-        config, loads = self.engine.module.config, None
-        if config.num_experts:  # the same shape on every rank: the step's one all-reduce adds them
-            loads = torch.zeros(len(config.moe_layers), config.num_experts, device=parts.device)
-        for record in self.loss.records:
-            zero = torch.zeros((), dtype=parts.dtype, device=parts.device)
-            parts += (
-                torch.stack([zero if record[k] is None else record[k].to(parts.dtype) for k in LOSS_PARTS])
-                / self.accumulation
-            )
-            if record["tokens_per_expert"] is not None:
-                loads += record["tokens_per_expert"].float()
+        with phase("pipeline"):  # the schedule, the drain's reductions, the records: one phase
+            optimizer = self.engine.optimizer
+            self.loss.records.clear()
+            optimizer.set_gradient_accumulation_boundary(False)
+            run_schedule(self.schedule, torch.cat(batches), self.first, self.last)
+            optimizer.finalize_gradient_accumulation_boundary()
+            config, loads = self.engine.module.config, None
+            if config.num_experts:  # the same shape on every rank: the step's one all-reduce adds them
+                loads = torch.zeros(len(config.moe_layers), config.num_experts, device=parts.device)
+            for record in self.loss.records:
+                zero = torch.zeros((), dtype=parts.dtype, device=parts.device)
+                parts += (
+                    torch.stack([zero if record[k] is None else record[k].to(parts.dtype) for k in LOSS_PARTS])
+                    / self.accumulation
+                )
+                if record["tokens_per_expert"] is not None:
+                    loads += record["tokens_per_expert"].float()
         return loads
 
     def eval_loss(self, batch: torch.Tensor) -> torch.Tensor | float:
@@ -111,8 +111,3 @@ class PipelineTrainModule:
         self.loss.records.clear()
         loss = forward_only(self.chunks, self.pipeline, self.config, batch, self.loss)
         return loss.float() if loss is not None else 0.0
-
-
-def engine_batch_config(ds_config: dict[str, Any], micro: int, accumulation: int) -> dict[str, Any]:
-    """The engine's batch config: the step's micro-batches as one, no accumulation."""
-    return {**ds_config, "train_micro_batch_size_per_gpu": micro * accumulation, "gradient_accumulation_steps": 1}
